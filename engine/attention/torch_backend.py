@@ -1,0 +1,78 @@
+"""Reference attention in plain torch over the paged cache: the CPU path and the test oracle.
+
+Batched, not per-request: each request's context is gathered through the request table into a
+padded (bs, max_kv, kv_heads, dim) block, and a boolean mask encodes causality, padding and the
+speculative tree. Quadratic in memory for long prompts, which is fine for a reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend, register_backend
+
+if TYPE_CHECKING:
+    from engine.forward_context import ForwardContext
+
+
+@dataclass
+class _Meta:
+    kv_slots: torch.Tensor  # (bs, max_kv) token slots, padded with 0
+    q_index: torch.Tensor  # (bs, max_q) packed query row per padded query, -1 for padding
+    mask: torch.Tensor  # (bs, 1, max_q, max_kv) bool, True = may attend
+
+
+class TorchAttention(AttentionBackend):
+    name = "torch"
+
+    def prepare(self, ctx: "ForwardContext") -> None:
+        dev = ctx.positions.device
+        bs = ctx.batch_size
+        max_kv = max(ctx.seq_lens_cpu) if ctx.seq_lens_cpu else 0
+        max_q = max(ctx.extend_lens_cpu) if ctx.extend_lens_cpu else 0
+        kv_pos = torch.arange(max_kv, device=dev)
+        kv_slots = ctx.req_to_token[ctx.req_slots, :max_kv]
+        q_off = torch.arange(max_q, device=dev)
+        q_valid = q_off.unsqueeze(0) < ctx.extend_lens.unsqueeze(1)  # (bs, max_q)
+        q_index = torch.where(q_valid, ctx.qo_indptr[:-1].unsqueeze(1) + q_off, -1)
+        prefix = (ctx.seq_lens - ctx.extend_lens).unsqueeze(1)  # (bs, 1)
+        q_pos = prefix + q_off  # absolute position of each query
+        mask = kv_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)  # causal, also hides padding keys
+        if ctx.tree_mask is not None:
+            # inside the draft window, replace causality by the tree's ancestor relation
+            ntok = ctx.tree_mask.shape[-1]
+            in_window = kv_pos.view(1, 1, -1) >= prefix.unsqueeze(2)
+            rel = (kv_pos.view(1, -1) - prefix).clamp(0, ntok - 1)  # (bs, max_kv)
+            tree = torch.gather(ctx.tree_mask[:, :max_q, :], 2,
+                                rel.unsqueeze(1).expand(bs, max_q, max_kv))
+            mask = torch.where(in_window, tree & mask, mask)
+        mask &= q_valid.unsqueeze(2)
+        ctx.attn_metadata = _Meta(kv_slots, q_index, mask.unsqueeze(1))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                scale: float, ctx: "ForwardContext") -> torch.Tensor:
+        pool = ctx.kv_pool
+        pool.store(layer_id, ctx.out_cache_loc, k, v)
+        meta: _Meta = ctx.attn_metadata
+        keys = pool.k(layer_id)[meta.kv_slots]  # (bs, max_kv, kvh, d)
+        vals = pool.v(layer_id)[meta.kv_slots]
+        safe_index = meta.q_index.clamp(min=0)
+        qp = q[safe_index]  # (bs, max_q, h, d)
+        groups = q.shape[1] // keys.shape[2]
+        keys = keys.to(q.dtype).repeat_interleave(groups, dim=2)
+        vals = vals.to(q.dtype).repeat_interleave(groups, dim=2)
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
+            attn_mask=meta.mask, scale=scale)  # (bs, h, max_q, d)
+        out = out.transpose(1, 2)
+        valid = meta.q_index >= 0
+        result = torch.empty_like(q)
+        result[meta.q_index[valid]] = out[valid]
+        return result
+
+
+register_backend("torch", TorchAttention)

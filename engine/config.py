@@ -1,0 +1,126 @@
+"""Model and engine configuration: the HF config.json normalised, plus the engine's own knobs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+           "half": torch.float16, "float": torch.float32}
+
+
+class ModelLoadError(RuntimeError):
+    """A model directory that cannot be loaded; the message names the file and, where known, the tensor."""
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of float32, bfloat16, float16") from None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The fields of an HF config.json the engine uses, with family defaults filled in."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v projections (Qwen2 always)
+    qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    torch_dtype: str
+    raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    @staticmethod
+    def from_dir(model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir)
+        if not path.is_dir():
+            raise ModelLoadError(f"model directory {str(path)!r} does not exist or is not a directory")
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ModelLoadError(f"{cfg_file}: missing config.json")
+        try:
+            raw = json.loads(cfg_file.read_text())
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{cfg_file}: not valid JSON ({e})") from e
+        if not isinstance(raw, dict):
+            raise ModelLoadError(f"{cfg_file}: expected a JSON object")
+        return ModelConfig.from_hf(raw, source=str(cfg_file))
+
+    @staticmethod
+    def from_hf(raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        archs = raw.get("architectures") or []
+        arch = archs[0] if archs else ""
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(f"{source}: unsupported architecture {arch!r}; "
+                                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        try:
+            hidden = int(raw["hidden_size"])
+            heads = int(raw["num_attention_heads"])
+            eos = raw.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            return ModelConfig(
+                architecture=arch,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(raw.get("rope_theta")
+                                 or (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+                rope_scaling=_rope_scaling(raw),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+                qk_norm=arch == "Qwen3ForCausalLM",
+                eos_token_ids=eos_ids,
+                bos_token_id=raw.get("bos_token_id"),
+                torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+                raw=raw,
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"{source}: missing required field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise ModelLoadError(f"{source}: malformed field ({e})") from e
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def _rope_scaling(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """Rope scaling from either the classic `rope_scaling` or the newer `rope_parameters` key."""
+    rs = raw.get("rope_scaling") or raw.get("rope_parameters")
+    if not rs:
+        return None
+    kind = rs.get("rope_type") or rs.get("type")
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise ModelLoadError(f"config.json: unsupported rope_scaling type {kind!r} (supported: llama3)")
+    return dict(rs, rope_type="llama3")

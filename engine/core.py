@@ -1,0 +1,206 @@
+"""The engine's vocabulary: sampling parameters, requests, batches and forward modes."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+
+class ForwardMode(enum.IntEnum):
+    """What a forward pass computes; attention backends and runners branch on this, not on flags."""
+
+    EXTEND = 1  # prompt (or a chunk of it) with an optional cached prefix
+    DECODE = 2  # one new token per request
+    TARGET_VERIFY = 3  # a fixed number of draft tokens per request, checked by the target
+    DRAFT_EXTEND = 4  # the draft model over tokens the target just accepted
+    PREBUILT = 5  # KV arrived from a prefill node; nothing to compute
+    IDLE = 6  # nothing to run
+
+    def is_extend_like(self) -> bool:
+        """Modes whose requests contribute a variable or multi-token query window."""
+        return self in (ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_new_tokens or the context length
+    ABORT = "abort"  # cancelled by the client or failed
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses before doing any work; the message names the bad field."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request decoding controls, validated at construction."""
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: no top-k cut
+    min_p: float = 0.0
+    seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1", self.max_new_tokens)
+        _check(_finite(self.temperature) and self.temperature >= 0.0, "temperature",
+               "must be a finite number >= 0", self.temperature)
+        _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]", self.top_p)
+        _check(self.top_k == -1 or self.top_k >= 0, "top_k", "must be -1 (off) or >= 0", self.top_k)
+        _check(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]", self.min_p)
+        _check(_finite(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+               "frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
+        _check(_finite(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+               "presence_penalty", "must be in [-2, 2]", self.presence_penalty)
+        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0.0,
+               "repetition_penalty", "must be > 0", self.repetition_penalty)
+        _check(0 <= self.top_logprobs <= 20, "top_logprobs", "must be in [0, 20]", self.top_logprobs)
+        _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2^63)", self.seed)
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0",
+               self.stop_token_ids)
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings",
+               self.stop)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _check(ok: bool, name: str, rule: str, value: Any) -> None:
+    if not ok:
+        raise InvalidRequest(f"{name} {rule}, got {value!r}")
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"  # queued, no KV
+    RUNNING = "running"  # has KV, decoding (or mid chunked prefill)
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Req:
+    """One generation request and its KV bookkeeping.
+
+    `seq_len` counts tokens whose KV is written. After the prompt is prefilled and the first
+    token sampled, `seq_len == len(prompt)`: the newest output token has no KV yet; it is the
+    next step's input (and, under speculation, the root of the next verify).
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    state: ReqState = ReqState.WAITING
+    slot: int = 0  # row in the request table; 0 means "none" (row 0 is padding)
+    seq_len: int = 0  # tokens with committed KV
+    num_pages: int = 0  # pages allocated for this request
+    finish_reason: FinishReason | None = None
+    finish_detail: str = ""
+    sampling_seed: int = 0  # concrete seed (params.seed or one drawn at submission)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    num_retractions: int = 0
+    spec_state: Any = None  # opaque per-request state owned by a speculative worker
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output without concatenating the whole sequence."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p:end - p]
+        return self.prompt_ids[start:] + self.output_ids[:end - p]
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens of prompt + output whose KV is not written yet (1 for a decoding request)."""
+        return self.total_len - self.seq_len
+
+    @property
+    def is_decoding(self) -> bool:
+        """Prompt fully in KV and a sampled token waiting to be fed back."""
+        return bool(self.output_ids) and self.seq_len == self.total_len - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.state is ReqState.FINISHED
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def finish(self, reason: FinishReason, detail: str = "") -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            self.finish_detail = detail
+        self.state = ReqState.FINISHED
+
+
+@dataclass(slots=True)
+class Batch:
+    """Requests that run one forward together, with the mode and per-request query lengths.
+
+    Request i computes tokens [seq_len, seq_len + extend_lens[i]) of its prompt + output; it
+    samples a new token only when that window reaches the end of what is known (`sample[i]`).
+    DECODE is the special case of one token per request. After a retraction a request simply
+    extends over prompt + output again.
+    """
+
+    mode: ForwardMode
+    reqs: list[Req]
+    extend_lens: list[int] = field(default_factory=list)
+    sample: list[bool] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+    @staticmethod
+    def decode(reqs: list[Req]) -> "Batch":
+        return Batch(ForwardMode.DECODE, reqs, [1] * len(reqs), [True] * len(reqs))
+
+    @staticmethod
+    def idle() -> "Batch":
+        return Batch(ForwardMode.IDLE, [])
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one executor step produced, on the CPU: new tokens per request (several under
+    speculation), with optional logprobs. `tokens[i]` is empty for a non-final prefill chunk."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]] | None = None
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+    accepted_drafts: list[int] | None = None  # speculative: correct drafts per request
+
+
+def as_token_list(ids: Sequence[int]) -> list[int]:
+    """Validate token ids coming from a caller."""
+    out = [int(t) for t in ids]
+    if any(t < 0 for t in out):
+        raise InvalidRequest("token ids must be >= 0")
+    return out

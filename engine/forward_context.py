@@ -1,0 +1,58 @@
+"""The explicit per-forward context handed to every model call (no globals)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.core import ForwardMode
+
+if TYPE_CHECKING:
+    from engine.attention.base import AttentionBackend
+    from engine.kv_cache import KVPool
+
+
+@dataclass
+class ForwardContext:
+    """Everything a forward needs besides the token ids.
+
+    Tokens of all requests are packed: request i owns query rows
+    [qo_indptr[i], qo_indptr[i+1]). `seq_lens[i]` is the KV length *after* this forward's
+    tokens are stored (prefix + new), so query row j of request i sits at position
+    `seq_lens[i] - extend_lens[i] + j`.
+    """
+
+    mode: ForwardMode
+    positions: torch.Tensor  # (num_tokens,) int64
+    out_cache_loc: torch.Tensor  # (num_tokens,) int64 token slots to write K/V into
+    req_slots: torch.Tensor  # (bs,) int64 rows of the request table
+    seq_lens: torch.Tensor  # (bs,) int64
+    extend_lens: torch.Tensor  # (bs,) int64
+    qo_indptr: torch.Tensor  # (bs + 1,) int64
+    req_to_token: torch.Tensor  # (max_reqs + 1, max_context) int64
+    kv_pool: "KVPool"
+    attn_backend: "AttentionBackend"
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    extend_lens_cpu: list[int] = field(default_factory=list)
+    # TARGET_VERIFY with a tree: (bs, ntok, ntok) bool, True where draft token j may see draft
+    # token k of the same request. None means a causal chain.
+    tree_mask: torch.Tensor | None = None
+    # layers whose outputs the model must also return (EAGLE-3 low/mid/high features)
+    aux_hidden_layers: tuple[int, ...] = ()
+    attn_metadata: Any = None  # filled by attn_backend.prepare(ctx)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    def with_pool(self, kv_pool: "KVPool") -> "ForwardContext":
+        """The same batch geometry against another pool (draft model forwards)."""
+        ctx = ForwardContext(**{k: getattr(self, k) for k in self.__dataclass_fields__})
+        ctx.kv_pool = kv_pool
+        return ctx

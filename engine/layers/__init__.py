@@ -1,0 +1,1 @@
+"""Model building blocks: norms, rotary embeddings, attention and MLP layers."""

@@ -1,0 +1,112 @@
+"""Load HF-format checkpoints (config.json + safetensors, single file or sharded) into our models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from engine.config import ModelConfig, ModelLoadError, parse_dtype
+from engine.models import model_class
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, from its index when sharded."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{index}: malformed index ({e})") from e
+        files = [model_dir / name for name in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"{index}: lists shard {f.name} which does not exist")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(model_dir.glob("*.safetensors"))
+    if not found:
+        raise ModelLoadError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+    return found
+
+
+def iter_tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    yield f, name, st.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+            raise ModelLoadError(f"{f}: cannot read safetensors ({e})") from e
+
+
+def load_weights(model: nn.Module, files: list[Path], ignore_prefixes: tuple[str, ...] = (),
+                 rename: dict[str, str] | None = None) -> None:
+    """Copy checkpoint tensors into `model`; every parameter must be found with its exact shape."""
+    params = dict(model.named_parameters())
+    tied = getattr(model, "tied_parameter_names", lambda: set())()
+    missing = set(params) - tied
+    rename = rename or {}
+    for f, name, tensor in iter_tensors(files):
+        name = rename.get(name, name)
+        if name.startswith(ignore_prefixes) or name.endswith("rotary_emb.inv_freq"):
+            continue
+        if name not in params:
+            if name in tied:
+                continue
+            raise ModelLoadError(f"{f}: unexpected tensor {name!r} (not a parameter of "
+                                 f"{type(model).__name__})")
+        p = params[name]
+        if tuple(tensor.shape) != tuple(p.shape):
+            raise ModelLoadError(f"{f}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(p.shape)}")
+        with torch.no_grad():
+            p.copy_(tensor.to(p.dtype))
+        missing.discard(name)
+    if missing:
+        raise ModelLoadError(f"{files[0].parent}: missing tensors {sorted(missing)[:8]}"
+                             f"{' ...' if len(missing) > 8 else ''}")
+
+
+def build_empty(cls: type[nn.Module], cfg: object, dtype: torch.dtype,
+                device: torch.device | str) -> nn.Module:
+    """Instantiate without initialising weights (meta device), then materialise on `device`."""
+    with torch.device("meta"):
+        model = cls(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    for m in model.modules():
+        init = getattr(m, "init_buffers", None)
+        if callable(init):
+            init()
+    if getattr(cfg, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
+        model.lm_head.weight = model.model.embed_tokens.weight  # to_empty breaks the tie
+    return model
+
+
+def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = None,
+               device: torch.device | str = "cpu") -> tuple[nn.Module, ModelConfig]:
+    path = Path(model_dir)
+    cfg = ModelConfig.from_dir(path)
+    torch_dtype = parse_dtype(dtype or cfg.torch_dtype)
+    files = checkpoint_files(path)
+    model = build_empty(model_class(cfg), cfg, torch_dtype, device)
+    load_weights(model, files)
+    model.eval()
+    return model, cfg
+
+
+def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights for benchmarks of real shapes without a checkpoint."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)

@@ -1,0 +1,62 @@
+"""Runs one model (target or draft) over the paged cache: builds the ForwardContext, calls forward."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention.base import AttentionBackend
+from engine.core import ForwardMode
+from engine.forward_context import ForwardContext
+from engine.kv_cache import KVCacheManager, KVPool
+
+
+class ModelRunner:
+    """Owns a model and its KV pool; the request table and page ids come from the shared manager."""
+
+    def __init__(self, model: nn.Module, kv: KVCacheManager, pool: KVPool,
+                 attn_backend: AttentionBackend, device: torch.device | str) -> None:
+        self.model, self.kv, self.pool = model, kv, pool
+        self.attn_backend = attn_backend
+        self.device = torch.device(device)
+
+    def make_context(self, mode: ForwardMode, slots: list[int], prefix_lens: list[int],
+                     extend_lens: list[int], *, positions: torch.Tensor | None = None,
+                     tree_mask: torch.Tensor | None = None,
+                     aux_hidden_layers: tuple[int, ...] = ()) -> ForwardContext:
+        """Request i writes tokens [prefix_lens[i], prefix_lens[i] + extend_lens[i]) of its row.
+
+        `positions` overrides the rotary positions (tree drafts sit at depth, not at slot order);
+        KV slots always follow the row order so a verify window is contiguous.
+        """
+        dev = self.device
+        slots_t = torch.tensor(slots, dtype=torch.int64, device=dev)
+        prefix = torch.tensor(prefix_lens, dtype=torch.int64, device=dev)
+        ext = torch.tensor(extend_lens, dtype=torch.int64, device=dev)
+        qo_indptr = torch.zeros(len(slots) + 1, dtype=torch.int64, device=dev)
+        torch.cumsum(ext, 0, out=qo_indptr[1:])
+        num_tokens = sum(extend_lens)
+        row_of_token = torch.repeat_interleave(torch.arange(len(slots), device=dev), ext,
+                                               output_size=num_tokens)
+        offset = torch.arange(num_tokens, device=dev) - qo_indptr[:-1][row_of_token]
+        kv_index = prefix[row_of_token] + offset
+        out_cache_loc = self.kv.req_to_token[slots_t[row_of_token], kv_index]
+        ctx = ForwardContext(
+            mode=mode, positions=kv_index if positions is None else positions,
+            out_cache_loc=out_cache_loc, req_slots=slots_t, seq_lens=prefix + ext,
+            extend_lens=ext, qo_indptr=qo_indptr, req_to_token=self.kv.req_to_token,
+            kv_pool=self.pool, attn_backend=self.attn_backend,
+            seq_lens_cpu=[p + e for p, e in zip(prefix_lens, extend_lens)],
+            extend_lens_cpu=list(extend_lens), tree_mask=tree_mask,
+            aux_hidden_layers=aux_hidden_layers)
+        return ctx
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor,
+                ctx: ForwardContext) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        self.attn_backend.prepare(ctx)
+        return self.model(input_ids, ctx)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
