@@ -1,0 +1,268 @@
+"""The in-process Engine: load a model, batch prompts continuously, stream tokens and text."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from engine.attention import create_attention_backend
+from engine.config import ModelConfig, parse_dtype
+from engine.core import FinishReason, InvalidRequest, Req, SamplingParams, as_token_list
+from engine.executor import Executor, PlainExecutor
+from engine.kv_cache import KVCacheConfig, KVCacheManager, KVPool
+from engine.loader import load_model
+from engine.model_runner import ModelRunner
+from engine.sampler import Sampler
+from engine.scheduler import BatchPolicy, PolicyConfig, RequestUpdate, Scheduler
+from engine.text_output import TextAssembler
+from pdserve.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of one engine instance; every field has a safe CPU default."""
+
+    model: str
+    dtype: str | None = None  # default: the checkpoint's torch_dtype
+    device: str = "cpu"
+    page_size: int = 16
+    max_total_tokens: int = 16384  # KV capacity in tokens (rounded down to whole pages)
+    max_running: int = 64
+    chunked_prefill_size: int = 2048
+    max_context_len: int | None = None  # default: the model's max_position_embeddings
+    attention_backend: str = "torch"
+    seed: int | None = None  # seeds the draw of per-request seeds for unseeded requests
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "max_total_tokens", "max_running", "chunked_prefill_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+# Builds the executor once the target is loaded (the plain one, or a speculative worker).
+ExecutorFactory = Callable[["EngineParts"], Executor]
+
+
+@dataclass
+class EngineParts:
+    """What an executor factory may build on: the loaded target and the shared KV machinery."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    runner: ModelRunner
+    kv: KVCacheManager
+    sampler: Sampler
+    device: torch.device
+    dtype: torch.dtype
+
+
+@dataclass
+class GenerationOutput:
+    rid: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str | None
+    finish_reason: FinishReason | None
+    finish_detail: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    accepted_drafts: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StreamDelta:
+    rid: str
+    token_ids: list[int]
+    text: str | None
+    finished: bool
+    finish_reason: FinishReason | None = None
+    finish_detail: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    accepted_drafts: int | None = None
+
+
+class _LocalIO:
+    """In-process inbox/outbox for the scheduler (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._new: list[Req] = []
+        self._aborts: list[str] = []
+        self._wake = threading.Event()
+        self.outbox: deque[RequestUpdate] = deque()
+
+    def submit(self, req: Req) -> None:
+        with self._lock:
+            self._new.append(req)
+        self._wake.set()
+
+    def abort(self, rid: str) -> None:
+        with self._lock:
+            self._aborts.append(rid)
+        self._wake.set()
+
+    def poll(self) -> tuple[list[Req], list[str]]:
+        with self._lock:
+            new, self._new = self._new, []
+            aborts, self._aborts = self._aborts, []
+        return new, aborts
+
+    def publish(self, updates: list[RequestUpdate]) -> None:
+        self.outbox.extend(updates)
+
+    def wait_for_work(self, timeout: float) -> None:
+        self._wake.wait(timeout)
+        self._wake.clear()
+
+
+class Engine:
+    """Generate for a batch of prompts (text or token ids), all at once or streaming."""
+
+    def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory | None = None) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        model, self.model_config = load_model(config.model, config.dtype, self.device)
+        self.dtype = next(model.parameters()).dtype
+        mc = self.model_config
+        self.max_context_len = config.max_context_len or mc.max_position_embeddings
+        num_pages = max(2, config.max_total_tokens // config.page_size + 1)  # +1: page 0 reserved
+        self.kv = KVCacheManager(KVCacheConfig(num_pages, config.page_size, config.max_running,
+                                               self.max_context_len + config.page_size), self.device)
+        pool = KVPool(mc.num_layers, num_pages, config.page_size, mc.num_kv_heads, mc.head_dim,
+                      self.dtype, self.device)
+        runner = ModelRunner(model, self.kv, pool, create_attention_backend(config.attention_backend),
+                             self.device)
+        sampler = Sampler(mc.vocab_size, config.max_running, self.device)
+        self.parts = EngineParts(config, mc, runner, self.kv, sampler, self.device, self.dtype)
+        self.executor = (executor_factory or (lambda p: PlainExecutor(p.runner, p.sampler)))(self.parts)
+        policy = BatchPolicy(PolicyConfig(config.max_running, config.chunked_prefill_size),
+                             self.kv, self.executor.kv_tokens_per_decode())
+        self.io = _LocalIO()
+        self.scheduler = Scheduler(policy, self.executor, self.io, self.kv, mc.eos_token_ids,
+                                   self.max_context_len)
+        self.tokenizer = _maybe_tokenizer(Path(config.model))
+        self._rng = random.Random(config.seed)
+        self._ids = itertools.count()
+        self._texts: dict[str, TextAssembler] = {}
+
+    # ---- requests ----
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    rid: str | None = None) -> str:
+        """Queue one prompt; returns its request id. Bad input raises InvalidRequest."""
+        return self._submit(prompt, params, rid).rid
+
+    def _submit(self, prompt: str | Sequence[int], params: SamplingParams | None,
+                rid: str | None = None) -> Req:
+        params = params or SamplingParams()
+        ids = self._prompt_ids(prompt)
+        if not ids:
+            raise InvalidRequest("prompt is empty")
+        if len(ids) + 1 > self.max_context_len:
+            raise InvalidRequest(f"prompt has {len(ids)} tokens; the context length is "
+                                 f"{self.max_context_len}")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequest("stop strings need a tokenizer; this model directory has none")
+        rid = rid or f"req-{next(self._ids)}"
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req = Req(rid, ids, params, sampling_seed=seed)
+        if self.tokenizer is not None:
+            self._texts[rid] = TextAssembler(self.tokenizer, params.stop, ids)
+        self.io.submit(req)
+        return req
+
+    def abort(self, rid: str) -> None:
+        self.io.abort(rid)
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequest("text prompts need a tokenizer; pass token ids instead")
+            return self.tokenizer.encode(prompt)
+        ids = as_token_list(prompt)
+        if any(t >= self.model_config.vocab_size for t in ids):
+            raise InvalidRequest(f"token id out of range (vocab size {self.model_config.vocab_size})")
+        return ids
+
+    # ---- driving the scheduler in the caller's thread ----
+    def step(self) -> list[StreamDelta]:
+        self.scheduler.step()
+        deltas = []
+        while self.io.outbox:
+            deltas.append(self._to_delta(self.io.outbox.popleft()))
+        return deltas
+
+    def _to_delta(self, upd: RequestUpdate) -> StreamDelta:
+        text_state = self._texts.get(upd.rid)
+        text = None
+        reason = upd.finish_reason
+        if text_state is not None:
+            text, hit_stop = text_state.feed(upd.tokens, final=upd.finished)
+            if hit_stop and not upd.finished:
+                self.abort(upd.rid)  # the scheduler frees it next step; the client sees STOP now
+                reason = FinishReason.STOP
+                text += text_state.close()
+            if upd.finished or hit_stop:
+                self._texts.pop(upd.rid, None)
+        finished = upd.finished or reason is FinishReason.STOP
+        return StreamDelta(upd.rid, upd.tokens, text, finished, reason, upd.finish_detail,
+                           upd.logprobs, upd.top_logprobs, upd.accepted_drafts)
+
+    def stream(self, prompt: str | Sequence[int],
+               params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Yield each new piece of one request until it finishes (other requests keep running)."""
+        rid = self.add_request(prompt, params)
+        while True:
+            for delta in self.step():
+                if delta.rid == rid:
+                    yield delta
+                    if delta.finished:
+                        return
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[GenerationOutput]:
+        """Run all prompts as one continuous batch and return when every one has finished."""
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise InvalidRequest("params must be one SamplingParams or one per prompt")
+        reqs = [self._submit(p, sp) for p, sp in zip(prompts, plist)]
+        rids = [r.rid for r in reqs]
+        outs = {r.rid: GenerationOutput(r.rid, list(r.prompt_ids), [],
+                                        "" if r.rid in self._texts else None, None) for r in reqs}
+        pending = set(rids)
+        while pending:
+            for d in self.step():
+                if d.rid not in pending:
+                    continue
+                o = outs[d.rid]
+                o.output_ids.extend(d.token_ids)
+                o.logprobs.extend(d.logprobs)
+                o.top_logprobs.extend(d.top_logprobs)
+                if d.accepted_drafts is not None:
+                    o.accepted_drafts.append(d.accepted_drafts)
+                if d.text is not None:
+                    o.text = (o.text or "") + d.text
+                if d.finished:
+                    o.finish_reason, o.finish_detail = d.finish_reason, d.finish_detail
+                    pending.discard(d.rid)
+        return [outs[r] for r in rids]
+
+    @property
+    def idle(self) -> bool:
+        return not self.scheduler.policy.has_work
+
+
+def _maybe_tokenizer(model_dir: Path) -> Tokenizer | None:
+    return Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+
+
+__all__ = ["Engine", "EngineConfig", "EngineParts", "GenerationOutput", "StreamDelta",
+           "parse_dtype"]

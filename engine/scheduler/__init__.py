@@ -1,0 +1,6 @@
+"""Continuous batching: Scheduler(policy, executor, io) and the policies that form batches."""
+
+from engine.scheduler.policy import BatchPolicy, PolicyConfig
+from engine.scheduler.scheduler import RequestUpdate, Scheduler
+
+__all__ = ["BatchPolicy", "PolicyConfig", "RequestUpdate", "Scheduler"]

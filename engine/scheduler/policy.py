@@ -1,0 +1,125 @@
+"""Batch formation: admission by KV budget, chunked prefill under a token budget, retraction."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from engine.core import Batch, ForwardMode, Req, ReqState
+from engine.kv_cache import KVCacheManager, OutOfPages
+
+ReqHook = Callable[[Req], None]
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    max_running: int = 64
+    # tokens one EXTEND batch may compute; prompts longer than this are chunked
+    chunked_prefill_size: int = 2048
+    # KV tokens kept free per running request at admission, so decode does not retract at once
+    decode_reserve_tokens: int = 16
+
+
+class BatchPolicy:
+    """Prefill first (new and partially prefilled requests), otherwise one decode step for all.
+
+    Admission reserves pages for a request's whole remaining prompt plus a decode reserve, so a
+    chunked prefill never stalls halfway for lack of pages; decode grows pages step by step and
+    retracts the newest request when the pool runs dry.
+    """
+
+    def __init__(self, cfg: PolicyConfig, kv: KVCacheManager, kv_tokens_per_decode: int) -> None:
+        self.cfg, self.kv = cfg, kv
+        self.kv_tokens_per_decode = kv_tokens_per_decode
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # admitted: prefilling or decoding, in admission order
+
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def next_batch(self, on_admit: ReqHook, on_retract: ReqHook) -> Batch:
+        batch = self._prefill_batch(on_admit)
+        if batch is not None:
+            return batch
+        return self._decode_batch(on_retract)
+
+    # ---- prefill ----
+    def _prefill_batch(self, on_admit: ReqHook) -> Batch | None:
+        budget = self.cfg.chunked_prefill_size
+        reqs: list[Req] = []
+        lens: list[int] = []
+        for req in self.running:  # continue chunked prefills first
+            if budget <= 0:
+                break
+            if req.num_uncomputed > 1 or not req.output_ids:
+                n = min(req.num_uncomputed, budget)
+                reqs.append(req), lens.append(n)
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
+            req = self.waiting[0]
+            if not self._try_admit(req):
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            on_admit(req)
+            n = min(req.num_uncomputed, budget)
+            reqs.append(req), lens.append(n)
+            budget -= n
+        if not reqs:
+            return None
+        sample = [r.seq_len + n == r.total_len for r, n in zip(reqs, lens)]
+        return Batch(ForwardMode.EXTEND, reqs, lens, sample)
+
+    def _try_admit(self, req: Req) -> bool:
+        need = req.total_len + self.kv_tokens_per_decode
+        headroom = sum(self.kv.pages_for(self.cfg.decode_reserve_tokens) for _ in self.running)
+        if self.kv.pages_for(need) + headroom > self.kv.allocator.num_free or not self.kv.num_free_slots:
+            return False
+        self.kv.assign_slot(req)
+        self.kv.reserve(req, req.total_len)
+        req.state = ReqState.RUNNING
+        return True
+
+    # ---- decode ----
+    def _decode_batch(self, on_retract: ReqHook) -> Batch:
+        decoding = [r for r in self.running if r.is_decoding]
+        if not decoding:
+            return Batch.idle()
+        i = 0
+        while i < len(decoding):
+            req = decoding[i]
+            try:
+                self.kv.reserve(req, req.seq_len + self.kv_tokens_per_decode)
+                i += 1
+            except OutOfPages:  # free the newest request and try again
+                victim = decoding.pop()
+                self.retract(victim, on_retract)
+                if victim is req:
+                    continue
+        return Batch.decode(decoding) if decoding else Batch.idle()
+
+    def retract(self, req: Req, on_retract: ReqHook) -> None:
+        """Give a running request's pages back and requeue it; it re-extends over prompt + output."""
+        self.running.remove(req)
+        on_retract(req)
+        req.state = ReqState.WAITING
+        req.num_retractions += 1
+        self.waiting.appendleft(req)
+
+    def remove(self, req: Req) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def head_can_never_fit(self) -> bool:
+        """True when nothing runs and the first waiting request exceeds the whole pool."""
+        if self.running or not self.waiting:
+            return False
+        need = self.waiting[0].total_len + self.kv_tokens_per_decode
+        return self.kv.pages_for(need) > self.kv.allocator.total
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)

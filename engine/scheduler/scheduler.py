@@ -1,0 +1,168 @@
+"""The scheduling loop: Scheduler(policy, executor, io) with continuous batching and stop checks."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.core import Batch, FinishReason, ForwardMode, Req, ReqState, StepOutput
+from engine.executor import Executor
+from engine.kv_cache import KVCacheManager
+from engine.scheduler.policy import BatchPolicy
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """New tokens of one request from one step, and whether it ended."""
+
+    rid: str
+    tokens: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    finish_detail: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_tokens: int = 0
+    accepted_drafts: int | None = None
+
+
+class SchedulerIO(Protocol):
+    """Where requests come from and updates go to (in-process queues, or a node's gRPC servicer)."""
+
+    def poll(self) -> tuple[list[Req], list[str]]:
+        """New requests and ids to abort, since the last call."""
+
+    def publish(self, updates: list[RequestUpdate]) -> None: ...
+
+    def wait_for_work(self, timeout: float) -> None:
+        """Block until something arrives or the timeout passes (only called when idle)."""
+
+
+class Scheduler:
+    """One iteration: take input, form a batch, run it, apply stop rules, publish updates."""
+
+    def __init__(self, policy: BatchPolicy, executor: Executor, io: SchedulerIO, kv: KVCacheManager,
+                 eos_token_ids: tuple[int, ...], max_context_len: int) -> None:
+        self.policy, self.executor, self.io, self.kv = policy, executor, io, kv
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_context_len = max_context_len
+        self.reqs: dict[str, Req] = {}
+        self.stats = {"steps": 0, "retractions": 0, "decode_tokens": 0, "prefill_tokens": 0}
+
+    # ---- input ----
+    def _ingest(self) -> list[RequestUpdate]:
+        new, aborts = self.io.poll()
+        for req in new:
+            if req.rid in self.reqs:
+                req.finish(FinishReason.ABORT, f"duplicate request id {req.rid!r}")
+                self.io.publish([self._final_update(req)])
+                continue
+            self.reqs[req.rid] = req
+            self.policy.add(req)
+        return [self._abort(rid) for rid in aborts if rid in self.reqs]
+
+    def _abort(self, rid: str, detail: str = "aborted") -> RequestUpdate:
+        req = self.reqs[rid]
+        req.finish(FinishReason.ABORT, detail)
+        return self._finish(req)
+
+    # ---- one iteration ----
+    def step(self) -> list[RequestUpdate]:
+        updates = self._ingest()
+        if self.policy.head_can_never_fit():
+            req = self.policy.waiting[0]
+            req.finish(FinishReason.ABORT, f"request needs more KV than the whole pool "
+                                           f"({req.total_len} tokens)")
+            updates.append(self._finish(req))
+        batch = self.policy.next_batch(self._on_admit, self._on_retract)
+        if batch.mode is not ForwardMode.IDLE:
+            out = self.executor.step(batch)
+            updates.extend(self._process(batch, out))
+            self.stats["steps"] += 1
+        if updates:
+            self.io.publish(updates)
+        return updates
+
+    def run(self, stop: threading.Event, idle_wait: float = 0.05) -> None:
+        while not stop.is_set():
+            self.step()
+            if not self.policy.has_work:
+                self.io.wait_for_work(idle_wait)
+
+    def _on_admit(self, req: Req) -> None:
+        self.executor.on_admit(req)
+
+    def _on_retract(self, req: Req) -> None:
+        self.stats["retractions"] += 1
+        self.executor.on_release(req)
+        self.kv.release(req)
+
+    # ---- output ----
+    def _process(self, batch: Batch, out: StepOutput) -> list[RequestUpdate]:
+        updates = []
+        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
+            if req.finished:  # aborted while the step ran
+                continue
+            new = out.tokens[i]
+            # KV of the computed window is committed; under speculation len(new) = accepted + 1
+            if batch.mode is ForwardMode.EXTEND:
+                req.seq_len += n
+                self.stats["prefill_tokens"] += n
+            else:
+                req.seq_len += len(new)
+                self.stats["decode_tokens"] += len(new)
+            upd = self._append(req, new, out, i)
+            if upd is not None:
+                updates.append(upd)
+        return updates
+
+    def _append(self, req: Req, new: list[int], out: StepOutput, i: int) -> RequestUpdate | None:
+        if not new:
+            return None
+        kept: list[int] = []
+        for tok in new:
+            kept.append(tok)
+            req.output_ids.append(tok)
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                req.finish(reason)
+                break
+        upd = RequestUpdate(req.rid, kept, prompt_tokens=len(req.prompt_ids))
+        if out.logprobs is not None:
+            upd.logprobs = out.logprobs[i][:len(kept)]
+            req.output_logprobs.extend(upd.logprobs)
+        if out.top_logprobs is not None:
+            upd.top_logprobs = out.top_logprobs[i][:len(kept)]
+            req.output_top_logprobs.extend(upd.top_logprobs)
+        if out.accepted_drafts is not None:
+            upd.accepted_drafts = out.accepted_drafts[i]
+        if req.finished:
+            done = self._finish(req)
+            upd.finished, upd.finish_reason = True, done.finish_reason
+        return upd
+
+    def _stop_reason(self, req: Req, tok: int) -> FinishReason | None:
+        p = req.params
+        if not p.ignore_eos and tok in self.eos_token_ids:
+            return FinishReason.STOP
+        if tok in p.stop_token_ids:
+            return FinishReason.STOP
+        if len(req.output_ids) >= p.max_new_tokens or req.total_len >= self.max_context_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, req: Req) -> RequestUpdate:
+        """Release everything a finished request holds and drop it from the scheduler."""
+        self.policy.remove(req)
+        if req.slot:
+            self.executor.on_release(req)
+            self.kv.release(req)
+        req.state = ReqState.FINISHED
+        self.reqs.pop(req.rid, None)
+        return self._final_update(req)
+
+    @staticmethod
+    def _final_update(req: Req) -> RequestUpdate:
+        return RequestUpdate(req.rid, [], True, req.finish_reason, req.finish_detail,
+                             prompt_tokens=len(req.prompt_ids))
