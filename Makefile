@@ -1,0 +1,34 @@
+# Developer and CI entry points. Everything runs from the project's own .venv.
+
+PYTHON ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+# Reinstall only when the dependency list changes.
+STAMP := $(VENV)/.pdserve-installed
+
+.PHONY: venv test up bench
+
+venv: $(STAMP)
+
+# torch goes in first and pinned: 2.13.0 is served as a local CPU build, while an unpinned torch
+# (or one pulled in by `pip install -e .`) would fetch GBs of CUDA wheels. Where torch already
+# imports (a GPU machine with its own build), that step is skipped.
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -U pip
+	if $(VPY) -c "import torch" >/dev/null 2>&1; then \
+		echo "torch already installed: $$($(VPY) -c 'import torch; print(torch.__version__)')"; \
+	else \
+		$(VPY) -m pip install torch==2.13.0; \
+	fi
+	$(VPY) -m pip install -e '.[test,triton]'
+	touch $@
+
+test: venv
+	TRITON_INTERPRET=1 $(VPY) -m pytest -q -x
+
+up: venv
+	$(VENV)/bin/pdserve generate --prompt "def fibonacci(n):" --max-new-tokens 32
+
+bench: venv
+	$(VPY) -m bench.engine_cpu

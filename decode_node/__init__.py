@@ -1,0 +1,1 @@
+"""Decode node: gRPC servicer, decode batch policy (prealloc, transfer, running) and receiving KV."""

@@ -1,0 +1,1 @@
+"""The engine both node roles run (torch): models, KV pool, scheduler, model runner, attention, sampler."""

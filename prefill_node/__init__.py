@@ -1,0 +1,1 @@
+"""Prefill node: gRPC servicer, prefill batch policy and sending KV handoffs to decode nodes."""

@@ -1,0 +1,1 @@
+"""OpenAI-compatible router (never imports torch): API, tokenization, pair selection, node clients."""
