@@ -1,0 +1,1 @@
+"""Serving and micro benchmarks, their result files and plots."""

@@ -1,0 +1,217 @@
+"""The `pdserve` command line: one typer app, one subcommand per role (today: `generate`).
+
+Importing this module must stay cheap and torch-free (the router and `--help` use it), so every
+subcommand imports the engine inside its function body.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, NoReturn, Optional
+
+import typer
+
+if TYPE_CHECKING:  # only for annotations; importing these at run time would pull in torch
+    from engine.core import SamplingParams
+    from engine.engine import Engine, EngineConfig
+
+app = typer.Typer(
+    name="pdserve",
+    help="Prefill/decode disaggregated LLM serving with speculative decoding.",
+    no_args_is_help=True,
+    add_completion=False,
+    # Errors we expect are reported as one line by `_fail`; anything else is a bug and keeps
+    # the plain traceback (rich's boxed traceback hides the frames a bug report needs).
+    pretty_exceptions_enable=False,
+)
+
+EXIT_USAGE = 2  # same code click uses for bad options, so scripts see one "you asked wrong" code
+
+
+@app.callback(invoke_without_command=True)
+def _root(
+    ctx: typer.Context,
+    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False,
+) -> None:
+    """pdserve: serve, benchmark and try out models (roles load lazily)."""
+    # A callback keeps `generate` a named subcommand even while it is the only one.
+    if version:
+        from pdserve import __version__
+
+        typer.echo(__version__)
+        raise typer.Exit()
+    if ctx.invoked_subcommand is None:  # e.g. `pdserve --some-root-flag` without a command
+        typer.echo(ctx.get_help())
+        raise typer.Exit(EXIT_USAGE)
+
+
+def _fail(message: object, code: int = EXIT_USAGE) -> NoReturn:
+    """Print `error: ...` on one line to stderr and exit without a traceback."""
+    text = " ".join(str(message).split()) or type(message).__name__
+    typer.echo(f"error: {text}", err=True)
+    raise typer.Exit(code)
+
+
+# ---- generate: builders kept small so new options (e.g. speculative ones) slot in easily ----
+
+def engine_config(model: Path | None, *, dtype: str | None, device: str, page_size: int,
+                  seed: int | None) -> EngineConfig:
+    """The EngineConfig for `generate`; no --model means the built-in demo model."""
+    from engine.engine import EngineConfig
+
+    _check_device(device)
+    if model is None:
+        from engine.tiny_model import demo_model_dir
+
+        model = demo_model_dir()
+    # The engine seeds per-request seeds from this, so a batch is reproducible yet every
+    # prompt samples differently (a shared SamplingParams.seed would make them identical).
+    return EngineConfig(model=str(model), dtype=dtype, device=device, page_size=page_size,
+                        seed=seed)
+
+
+def _check_device(device: str) -> None:
+    """Refuse a malformed or absent device up front; torch would fail deep in model loading
+    with a RuntimeError or AssertionError that names neither the option nor the device."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    # The engine has CPU and CUDA paths only (DESIGN.md §3); other torch backends fail deep inside.
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device!r} is not supported; use cpu, cuda or cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device!r}: CUDA is not available in this torch build or machine")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device!r}: only {torch.cuda.device_count()} CUDA device(s)")
+
+
+def sampling_params(*, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
+                    min_p: float, stop: list[str] | None) -> SamplingParams:
+    """SamplingParams validates every field and raises InvalidRequest naming the bad one."""
+    from engine.core import SamplingParams
+
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                          top_k=top_k, min_p=min_p, stop=tuple(stop or ()))
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    """Load the model behind a spinner on stderr, so stdout carries only generated text."""
+    from rich.console import Console
+
+    from engine.engine import Engine
+
+    with Console(stderr=True).status(f"loading model {config.model} ...", spinner="dots"):
+        return Engine(config)
+
+
+def prompt_inputs(engine: Engine, prompts: list[str], chat: bool) -> list[str | list[int]]:
+    """Plain prompts go in as text; chat prompts are rendered and tokenized here."""
+    if not chat:
+        return list(prompts)
+    if engine.tokenizer is None:
+        from engine.core import InvalidRequest
+
+        raise InvalidRequest("--chat needs a tokenizer; this model directory has none")
+    tok = engine.tokenizer
+    # The template renders its own BOS; passing the rendered text to the engine would encode
+    # it with special tokens and add a second BOS, so hand over ids encoded without them.
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}],
+                                               add_generation_prompt=True),
+                       add_special_tokens=False)
+            for p in prompts]
+
+
+def _stream_one(engine: Engine, prompt: str | list[int], params: SamplingParams) -> tuple[int, str]:
+    """Write text to stdout as it arrives; returns (tokens, finish reason)."""
+    n_tokens, reason = 0, "unknown"
+    for delta in engine.stream(prompt, params):
+        n_tokens += len(delta.token_ids)
+        piece = delta.text if delta.text is not None else _ids_text(delta.token_ids)
+        if piece:
+            sys.stdout.write(piece)
+            sys.stdout.flush()  # token by token, even when stdout is a pipe
+        if delta.finished:
+            reason = _reason(delta.finish_reason)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return n_tokens, reason
+
+
+def _generate_batch(engine: Engine, prompts: list[str], inputs: list[str | list[int]],
+                    params: SamplingParams) -> tuple[int, str]:
+    """Run all prompts as one batch, print each result; returns (tokens, finish reasons)."""
+    outputs = engine.generate(inputs, params)
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        text = out.text if out.text is not None else _ids_text(out.output_ids)
+        typer.echo(f"--- [{i}] {prompt!r} ({len(out.output_ids)} tokens, "
+                   f"{_reason(out.finish_reason)})")
+        typer.echo(text)
+    reasons = sorted({_reason(o.finish_reason) for o in outputs})
+    return sum(len(o.output_ids) for o in outputs), ",".join(reasons)
+
+
+def _ids_text(ids: list[int]) -> str:
+    # Models without a tokenizer stream raw ids; a trailing space keeps them apart.
+    return "".join(f"{t} " for t in ids)
+
+
+def _reason(reason: object) -> str:
+    return str(getattr(reason, "value", reason)) if reason is not None else "unknown"
+
+
+@app.command()
+def generate(
+    prompt: Annotated[list[str], typer.Option(
+        "--prompt", "-p", help="Prompt text; repeat for a batch (one prompt streams).")],
+    model: Annotated[Optional[Path], typer.Option(
+        help="HF-format model directory (default: the built-in tiny demo model).")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 means greedy.")] = 1.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens; -1 is off.")] = -1,
+    min_p: Annotated[float, typer.Option(help="Drop tokens below min_p * max prob.")] = 0.0,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for reproducible sampling.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(
+        help="Stop string (repeatable); the output ends before it.")] = None,
+    dtype: Annotated[Optional[str], typer.Option(
+        help="float32, bfloat16 or float16 (default: the checkpoint's).")] = None,
+    device: Annotated[str, typer.Option(help="torch device, e.g. cpu or cuda.")] = "cpu",
+    page_size: Annotated[int, typer.Option(help="Tokens per KV cache page.")] = 16,
+    chat: Annotated[bool, typer.Option(
+        "--chat", help="Wrap each prompt as a user message with the chat template.")] = False,
+) -> None:
+    """Generate text for one prompt (streamed) or several (batched) with the in-process engine."""
+    from engine.config import ModelLoadError
+    from pdserve.tokenizer import TokenizerFileNotFoundError
+
+    try:
+        # Validate sampling options before the (slow) model load, so typos fail fast.
+        params = sampling_params(max_new_tokens=max_new_tokens, temperature=temperature,
+                                 top_p=top_p, top_k=top_k, min_p=min_p, stop=stop)
+        engine = build_engine(engine_config(model, dtype=dtype, device=device,
+                                            page_size=page_size, seed=seed))
+        inputs = prompt_inputs(engine, prompt, chat)
+        start = time.perf_counter()
+        if len(inputs) == 1:
+            n_tokens, reason = _stream_one(engine, inputs[0], params)
+        else:
+            n_tokens, reason = _generate_batch(engine, prompt, inputs, params)
+        elapsed = time.perf_counter() - start
+    # InvalidRequest, ChatTemplateError and bad dtypes are all ValueErrors.
+    except (ModelLoadError, TokenizerFileNotFoundError, ValueError) as e:
+        _fail(e)
+    except KeyboardInterrupt:
+        sys.stdout.write("\n")
+        _fail("interrupted", code=130)
+    rate = n_tokens / elapsed if elapsed > 0 else 0.0
+    typer.echo(f"{n_tokens} tokens in {elapsed:.2f} s ({rate:.1f} tok/s), finish: {reason}",
+               err=True)
+
+
+if __name__ == "__main__":
+    app()
