@@ -54,7 +54,8 @@ class ModelConfig:
     raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
     @staticmethod
-    def from_dir(model_dir: str | Path) -> "ModelConfig":
+    def from_dir(model_dir: str | Path,
+                 architectures: tuple[str, ...] = SUPPORTED_ARCHITECTURES) -> "ModelConfig":
         path = Path(model_dir)
         if not path.is_dir():
             raise ModelLoadError(f"model directory {str(path)!r} does not exist or is not a directory")
@@ -67,15 +68,16 @@ class ModelConfig:
             raise ModelLoadError(f"{cfg_file}: not valid JSON ({e})") from e
         if not isinstance(raw, dict):
             raise ModelLoadError(f"{cfg_file}: expected a JSON object")
-        return ModelConfig.from_hf(raw, source=str(cfg_file))
+        return ModelConfig.from_hf(raw, source=str(cfg_file), architectures=architectures)
 
     @staticmethod
-    def from_hf(raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+    def from_hf(raw: dict[str, Any], source: str = "config.json",
+                architectures: tuple[str, ...] = SUPPORTED_ARCHITECTURES) -> "ModelConfig":
         archs = raw.get("architectures") or []
         arch = archs[0] if archs else ""
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if arch not in architectures:
             raise ModelLoadError(f"{source}: unsupported architecture {arch!r}; "
-                                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                                 f"supported: {', '.join(architectures)}")
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
@@ -96,7 +98,7 @@ class ModelConfig:
                 rope_scaling=_rope_scaling(raw),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+                attention_bias=arch.startswith("Qwen2") or bool(raw.get("attention_bias", False)),
                 qk_norm=arch == "Qwen3ForCausalLM",
                 eos_token_ids=eos_ids,
                 bos_token_id=raw.get("bos_token_id"),

@@ -18,6 +18,7 @@ from engine.sampler import Sampler
 class Executor(Protocol):
     """What the scheduler needs from whoever runs the model."""
 
+    @torch.inference_mode()
     def step(self, batch: Batch) -> StepOutput:
         """Run one forward (or one speculative round) and return the new tokens per request."""
 

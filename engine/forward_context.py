@@ -36,8 +36,9 @@ class ForwardContext:
     attn_backend: "AttentionBackend"
     seq_lens_cpu: list[int] = field(default_factory=list)
     extend_lens_cpu: list[int] = field(default_factory=list)
-    # TARGET_VERIFY with a tree: (bs, ntok, ntok) bool, True where draft token j may see draft
-    # token k of the same request. None means a causal chain.
+    # Tree attention: (bs, max_q, W) bool over each request's last W keys, True where query q may
+    # see that key (its ancestors and itself). Keys before the window are always visible.
+    # None means plain causal attention (prefill, decode, chain verify).
     tree_mask: torch.Tensor | None = None
     # layers whose outputs the model must also return (EAGLE-3 low/mid/high features)
     aux_hidden_layers: tuple[int, ...] = ()

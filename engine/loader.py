@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -47,7 +47,8 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor]]:
 
 
 def load_weights(model: nn.Module, files: list[Path], ignore_prefixes: tuple[str, ...] = (),
-                 rename: dict[str, str] | None = None) -> None:
+                 rename: dict[str, str] | None = None,
+                 buffers: tuple[str, ...] = ("d2t", "t2d")) -> None:
     """Copy checkpoint tensors into `model`; every parameter must be found with its exact shape."""
     params = dict(model.named_parameters())
     tied = getattr(model, "tied_parameter_names", lambda: set())()
@@ -55,7 +56,8 @@ def load_weights(model: nn.Module, files: list[Path], ignore_prefixes: tuple[str
     rename = rename or {}
     for f, name, tensor in iter_tensors(files):
         name = rename.get(name, name)
-        if name.startswith(ignore_prefixes) or name.endswith("rotary_emb.inv_freq"):
+        if (name.startswith(ignore_prefixes) or name.endswith("rotary_emb.inv_freq")
+                or name in buffers):
             continue
         if name not in params:
             if name in tied:
@@ -74,12 +76,14 @@ def load_weights(model: nn.Module, files: list[Path], ignore_prefixes: tuple[str
                              f"{' ...' if len(missing) > 8 else ''}")
 
 
-def build_empty(cls: type[nn.Module], cfg: object, dtype: torch.dtype,
+def build_empty(cls: Callable[[Any], nn.Module], cfg: Any, dtype: torch.dtype,
                 device: torch.device | str) -> nn.Module:
     """Instantiate without initialising weights (meta device), then materialise on `device`."""
     with torch.device("meta"):
         model = cls(cfg)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to_empty(device=device)
+    for p in model.parameters():  # floating parameters only: buffers such as d2t keep their dtype
+        p.data = p.data.to(dtype)
     for m in model.modules():
         init = getattr(m, "init_buffers", None)
         if callable(init):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -52,10 +54,11 @@ class ModelRunner:
         return ctx
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor,
-                ctx: ForwardContext) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, **model_inputs: Any) -> Any:
+        """Target models return (hidden, aux hidden list); draft heads take `features` and
+        return their output hidden states."""
         self.attn_backend.prepare(ctx)
-        return self.model(input_ids, ctx)
+        return self.model(input_ids, ctx, **model_inputs)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -43,13 +43,16 @@ class TorchAttention(AttentionBackend):
         q_pos = prefix + q_off  # absolute position of each query
         mask = kv_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)  # causal, also hides padding keys
         if ctx.tree_mask is not None:
-            # inside the draft window, replace causality by the tree's ancestor relation
-            ntok = ctx.tree_mask.shape[-1]
-            in_window = kv_pos.view(1, 1, -1) >= prefix.unsqueeze(2)
-            rel = (kv_pos.view(1, -1) - prefix).clamp(0, ntok - 1)  # (bs, max_kv)
+            # the tree covers each request's last W keys; inside that window the ancestor
+            # relation replaces causality (tree nodes sit in slot order, not depth order)
+            width = ctx.tree_mask.shape[-1]
+            start = (ctx.seq_lens - width).unsqueeze(1)  # (bs, 1)
+            in_window = kv_pos.view(1, 1, -1) >= start.unsqueeze(2)
+            rel = (kv_pos.view(1, -1) - start).clamp(0, width - 1)  # (bs, max_kv)
             tree = torch.gather(ctx.tree_mask[:, :max_q, :], 2,
                                 rel.unsqueeze(1).expand(bs, max_q, max_kv))
-            mask = torch.where(in_window, tree & mask, mask)
+            mask = torch.where(in_window, tree, mask)
+            mask &= kv_pos.view(1, 1, -1) < ctx.seq_lens.view(-1, 1, 1)  # padding keys of short rows
         mask &= q_valid.unsqueeze(2)
         ctx.attn_metadata = _Meta(kv_slots, q_index, mask.unsqueeze(1))
 

@@ -16,14 +16,15 @@ from engine.layers.rotary import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, input_size: int | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        d_in = input_size or cfg.hidden_size  # EAGLE-3 attends over [embedding, hidden] (2x wide)
+        self.q_proj = nn.Linear(d_in, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d_in, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d_in, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -54,11 +55,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, input_norm: bool = True) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id)
         self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # EAGLE-1 heads ship their single layer without an input norm
+        self.input_layernorm: nn.Module = (RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm
+                                           else nn.Identity())
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding,
@@ -84,12 +87,12 @@ class LlamaModel(nn.Module):
         """Returns the final normed hidden states and the inputs of `ctx.aux_hidden_layers`."""
         x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         residual: torch.Tensor | None = None
-        aux: list[torch.Tensor] = []
+        captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if i in ctx.aux_hidden_layers:
-                aux.append(x if residual is None else x + residual)
+                captured[i] = x if residual is None else x + residual
             x, residual = layer(x, residual, self.rotary, ctx)
-        return self.norm(x + residual), aux
+        return self.norm(x + residual), [captured[i] for i in ctx.aux_hidden_layers]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,78 @@
+"""EAGLE drafting: grow a top-k tree of candidate tokens with the draft head, then re-rank.
+
+Level 0 comes for free from the draft input (the top-k after the bonus token). Each further
+step runs the head once over the current frontier (top-k nodes per request), expands each node
+into top-k children scored by the product of probabilities along the path, and keeps the k
+best children as the next frontier. A chain is the topk = 1 case. Frontier nodes write their
+draft KV into scratch slots right after the request's committed KV: the level-l frontier at
+slots [L + l*k, L + (l+1)*k); a tree mask lets each node see only its ancestors there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.core import ForwardMode
+from engine.model_runner import ModelRunner
+from spec.draft_input import EagleDraftInput
+from spec.tree import DraftTree, chain_tree, tree_from_candidates
+
+
+@dataclass
+class _Candidates:
+    tokens: list[torch.Tensor]
+    scores: list[torch.Tensor]
+    parents: list[torch.Tensor]
+    depth: list[torch.Tensor]
+
+    def cat(self) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.cat(x, dim=1) for x in (self.tokens, self.scores, self.parents, self.depth))
+
+
+def draft_topk(head: torch.nn.Module, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k draft probabilities and their target token ids for each row of draft hidden states."""
+    probs = torch.softmax(head.compute_logits(hidden).float(), dim=-1)
+    p, idx = torch.topk(probs, k, dim=-1)
+    return p, head.to_target_ids(idx)
+
+
+def build_draft_tree(draft: ModelRunner, di: EagleDraftInput, slots: list[int], seq_lens: list[int],
+                     num_steps: int, topk: int, ntok: int) -> DraftTree:
+    bs, k = len(di), topk
+    dev = di.bonus_tokens.device
+    seq = torch.tensor(seq_lens, dtype=torch.int64, device=dev)
+    cands = _Candidates([di.topk_index], [di.topk_p], [torch.full((bs, k), -1, dtype=torch.int64, device=dev)],
+                        [torch.ones(bs, k, dtype=torch.int64, device=dev)])
+    f_tokens, f_scores = di.topk_index, di.topk_p
+    f_feats = di.hidden_states.unsqueeze(1).expand(bs, k, -1)  # the hidden that proposed each node
+    f_cand = torch.arange(k, device=dev).expand(bs, k)  # frontier nodes' candidate-list index
+    anc = torch.eye(k, dtype=torch.bool, device=dev).expand(bs, k, k)  # over scratch slots so far
+    offset = k
+    for step in range(1, num_steps):
+        ctx = draft.make_context(
+            ForwardMode.DECODE, slots, [s + (step - 1) * k for s in seq_lens], [k] * bs,
+            positions=(seq + step - 1).repeat_interleave(k),
+            tree_mask=None if k == 1 else anc)
+        g = draft.forward(f_tokens.reshape(-1), ctx, features=f_feats.reshape(bs * k, -1))
+        p, idx = draft_topk(draft.model, g, k)
+        child_scores = (f_scores.unsqueeze(2) * p.view(bs, k, k)).reshape(bs, k * k)
+        cands.tokens.append(idx.view(bs, k * k))
+        cands.scores.append(child_scores)
+        cands.parents.append(f_cand.unsqueeze(2).expand(bs, k, k).reshape(bs, k * k))
+        cands.depth.append(torch.full((bs, k * k), step + 1, dtype=torch.int64, device=dev))
+        sel = torch.topk(child_scores, k, dim=1).indices  # next frontier: best k children
+        parent_j = sel // k
+        f_tokens = torch.gather(idx.view(bs, k * k), 1, sel)
+        f_scores = torch.gather(child_scores, 1, sel)
+        f_feats = torch.gather(g.view(bs, k, -1), 1, parent_j.unsqueeze(2).expand(-1, -1, g.shape[-1]))
+        f_cand = offset + sel
+        offset += k * k
+        if k > 1:  # ancestors of a new node: its parent's, plus itself in the new level's slots
+            anc = torch.cat((torch.gather(anc, 1, parent_j.unsqueeze(2).expand(-1, -1, anc.shape[2])),
+                             torch.eye(k, dtype=torch.bool, device=dev).expand(bs, k, k)), dim=2)
+    if k == 1:
+        return chain_tree(torch.cat([di.bonus_tokens.unsqueeze(1)] + cands.tokens, dim=1)[:, :ntok])
+    tokens, scores, parents, depth = cands.cat()
+    return tree_from_candidates(di.bonus_tokens, tokens, scores, parents, depth, ntok)

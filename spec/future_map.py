@@ -1,0 +1,305 @@
+"""FutureMap: device-side relay buffers for the overlap scheduler.
+
+Under overlap scheduling the CPU prepares batch N+1 while the device still runs batch N, so
+batch N+1's inputs (next input token, new sequence lengths, EAGLE top-k and draft hidden
+state) are not known on the host yet. The forward of batch N writes them here and the forward
+of batch N+1 gathers them, all in device stream order, with no host sync.
+
+Rows are keyed by request slot (``req_pool_idx``). Row 0 is padding: it mirrors the KV padding
+row, so graph-padded entries may read and write it without touching a real request. A row is
+safe without a ring of future slots because a request is in at most one in-flight forward and
+its slot is freed only after its result was processed.
+
+Protocol per iteration:
+
+* ``publish(indices, new_seq_lens)`` between verify and draft-extend: scatters the new lengths
+  and (re)records the ``publish_ready`` event, chained onto the previous record.
+* ``stash(indices, payload)`` after the forward, on the forward stream: bonus tokens, top-k and
+  hidden states.
+* ``resolve_seq_lens(indices)`` / ``resolve(indices)`` for the next batch: wait the event on the
+  current stream, then gather. Stash-side visibility comes from stream order (the next forward
+  runs after the previous one on the forward stream) or from the caller's cross-stream wait.
+
+``debug=True`` poisons buffers with -1 and re-poisons consumed rows, and checks on every
+resolve that each row read was written since it was last consumed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+__all__ = [
+    "DeviceEvent",
+    "FutureMap",
+    "FutureMapError",
+    "RelayPayload",
+    "make_event",
+    "seed_rows",
+]
+
+_POISON = -1
+
+
+class FutureMapError(RuntimeError):
+    """A relay row was misused: read before being written, read twice, or malformed input."""
+
+
+# --------------------------------------------------------------------------- events
+
+
+class DeviceEvent(Protocol):
+    """The slice of a stream event FutureMap needs; the same on every backend."""
+
+    def record(self) -> None: ...
+
+    def wait(self) -> None: ...
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+class CompletedEvent:
+    """CPU stand-in: CPU ops run synchronously, so any recorded point is already reached."""
+
+    def record(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class StreamEvent:
+    """A backend event recorded on / waited from the *current* stream of one device.
+
+    Built from the generic ``torch.Event`` when this torch has it, else from the device module's
+    ``Event`` (looked up by name, so builds whose module lacks a given class never break import).
+    The stream is passed explicitly: the event's device may not be the current device.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._module = torch.get_device_module(device)
+        if hasattr(torch, "Event"):
+            self._event: Any = torch.Event(device=device)
+        else:  # older torch: the per-backend class
+            self._event = getattr(self._module, "Event")()
+
+    def _stream(self) -> Any:
+        return self._module.current_stream(self.device)
+
+    def record(self) -> None:
+        self._event.record(self._stream())
+
+    def wait(self) -> None:
+        self._event.wait(self._stream())
+
+    def query(self) -> bool:
+        return bool(self._event.query())
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
+
+
+def make_event(device: torch.device | str) -> DeviceEvent:
+    """A completed event on CPU, a real stream event on an accelerator."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return CompletedEvent()
+    return StreamEvent(device)
+
+
+# --------------------------------------------------------------------------- payload
+
+
+@dataclass
+class RelayPayload:
+    """Per-request values one forward hands to the next; all tensors have ``n`` rows."""
+
+    bonus_tokens: torch.Tensor  # (n,) int64: the next input token per request
+    topk_p: torch.Tensor | None = None  # (n, topk) float32
+    topk_index: torch.Tensor | None = None  # (n, topk) int64
+    hidden_states: torch.Tensor | None = None  # (n, H) draft dtype
+
+    @classmethod
+    def from_draft_input(cls, draft_input: Any) -> RelayPayload:
+        """Duck-typed: any object with ``bonus_tokens`` and optional topk/hidden attributes."""
+        return cls(
+            bonus_tokens=draft_input.bonus_tokens,
+            topk_p=getattr(draft_input, "topk_p", None),
+            topk_index=getattr(draft_input, "topk_index", None),
+            hidden_states=getattr(draft_input, "hidden_states", None),
+        )
+
+
+# --------------------------------------------------------------------------- the map
+
+
+class FutureMap:
+    """Relay buffers with one row per request slot (row 0 = padding)."""
+
+    def __init__(self, num_rows: int, device: torch.device | str, *, need_topk: bool,
+                 need_hidden: bool, debug: bool = False) -> None:
+        if num_rows < 2:
+            raise ValueError(f"num_rows must count the padding row and one slot, got {num_rows}")
+        self.num_rows = num_rows
+        self.device = torch.device(device)
+        self.need_topk = need_topk
+        self.need_hidden = need_hidden
+        self.debug = debug
+        # Eager: every path (spec or not) relays tokens and lengths. Row 0 stays 0 in debug too,
+        # so padded reads never trip the poison check.
+        fill = _POISON if debug else 0
+        self.output_tokens_buf = self._full((num_rows,), fill, torch.int64)
+        self.new_seq_lens_buf = self._full((num_rows,), fill, torch.int64)
+        # Lazy: shapes (topk, hidden size) and dtypes are only known from the first payload.
+        self.topk_p_buf: torch.Tensor | None = None
+        self.topk_index_buf: torch.Tensor | None = None
+        self.hidden_states_buf: torch.Tensor | None = None
+        self._publish_ready: DeviceEvent | None = None
+
+    @property
+    def published_event(self) -> DeviceEvent | None:
+        """The ``publish_ready`` event; None until the first non-empty publish."""
+        return self._publish_ready
+
+    # ----------------------------------------------------------------- writes
+
+    def publish(self, indices: torch.Tensor, new_seq_lens: torch.Tensor) -> None:
+        """Scatter ``new_seq_lens`` into their rows and record ``publish_ready`` (chained)."""
+        if indices.numel() == 0:  # idle rank / empty batch: nothing to fence
+            return
+        self._check_rows("new_seq_lens", new_seq_lens, indices)
+        idx = self._idx(indices)
+        if self._publish_ready is None:
+            self._publish_ready = make_event(self.device)
+        else:
+            # Chained record: re-recording overwrites the event, so without this wait a publish
+            # from another stream (PD prebuilt seeding) could fire before an in-flight forward's
+            # publish and a resolve would read that forward's rows too early.
+            self._publish_ready.wait()
+        self.new_seq_lens_buf[idx] = new_seq_lens.to(self.device, torch.int64, non_blocking=True)
+        self._publish_ready.record()
+
+    def stash(self, indices: torch.Tensor, payload: RelayPayload) -> None:
+        """Write the payload rows; call after the forward, on the forward stream."""
+        if indices.numel() == 0:
+            return
+        self._check_rows("bonus_tokens", payload.bonus_tokens, indices)
+        idx = self._idx(indices)
+        self.output_tokens_buf[idx] = payload.bonus_tokens.to(self.device, torch.int64,
+                                                              non_blocking=True)
+        # Which extras travel is decided by the algorithm (need_*), not by the payload's shape:
+        # a map that does not need them ignores them, one that does refuses a payload without.
+        if self.need_topk:
+            if payload.topk_p is None or payload.topk_index is None:
+                raise FutureMapError("this FutureMap relays top-k but the payload has none")
+            self.topk_p_buf = self._store("topk_p", self.topk_p_buf, idx, payload.topk_p, indices)
+            self.topk_index_buf = self._store("topk_index", self.topk_index_buf, idx,
+                                              payload.topk_index, indices)
+        if self.need_hidden:
+            if payload.hidden_states is None:
+                raise FutureMapError("this FutureMap relays hidden states but the payload has none")
+            self.hidden_states_buf = self._store("hidden_states", self.hidden_states_buf, idx,
+                                                 payload.hidden_states, indices)
+
+    # ----------------------------------------------------------------- reads
+
+    def resolve_seq_lens(self, indices: torch.Tensor) -> torch.Tensor:
+        """Device tensor of the rows' published lengths, ordered after ``publish_ready``."""
+        idx = self._idx(indices)
+        self._wait_published()
+        seq_lens = self.new_seq_lens_buf[idx]  # advanced indexing copies: safe to poison after
+        if self.debug:
+            self._check_and_poison(self.new_seq_lens_buf, seq_lens, idx, "new_seq_lens")
+        return seq_lens
+
+    def resolve(self, indices: torch.Tensor) -> RelayPayload:
+        """Gather the stashed payload rows on the device."""
+        idx = self._idx(indices)
+        self._wait_published()
+        tokens = self.output_tokens_buf[idx]
+        topk_p = topk_index = hidden = None
+        if self.need_topk and idx.numel() > 0:
+            if self.topk_p_buf is None or self.topk_index_buf is None:
+                raise FutureMapError("resolve of top-k before any stash carried it")
+            topk_p, topk_index = self.topk_p_buf[idx], self.topk_index_buf[idx]
+        if self.need_hidden and idx.numel() > 0:
+            if self.hidden_states_buf is None:
+                raise FutureMapError("resolve of hidden states before any stash carried them")
+            hidden = self.hidden_states_buf[idx]
+        if self.debug:
+            # The token buffer stands for the whole stash: stash writes all fields together.
+            self._check_and_poison(self.output_tokens_buf, tokens, idx, "output_tokens")
+        return RelayPayload(tokens, topk_p, topk_index, hidden)
+
+    # ----------------------------------------------------------------- helpers
+
+    def _full(self, shape: tuple[int, ...], fill: float, dtype: torch.dtype) -> torch.Tensor:
+        buf = torch.full(shape, fill, dtype=dtype, device=self.device)
+        buf[0] = 0
+        return buf
+
+    def _idx(self, indices: torch.Tensor) -> torch.Tensor:
+        if indices.dim() != 1:
+            raise FutureMapError(f"indices must be 1-D, got shape {tuple(indices.shape)}")
+        return indices.to(self.device, torch.int64, non_blocking=True)
+
+    @staticmethod
+    def _check_rows(name: str, values: torch.Tensor, indices: torch.Tensor) -> None:
+        if values.dim() == 0 or values.shape[0] != indices.shape[0]:
+            raise FutureMapError(
+                f"{name} has shape {tuple(values.shape)}, expected {indices.shape[0]} rows")
+
+    def _store(self, name: str, buf: torch.Tensor | None, idx: torch.Tensor,
+               values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        self._check_rows(name, values, indices)
+        if buf is None:
+            buf = self._full((self.num_rows, *values.shape[1:]),
+                             _POISON if self.debug else 0, values.dtype)
+        elif buf.shape[1:] != values.shape[1:]:
+            raise FutureMapError(f"{name} rows have shape {tuple(values.shape[1:])}, "
+                                 f"buffer holds {tuple(buf.shape[1:])}")
+        buf[idx] = values.to(self.device, buf.dtype, non_blocking=True)
+        return buf
+
+    def _wait_published(self) -> None:
+        if self._publish_ready is not None:
+            self._publish_ready.wait()
+
+    def _check_and_poison(self, buf: torch.Tensor, values: torch.Tensor, idx: torch.Tensor,
+                          name: str) -> None:
+        # Row 0 is exempt: padding reads it freely and it is never poisoned.
+        ok = ((values >= 0) | (idx == 0)).all()
+        msg = f"FutureMap: {name} row read before being written since its last resolve"
+        if self.device.type == "cpu":
+            if not bool(ok):
+                bad = idx[(values < 0) & (idx != 0)].tolist()
+                raise FutureMapError(f"{msg} (rows {bad})")
+        else:
+            # No host sync on an accelerator: the failure surfaces at the next synchronize.
+            torch._assert_async(ok, msg)
+        # where() keeps duplicate row-0 writes identical, so the scatter stays deterministic.
+        buf[idx] = torch.where(idx == 0, 0, _POISON).to(buf.dtype)
+
+
+def seed_rows(fm: FutureMap, indices: torch.Tensor, seq_lens: torch.Tensor,
+              payload: RelayPayload) -> None:
+    """Seed rows of requests that did not come from a forward (PD decode PREBUILT batches).
+
+    Publish then stash, like a forward would. The chained publish keeps the fence of a forward
+    in flight on another stream: after this, ``publish_ready`` still implies that forward's
+    publish. The stash half becomes visible to the next forward through the caller's stream
+    order (the forward stream waits on the schedule stream before resolving).
+    """
+    fm.publish(indices, seq_lens)
+    fm.stash(indices, payload)
