@@ -62,6 +62,21 @@ class Scheduler:
             self.policy.add(req)
         return [self._abort(rid) for rid in aborts if rid in self.reqs]
 
+    def adopt_prebuilt(self, reqs: list[Req]) -> list[RequestUpdate]:
+        """PD decode: requests whose prompt KV and first token arrived from a prefill node join the
+        running batch. Each already holds a slot and pages covering `seq_len` (= prompt length)
+        and has `output_ids == [first token]`; the first token goes through the stop rules."""
+        updates = []
+        for req in reqs:
+            assert req.slot and req.seq_len == len(req.prompt_ids) and len(req.output_ids) == 1, req.rid
+            req.state = ReqState.RUNNING
+            self.reqs[req.rid] = req
+            self.policy.running.append(req)
+            self.executor.on_admit(req)
+            first = req.output_ids.pop()
+            updates.append(self._append(req, [first], StepOutput(tokens=[[first]]), 0))
+        return [u for u in updates if u is not None]
+
     def _abort(self, rid: str, detail: str = "aborted") -> RequestUpdate:
         req = self.reqs[rid]
         req.finish(FinishReason.ABORT, detail)

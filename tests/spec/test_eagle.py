@@ -62,8 +62,9 @@ def test_chain_accepts_every_length_and_counts_target_forwards(tmp_path, target,
     outs = eng.generate(PROMPTS, GREEDY)
     assert [o.output_ids for o in outs] == plain_greedy
     assert set(eng.executor.stats.accept_len_hist) == {1, 2, 3, 4}
-    for o in outs:  # per-request accepted drafts + one bonus per verify add up to the output
-        assert sum(a + 1 for a in o.accepted_drafts) == len(o.output_ids) - 1
+    for o in outs:  # accepted drafts + one bonus per verify cover the output (the last may be cut)
+        emitted = sum(a + 1 for a in o.accepted_drafts)
+        assert len(o.output_ids) - 1 <= emitted <= len(o.output_ids) - 1 + 3
 
 
 def test_aborts_and_retractions_under_spec_free_every_page(tmp_path, target):

@@ -1,0 +1,222 @@
+"""N-gram prompt-lookup speculative decoding, shipped as a plugin (entry point `NGRAM`).
+
+No draft model: the drafts of a request come from its own prompt + output. The longest suffix
+of length n in [ngram_max .. ngram_min] that occurred earlier is looked up (most recent earlier
+occurrence wins) and the tokens that followed it are proposed. They form a chain
+[bonus, d1 .. d_k] that the target checks in one TARGET_VERIFY forward; spec.verify accepts
+them exactly as it accepts EAGLE's chain drafts, so greedy output equals plain greedy output
+and sampled output keeps the target's distribution.
+
+The algorithm registers through the `pdserve.speculative` entry point (see pyproject.toml), not
+at import, so it exercises the same discovery path as an out-of-tree plugin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from engine.core import Batch, ForwardMode, Req, StepOutput
+from engine.executor import PlainExecutor
+from spec.config import SpecConfig, SpecConfigError
+from spec.future_map import FutureMap, RelayPayload, seed_rows
+from spec.metrics import SpecStats
+from spec.registry import CustomSpecAlgo
+from spec.tree import DraftTree, chain_tree
+from spec.verify import VerifyResult, verify_greedy, verify_sampled
+
+if TYPE_CHECKING:
+    from engine.engine import EngineParts
+    from engine.model_runner import ModelRunner
+    from engine.sampler import Sampler
+
+# Tokens of prompt + output searched per request and step: bounds the lookup's host cost
+# (one C-level scan plus a few comparisons per candidate) however long the context grows.
+LOOKUP_WINDOW = 1024
+
+
+def propose_drafts(context: Sequence[int], num_drafts: int, ngram_min: int, ngram_max: int) -> list[int]:
+    """Up to `num_drafts` tokens following the most recent earlier occurrence of the longest
+    suffix of `context` whose length is in [ngram_min, ngram_max]; [] when none occurred.
+
+    Continuations that run past the end of `context` keep copying from the drafts themselves,
+    which extends a periodic pattern (e.g. "a b a b") instead of stopping short.
+    """
+    n = len(context)
+    if num_drafts <= 0 or n <= ngram_min:
+        return []
+    rev = list(reversed(context))  # rev[0] is the newest token: candidates are found by list.index
+    best_len, best_at = 0, -1
+    start = 1
+    while best_len < ngram_max:
+        try:
+            j = rev.index(rev[0], start)  # an earlier copy of the newest token ends a candidate
+        except ValueError:
+            break
+        start = j + 1
+        limit = min(ngram_max, n - j)
+        m = 1
+        while m < limit and rev[j + m] == rev[m]:
+            m += 1
+        if m > best_len:  # strictly longer: on ties the more recent (found first) wins
+            best_len, best_at = m, j
+    if best_len < ngram_min:
+        return []
+    follow = n - best_at  # forward index of the token after the matched occurrence (< n)
+    drafts: list[int] = []
+    for t in range(num_drafts):
+        src = follow + t
+        drafts.append(context[src] if src < n else drafts[src - n])
+    return drafts
+
+
+def _chain_config(config: SpecConfig) -> SpecConfig:
+    cfg = config.resolved()
+    if cfg.eagle_topk != 1:
+        raise SpecConfigError(f"--speculative-eagle-topk must be 1 for {cfg.algorithm} (n-gram drafts "
+                              f"form a chain), got {cfg.eagle_topk}")
+    return cfg
+
+
+@dataclass
+class NgramDraftInput:
+    """What a decode node needs to start n-gram decoding: only the bonus token per request."""
+
+    bonus_tokens: torch.Tensor  # (bs,) int64, the root of the next verify; no KV yet
+    future_indices: torch.Tensor | None = None  # FutureMap rows seeded with the bonus tokens
+
+    def __len__(self) -> int:
+        return int(self.bonus_tokens.shape[0])
+
+
+class NgramWorker:
+    """Executor: plain prefill; decode = prompt lookup -> chain TARGET_VERIFY -> accept."""
+
+    def __init__(self, target: ModelRunner, sampler: Sampler, config: SpecConfig) -> None:
+        self.target, self.sampler = target, sampler
+        self.cfg = _chain_config(config)
+        self.plain = PlainExecutor(target, sampler)  # prefill is exactly the non-speculative one
+        self.stats = SpecStats(max_drafts=self.cfg.num_steps)
+
+    # ---- Executor protocol ----
+    def kv_tokens_per_decode(self) -> int:
+        return self.cfg.ntok
+
+    def on_admit(self, req: Req) -> None:
+        self.plain.on_admit(req)
+
+    def on_release(self, req: Req) -> None:
+        req.spec_state = None
+
+    @torch.inference_mode()
+    def step(self, batch: Batch) -> StepOutput:
+        if batch.mode is ForwardMode.EXTEND:
+            return self.plain.step(batch)
+        return self._decode(batch)
+
+    # ---- decode ----
+    def draft_window(self, req: Req) -> list[int]:
+        """[bonus, d1 .. d_k] for one decoding request, padded to ntok (padding is just rejected)."""
+        k = self.cfg.ntok - 1
+        end = req.total_len
+        context = req.tokens(max(0, end - LOOKUP_WINDOW), end)  # ends with the bonus token
+        drafts = propose_drafts(context, k, self.cfg.ngram_min, self.cfg.ngram_max)
+        pad = drafts[-1] if drafts else context[-1]
+        return [context[-1], *drafts, *([pad] * (k - len(drafts)))]
+
+    def _decode(self, batch: Batch) -> StepOutput:
+        reqs = batch.reqs
+        bs, ntok = len(reqs), self.cfg.ntok
+        dev = self.target.device
+        slots, seq_lens = [r.slot for r in reqs], [r.seq_len for r in reqs]
+        tokens = torch.tensor([self.draft_window(r) for r in reqs], dtype=torch.int64, device=dev)
+        tree = chain_tree(tokens)
+        # a chain is causal in row order at positions seq_len + row: no tree mask, no KV compaction
+        ctx = self.target.make_context(ForwardMode.TARGET_VERIFY, slots, seq_lens, [ntok] * bs)
+        hidden, _ = self.target.forward(tokens.reshape(-1), ctx)
+        logits = self.target.logits(hidden)
+        seq = torch.tensor(seq_lens, dtype=torch.int64, device=dev)
+        return self._emit(reqs, self._verify(reqs, tree, logits, seq), logits)
+
+    def _verify(self, reqs: list[Req], tree: DraftTree, logits: torch.Tensor,
+                seq: torch.Tensor) -> VerifyResult:
+        bs, ntok = tree.tokens.shape
+        sb = self.sampler.prepare(reqs, rows_per_req=ntok)
+        if sb.all_greedy:  # the argmax per row is all greedy verification needs
+            return verify_greedy(tree, self.sampler.sample(logits, sb).tokens.view(bs, ntok))
+        probs = self.sampler.processed_probs(logits, sb).view(bs, ntok, -1)
+        seeds = torch.tensor([r.sampling_seed for r in reqs], dtype=torch.int64, device=seq.device)
+        return verify_sampled(tree, probs, seeds, seq + 1)  # seq + 1: index of the first new token
+
+    def _emit(self, reqs: list[Req], vr: VerifyResult, logits: torch.Tensor) -> StepOutput:
+        self.sampler.record(reqs, vr.emitted.clamp(min=0), counts=vr.accept_lens)
+        accept = vr.accept_lens.tolist()
+        emitted = vr.emitted.tolist()
+        self.stats.record(accept)
+        out = StepOutput(tokens=[e[:a] for e, a in zip(emitted, accept)],
+                         accepted_drafts=[a - 1 for a in accept])
+        if any(r.params.logprobs for r in reqs):
+            # chain: emitted token j was chosen from the target's distribution at window row j
+            bs, width = vr.emitted.shape
+            lp = torch.log_softmax(logits.float(), -1).view(bs, -1, logits.shape[-1])[:, :width]
+            chosen = torch.gather(lp, 2, vr.emitted.clamp(min=0).unsqueeze(2)).squeeze(2)
+            out.logprobs = [c[:a] for c, a in zip(chosen.tolist(), accept)]
+        return out
+
+
+class NgramAlgo(CustomSpecAlgo):
+    """N-gram prompt lookup: no draft model, no draft KV, nothing but the bonus token to relay."""
+
+    @property
+    def _label(self) -> str:
+        return self.name or type(self).__name__  # `name` is set when the algorithm is registered
+
+    def needs_draft_model(self) -> bool:
+        return False
+
+    def carries_draft_hidden_states(self) -> bool:
+        return False
+
+    def create_future_map(self, num_rows: int, device: Any, *, debug: bool = False) -> FutureMap:
+        return FutureMap(num_rows, device, need_topk=False, need_hidden=False, debug=debug)
+
+    def build_disagg_draft_input(self, batch: Batch, config: SpecConfig, last_tokens: Any,
+                                 future_map: FutureMap | None) -> NgramDraftInput:
+        """PD decode: the drafts come from the context the decode node already has, so the
+        prefill node's handoff reduces to the bonus token; validate before touching any req."""
+        _chain_config(config)
+        reqs = batch.reqs
+        if not reqs:
+            raise ValueError(f"{self._label}: build_disagg_draft_input got a batch with no requests")
+        try:
+            bonus = torch.as_tensor(last_tokens, dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(f"{self._label}: last_tokens must be integer token ids, got "
+                             f"{type(last_tokens).__name__}: {e}") from None
+        if bonus.dim() != 1 or bonus.shape[0] != len(reqs):
+            raise ValueError(f"{self._label}: last_tokens has shape {tuple(bonus.shape)}, expected "
+                             f"one bonus token per request ({len(reqs)})")
+        if bool((bonus < 0).any()):
+            raise ValueError(f"{self._label}: last_tokens holds negative token ids {bonus.tolist()}")
+        if future_map is not None:
+            no_slot = [r.rid for r in reqs if r.slot <= 0]
+            if no_slot:
+                raise ValueError(f"{self._label}: requests {no_slot} have no KV slot to seed")
+        for r in reqs:
+            r.spec_state = None  # n-gram keeps no per-request state between steps
+        if future_map is None:
+            return NgramDraftInput(bonus)
+        bonus = bonus.to(future_map.device)
+        indices = torch.tensor([r.slot for r in reqs], dtype=torch.int64)
+        seed_rows(future_map, indices=indices,
+                  seq_lens=torch.tensor([r.seq_len for r in reqs], dtype=torch.int64),
+                  payload=RelayPayload(bonus_tokens=bonus))
+        return NgramDraftInput(bonus, future_indices=indices)
+
+    def create_worker(self, parts: EngineParts, config: SpecConfig) -> NgramWorker:
+        return NgramWorker(parts.runner, parts.sampler, config)
+
+
+__all__ = ["LOOKUP_WINDOW", "NgramAlgo", "NgramDraftInput", "NgramWorker", "propose_drafts"]
