@@ -44,6 +44,24 @@ class EngineConfig:
         for name in ("page_size", "max_total_tokens", "max_running", "chunked_prefill_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_device(self.device)
+
+
+def check_device(name: str) -> torch.device:
+    """Parse a device name and make sure this machine has it (a clear error, not a deep assert)."""
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"device {name!r} is not a valid torch device ({e})") from None
+    if dev.type == "cpu":
+        return dev
+    mod = getattr(torch, dev.type, None)
+    available = getattr(mod, "is_available", lambda: False)()
+    if not available:
+        raise ValueError(f"device {name!r} is not available on this machine")
+    if dev.index is not None and dev.index >= mod.device_count():
+        raise ValueError(f"device {name!r} does not exist ({mod.device_count()} present)")
+    return dev
 
 
 # Builds the executor once the target is loaded (the plain one, or a speculative worker).

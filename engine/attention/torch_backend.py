@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 @dataclass
 class _Meta:
     kv_slots: torch.Tensor  # (bs, max_kv) token slots, padded with 0
-    q_index: torch.Tensor  # (bs, max_q) packed query row per padded query, -1 for padding
+    q_gather: torch.Tensor  # (bs, max_q) packed query row per padded query (padding -> row 0)
+    valid: torch.Tensor  # (bs, max_q) bool: real queries
+    q_rows: torch.Tensor  # (num_tokens,) packed row of each real padded query, in `valid` order
     mask: torch.Tensor  # (bs, 1, max_q, max_kv) bool, True = may attend
 
 
@@ -53,28 +55,25 @@ class TorchAttention(AttentionBackend):
                                 rel.unsqueeze(1).expand(bs, max_q, max_kv))
             mask = torch.where(in_window, tree, mask)
             mask &= kv_pos.view(1, 1, -1) < ctx.seq_lens.view(-1, 1, 1)  # padding keys of short rows
+        # padded query rows keep one visible key so softmax stays finite; their output is dropped
         mask &= q_valid.unsqueeze(2)
-        ctx.attn_metadata = _Meta(kv_slots, q_index, mask.unsqueeze(1))
+        mask[..., 0] |= ~q_valid
+        ctx.attn_metadata = _Meta(kv_slots, q_index.clamp(min=0), q_valid, q_index[q_valid],
+                                  mask.unsqueeze(1))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 scale: float, ctx: "ForwardContext") -> torch.Tensor:
         pool = ctx.kv_pool
         pool.store(layer_id, ctx.out_cache_loc, k, v)
         meta: _Meta = ctx.attn_metadata
-        keys = pool.k(layer_id)[meta.kv_slots]  # (bs, max_kv, kvh, d)
-        vals = pool.v(layer_id)[meta.kv_slots]
-        safe_index = meta.q_index.clamp(min=0)
-        qp = q[safe_index]  # (bs, max_q, h, d)
-        groups = q.shape[1] // keys.shape[2]
-        keys = keys.to(q.dtype).repeat_interleave(groups, dim=2)
-        vals = vals.to(q.dtype).repeat_interleave(groups, dim=2)
+        keys = pool.k(layer_id)[meta.kv_slots].to(q.dtype)  # (bs, max_kv, kvh, d)
+        vals = pool.v(layer_id)[meta.kv_slots].to(q.dtype)
+        qp = q[meta.q_gather]  # (bs, max_q, h, d)
         out = F.scaled_dot_product_attention(
             qp.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
-            attn_mask=meta.mask, scale=scale)  # (bs, h, max_q, d)
-        out = out.transpose(1, 2)
-        valid = meta.q_index >= 0
+            attn_mask=meta.mask, scale=scale, enable_gqa=True)  # (bs, h, max_q, d)
         result = torch.empty_like(q)
-        result[meta.q_index[valid]] = out[valid]
+        result[meta.q_rows] = out.transpose(1, 2)[meta.valid]
         return result
 
 
