@@ -21,11 +21,12 @@ from engine.executor import build_input_ids, last_token_rows, sample_output, sca
 from engine.kv_cache import KVPool
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
+from spec.accept import accepted_rows, step_output, verify_window
 from spec.config import SpecConfig
 from spec.draft_input import EagleDraftInput, EagleReqState, EagleVerifyInput
 from spec.eagle_draft import build_draft_tree, draft_topk
 from spec.metrics import SpecStats
-from spec.verify import VerifyResult, verify_greedy, verify_sampled
+from spec.verify import VerifyResult
 
 
 class EagleWorker:
@@ -112,31 +113,12 @@ class EagleWorker:
                                        aux_hidden_layers=self.aux_layers)
         hidden, aux = self.target.forward(tree.tokens.reshape(-1), ctx)
         logits = self.target.logits(hidden)
-        vr = self._verify(reqs, tree, logits, seq)
-        rows = self._accepted_rows(vr, ntok)  # (bs, ntok) window rows, accepted first
+        vr = verify_window(self.sampler, reqs, tree, logits, seq)
+        rows = accepted_rows(vr, ntok)  # (bs, ntok) window rows, accepted first
         if not tree.is_chain:
             self._compact_target_kv(slots, seq, rows, vr.accept_lens)
         self._draft_extend(reqs, slots, seq_lens, rows, vr, self._features(hidden, aux))
-        return self._emit(reqs, vr, logits, rows)
-
-    def _verify(self, reqs: list[Req], tree, logits: torch.Tensor, seq: torch.Tensor) -> VerifyResult:
-        bs, ntok = tree.tokens.shape
-        sb = self.sampler.prepare(reqs, rows_per_req=ntok)
-        if sb.all_greedy:
-            return verify_greedy(tree, self.sampler.sample(logits, sb).tokens.view(bs, ntok))
-        probs = self.sampler.processed_probs(logits, sb).view(bs, ntok, -1)
-        seeds = torch.tensor([r.sampling_seed for r in reqs], dtype=torch.int64, device=seq.device)
-        return verify_sampled(tree, probs, seeds, seq + 1)
-
-    @staticmethod
-    def _accepted_rows(vr: VerifyResult, ntok: int) -> torch.Tensor:
-        """Window rows of the accepted path, padded to `ntok` with the last accepted row."""
-        bs, width = vr.path.shape
-        last = torch.gather(vr.path, 1, (vr.accept_lens - 1).unsqueeze(1))
-        path = torch.where(vr.path >= 0, vr.path, last)
-        if width < ntok:
-            path = torch.cat((path, last.expand(bs, ntok - width)), dim=1)
-        return path[:, :ntok]
+        return step_output(self.sampler, self.stats, reqs, vr, logits, rows)
 
     def _compact_target_kv(self, slots: list[int], seq: torch.Tensor, rows: torch.Tensor,
                            accept_lens: torch.Tensor) -> None:
@@ -168,21 +150,3 @@ class EagleWorker:
         p, idx = draft_topk(self.draft.model, g_last, self.cfg.eagle_topk)
         for i, req in enumerate(reqs):
             req.spec_state = EagleReqState(p[i], idx[i], g_last[i])
-
-    def _emit(self, reqs: list[Req], vr: VerifyResult, logits: torch.Tensor,
-              rows: torch.Tensor) -> StepOutput:
-        self.sampler.record(reqs, vr.emitted.clamp(min=0), counts=vr.accept_lens)
-        accept = vr.accept_lens.tolist()
-        emitted = vr.emitted.tolist()
-        self.stats.record(accept)
-        out = StepOutput(tokens=[e[:a] for e, a in zip(emitted, accept)],
-                         accepted_drafts=[a - 1 for a in accept])
-        if any(r.params.logprobs for r in reqs):
-            # emitted token j was chosen from the target's distribution at accepted row j
-            bs, ntok = rows.shape
-            flat = (rows + torch.arange(bs, device=rows.device).unsqueeze(1) * ntok).reshape(-1)
-            lp = torch.log_softmax(logits[flat], -1).view(bs, ntok, -1)
-            width = vr.emitted.shape[1]
-            chosen = torch.gather(lp[:, :width], 2, vr.emitted.clamp(min=0).unsqueeze(2)).squeeze(2)
-            out.logprobs = [c[:a] for c, a in zip(chosen.tolist(), accept)]
-        return out

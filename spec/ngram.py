@@ -24,8 +24,8 @@ from spec.config import SpecConfig, SpecConfigError
 from spec.future_map import FutureMap, RelayPayload, seed_rows
 from spec.metrics import SpecStats
 from spec.registry import CustomSpecAlgo
-from spec.tree import DraftTree, chain_tree
-from spec.verify import VerifyResult, verify_greedy, verify_sampled
+from spec.tree import chain_tree
+from spec.accept import step_output, verify_window
 
 if TYPE_CHECKING:
     from engine.engine import EngineParts
@@ -138,32 +138,9 @@ class NgramWorker:
         hidden, _ = self.target.forward(tokens.reshape(-1), ctx)
         logits = self.target.logits(hidden)
         seq = torch.tensor(seq_lens, dtype=torch.int64, device=dev)
-        return self._emit(reqs, self._verify(reqs, tree, logits, seq), logits)
-
-    def _verify(self, reqs: list[Req], tree: DraftTree, logits: torch.Tensor,
-                seq: torch.Tensor) -> VerifyResult:
-        bs, ntok = tree.tokens.shape
-        sb = self.sampler.prepare(reqs, rows_per_req=ntok)
-        if sb.all_greedy:  # the argmax per row is all greedy verification needs
-            return verify_greedy(tree, self.sampler.sample(logits, sb).tokens.view(bs, ntok))
-        probs = self.sampler.processed_probs(logits, sb).view(bs, ntok, -1)
-        seeds = torch.tensor([r.sampling_seed for r in reqs], dtype=torch.int64, device=seq.device)
-        return verify_sampled(tree, probs, seeds, seq + 1)  # seq + 1: index of the first new token
-
-    def _emit(self, reqs: list[Req], vr: VerifyResult, logits: torch.Tensor) -> StepOutput:
-        self.sampler.record(reqs, vr.emitted.clamp(min=0), counts=vr.accept_lens)
-        accept = vr.accept_lens.tolist()
-        emitted = vr.emitted.tolist()
-        self.stats.record(accept)
-        out = StepOutput(tokens=[e[:a] for e, a in zip(emitted, accept)],
-                         accepted_drafts=[a - 1 for a in accept])
-        if any(r.params.logprobs for r in reqs):
-            # chain: emitted token j was chosen from the target's distribution at window row j
-            bs, width = vr.emitted.shape
-            lp = torch.log_softmax(logits.float(), -1).view(bs, -1, logits.shape[-1])[:, :width]
-            chosen = torch.gather(lp, 2, vr.emitted.clamp(min=0).unsqueeze(2)).squeeze(2)
-            out.logprobs = [c[:a] for c, a in zip(chosen.tolist(), accept)]
-        return out
+        vr = verify_window(self.sampler, reqs, tree, logits, seq)
+        rows = torch.arange(ntok, device=dev).expand(bs, ntok)  # a chain's path is its row order
+        return step_output(self.sampler, self.stats, reqs, vr, logits, rows)
 
 
 class NgramAlgo(CustomSpecAlgo):

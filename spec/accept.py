@@ -1,0 +1,53 @@
+"""Shared by every verifying worker: verify a window's logits, then turn the result into a step."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.core import Req, StepOutput
+from engine.sampler import Sampler
+from spec.metrics import SpecStats
+from spec.tree import DraftTree
+from spec.verify import VerifyResult, verify_greedy, verify_sampled
+
+
+def verify_window(sampler: Sampler, reqs: list[Req], tree: DraftTree, logits: torch.Tensor,
+                  seq_lens: torch.Tensor) -> VerifyResult:
+    """logits: (bs * ntok, V) target logits over the window rows."""
+    bs, ntok = tree.tokens.shape
+    sb = sampler.prepare(reqs, rows_per_req=ntok)
+    if sb.all_greedy:  # the (penalised) argmax per row is all greedy verification needs
+        return verify_greedy(tree, sampler.sample(logits, sb).tokens.view(bs, ntok))
+    probs = sampler.processed_probs(logits, sb).view(bs, ntok, -1)
+    seeds = torch.tensor([r.sampling_seed for r in reqs], dtype=torch.int64, device=seq_lens.device)
+    return verify_sampled(tree, probs, seeds, seq_lens + 1)  # + 1: index of the first new token
+
+
+def accepted_rows(vr: VerifyResult, ntok: int) -> torch.Tensor:
+    """Window rows of the accepted path, padded to `ntok` with the last accepted row."""
+    bs, width = vr.path.shape
+    last = torch.gather(vr.path, 1, (vr.accept_lens - 1).unsqueeze(1))
+    path = torch.where(vr.path >= 0, vr.path, last)
+    if width < ntok:
+        path = torch.cat((path, last.expand(bs, ntok - width)), dim=1)
+    return path[:, :ntok]
+
+
+def step_output(sampler: Sampler, stats: SpecStats, reqs: list[Req], vr: VerifyResult,
+                logits: torch.Tensor, rows: torch.Tensor) -> StepOutput:
+    """Record penalties and stats; one CPU copy of the emitted tokens (+ logprobs if asked)."""
+    sampler.record(reqs, vr.emitted.clamp(min=0), counts=vr.accept_lens)
+    accept = vr.accept_lens.tolist()
+    emitted = vr.emitted.tolist()
+    stats.record(accept)
+    out = StepOutput(tokens=[e[:a] for e, a in zip(emitted, accept)],
+                     accepted_drafts=[a - 1 for a in accept])
+    if any(r.params.logprobs for r in reqs):
+        # emitted token j was chosen from the target's distribution at accepted row j
+        bs, ntok = rows.shape
+        width = vr.emitted.shape[1]
+        flat = (rows[:, :width] + torch.arange(bs, device=rows.device).unsqueeze(1) * ntok).reshape(-1)
+        lp = torch.log_softmax(logits[flat].float(), -1).view(bs, width, -1)
+        chosen = torch.gather(lp, 2, vr.emitted.clamp(min=0).unsqueeze(2)).squeeze(2)
+        out.logprobs = [c[:a] for c, a in zip(chosen.tolist(), accept)]
+    return out
