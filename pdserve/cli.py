@@ -15,7 +15,8 @@ import typer
 
 if TYPE_CHECKING:  # only for annotations; importing these at run time would pull in torch
     from engine.core import SamplingParams
-    from engine.engine import Engine, EngineConfig
+    from engine.engine import Engine, EngineConfig, ExecutorFactory
+    from spec.config import SpecConfig
 
 app = typer.Typer(
     name="pdserve",
@@ -99,14 +100,60 @@ def sampling_params(*, max_new_tokens: int, temperature: float, top_p: float, to
                           top_k=top_k, min_p=min_p, stop=tuple(stop or ()))
 
 
-def build_engine(config: EngineConfig) -> Engine:
+def spec_config(algorithm: str, **options: object) -> SpecConfig | None:
+    """The SpecConfig for `generate`, or None without speculation.
+
+    `options` are SpecConfig fields named like their flags (num_steps <-> --speculative-num-steps).
+    Unset (None) ones are left out so that SpecConfig's defaults live in one place.
+    """
+    from spec.config import SpecConfig
+
+    given = {name: value for name, value in options.items() if value is not None}
+    if algorithm.upper() == "NONE":
+        if given:  # silently ignoring them would let a user believe speculation ran
+            flags = ", ".join(_spec_flag(name) for name in given)
+            raise ValueError(f"{flags} need --speculative-algorithm (it is NONE)")
+        return None
+    if "draft_model_path" in given:
+        given["draft_model_path"] = str(given["draft_model_path"])
+    return SpecConfig(algorithm=algorithm, **given)  # type: ignore[arg-type]
+
+
+def _spec_flag(field: str) -> str:
+    return "--speculative-" + field.replace("_", "-")
+
+
+def spec_executor_factory(cfg: SpecConfig | None) -> ExecutorFactory | None:
+    """Resolve and check the speculative settings before the (slow) target load.
+
+    Raises SpecConfigError / SpecRegistryError (both ValueErrors) naming the flag or listing
+    the known algorithms; a bad draft directory surfaces later, as ModelLoadError, from Engine.
+    """
+    if cfg is None:
+        return None
+    from spec.registry import executor_factory
+
+    return executor_factory(cfg)
+
+
+def build_engine(config: EngineConfig, executor_factory: ExecutorFactory | None = None) -> Engine:
     """Load the model behind a spinner on stderr, so stdout carries only generated text."""
     from rich.console import Console
 
     from engine.engine import Engine
 
     with Console(stderr=True).status(f"loading model {config.model} ...", spinner="dots"):
-        return Engine(config)
+        return Engine(config, executor_factory=executor_factory)
+
+
+def spec_summary(engine: Engine, algorithm: str) -> str | None:
+    """One stderr line on how well speculation did, or None if the worker keeps no SpecStats."""
+    stats = getattr(engine.executor, "stats", None)
+    if stats is None or not hasattr(stats, "mean_accept_len"):  # plugins need not keep stats
+        return None
+    return (f"speculative {algorithm.upper()}: {stats.mean_accept_len:.2f} tokens per target "
+            f"forward (mean accepted length), acceptance rate {100 * stats.acceptance_rate:.1f}%, "
+            f"{stats.verifies} verifies")
 
 
 def prompt_inputs(engine: Engine, prompts: list[str], chat: bool) -> list[str | list[int]]:
@@ -184,17 +231,43 @@ def generate(
     page_size: Annotated[int, typer.Option(help="Tokens per KV cache page.")] = 16,
     chat: Annotated[bool, typer.Option(
         "--chat", help="Wrap each prompt as a user message with the chat template.")] = False,
+    speculative_algorithm: Annotated[str, typer.Option(
+        help="NONE, EAGLE, EAGLE3 or a registered plugin such as NGRAM (case-insensitive).",
+        rich_help_panel="Speculative decoding")] = "NONE",
+    speculative_draft_model_path: Annotated[Optional[Path], typer.Option(
+        help="Draft head directory (HF format), needed by EAGLE and EAGLE3.",
+        rich_help_panel="Speculative decoding")] = None,
+    speculative_num_steps: Annotated[Optional[int], typer.Option(
+        help="Draft steps per verify (default 3).", rich_help_panel="Speculative decoding")] = None,
+    speculative_eagle_topk: Annotated[Optional[int], typer.Option(
+        help="Branches per draft step; 1 is a chain, more is a tree (default 1).",
+        rich_help_panel="Speculative decoding")] = None,
+    speculative_num_draft_tokens: Annotated[Optional[int], typer.Option(
+        help="Tokens per verify, root included (default: num_steps + 1 for a chain, more for a tree).",
+        rich_help_panel="Speculative decoding")] = None,
+    speculative_ngram_min: Annotated[Optional[int], typer.Option(
+        help="NGRAM: shortest suffix to look up (default 1).",
+        rich_help_panel="Speculative decoding")] = None,
+    speculative_ngram_max: Annotated[Optional[int], typer.Option(
+        help="NGRAM: longest suffix to look up (default 4).",
+        rich_help_panel="Speculative decoding")] = None,
 ) -> None:
     """Generate text for one prompt (streamed) or several (batched) with the in-process engine."""
     from engine.config import ModelLoadError
     from pdserve.tokenizer import TokenizerFileNotFoundError
 
     try:
-        # Validate sampling options before the (slow) model load, so typos fail fast.
+        # Validate sampling and speculative options before the (slow) model load, so typos
+        # fail fast; only a bad draft head directory is found during the load.
         params = sampling_params(max_new_tokens=max_new_tokens, temperature=temperature,
                                  top_p=top_p, top_k=top_k, min_p=min_p, stop=stop)
+        spec = spec_config(speculative_algorithm, draft_model_path=speculative_draft_model_path,
+                           num_steps=speculative_num_steps, eagle_topk=speculative_eagle_topk,
+                           num_draft_tokens=speculative_num_draft_tokens,
+                           ngram_min=speculative_ngram_min, ngram_max=speculative_ngram_max)
+        factory = spec_executor_factory(spec)
         engine = build_engine(engine_config(model, dtype=dtype, device=device,
-                                            page_size=page_size, seed=seed))
+                                            page_size=page_size, seed=seed), factory)
         inputs = prompt_inputs(engine, prompt, chat)
         start = time.perf_counter()
         if len(inputs) == 1:
@@ -202,7 +275,8 @@ def generate(
         else:
             n_tokens, reason = _generate_batch(engine, prompt, inputs, params)
         elapsed = time.perf_counter() - start
-    # InvalidRequest, ChatTemplateError and bad dtypes are all ValueErrors.
+    # InvalidRequest, ChatTemplateError, bad dtypes, SpecConfigError and SpecRegistryError are
+    # all ValueErrors; a bad draft head directory raises ModelLoadError.
     except (ModelLoadError, TokenizerFileNotFoundError, ValueError) as e:
         _fail(e)
     except KeyboardInterrupt:
@@ -211,6 +285,9 @@ def generate(
     rate = n_tokens / elapsed if elapsed > 0 else 0.0
     typer.echo(f"{n_tokens} tokens in {elapsed:.2f} s ({rate:.1f} tok/s), finish: {reason}",
                err=True)
+    summary = spec_summary(engine, speculative_algorithm) if spec is not None else None
+    if summary:
+        typer.echo(summary, err=True)
 
 
 if __name__ == "__main__":

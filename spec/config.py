@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from engine.kv_cache import MAX_DECODE_WINDOW
+
 MAX_TOPK = 16  # the PD aux row carries at most 16 top-k entries
-MAX_WINDOW = 64  # tokens one verify may write beyond seq_len (bounds the request table width)
+MAX_WINDOW = MAX_DECODE_WINDOW  # tokens one verify may write beyond seq_len
 
 
 class SpecConfigError(ValueError):
@@ -45,7 +47,7 @@ class SpecConfig:
               f"must be in [2, {max_nodes}] for {self.num_steps} steps of top-{self.eagle_topk}, got {ntok}")
         _need(max(ntok, self.num_steps * self.eagle_topk) <= MAX_WINDOW, "--speculative-num-draft-tokens",
               f"the verify window may not exceed {MAX_WINDOW} tokens")
-        _need(1 <= self.ngram_min <= self.ngram_max, "--speculative-ngram-min/max",
+        _need(1 <= self.ngram_min <= self.ngram_max, "--speculative-ngram-min/--speculative-ngram-max",
               f"need 1 <= min <= max, got {self.ngram_min}, {self.ngram_max}")
         if self.draft_model_path is not None:
             _need(Path(self.draft_model_path).is_dir(), "--speculative-draft-model-path",

@@ -98,3 +98,88 @@ def test_module_help_runs_and_import_stays_torch_free() -> None:
                          text=True, timeout=60)
     assert imp.returncode == 0, imp.stderr
     assert imp.stdout.split() == ["False", "False"]
+
+
+# ---- speculative decoding flags ----
+
+@pytest.fixture(scope="module")
+def eagle_head(model_dir: Path) -> Path:
+    from engine.tiny_eagle import write_tiny_eagle_head
+
+    # A random head: its drafts are almost always rejected, so nearly every verify falls back
+    # to the target's own token, the path where an off-by-one would show in the text.
+    return write_tiny_eagle_head(model_dir.parent / "eagle-head", model_dir, "eagle", mode="random")
+
+
+def _greedy(model_dir: Path, *extra: str, prompts: tuple[str, ...] = ("def fibonacci(n):",)):
+    args = [a for p in prompts for a in ("-p", p)]
+    return _invoke("--model", str(model_dir), *args, "--max-new-tokens", "12",
+                   "--temperature", "0", *extra)
+
+
+@pytest.mark.parametrize("prompts", [("def fibonacci(n):",), ("hello", "for i in range(10):")],
+                         ids=["stream", "batch"])
+def test_eagle_greedy_text_equals_plain(model_dir: Path, eagle_head: Path,
+                                        prompts: tuple[str, ...]) -> None:
+    plain = _greedy(model_dir, prompts=prompts)
+    # lower case on purpose: algorithm names are case-insensitive
+    spec = _greedy(model_dir, "--speculative-algorithm", "eagle",
+                   "--speculative-draft-model-path", str(eagle_head), prompts=prompts)
+    assert plain.exit_code == spec.exit_code == 0, spec.output
+    assert spec.stdout == plain.stdout
+    assert "speculative EAGLE:" in spec.stderr
+    assert "mean accepted length" in spec.stderr and "acceptance rate" in spec.stderr
+    assert "speculative" not in plain.stderr
+
+
+def test_ngram_greedy_text_equals_plain(model_dir: Path) -> None:
+    from spec.registry import registered_names
+
+    if "NGRAM" not in registered_names():
+        pytest.skip("the NGRAM plugin is not registered (entry point not installed)")
+    prompts = ("a b a b a b a b", "x = x + 1\nx = x + 1\n")
+    plain = _greedy(model_dir, prompts=prompts)
+    spec = _greedy(model_dir, "--speculative-algorithm", "NGRAM", "--speculative-num-steps", "3",
+                   prompts=prompts)
+    assert plain.exit_code == spec.exit_code == 0, spec.output
+    assert spec.stdout == plain.stdout
+    assert "speculative NGRAM:" in spec.stderr
+
+
+def _assert_clean_error(res, *needles: str) -> None:
+    assert res.exit_code == 2, res.output
+    assert res.stderr.startswith("error: ") and res.stderr.count("\n") == 1, res.stderr
+    assert "Traceback" not in res.output
+    for needle in needles:
+        assert needle in res.stderr
+
+
+def test_unknown_algorithm_lists_known_names(model_dir: Path) -> None:
+    res = _greedy(model_dir, "--speculative-algorithm", "medusa9")
+    _assert_clean_error(res, "MEDUSA9", "EAGLE", "EAGLE3", "NONE")
+
+
+def test_eagle_without_draft_path_names_the_flag(model_dir: Path) -> None:
+    res = _greedy(model_dir, "--speculative-algorithm", "EAGLE")
+    _assert_clean_error(res, "--speculative-draft-model-path")
+
+
+def test_chain_with_wrong_num_draft_tokens_names_the_flag(model_dir: Path, eagle_head: Path) -> None:
+    res = _greedy(model_dir, "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path",
+                  str(eagle_head), "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+                  "--speculative-num-draft-tokens", "3")
+    _assert_clean_error(res, "--speculative-num-draft-tokens")
+
+
+def test_bad_draft_dir_is_a_clean_error(model_dir: Path, tmp_path: Path) -> None:
+    empty = tmp_path / "not-a-head"
+    empty.mkdir()
+    res = _greedy(model_dir, "--speculative-algorithm", "EAGLE",
+                  "--speculative-draft-model-path", str(empty))
+    _assert_clean_error(res, str(empty))
+
+
+def test_spec_flags_without_algorithm_are_refused(model_dir: Path) -> None:
+    # Ignoring them silently would let a user believe speculation ran.
+    res = _greedy(model_dir, "--speculative-num-steps", "2")
+    _assert_clean_error(res, "--speculative-num-steps", "--speculative-algorithm")
