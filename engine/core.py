@@ -133,6 +133,8 @@ class Req:
     num_retractions: int = 0
     spec_state: Any = None  # opaque per-request state owned by a speculative worker
     handoff: HandoffState | None = None  # PD decode: what arrived from the prefill node
+    # PD prefill: keep KV pages and speculative state after finishing, until the transfer ends
+    hold_kv: bool = False
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output without concatenating the whole sequence."""

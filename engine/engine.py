@@ -16,11 +16,12 @@ from engine.attention import create_attention_backend
 from engine.config import ModelConfig, parse_dtype
 from engine.core import FinishReason, InvalidRequest, Req, SamplingParams, as_token_list
 from engine.executor import Executor, PlainExecutor
-from engine.kv_cache import KVCacheConfig, KVCacheManager, KVPool
+from engine.kv_cache import MAX_DECODE_WINDOW, KVCacheConfig, KVCacheManager, KVPool
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import BatchPolicy, PolicyConfig, RequestUpdate, Scheduler
+from engine.scheduler.scheduler import SchedulerIO
 from engine.text_output import TextAssembler
 from pdserve.tokenizer import Tokenizer
 
@@ -144,7 +145,8 @@ class _LocalIO:
 class Engine:
     """Generate for a batch of prompts (text or token ids), all at once or streaming."""
 
-    def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory | None = None) -> None:
+    def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory | None = None,
+                 io: SchedulerIO | None = None) -> None:
         self.config = config
         self.device = torch.device(config.device)
         model, self.model_config = load_model(config.model, config.dtype, self.device)
@@ -152,8 +154,11 @@ class Engine:
         mc = self.model_config
         self.max_context_len = config.max_context_len or mc.max_position_embeddings
         num_pages = max(2, config.max_total_tokens // config.page_size + 1)  # +1: page 0 reserved
-        self.kv = KVCacheManager(KVCacheConfig(num_pages, config.page_size, config.max_running,
-                                               self.max_context_len + config.page_size), self.device)
+        # the table is wider than the context: a decode step may write a speculative window
+        # past the last position before the length check stops the request
+        width = self.max_context_len + MAX_DECODE_WINDOW + config.page_size
+        self.kv = KVCacheManager(KVCacheConfig(num_pages, config.page_size, config.max_running, width),
+                                 self.device)
         pool = KVPool(mc.num_layers, num_pages, config.page_size, mc.num_kv_heads, mc.head_dim,
                       self.dtype, self.device)
         runner = ModelRunner(model, self.kv, pool, create_attention_backend(config.attention_backend),
@@ -161,9 +166,11 @@ class Engine:
         sampler = Sampler(mc.vocab_size, config.max_running, self.device)
         self.parts = EngineParts(config, mc, runner, self.kv, sampler, self.device, self.dtype)
         self.executor = (executor_factory or (lambda p: PlainExecutor(p.runner, p.sampler)))(self.parts)
+        if self.executor.kv_tokens_per_decode() > MAX_DECODE_WINDOW:
+            raise ValueError(f"a decode step may not write more than {MAX_DECODE_WINDOW} tokens")
         policy = BatchPolicy(PolicyConfig(config.max_running, config.chunked_prefill_size),
                              self.kv, self.executor.kv_tokens_per_decode())
-        self.io = _LocalIO()
+        self.io: SchedulerIO = io or _LocalIO()
         self.scheduler = Scheduler(policy, self.executor, self.io, self.kv, mc.eos_token_ids,
                                    self.max_context_len)
         self.tokenizer = _maybe_tokenizer(Path(config.model))
@@ -180,7 +187,16 @@ class Engine:
     def _submit(self, prompt: str | Sequence[int], params: SamplingParams | None,
                 rid: str | None = None) -> Req:
         params = params or SamplingParams()
-        ids = self._prompt_ids(prompt)
+        req = self.make_request(self._prompt_ids(prompt), params, rid)
+        if self.tokenizer is not None:
+            self._texts[req.rid] = TextAssembler(self.tokenizer, params.stop, req.prompt_ids)
+        self.io.submit(req)
+        return req
+
+    def make_request(self, ids: list[int], params: SamplingParams, rid: str | None = None) -> Req:
+        """Validate token ids against this model and build a Req (servers submit it themselves)."""
+        if any(t < 0 or t >= self.model_config.vocab_size for t in ids):
+            raise InvalidRequest(f"token id out of range (vocab size {self.model_config.vocab_size})")
         if not ids:
             raise InvalidRequest("prompt is empty")
         if len(ids) + 1 > self.max_context_len:
@@ -190,11 +206,7 @@ class Engine:
             raise InvalidRequest("stop strings need a tokenizer; this model directory has none")
         rid = rid or f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        req = Req(rid, ids, params, sampling_seed=seed)
-        if self.tokenizer is not None:
-            self._texts[rid] = TextAssembler(self.tokenizer, params.stop, ids)
-        self.io.submit(req)
-        return req
+        return Req(rid, list(ids), params, sampling_seed=seed)
 
     def abort(self, rid: str) -> None:
         self.io.abort(rid)
@@ -204,10 +216,7 @@ class Engine:
             if self.tokenizer is None:
                 raise InvalidRequest("text prompts need a tokenizer; pass token ids instead")
             return self.tokenizer.encode(prompt)
-        ids = as_token_list(prompt)
-        if any(t >= self.model_config.vocab_size for t in ids):
-            raise InvalidRequest(f"token id out of range (vocab size {self.model_config.vocab_size})")
-        return ids
+        return as_token_list(prompt)
 
     # ---- driving the scheduler in the caller's thread ----
     def step(self) -> list[StreamDelta]:

@@ -16,6 +16,10 @@ import torch
 from engine.core import Req
 
 
+# Tokens one decode step may write beyond seq_len (a speculative verify window).
+MAX_DECODE_WINDOW = 64
+
+
 class OutOfPages(RuntimeError):
     """The page pool cannot satisfy an allocation; the scheduler retracts or waits."""
 

@@ -170,12 +170,17 @@ class Scheduler:
     def _finish(self, req: Req) -> RequestUpdate:
         """Release everything a finished request holds and drop it from the scheduler."""
         self.policy.remove(req)
-        if req.slot:
-            self.executor.on_release(req)
-            self.kv.release(req)
+        if req.slot and not (req.hold_kv and req.finish_reason is not FinishReason.ABORT):
+            self.release_kv(req)
         req.state = ReqState.FINISHED
         self.reqs.pop(req.rid, None)
         return self._final_update(req)
+
+    def release_kv(self, req: Req) -> None:
+        """Return a request's pages and slot (also for held requests once their transfer ends)."""
+        if req.slot:
+            self.executor.on_release(req)
+            self.kv.release(req)
 
     @staticmethod
     def _final_update(req: Req) -> RequestUpdate:

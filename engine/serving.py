@@ -1,0 +1,144 @@
+"""Runs an Engine's scheduler in its own thread for servers: thread-safe submit/abort/call and
+per-request update callbacks (the gRPC servicers bridge those into asyncio)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from engine.core import FinishReason, Req
+from engine.scheduler import RequestUpdate
+
+log = logging.getLogger(__name__)
+UpdateCallback = Callable[[RequestUpdate], None]
+
+
+class ThreadedIO:
+    """Scheduler inbox/outbox shared by the scheduler thread and server threads.
+
+    `call(fn)` runs `fn` in the scheduler thread between steps, so servers touch the KV
+    manager and scheduler state without locks (page reservation, releasing held KV, adopting
+    prebuilt requests)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._new: list[Req] = []
+        self._aborts: list[tuple[str, str]] = []
+        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._subscribers: dict[str, UpdateCallback] = {}
+        self._wake = threading.Event()
+
+    def submit(self, req: Req, on_update: UpdateCallback) -> None:
+        with self._lock:
+            self._subscribers[req.rid] = on_update
+            self._new.append(req)
+        self._wake.set()
+
+    def subscribe(self, rid: str, on_update: UpdateCallback) -> None:
+        with self._lock:
+            self._subscribers[rid] = on_update
+
+    def abort(self, rid: str, reason: str = "aborted") -> None:
+        with self._lock:
+            self._aborts.append((rid, reason))
+        self._wake.set()
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            self._calls.append((fn, fut))
+        self._wake.set()
+        return fut
+
+    # ---- SchedulerIO (scheduler thread) ----
+    def poll(self) -> tuple[list[Req], list[str]]:
+        self.run_calls()
+        with self._lock:
+            new, self._new = self._new, []
+            aborts, self._aborts = self._aborts, []
+        return new, [rid for rid, _ in aborts]
+
+    def run_calls(self) -> None:
+        while True:
+            with self._lock:
+                if not self._calls:
+                    return
+                fn, fut = self._calls.popleft()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - handed to the caller's future
+                    fut.set_exception(e)
+
+    def publish(self, updates: list[RequestUpdate]) -> None:
+        for upd in updates:
+            with self._lock:
+                cb = self._subscribers.pop(upd.rid, None) if upd.finished else self._subscribers.get(upd.rid)
+            if cb is not None:
+                try:
+                    cb(upd)
+                except Exception:  # noqa: BLE001 - a broken subscriber must not stop the engine
+                    log.exception("update callback for %s failed", upd.rid)
+
+    def wait_for_work(self, timeout: float) -> None:
+        self._wake.wait(timeout)
+        self._wake.clear()
+
+    @property
+    def has_pending(self) -> bool:
+        with self._lock:
+            return bool(self._new or self._aborts or self._calls)
+
+
+class EngineLoop:
+    """The scheduler thread of a serving process."""
+
+    def __init__(self, engine: Any) -> None:
+        if not isinstance(engine.io, ThreadedIO):
+            raise TypeError("EngineLoop needs an Engine built with io=ThreadedIO()")
+        self.engine = engine
+        self.io: ThreadedIO = engine.io
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pdserve-scheduler", daemon=True)
+        self.steps_failed = 0
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self.io._wake.set()
+        self._thread.join(timeout)
+
+    def submit(self, req: Req, on_update: UpdateCallback) -> None:
+        self.io.submit(req, on_update)
+
+    def abort(self, rid: str, reason: str = "aborted") -> None:
+        self.io.abort(rid, reason)
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        return self.io.call(fn)
+
+    def _run(self) -> None:
+        sched = self.engine.scheduler
+        while not self._stop.is_set():
+            try:
+                sched.step()
+            except Exception as e:  # noqa: BLE001 - fail the in-flight requests, keep serving
+                self.steps_failed += 1
+                log.exception("engine step failed; aborting in-flight requests")
+                self._fail_all(f"internal error: {type(e).__name__}: {e}")
+            if not sched.policy.has_work and not self.io.has_pending:
+                self.io.wait_for_work(0.05)
+
+    def _fail_all(self, detail: str) -> None:
+        sched = self.engine.scheduler
+        updates = []
+        for req in list(sched.reqs.values()):
+            req.finish(FinishReason.ABORT, detail)
+            updates.append(sched._finish(req))
+        self.io.publish(updates)
