@@ -1,0 +1,84 @@
+"""The threaded serving loop: submissions from other threads, calls in the scheduler thread,
+held KV for PD prefill, and a failing step that aborts requests but keeps the loop alive."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import pytest
+
+from engine.core import FinishReason, SamplingParams
+from engine.engine import Engine, EngineConfig
+from engine.serving import EngineLoop, ThreadedIO
+
+TIMEOUT = 20.0
+
+
+@pytest.fixture
+def loop(tiny_llama_dir):
+    eng = Engine(EngineConfig(str(tiny_llama_dir), page_size=4), io=ThreadedIO())
+    lp = EngineLoop(eng).start()
+    yield lp
+    lp.stop()
+
+
+def _collect(lp, req):
+    q: queue.Queue = queue.Queue()
+    lp.submit(req, q.put)
+    tokens = []
+    while True:
+        upd = q.get(timeout=TIMEOUT)
+        tokens += upd.tokens
+        if upd.finished:
+            return tokens, upd
+
+
+def test_requests_from_many_threads_complete(loop):
+    eng = loop.engine
+    results = {}
+
+    def client(i):
+        req = eng.make_request([1 + i, 2, 3], SamplingParams(max_new_tokens=6, temperature=0.0), f"t{i}")
+        results[i] = _collect(loop, req)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+    assert all(len(results[i][0]) == 6 and results[i][1].finish_reason is FinishReason.LENGTH
+               for i in range(6))
+    assert loop.call(lambda: eng.kv.all_free).result(TIMEOUT)
+    assert loop.call(lambda: threading.current_thread().name).result(TIMEOUT) == "pdserve-scheduler"
+
+
+def test_held_kv_survives_finish_until_released(loop):
+    eng = loop.engine
+    req = eng.make_request([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=1, temperature=0.0), "held")
+    req.hold_kv = True
+    tokens, upd = _collect(loop, req)
+    assert len(tokens) == 1 and upd.finished
+    pages = loop.call(lambda: eng.kv.page_list(req)).result(TIMEOUT)
+    assert pages and req.seq_len == 5  # prompt KV kept for the transfer
+    loop.call(lambda: eng.scheduler.release_kv(req)).result(TIMEOUT)
+    assert loop.call(lambda: eng.kv.all_free).result(TIMEOUT)
+
+
+def test_a_failing_step_aborts_in_flight_requests_and_the_loop_goes_on(loop):
+    eng = loop.engine
+    real_step = eng.executor.step
+    calls = {"n": 0}
+
+    def flaky(batch):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return real_step(batch)
+
+    eng.executor.step = flaky
+    _, upd = _collect(loop, eng.make_request([1, 2], SamplingParams(max_new_tokens=20), "x"))
+    assert upd.finish_reason is FinishReason.ABORT and "boom" in upd.finish_detail
+    tokens, upd = _collect(loop, eng.make_request([1, 2], SamplingParams(max_new_tokens=3), "y"))
+    assert len(tokens) == 3 and loop.steps_failed == 1
+    assert loop.call(lambda: eng.kv.all_free).result(TIMEOUT)
