@@ -114,6 +114,10 @@ class EngineLoop:
         self.io._wake.set()
         self._thread.join(timeout)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
     def submit(self, req: Req, on_update: UpdateCallback) -> None:
         self.io.submit(req, on_update)
 

@@ -290,5 +290,13 @@ def generate(
         typer.echo(summary, err=True)
 
 
+def _register_node_commands() -> None:
+    from pdserve import node_cli
+
+    node_cli.register(app)
+
+
+_register_node_commands()
+
 if __name__ == "__main__":
     app()

@@ -77,6 +77,11 @@ class Scheduler:
             updates.append(self._append(req, [first], StepOutput(tokens=[[first]]), 0))
         return [u for u in updates if u is not None]
 
+    def fail(self, req: Req, detail: str) -> RequestUpdate:
+        """End a request now with an error (e.g. a handoff that cannot seed decoding)."""
+        req.finish(FinishReason.ABORT, detail)
+        return self._finish(req)
+
     def _abort(self, rid: str, detail: str = "aborted") -> RequestUpdate:
         req = self.reqs[rid]
         req.finish(FinishReason.ABORT, detail)

@@ -1,0 +1,1 @@
+"""The router-facing gRPC service every node serves: SGLang's scheduler API (smg-grpc-proto)."""

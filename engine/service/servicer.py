@@ -1,0 +1,112 @@
+"""SglangScheduler servicer shared by every node role; Generate is delegated to a role handler."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Protocol
+
+import grpc
+from google.protobuf import struct_pb2
+from smg_grpc_proto import sglang_scheduler_pb2 as pb
+from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
+
+from engine.core import InvalidRequest
+from engine.service.stream import RequestFailed
+from engine.serving import EngineLoop
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class NodeInfo:
+    """What GetModelInfo / GetServerInfo report."""
+
+    served_model_name: str
+    model_path: str
+    tokenizer_path: str
+    max_context_length: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    architectures: list[str]
+    model_type: str
+    role: str  # "null" (colocated), "prefill" or "decode"
+    pairing_protocol: str | None = None
+    server_args: dict[str, Any] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+
+
+class GenerateHandler(Protocol):
+    def generate(self, request: pb.GenerateRequest,
+                 context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]: ...
+
+    def abort(self, request_id: str, reason: str) -> bool: ...
+
+    def disaggregation_metrics(self) -> pb.DisaggregationMetrics | None: ...
+
+
+class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
+    def __init__(self, info: NodeInfo, loop: EngineLoop, handler: GenerateHandler) -> None:
+        self.info, self.loop, self.handler = info, loop, handler
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            async for resp in self.handler.generate(request, context):
+                yield resp
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RequestFailed as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+    async def HealthCheck(self, request: pb.HealthCheckRequest,
+                          context: grpc.aio.ServicerContext) -> pb.HealthCheckResponse:
+        alive = self.loop.alive
+        return pb.HealthCheckResponse(healthy=alive, message="ok" if alive else "engine stopped")
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        found = self.handler.abort(request.request_id, request.reason or "aborted by client")
+        return pb.AbortResponse(success=True, message="aborted" if found else "unknown or finished")
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
+        i = self.info
+        return pb.GetModelInfoResponse(
+            model_path=i.model_path, tokenizer_path=i.tokenizer_path, is_generation=True,
+            served_model_name=i.served_model_name, max_context_length=i.max_context_length,
+            vocab_size=i.vocab_size, model_type=i.model_type, eos_token_ids=i.eos_token_ids,
+            max_req_input_len=i.max_context_length - 1, architectures=i.architectures)
+
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest,
+                            context: grpc.aio.ServicerContext) -> pb.GetServerInfoResponse:
+        args = struct_pb2.Struct()
+        args.update({**self.info.server_args, "disaggregation_mode": self.info.role})
+        if self.info.pairing_protocol:
+            args.update({"pairing_protocol": self.info.pairing_protocol})
+        sched = self.loop.engine.scheduler
+        return pb.GetServerInfoResponse(
+            server_args=args, active_requests=len(sched.reqs), server_type="grpc",
+            sglang_version="pdserve", uptime_seconds=time.time() - self.info.started,
+            max_total_num_tokens=self.loop.engine.kv.allocator.total * self.loop.engine.kv.page_size)
+
+    async def GetLoads(self, request: pb.GetLoadsRequest,
+                       context: grpc.aio.ServicerContext) -> pb.GetLoadsResponse:
+        eng = self.loop.engine
+        policy, kv = eng.scheduler.policy, eng.kv
+        used = kv.allocator.num_used * kv.page_size
+        total = kv.allocator.total * kv.page_size
+        load = pb.SchedulerLoad(
+            dp_rank=0, num_running_reqs=len(policy.running), num_waiting_reqs=len(policy.waiting),
+            num_total_reqs=len(policy.running) + len(policy.waiting), num_used_tokens=used,
+            max_total_num_tokens=total, token_usage=used / max(total, 1),
+            max_running_requests=eng.config.max_running)
+        stats = getattr(eng.executor, "stats", None)
+        if stats is not None:
+            load.speculative.CopyFrom(pb.SpeculativeMetrics(accept_length=stats.mean_accept_len,
+                                                            accept_rate=stats.acceptance_rate))
+        disagg = self.handler.disaggregation_metrics()
+        if disagg is not None:
+            load.disaggregation.CopyFrom(disagg)
+        return pb.GetLoadsResponse(timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                   version="pdserve", dp_rank_count=1, loads=[load])

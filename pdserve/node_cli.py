@@ -1,0 +1,157 @@
+"""`pdserve serve|prefill|decode`: long-running node processes behind the SGLang scheduler API.
+
+Torch-free at import like the rest of the CLI; each command imports its role lazily.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Optional
+
+import typer
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
+
+PANEL_SPEC = "Speculative decoding"
+ModelOpt = Annotated[Optional[Path], typer.Option(help="HF-format model directory (default: demo model).")]
+HostOpt = Annotated[str, typer.Option(help="Address to bind.")]
+DTypeOpt = Annotated[Optional[str], typer.Option(help="float32, bfloat16 or float16.")]
+DeviceOpt = Annotated[str, typer.Option(help="torch device, e.g. cpu or cuda:0.")]
+PageOpt = Annotated[int, typer.Option(help="Tokens per KV cache page.")]
+TotalOpt = Annotated[int, typer.Option(help="KV cache capacity in tokens.")]
+RunningOpt = Annotated[int, typer.Option(help="Most requests in flight.")]
+ChunkOpt = Annotated[int, typer.Option(help="Prefill token budget per step (chunked prefill).")]
+AlgoOpt = Annotated[str, typer.Option(help="NONE, EAGLE, EAGLE3 or a plugin such as NGRAM.",
+                                      rich_help_panel=PANEL_SPEC)]
+DraftOpt = Annotated[Optional[Path], typer.Option(help="Draft head directory (EAGLE/EAGLE3).",
+                                                  rich_help_panel=PANEL_SPEC)]
+IntSpecOpt = Annotated[Optional[int], typer.Option(rich_help_panel=PANEL_SPEC)]
+
+
+@dataclass
+class EngineOptions:
+    model: Optional[Path]
+    dtype: Optional[str]
+    device: str
+    page_size: int
+    max_total_tokens: int
+    max_running: int
+    chunked_prefill_size: int
+    speculative_algorithm: str
+    speculative_draft_model_path: Optional[Path]
+    speculative_num_steps: Optional[int]
+    speculative_eagle_topk: Optional[int]
+    speculative_num_draft_tokens: Optional[int]
+
+    def build(self) -> tuple["Engine", Any]:
+        """Load the engine for a node (threaded scheduler IO); returns (engine, spec config)."""
+        from engine.engine import Engine, EngineConfig, check_device
+        from engine.serving import ThreadedIO
+        from engine.tiny_model import demo_model_dir
+        from pdserve.cli import spec_config, spec_executor_factory
+
+        check_device(self.device)
+        spec = spec_config(self.speculative_algorithm,
+                           draft_model_path=self.speculative_draft_model_path,
+                           num_steps=self.speculative_num_steps, eagle_topk=self.speculative_eagle_topk,
+                           num_draft_tokens=self.speculative_num_draft_tokens)
+        factory = spec_executor_factory(spec)
+        cfg = EngineConfig(model=str(self.model or demo_model_dir()), dtype=self.dtype,
+                           device=self.device, page_size=self.page_size,
+                           max_total_tokens=self.max_total_tokens, max_running=self.max_running,
+                           chunked_prefill_size=self.chunked_prefill_size)
+        return Engine(cfg, executor_factory=factory, io=ThreadedIO()), spec
+
+
+def _run(main: Any) -> None:
+    """Run a node's asyncio main; expected failures are one line and exit 2."""
+    import asyncio
+
+    from engine.config import ModelLoadError
+    from pdserve.cli import _fail
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(main)
+    except (ModelLoadError, ValueError, OSError) as e:
+        _fail(e)
+
+
+TransportOpt = Annotated[str, typer.Option(help="KV transfer backend (nixl).")]
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def serve(
+        model: ModelOpt = None, host: HostOpt = "127.0.0.1",
+        port: Annotated[int, typer.Option(help="Scheduler API (gRPC) port.")] = 30000,
+        dtype: DTypeOpt = None, device: DeviceOpt = "cpu", page_size: PageOpt = 16,
+        max_total_tokens: TotalOpt = 16384, max_running: RunningOpt = 64,
+        chunked_prefill_size: ChunkOpt = 2048,
+        speculative_algorithm: AlgoOpt = "NONE", speculative_draft_model_path: DraftOpt = None,
+        speculative_num_steps: IntSpecOpt = None, speculative_eagle_topk: IntSpecOpt = None,
+        speculative_num_draft_tokens: IntSpecOpt = None,
+    ) -> None:
+        """Colocated node: prompt and decode in one process (the PD baseline)."""
+        opts = EngineOptions(model, dtype, device, page_size, max_total_tokens, max_running,
+                             chunked_prefill_size, speculative_algorithm, speculative_draft_model_path,
+                             speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens)
+        from engine.service.colocated import run_colocated
+
+        _run(run_colocated(opts, host, port))
+
+    @app.command()
+    def prefill(
+        model: ModelOpt = None, host: HostOpt = "127.0.0.1",
+        port: Annotated[int, typer.Option(help="Scheduler API (gRPC) port.")] = 30001,
+        bootstrap_port: Annotated[int, typer.Option(help="KV control port decode nodes connect to.")] = 8998,
+        kv_transport: TransportOpt = "nixl",
+        bootstrap_timeout: Annotated[float, typer.Option(help="Seconds to wait for a destination.")] = 30.0,
+        transfer_timeout: Annotated[float, typer.Option(help="Seconds a KV write may take.")] = 30.0,
+        dtype: DTypeOpt = None, device: DeviceOpt = "cpu", page_size: PageOpt = 16,
+        max_total_tokens: TotalOpt = 16384, max_running: RunningOpt = 64,
+        chunked_prefill_size: ChunkOpt = 2048,
+        speculative_algorithm: AlgoOpt = "NONE", speculative_draft_model_path: DraftOpt = None,
+        speculative_num_steps: IntSpecOpt = None, speculative_eagle_topk: IntSpecOpt = None,
+        speculative_num_draft_tokens: IntSpecOpt = None,
+    ) -> None:
+        """Prefill node: runs prompts (target, then the draft) and writes KV to decode nodes."""
+        opts = EngineOptions(model, dtype, device, page_size, max_total_tokens, max_running,
+                             chunked_prefill_size, speculative_algorithm, speculative_draft_model_path,
+                             speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens)
+        from prefill_node.handler import PrefillTimeouts
+        from prefill_node.main import run_prefill
+
+        _run(run_prefill(opts, host, port, bootstrap_port, kv_transport,
+                         PrefillTimeouts(bootstrap_s=bootstrap_timeout, transfer_s=transfer_timeout)))
+
+    @app.command()
+    def decode(
+        model: ModelOpt = None, host: HostOpt = "127.0.0.1",
+        port: Annotated[int, typer.Option(help="Scheduler API (gRPC) port.")] = 30002,
+        kv_transport: TransportOpt = "nixl",
+        waiting_timeout: Annotated[float, typer.Option(help="Seconds to wait for a prefill's KV.")] = 60.0,
+        connect_attempts: Annotated[int, typer.Option(help="Handshake attempts per prefill.")] = 8,
+        connect_timeout: Annotated[float, typer.Option(help="Total seconds to reach a prefill.")] = 30.0,
+        heartbeat_interval: Annotated[float, typer.Option(help="Seconds between prefill health checks.")] = 2.0,
+        dtype: DTypeOpt = None, device: DeviceOpt = "cpu", page_size: PageOpt = 16,
+        max_total_tokens: TotalOpt = 16384, max_running: RunningOpt = 64,
+        chunked_prefill_size: ChunkOpt = 2048,
+        speculative_algorithm: AlgoOpt = "NONE", speculative_draft_model_path: DraftOpt = None,
+        speculative_num_steps: IntSpecOpt = None, speculative_eagle_topk: IntSpecOpt = None,
+        speculative_num_draft_tokens: IntSpecOpt = None,
+    ) -> None:
+        """Decode node: receives KV from prefill nodes and generates."""
+        opts = EngineOptions(model, dtype, device, page_size, max_total_tokens, max_running,
+                             chunked_prefill_size, speculative_algorithm, speculative_draft_model_path,
+                             speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens)
+        from decode_node.handler import DecodeTimeouts
+        from decode_node.main import run_decode
+        from decode_node.peers import PeerPolicy
+
+        _run(run_decode(opts, host, port, kv_transport, DecodeTimeouts(waiting_s=waiting_timeout),
+                        PeerPolicy(connect_attempts=connect_attempts, connect_total_s=connect_timeout,
+                                   heartbeat_s=heartbeat_interval)))
