@@ -22,6 +22,7 @@ $(STAMP): pyproject.toml
 		$(VPY) -m pip install torch==2.13.0; \
 	fi
 	$(VPY) -m pip install -e '.[test,triton]'
+	$(VPY) -m pip install --no-deps nixl-cu13==1.5.1 || echo "warning: nixl-cu13 not installed; PD transfer unavailable"
 	touch $@
 
 test: venv

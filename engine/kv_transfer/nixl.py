@@ -1,0 +1,361 @@
+"""NIXL implementation of KVTransport: one agent per node, UCX by default.
+
+Registration: every KV pool buffer (VRAM for CUDA tensors, DRAM for CPU tensors) and the aux
+buffer. A write of one request is a single NIXL WRITE of all its (region, page-run) descriptors
+plus its aux row, tagged with `completion_tag(room)`: NIXL delivers that tag to the peer only
+after the data has landed, so the tag is the decode side's "pages are valid" signal. When the
+KV and the aux row live in different memory kinds (GPU KV, host aux rows) one descriptor list
+cannot hold both, so the KV goes first untagged and the tagged aux write is posted only after it
+completed - the tag still implies everything landed.
+
+Safety: descriptors are rebuilt from plain (addr, len, dev) numbers in the peer's MemoryLayout;
+nothing received from the network is ever unpickled (NIXL's serialized descs are pickles).
+Failure: a NIXL error while posting raises TransferError; one seen while polling (or a transfer
+outliving `xfer_timeout_s`) makes `poll` return FAILED with the text in `last_error(handle)`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's Python logger prints INFO to stdout
+
+from nixl_cu13._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t  # noqa: E402
+
+from engine.kv_cache import KVPool
+from engine.kv_transfer.aux import AuxBuffer
+from engine.kv_transfer.base import (KVPoll, MemoryLayout, TransferError,
+                                     TransferRequest, completion_tag)
+from engine.kv_transfer.layout import coalesce_runs, kv_regions, run_descs, tensor_mem_type
+
+log = logging.getLogger(__name__)
+_MEM_TYPES = ("DRAM", "VRAM")
+
+
+@dataclass(eq=False)
+class NixlXfer:
+    """A posted write: NIXL handles posted in order; only the last one carries the tag."""
+
+    room: int
+    peer: str
+    stages: list[Any]
+    deadline: float
+    nbytes: int
+    stage: int = 0
+    state: KVPoll = KVPoll.TRANSFERRING
+    error: str | None = None
+    started: float = field(default_factory=time.monotonic)
+
+
+def _err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _md_agent_name(md: bytes) -> str | None:
+    """The agent name inside NIXL metadata ("nixlSerDes|Agent" + u64 length + name), or None
+    if the format is not what nixl-cu13 1.5 writes. Only a hint: NIXL still parses the bytes."""
+    head = b"nixlSerDes|Agent"
+    if not md.startswith(head) or len(md) < len(head) + 8:
+        return None
+    n = int.from_bytes(md[len(head):len(head) + 8], "little")
+    raw = md[len(head) + 8:len(head) + 8 + n]
+    return raw.decode(errors="replace") if 0 < n == len(raw) else None
+
+
+class NixlTransport:
+    """KVTransport over a NIXL agent. Thread-safe: every agent call holds one lock."""
+
+    def __init__(self, name: str, pools: Sequence[KVPool], aux: AuxBuffer, backend: str = "UCX",
+                 *, backend_params: dict[str, str] | None = None,
+                 xfer_timeout_s: float = 60.0) -> None:
+        self._name, self._pools, self._aux = name, list(pools), aux
+        self._timeout = xfer_timeout_s
+        self._lock = threading.Lock()
+        kinds = {tensor_mem_type(p.buffer) for p in self._pools}
+        if len(kinds) > 1:
+            raise ValueError("all KV pools of one node must live in the same memory kind")
+        kv_mem = kinds.pop() if kinds else "DRAM"
+        self._layout = MemoryLayout(kv=kv_regions(self._pools), aux=aux.region(), mem_type=kv_mem,
+                                    aux_mem_type=tensor_mem_type(aux.tensor))
+        # STRICT: the node's scheduler loop and its gRPC threads share this agent.
+        cfg = nixl_agent_config(backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        self._agent: Any = nixl_agent(name, cfg)
+        if backend not in self._agent.get_plugin_list():
+            raise TransferError(f"NIXL backend {backend!r} is not available "
+                                f"(plugins: {self._agent.get_plugin_list()})")
+        self._agent.create_backend(backend, dict(backend_params or {}))
+        self._regs: list[Any] = []
+        try:
+            for t in [p.buffer for p in self._pools] + [aux.tensor]:
+                if not t.is_contiguous():
+                    raise ValueError("registered buffers must be contiguous")
+                desc = (t.data_ptr(), t.numel() * t.element_size(), max(t.get_device(), 0), "")
+                self._regs.append(self._agent.register_memory([desc], tensor_mem_type(t)))
+        except Exception:
+            self.close()
+            raise
+        self._peers: dict[str, MemoryLayout] = {}
+        self._peer_md: dict[str, bytes] = {}
+        self._live: set[NixlXfer] = set()
+        # Tests flip this to exercise the two-stage path that GPU KV + host aux rows take.
+        self._force_split_aux = False
+
+    # ---- identity / handshake ----
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def metadata(self) -> bytes:
+        with self._lock:
+            return bytes(self._live_agent().get_agent_metadata())
+
+    def layout(self) -> MemoryLayout:
+        return self._layout
+
+    def peer_layout(self, name: str) -> MemoryLayout | None:
+        return self._peers.get(name)
+
+    def add_peer(self, metadata: bytes, layout: MemoryLayout) -> str:
+        why = self._layout.compatible_with(layout)
+        if why is None and (layout.mem_type not in _MEM_TYPES or layout.aux_mem_type not in _MEM_TYPES):
+            why = f"unknown memory kind ({layout.mem_type}, {layout.aux_mem_type})"
+        if why is not None:
+            raise TransferError(f"peer layout is incompatible with {self._name!r}: {why}")
+        with self._lock:
+            agent = self._live_agent()
+            if bytes(metadata) == bytes(agent.get_agent_metadata()):
+                raise TransferError(f"peer metadata is our own agent's ({self._name!r})")
+            hint = _md_agent_name(metadata)
+            if hint in self._peer_md and self._peer_md[hint] != bytes(metadata):
+                # A restarted peer (same name, new metadata): NIXL refuses to load over the stale
+                # entry (NIXL_ERR_NOT_ALLOWED), so forget the old endpoint first.
+                self._forget(hint)
+            try:
+                name = self._as_str(agent.add_remote_agent(metadata))
+            except Exception as e:  # e.g. a peer that took our agent name: names must be unique
+                raise TransferError(f"cannot load peer metadata into {self._name!r} (an agent "
+                                    f"named {hint!r} already loaded?): {_err(e)}") from e
+            try:
+                # Pre-warm: the first transfer otherwise pays 15-40 ms of connection setup.
+                agent.make_connection(name)
+            except Exception as e:
+                self._forget(name)
+                raise TransferError(f"cannot connect to peer {name!r}: {_err(e)}") from e
+            self._peers[name], self._peer_md[name] = layout, bytes(metadata)
+            return name
+
+    def remove_peer(self, name: str) -> None:
+        with self._lock:
+            self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        self._peers.pop(name, None)
+        self._peer_md.pop(name, None)
+        if self._agent is not None:
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception as e:  # already gone: nothing left to undo
+                log.debug("remove_remote_agent(%s): %s", name, _err(e))
+
+    # ---- data path ----
+    def write(self, req: TransferRequest) -> NixlXfer:
+        with self._lock:
+            agent = self._live_agent()
+            peer = self._peers.get(req.peer)
+            if peer is None:
+                raise TransferError(f"room {req.room}: unknown peer {req.peer!r}")
+            me = self._layout
+            self._check_items("source page", req.src_pages, min((r.count for r in me.kv), default=0))
+            self._check_items("destination page", req.dst_pages,
+                              min((r.count for r in peer.kv), default=0))
+            self._check_items("source aux row", [req.src_aux_row], me.aux.count)
+            self._check_items("destination aux row", [req.dst_aux_row], peer.aux.count)
+            try:
+                src_start, dst_start, lengths = coalesce_runs(req.src_pages, req.dst_pages)
+            except ValueError as e:
+                raise TransferError(f"room {req.room}: {e}") from e
+            parts = []  # (local rows, local kind, remote rows, remote kind)
+            kv_local = run_descs(me.kv, src_start, lengths)
+            if kv_local.size:
+                parts.append((kv_local, me.mem_type, run_descs(peer.kv, dst_start, lengths),
+                              peer.mem_type))
+            parts.append((self._aux_desc(me, req.src_aux_row), me.aux_mem_type,
+                          self._aux_desc(peer, req.dst_aux_row), peer.aux_mem_type))
+            split = self._force_split_aux or any(p[1] != parts[-1][1] or p[3] != parts[-1][3]
+                                                 for p in parts)
+            if not split and len(parts) == 2:
+                parts = [(np.concatenate((parts[0][0], parts[1][0])), parts[1][1],
+                          np.concatenate((parts[0][2], parts[1][2])), parts[1][3])]
+            tag = completion_tag(req.room)
+            stages: list[Any] = []
+            try:
+                for i, (loc, loc_kind, rem, rem_kind) in enumerate(parts):
+                    stages.append(agent.initialize_xfer(
+                        "WRITE", agent.get_xfer_descs(loc, loc_kind),
+                        agent.get_xfer_descs(rem, rem_kind), req.peer,
+                        tag if i == len(parts) - 1 else b""))
+            except Exception as e:
+                self._release_all(stages)
+                raise TransferError(f"room {req.room} -> {req.peer}: {_err(e)}") from e
+            nbytes = int(sum(int(p[0][:, 1].sum()) for p in parts))
+            x = NixlXfer(req.room, req.peer, stages, time.monotonic() + self._timeout, nbytes)
+            self._post(agent, x)
+            if x.state == KVPoll.FAILED:
+                self._release_all(stages)
+                raise TransferError(x.error or "transfer failed")
+            self._live.add(x)
+            return x
+
+    def poll(self, handle: object) -> KVPoll:
+        x = self._xfer(handle)
+        with self._lock:
+            if x.state != KVPoll.TRANSFERRING:
+                return x.state
+            if self._agent is None:
+                return self._fail(x, "transport closed")
+            try:
+                st = self._agent.check_xfer_state(x.stages[x.stage])
+            except Exception as e:
+                return self._fail(x, _err(e))
+            if st == "DONE":
+                x.stage += 1
+                if x.stage == len(x.stages):
+                    x.state = KVPoll.SUCCESS
+                else:
+                    self._post(self._agent, x)
+            elif st == "ERR":
+                self._fail(x, f"NIXL reported an error in stage {x.stage}")
+            elif time.monotonic() > x.deadline:
+                self._fail(x, f"timed out after {self._timeout:.1f}s")
+            return x.state
+
+    def last_error(self, handle: object) -> str | None:
+        return self._xfer(handle).error
+
+    def release(self, handle: object) -> None:
+        x = self._xfer(handle)
+        with self._lock:
+            self._live.discard(x)
+            self._release_all(x.stages)
+            x.stages = []
+            if x.state == KVPoll.TRANSFERRING:
+                self._fail(x, "released while in flight")
+
+    # ---- control messages ----
+    def notify(self, peer: str, message: bytes) -> None:
+        with self._lock:
+            try:
+                self._live_agent().send_notif(peer, message)
+            except Exception as e:  # best effort by contract: the peer may already be gone
+                log.warning("notify %s failed: %s", peer, _err(e))
+
+    def drain_notifications(self) -> list[tuple[str, bytes]]:
+        with self._lock:
+            if self._agent is None:
+                return []
+            try:
+                notifs = self._agent.get_new_notifs()
+            except Exception as e:
+                log.warning("get_new_notifs failed: %s", _err(e))
+                return []
+        return [(self._as_str(p), bytes(m)) for p, msgs in notifs.items() for m in msgs]
+
+    def close(self) -> None:
+        with self._lock:
+            agent, self._agent = getattr(self, "_agent", None), None
+            if agent is None:
+                return
+            for x in list(getattr(self, "_live", ())):
+                self._release_all(x.stages)
+                x.stages = []
+                if x.state == KVPoll.TRANSFERRING:
+                    self._fail(x, "transport closed")
+            self._live = set()
+            for name in list(getattr(self, "_peers", {})):
+                try:
+                    agent.remove_remote_agent(name)
+                except Exception as e:
+                    log.debug("remove_remote_agent(%s): %s", name, _err(e))
+            self._peers, self._peer_md = {}, {}
+            for reg in self._regs:
+                try:
+                    agent.deregister_memory(reg)
+                except Exception as e:
+                    log.warning("deregister_memory failed: %s", _err(e))
+            self._regs = []
+        # Dropping the last reference destroys the agent (UCX workers, progress thread).
+        del agent
+
+    def __enter__(self) -> NixlTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- helpers (lock held) ----
+    def _live_agent(self) -> Any:
+        if self._agent is None:
+            raise TransferError(f"transport {self._name!r} is closed")
+        return self._agent
+
+    def _post(self, agent: Any, x: NixlXfer) -> None:
+        """Post stage x.stage; a stage that completes inside the call moves on to the next."""
+        while x.stage < len(x.stages):
+            try:
+                st = agent.transfer(x.stages[x.stage])
+            except Exception as e:
+                self._fail(x, f"room {x.room} -> {x.peer}: {_err(e)}")
+                return
+            if st == "ERR":
+                self._fail(x, f"room {x.room} -> {x.peer}: posting stage {x.stage} failed")
+                return
+            if st != "DONE":
+                return
+            x.stage += 1
+        x.state = KVPoll.SUCCESS
+
+    @staticmethod
+    def _fail(x: NixlXfer, why: str) -> KVPoll:
+        if x.state != KVPoll.SUCCESS:
+            x.state = KVPoll.FAILED
+            x.error = x.error or why
+        return x.state
+
+    @staticmethod
+    def _release_all(stages: list[Any]) -> None:
+        for h in stages:
+            try:
+                h.release()
+            except Exception as e:  # an in-flight handle NIXL could not cancel; it keeps it
+                log.warning("releasing a NIXL transfer handle failed: %s", _err(e))
+
+    @staticmethod
+    def _xfer(handle: object) -> NixlXfer:
+        if not isinstance(handle, NixlXfer):
+            raise TypeError(f"not a NixlTransport handle: {handle!r}")
+        return handle
+
+    @staticmethod
+    def _as_str(name: str | bytes) -> str:
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    @staticmethod
+    def _aux_desc(layout: MemoryLayout, row: int) -> np.ndarray:
+        a = layout.aux
+        return np.array([[a.addr + row * a.item_bytes, a.item_bytes, a.device_id]], dtype=np.uint64)
+
+    @staticmethod
+    def _check_items(what: str, items: Sequence[int], count: int) -> None:
+        # Item 0 (page or row) is reserved padding: a request never owns it, so seeing it is a bug.
+        arr = np.asarray(items, dtype=np.int64)
+        bad = arr[(arr <= 0) | (arr >= count)]
+        if bad.size:
+            raise TransferError(f"{what} {int(bad[0])} out of range 1..{count - 1}")
