@@ -56,6 +56,14 @@ class EagleWorker:
     def on_admit(self, req: Req) -> None:
         self.sampler.on_admit(req)
 
+    def extra_kv_pools(self) -> list[KVPool]:
+        """PD: the draft KV moves with the target's, by the same page ids."""
+        return [self.draft.pool]
+
+    def handoff_hidden(self) -> tuple[int, torch.dtype]:
+        """PD: width and dtype of the draft hidden state carried in the aux row."""
+        return self.draft.model.config.hidden_size, self.draft.pool.buffer.dtype
+
     def on_release(self, req: Req) -> None:
         req.spec_state = None
 

@@ -1,0 +1,54 @@
+"""Completion notifications for rooms a decode node waits on (NIXL notifs tagged with the room)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from engine.kv_transfer import KVTransport, parse_tag
+
+log = logging.getLogger(__name__)
+
+
+class CompletionWaiter:
+    """Rooms waiting for their write. One task drains the transport's notifications; the
+    completion of a room resolves its future with ("done" | "fail" | "abort", reason)."""
+
+    def __init__(self, transport: KVTransport) -> None:
+        self.transport = transport
+        self._waiting: dict[int, tuple[str, asyncio.Future]] = {}  # room -> (peer agent, future)
+
+    def expect(self, room: int, peer: str) -> asyncio.Future:
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._waiting[room] = (peer, fut)
+        return fut
+
+    def forget(self, room: int) -> None:
+        self._waiting.pop(room, None)
+
+    def resolve(self, room: int, kind: str, reason: str) -> None:
+        entry = self._waiting.get(room)
+        if entry is not None and not entry[1].done():
+            entry[1].set_result((kind, reason))
+
+    def fail_peer(self, peer: str, reason: str) -> None:
+        for room, (p, fut) in list(self._waiting.items()):
+            if p == peer and not fut.done():
+                fut.set_result(("fail", reason))
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    async def run(self) -> None:
+        while True:
+            for _, msg in self.transport.drain_notifications():
+                try:
+                    kind, room, reason = parse_tag(msg)
+                except ValueError:
+                    log.warning("ignoring an unknown notification %r", msg[:64])
+                    continue
+                entry = self._waiting.get(room)
+                if entry is not None and not entry[1].done():
+                    entry[1].set_result((kind, reason))
+            # poll fast while something is in flight, lazily otherwise
+            await asyncio.sleep(0.001 if self._waiting else 0.02)

@@ -1,0 +1,172 @@
+"""Prefill Generate: wait for the decode's destination, run the prompt, write KV + aux, answer.
+
+Decode-driven: the prompt is computed only once the decode node has reserved pages and an aux
+row for this room (that is the system's backpressure), bounded by the bootstrap deadline. The
+request's KV stays held after its first token until the write ends, then returns to the pool
+whatever happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+from smg_grpc_proto import sglang_scheduler_pb2 as pb
+
+from engine.core import FinishReason, InvalidRequest, Req
+from engine.kv_transfer import KVPoll, TransferError, TransferRequest, failure_tag
+from engine.kv_transfer.endpoint import Endpoint, handoff_tensors, room_echo
+from engine.scheduler import RequestUpdate
+from engine.service import convert
+from engine.service.stream import RequestFailed
+from engine.serving import EngineLoop
+from prefill_node.rooms import Room, RoomTable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefillTimeouts:
+    bootstrap_s: float = 30.0  # Generate -> destination from the decode node
+    compute_s: float = 300.0  # destination -> first token
+    transfer_s: float = 30.0  # write posted -> completed
+
+
+class PrefillHandler:
+    def __init__(self, loop: EngineLoop, endpoint: Endpoint, rooms: RoomTable,
+                 timeouts: PrefillTimeouts) -> None:
+        self.loop, self.endpoint, self.rooms, self.timeouts = loop, endpoint, rooms, timeouts
+        self.engine = loop.engine
+        self.stats = {"success": 0, "failed": 0, "bytes": 0}
+
+    async def generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        eng = self.engine
+        params = convert.sampling_params(request, eng.max_context_len)
+        req = eng.make_request(list(request.tokenized.input_ids),
+                               dataclasses.replace(params, max_new_tokens=1, stop=()),
+                               request.request_id or None)
+        req.hold_kv = True
+        room = self.rooms.get_or_create(request.disaggregated_params.bootstrap_room)
+        if room.request_id:
+            raise InvalidRequest(f"bootstrap_room {room.room} is already in use")
+        room.request_id = req.rid
+        room.deadline = time.monotonic() + self.timeouts.bootstrap_s
+        try:
+            await self._wait_destination(room)
+            first = await self._compute(req, room)
+            await self._transfer(req, room, first)
+        except (RequestFailed, TransferError, asyncio.TimeoutError) as e:
+            reason = str(e) or type(e).__name__
+            room.fail(reason)
+            self._tell_decode(room, reason)
+            self.stats["failed"] += 1
+            raise RequestFailed(f"prefill failed for room {room.room}: {reason}") from None
+        finally:
+            self.loop.abort(req.rid, "prefill ended")  # no-op once finished
+            self.loop.call(lambda: self.engine.scheduler.release_kv(req))
+            if room.state is KVPoll.FAILED:  # a late destination for it must be refused
+                room.deadline = time.monotonic() + self.rooms.orphan_ttl_s
+            else:
+                self.rooms.forget(room)
+        self.stats["success"] += 1
+        yield convert.complete(req.rid, [first], FinishReason.LENGTH, len(req.prompt_ids))
+
+    async def _wait_destination(self, room: Room) -> None:
+        left = room.deadline - time.monotonic()
+        try:
+            await asyncio.wait_for(room.arrived.wait(), max(left, 0.0))
+        except asyncio.TimeoutError:
+            raise RequestFailed(f"no destination from the decode node within "
+                                f"{self.timeouts.bootstrap_s:.0f} s") from None
+        if room.state is KVPoll.FAILED:
+            raise RequestFailed(room.reason)
+        room.state = KVPoll.WAITING_FOR_INPUT
+
+    async def _compute(self, req: Req, room: Room) -> int:
+        done: asyncio.Future[RequestUpdate] = asyncio.get_running_loop().create_future()
+        aio = asyncio.get_running_loop()
+
+        def on_update(upd: RequestUpdate) -> None:
+            if upd.finished:
+                aio.call_soon_threadsafe(lambda: done.done() or done.set_result(upd))
+
+        self.loop.submit(req, on_update)  # an abort (client or decode) finishes it as ABORT
+        upd = await asyncio.wait_for(done, self.timeouts.compute_s)
+        if upd.finish_reason is FinishReason.ABORT or room.state is KVPoll.FAILED:
+            raise RequestFailed(room.reason or upd.finish_detail or "aborted")
+        return req.output_ids[0]
+
+    async def _transfer(self, req: Req, room: Room, first: int) -> None:
+        dest = room.destination
+        assert dest is not None
+        eng, aux = self.engine, self.endpoint.aux
+        pages = await asyncio.wrap_future(self.loop.call(lambda: eng.kv.page_list(req)))
+        need = eng.kv.pages_for(req.seq_len)
+        if len(dest.pages) != need or dest.num_tokens != req.seq_len:
+            raise RequestFailed(f"destination holds {len(dest.pages)} pages for {dest.num_tokens} tokens; "
+                                f"the prompt needs {need} pages for {req.seq_len} tokens")
+        row = aux.alloc()
+        if row is None:
+            raise RequestFailed("no free aux row on the prefill node")
+        handle = None
+        try:
+            aux.write(row, room_echo(room.room), first, *handoff_tensors(req.spec_state))
+            room.state = KVPoll.TRANSFERRING
+            room.deadline = time.monotonic() + self.timeouts.transfer_s
+            handle = self.endpoint.transport.write(
+                TransferRequest(room.room, dest.peer, pages[:need], dest.pages, row, dest.aux_row))
+            await self._poll(handle, room)
+            room.state = KVPoll.SUCCESS
+            page_bytes = sum(p.page_bytes * p.num_layers * 2 for p in _pools(eng))
+            self.stats["bytes"] += need * page_bytes + aux.row_bytes
+        finally:
+            if handle is not None:
+                self.endpoint.transport.release(handle)
+            aux.free(row)
+
+    async def _poll(self, handle: object, room: Room) -> None:
+        t = self.endpoint.transport
+        while True:
+            state = t.poll(handle)
+            if state is KVPoll.SUCCESS:
+                return
+            if state is KVPoll.FAILED:
+                raise RequestFailed(f"KV write failed: {getattr(t, 'last_error', lambda h: '')(handle)}")
+            if room.state is KVPoll.FAILED:
+                raise RequestFailed(room.reason)
+            if time.monotonic() > room.deadline:
+                raise RequestFailed(f"KV write did not finish within {self.timeouts.transfer_s:.0f} s")
+            await asyncio.sleep(0.001)
+
+    def _tell_decode(self, room: Room, reason: str) -> None:
+        if room.destination is None:
+            return
+        try:
+            self.endpoint.transport.notify(room.destination.peer, failure_tag(room.room, reason[:200]))
+        except Exception:  # noqa: BLE001 - best effort: the decode's own deadline still holds
+            log.debug("could not notify decode about room %d", room.room, exc_info=True)
+
+    def abort(self, request_id: str, reason: str) -> bool:
+        self.loop.abort(request_id, reason)
+        room = self.rooms.by_request(request_id)
+        if room is not None:
+            room.fail(reason)
+        return room is not None
+
+    def disaggregation_metrics(self) -> pb.DisaggregationMetrics:
+        c = self.rooms.counts()
+        return pb.DisaggregationMetrics(
+            mode="prefill", prefill_prealloc_queue_reqs=c.get("BOOTSTRAPPING", 0),
+            prefill_inflight_queue_reqs=c.get("WAITING_FOR_INPUT", 0) + c.get("TRANSFERRING", 0))
+
+
+def _pools(engine: object) -> list:
+    from engine.kv_transfer.endpoint import kv_pools
+
+    return kv_pools(engine)

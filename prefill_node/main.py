@@ -1,0 +1,54 @@
+"""The prefill node process: scheduler API for the router, KV control channel for decode nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from engine.compat import pairing_protocol
+from engine.kv_transfer.endpoint import build_endpoint
+from engine.service.server import node_info, scheduler_service, serve_until, start_server, stop_on_signals
+from engine.service.servicer import SchedulerServicer
+from engine.serving import EngineLoop
+from pdserve.v1 import kv_control_pb2_grpc as kpb_grpc
+from prefill_node.control import KVControlServicer
+from prefill_node.handler import PrefillHandler, PrefillTimeouts
+from prefill_node.rooms import RoomTable
+
+log = logging.getLogger(__name__)
+
+
+async def run_prefill(opts: Any, host: str, port: int, bootstrap_port: int, transport: str,
+                      timeouts: PrefillTimeouts) -> None:
+    stop = stop_on_signals()
+    engine, spec = opts.build()
+    loop = EngineLoop(engine).start()
+    algo = spec.algorithm if spec is not None else "NONE"
+    draft = spec.draft_model_path if spec is not None else None
+    endpoint = build_endpoint(engine, kind=transport, role="prefill", aux_rows=2 * engine.config.max_running + 1,
+                              spec_algorithm=algo, draft_model_dir=draft)
+    rooms = RoomTable(orphan_ttl_s=timeouts.bootstrap_s)
+    handler = PrefillHandler(loop, endpoint, rooms, timeouts)
+    info = node_info(engine, "prefill", pairing_protocol=pairing_protocol(endpoint.fingerprint))
+    api, api_port = await start_server([scheduler_service(SchedulerServicer(info, loop, handler))], host, port)
+    control = (kpb_grpc.add_KVControlServicer_to_server, KVControlServicer(endpoint, rooms),
+               "pdserve.v1.KVControl")
+    boot, boot_port = await start_server([control], host, bootstrap_port)
+    janitor = asyncio.create_task(_expire_orphans(rooms))
+    log.info("prefill node serving %s: scheduler %s:%d, bootstrap %s:%d", engine.config.model,
+             host, api_port, host, boot_port)
+    print(f"READY scheduler={host}:{api_port} bootstrap={host}:{boot_port}", flush=True)
+
+    def shutdown() -> None:
+        janitor.cancel()
+        loop.stop()
+        endpoint.transport.close()
+
+    await serve_until(stop, [api, boot], on_stop=shutdown)
+
+
+async def _expire_orphans(rooms: RoomTable) -> None:
+    while True:
+        await asyncio.sleep(1.0)
+        rooms.expire_orphans()

@@ -1,0 +1,79 @@
+"""Prefill-side rooms: one per request, from Generate (or an early destination) to its end."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from engine.kv_transfer import KVPoll
+
+
+@dataclass
+class Destination:
+    peer: str  # the decode node's agent name
+    pages: list[int]
+    aux_row: int
+    num_tokens: int
+
+
+@dataclass
+class Room:
+    room: int
+    request_id: str = ""
+    state: KVPoll = KVPoll.BOOTSTRAPPING
+    destination: Destination | None = None
+    deadline: float = 0.0  # monotonic; owned by the prefill while BOOTSTRAPPING/TRANSFERRING
+    reason: str = ""
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)  # destination or failure
+    created: float = field(default_factory=time.monotonic)
+
+    def fail(self, reason: str) -> None:
+        """Failed is sticky; a finished transfer stays a success."""
+        if self.state not in (KVPoll.SUCCESS, KVPoll.FAILED):
+            self.state, self.reason = KVPoll.FAILED, reason
+        self.arrived.set()
+
+
+class RoomTable:
+    """Rooms by number. A destination may arrive before the Generate that owns it; it waits
+    (bounded) for its request. Finished rooms are forgotten so a reused number starts fresh."""
+
+    def __init__(self, orphan_ttl_s: float) -> None:
+        self._rooms: dict[int, Room] = {}
+        self.orphan_ttl_s = orphan_ttl_s
+
+    def get_or_create(self, room: int) -> Room:
+        r = self._rooms.get(room)
+        if r is None:
+            r = self._rooms[room] = Room(room, deadline=time.monotonic() + self.orphan_ttl_s)
+        return r
+
+    def get(self, room: int) -> Room | None:
+        return self._rooms.get(room)
+
+    def forget(self, room: Room) -> None:
+        if self._rooms.get(room.room) is room:
+            del self._rooms[room.room]
+
+    def by_request(self, request_id: str) -> Room | None:
+        return next((r for r in self._rooms.values() if r.request_id == request_id), None)
+
+    def expire_orphans(self) -> int:
+        """Destinations whose Generate never came: drop them after the TTL."""
+        now = time.monotonic()
+        dead = [r for r in self._rooms.values()
+                if r.deadline < now and (not r.request_id or r.state is KVPoll.FAILED)]
+        for r in dead:
+            r.fail("no request arrived for this room")
+            del self._rooms[r.room]
+        return len(dead)
+
+    def __len__(self) -> int:
+        return len(self._rooms)
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self._rooms.values():
+            out[r.state.name] = out.get(r.state.name, 0) + 1
+        return out
