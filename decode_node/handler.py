@@ -15,7 +15,8 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 from engine.core import Batch, ForwardMode, HandoffState, InvalidRequest, Req
 from engine.kv_cache import OutOfPages
-from engine.kv_transfer.endpoint import Endpoint, room_echo
+from engine.kv_transfer.endpoint import Endpoint, kv_pools, room_echo
+from engine.service.metrics import KV_TRANSFER_BYTES, KV_TRANSFER_FAILURES, KV_TRANSFER_SECONDS
 from engine.service import convert
 from engine.service.stream import RequestFailed, RequestStream
 from engine.serving import EngineLoop
@@ -44,6 +45,7 @@ class DecodeHandler:
         self.transferring: dict[str, int] = {}  # request id -> room
         self.aborted: dict[str, str] = {}  # aborts of requests not yet in the scheduler
         self.stats = {"success": 0, "failed": 0}
+        self._page_bytes = sum(p.page_bytes * p.num_layers * 2 for p in kv_pools(self.engine))
 
     async def generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -64,6 +66,7 @@ class DecodeHandler:
             record = await self._receive(req, room, peer, row)
         except (PeerError, RequestFailed, asyncio.TimeoutError, grpc.aio.AioRpcError) as e:
             self.stats["failed"] += 1
+            KV_TRANSFER_FAILURES.labels("decode", _kind(e)).inc()
             await self._give_up(req, room, row, peer, _reason(e))
             raise RequestFailed(f"decode could not start room {room}: {_reason(e)}") from None
         except BaseException:  # cancelled by the client: free everything, tell the prefill
@@ -78,7 +81,7 @@ class DecodeHandler:
 
     async def _reserve(self, req: Req) -> int:
         """A slot and pages for the prompt, and an aux row; waits (bounded) for capacity."""
-        eng, aux = self.engine, self.endpoint.aux
+        aux = self.endpoint.aux
         deadline = time.monotonic() + self.timeouts.prealloc_s
         self.prealloc.add(req.rid)
         try:
@@ -90,10 +93,10 @@ class DecodeHandler:
                         return row
                     aux.free(row)
                 if req.rid in self.aborted:
-                    raise RequestFailed(self.aborted.pop(req.rid))
+                    raise RequestFailed(self.aborted.pop(req.rid), "aborted")
                 if time.monotonic() > deadline:
                     raise RequestFailed(f"no KV capacity for {len(req.prompt_ids)} prompt tokens within "
-                                        f"{self.timeouts.prealloc_s:.0f} s")
+                                        f"{self.timeouts.prealloc_s:.0f} s", "no_capacity")
                 await asyncio.sleep(0.01)
         finally:
             self.prealloc.discard(req.rid)
@@ -121,20 +124,24 @@ class DecodeHandler:
                 room=room, request_id=req.rid, decode_agent=self.endpoint.transport.name, pages=pages,
                 aux_row=row, num_tokens=len(req.prompt_ids),
                 deadline_unix_s=time.time() + self.timeouts.waiting_s), timeout=self.peers.policy.rpc_timeout_s)
+            sent = time.perf_counter()
             if not ack.accepted:
-                raise RequestFailed(f"prefill refused the destination: {ack.error}")
+                raise RequestFailed(f"prefill refused the destination: {ack.error}", "destination_refused")
             kind, reason = await asyncio.wait_for(done, self.timeouts.waiting_s)
         except asyncio.TimeoutError:
-            raise RequestFailed(f"no KV from the prefill within {self.timeouts.waiting_s:.0f} s") from None
+            raise RequestFailed(f"no KV from the prefill within {self.timeouts.waiting_s:.0f} s",
+                                "waiting_timeout") from None
         finally:
             self.waiter.forget(room)
             self.transferring.pop(req.rid, None)
+        KV_TRANSFER_SECONDS.labels("decode").observe(time.perf_counter() - sent)
         if kind != "done":
-            raise RequestFailed(f"prefill reported: {reason or kind}")
+            raise RequestFailed(f"prefill reported: {reason or kind}", "aborted" if kind == "abort" else "prefill_failed")
         rec = self.endpoint.aux.read(row)
         if rec.room != room_echo(room):  # a stale or foreign row: never commit it
-            raise RequestFailed(f"aux row echo {rec.room} does not match room {room}")
+            raise RequestFailed(f"aux row echo {rec.room} does not match room {room}", "echo_mismatch")
         self.endpoint.aux.free(row)
+        KV_TRANSFER_BYTES.labels("decode").inc(len(pages) * self._page_bytes + self.endpoint.aux.row_bytes)
         return HandoffState(rec.first_token, rec.topk_p, rec.topk_index, rec.hidden)
 
     def _adopt(self, req: Req, handoff: HandoffState) -> None:
@@ -174,6 +181,14 @@ class DecodeHandler:
     def disaggregation_metrics(self) -> pb.DisaggregationMetrics:
         return pb.DisaggregationMetrics(mode="decode", decode_prealloc_queue_reqs=len(self.prealloc),
                                         decode_transfer_queue_reqs=len(self.transferring))
+
+
+def _kind(e: BaseException) -> str:
+    if isinstance(e, RequestFailed):
+        return e.kind
+    if isinstance(e, PeerError):
+        return "incompatible" if "incompatible" in str(e) else "prefill_unreachable"
+    return "timeout" if isinstance(e, asyncio.TimeoutError) else "rpc_error"
 
 
 def _reason(e: BaseException) -> str:

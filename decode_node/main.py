@@ -11,7 +11,8 @@ from decode_node.peers import PeerManager, PeerPolicy
 from decode_node.receiver import CompletionWaiter
 from engine.compat import pairing_protocol
 from engine.kv_transfer.endpoint import build_endpoint
-from engine.service.server import node_info, scheduler_service, serve_until, start_server, stop_on_signals
+from engine.service.server import (metrics_suffix, node_info, scheduler_service, serve_until,
+                                   start_server, stop_on_signals)
 from engine.service.servicer import SchedulerServicer
 from engine.serving import EngineLoop
 from spec.registry import SpeculativeAlgorithm
@@ -20,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 async def run_decode(opts: Any, host: str, port: int, transport: str, timeouts: DecodeTimeouts,
-                     policy: PeerPolicy) -> None:
+                     policy: PeerPolicy, metrics_port: int | None = None) -> None:
     stop = stop_on_signals()
     engine, spec = opts.build()
     loop = EngineLoop(engine).start()
@@ -36,7 +37,8 @@ async def run_decode(opts: Any, host: str, port: int, transport: str, timeouts: 
     api, api_port = await start_server([scheduler_service(SchedulerServicer(info, loop, handler))], host, port)
     pump = asyncio.create_task(waiter.run())
     log.info("decode node serving %s on %s:%d", engine.config.model, host, api_port)
-    print(f"READY scheduler={host}:{api_port}", flush=True)
+    print(f"READY scheduler={host}:{api_port}{metrics_suffix(engine, 'decode', host, metrics_port)}",
+          flush=True)
 
     def shutdown() -> None:
         pump.cancel()

@@ -20,6 +20,7 @@ from tenacity import (AsyncRetrying, RetryError, retry_if_exception, stop_after_
 from engine.compat import Fingerprint, first_mismatch
 from engine.kv_transfer.endpoint import Endpoint
 from engine.kv_transfer.wire import layout_from_proto, layout_to_proto
+from engine.service.metrics import BOOTSTRAP_ATTEMPTS
 from pdserve.v1 import kv_control_pb2 as kpb
 from pdserve.v1 import kv_control_pb2_grpc as kpb_grpc
 
@@ -79,7 +80,13 @@ class PeerManager:
                     retry=retry_if_exception(_retryable), reraise=False):
                 with attempt:
                     self.bootstrap_attempts += 1
-                    return await self._handshake(address)
+                    try:
+                        peer = await self._handshake(address)
+                    except Exception:
+                        BOOTSTRAP_ATTEMPTS.labels("failed").inc()
+                        raise
+                    BOOTSTRAP_ATTEMPTS.labels("ok").inc()
+                    return peer
         except RetryError as e:
             cause = e.last_attempt.exception()
             raise PeerError(f"prefill bootstrap {address} unreachable after "

@@ -24,6 +24,7 @@ PageOpt = Annotated[int, typer.Option(help="Tokens per KV cache page.")]
 TotalOpt = Annotated[int, typer.Option(help="KV cache capacity in tokens.")]
 RunningOpt = Annotated[int, typer.Option(help="Most requests in flight.")]
 ChunkOpt = Annotated[int, typer.Option(help="Prefill token budget per step (chunked prefill).")]
+MetricsOpt = Annotated[Optional[int], typer.Option(help="Serve Prometheus /metrics on this port (0: any free).")]
 AlgoOpt = Annotated[str, typer.Option(help="NONE, EAGLE, EAGLE3 or a plugin such as NGRAM.",
                                       rich_help_panel=PANEL_SPEC)]
 DraftOpt = Annotated[Optional[Path], typer.Option(help="Draft head directory (EAGLE/EAGLE3).",
@@ -93,7 +94,7 @@ def register(app: typer.Typer) -> None:
         chunked_prefill_size: ChunkOpt = 2048,
         speculative_algorithm: AlgoOpt = "NONE", speculative_draft_model_path: DraftOpt = None,
         speculative_num_steps: IntSpecOpt = None, speculative_eagle_topk: IntSpecOpt = None,
-        speculative_num_draft_tokens: IntSpecOpt = None,
+        speculative_num_draft_tokens: IntSpecOpt = None, metrics_port: MetricsOpt = None,
     ) -> None:
         """Colocated node: prompt and decode in one process (the PD baseline)."""
         opts = EngineOptions(model, dtype, device, page_size, max_total_tokens, max_running,
@@ -101,7 +102,7 @@ def register(app: typer.Typer) -> None:
                              speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens)
         from engine.service.colocated import run_colocated
 
-        _run(run_colocated(opts, host, port))
+        _run(run_colocated(opts, host, port, metrics_port))
 
     @app.command()
     def prefill(
@@ -116,7 +117,7 @@ def register(app: typer.Typer) -> None:
         chunked_prefill_size: ChunkOpt = 2048,
         speculative_algorithm: AlgoOpt = "NONE", speculative_draft_model_path: DraftOpt = None,
         speculative_num_steps: IntSpecOpt = None, speculative_eagle_topk: IntSpecOpt = None,
-        speculative_num_draft_tokens: IntSpecOpt = None,
+        speculative_num_draft_tokens: IntSpecOpt = None, metrics_port: MetricsOpt = None,
     ) -> None:
         """Prefill node: runs prompts (target, then the draft) and writes KV to decode nodes."""
         opts = EngineOptions(model, dtype, device, page_size, max_total_tokens, max_running,
@@ -126,7 +127,8 @@ def register(app: typer.Typer) -> None:
         from prefill_node.main import run_prefill
 
         _run(run_prefill(opts, host, port, bootstrap_port, kv_transport,
-                         PrefillTimeouts(bootstrap_s=bootstrap_timeout, transfer_s=transfer_timeout)))
+                         PrefillTimeouts(bootstrap_s=bootstrap_timeout, transfer_s=transfer_timeout),
+                         metrics_port))
 
     @app.command()
     def decode(
@@ -142,7 +144,7 @@ def register(app: typer.Typer) -> None:
         chunked_prefill_size: ChunkOpt = 2048,
         speculative_algorithm: AlgoOpt = "NONE", speculative_draft_model_path: DraftOpt = None,
         speculative_num_steps: IntSpecOpt = None, speculative_eagle_topk: IntSpecOpt = None,
-        speculative_num_draft_tokens: IntSpecOpt = None,
+        speculative_num_draft_tokens: IntSpecOpt = None, metrics_port: MetricsOpt = None,
     ) -> None:
         """Decode node: receives KV from prefill nodes and generates."""
         opts = EngineOptions(model, dtype, device, page_size, max_total_tokens, max_running,
@@ -154,4 +156,4 @@ def register(app: typer.Typer) -> None:
 
         _run(run_decode(opts, host, port, kv_transport, DecodeTimeouts(waiting_s=waiting_timeout),
                         PeerPolicy(connect_attempts=connect_attempts, connect_total_s=connect_timeout,
-                                   heartbeat_s=heartbeat_interval)))
+                                   heartbeat_s=heartbeat_interval), metrics_port))

@@ -20,9 +20,10 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 from engine.core import FinishReason, InvalidRequest, Req
 from engine.kv_transfer import KVPoll, TransferError, TransferRequest, failure_tag
-from engine.kv_transfer.endpoint import Endpoint, handoff_tensors, room_echo
+from engine.kv_transfer.endpoint import Endpoint, handoff_tensors, kv_pools, room_echo
 from engine.scheduler import RequestUpdate
 from engine.service import convert
+from engine.service.metrics import KV_TRANSFER_BYTES, KV_TRANSFER_FAILURES, KV_TRANSFER_SECONDS
 from engine.service.stream import RequestFailed
 from engine.serving import EngineLoop
 from prefill_node.rooms import Room, RoomTable
@@ -42,7 +43,7 @@ class PrefillHandler:
                  timeouts: PrefillTimeouts) -> None:
         self.loop, self.endpoint, self.rooms, self.timeouts = loop, endpoint, rooms, timeouts
         self.engine = loop.engine
-        self.stats = {"success": 0, "failed": 0, "bytes": 0}
+        self.stats = {"success": 0, "failed": 0}
 
     async def generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -66,6 +67,7 @@ class PrefillHandler:
             room.fail(reason)
             self._tell_decode(room, reason)
             self.stats["failed"] += 1
+            KV_TRANSFER_FAILURES.labels("prefill", getattr(e, "kind", _kind(e))).inc()
             raise RequestFailed(f"prefill failed for room {room.room}: {reason}") from None
         finally:
             self.loop.abort(req.rid, "prefill ended")  # no-op once finished
@@ -83,9 +85,9 @@ class PrefillHandler:
             await asyncio.wait_for(room.arrived.wait(), max(left, 0.0))
         except asyncio.TimeoutError:
             raise RequestFailed(f"no destination from the decode node within "
-                                f"{self.timeouts.bootstrap_s:.0f} s") from None
+                                f"{self.timeouts.bootstrap_s:.0f} s", "bootstrap_timeout") from None
         if room.state is KVPoll.FAILED:
-            raise RequestFailed(room.reason)
+            raise RequestFailed(room.reason, "aborted")
         room.state = KVPoll.WAITING_FOR_INPUT
 
     async def _compute(self, req: Req, room: Room) -> int:
@@ -99,7 +101,7 @@ class PrefillHandler:
         self.loop.submit(req, on_update)  # an abort (client or decode) finishes it as ABORT
         upd = await asyncio.wait_for(done, self.timeouts.compute_s)
         if upd.finish_reason is FinishReason.ABORT or room.state is KVPoll.FAILED:
-            raise RequestFailed(room.reason or upd.finish_detail or "aborted")
+            raise RequestFailed(room.reason or upd.finish_detail or "aborted", "aborted")
         return req.output_ids[0]
 
     async def _transfer(self, req: Req, room: Room, first: int) -> None:
@@ -110,21 +112,23 @@ class PrefillHandler:
         need = eng.kv.pages_for(req.seq_len)
         if len(dest.pages) != need or dest.num_tokens != req.seq_len:
             raise RequestFailed(f"destination holds {len(dest.pages)} pages for {dest.num_tokens} tokens; "
-                                f"the prompt needs {need} pages for {req.seq_len} tokens")
+                                f"the prompt needs {need} pages for {req.seq_len} tokens", "bad_destination")
         row = aux.alloc()
         if row is None:
-            raise RequestFailed("no free aux row on the prefill node")
+            raise RequestFailed("no free aux row on the prefill node", "no_aux_row")
         handle = None
         try:
             aux.write(row, room_echo(room.room), first, *handoff_tensors(req.spec_state))
             room.state = KVPoll.TRANSFERRING
             room.deadline = time.monotonic() + self.timeouts.transfer_s
+            posted = time.perf_counter()
             handle = self.endpoint.transport.write(
                 TransferRequest(room.room, dest.peer, pages[:need], dest.pages, row, dest.aux_row))
             await self._poll(handle, room)
             room.state = KVPoll.SUCCESS
-            page_bytes = sum(p.page_bytes * p.num_layers * 2 for p in _pools(eng))
-            self.stats["bytes"] += need * page_bytes + aux.row_bytes
+            KV_TRANSFER_SECONDS.labels("prefill").observe(time.perf_counter() - posted)
+            page_bytes = sum(p.page_bytes * p.num_layers * 2 for p in kv_pools(eng))
+            KV_TRANSFER_BYTES.labels("prefill").inc(need * page_bytes + aux.row_bytes)
         finally:
             if handle is not None:
                 self.endpoint.transport.release(handle)
@@ -137,11 +141,13 @@ class PrefillHandler:
             if state is KVPoll.SUCCESS:
                 return
             if state is KVPoll.FAILED:
-                raise RequestFailed(f"KV write failed: {getattr(t, 'last_error', lambda h: '')(handle)}")
+                raise RequestFailed(f"KV write failed: {getattr(t, 'last_error', lambda h: '')(handle)}",
+                                    "transfer_error")
             if room.state is KVPoll.FAILED:
-                raise RequestFailed(room.reason)
+                raise RequestFailed(room.reason, "aborted")
             if time.monotonic() > room.deadline:
-                raise RequestFailed(f"KV write did not finish within {self.timeouts.transfer_s:.0f} s")
+                raise RequestFailed(f"KV write did not finish within {self.timeouts.transfer_s:.0f} s",
+                                    "transfer_timeout")
             await asyncio.sleep(0.001)
 
     def _tell_decode(self, room: Room, reason: str) -> None:
@@ -166,7 +172,6 @@ class PrefillHandler:
             prefill_inflight_queue_reqs=c.get("WAITING_FOR_INPUT", 0) + c.get("TRANSFERRING", 0))
 
 
-def _pools(engine: object) -> list:
-    from engine.kv_transfer.endpoint import kv_pools
 
-    return kv_pools(engine)
+def _kind(e: BaseException) -> str:
+    return "transfer_error" if isinstance(e, TransferError) else "timeout"

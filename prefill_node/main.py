@@ -8,7 +8,8 @@ from typing import Any
 
 from engine.compat import pairing_protocol
 from engine.kv_transfer.endpoint import build_endpoint
-from engine.service.server import node_info, scheduler_service, serve_until, start_server, stop_on_signals
+from engine.service.server import (metrics_suffix, node_info, scheduler_service, serve_until,
+                                   start_server, stop_on_signals)
 from engine.service.servicer import SchedulerServicer
 from engine.serving import EngineLoop
 from pdserve.v1 import kv_control_pb2_grpc as kpb_grpc
@@ -20,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 async def run_prefill(opts: Any, host: str, port: int, bootstrap_port: int, transport: str,
-                      timeouts: PrefillTimeouts) -> None:
+                      timeouts: PrefillTimeouts, metrics_port: int | None = None) -> None:
     stop = stop_on_signals()
     engine, spec = opts.build()
     loop = EngineLoop(engine).start()
@@ -38,7 +39,8 @@ async def run_prefill(opts: Any, host: str, port: int, bootstrap_port: int, tran
     janitor = asyncio.create_task(_expire_orphans(rooms))
     log.info("prefill node serving %s: scheduler %s:%d, bootstrap %s:%d", engine.config.model,
              host, api_port, host, boot_port)
-    print(f"READY scheduler={host}:{api_port} bootstrap={host}:{boot_port}", flush=True)
+    print(f"READY scheduler={host}:{api_port} bootstrap={host}:{boot_port}"
+          f"{metrics_suffix(engine, 'prefill', host, metrics_port)}", flush=True)
 
     def shutdown() -> None:
         janitor.cancel()

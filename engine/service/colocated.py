@@ -39,9 +39,10 @@ class ColocatedHandler:
         return None
 
 
-async def run_colocated(opts: Any, host: str, port: int) -> None:
+async def run_colocated(opts: Any, host: str, port: int, metrics_port: int | None = None) -> None:
     """`pdserve serve`: load, serve the scheduler API, stop cleanly on SIGINT/SIGTERM."""
-    from engine.service.server import node_info, scheduler_service, serve_until, start_server, stop_on_signals
+    from engine.service.server import (metrics_suffix, node_info, scheduler_service, serve_until,
+                                       start_server, stop_on_signals)
     from engine.service.servicer import SchedulerServicer
     from engine.serving import EngineLoop
 
@@ -51,5 +52,5 @@ async def run_colocated(opts: Any, host: str, port: int) -> None:
     servicer = SchedulerServicer(node_info(engine, "null"), loop, ColocatedHandler(loop))
     server, bound = await start_server([scheduler_service(servicer)], host, port)
     log.info("colocated node serving %s on %s:%d", engine.config.model, host, bound)
-    print(f"READY scheduler={host}:{bound}", flush=True)
+    print(f"READY scheduler={host}:{bound}{metrics_suffix(engine, 'colocated', host, metrics_port)}", flush=True)
     await serve_until(stop, [server], on_stop=loop.stop)

@@ -79,4 +79,9 @@ class RequestStream:
 
 
 class RequestFailed(RuntimeError):
-    """The engine ended a request with an error; the servicer maps it to a gRPC status."""
+    """A request ended with an error; the servicer maps it to a gRPC status. `kind` is a short,
+    fixed label for metrics (never free text: it is a Prometheus label value)."""
+
+    def __init__(self, message: str, kind: str = "other") -> None:
+        super().__init__(message)
+        self.kind = kind
