@@ -5,10 +5,12 @@ Torch-free at import like the rest of the CLI; each command imports its role laz
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
 
 import typer
 
@@ -84,45 +86,59 @@ def _run(main: Any) -> None:
 TransportOpt = Annotated[str, typer.Option(help="KV transfer backend (nixl).")]
 
 
+def with_engine_options(fn: Callable[..., None]) -> Callable[..., None]:
+    """Give a node command the engine and speculative options every role shares.
+
+    The command declares only its own options plus an `opts: EngineOptions` parameter; the
+    shared ones are appended to its signature (typer reads `__signature__`) and folded into
+    one EngineOptions before the command runs."""
+    shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=ann, default=default)
+              for name, ann, default in _ENGINE_PARAMS]
+    own = [p for p in inspect.signature(fn).parameters.values() if p.name != "opts"]
+
+    @functools.wraps(fn)
+    def command(**kwargs: Any) -> None:
+        opts = EngineOptions(**{name: kwargs.pop(name) for name, _, _ in _ENGINE_PARAMS})
+        fn(opts=opts, **kwargs)
+
+    command.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + shared)
+    return command
+
+
+_ENGINE_PARAMS: list[tuple[str, Any, Any]] = [
+    ("model", ModelOpt, None), ("dtype", DTypeOpt, None), ("device", DeviceOpt, "cpu"),
+    ("page_size", PageOpt, 16), ("max_total_tokens", TotalOpt, 16384), ("max_running", RunningOpt, 64),
+    ("chunked_prefill_size", ChunkOpt, 2048), ("speculative_algorithm", AlgoOpt, "NONE"),
+    ("speculative_draft_model_path", DraftOpt, None), ("speculative_num_steps", IntSpecOpt, None),
+    ("speculative_eagle_topk", IntSpecOpt, None), ("speculative_num_draft_tokens", IntSpecOpt, None),
+]
+PortHelp = "Scheduler API (gRPC) port."
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
-    def serve(
-        model: ModelOpt = None, host: HostOpt = "127.0.0.1",
-        port: Annotated[int, typer.Option(help="Scheduler API (gRPC) port.")] = 30000,
-        dtype: DTypeOpt = None, device: DeviceOpt = "cpu", page_size: PageOpt = 16,
-        max_total_tokens: TotalOpt = 16384, max_running: RunningOpt = 64,
-        chunked_prefill_size: ChunkOpt = 2048,
-        speculative_algorithm: AlgoOpt = "NONE", speculative_draft_model_path: DraftOpt = None,
-        speculative_num_steps: IntSpecOpt = None, speculative_eagle_topk: IntSpecOpt = None,
-        speculative_num_draft_tokens: IntSpecOpt = None, metrics_port: MetricsOpt = None,
-    ) -> None:
+    @with_engine_options
+    def serve(opts: EngineOptions, host: HostOpt = "127.0.0.1",
+              port: Annotated[int, typer.Option(help=PortHelp)] = 30000,
+              metrics_port: MetricsOpt = None) -> None:
         """Colocated node: prompt and decode in one process (the PD baseline)."""
-        opts = EngineOptions(model, dtype, device, page_size, max_total_tokens, max_running,
-                             chunked_prefill_size, speculative_algorithm, speculative_draft_model_path,
-                             speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens)
         from engine.service.colocated import run_colocated
 
         _run(run_colocated(opts, host, port, metrics_port))
 
     @app.command()
+    @with_engine_options
     def prefill(
-        model: ModelOpt = None, host: HostOpt = "127.0.0.1",
-        port: Annotated[int, typer.Option(help="Scheduler API (gRPC) port.")] = 30001,
+        opts: EngineOptions, host: HostOpt = "127.0.0.1",
+        port: Annotated[int, typer.Option(help=PortHelp)] = 30001,
         bootstrap_port: Annotated[int, typer.Option(help="KV control port decode nodes connect to.")] = 8998,
         kv_transport: TransportOpt = "nixl",
         bootstrap_timeout: Annotated[float, typer.Option(help="Seconds to wait for a destination.")] = 30.0,
         transfer_timeout: Annotated[float, typer.Option(help="Seconds a KV write may take.")] = 30.0,
-        dtype: DTypeOpt = None, device: DeviceOpt = "cpu", page_size: PageOpt = 16,
-        max_total_tokens: TotalOpt = 16384, max_running: RunningOpt = 64,
-        chunked_prefill_size: ChunkOpt = 2048,
-        speculative_algorithm: AlgoOpt = "NONE", speculative_draft_model_path: DraftOpt = None,
-        speculative_num_steps: IntSpecOpt = None, speculative_eagle_topk: IntSpecOpt = None,
-        speculative_num_draft_tokens: IntSpecOpt = None, metrics_port: MetricsOpt = None,
+        metrics_port: MetricsOpt = None,
     ) -> None:
         """Prefill node: runs prompts (target, then the draft) and writes KV to decode nodes."""
-        opts = EngineOptions(model, dtype, device, page_size, max_total_tokens, max_running,
-                             chunked_prefill_size, speculative_algorithm, speculative_draft_model_path,
-                             speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens)
         from prefill_node.handler import PrefillTimeouts
         from prefill_node.main import run_prefill
 
@@ -131,25 +147,18 @@ def register(app: typer.Typer) -> None:
                          metrics_port))
 
     @app.command()
+    @with_engine_options
     def decode(
-        model: ModelOpt = None, host: HostOpt = "127.0.0.1",
-        port: Annotated[int, typer.Option(help="Scheduler API (gRPC) port.")] = 30002,
+        opts: EngineOptions, host: HostOpt = "127.0.0.1",
+        port: Annotated[int, typer.Option(help=PortHelp)] = 30002,
         kv_transport: TransportOpt = "nixl",
         waiting_timeout: Annotated[float, typer.Option(help="Seconds to wait for a prefill's KV.")] = 60.0,
         connect_attempts: Annotated[int, typer.Option(help="Handshake attempts per prefill.")] = 8,
         connect_timeout: Annotated[float, typer.Option(help="Total seconds to reach a prefill.")] = 30.0,
         heartbeat_interval: Annotated[float, typer.Option(help="Seconds between prefill health checks.")] = 2.0,
-        dtype: DTypeOpt = None, device: DeviceOpt = "cpu", page_size: PageOpt = 16,
-        max_total_tokens: TotalOpt = 16384, max_running: RunningOpt = 64,
-        chunked_prefill_size: ChunkOpt = 2048,
-        speculative_algorithm: AlgoOpt = "NONE", speculative_draft_model_path: DraftOpt = None,
-        speculative_num_steps: IntSpecOpt = None, speculative_eagle_topk: IntSpecOpt = None,
-        speculative_num_draft_tokens: IntSpecOpt = None, metrics_port: MetricsOpt = None,
+        metrics_port: MetricsOpt = None,
     ) -> None:
         """Decode node: receives KV from prefill nodes and generates."""
-        opts = EngineOptions(model, dtype, device, page_size, max_total_tokens, max_running,
-                             chunked_prefill_size, speculative_algorithm, speculative_draft_model_path,
-                             speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens)
         from decode_node.handler import DecodeTimeouts
         from decode_node.main import run_decode
         from decode_node.peers import PeerPolicy
