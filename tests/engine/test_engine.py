@@ -37,7 +37,10 @@ def greedy(n=32):
     return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-def test_greedy_continuous_batch_matches_transformers(hf_dir):
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_greedy_continuous_batch_matches_transformers(tmp_path, hf_dir, kind):
+    if kind != "llama":
+        hf_dir = write_hf_model(tmp_path / kind, kind, seed=1)
     eng = Engine(EngineConfig(str(hf_dir), page_size=4, chunked_prefill_size=6, max_total_tokens=1024))
     rids = [eng.add_request(p, greedy()) for p in PROMPTS[:2]]
     got: dict[str, list[int]] = {r: [] for r in rids}
@@ -115,6 +118,17 @@ def test_logprobs_are_returned_for_chosen_and_top_tokens(hf_dir):
     assert len(out.logprobs) == 4 and all(lp <= 0 for lp in out.logprobs)
     for tok, lp, top in zip(out.output_ids, out.logprobs, out.top_logprobs):
         assert top[0][0] == tok and top[0][1] == pytest.approx(lp)  # greedy picks the top token
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_loads_and_stays_close_to_float32(hf_dir, dtype):
+    ref = Engine(EngineConfig(str(hf_dir)))
+    eng = Engine(EngineConfig(str(hf_dir), dtype=dtype))
+    assert eng.dtype == getattr(torch, dtype)
+    assert eng.parts.runner.pool.buffer.dtype == getattr(torch, dtype)
+    out = eng.generate([PROMPTS[0]], greedy(8))[0].output_ids
+    want = ref.generate([PROMPTS[0]], greedy(8))[0].output_ids
+    assert len(out) == 8 and out[0] == want[0]  # random weights: later tokens may drift
 
 
 # ---- bad input ----
