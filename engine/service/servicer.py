@@ -110,3 +110,9 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             load.disaggregation.CopyFrom(disagg)
         return pb.GetLoadsResponse(timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                    version="pdserve", dp_rank_count=1, loads=[load])
+
+    async def SubscribeKvEvents(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+        """Not offered. SMG calls it once per worker at registration and, on UNIMPLEMENTED, turns
+        KV events off for that worker; the generated stub answers the same code but raises
+        NotImplementedError, which grpc logs as an ERROR with a traceback."""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV cache events are not published")
