@@ -29,7 +29,7 @@ test: venv
 	TRITON_INTERPRET=1 $(VPY) -m pytest -q -x
 
 up: venv
-	$(VENV)/bin/pdserve generate --prompt "def fibonacci(n):" --max-new-tokens 32
+	$(VENV)/bin/pdserve up
 
 bench: venv
 	$(VPY) -m bench.engine_cpu

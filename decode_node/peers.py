@@ -111,7 +111,7 @@ class PeerManager:
         if diff is not None:  # the prefill checks too; this guards against an older prefill
             await channel.close()
             raise PeerError(f"incompatible pair: {diff}")
-        ep.transport.add_peer(resp.nixl_metadata, layout_from_proto(resp.layout))
+        await asyncio.to_thread(ep.transport.add_peer, resp.nixl_metadata, layout_from_proto(resp.layout))
         peer = Peer(address, resp.prefill_agent, channel, stub)
         old = self._peers.get(address)
         if old is not None:

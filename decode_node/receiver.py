@@ -17,10 +17,12 @@ class CompletionWaiter:
     def __init__(self, transport: KVTransport) -> None:
         self.transport = transport
         self._waiting: dict[int, tuple[str, asyncio.Future]] = {}  # room -> (peer agent, future)
+        self._wake = asyncio.Event()  # a new room: stop the idle sleep and poll at once
 
     def expect(self, room: int, peer: str) -> asyncio.Future:
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._waiting[room] = (peer, fut)
+        self._wake.set()
         return fut
 
     def forget(self, room: int) -> None:
@@ -50,5 +52,12 @@ class CompletionWaiter:
                 entry = self._waiting.get(room)
                 if entry is not None and not entry[1].done():
                     entry[1].set_result((kind, reason))
-            # poll fast while something is in flight, lazily otherwise
-            await asyncio.sleep(0.001 if self._waiting else 0.02)
+            # poll fast while something is in flight; otherwise sleep until a room is expected
+            if self._waiting:
+                await asyncio.sleep(0.001)
+            else:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), 0.05)
+                except asyncio.TimeoutError:
+                    pass

@@ -166,3 +166,77 @@ def register(app: typer.Typer) -> None:
         _run(run_decode(opts, host, port, kv_transport, DecodeTimeouts(waiting_s=waiting_timeout),
                         PeerPolicy(connect_attempts=connect_attempts, connect_total_s=connect_timeout,
                                    heartbeat_s=heartbeat_interval), metrics_port))
+
+    @app.command()
+    def up(
+        model: ModelOpt = None, host: HostOpt = "127.0.0.1",
+        port: Annotated[int, typer.Option(help="Router HTTP port (OpenAI API).")] = 8000,
+        prefill: Annotated[int, typer.Option(help="Number of prefill nodes.")] = 1,
+        decode: Annotated[int, typer.Option(help="Number of decode nodes.")] = 1,
+        device: Annotated[str, typer.Option(help="auto (GPUs when present), cpu or cuda.")] = "auto",
+        speculative_algorithm: AlgoOpt = "NONE", speculative_draft_model_path: DraftOpt = None,
+        speculative_num_steps: IntSpecOpt = None,
+        verbose: Annotated[bool, typer.Option("--verbose", help="Echo the nodes' logs.")] = False,
+    ) -> None:
+        """A local deployment: router + prefill + decode nodes on 127.0.0.1; Ctrl-C stops all."""
+        import signal
+        import threading
+
+        from rich.console import Console
+
+        from pdserve.cli import _fail
+        from pdserve.up import Deployment, UpConfig, example_curl, served_model
+
+        node_args: list[str] = ["--speculative-algorithm", speculative_algorithm]
+        if speculative_draft_model_path is not None:
+            node_args += ["--speculative-draft-model-path", str(speculative_draft_model_path)]
+        if speculative_num_steps is not None:
+            node_args += ["--speculative-num-steps", str(speculative_num_steps)]
+        cfg = UpConfig(str(model) if model else None, host, port, prefill, decode, device,
+                       tuple(node_args), verbose)
+        dep, stop = Deployment(cfg), threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        console = Console(stderr=True)
+        try:
+            with console.status("starting", spinner="dots") as status:
+                url = dep.start(lambda msg: status.update(msg))
+            typer.echo(f"pdserve is up: {url}  (OpenAI API under {url}/v1)")
+            typer.echo(example_curl(url, served_model(url)))
+            typer.echo("Ctrl-C stops everything.", err=True)
+            dead = dep.watch(stop)
+            if dead is not None:
+                _fail(f"{dead} exited unexpectedly; stopping the deployment", code=1)
+        except RuntimeError as e:
+            _fail(e, code=1)
+        finally:
+            dep.stop()
+
+    @app.command()
+    def router(
+        host: HostOpt = "127.0.0.1",
+        port: Annotated[int, typer.Option(help="HTTP port of the OpenAI API.")] = 8000,
+        prefill: Annotated[Optional[list[str]], typer.Option(
+            help="Prefill node HOST:PORT,BOOTSTRAP_PORT (repeatable).")] = None,
+        decode: Annotated[Optional[list[str]], typer.Option(help="Decode node HOST:PORT (repeatable).")] = None,
+        colocated: Annotated[Optional[list[str]], typer.Option(
+            help="Colocated node HOST:PORT, used when no PD pair is available (repeatable).")] = None,
+        prefill_policy: Annotated[str, typer.Option(help="round_robin, least_load or prefix_aware.")] = "prefix_aware",
+        decode_policy: Annotated[str, typer.Option(help="round_robin or least_load.")] = "least_load",
+        served_model: Annotated[Optional[str], typer.Option(help="Model id clients send (default: the nodes').")] = None,
+        api_key: Annotated[Optional[list[str]], typer.Option(help="Accepted API key (repeatable).")] = None,
+        max_queue: Annotated[int, typer.Option(help="Most requests in flight before 503.")] = 256,
+    ) -> None:
+        """The OpenAI-compatible router in front of prefill/decode (and colocated) nodes."""
+        import asyncio
+
+        from pdserve.cli import _fail
+        from router.main import RouterConfig, run_router
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        try:  # not _run: that one knows engine errors, and the router must not import the engine
+            asyncio.run(run_router(RouterConfig(host, port, tuple(prefill or ()), tuple(decode or ()),
+                                     tuple(colocated or ()), prefill_policy, decode_policy, served_model,
+                                     frozenset(api_key or ()), max_queue)))
+        except (RuntimeError, ValueError, OSError) as e:
+            _fail(e)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -31,7 +32,8 @@ class KVControlServicer(kpb_grpc.KVControlServicer):
             log.warning("refusing decode %s: %s", request.decode_agent, diff)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"incompatible pair: {diff}")
         try:
-            peer = self.endpoint.transport.add_peer(request.nixl_metadata, layout_from_proto(request.layout))
+            peer = await asyncio.to_thread(self.endpoint.transport.add_peer, request.nixl_metadata,
+                                           layout_from_proto(request.layout))
         except TransferError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"incompatible pair: {e}")
         self.peers.add(peer)

@@ -122,8 +122,9 @@ class PrefillHandler:
             room.state = KVPoll.TRANSFERRING
             room.deadline = time.monotonic() + self.timeouts.transfer_s
             posted = time.perf_counter()
-            handle = self.endpoint.transport.write(
-                TransferRequest(room.room, dest.peer, pages[:need], dest.pages, row, dest.aux_row))
+            # posting may copy synchronously (CPU); keep the event loop serving meanwhile
+            handle = await asyncio.to_thread(self.endpoint.transport.write, TransferRequest(
+                room.room, dest.peer, pages[:need], dest.pages, row, dest.aux_row))
             await self._poll(handle, room)
             room.state = KVPoll.SUCCESS
             KV_TRANSFER_SECONDS.labels("prefill").observe(time.perf_counter() - posted)

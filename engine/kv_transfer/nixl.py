@@ -75,7 +75,7 @@ class NixlTransport:
 
     def __init__(self, name: str, pools: Sequence[KVPool], aux: AuxBuffer, backend: str = "UCX",
                  *, backend_params: dict[str, str] | None = None,
-                 xfer_timeout_s: float = 60.0) -> None:
+                 xfer_timeout_s: float = 60.0, progress_thread: bool = False) -> None:
         self._name, self._pools, self._aux = name, list(pools), aux
         self._timeout = xfer_timeout_s
         self._lock = threading.Lock()
@@ -85,8 +85,12 @@ class NixlTransport:
         kv_mem = kinds.pop() if kinds else "DRAM"
         self._layout = MemoryLayout(kv=kv_regions(self._pools), aux=aux.region(), mem_type=kv_mem,
                                     aux_mem_type=tensor_mem_type(aux.tensor))
-        # STRICT: the node's scheduler loop and its gRPC threads share this agent.
-        cfg = nixl_agent_config(backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        # STRICT: the node's scheduler loop and its gRPC threads share this agent. No progress
+        # thread by default: NIXL's busy-polls a whole core, and both sides already drive
+        # progress by polling transfers and draining notifications themselves. A receiver that
+        # cannot call drain_notifications() regularly must pass progress_thread=True.
+        cfg = nixl_agent_config(backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+                                enable_prog_thread=progress_thread)
         self._agent: Any = nixl_agent(name, cfg)
         if backend not in self._agent.get_plugin_list():
             raise TransferError(f"NIXL backend {backend!r} is not available "

@@ -110,7 +110,8 @@ def reader_main(spec: dict[str, Any]) -> None:
         print("@@ " + json.dumps(kw), flush=True)
 
     pools, aux = make_pools(spec, fill=False), make_aux(spec)
-    t = NixlTransport(spec["name"], pools, aux)
+    # this child blocks on stdin between commands, so it cannot drive UCX progress itself
+    t = NixlTransport(spec["name"], pools, aux, progress_thread=True)
     out(md=base64.b64encode(t.metadata()).decode(), layout=dataclasses.asdict(t.layout()))
     written: set[int] = set()
     for line in sys.stdin:  # EOF (parent gone) ends the child

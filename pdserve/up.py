@@ -1,0 +1,175 @@
+"""`pdserve up`: a whole local deployment (prefill and decode nodes + the router) in one command.
+
+Children are real processes on 127.0.0.1 started through this same CLI; each prints a READY line
+with its ports. We wait (bounded) for every READY, then for the router's /ready, print the URL
+and an example request, and on Ctrl-C / SIGTERM stop everything (SIGTERM, then SIGKILL).
+Torch-free: the parent only launches and watches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    lines: list[str] = field(default_factory=list)
+    ports: dict[str, int] = field(default_factory=dict)
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    def pump(self, echo: bool) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip()
+            self.lines.append(line)
+            if line.startswith("READY"):
+                self.ports = {k: int(v.rsplit(":", 1)[1]) for k, v in re.findall(r"(\w+)=(\S+)", line)}
+                self.ready.set()
+            elif echo:
+                print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    model: str | None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill: int = 1
+    decode: int = 1
+    device: str = "auto"
+    node_args: tuple[str, ...] = ()
+    verbose: bool = False
+    start_timeout_s: float = 300.0
+
+
+class Deployment:
+    def __init__(self, cfg: UpConfig) -> None:
+        self.cfg = cfg
+        self.children: list[Child] = []
+
+    def _spawn(self, name: str, args: list[str], device: str | None = None) -> Child:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "NIXL_LOG_LEVEL": "WARN"}
+        if device is not None and device.startswith("cuda:"):
+            env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]  # each node sees one GPU as cuda:0
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        child = Child(name, proc)
+        threading.Thread(target=child.pump, args=(self.cfg.verbose,), daemon=True).start()
+        self.children.append(child)
+        return child
+
+    def _wait_ready(self, child: Child, deadline: float) -> None:
+        while not child.ready.wait(0.2):
+            if child.proc.poll() is not None or time.monotonic() > deadline:
+                tail = "\n".join(child.lines[-20:])
+                raise RuntimeError(f"{child.name} did not start:\n{tail}")
+
+    def start(self, progress: Callable[[str], None]) -> str:
+        cfg = self.cfg
+        deadline = time.monotonic() + cfg.start_timeout_s
+        devices = _devices(cfg.device, cfg.prefill + cfg.decode)
+        model = ["--model", cfg.model] if cfg.model else []
+        common = [*model, "--host", cfg.host, "--port", "0", *cfg.node_args]
+        nodes = []
+        for i in range(cfg.prefill):
+            dev = devices[i]
+            nodes.append(self._spawn(f"prefill-{i}", ["prefill", *common, "--bootstrap-port", "0",
+                                                      "--device", _local(dev)], dev))
+        for i in range(cfg.decode):
+            dev = devices[cfg.prefill + i]
+            nodes.append(self._spawn(f"decode-{i}", ["decode", *common, "--device", _local(dev)], dev))
+        for n in nodes:
+            progress(f"loading {n.name}")
+            self._wait_ready(n, deadline)
+        router_args = ["router", "--host", cfg.host, "--port", str(cfg.port)]
+        for n in nodes:
+            if n.name.startswith("prefill"):
+                router_args += ["--prefill", f"{cfg.host}:{n.ports['scheduler']},{n.ports['bootstrap']}"]
+            else:
+                router_args += ["--decode", f"{cfg.host}:{n.ports['scheduler']}"]
+        router = self._spawn("router", router_args)
+        progress("starting router")
+        self._wait_ready(router, deadline)
+        url = f"http://{cfg.host}:{router.ports['http']}"
+        progress("waiting for a first handoff (/ready)")
+        _wait_http_ok(f"{url}/ready", deadline, router)
+        return url
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for c in self.children:
+            if c.proc.poll() is None:
+                os.killpg(c.proc.pid, signal.SIGTERM)
+        end = time.monotonic() + grace_s
+        for c in self.children:
+            try:
+                c.proc.wait(max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(c.proc.pid, signal.SIGKILL)
+                c.proc.wait(5)
+
+    def watch(self, stop: threading.Event) -> str | None:
+        """Block until `stop` or until a child dies; returns the dead child's name."""
+        while not stop.wait(0.5):
+            for c in self.children:
+                if c.proc.poll() is not None:
+                    return c.name
+        return None
+
+
+def _devices(device: str, count: int) -> list[str]:
+    if device == "auto":
+        device = "cuda" if _cuda_count() > 0 else "cpu"
+    if device == "cuda":
+        n = _cuda_count()
+        return [f"cuda:{i % n}" for i in range(count)]
+    return [device] * count
+
+
+def _cuda_count() -> int:
+    """GPU count without importing torch in the parent (nvidia-smi, else none)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+def _local(device: str) -> str:
+    return "cuda:0" if device.startswith("cuda:") else device
+
+
+def _wait_http_ok(url: str, deadline: float, child: Child) -> None:
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if child.proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{url} never became ready:\n" + "\n".join(child.lines[-20:]))
+        time.sleep(0.3)
+
+
+def example_curl(url: str, model: str) -> str:
+    body = json.dumps({"model": model, "prompt": "def fibonacci(n):", "max_tokens": 32,
+                       "temperature": 0})
+    return f"curl -s {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
+
+
+def served_model(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
+        return json.load(r)["data"][0]["id"]

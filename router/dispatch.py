@@ -1,0 +1,348 @@
+"""PDDispatcher: the router's node side (router.contract.Dispatcher).
+
+One job = one or more attempts. An attempt picks a (prefill, decode) pair, invents a random
+int32 bootstrap room and sends the same GenerateRequest to both legs at once. The decode stream
+is what the client sees; the prefill leg runs in the background and its failure ends the decode
+leg. Before the first event an attempt that fails is retried with backoff on a new pair (the
+failing node excluded) and a new room; after it, a failure ends the job. Closing the iterator
+sends Abort to both legs. With no PD pair, a colocated node (if any) serves the job alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from smg_grpc_proto import sglang_scheduler_pb2 as pb
+
+from router.contract import DispatchError, FinishEvent, GenerationJob, ModelCard, SamplingSpec, TokenEvent
+from router.nodes import NodeRegistry, NodeState, build_request, token_event
+from router.policy import Policy, pair_available, select_colocated, select_pair
+
+log = logging.getLogger(__name__)
+
+MAX_ROOM = 2**31 - 1  # SMG's gRPC rooms are int32; 0 is avoided (it reads as "unset")
+# The request itself is bad: the same request fails on every pair, so no retry and no blame.
+CLIENT_ERRORS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE})
+
+
+@dataclass(frozen=True)
+class StageTimeouts:
+    prefill_s: float = 60.0  # the whole prefill leg: queue, forward, KV write
+    first_token_s: float = 90.0  # request sent -> first decode message (prefill + transfer)
+    inter_token_s: float = 60.0  # between two decode messages
+    abort_s: float = 2.0  # the Abort RPCs sent on cancel or failure
+    probe_s: float = 60.0  # one whole readiness probe
+
+
+class DispatchMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.retries = Counter("pdserve_router_retries", "Attempts retried on a new pair before the "
+                               "first token, by reason", ["reason"], registry=registry)
+        self.pairs = Counter("pdserve_router_pair_selections", "Pairs chosen (prefill '-' means a "
+                             "colocated node)", ["prefill", "decode"], registry=registry)
+        self.breaker = Gauge("pdserve_router_breaker_state", "Circuit breaker per node: 0 closed, "
+                             "1 half-open, 2 open", ["node", "role"], registry=registry)
+        self.node_up = Gauge("pdserve_router_node_up", "1 when the node's last refresh succeeded",
+                             ["node", "role"], registry=registry)
+
+    def observe_nodes(self, nodes: list[NodeState]) -> None:
+        for n in nodes:
+            self.breaker.labels(n.address, n.role).set(int(n.breaker.state))
+            self.node_up.labels(n.address, n.role).set(int(n.healthy))
+
+
+class _LegFailed(Exception):
+    """An attempt failed; `blame` are the nodes it counts against, `error` what the client gets."""
+
+    def __init__(self, error: DispatchError, blame: tuple[NodeState, ...], reason: str,
+                 retryable: bool = True) -> None:
+        super().__init__(error.message)
+        self.error, self.blame, self.reason, self.retryable = error, blame, reason, retryable
+
+
+def _rpc_failure(e: grpc.aio.AioRpcError, leg: str, node: NodeState) -> _LegFailed:
+    code = e.code()
+    msg = f"{leg} node {node.address}: {code.name}: {e.details()}"
+    if code in CLIENT_ERRORS:
+        return _LegFailed(DispatchError(400, msg, code="invalid_request"), (), "invalid", retryable=False)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return _LegFailed(DispatchError(429, msg, code="overloaded", retry_after_s=1.0), (node,), "overloaded")
+    status = 504 if code == grpc.StatusCode.DEADLINE_EXCEEDED else 502
+    return _LegFailed(DispatchError(status, msg, code=f"{leg}_failed"), (node,), f"{leg}_failed")
+
+
+class _Attempt:
+    """One try of one job on one pair (or one colocated node when `prefill` is None)."""
+
+    def __init__(self, d: PDDispatcher, job: GenerationJob, prefill: NodeState | None, decode: NodeState,
+                 request_id: str) -> None:
+        self.d, self.job, self.prefill, self.decode, self.rid = d, job, prefill, decode, request_id
+        self.room = secrets.randbelow(MAX_ROOM) + 1
+        req = build_request(job, request_id, self.room, prefill)
+        assert decode.stub is not None
+        self.call = decode.stub.Generate(req)  # no deadline: a stream may be long; stage timeouts bound it
+        self.prefill_task: asyncio.Task[_LegFailed | None] | None = None
+        if prefill is not None:
+            self.prefill_task = asyncio.create_task(self._prefill_leg(req), name=f"prefill-{request_id}")
+        decode.inflight += 1
+        self.blame: set[str] = set()
+        self.finished = False
+
+    async def _prefill_leg(self, req: pb.GenerateRequest) -> _LegFailed | None:
+        """Drains the prefill stream; returns (rather than raises) its failure, read by `_read`."""
+        assert self.prefill is not None and self.prefill.stub is not None
+        self.prefill.inflight += 1  # here, not at creation: a task cancelled unstarted runs no finally
+        try:
+            async for _ in self.prefill.stub.Generate(req, timeout=self.d.timeouts.prefill_s):
+                pass
+        except grpc.aio.AioRpcError as e:
+            return _rpc_failure(e, "prefill", self.prefill)
+        except Exception as e:  # anything else still ends this attempt, not the router
+            return _LegFailed(DispatchError(502, f"prefill leg: {e!r}", code="prefill_failed"),
+                              (self.prefill,), "prefill_failed")
+        finally:
+            self.prefill.inflight -= 1
+        return None
+
+    async def events(self) -> AsyncIterator[TokenEvent | FinishEvent]:
+        streamed, first = 0, True
+        while True:
+            msg = await self._read(self.d.timeouts.first_token_s if first else self.d.timeouts.inter_token_s)
+            first = False
+            if msg.HasField("chunk"):
+                c = msg.chunk
+                if c.token_ids:
+                    streamed += len(c.token_ids)
+                    yield token_event(list(c.token_ids), c.output_logprobs if c.HasField("output_logprobs") else None)
+                continue
+            done = msg.complete
+            if len(done.output_ids) > streamed:  # a worker that did not stream (or not all of it)
+                lp = done.output_logprobs if done.HasField("output_logprobs") else None
+                if lp is not None and lp.token_logprobs:
+                    lp = pb.OutputLogProbs(token_logprobs=lp.token_logprobs[streamed:],
+                                           token_ids=lp.token_ids[streamed:], top_logprobs=lp.top_logprobs[streamed:])
+                yield token_event(list(done.output_ids[streamed:]), lp)
+            matched = (done.matched_token_id if done.HasField("matched_token_id")
+                       else done.matched_stop_str if done.HasField("matched_stop_str") else None)
+            self.finished = True
+            yield FinishEvent(done.finish_reason or "stop", done.prompt_tokens,
+                              done.completion_tokens or len(done.output_ids), matched, self.prefill is not None)
+            return
+
+    async def _read(self, timeout: float) -> pb.GenerateResponse:
+        """The next decode message, watching the prefill leg meanwhile; raises _LegFailed."""
+        read = asyncio.ensure_future(self.call.read())
+        waiting: set[asyncio.Future] = {read}
+        if self.prefill_task is not None and not self.prefill_task.done():
+            waiting.add(self.prefill_task)
+        deadline = asyncio.get_running_loop().time() + timeout
+        try:
+            while True:
+                left = deadline - asyncio.get_running_loop().time()
+                done, _ = await asyncio.wait(waiting, timeout=max(left, 0.0), return_when=asyncio.FIRST_COMPLETED)
+                if read in done:
+                    return self._message(read)
+                if not done:
+                    raise self._timeout(timeout)
+                waiting.discard(self.prefill_task)  # type: ignore[arg-type]
+                if (failure := self.prefill_task.result()) is not None:  # type: ignore[union-attr]
+                    raise failure
+        finally:
+            if not read.done():
+                read.cancel()  # cancels the decode RPC too; the attempt is over either way
+
+    def _message(self, read: asyncio.Future) -> pb.GenerateResponse:
+        try:
+            msg = read.result()
+        except grpc.aio.AioRpcError as e:
+            pt = self.prefill_task
+            if pt is not None and pt.done() and not pt.cancelled() and pt.result() is not None:
+                raise pt.result() from None  # the prefill failed first: the decode only followed
+            raise _rpc_failure(e, "decode", self.decode) from None
+        if msg is grpc.aio.EOF:
+            raise _LegFailed(DispatchError(502, f"decode node {self.decode.address} ended its stream without "
+                                           "GenerateComplete", code="decode_failed"), (self.decode,), "decode_failed")
+        return msg
+
+    def _timeout(self, timeout: float) -> _LegFailed:
+        # A decode waiting on a prefill that has not finished is most likely waiting for its KV.
+        pt = self.prefill_task
+        node, leg = (self.prefill, "prefill") if pt is not None and not pt.done() else (self.decode, "decode")
+        assert node is not None
+        return _LegFailed(DispatchError(504, f"{leg} node {node.address}: no decode message within {timeout:g} s",
+                                        code=f"{leg}_timeout"), (node,), f"{leg}_timeout")
+
+    async def close(self, reason: str) -> None:
+        """End the attempt: on failure or cancel stop both legs and Abort them; give verdicts."""
+        self.decode.inflight -= 1
+        if not self.finished:
+            self.call.cancel()
+            if self.prefill_task is not None:
+                self.prefill_task.cancel()
+        self._verdict(self.decode, self.finished)
+        if self.prefill_task is not None:
+            self.prefill_task.add_done_callback(self._prefill_verdict)
+            self.d.keep(self.prefill_task)  # may outlive a finished decode stream by a moment
+        if self.finished:
+            return
+        legs = [n for n in (self.prefill, self.decode) if n is not None and n.stub is not None]
+        aborts = [n.stub.Abort(pb.AbortRequest(request_id=self.rid, reason=reason),  # type: ignore[union-attr]
+                               timeout=self.d.timeouts.abort_s) for n in legs]
+        task = asyncio.ensure_future(asyncio.gather(*aborts, return_exceptions=True))
+        try:  # shielded: a second cancel of the consumer must not drop the aborts
+            await asyncio.wait_for(asyncio.shield(task), self.d.timeouts.abort_s)
+        except asyncio.TimeoutError:
+            self.d.keep(task)
+        except asyncio.CancelledError:
+            self.d.keep(task)
+            raise
+
+    def _prefill_verdict(self, task: asyncio.Task) -> None:
+        ok = not task.cancelled() and task.exception() is None and task.result() is None
+        assert self.prefill is not None
+        self._verdict(self.prefill, ok)
+
+    def _verdict(self, node: NodeState, ok: bool) -> None:
+        if node.address in self.blame:
+            node.breaker.record_failure()
+        elif ok:
+            node.breaker.record_success()
+        else:  # cancelled, or the other leg's fault: no verdict on this node
+            node.breaker.release()
+        self.d.metrics.observe_nodes([node])
+
+
+class PDDispatcher:
+    def __init__(self, registry: NodeRegistry, prefill_policy: Policy, decode_policy: Policy, *,
+                 max_attempts: int = 3, timeouts: StageTimeouts = StageTimeouts(),
+                 backoff_s: float = 0.05, backoff_max_s: float = 1.0, ready_window_s: float = 60.0,
+                 probe_interval_s: float = 5.0, probe_input_ids: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8),
+                 auto_probe: bool = True, metrics_registry: CollectorRegistry | None = None) -> None:
+        self.registry, self.prefill_policy, self.decode_policy = registry, prefill_policy, decode_policy
+        self.max_attempts, self.timeouts = max(1, max_attempts), timeouts
+        self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
+        self.ready_window_s, self.probe_interval_s, self.probe_input_ids = ready_window_s, probe_interval_s, probe_input_ids
+        # Its own registry unless given one: /metrics must expose it (or pass the HTTP side's registry).
+        self.metrics_registry = metrics_registry if metrics_registry is not None else CollectorRegistry()
+        self.metrics = DispatchMetrics(self.metrics_registry)
+        self._last_success: float | None = None
+        self._last_probe = -float("inf")
+        self._probe_task: asyncio.Task[bool] | None = None
+        self._background: set[asyncio.Future] = set()
+        if auto_probe:
+            registry.listeners.append(self._on_refresh)
+
+    def model(self) -> ModelCard | None:
+        return self.registry.model_card()
+
+    def ready(self) -> bool:
+        return self._last_success is not None and time.monotonic() - self._last_success <= self.ready_window_s
+
+    async def generate(self, job: GenerationJob) -> AsyncIterator[TokenEvent | FinishEvent]:
+        blamed: set[str] = set()  # never again for this job
+        tried: set[str] = set()  # avoided when another choice exists
+        last: _LegFailed | None = None
+        for n in range(self.max_attempts):
+            if last is not None:
+                self.metrics.retries.labels(last.reason).inc()
+                await asyncio.sleep(min(self.backoff_max_s, self.backoff_s * 2 ** (n - 1)) * random.uniform(0.5, 1.0))
+            target = self._pick(job, blamed | tried) or self._pick(job, blamed)
+            if target is None:
+                if last is not None:
+                    raise last.error
+                raise DispatchError(503, "no healthy compatible prefill/decode pair (or colocated node) is available",
+                                    code="no_available_pair", retry_after_s=1.0)
+            prefill, decode = target
+            self.metrics.pairs.labels(prefill.address if prefill else "-", decode.address).inc()
+            attempt = _Attempt(self, job, prefill, decode, job.request_id if n == 0 else f"{job.request_id}-retry{n}")
+            events = attempt.events()
+            started, reason = False, "client cancelled"
+            try:
+                async for event in events:
+                    started = True
+                    if isinstance(event, FinishEvent) and event.finish_reason != "abort":
+                        self._last_success = time.monotonic()  # before the yield: the consumer may stop here
+                    yield event
+                return
+            except _LegFailed as f:
+                attempt.blame = {node.address for node in f.blame}
+                reason = f"{f.reason}: {f.error.message}"
+                if started:
+                    f.error.before_first_token = False
+                    raise f.error from None
+                if not f.retryable:
+                    raise f.error from None
+                log.warning("attempt %d/%d of %s failed before the first token: %s", n + 1, self.max_attempts,
+                            job.request_id, f.error)
+                blamed |= attempt.blame
+                tried |= {node.address for node in (prefill, decode) if node is not None}
+                last = f
+            finally:
+                await events.aclose()
+                await attempt.close(reason)
+        assert last is not None
+        raise last.error
+
+    def _pick(self, job: GenerationJob, exclude: set[str]) -> tuple[NodeState | None, NodeState] | None:
+        """A PD pair if any; else a colocated node; breaker slots are claimed here."""
+        for _ in range(4):  # a half-open probe slot taken meanwhile: choose again
+            pair = select_pair(self.registry, self.prefill_policy, self.decode_policy, job, exclude)
+            if pair is not None:
+                prefill, decode = pair
+                if prefill.breaker.acquire():
+                    if decode.breaker.acquire():
+                        return prefill, decode
+                    prefill.breaker.release()
+                continue
+            node = select_colocated(self.registry, self.decode_policy, job, exclude)
+            if node is None:
+                return None
+            if node.breaker.acquire():
+                return None, node
+        return None
+
+    async def probe(self) -> bool:
+        """One tiny real request (one token) through a pair, so readiness needs no user traffic."""
+        self._last_probe = time.monotonic()
+        job = GenerationJob(f"probe-{uuid.uuid4().hex[:16]}", self.probe_input_ids,
+                            SamplingSpec(max_new_tokens=1, temperature=0.0))
+        try:
+            async with asyncio.timeout(self.timeouts.probe_s):
+                async for _ in self.generate(job):
+                    pass
+        except (DispatchError, TimeoutError) as e:
+            log.warning("readiness probe failed: %s", e or "timed out")
+            return False
+        return True
+
+    def _on_refresh(self) -> None:
+        """Registry refresh hook: publish node gauges; re-probe when no request succeeded lately."""
+        self.metrics.observe_nodes(self.registry.states)
+        now = time.monotonic()
+        stale = self._last_success is None or now - self._last_success > self.ready_window_s / 2
+        if (stale and (self._probe_task is None or self._probe_task.done())
+                and now - self._last_probe >= self.probe_interval_s and pair_available(self.registry)):
+            self._probe_task = asyncio.create_task(self.probe(), name="readiness-probe")
+
+    def keep(self, task: asyncio.Future) -> None:
+        """Hold a reference to a background task until it ends (asyncio keeps only weak ones)."""
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        """Stop background work (probe, leftover prefill legs and aborts) and the refresh hook."""
+        if self._on_refresh in self.registry.listeners:
+            self.registry.listeners.remove(self._on_refresh)
+        pending = [t for t in [self._probe_task, *self._background] if t is not None and not t.done()]
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)

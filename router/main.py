@@ -1,0 +1,75 @@
+"""The router process: node registry + PD dispatcher + the OpenAI app, served by uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+import uvicorn
+
+from pdserve.tokenizer import Tokenizer
+from router.app import create_app
+from router.dispatch import PDDispatcher
+from router.nodes import NodeRegistry, parse_node_lists
+from router.policy import make_policy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str
+    port: int
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    colocated: tuple[str, ...] = ()
+    prefill_policy: str = "prefix_aware"
+    decode_policy: str = "least_load"
+    served_model: str | None = None
+    api_keys: frozenset[str] = frozenset()
+    max_queue: int = 256
+    model_wait_s: float = 120.0
+
+
+async def run_router(cfg: RouterConfig) -> None:
+    stop = asyncio.Event()
+    aio = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        aio.add_signal_handler(sig, stop.set)
+    registry = NodeRegistry(parse_node_lists(list(cfg.prefill), list(cfg.decode), list(cfg.colocated)))
+    await registry.start()
+    dispatcher = PDDispatcher(registry, make_policy("prefill", cfg.prefill_policy),
+                              make_policy("decode", cfg.decode_policy))
+    try:
+        card = await _wait_model(registry, cfg.model_wait_s, stop)
+        tokenizer = Tokenizer.from_dir(card.tokenizer_path)
+        app = create_app(dispatcher, tokenizer, served_model=cfg.served_model or card.name,
+                         api_keys=set(cfg.api_keys), max_queue=cfg.max_queue,
+                         metrics_registry=dispatcher.metrics_registry)
+        server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
+                                               lifespan="off"))
+        serving = asyncio.create_task(server.serve())
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1] if server.servers else cfg.port
+        print(f"READY http={cfg.host}:{port}", flush=True)
+        await asyncio.wait([serving, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        server.should_exit = True
+        await serving
+    finally:
+        await dispatcher.close()
+        await registry.stop()
+
+
+async def _wait_model(registry: NodeRegistry, timeout: float, stop: asyncio.Event):  # type: ignore[no-untyped-def]
+    """The model card from the first node that answers; a clear error if none does in time."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        card = registry.model_card()
+        if card is not None:
+            return card
+        if stop.is_set() or asyncio.get_running_loop().time() > deadline:
+            raise RuntimeError(f"no node answered GetModelInfo within {timeout:.0f} s")
+        await asyncio.sleep(0.2)

@@ -1,0 +1,94 @@
+"""Prometheus metrics of the router's HTTP side (prefix `pdserve_router_`, units in the names).
+
+Each app gets its own `CollectorRegistry` (tests create several apps in one process; the global
+registry would refuse the duplicate names) and /metrics exposes exactly that registry.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Latency buckets: TTFT and e2e span milliseconds (cached prefixes, tiny models) to minutes (long
+# generations); inter-token latency lives between a millisecond and a second.
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+# Known paths only, so a scanner probing random URLs cannot blow up the label cardinality.
+ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
+
+
+class RouterMetrics:
+    """The router's HTTP metrics, registered in a registry of their own."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        # one registry per app (tests build several); the dispatcher's metrics may share it
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("pdserve_router_requests_total", "HTTP requests answered, by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.in_flight = Gauge("pdserve_router_requests_in_flight", "Generation requests being served now",
+                               registry=r)
+        self.shed = Counter("pdserve_router_requests_shed_total", "Requests refused because too many were in flight",
+                            registry=r)
+        self.ttft = Histogram("pdserve_router_time_to_first_token_seconds",
+                              "From request arrival to the first generated token", ["endpoint"],
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("pdserve_router_inter_token_latency_seconds",
+                             "Time between consecutive output tokens of one choice", ["endpoint"],
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_router_e2e_request_latency_seconds",
+                             "From request arrival to the last token of a completed request",
+                             ["endpoint", "disaggregated"], buckets=_E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("pdserve_router_prompt_tokens_total", "Prompt tokens of completed requests",
+                                     registry=r)
+        self.completion_tokens = Counter("pdserve_router_completion_tokens_total",
+                                         "Generated tokens of completed requests", registry=r)
+        self.errors = Counter("pdserve_router_stream_errors_total",
+                              "Streams that failed after the first byte (sent as an SSE error event)",
+                              ["endpoint"], registry=r)
+
+    def record_response(self, path: str, status: int) -> None:
+        self.requests.labels(path if path in ENDPOINTS else "other", str(status)).inc()
+
+    def observe_tokens(self, endpoint: str, n_tokens: int, gap_s: float, first: bool, since_start_s: float) -> None:
+        """One token event of one choice: TTFT on the first, per-token inter-token latency after."""
+        if n_tokens <= 0:
+            return
+        if first:
+            # Tokens arriving with the first one have no predecessor to measure against.
+            self.ttft.labels(endpoint).observe(since_start_s)
+            return
+        # An event may carry several tokens (speculative decoding): spread the gap over them.
+        for _ in range(n_tokens):
+            self.itl.labels(endpoint).observe(gap_s / n_tokens)
+
+    def observe_done(self, endpoint: str, e2e_s: float, disaggregated: bool, prompt: int, completion: int) -> None:
+        self.e2e.labels(endpoint, "true" if disaggregated else "false").observe(e2e_s)
+        self.prompt_tokens.inc(prompt)
+        self.completion_tokens.inc(completion)
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class ResponseCounter:
+    """Pure ASGI middleware counting responses by path and status (BaseHTTPMiddleware would wrap
+    streaming responses and get in the way of disconnect detection)."""
+
+    def __init__(self, app: Any, metrics: RouterMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.record_response(scope.get("path", ""), message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

@@ -1,0 +1,281 @@
+"""The router's view of its nodes: the configured list, one gRPC client per node, and a
+background refresh (health, model card, pairing fingerprint, load) that marks nodes up or down.
+
+Nodes speak the SGLang scheduler API (`SglangScheduler`). A prefill's bootstrap port is not in its
+server info, so the operator names it next to the address, as SMG does
+(`--prefill host:port,BOOTSTRAP_PORT`). Also here: the translation between router jobs/events
+and the scheduler API's messages (`build_request`, `token_event`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import grpc
+from google.protobuf import json_format
+from smg_grpc_proto import sglang_scheduler_pb2 as pb
+from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
+
+from router.breaker import CircuitBreaker
+from router.contract import GenerationJob, ModelCard, SamplingSpec, TokenEvent
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "colocated")
+DEFAULT_BOOTSTRAP_PORT = 8998  # what SMG (and our decode node) assume when none is given
+# GetServerInfo's disaggregation_mode for each configured role; a mismatch is a config error.
+SERVER_MODE = {"prefill": "prefill", "decode": "decode", "colocated": "null"}
+# Fast reconnects: the default backoff grows to 120 s, far slower than the refresh period.
+CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                   ("grpc.max_reconnect_backoff_ms", 2000), ("grpc.max_receive_message_length", 64 << 20)]
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    role: str  # "prefill" | "decode" | "colocated"
+    address: str  # host:port of its SglangScheduler service
+    bootstrap_port: int | None = None  # prefills only
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"unknown node role {self.role!r} (expected one of {', '.join(ROLES)})")
+
+    @property
+    def host(self) -> str:
+        """What a decode node dials for the KV handshake: the prefill address without its port."""
+        host = self.address.rsplit(":", 1)[0]
+        return host[1:-1] if host.startswith("[") else host
+
+
+def _address(text: str) -> str:
+    text = text.strip()
+    for scheme in ("grpc://", "http://"):
+        text = text.removeprefix(scheme)
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"node address {text!r} is not host:port")
+    return text
+
+
+def parse_node_lists(prefill: Sequence[str], decode: Sequence[str],
+                     colocated: Sequence[str] = ()) -> list[NodeSpec]:
+    """CLI-style node lists: prefill entries are "host:port[,bootstrap_port]" (a space works too,
+    as in SMG's `--prefill URL PORT`), decode and colocated entries are "host:port"."""
+    specs: list[NodeSpec] = []
+    for entry in prefill:
+        parts = entry.replace(",", " ").split()
+        if not parts or len(parts) > 2:
+            raise ValueError(f"prefill entry {entry!r} is not host:port[,bootstrap_port]")
+        boot = int(parts[1]) if len(parts) == 2 else DEFAULT_BOOTSTRAP_PORT
+        specs.append(NodeSpec("prefill", _address(parts[0]), boot))
+    specs += [NodeSpec("decode", _address(e)) for e in decode]
+    specs += [NodeSpec("colocated", _address(e)) for e in colocated]
+    seen: set[str] = set()
+    for s in specs:
+        if s.address in seen:
+            raise ValueError(f"node {s.address} is listed twice")
+        seen.add(s.address)
+    return specs
+
+
+def resolve_headless(name: str, port: int) -> list[str]:
+    """Every address behind a DNS name (a Kubernetes headless service lists one per pod)."""
+    infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)
+    hosts = sorted({info[4][0] for info in infos})
+    return [f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h in hosts]
+
+
+@dataclass
+class NodeState:
+    """What the router knows about one node; policies read it, the registry and dispatcher write it."""
+
+    spec: NodeSpec
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    stub: pb_grpc.SglangSchedulerStub | None = None
+    healthy: bool = False
+    pairing_protocol: str | None = None  # None: the node names none, and then pairs with any
+    running: int = 0
+    waiting: int = 0
+    used_tokens: int = 0
+    inflight: int = 0  # this router's requests on the node not yet finished
+    error: str = ""
+    last_seen: float = 0.0
+
+    @property
+    def address(self) -> str:
+        return self.spec.address
+
+    @property
+    def role(self) -> str:
+        return self.spec.role
+
+    @property
+    def load(self) -> int:
+        """Outstanding requests: what the node reported plus what we sent since."""
+        return self.running + self.waiting + self.inflight
+
+    def usable(self) -> bool:
+        return self.healthy and self.breaker.available()
+
+
+def compatible(a: NodeState, b: NodeState) -> bool:
+    """SMG's rule: different pairing protocols never pair; a node naming none pairs with any."""
+    return a.pairing_protocol is None or b.pairing_protocol is None or a.pairing_protocol == b.pairing_protocol
+
+
+def _model_card(info: pb.GetModelInfoResponse) -> ModelCard:
+    return ModelCard(name=info.served_model_name or info.model_path,
+                     tokenizer_path=info.tokenizer_path or info.model_path,
+                     max_context_length=info.max_context_length,
+                     eos_token_ids=tuple(info.eos_token_ids))
+
+
+def build_request(job: GenerationJob, request_id: str, room: int, prefill: NodeState | None) -> pb.GenerateRequest:
+    """The GenerateRequest both legs get (SMG sends them identical)."""
+    s: SamplingSpec = job.sampling
+    sp = pb.SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+        frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
+        repetition_penalty=s.repetition_penalty, max_new_tokens=s.max_new_tokens, stop=list(s.stop),
+        stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, n=1,
+        skip_special_tokens=True, spaces_between_special_tokens=True)
+    if s.seed is not None:  # SGLang's place for a sampling seed
+        sp.custom_params.update({"seed": s.seed})
+    req = pb.GenerateRequest(request_id=request_id, tokenized=pb.TokenizedInput(input_ids=list(job.input_ids)),
+                             sampling_params=sp, return_logprob=s.logprobs, top_logprobs_num=s.top_logprobs,
+                             logprob_start_len=-1, stream=True)
+    if prefill is not None:
+        req.disaggregated_params.CopyFrom(pb.DisaggregatedParams(
+            bootstrap_host=prefill.spec.host, bootstrap_port=prefill.spec.bootstrap_port or DEFAULT_BOOTSTRAP_PORT,
+            bootstrap_room=room))
+    return req
+
+
+def token_event(ids: list[int], lp: pb.OutputLogProbs | None) -> TokenEvent:
+    if lp is None or not lp.token_logprobs:
+        return TokenEvent(tuple(ids))
+    top = tuple(tuple(zip(t.token_ids, t.values)) for t in lp.top_logprobs)
+    return TokenEvent(tuple(ids), tuple(lp.token_logprobs), top)
+
+
+class NodeRegistry:
+    """One channel and stub per node, refreshed every `refresh_s` by a background task."""
+
+    def __init__(self, specs: Iterable[NodeSpec], *, refresh_s: float = 2.0, rpc_timeout_s: float = 1.0,
+                 breaker: Callable[[], CircuitBreaker] = CircuitBreaker) -> None:
+        self.refresh_s, self.rpc_timeout_s = refresh_s, rpc_timeout_s
+        self.states = [NodeState(spec, breaker()) for spec in specs]
+        self.card: ModelCard | None = None
+        self.listeners: list[Callable[[], None]] = []  # called after each refresh round
+        self._channels: list[grpc.aio.Channel] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def nodes(self, role: str, *, healthy_only: bool = True) -> list[NodeState]:
+        return [s for s in self.states if s.role == role and (s.healthy or not healthy_only)]
+
+    def get(self, address: str) -> NodeState:
+        return next(s for s in self.states if s.address == address)
+
+    def model_card(self) -> ModelCard | None:
+        return self.card
+
+    def _connect(self) -> None:
+        """Channels belong to the running event loop, so they are made on first use, not in __init__."""
+        for s in self.states:
+            if s.stub is None:
+                channel = grpc.aio.insecure_channel(s.address, options=CHANNEL_OPTIONS)
+                self._channels.append(channel)
+                s.stub = pb_grpc.SglangSchedulerStub(channel)
+
+    async def start(self) -> None:
+        """First refresh now (so the router starts knowing its nodes), then keep refreshing."""
+        await self.refresh_once()
+        self._task = asyncio.create_task(self._loop(), name="node-refresh")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        await asyncio.gather(*(c.close() for c in self._channels), return_exceptions=True)
+        self._channels.clear()
+        for s in self.states:
+            s.stub, s.healthy = None, False
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self.refresh_once()
+            except Exception:  # a bug here must not stop the refresh for good
+                log.exception("node refresh failed")
+
+    async def refresh_once(self) -> None:
+        self._connect()
+        await asyncio.gather(*(self._refresh(s) for s in self.states))
+        for listener in self.listeners:
+            listener()
+
+    async def _refresh(self, s: NodeState) -> None:
+        assert s.stub is not None
+        t = self.rpc_timeout_s
+        was = s.healthy
+        try:
+            health = await s.stub.HealthCheck(pb.HealthCheckRequest(), timeout=t)
+            if not health.healthy:
+                raise _Down(f"unhealthy: {health.message}")
+            if self.card is None:
+                self.card = _model_card(await s.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=t))
+            await self._server_info(s)
+            await self._loads(s)
+        except (grpc.aio.AioRpcError, _Down, asyncio.TimeoutError) as e:
+            s.healthy, s.error = False, _describe(e)
+        else:
+            s.healthy, s.error, s.last_seen = True, "", time.monotonic()
+        if s.healthy != was:
+            log.log(logging.INFO if s.healthy else logging.WARNING, "%s node %s is %s%s", s.role, s.address,
+                    "up" if s.healthy else "down", f": {s.error}" if s.error else "")
+
+    async def _server_info(self, s: NodeState) -> None:
+        """Re-read every round: a restarted node may come back with another fingerprint."""
+        assert s.stub is not None
+        try:
+            info = await s.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=self.rpc_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNIMPLEMENTED:  # optional for SGLang workers
+                raise
+            s.pairing_protocol = None
+            return
+        args = json_format.MessageToDict(info.server_args)
+        mode = args.get("disaggregation_mode")
+        if mode is not None and mode != SERVER_MODE[s.role]:
+            raise _Down(f"configured as {s.role} but serves disaggregation_mode={mode}")
+        protocol = args.get("pairing_protocol")
+        s.pairing_protocol = str(protocol) if protocol not in (None, "") else None
+
+    async def _loads(self, s: NodeState) -> None:
+        assert s.stub is not None
+        try:
+            resp = await s.stub.GetLoads(pb.GetLoadsRequest(), timeout=self.rpc_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            return  # no load report: least-load then sees only our own in-flight count
+        s.running = sum(x.num_running_reqs for x in resp.loads)
+        s.waiting = sum(x.num_waiting_reqs for x in resp.loads)
+        s.used_tokens = sum(x.num_used_tokens for x in resp.loads)
+
+
+class _Down(Exception):
+    """A node that answered but must not get traffic."""
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, grpc.aio.AioRpcError):
+        return f"{e.code().name}: {e.details()}"
+    return str(e) or type(e).__name__

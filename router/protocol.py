@@ -1,0 +1,287 @@
+"""OpenAI wire shapes: request schemas (pydantic, strict) and response/chunk builders.
+
+Strict typing (no "0.5" -> 0.5 coercion) and `extra="forbid"` match what OpenAI answers with a 400.
+Every documented OpenAI field is declared, even the ones the router does not act on, so a client
+written against the real API is never refused for sending them; the ones that would change the
+output in a way we cannot honour (echo, suffix, logit_bias, tools, response formats other than
+text, ...) are refused explicitly in `unsupported()`, never silently dropped.
+
+Extensions beyond OpenAI (the vLLM/SGLang names): top_k, min_p, repetition_penalty, ignore_eos,
+stop_token_ids.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from router.contract import GenerationJob, ModelCard, SamplingSpec
+from router.errors import APIError, bad_request
+
+MAX_N = 16
+MAX_STOP_STRINGS = 16
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions `logprobs`
+MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's limit for chat `top_logprobs`
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+    include_obfuscation: bool | None = None  # OpenAI field; there is nothing to obfuscate here
+
+
+class _Sampling(BaseModel):
+    """Fields shared by both endpoints."""
+
+    model_config = _STRICT
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Extensions.
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        items = [v] if isinstance(v, str) else (v or [])
+        if any(not s for s in items):
+            raise ValueError("stop strings must be non-empty")
+        if len(items) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported")
+        return v
+
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_spec(self, max_new_tokens: int, choice: int, top_logprobs: int | None) -> SamplingSpec:
+        """The node-side sampling of choice `choice`; `top_logprobs` None means no logprobs."""
+        return SamplingSpec(
+            max_new_tokens=max_new_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k if self.top_k else -1,  # 0 and -1 both mean "off"
+            min_p=self.min_p or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            stop=self.stop_list(), stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+            # One seed for n separate jobs would make the n choices identical: choice j gets seed + j.
+            seed=None if self.seed is None else self.seed + choice,
+            logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0)
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, reason) for a field whose value we cannot honour, else None."""
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options is only allowed when stream is true"
+        return None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string, a list of strings, one id list or a list of id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.suffix:
+            return "suffix", "suffix is not supported"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of", "best_of is supported only when equal to n"
+        return super().unsupported()
+
+
+class TextPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message; OpenAI's assistant/tool extras (tool_calls, refusal, ...) are kept for the template."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        out = self.model_dump(exclude_none=True)
+        # Templates expect a string; text parts are concatenated as OpenAI's own renderer does.
+        out["content"] = (self.content if isinstance(self.content, str)
+                          else "".join(p.text for p in self.content or []))
+        # "developer" is OpenAI's new name for "system"; open-model templates only know "system".
+        if out["role"] == "developer":
+            out["role"] = "system"
+        return out
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+    # Declared so clients may send them; see unsupported() for which values are refused.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    # Accepted and ignored: they do not change the tokens a model produces here.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+
+    def max_new_tokens(self) -> int | None:
+        # max_completion_tokens is the current name; max_tokens the deprecated one.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
+            return "top_logprobs", "top_logprobs requires logprobs to be true"
+        if self.tools or self.functions:
+            return ("tools" if self.tools else "functions"), "tool calling is not supported"
+        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
+            return "tool_choice", "tool calling is not supported"
+        if self.response_format and self.response_format.get("type") != "text":
+            return "response_format", "only response_format {'type': 'text'} is supported"
+        if self.modalities and self.modalities != ["text"]:
+            return "modalities", "only the text modality is supported"
+        for name in ("audio", "prediction", "web_search_options"):
+            if getattr(self, name):
+                return name, f"{name} is not supported"
+        return super().unsupported()
+
+
+class Shapes:
+    """Response, choice and SSE chunk dicts of one request, exactly in OpenAI's shapes."""
+
+    def __init__(self, chat: bool, rid: str, model: str, include_usage: bool = False) -> None:
+        self.chat, self.rid, self.model, self.include_usage = chat, rid, model, include_usage
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None}
+
+    def response(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
+        head = self._head("chat.completion" if self.chat else "text_completion")
+        return {**head, "choices": choices, "usage": usage}
+
+    def choice(self, index: int, text: str, logprobs: dict[str, Any] | None, finish: str | None) -> dict[str, Any]:
+        if self.chat:
+            message = {"role": "assistant", "content": text, "refusal": None}
+            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def chunk(self, index: int, text: str | None = None, logprobs: dict[str, Any] | None = None,
+              finish: str | None = None, role: bool = False) -> dict[str, Any]:
+        head = self._head("chat.completion.chunk" if self.chat else "text_completion")
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        # With include_usage, OpenAI sends "usage": null on every chunk but the last one.
+        return {**head, "choices": [choice], **({"usage": None} if self.include_usage else {})}
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        head = self._head("chat.completion.chunk" if self.chat else "text_completion")
+        return {**head, "choices": [], "usage": usage}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def check_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    if not ids:
+        raise bad_request(f"'{param}' must not be empty.", param=param, code="empty_prompt")
+    if any(i < 0 or i >= vocab_size for i in ids):
+        raise bad_request(f"Token ids must be in [0, {vocab_size}).", param=param, code="invalid_token_id")
+
+
+def context_budget(n_prompt: int, asked: int | None, default: int | None, card: ModelCard, param: str) -> int:
+    """max_new_tokens for a prompt; 400 context_length_exceeded when prompt + completion do not fit."""
+    room = card.max_context_length - n_prompt
+    max_new = asked if asked is not None else (min(default, room) if default else room)
+    if room < 1 or n_prompt + max_new > card.max_context_length:
+        want = max(max_new, 1)
+        raise bad_request(
+            f"This model's maximum context length is {card.max_context_length} tokens. However, you requested "
+            f"{n_prompt + want} tokens ({n_prompt} in the {param}, {want} in the completion). Please reduce "
+            f"the length of the {param} or completion.", param=param, code="context_length_exceeded")
+    return max_new
+
+
+def build_jobs(rid: str, total: int, start: int, ids: list[int], req: Any, max_new: int,
+          top_logprobs: int | None) -> list[GenerationJob]:
+    """The n jobs of one prompt; choice index = prompt index * n + j, as OpenAI numbers them."""
+    return [GenerationJob(request_id=rid if total == 1 else f"{rid}-{start + j}", input_ids=tuple(ids),
+                          sampling=req.sampling_spec(max_new, j, top_logprobs), stream=bool(req.stream))
+            for j in range(req.n)]
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body; 413 past `limit`, without reading it when Content-Length already says so."""
+    too_big = APIError(413, f"The request body is larger than the {limit} bytes allowed.", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:  # chunked uploads declare no length
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,190 @@
+"""Per-choice text assembly: token ids -> text deltas, exact stop-string cuts, logprobs.
+
+The router is the authority on text. Nodes also get the stop strings and may stop early, but what
+reaches the client is decided here, the same way for streamed and non-streamed responses (both use
+`ChoiceText`), so that the concatenated stream always equals the non-streamed text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from pdserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from router.contract import FinishEvent, TokenEvent
+from router.protocol import Shapes, usage
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...]
+    text_offset: int  # where the token's text starts in the choice's text (completions format)
+
+
+@dataclass
+class Delta:
+    """What one event adds to a choice: text safe to show now and the logprobs of its tokens."""
+
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class ChoiceText:
+    """Text, token count and finish reason of one choice (one GenerationJob).
+
+    `end_ids` are tokens that end generation (stop_token_ids, and EOS unless ignore_eos): their
+    text is never shown, as in OpenAI/vLLM, and skipping them up front means it never has to be
+    taken back from a stream that already sent it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], *, stop: Sequence[str] = (),
+                 end_ids: frozenset[int] = frozenset(), logprobs: bool = False) -> None:
+        self._tok = tokenizer
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self._matcher = StopStringMatcher(stop) if stop else None
+        self._end_ids = end_ids
+        self._want_logprobs = logprobs
+        self.text = ""
+        self.tokens = 0  # tokens consumed from the node (all of them, end ids included)
+        self.finish_reason: str | None = None
+        self.logprobs: list[TokenLogprob] = []
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def feed(self, event: TokenEvent) -> Delta:
+        """Consume one event's tokens; stops at the token that completes a stop string.
+
+        `finished` turning true here means the router hit a stop string before the node finished:
+        the caller must cancel the job (which aborts both legs).
+        """
+        delta = Delta()
+        if self.finished:
+            return delta
+        # Token by token, so the token count and logprobs end exactly at the stop string.
+        for k, tid in enumerate(event.token_ids):
+            self.tokens += 1
+            if self._want_logprobs and k < len(event.logprobs):
+                entry = self._logprob(tid, event, k, len(self.text) + len(delta.text))
+                delta.logprobs.append(entry)
+                self.logprobs.append(entry)
+            if tid in self._end_ids:
+                continue
+            piece = self._detok.feed(tid)
+            if self._matcher is None:
+                delta.text += piece
+                continue
+            safe, hit = self._matcher.feed(piece)
+            delta.text += safe
+            if hit:
+                self.finish_reason = "stop"
+                break
+        self.text += delta.text
+        return delta
+
+    def finish(self, event: FinishEvent) -> Delta:
+        """The node finished: release held-back text, cut at any stop string, settle the reason."""
+        if self.finished:
+            return Delta()
+        out = self._detok.flush()
+        reason = event.finish_reason
+        if self._matcher is not None:
+            out, hit = self._matcher.feed(out)
+            if hit:
+                reason = "stop"
+            else:
+                held = self._matcher.flush()
+                if isinstance(event.matched_stop, str):
+                    # The node saw its stop string start inside the text we were holding back (its
+                    # detokenization may differ at the edge): never show text from there on.
+                    held = held[:_stop_start(held, event.matched_stop)]
+                out += held
+        # Trust the node's count unless it is short of what we saw (it may count differently).
+        self.tokens = max(self.tokens, event.completion_tokens)
+        self.text += out
+        self.finish_reason = reason
+        return Delta(out)
+
+    def _logprob(self, tid: int, event: TokenEvent, k: int, offset: int) -> TokenLogprob:
+        top = event.top_logprobs[k] if k < len(event.top_logprobs) else ()
+        return TokenLogprob(tid, self._piece(tid), float(event.logprobs[k]),
+                            tuple((self._piece(t), float(lp)) for t, lp in top), offset)
+
+    def _piece(self, tid: int) -> str:
+        # A lone byte token of a multi-byte character decodes to U+FFFD, as in OpenAI's `token`.
+        return self._tok.decode([tid], skip_special_tokens=False)
+
+
+def _stop_start(text: str, stop: str) -> int:
+    """Index of the longest suffix of `text` that is a prefix of `stop` (len(text) if none)."""
+    for k in range(min(len(stop), len(text)), 0, -1):
+        if text.endswith(stop[:k]):
+            return len(text) - k
+    return len(text)
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """The legacy completions shape: parallel lists."""
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [dict(e.top) for e in entries],
+        "text_offset": [e.text_offset for e in entries],
+    }
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], top_n: int) -> dict[str, Any]:
+    """The chat shape: one object per token with its UTF-8 bytes and `top_n` alternatives."""
+
+    def item(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top[:top_n]]}
+                        for e in entries], "refusal": None}
+
+
+class RequestOutput:
+    """All choices of one HTTP request, rendered in OpenAI's shapes (non-streamed or as chunks)."""
+
+    def __init__(self, shapes: Shapes, choices: list[ChoiceText], prompt_tokens: int, top_logprobs: int,
+                 logprobs: bool) -> None:
+        self.shapes, self.choices, self.prompt_tokens = shapes, choices, prompt_tokens
+        self._top, self._logprobs = top_logprobs, logprobs
+        self.disaggregated = True  # false once any choice was served by a colocated node
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.tokens for c in self.choices)
+
+    def usage(self) -> dict[str, int]:
+        return usage(self.prompt_tokens, self.completion_tokens)
+
+    def apply(self, index: int, event: TokenEvent | FinishEvent) -> Delta:
+        if isinstance(event, TokenEvent):
+            return self.choices[index].feed(event)
+        self.disaggregated = self.disaggregated and event.disaggregated
+        return self.choices[index].finish(event)
+
+    def _render_logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        if not self._logprobs:
+            return None
+        return chat_logprobs(entries, self._top) if self.shapes.chat else completion_logprobs(entries)
+
+    def response(self) -> dict[str, Any]:
+        return self.shapes.response([self.shapes.choice(i, c.text, self._render_logprobs(c.logprobs),
+                                                        c.finish_reason) for i, c in enumerate(self.choices)],
+                                    self.usage())
+
+    def chunks(self, index: int, delta: Delta) -> list[dict[str, Any]]:
+        """The chunks one applied event produces: its text/logprobs, then the finish if it finished."""
+        out = []
+        if delta.text or delta.logprobs:
+            out.append(self.shapes.chunk(index, delta.text, self._render_logprobs(delta.logprobs)))
+        choice = self.choices[index]
+        if choice.finished:
+            out.append(self.shapes.chunk(index, finish=choice.finish_reason))
+        return out
