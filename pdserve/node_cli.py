@@ -226,6 +226,10 @@ def register(app: typer.Typer) -> None:
         served_model: Annotated[Optional[str], typer.Option(help="Model id clients send (default: the nodes').")] = None,
         api_key: Annotated[Optional[list[str]], typer.Option(help="Accepted API key (repeatable).")] = None,
         max_queue: Annotated[int, typer.Option(help="Most requests in flight before 503.")] = 256,
+        prefill_dns: Annotated[Optional[list[str]], typer.Option(
+            help="Headless service NAME:PORT,BOOTSTRAP_PORT whose addresses are prefill nodes.")] = None,
+        decode_dns: Annotated[Optional[list[str]], typer.Option(
+            help="Headless service NAME:PORT whose addresses are decode nodes.")] = None,
     ) -> None:
         """The OpenAI-compatible router in front of prefill/decode (and colocated) nodes."""
         import asyncio
@@ -237,6 +241,7 @@ def register(app: typer.Typer) -> None:
         try:  # not _run: that one knows engine errors, and the router must not import the engine
             asyncio.run(run_router(RouterConfig(host, port, tuple(prefill or ()), tuple(decode or ()),
                                      tuple(colocated or ()), prefill_policy, decode_policy, served_model,
-                                     frozenset(api_key or ()), max_queue)))
+                                     frozenset(api_key or ()), max_queue,
+                                     prefill_dns=tuple(prefill_dns or ()), decode_dns=tuple(decode_dns or ()))))
         except (RuntimeError, ValueError, OSError) as e:
             _fail(e)

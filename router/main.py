@@ -12,7 +12,7 @@ import uvicorn
 from pdserve.tokenizer import Tokenizer
 from router.app import create_app
 from router.dispatch import PDDispatcher
-from router.nodes import NodeRegistry, parse_node_lists
+from router.nodes import DnsSource, NodeRegistry, parse_node_lists
 from router.policy import make_policy
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,8 @@ class RouterConfig:
     api_keys: frozenset[str] = frozenset()
     max_queue: int = 256
     model_wait_s: float = 120.0
+    prefill_dns: tuple[str, ...] = ()  # NAME:PORT,BOOTSTRAP_PORT of a headless service
+    decode_dns: tuple[str, ...] = ()
 
 
 async def run_router(cfg: RouterConfig) -> None:
@@ -38,7 +40,12 @@ async def run_router(cfg: RouterConfig) -> None:
     aio = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         aio.add_signal_handler(sig, stop.set)
-    registry = NodeRegistry(parse_node_lists(list(cfg.prefill), list(cfg.decode), list(cfg.colocated)))
+    dns = [DnsSource.parse("prefill", t) for t in cfg.prefill_dns] + \
+        [DnsSource.parse("decode", t) for t in cfg.decode_dns]
+    if not (cfg.prefill or cfg.decode or cfg.colocated or dns):
+        raise ValueError("no nodes: give --prefill/--decode (or --colocated), or their --*-dns forms")
+    registry = NodeRegistry(parse_node_lists(list(cfg.prefill), list(cfg.decode), list(cfg.colocated)),
+                            dns=dns)
     await registry.start()
     dispatcher = PDDispatcher(registry, make_policy("prefill", cfg.prefill_policy),
                               make_policy("decode", cfg.decode_policy))

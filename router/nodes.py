@@ -163,12 +163,35 @@ def token_event(ids: list[int], lp: pb.OutputLogProbs | None) -> TokenEvent:
     return TokenEvent(tuple(ids), tuple(lp.token_logprobs), top)
 
 
+@dataclass(frozen=True)
+class DnsSource:
+    """Nodes of one role behind a DNS name (a Kubernetes headless service), re-resolved each refresh."""
+
+    role: str
+    name: str
+    port: int
+    bootstrap_port: int | None = None
+
+    @staticmethod
+    def parse(role: str, text: str) -> "DnsSource":
+        """'name:port' (decode/colocated) or 'name:port,bootstrap_port' (prefill)."""
+        target, _, boot = text.partition(",")
+        name, _, port = target.rpartition(":")
+        if not name or not port.isdigit() or (boot and not boot.isdigit()):
+            raise ValueError(f"bad --{role}-dns {text!r}: expected NAME:PORT" + (",BOOTSTRAP_PORT" if role == "prefill" else ""))
+        return DnsSource(role, name, int(port), int(boot) if boot else (DEFAULT_BOOTSTRAP_PORT if role == "prefill" else None))
+
+
 class NodeRegistry:
-    """One channel and stub per node, refreshed every `refresh_s` by a background task."""
+    """One channel and stub per node, refreshed every `refresh_s` by a background task. Nodes come
+    from static specs and from DNS sources; a vanished address simply stops passing health checks."""
 
     def __init__(self, specs: Iterable[NodeSpec], *, refresh_s: float = 2.0, rpc_timeout_s: float = 1.0,
-                 breaker: Callable[[], CircuitBreaker] = CircuitBreaker) -> None:
+                 breaker: Callable[[], CircuitBreaker] = CircuitBreaker,
+                 dns: Iterable[DnsSource] = ()) -> None:
         self.refresh_s, self.rpc_timeout_s = refresh_s, rpc_timeout_s
+        self._breaker = breaker
+        self.dns = list(dns)
         self.states = [NodeState(spec, breaker()) for spec in specs]
         self.card: ModelCard | None = None
         self.listeners: list[Callable[[], None]] = []  # called after each refresh round
@@ -215,7 +238,23 @@ class NodeRegistry:
             except Exception:  # a bug here must not stop the refresh for good
                 log.exception("node refresh failed")
 
+    async def discover(self) -> None:
+        """Add the addresses DNS names resolve to now (a failed lookup keeps what we know)."""
+        known = {(st.role, st.address) for st in self.states}
+        for src in self.dns:
+            try:
+                addrs = await asyncio.to_thread(resolve_headless, src.name, src.port)
+            except OSError as e:
+                log.warning("DNS lookup of %s failed: %s", src.name, e)
+                continue
+            for addr in addrs:
+                if (src.role, addr) not in known:
+                    log.info("discovered %s node %s via %s", src.role, addr, src.name)
+                    self.states.append(NodeState(NodeSpec(src.role, addr, src.bootstrap_port), self._breaker()))
+                    known.add((src.role, addr))
+
     async def refresh_once(self) -> None:
+        await self.discover()
         self._connect()
         await asyncio.gather(*(self._refresh(s) for s in self.states))
         for listener in self.listeners:
