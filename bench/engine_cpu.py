@@ -8,7 +8,6 @@ transformers' `generate` on the same weights and prompt, in the same process.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import statistics
@@ -20,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from bench.common import write_report
 from engine.core import SamplingParams
 from engine.engine import Engine, EngineConfig
 from engine.tiny_model import write_tiny_model
@@ -221,9 +221,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     hf = report["results"]["hf_b1"]
     print(f"\ngreedy tokens equal to HF before the first difference: "
           f"{hf['greedy_tokens_matching']}/{DECODE_NEW}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
     return report
 
 

@@ -37,10 +37,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.common import write_report
 from bench.engine_cpu import DEFAULT_SHAPE, _loadavg, environment
 from engine.kv_cache import KVPool
-from engine.kv_transfer import (AuxBuffer, AuxLayout, KVPoll, MemoryLayout, Region,
-                                TransferRequest, coalesce_runs, parse_tag)
+from engine.kv_transfer import (
+    AuxBuffer,
+    AuxLayout,
+    KVPoll,
+    MemoryLayout,
+    Region,
+    TransferRequest,
+    coalesce_runs,
+    parse_tag,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "pd_cpu.json"
@@ -350,9 +359,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     print(f"CPU: {env['cpu']} ({env['cores']} cores, torch {env['torch']}, {env['torch_threads']} threads); KV pool "
           f"{report['pool_shape']} fp16; load average before/after: {env['loadavg_before']} / {env['loadavg_after']}\n")
     print(format_tables(report))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
     return report
 
 

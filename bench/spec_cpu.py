@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from bench.common import write_report
 from bench.engine_cpu import DEFAULT_SHAPE, _loadavg, environment, random_prompts
 from engine.core import SamplingParams
 from engine.engine import Engine, EngineConfig
@@ -202,9 +203,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(format_table(report))
     if report["skipped"]:
         print(f"\nskipped (algorithm not registered): {', '.join(report['skipped'])}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
     return report
 
 
