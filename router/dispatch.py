@@ -150,28 +150,44 @@ class _Attempt:
                 left = deadline - asyncio.get_running_loop().time()
                 done, _ = await asyncio.wait(waiting, timeout=max(left, 0.0), return_when=asyncio.FIRST_COMPLETED)
                 if read in done:
-                    return self._message(read)
+                    return await self._message(read)
                 if not done:
                     raise self._timeout(timeout)
                 waiting.discard(self.prefill_task)  # type: ignore[arg-type]
                 if (failure := self.prefill_task.result()) is not None:  # type: ignore[union-attr]
-                    raise failure
+                    raise await self._attribute(failure)
         finally:
             if not read.done():
                 read.cancel()  # cancels the decode RPC too; the attempt is over either way
 
-    def _message(self, read: asyncio.Future) -> pb.GenerateResponse:
+    async def _message(self, read: asyncio.Future) -> pb.GenerateResponse:
         try:
             msg = read.result()
         except grpc.aio.AioRpcError as e:
             pt = self.prefill_task
             if pt is not None and pt.done() and not pt.cancelled() and pt.result() is not None:
-                raise pt.result() from None  # the prefill failed first: the decode only followed
+                raise await self._attribute(pt.result()) from None  # the decode only followed
             raise _rpc_failure(e, "decode", self.decode) from None
         if msg is grpc.aio.EOF:
             raise _LegFailed(DispatchError(502, f"decode node {self.decode.address} ended its stream without "
                                            "GenerateComplete", code="decode_failed"), (self.decode,), "decode_failed")
         return msg
+
+    async def _attribute(self, failure: _LegFailed) -> _LegFailed:
+        """Whose fault is a failed prefill leg? A prefill's KV write fails too when its decode dies;
+        blaming the prefill then would exclude it for the rest of the job (with one prefill: no
+        retry on the healthy pair) and charge its breaker. So if the decode does not answer a
+        health check now, the decode is blamed instead."""
+        if failure.reason != "prefill_failed" or self.decode.stub is None:
+            return failure
+        try:
+            health = await self.decode.stub.HealthCheck(pb.HealthCheckRequest(), timeout=self.d.timeouts.abort_s)
+            if health.healthy:
+                return failure
+        except grpc.aio.AioRpcError:
+            pass
+        msg = f"decode node {self.decode.address} is unreachable ({failure.error.message})"
+        return _LegFailed(DispatchError(502, msg, code="decode_failed"), (self.decode,), "decode_failed")
 
     def _timeout(self, timeout: float) -> _LegFailed:
         # A decode waiting on a prefill that has not finished is most likely waiting for its KV.
@@ -245,7 +261,10 @@ class PDDispatcher:
         return self.registry.model_card()
 
     def ready(self) -> bool:
-        return self._last_success is not None and time.monotonic() - self._last_success <= self.ready_window_s
+        """A handoff succeeded lately AND a healthy compatible pair (or colocated node) is there now:
+        a recent success alone would keep a router with every decode dead "ready" for the window."""
+        recent = self._last_success is not None and time.monotonic() - self._last_success <= self.ready_window_s
+        return recent and pair_available(self.registry)
 
     async def generate(self, job: GenerationJob) -> AsyncIterator[TokenEvent | FinishEvent]:
         blamed: set[str] = set()  # never again for this job

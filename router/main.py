@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ async def run_router(cfg: RouterConfig) -> None:
         while not server.started and not serving.done():
             await asyncio.sleep(0.05)
         port = server.servers[0].sockets[0].getsockname()[1] if server.servers else cfg.port
+        gc.freeze()  # start-up objects (tokenizer, app, stubs) stay out of every later collection
         print(f"READY http={cfg.host}:{port}", flush=True)
         await asyncio.wait([serving, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
         server.should_exit = True
