@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import grpc
 from google.protobuf import struct_pb2
