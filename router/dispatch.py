@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 from router.contract import DispatchError, FinishEvent, GenerationJob, ModelCard, SamplingSpec, TokenEvent
@@ -43,6 +43,9 @@ class StageTimeouts:
     probe_s: float = 60.0  # one whole readiness probe
 
 
+_STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
 class DispatchMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.retries = Counter("pdserve_router_retries", "Attempts retried on a new pair before the "
@@ -53,6 +56,12 @@ class DispatchMetrics:
                              "1 half-open, 2 open", ["node", "role"], registry=registry)
         self.node_up = Gauge("pdserve_router_node_up", "1 when the node's last refresh succeeded",
                              ["node", "role"], registry=registry)
+        # TTFT by stage. "prefill" ends when the prefill answers, which it does once its KV write
+        # completed, so it holds the node's queue, the prompt forward and the transfer (the nodes'
+        # pdserve_kv_transfer_seconds breaks the transfer out); "first_decode" is the decode's
+        # commit + first step; "queue" is the router's own pair selection, retries and backoff.
+        self.ttft_stage = Histogram("pdserve_router_ttft_stage_seconds", "Time to first token by stage",
+                                    ["stage"], buckets=_STAGE_BUCKETS, registry=registry)
 
     def observe_nodes(self, nodes: list[NodeState]) -> None:
         for n in nodes:
@@ -96,6 +105,8 @@ class _Attempt:
         decode.inflight += 1
         self.blame: set[str] = set()
         self.finished = False
+        self.started_at = time.monotonic()
+        self.prefill_done_at: float | None = None
 
     async def _prefill_leg(self, req: pb.GenerateRequest) -> _LegFailed | None:
         """Drains the prefill stream; returns (rather than raises) its failure, read by `_read`."""
@@ -111,7 +122,17 @@ class _Attempt:
                               (self.prefill,), "prefill_failed")
         finally:
             self.prefill.inflight -= 1
+        self.prefill_done_at = time.monotonic()
         return None
+
+    def observe_first_token(self, job_started: float) -> None:
+        now, stage = time.monotonic(), self.d.metrics.ttft_stage
+        stage.labels("queue").observe(self.started_at - job_started)
+        if self.prefill_done_at is None:  # colocated, or the decode beat the prefill's answer
+            stage.labels("prefill").observe(now - self.started_at)
+            return
+        stage.labels("prefill").observe(self.prefill_done_at - self.started_at)
+        stage.labels("first_decode").observe(max(0.0, now - self.prefill_done_at))
 
     async def events(self) -> AsyncIterator[TokenEvent | FinishEvent]:
         streamed, first = 0, True
@@ -267,6 +288,7 @@ class PDDispatcher:
         return recent and pair_available(self.registry)
 
     async def generate(self, job: GenerationJob) -> AsyncIterator[TokenEvent | FinishEvent]:
+        job_started = time.monotonic()
         blamed: set[str] = set()  # never again for this job
         tried: set[str] = set()  # avoided when another choice exists
         last: _LegFailed | None = None
@@ -287,6 +309,8 @@ class PDDispatcher:
             started, reason = False, "client cancelled"
             try:
                 async for event in events:
+                    if not started and isinstance(event, TokenEvent):
+                        attempt.observe_first_token(job_started)
                     started = True
                     if isinstance(event, FinishEvent) and event.finish_reason != "abort":
                         self._last_success = time.monotonic()  # before the yield: the consumer may stop here

@@ -259,6 +259,19 @@ def _retries(url: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("pdserve_router_retries_total"))
 
 
+def test_metrics_split_ttft_by_stage_and_label_disaggregation(stack: Stack) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{stack.url}/metrics", timeout=10) as r:
+        families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    counts = {s.labels["stage"]: s.value for s in families["pdserve_router_ttft_stage_seconds"].samples
+              if s.name.endswith("_count")}
+    assert counts["queue"] > 0 and counts["prefill"] == counts["queue"] and counts["first_decode"] > 0
+    e2e = [s for s in families["pdserve_router_e2e_request_latency_seconds"].samples
+           if s.name.endswith("_count") and s.value > 0]
+    assert e2e and all(s.labels["disaggregated"] == "true" for s in e2e)
+
+
 def test_decode_killed_under_load_then_ready_follows_the_nodes(stack: Stack) -> None:
     max_tokens, out, early = 600, {}, 9
     model = stack.served_model
