@@ -25,7 +25,22 @@ EAGLE_ARCHITECTURES = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM", "LlamaF
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
 
-class EagleHead(nn.Module):
+class _DraftHead(nn.Module):
+    """What every draft head does with its target: borrow its embedding (unless the checkpoint
+    ships one) and, for EAGLE-1/2, its LM head. The target is held outside the module tree so
+    its weights are neither registered twice nor loaded from the head's checkpoint."""
+
+    _target: list[nn.Module]
+
+    def attach_target(self, target: nn.Module) -> None:
+        self._target = [target]
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        emb = getattr(self, "embed_tokens", None)
+        return emb(ids) if emb is not None else self._target[0].embed(ids)
+
+
+class EagleHead(_DraftHead):
     """EAGLE-1/2 draft model."""
 
     def __init__(self, cfg: ModelConfig, *, fc_bias: bool, input_norm: bool, own_embedding: bool) -> None:
@@ -37,16 +52,10 @@ class EagleHead(nn.Module):
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling)
-        self._target: list[nn.Module] = []  # held in a list so it is not registered as a submodule
+        self._target = []
 
     feature_size_from_target = property(lambda self: self.config.hidden_size)
 
-    def attach_target(self, target: nn.Module) -> None:
-        self._target = [target]
-
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        emb = getattr(self, "embed_tokens", None)
-        return emb(ids) if emb is not None else self._target[0].embed(ids)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, features: torch.Tensor) -> torch.Tensor:
         x = self.fc(torch.cat((self._embed(input_ids), features.to(self.fc.weight.dtype)), dim=-1))
@@ -76,7 +85,7 @@ class Eagle3DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(h)) + h
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(_DraftHead):
     """EAGLE-3 draft model."""
 
     def __init__(self, cfg: ModelConfig, *, target_hidden_size: int, draft_vocab_size: int,
@@ -94,16 +103,10 @@ class Eagle3Head(nn.Module):
         self.register_buffer("t2d", torch.zeros(target_vocab_size, dtype=torch.bool))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling)
-        self._target: list[nn.Module] = []
+        self._target = []
 
     feature_size_from_target = property(lambda self: 3 * self.target_hidden_size)
 
-    def attach_target(self, target: nn.Module) -> None:
-        self._target = [target]
-
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        emb = getattr(self, "embed_tokens", None)
-        return emb(ids) if emb is not None else self._target[0].embed(ids)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, features: torch.Tensor) -> torch.Tensor:
         features = features.to(self.fc.weight.dtype)
