@@ -6,9 +6,19 @@ registry would refuse the duplicate names) and /metrics exposes exactly that reg
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+if TYPE_CHECKING:
+    from router.nodes import NodeState
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 # Latency buckets: TTFT and e2e span milliseconds (cached prefixes, tiny models) to minutes (long
 # generations); inter-token latency lives between a millisecond and a second.
@@ -92,3 +102,29 @@ class ResponseCounter:
             await send(message)
 
         await self.app(scope, receive, counting_send)
+
+
+_STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class DispatchMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.retries = Counter("pdserve_router_retries", "Attempts retried on a new pair before the "
+                               "first token, by reason", ["reason"], registry=registry)
+        self.pairs = Counter("pdserve_router_pair_selections", "Pairs chosen (prefill '-' means a "
+                             "colocated node)", ["prefill", "decode"], registry=registry)
+        self.breaker = Gauge("pdserve_router_breaker_state", "Circuit breaker per node: 0 closed, "
+                             "1 half-open, 2 open", ["node", "role"], registry=registry)
+        self.node_up = Gauge("pdserve_router_node_up", "1 when the node's last refresh succeeded",
+                             ["node", "role"], registry=registry)
+        # TTFT by stage. "prefill" ends when the prefill answers, which it does once its KV write
+        # completed, so it holds the node's queue, the prompt forward and the transfer (the nodes'
+        # pdserve_kv_transfer_seconds breaks the transfer out); "first_decode" is the decode's
+        # commit + first step; "queue" is the router's own pair selection, retries and backoff.
+        self.ttft_stage = Histogram("pdserve_router_ttft_stage_seconds", "Time to first token by stage",
+                                    ["stage"], buckets=_STAGE_BUCKETS, registry=registry)
+
+    def observe_nodes(self, nodes: list[NodeState]) -> None:
+        for n in nodes:
+            self.breaker.labels(n.address, n.role).set(int(n.breaker.state))
+            self.node_up.labels(n.address, n.role).set(int(n.healthy))
