@@ -44,7 +44,6 @@ class DecodeHandler:
         self.prealloc: set[str] = set()
         self.transferring: dict[str, int] = {}  # request id -> room
         self.aborted: dict[str, str] = {}  # aborts of requests not yet in the scheduler
-        self.stats = {"success": 0, "failed": 0}
         self._page_bytes = sum(p.page_bytes * p.num_layers * 2 for p in kv_pools(self.engine))
 
     async def generate(self, request: pb.GenerateRequest,
@@ -65,14 +64,12 @@ class DecodeHandler:
             row = await self._reserve(req)
             record = await self._receive(req, room, peer, row)
         except (PeerError, RequestFailed, asyncio.TimeoutError, grpc.aio.AioRpcError) as e:
-            self.stats["failed"] += 1
             KV_TRANSFER_FAILURES.labels("decode", _kind(e)).inc()
             await self._give_up(req, room, row, peer, _reason(e))
             raise RequestFailed(f"decode could not start room {room}: {_reason(e)}") from None
         except BaseException:  # cancelled by the client: free everything, tell the prefill
             await self._give_up(req, room, row, peer, "cancelled")
             raise
-        self.stats["success"] += 1
         stream = RequestStream(self.loop, req, request.stream, eng.tokenizer, self.eos)
         self.loop.io.subscribe(req.rid, stream.on_update)
         await asyncio.wrap_future(self.loop.call(lambda: self._adopt(req, record)))

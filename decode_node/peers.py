@@ -57,7 +57,6 @@ class PeerManager:
         self.endpoint, self.policy, self.on_dead = endpoint, policy, on_dead
         self._peers: dict[str, Peer] = {}
         self._connecting: dict[str, asyncio.Task] = {}
-        self.bootstrap_attempts = 0
 
     async def get(self, host: str, port: int) -> Peer:
         """The connected peer at host:port, handshaking (with backoff) on first use."""
@@ -79,7 +78,6 @@ class PeerManager:
                     wait=wait_exponential_jitter(initial=0.1, max=2.0, jitter=0.2),
                     retry=retry_if_exception(_retryable), reraise=False):
                 with attempt:
-                    self.bootstrap_attempts += 1
                     try:
                         peer = await self._handshake(address)
                     except Exception:

@@ -43,7 +43,6 @@ class PrefillHandler:
                  timeouts: PrefillTimeouts) -> None:
         self.loop, self.endpoint, self.rooms, self.timeouts = loop, endpoint, rooms, timeouts
         self.engine = loop.engine
-        self.stats = {"success": 0, "failed": 0}
 
     async def generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -66,7 +65,6 @@ class PrefillHandler:
             reason = str(e) or type(e).__name__
             room.fail(reason)
             self._tell_decode(room, reason)
-            self.stats["failed"] += 1
             KV_TRANSFER_FAILURES.labels("prefill", getattr(e, "kind", _kind(e))).inc()
             raise RequestFailed(f"prefill failed for room {room.room}: {reason}") from None
         finally:
@@ -76,7 +74,6 @@ class PrefillHandler:
                 room.deadline = time.monotonic() + self.rooms.orphan_ttl_s
             else:
                 self.rooms.forget(room)
-        self.stats["success"] += 1
         yield convert.complete(req.rid, [first], FinishReason.LENGTH, len(req.prompt_ids))
 
     async def _wait_destination(self, room: Room) -> None:
