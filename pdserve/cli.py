@@ -292,8 +292,10 @@ def generate(
 
 def _register_node_commands() -> None:
     from pdserve import node_cli
+    from pdserve.bench.cli import register as register_bench
 
     node_cli.register(app)
+    register_bench(app)
 
 
 _register_node_commands()
