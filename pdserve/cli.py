@@ -57,16 +57,12 @@ def _fail(message: object, code: int = EXIT_USAGE) -> NoReturn:
 
 # ---- generate: builders kept small so new options (e.g. speculative ones) slot in easily ----
 
-def engine_config(model: Path | None, *, dtype: str | None, device: str, page_size: int,
+def engine_config(model: Path, *, dtype: str | None, device: str, page_size: int,
                   seed: int | None) -> EngineConfig:
-    """The EngineConfig for `generate`; no --model means the built-in demo model."""
+    """The EngineConfig for `generate` (the model already resolved by pdserve.models.resolve)."""
     from engine.engine import EngineConfig
 
     _check_device(device)
-    if model is None:
-        from engine.tiny_model import demo_model_dir
-
-        model = demo_model_dir()
     # The engine seeds per-request seeds from this, so a batch is reproducible yet every
     # prompt samples differently (a shared SamplingParams.seed would make them identical).
     return EngineConfig(model=str(model), dtype=dtype, device=device, page_size=page_size,
@@ -100,7 +96,7 @@ def sampling_params(*, max_new_tokens: int, temperature: float, top_p: float, to
                           top_k=top_k, min_p=min_p, stop=tuple(stop or ()))
 
 
-def spec_config(algorithm: str, **options: object) -> SpecConfig | None:
+def spec_config(algorithm: str | None, **options: object) -> SpecConfig | None:
     """The SpecConfig for `generate`, or None without speculation.
 
     `options` are SpecConfig fields named like their flags (num_steps <-> --speculative-num-steps).
@@ -109,7 +105,7 @@ def spec_config(algorithm: str, **options: object) -> SpecConfig | None:
     from spec.config import SpecConfig
 
     given = {name: value for name, value in options.items() if value is not None}
-    if algorithm.upper() == "NONE":
+    if algorithm is None or algorithm.upper() == "NONE":
         if given:  # silently ignoring them would let a user believe speculation ran
             flags = ", ".join(_spec_flag(name) for name in given)
             raise ValueError(f"{flags} need --speculative-algorithm (it is NONE)")
@@ -216,7 +212,7 @@ def generate(
     prompt: Annotated[list[str], typer.Option(
         "--prompt", "-p", help="Prompt text; repeat for a batch (one prompt streams).")],
     model: Annotated[Optional[Path], typer.Option(
-        help="HF-format model directory (default: the built-in tiny demo model).")] = None,
+        help="HF-format model directory (default: the built-in Python-code pair, EAGLE on).")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 64,
     temperature: Annotated[float, typer.Option(help="0 means greedy.")] = 1.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")] = 1.0,
@@ -231,9 +227,10 @@ def generate(
     page_size: Annotated[int, typer.Option(help="Tokens per KV cache page.")] = 16,
     chat: Annotated[bool, typer.Option(
         "--chat", help="Wrap each prompt as a user message with the chat template.")] = False,
-    speculative_algorithm: Annotated[str, typer.Option(
-        help="NONE, EAGLE, EAGLE3 or a registered plugin such as NGRAM (case-insensitive).",
-        rich_help_panel="Speculative decoding")] = "NONE",
+    speculative_algorithm: Annotated[Optional[str], typer.Option(
+        help="NONE, EAGLE, EAGLE3 or a registered plugin such as NGRAM (case-insensitive; default: "
+             "EAGLE with the built-in pair, else NONE).",
+        rich_help_panel="Speculative decoding")] = None,
     speculative_draft_model_path: Annotated[Optional[Path], typer.Option(
         help="Draft head directory (HF format), needed by EAGLE and EAGLE3.",
         rich_help_panel="Speculative decoding")] = None,
@@ -261,12 +258,18 @@ def generate(
         # fail fast; only a bad draft head directory is found during the load.
         params = sampling_params(max_new_tokens=max_new_tokens, temperature=temperature,
                                  top_p=top_p, top_k=top_k, min_p=min_p, stop=stop)
-        spec = spec_config(speculative_algorithm, draft_model_path=speculative_draft_model_path,
-                           num_steps=speculative_num_steps, eagle_topk=speculative_eagle_topk,
+        from pdserve.models import resolve
+
+        choice = resolve(model, algorithm=speculative_algorithm,
+                         draft_model_path=speculative_draft_model_path,
+                         num_steps=speculative_num_steps, dtype=dtype, device=device)
+        speculative_algorithm = choice.algorithm
+        spec = spec_config(choice.algorithm, draft_model_path=choice.draft_model_path,
+                           num_steps=choice.num_steps, eagle_topk=speculative_eagle_topk,
                            num_draft_tokens=speculative_num_draft_tokens,
                            ngram_min=speculative_ngram_min, ngram_max=speculative_ngram_max)
         factory = spec_executor_factory(spec)
-        engine = build_engine(engine_config(model, dtype=dtype, device=device,
+        engine = build_engine(engine_config(choice.model, dtype=choice.dtype, device=device,
                                             page_size=page_size, seed=seed), factory)
         inputs = prompt_inputs(engine, prompt, chat)
         start = time.perf_counter()
@@ -288,6 +291,15 @@ def generate(
     summary = spec_summary(engine, speculative_algorithm) if spec is not None else None
     if summary:
         typer.echo(summary, err=True)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             add_help_option=False)
+def train(ctx: typer.Context) -> None:
+    """Train a target + EAGLE head pair like the built-in one (`pdserve train --help` for options)."""
+    from pdserve.train.main import main
+
+    main(list(ctx.args))
 
 
 def _register_node_commands() -> None:

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from engine.engine import Engine
 
 PANEL_SPEC = "Speculative decoding"
-ModelOpt = Annotated[Optional[Path], typer.Option(help="HF-format model directory (default: demo model).")]
+ModelOpt = Annotated[Optional[Path], typer.Option(
+    help="HF-format model directory (default: the built-in Python-code pair, with EAGLE on).")]
 HostOpt = Annotated[str, typer.Option(help="Address to bind.")]
 DTypeOpt = Annotated[Optional[str], typer.Option(help="float32, bfloat16 or float16.")]
 DeviceOpt = Annotated[str, typer.Option(help="torch device, e.g. cpu or cuda:0.")]
@@ -27,8 +28,9 @@ TotalOpt = Annotated[int, typer.Option(help="KV cache capacity in tokens.")]
 RunningOpt = Annotated[int, typer.Option(help="Most requests in flight.")]
 ChunkOpt = Annotated[int, typer.Option(help="Prefill token budget per step (chunked prefill).")]
 MetricsOpt = Annotated[Optional[int], typer.Option(help="Serve Prometheus /metrics on this port (0: any free).")]
-AlgoOpt = Annotated[str, typer.Option(help="NONE, EAGLE, EAGLE3 or a plugin such as NGRAM.",
-                                      rich_help_panel=PANEL_SPEC)]
+AlgoOpt = Annotated[Optional[str], typer.Option(
+    help="NONE, EAGLE, EAGLE3 or a plugin such as NGRAM (default: EAGLE with the built-in pair, "
+         "else NONE).", rich_help_panel=PANEL_SPEC)]
 DraftOpt = Annotated[Optional[Path], typer.Option(help="Draft head directory (EAGLE/EAGLE3).",
                                                   rich_help_panel=PANEL_SPEC)]
 IntSpecOpt = Annotated[Optional[int], typer.Option(rich_help_panel=PANEL_SPEC)]
@@ -43,7 +45,7 @@ class EngineOptions:
     max_total_tokens: int
     max_running: int
     chunked_prefill_size: int
-    speculative_algorithm: str
+    speculative_algorithm: Optional[str]
     speculative_draft_model_path: Optional[Path]
     speculative_num_steps: Optional[int]
     speculative_eagle_topk: Optional[int]
@@ -53,16 +55,18 @@ class EngineOptions:
         """Load the engine for a node (threaded scheduler IO); returns (engine, spec config)."""
         from engine.engine import Engine, EngineConfig, check_device
         from engine.serving import ThreadedIO
-        from engine.tiny_model import demo_model_dir
         from pdserve.cli import spec_config, spec_executor_factory
+        from pdserve.models import resolve
 
         check_device(self.device)
-        spec = spec_config(self.speculative_algorithm,
-                           draft_model_path=self.speculative_draft_model_path,
-                           num_steps=self.speculative_num_steps, eagle_topk=self.speculative_eagle_topk,
+        choice = resolve(self.model, algorithm=self.speculative_algorithm,
+                         draft_model_path=self.speculative_draft_model_path,
+                         num_steps=self.speculative_num_steps, dtype=self.dtype, device=self.device)
+        spec = spec_config(choice.algorithm, draft_model_path=choice.draft_model_path,
+                           num_steps=choice.num_steps, eagle_topk=self.speculative_eagle_topk,
                            num_draft_tokens=self.speculative_num_draft_tokens)
         factory = spec_executor_factory(spec)
-        cfg = EngineConfig(model=str(self.model or demo_model_dir()), dtype=self.dtype,
+        cfg = EngineConfig(model=str(choice.model), dtype=choice.dtype,
                            device=self.device, page_size=self.page_size,
                            max_total_tokens=self.max_total_tokens, max_running=self.max_running,
                            chunked_prefill_size=self.chunked_prefill_size)
@@ -109,7 +113,7 @@ def with_engine_options(fn: Callable[..., None]) -> Callable[..., None]:
 _ENGINE_PARAMS: list[tuple[str, Any, Any]] = [
     ("model", ModelOpt, None), ("dtype", DTypeOpt, None), ("device", DeviceOpt, "cpu"),
     ("page_size", PageOpt, 16), ("max_total_tokens", TotalOpt, 16384), ("max_running", RunningOpt, 64),
-    ("chunked_prefill_size", ChunkOpt, 2048), ("speculative_algorithm", AlgoOpt, "NONE"),
+    ("chunked_prefill_size", ChunkOpt, 2048), ("speculative_algorithm", AlgoOpt, None),
     ("speculative_draft_model_path", DraftOpt, None), ("speculative_num_steps", IntSpecOpt, None),
     ("speculative_eagle_topk", IntSpecOpt, None), ("speculative_num_draft_tokens", IntSpecOpt, None),
 ]
@@ -174,7 +178,7 @@ def register(app: typer.Typer) -> None:
         prefill: Annotated[int, typer.Option(help="Number of prefill nodes.")] = 1,
         decode: Annotated[int, typer.Option(help="Number of decode nodes.")] = 1,
         device: Annotated[str, typer.Option(help="auto (GPUs when present), cpu or cuda.")] = "auto",
-        speculative_algorithm: AlgoOpt = "NONE", speculative_draft_model_path: DraftOpt = None,
+        speculative_algorithm: AlgoOpt = None, speculative_draft_model_path: DraftOpt = None,
         speculative_num_steps: IntSpecOpt = None,
         verbose: Annotated[bool, typer.Option("--verbose", help="Echo the nodes' logs.")] = False,
     ) -> None:
@@ -187,7 +191,9 @@ def register(app: typer.Typer) -> None:
         from pdserve.cli import _fail
         from pdserve.up import Deployment, UpConfig, example_curl, served_model
 
-        node_args: list[str] = ["--speculative-algorithm", speculative_algorithm]
+        node_args: list[str] = []
+        if speculative_algorithm is not None:
+            node_args += ["--speculative-algorithm", speculative_algorithm]
         if speculative_draft_model_path is not None:
             node_args += ["--speculative-draft-model-path", str(speculative_draft_model_path)]
         if speculative_num_steps is not None:
