@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Callable
 
@@ -15,6 +16,9 @@ class AttentionBackend(ABC):
     """Stores new K/V into the paged pool and attends over each request's cached context."""
 
     name: str = "base"
+    # True when prepare() and forward() never sync with the host nor allocate device-dependent
+    # shapes, so a CUDA graph may capture them (graph runners check it)
+    graph_safe: bool = False
 
     def prepare(self, ctx: "ForwardContext") -> None:
         """Build per-forward metadata once (shared by all layers); default: nothing."""
@@ -26,6 +30,10 @@ class AttentionBackend(ABC):
 
 
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
+# built-in backends register themselves when their module is imported; imported on first use so
+# the engine imports (and runs the torch backend) on machines without triton
+_BUILTIN_MODULES = {"torch": "engine.attention.torch_backend",
+                    "triton": "engine.attention.triton_backend"}
 
 
 def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
@@ -36,9 +44,19 @@ def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None
 
 def create_attention_backend(name: str = "torch") -> AttentionBackend:
     if name not in _BACKENDS:
-        # implementations register themselves on import; import the built-in ones lazily
-        from engine.attention import torch_backend  # noqa: F401
+        _import_builtin(name)
     try:
         return _BACKENDS[name]()
     except KeyError:
         raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}") from None
+
+
+def _import_builtin(name: str) -> None:
+    module = _BUILTIN_MODULES.get(name, _BUILTIN_MODULES["torch"])
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != "triton":
+            raise
+        raise RuntimeError(f"attention backend {name!r} needs the triton package, which is not "
+                           "installed; use attention_backend='torch'") from e

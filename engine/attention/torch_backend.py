@@ -30,6 +30,7 @@ class _Meta:
 
 class TorchAttention(AttentionBackend):
     name = "torch"
+    graph_safe = False  # prepare() reads seq_lens_cpu and sizes tensors from it
 
     def prepare(self, ctx: "ForwardContext") -> None:
         dev = ctx.positions.device
