@@ -9,7 +9,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.config import ModelConfig, ModelLoadError, parse_dtype
-from engine.loader import build_empty, checkpoint_files, iter_tensors, load_weights
+from engine.loader import build_empty, checkpoint_files, iter_tensors, load_weights, merge_projections_on_gpu
 from engine.models.eagle import (EAGLE3_ARCHITECTURES, EAGLE_ARCHITECTURES, Eagle3Head, EagleHead,
                                  eagle3_aux_layers)
 
@@ -44,6 +44,7 @@ def load_draft_model(model_dir: str | Path, fmt: str, target: nn.Module, target_
     else:
         head, aux = _eagle3(cfg, path, keys, target_cfg, torch_dtype, device)
     load_weights(head, files, ignore_prefixes=("lm_head.",) if fmt == "eagle" else ())
+    merge_projections_on_gpu(head, device)
     if fmt == "eagle3":
         _load_vocab_maps(head, files, target_cfg)
     head.attach_target(target)

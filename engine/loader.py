@@ -101,8 +101,18 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = None,
     files = checkpoint_files(path)
     model = build_empty(model_class(cfg), cfg, torch_dtype, device)
     load_weights(model, files)
+    merge_projections_on_gpu(model, device)
     model.eval()
     return model, cfg
+
+
+def merge_projections_on_gpu(model: nn.Module, device: torch.device | str) -> None:
+    """One GEMM for q/k/v and one for gate/up on GPUs (fewer, larger kernels per layer); the CPU
+    reference keeps separate projections so its numerics stay those of the checkpoint's layout."""
+    if torch.device(device).type == "cuda":
+        from engine.models.llama import fuse_projections
+
+        fuse_projections(model)
 
 
 def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:

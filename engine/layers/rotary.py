@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.layers.dispatch import kernels_for
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -48,9 +50,16 @@ class RotaryEmbedding(nn.Module):
         self.cos = freqs.cos()
         self.sin = freqs.sin()
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor,
-                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: (tokens, heads, dim), k: (tokens, kv_heads, dim)."""
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: (tokens, heads, dim), k: (tokens, kv_heads, dim).
+
+        On CUDA one Triton launch rotates both (dispatch.py). `inplace` lets that kernel write
+        back into q and k; callers must still use the returned tensors (torch never writes back).
+        """
+        ops = kernels_for(q, k) if q.dim() == 3 and k.dim() == 3 else None
+        if ops is not None:
+            return ops.rotary(positions, q, k, self.cos, self.sin, inplace=inplace)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

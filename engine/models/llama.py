@@ -11,7 +11,9 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.forward_context import ForwardContext
-from engine.layers.norm import RMSNorm
+from engine.layers.activation import silu_and_mul
+from engine.layers.linear import MergedLinear, project
+from engine.layers.norm import RMSNorm, add_norm
 from engine.layers.rotary import RotaryEmbedding
 
 
@@ -30,12 +32,18 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.head_dim ** -0.5
+        self._qkv: MergedLinear | None = None
+
+    def fuse_projections(self) -> None:
+        """q/k/v as one GEMM from now on (call after loading; parameter names stay)."""
+        self._qkv = MergedLinear([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = project(self._qkv, [self.q_proj, self.k_proj, self.v_proj], x)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(ctx.positions, q, k)
@@ -49,9 +57,15 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self._gate_up: MergedLinear | None = None
+
+    def fuse_projections(self) -> None:
+        """gate/up as one GEMM from now on (call after loading; parameter names stay)."""
+        self._gate_up = MergedLinear([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(self._gate_up, [self.gate_proj, self.up_proj], x)
+        return self.down_proj(silu_and_mul(gate, up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -66,11 +80,12 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (output, residual) with the residual add deferred to the next norm."""
-        residual = x if residual is None else x + residual
-        h = self.self_attn(self.input_layernorm(residual), rotary, ctx)
-        residual = h + residual
-        return self.mlp(self.post_attention_layernorm(residual)), residual
+        """Returns (output, residual) with the residual add deferred to the next norm
+        (each add runs inside the following norm's fused kernel on CUDA)."""
+        h, residual = add_norm(self.input_layernorm, x, residual)
+        h = self.self_attn(h, rotary, ctx)
+        h, residual = add_norm(self.post_attention_layernorm, h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -92,7 +107,7 @@ class LlamaModel(nn.Module):
             if i in ctx.aux_hidden_layers:
                 captured[i] = x if residual is None else x + residual
             x, residual = layer(x, residual, self.rotary, ctx)
-        return self.norm(x + residual), [captured[i] for i in ctx.aux_hidden_layers]
+        return add_norm(self.norm, x, residual)[0], [captured[i] for i in ctx.aux_hidden_layers]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -119,3 +134,14 @@ class LlamaForCausalLM(nn.Module):
     def tied_parameter_names(self) -> set[str]:
         """Names a checkpoint may omit because they alias another parameter."""
         return {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Merge q/k/v and gate/up of every layer (targets and EAGLE heads alike) into single GEMMs,
+    after the weights are loaded; returns how many layers' projections were merged."""
+    merged = 0
+    for module in model.modules():
+        if isinstance(module, (LlamaAttention, LlamaMLP)):
+            module.fuse_projections()
+            merged += 1
+    return merged
