@@ -177,6 +177,8 @@ def register(app: typer.Typer) -> None:
         port: Annotated[int, typer.Option(help="Router HTTP port (OpenAI API).")] = 8000,
         prefill: Annotated[int, typer.Option(help="Number of prefill nodes.")] = 1,
         decode: Annotated[int, typer.Option(help="Number of decode nodes.")] = 1,
+        colocated: Annotated[int, typer.Option(
+            help="Run this many colocated nodes instead of prefill/decode (the PD baseline).")] = 0,
         device: Annotated[str, typer.Option(help="auto (GPUs when present), cpu or cuda.")] = "auto",
         speculative_algorithm: AlgoOpt = None, speculative_draft_model_path: DraftOpt = None,
         speculative_num_steps: IntSpecOpt = None,
@@ -199,7 +201,7 @@ def register(app: typer.Typer) -> None:
         if speculative_num_steps is not None:
             node_args += ["--speculative-num-steps", str(speculative_num_steps)]
         cfg = UpConfig(str(model) if model else None, host, port, prefill, decode, device,
-                       tuple(node_args), verbose)
+                       tuple(node_args), verbose, colocated=colocated)
         dep, stop = Deployment(cfg), threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())

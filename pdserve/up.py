@@ -53,6 +53,7 @@ class UpConfig:
     node_args: tuple[str, ...] = ()
     verbose: bool = False
     start_timeout_s: float = 300.0
+    colocated: int = 0  # > 0: that many colocated nodes instead of prefill/decode (the PD baseline)
 
 
 class Deployment:
@@ -80,9 +81,36 @@ class Deployment:
     def start(self, progress: Callable[[str], None]) -> str:
         cfg = self.cfg
         deadline = time.monotonic() + cfg.start_timeout_s
-        devices = _devices(cfg.device, cfg.prefill + cfg.decode)
         model = ["--model", cfg.model] if cfg.model else []
         common = [*model, "--host", cfg.host, "--port", "0", *cfg.node_args]
+        nodes = self._spawn_colocated(common) if cfg.colocated else self._spawn_pd(common)
+        for n in nodes:
+            progress(f"loading {n.name}")
+            self._wait_ready(n, deadline)
+        router_args = ["router", "--host", cfg.host, "--port", str(cfg.port)]
+        for n in nodes:
+            if n.name.startswith("prefill"):
+                router_args += ["--prefill", f"{cfg.host}:{n.ports['scheduler']},{n.ports['bootstrap']}"]
+            elif n.name.startswith("decode"):
+                router_args += ["--decode", f"{cfg.host}:{n.ports['scheduler']}"]
+            else:
+                router_args += ["--colocated", f"{cfg.host}:{n.ports['scheduler']}"]
+        router = self._spawn("router", router_args)
+        progress("starting router")
+        self._wait_ready(router, deadline)
+        url = f"http://{cfg.host}:{router.ports['http']}"
+        progress("waiting for a first completion (/ready)")
+        _wait_http_ok(f"{url}/ready", deadline, router)
+        return url
+
+    def _spawn_colocated(self, common: list[str]) -> list[Child]:
+        devices = _devices(self.cfg.device, self.cfg.colocated)
+        return [self._spawn(f"colocated-{i}", ["serve", *common, "--device", _local(dev)], dev)
+                for i, dev in enumerate(devices)]
+
+    def _spawn_pd(self, common: list[str]) -> list[Child]:
+        cfg = self.cfg
+        devices = _devices(cfg.device, cfg.prefill + cfg.decode)
         nodes = []
         for i in range(cfg.prefill):
             dev = devices[i]
@@ -91,22 +119,7 @@ class Deployment:
         for i in range(cfg.decode):
             dev = devices[cfg.prefill + i]
             nodes.append(self._spawn(f"decode-{i}", ["decode", *common, "--device", _local(dev)], dev))
-        for n in nodes:
-            progress(f"loading {n.name}")
-            self._wait_ready(n, deadline)
-        router_args = ["router", "--host", cfg.host, "--port", str(cfg.port)]
-        for n in nodes:
-            if n.name.startswith("prefill"):
-                router_args += ["--prefill", f"{cfg.host}:{n.ports['scheduler']},{n.ports['bootstrap']}"]
-            else:
-                router_args += ["--decode", f"{cfg.host}:{n.ports['scheduler']}"]
-        router = self._spawn("router", router_args)
-        progress("starting router")
-        self._wait_ready(router, deadline)
-        url = f"http://{cfg.host}:{router.ports['http']}"
-        progress("waiting for a first handoff (/ready)")
-        _wait_http_ok(f"{url}/ready", deadline, router)
-        return url
+        return nodes
 
     def stop(self, grace_s: float = 10.0) -> None:
         for c in self.children:

@@ -1,0 +1,73 @@
+"""Step-level ratios on a Llama-3.1-8B-shaped model: decode vs the bandwidth roofline, prefill vs the
+matmul rate, verify vs decode. Every ceiling is measured in the same run (bench/gpu/hw.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from bench.gpu.hw import time_cuda
+from bench.gpu.llama8b import matmul_params
+from bench.gpu.rig import Rig, decode_step_fn, step_context
+from engine.config import ModelConfig
+from engine.core import ForwardMode
+
+
+def graph_counters(rig: Rig) -> dict[str, Any]:
+    stats = getattr(rig.runner, "graph_stats", None)
+    return dict(stats() if callable(stats) else stats or {})
+
+
+def decode_roofline(rig: Rig, cfg: ModelConfig, bw: float, weight_bytes: int, bs: int,
+                    context: int, iters: int = 30) -> dict[str, Any]:
+    """Decode step time vs (weight bytes + KV bytes read) / copy bandwidth."""
+    ids, ctx = step_context(rig, ForwardMode.DECODE, bs, context)
+    secs = time_cuda(decode_step_fn(rig, ids, ctx), iters)
+    kv_bytes = bs * context * cfg.kv_bytes_per_token * 2  # bf16 K and V of every layer
+    ideal = (weight_bytes + kv_bytes) / bw
+    return {"batch": bs, "context": context, "step_ms": secs * 1e3, "roofline_ms": ideal * 1e3,
+            "fraction_of_roofline": ideal / secs, "tokens_per_s": bs / secs,
+            "weight_gb": weight_bytes / 1e9, "kv_gb": kv_bytes / 1e9}
+
+
+def verify_vs_decode(rig: Rig, bs: int, context: int, ntok: int, iters: int = 30) -> dict[str, Any]:
+    """TARGET_VERIFY over `ntok` tokens per request (bonus + drafts) vs one plain decode step."""
+    ids, ctx = step_context(rig, ForwardMode.DECODE, bs, context)
+    dec = time_cuda(decode_step_fn(rig, ids, ctx), iters)
+    out: dict[str, Any] = {"batch": bs, "context": context, "verify_tokens": ntok, "decode_ms": dec * 1e3}
+    for tree in (False, True):
+        ids, ctx = step_context(rig, ForwardMode.TARGET_VERIFY, bs, context, ntok, tree=tree)
+        ver = time_cuda(decode_step_fn(rig, ids, ctx), iters)
+        key = "tree" if tree else "chain"
+        out[f"verify_{key}_ms"] = ver * 1e3
+        out[f"verify_{key}_over_decode"] = ver / dec
+    return out
+
+
+def prefill_rate(rig: Rig, cfg: ModelConfig, mm_rate: float, tokens: int, iters: int = 5) -> dict[str, Any]:
+    """A fresh prompt of `tokens` tokens (logits of the last one) vs the measured matmul rate."""
+    ids, ctx = step_context(rig, ForwardMode.EXTEND, 1, tokens, tokens)
+    secs = time_cuda(decode_step_fn(rig, ids, ctx, logits_rows=slice(-1, None)), iters, warmup=2)
+    attn = cfg.num_layers * 2 * tokens * tokens * cfg.num_heads * cfg.head_dim  # causal QK^T + PV
+    flops = 2 * matmul_params(cfg) * tokens + attn + 2 * cfg.hidden_size * cfg.vocab_size
+    return {"tokens": tokens, "ms": secs * 1e3, "tflops": flops / secs / 1e12,
+            "fraction_of_matmul_rate": flops / secs / mm_rate, "tokens_per_s": tokens / secs}
+
+
+def eager_vs_graph(rig: Rig, bs: int, context: int, iters: int = 20) -> dict[str, Any]:
+    """The same decode step with graphs off (eager) and on; also checks they agree."""
+    ids, ctx = step_context(rig, ForwardMode.DECODE, bs, context)
+    fn = decode_step_fn(rig, ids, ctx)
+    graphs = getattr(rig.runner, "graphs_enabled", None)
+    set_graphs = getattr(rig.runner, "set_graphs_enabled", None)
+    if set_graphs is None:
+        return {"skipped": "runner has no graph switch"}
+    set_graphs(False)
+    eager_tok = fn()
+    eager = time_cuda(fn, iters)
+    set_graphs(True)
+    graph_tok = fn()
+    graph = time_cuda(fn, iters)
+    return {"batch": bs, "eager_ms": eager * 1e3, "graph_ms": graph * 1e3, "speedup": eager / graph,
+            "same_tokens": bool(torch.equal(eager_tok, graph_tok)), "graphs_enabled_attr": graphs is not None}
