@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -9,8 +10,11 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.core import ForwardMode
+from engine.cuda_graph import CudaGraphRunner, GraphStats, graph_unsupported_reason
 from engine.forward_context import ForwardContext
-from engine.kv_cache import KVCacheManager, KVPool
+from engine.kv_cache import MAX_DECODE_WINDOW, KVCacheManager, KVPool
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -21,6 +25,40 @@ class ModelRunner:
         self.model, self.kv, self.pool = model, kv, pool
         self.attn_backend = attn_backend
         self.device = torch.device(device)
+        self.graphs: CudaGraphRunner | None = None  # set by enable_cuda_graphs
+
+    # ---- CUDA graphs ----
+    def enable_cuda_graphs(self, max_bs: int, batch_sizes: list[int] | None = None, *,
+                           capture: bool = True, max_tokens_per_req: int = MAX_DECODE_WINDOW) -> bool:
+        """Serve fixed-shape forwards of up to `max_bs` requests from CUDA graphs (see
+        engine/cuda_graph.py). `capture=False` runs the same padded static-buffer path eagerly
+        (any device or backend: the CPU test path). Returns whether it was enabled."""
+        if capture and (why := graph_unsupported_reason(self.device, self.attn_backend)):
+            logger.info("CUDA graphs stay off: %s", why)
+            return False
+        self.graphs = CudaGraphRunner(self._forward_eager, self.device, max_bs, batch_sizes,
+                                      capture=capture, max_tokens_per_req=max_tokens_per_req)
+        return True
+
+    def disable_cuda_graphs(self) -> None:
+        self.graphs = None
+
+    @torch.inference_mode()
+    def capture(self, mode: ForwardMode, tokens_per_req: int, batch_sizes: list[int] | None = None, *,
+                tree_width: int | None = None, aux_hidden_layers: tuple[int, ...] = (),
+                **example_model_inputs: torch.Tensor) -> int:
+        """Pre-capture (at start-up) the graphs of one forward shape so first requests do not pay
+        for it. Model inputs are examples: only their trailing shape and dtype matter. Returns
+        the number of new graphs (0 when graphs are off)."""
+        if self.graphs is None:
+            return 0
+        return self.graphs.precapture(mode, tokens_per_req, batch_sizes, tree_width, aux_hidden_layers,
+                                      example_model_inputs, self.pool, self.kv.req_to_token,
+                                      self.attn_backend)
+
+    @property
+    def graph_stats(self) -> GraphStats:
+        return self.graphs.stats if self.graphs is not None else GraphStats()
 
     def make_context(self, mode: ForwardMode, slots: list[int], prefix_lens: list[int],
                      extend_lens: list[int], *, positions: torch.Tensor | None = None,
@@ -56,8 +94,16 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, **model_inputs: Any) -> Any:
         """Target models return (hidden, aux hidden list); draft heads take `features` and
-        return their output hidden states."""
-        self.attn_backend.prepare(ctx)
+        return their output hidden states. Served by a CUDA graph when one fits."""
+        if self.graphs is not None:
+            out = self.graphs.run(input_ids, ctx, model_inputs)
+            if out is not None:
+                return out
+        return self._forward_eager(input_ids, ctx, model_inputs)
+
+    def _forward_eager(self, input_ids: torch.Tensor, ctx: ForwardContext,
+                       model_inputs: dict[str, Any]) -> Any:
+        ctx.attn_backend.prepare(ctx)
         return self.model(input_ids, ctx, **model_inputs)
 
     @torch.inference_mode()

@@ -1,0 +1,319 @@
+"""CUDA graphs for fixed-shape forwards: one graph per (shape key, padded batch size), replayed.
+
+A forward is graphable when every request has the same number of query tokens (DECODE,
+TARGET_VERIFY, the EAGLE draft steps, DRAFT_EXTEND over a constant window). Its batch is padded
+up to the smallest captured batch size; padded rows are harmless by construction: they use
+request row 0 and token slot 0 (page 0), both reserved for padding by engine/kv_cache.py, so
+their K/V writes and reads stay on page 0, and their outputs are sliced away.
+
+Each graph owns static copies of the context tensors (small), while model inputs such as draft
+features (large) live in one arena per input name shared by all graphs: graphs run one after the
+other and every input is copied in right before a replay, so sharing is safe.
+
+The same padded static-buffer path also runs without capturing ("padded eager"), which is how
+the padding logic is tested on CPU with the torch reference backend.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from engine.core import ForwardMode
+from engine.forward_context import ForwardContext
+
+logger = logging.getLogger(__name__)
+
+GRAPH_MODES = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
+# Runs before a capture, outside it: lazy initialisation (cuBLAS handles, Triton compilation and
+# autotuning) must not happen while a graph is being recorded.
+WARMUP_RUNS = 2
+
+ForwardFn = Callable[[torch.Tensor, ForwardContext, dict[str, torch.Tensor]], Any]
+
+
+def default_batch_sizes(max_bs: int) -> list[int]:
+    """Dense where batches are common and padding is relatively costly, sparser further up."""
+    sizes = [1, 2, 4, 8] + list(range(16, 65, 8)) + list(range(80, 257, 16)) + list(range(288, max_bs + 1, 32))
+    return sorted({s for s in sizes if s <= max_bs} | {max_bs})
+
+
+def graph_unsupported_reason(device: torch.device, backend: Any) -> str | None:
+    """Why forwards on this device/backend cannot be captured (None when they can)."""
+    if device.type != "cuda":
+        return f"device {device} is not CUDA"
+    if not getattr(backend, "graph_safe", False):
+        return f"attention backend {getattr(backend, 'name', type(backend).__name__)!r} is not graph-safe"
+    return None
+
+
+@dataclass
+class GraphStats:
+    """Counters for tests and benchmarks: forwards served by an existing graph, graphs captured
+    (at start-up or on a miss; the forward that triggered a capture counts here, not in hits),
+    and forwards that ran eagerly, by reason."""
+
+    hits: int = 0
+    captures: int = 0
+    eager: int = 0
+    eager_reasons: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    mode: ForwardMode
+    tokens_per_req: int
+    batch_size: int  # padded
+    tree_width: int | None
+    aux_hidden_layers: tuple[int, ...]
+    inputs: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]  # name, trailing shape, dtype
+    # the pool, request table and backend a graph bakes in (alive as long as the graph is)
+    targets: tuple[int, int, int]
+
+
+@dataclass
+class _Graph:
+    """Static inputs, static context and (when captured) the graph and its output tensors."""
+
+    key: GraphKey
+    input_ids: torch.Tensor
+    ctx: ForwardContext
+    model_inputs: dict[str, torch.Tensor]
+    pad_seq_len: int
+    pad_mask: torch.Tensor | None  # (tokens_per_req, W) mask of a padded request
+    graph: Any = None  # torch.cuda.CUDAGraph once captured
+    output: Any = None
+
+
+class _InputArena:
+    """One flat buffer per (input name, dtype); each graph views a contiguous prefix of it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def view(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = 1
+        for s in shape:
+            numel *= s
+        buf = self._buffers.get((name, dtype))
+        if buf is None or buf.numel() < numel:
+            # graphs captured on the old buffer keep it alive through their views; doubling
+            # bounds that waste (pre-capturing the largest batch first avoids it altogether)
+            size = max(numel, 2 * buf.numel() if buf is not None else 0)
+            buf = torch.zeros(size, dtype=dtype, device=self.device)
+            self._buffers[(name, dtype)] = buf
+        return buf[:numel].view(shape)
+
+
+def _slice_rows(out: Any, n: int) -> Any:
+    """The real rows of a (possibly nested) output, cloned: the next replay overwrites them."""
+    if isinstance(out, torch.Tensor):
+        return out[:n].clone()
+    if isinstance(out, (tuple, list)):
+        return type(out)(_slice_rows(o, n) for o in out)
+    return out
+
+
+def _copy_padded(dst: torch.Tensor, src: torch.Tensor, n: int, fill: int | float) -> None:
+    dst[:n].copy_(src)
+    dst[n:].fill_(fill)
+
+
+class CudaGraphRunner:
+    """Serves fixed-shape forwards from captured graphs (or padded eager when `capture=False`)."""
+
+    def __init__(self, forward_fn: ForwardFn, device: torch.device, max_bs: int,
+                 batch_sizes: list[int] | None = None, *, capture: bool = True,
+                 max_tokens_per_req: int = 64, max_graphs: int = 512) -> None:
+        if max_bs < 1:
+            raise ValueError(f"max_bs must be >= 1, got {max_bs}")
+        sizes = sorted({b for b in (batch_sizes or default_batch_sizes(max_bs)) if 1 <= b <= max_bs})
+        if not sizes:
+            raise ValueError(f"no batch size in {batch_sizes} is within [1, {max_bs}]")
+        self.forward_fn, self.device = forward_fn, device
+        self.batch_sizes = sizes
+        self.use_graphs = capture
+        self.max_tokens_per_req, self.max_graphs = max_tokens_per_req, max_graphs
+        self.stats = GraphStats()
+        self._graphs: dict[GraphKey, _Graph] = {}
+        self._arena = _InputArena(device)
+        self._pool: Any = None  # one memory pool shared by all graphs of this runner
+        self._stream: Any = None
+
+    @property
+    def max_bs(self) -> int:
+        return self.batch_sizes[-1]
+
+    def padded_batch_size(self, bs: int) -> int | None:
+        i = bisect.bisect_left(self.batch_sizes, bs)
+        return self.batch_sizes[i] if i < len(self.batch_sizes) else None
+
+    # ---- serving ----
+    def run(self, input_ids: torch.Tensor, ctx: ForwardContext,
+            model_inputs: dict[str, Any]) -> Any | None:
+        """The forward's output through a graph, or None when the caller must run it eagerly."""
+        why = self._unfit(input_ids, ctx, model_inputs)
+        key = None if why else self._key(ctx, model_inputs)
+        entry = None if key is None else self._graphs.get(key)
+        if key is not None and entry is None:
+            if len(self._graphs) >= self.max_graphs:
+                why = "graph limit reached"
+            elif key.tokens_per_req > self.max_tokens_per_req:
+                why = "too many tokens per request"
+        if why:
+            self.stats.eager += 1
+            self.stats.eager_reasons[why] += 1
+            return None
+        assert key is not None
+        if entry is None:
+            entry = self._new_graph(key, ctx.kv_pool, ctx.req_to_token, ctx.attn_backend)
+            self._load(entry, input_ids, ctx, model_inputs)
+            self._capture(entry)
+        else:
+            self._load(entry, input_ids, ctx, model_inputs)
+            self.stats.hits += 1
+        return _slice_rows(self._replay(entry), ctx.num_tokens)
+
+    def _unfit(self, input_ids: torch.Tensor, ctx: ForwardContext,
+               model_inputs: dict[str, Any]) -> str | None:
+        """Why this forward cannot use a graph (None when it can). Uses CPU-side facts only."""
+        if ctx.mode not in GRAPH_MODES:
+            return f"mode {ctx.mode.name}"
+        lens = ctx.extend_lens_cpu
+        if not lens or len(lens) != ctx.batch_size or any(n != lens[0] for n in lens):
+            return "ragged extend lengths"
+        if ctx.batch_size > self.max_bs:
+            return "batch too large"
+        n = ctx.num_tokens
+        if n != lens[0] * len(lens) or tuple(input_ids.shape) != (n,):
+            return "token count mismatch"
+        tm = ctx.tree_mask
+        if tm is not None and (tm.dim() != 3 or tuple(tm.shape[:2]) != (len(lens), lens[0])
+                               or tm.dtype != torch.bool):
+            return "unexpected tree mask shape"
+        for v in model_inputs.values():
+            if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != n:
+                return "model input is not per-token"
+        if self.use_graphs:
+            return graph_unsupported_reason(ctx.positions.device, ctx.attn_backend)
+        if len(ctx.seq_lens_cpu) != len(lens):  # padded eager hands the live lengths on
+            return "no CPU sequence lengths"
+        return None
+
+    def _key(self, ctx: ForwardContext, model_inputs: dict[str, torch.Tensor]) -> GraphKey:
+        tpr = ctx.extend_lens_cpu[0]
+        padded = self.padded_batch_size(ctx.batch_size)
+        assert padded is not None
+        return GraphKey(
+            ctx.mode, tpr, padded, None if ctx.tree_mask is None else int(ctx.tree_mask.shape[2]),
+            tuple(ctx.aux_hidden_layers),
+            tuple(sorted((k, tuple(v.shape[1:]), v.dtype) for k, v in model_inputs.items())),
+            (id(ctx.kv_pool), id(ctx.req_to_token), id(ctx.attn_backend)))
+
+    # ---- capture ----
+    def precapture(self, mode: ForwardMode, tokens_per_req: int, batch_sizes: list[int] | None,
+                   tree_width: int | None, aux_hidden_layers: tuple[int, ...],
+                   example_inputs: dict[str, torch.Tensor], kv_pool: Any, req_to_token: torch.Tensor,
+                   attn_backend: Any) -> int:
+        """Capture graphs whose every row is padding (writes land on page 0); returns how many
+        were new. Largest first, so the arena and memory pool are sized once."""
+        if mode not in GRAPH_MODES:
+            raise ValueError(f"mode {mode.name} cannot be captured")
+        sizes = batch_sizes or self.batch_sizes
+        padded = sorted({p for b in sizes if (p := self.padded_batch_size(b)) is not None}, reverse=True)
+        sig = tuple(sorted((k, tuple(v.shape[1:]), v.dtype) for k, v in example_inputs.items()))
+        targets = (id(kv_pool), id(req_to_token), id(attn_backend))
+        new = 0
+        for pb in padded:
+            key = GraphKey(mode, tokens_per_req, pb, tree_width, tuple(aux_hidden_layers), sig, targets)
+            if key in self._graphs:
+                continue
+            self._capture(self._new_graph(key, kv_pool, req_to_token, attn_backend))
+            new += 1
+        return new
+
+    def _new_graph(self, key: GraphKey, kv_pool: Any, req_to_token: torch.Tensor,
+                   attn_backend: Any) -> _Graph:
+        """Static tensors of one graph, every row initialised as padding."""
+        tpr, pb, w, dev = key.tokens_per_req, key.batch_size, key.tree_width, self.device
+        pn = pb * tpr
+        # a padded request ends at max(tpr, W) so a tree window never starts before position 0
+        pad_seq = max(tpr, w or 0)
+        pad_mask = None
+        tree_mask = None
+        if w is not None:
+            # a padded query sees only itself: query j sits at window column W - tpr + j
+            pad_mask = torch.zeros(tpr, w, dtype=torch.bool, device=dev)
+            pad_mask[torch.arange(tpr, device=dev), torch.arange(w - tpr, w, device=dev)] = True
+            tree_mask = pad_mask.expand(pb, tpr, w).clone()
+        ctx = ForwardContext(
+            mode=key.mode, positions=torch.zeros(pn, dtype=torch.int64, device=dev),
+            out_cache_loc=torch.zeros(pn, dtype=torch.int64, device=dev),
+            req_slots=torch.zeros(pb, dtype=torch.int64, device=dev),
+            seq_lens=torch.full((pb,), pad_seq, dtype=torch.int64, device=dev),
+            extend_lens=torch.full((pb,), tpr, dtype=torch.int64, device=dev),
+            qo_indptr=torch.arange(pb + 1, dtype=torch.int64, device=dev) * tpr,
+            req_to_token=req_to_token, kv_pool=kv_pool, attn_backend=attn_backend,
+            # replays cannot refresh CPU lists: give the backend an upper bound (padded eager
+            # overwrites it with the live lengths on every call)
+            seq_lens_cpu=[int(req_to_token.shape[1])] * pb, extend_lens_cpu=[tpr] * pb,
+            tree_mask=tree_mask, aux_hidden_layers=key.aux_hidden_layers)
+        inputs = {name: self._arena.view(name, (pn, *shape), dtype).zero_()
+                  for name, shape, dtype in key.inputs}
+        entry = _Graph(key, torch.zeros(pn, dtype=torch.int64, device=dev), ctx, inputs, pad_seq, pad_mask)
+        self._graphs[key] = entry
+        self.stats.captures += 1
+        return entry
+
+    def _capture(self, entry: _Graph) -> None:
+        if not self.use_graphs:
+            return
+        fn = lambda: self.forward_fn(entry.input_ids, entry.ctx, entry.model_inputs)  # noqa: E731
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(self.device)
+        current = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            for _ in range(WARMUP_RUNS):
+                fn()
+        current.wait_stream(self._stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread-local: other threads of a server (I/O, transfers) may use CUDA meanwhile
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream,
+                              capture_error_mode="thread_local"):
+            entry.output = fn()
+        entry.graph = graph
+        logger.debug("captured CUDA graph %s", entry.key)
+
+    # ---- replay ----
+    def _load(self, entry: _Graph, input_ids: torch.Tensor, ctx: ForwardContext,
+              model_inputs: dict[str, torch.Tensor]) -> None:
+        """Copy the live batch into the static tensors and reset the padded rows."""
+        s, n, b = entry.ctx, ctx.num_tokens, ctx.batch_size
+        _copy_padded(entry.input_ids, input_ids, n, 0)
+        _copy_padded(s.positions, ctx.positions, n, 0)
+        _copy_padded(s.out_cache_loc, ctx.out_cache_loc, n, 0)
+        _copy_padded(s.req_slots, ctx.req_slots, b, 0)
+        _copy_padded(s.seq_lens, ctx.seq_lens, b, entry.pad_seq_len)
+        # extend_lens / qo_indptr: constant per graph (uniform lengths were checked on the CPU)
+        if s.tree_mask is not None and ctx.tree_mask is not None:
+            s.tree_mask[:b].copy_(ctx.tree_mask)
+            s.tree_mask[b:].copy_(entry.pad_mask)
+        for name, value in model_inputs.items():
+            _copy_padded(entry.model_inputs[name], value, n, 0)
+        if not self.use_graphs:
+            pad = entry.key.batch_size - b
+            s.seq_lens_cpu = list(ctx.seq_lens_cpu) + [entry.pad_seq_len] * pad
+
+    def _replay(self, entry: _Graph) -> Any:
+        if entry.graph is None:
+            return self.forward_fn(entry.input_ids, entry.ctx, entry.model_inputs)
+        entry.graph.replay()
+        return entry.output
