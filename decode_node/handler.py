@@ -147,9 +147,12 @@ class DecodeHandler:
         req.output_ids, req.seq_len, req.handoff = [handoff.first_token], len(req.prompt_ids), handoff
         updates = sched.adopt_prebuilt([req])
         if not req.finished:
+            # seed the worker's FutureMap rows (publish + stash on the scheduler thread's stream,
+            # so after any forward in flight) so the next decode resolves them like a colocated one
+            future_map = getattr(self.engine.executor, "future_map", None)
             try:
                 self.algorithm.build_disagg_draft_input(Batch(ForwardMode.PREBUILT, [req]), self.spec_config,
-                                                        torch.tensor([handoff.first_token]), None)
+                                                        torch.tensor([handoff.first_token]), future_map)
             except ValueError as e:  # a bad handoff fails this request only
                 updates.append(sched.fail(req, f"bad handoff: {e}"))
         self.engine.io.publish(updates)

@@ -135,6 +135,14 @@ class Req:
     handoff: HandoffState | None = None  # PD decode: what arrived from the prefill node
     # PD prefill: keep KV pages and speculative state after finishing, until the transfer ends
     hold_kv: bool = False
+    # Overlap scheduling: what launched-but-uncollected batches will add. The host knows them
+    # only as counts: `inflight_len` KV tokens (exact for extend and plain decode, an upper
+    # bound under speculation) and `inflight_samples` batches that emit tokens it has not seen.
+    inflight: int = 0  # launched batches holding this request, not yet collected
+    inflight_len: int = 0
+    inflight_samples: int = 0
+    epoch: int = 0  # bumped on retraction / finish: results launched before are discarded
+    release_pending: bool = False  # KV and slot go back once the last in-flight batch is collected
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output without concatenating the whole sequence."""
@@ -146,14 +154,32 @@ class Req:
         return self.prompt_ids[start:] + self.output_ids[:end - p]
 
     @property
+    def sched_len(self) -> int:
+        """KV tokens written once every launched batch ran (an upper bound under speculation)."""
+        return self.seq_len + self.inflight_len
+
+    @property
     def num_uncomputed(self) -> int:
-        """Tokens of prompt + output whose KV is not written yet (1 for a decoding request)."""
-        return self.total_len - self.seq_len
+        """Tokens of prompt + output whose KV is not written or being written yet."""
+        return self.total_len - self.sched_len
 
     @property
     def is_decoding(self) -> bool:
-        """Prompt fully in KV and a sampled token waiting to be fed back."""
-        return bool(self.output_ids) and self.seq_len == self.total_len - 1
+        """Prompt fully in KV (or being written) and a sampled token (maybe still on the device)
+        waiting to be fed back."""
+        if self.inflight_samples:
+            return True
+        return bool(self.output_ids) and self.sched_len == self.total_len - 1
+
+    @property
+    def needs_extend(self) -> bool:
+        """Part of prompt + output still has to be prefilled (fresh, chunked or retracted)."""
+        return not self.inflight_samples and (self.num_uncomputed > 1 or not self.output_ids)
+
+    @property
+    def will_finish(self) -> bool:
+        """Tokens already being sampled certainly reach the length limit (no decode needed)."""
+        return len(self.output_ids) + self.inflight_samples >= self.params.max_new_tokens
 
     @property
     def finished(self) -> bool:
@@ -184,6 +210,15 @@ class Batch:
     reqs: list[Req]
     extend_lens: list[int] = field(default_factory=list)
     sample: list[bool] = field(default_factory=list)
+    # KV tokens before this batch's window per request, as the host knows them at launch:
+    # exact for extend and plain decode, an upper bound for a speculative decode (the exact
+    # value is on the device). Filled from `Req.sched_len` when the batch is formed.
+    prefix_lens: list[int] = field(default_factory=list)
+    epochs: list[int] = field(default_factory=list)  # Req.epoch at launch
+
+    def __post_init__(self) -> None:
+        if not self.prefix_lens:
+            self.prefix_lens = [r.sched_len for r in self.reqs]
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -204,7 +239,8 @@ class Batch:
 @dataclass(slots=True)
 class StepOutput:
     """What one executor step produced, on the CPU: new tokens per request (several under
-    speculation), with optional logprobs. `tokens[i]` is empty for a non-final prefill chunk."""
+    speculation), with optional logprobs. `tokens[i]` is empty for a non-final prefill chunk.
+    `tokens[i]` may run past a stop: the scheduler cuts it."""
 
     tokens: list[list[int]]
     logprobs: list[list[float]] | None = None

@@ -15,7 +15,7 @@ import torch
 from engine.attention import create_attention_backend
 from engine.config import ModelConfig, parse_dtype
 from engine.core import FinishReason, InvalidRequest, Req, SamplingParams, as_token_list
-from engine.executor import Executor, PlainExecutor
+from engine.executor import Executor, PlainExecutor, maybe_enable_cuda_graphs
 from engine.kv_cache import MAX_DECODE_WINDOW, KVCacheConfig, KVCacheManager, KVPool
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
@@ -40,6 +40,15 @@ class EngineConfig:
     max_context_len: int | None = None  # default: the model's max_position_embeddings
     attention_backend: str = "torch"
     seed: int | None = None  # seeds the draw of per-request seeds for unseeded requests
+    # Overlap scheduling: form and launch batch N+1 while batch N runs, process results one
+    # step late. Off by default: on CPU the "device" work runs synchronously inside the launch,
+    # so there is nothing to hide; GPU deployments and the GPU benchmark turn it on. Executors
+    # that cannot overlap (host-side drafting) run synchronously whatever this says.
+    overlap: bool = False
+    # FutureMap debug mode: poison consumed relay rows and check every read was written
+    future_map_debug: bool = False
+    # > 0 on CUDA: capture decode / verify / draft forwards in CUDA graphs up to this batch size
+    cuda_graph_max_bs: int = 0
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_total_tokens", "max_running", "chunked_prefill_size"):
@@ -156,7 +165,9 @@ class Engine:
         num_pages = max(2, config.max_total_tokens // config.page_size + 1)  # +1: page 0 reserved
         # the table is wider than the context: a decode step may write a speculative window
         # past the last position before the length check stops the request
-        width = self.max_context_len + MAX_DECODE_WINDOW + config.page_size
+        # (two windows: under overlap a request's next window is reserved on the host's upper
+        # bound, which may still count the window of the batch in flight)
+        width = self.max_context_len + 2 * MAX_DECODE_WINDOW + config.page_size
         self.kv = KVCacheManager(KVCacheConfig(num_pages, config.page_size, config.max_running, width),
                                  self.device)
         pool = KVPool(mc.num_layers, num_pages, config.page_size, mc.num_kv_heads, mc.head_dim,
@@ -166,13 +177,14 @@ class Engine:
         sampler = Sampler(mc.vocab_size, config.max_running, self.device)
         self.parts = EngineParts(config, mc, runner, self.kv, sampler, self.device, self.dtype)
         self.executor = (executor_factory or (lambda p: PlainExecutor(p.runner, p.sampler)))(self.parts)
+        maybe_enable_cuda_graphs(runner, config.cuda_graph_max_bs)
         if self.executor.kv_tokens_per_decode() > MAX_DECODE_WINDOW:
             raise ValueError(f"a decode step may not write more than {MAX_DECODE_WINDOW} tokens")
         policy = BatchPolicy(PolicyConfig(config.max_running, config.chunked_prefill_size),
                              self.kv, self.executor.kv_tokens_per_decode())
         self.io: SchedulerIO = io or _LocalIO()
         self.scheduler = Scheduler(policy, self.executor, self.io, self.kv, mc.eos_token_ids,
-                                   self.max_context_len)
+                                   self.max_context_len, overlap=config.overlap)
         self.tokenizer = _maybe_tokenizer(Path(config.model))
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
@@ -280,11 +292,14 @@ class Engine:
                 if d.finished:
                     o.finish_reason, o.finish_detail = d.finish_reason, d.finish_detail
                     pending.discard(d.rid)
+        if not self.scheduler.policy.has_work:
+            # overlap: the last batch in flight holds the finished requests' pages until collected
+            self.step()
         return [outs[r] for r in rids]
 
     @property
     def idle(self) -> bool:
-        return not self.scheduler.policy.has_work
+        return not self.scheduler.has_work
 
 
 def _maybe_tokenizer(model_dir: Path) -> Tokenizer | None:

@@ -124,8 +124,7 @@ class Sampler:
             counts.scatter_add_(0, out, torch.ones_like(out, dtype=torch.int32))
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
-        t = torch.tensor(ids, dtype=torch.int64)
-        return t.to(self.device, non_blocking=True)
+        return self._to_device(torch.tensor(ids, dtype=torch.int64))
 
     def record(self, reqs: list[Req], tokens: torch.Tensor, *,
                counts: torch.Tensor | None = None) -> None:
@@ -158,8 +157,14 @@ class Sampler:
         self._counts.view(-1).scatter_add_(0, flat, ones)
 
     # ---- batch preparation ---------------------------------------------------------------
-    def prepare(self, reqs: list[Req], rows_per_req: int = 1) -> SamplingBatch:
-        """Device tensors for `reqs`, each request's values repeated over `rows_per_req` rows."""
+    def prepare(self, reqs: list[Req], rows_per_req: int = 1,
+                positions: list[int] | None = None) -> SamplingBatch:
+        """Device tensors for `reqs`, each request's values repeated over `rows_per_req` rows.
+
+        `positions[i]`: index of the token request i samples (default: prompt + output length).
+        The overlap scheduler passes it because tokens still on the device are not in
+        `output_ids` yet, and the seeded noise is keyed by that index.
+        """
         V, r = self.vocab_size, rows_per_req
         ps = [q.params for q in reqs]
         greedy = [p.is_greedy for p in ps]
@@ -173,6 +178,7 @@ class Sampler:
             dtype=torch.float32).reshape(6, len(reqs))
         ints = torch.tensor(
             [top_k, [q.slot for q in reqs], [_s64(q.sampling_seed) for q in reqs],
+             positions if positions is not None else
              [len(q.prompt_ids) + len(q.output_ids) for q in reqs]],
             dtype=torch.int64).reshape(4, len(reqs))
         flags = torch.tensor(greedy, dtype=torch.bool)

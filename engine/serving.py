@@ -9,7 +9,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from engine.core import FinishReason, Req
+from engine.core import Req
 from engine.scheduler import RequestUpdate
 
 log = logging.getLogger(__name__)
@@ -136,13 +136,8 @@ class EngineLoop:
                 self.steps_failed += 1
                 log.exception("engine step failed; aborting in-flight requests")
                 self._fail_all(f"internal error: {type(e).__name__}: {e}")
-            if not sched.policy.has_work and not self.io.has_pending:
+            if not sched.has_work and not self.io.has_pending:
                 self.io.wait_for_work(0.05)
 
     def _fail_all(self, detail: str) -> None:
-        sched = self.engine.scheduler
-        updates = []
-        for req in list(sched.reqs.values()):
-            req.finish(FinishReason.ABORT, detail)
-            updates.append(sched._finish(req))
-        self.io.publish(updates)
+        self.io.publish(self.engine.scheduler.fail_all(detail))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.core import Req, StepOutput
+from engine.executor import to_device
 from engine.sampler import Sampler
 from spec.metrics import SpecStats
 from spec.tree import DraftTree
@@ -19,7 +20,7 @@ def verify_window(sampler: Sampler, reqs: list[Req], tree: DraftTree, logits: to
     if sb.all_greedy:  # the (penalised) argmax per row is all greedy verification needs
         return verify_greedy(tree, sampler.sample(logits, sb).tokens.view(bs, ntok))
     probs = sampler.processed_probs(logits, sb).view(bs, ntok, -1)
-    seeds = torch.tensor([r.sampling_seed for r in reqs], dtype=torch.int64, device=seq_lens.device)
+    seeds = to_device([r.sampling_seed for r in reqs], seq_lens.device)  # pinned: no host sync
     return verify_sampled(tree, probs, seeds, seq_lens + 1)  # + 1: index of the first new token
 
 
@@ -36,18 +37,30 @@ def accepted_rows(vr: VerifyResult, ntok: int) -> torch.Tensor:
 def step_output(sampler: Sampler, stats: SpecStats, reqs: list[Req], vr: VerifyResult,
                 logits: torch.Tensor, rows: torch.Tensor) -> StepOutput:
     """Record penalties and stats; one CPU copy of the emitted tokens (+ logprobs if asked)."""
+    return host_output(stats, emit_device(sampler, reqs, vr, logits, rows))
+
+
+def emit_device(sampler: Sampler, reqs: list[Req], vr: VerifyResult, logits: torch.Tensor,
+                rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The device half: record penalties, compute logprobs; returns what the host will read."""
     sampler.record(reqs, vr.emitted.clamp(min=0), counts=vr.accept_lens)
-    accept = vr.accept_lens.tolist()
-    emitted = vr.emitted.tolist()
-    stats.record(accept)
-    out = StepOutput(tokens=[e[:a] for e, a in zip(emitted, accept)],
-                     accepted_drafts=[a - 1 for a in accept])
+    out = {"accept_lens": vr.accept_lens, "emitted": vr.emitted}
     if any(r.params.logprobs for r in reqs):
         # emitted token j was chosen from the target's distribution at accepted row j
         bs, ntok = rows.shape
         width = vr.emitted.shape[1]
         flat = (rows[:, :width] + torch.arange(bs, device=rows.device).unsqueeze(1) * ntok).reshape(-1)
         lp = torch.log_softmax(logits[flat].float(), -1).view(bs, width, -1)
-        chosen = torch.gather(lp, 2, vr.emitted.clamp(min=0).unsqueeze(2)).squeeze(2)
-        out.logprobs = [c[:a] for c, a in zip(chosen.tolist(), accept)]
+        out["logprobs"] = torch.gather(lp, 2, vr.emitted.clamp(min=0).unsqueeze(2)).squeeze(2)
+    return out
+
+
+def host_output(stats: SpecStats, host: dict[str, torch.Tensor]) -> StepOutput:
+    """The host half, once the copies of `emit_device`'s tensors arrived."""
+    accept = host["accept_lens"].tolist()
+    stats.record(accept)
+    out = StepOutput(tokens=[e[:a] for e, a in zip(host["emitted"].tolist(), accept)],
+                     accepted_drafts=[a - 1 for a in accept])
+    if "logprobs" in host:
+        out.logprobs = [c[:a] for c, a in zip(host["logprobs"].tolist(), accept)]
     return out

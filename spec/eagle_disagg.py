@@ -49,9 +49,10 @@ def build_eagle_disagg_draft_input(batch: Batch, config: SpecConfig, last_tokens
         topk_index=torch.stack([torch.as_tensor(h.topk_index)[:k] for h in hs]).to(dev, torch.int64),
         hidden_states=torch.stack([torch.as_tensor(h.hidden) for h in hs]).to(dev),
         bonus_tokens=last_tokens.to(dev, torch.int64))
-    for i, req in enumerate(batch.reqs):
-        req.spec_state = di.row(i)
-    if future_map is not None:
+    if future_map is None:  # no relay: the state stays on the requests (tests, PD prefill)
+        for i, req in enumerate(batch.reqs):
+            req.spec_state = di.row(i)
+    else:  # the worker resolves it from the rows; requests keep nothing but their slot
         from spec.future_map import RelayPayload, seed_rows
 
         di.future_indices = torch.tensor([r.slot for r in batch.reqs], dtype=torch.int64, device=dev)

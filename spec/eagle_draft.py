@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.core import ForwardMode
+from engine.executor import uniform_context
 from engine.model_runner import ModelRunner
 from spec.draft_input import EagleDraftInput
 from spec.tree import DraftTree, chain_tree, tree_from_candidates
@@ -38,11 +39,12 @@ def draft_topk(head: torch.nn.Module, hidden: torch.Tensor, k: int) -> tuple[tor
     return p, head.to_target_ids(idx)
 
 
-def build_draft_tree(draft: ModelRunner, di: EagleDraftInput, slots: list[int], seq_lens: list[int],
-                     num_steps: int, topk: int, ntok: int) -> DraftTree:
+def build_draft_tree(draft: ModelRunner, di: EagleDraftInput, slots: list[int], seq: torch.Tensor,
+                     seq_bound: list[int], num_steps: int, topk: int, ntok: int) -> DraftTree:
+    """`seq`: exact committed lengths on the device; `seq_bound`: the host's upper bound of them
+    (equal without overlap), used only to size host-side lists."""
     bs, k = len(di), topk
     dev = di.bonus_tokens.device
-    seq = torch.tensor(seq_lens, dtype=torch.int64, device=dev)
     cands = _Candidates([di.topk_index], [di.topk_p], [torch.full((bs, k), -1, dtype=torch.int64, device=dev)],
                         [torch.ones(bs, k, dtype=torch.int64, device=dev)])
     f_tokens, f_scores = di.topk_index, di.topk_p
@@ -51,10 +53,10 @@ def build_draft_tree(draft: ModelRunner, di: EagleDraftInput, slots: list[int], 
     anc = torch.eye(k, dtype=torch.bool, device=dev).expand(bs, k, k)  # over scratch slots so far
     offset = k
     for step in range(1, num_steps):
-        ctx = draft.make_context(
-            ForwardMode.DECODE, slots, [s + (step - 1) * k for s in seq_lens], [k] * bs,
-            positions=(seq + step - 1).repeat_interleave(k),
-            tree_mask=None if k == 1 else anc)
+        ctx = uniform_context(
+            draft, ForwardMode.DECODE, slots, seq + (step - 1) * k,
+            [s + (step - 1) * k for s in seq_bound], k,
+            positions=(seq + step - 1).repeat_interleave(k), tree_mask=None if k == 1 else anc)
         g = draft.forward(f_tokens.reshape(-1), ctx, features=f_feats.reshape(bs * k, -1))
         p, idx = draft_topk(draft.model, g, k)
         child_scores = (f_scores.unsqueeze(2) * p.view(bs, k, k)).reshape(bs, k * k)

@@ -3,42 +3,63 @@
 Prefill (EXTEND): the target runs the prompt chunk; the head runs over the same positions
 with tokens shifted left by one (the last one is the next prompt token, or the sampled bonus
 when the chunk ends the prompt), writing draft KV at the target's slots. A finished prompt
-leaves its top-k and draft hidden state on the request: exactly what a PD decode node gets.
+publishes its length and stashes its bonus token, top-k and draft hidden state in the FutureMap
+row of its slot: exactly what a PD decode node seeds from the handoff.
 
-Decode: draft a tree -> TARGET_VERIFY over `ntok` rows -> accept (spec.verify) -> move the
-accepted rows' target KV to the front of the window (trees only) -> draft-extend over a
-constant-width window (accepted rows first) and keep the head's state at the last accepted row.
-`seq_len` grows by accept_len = correct drafts + 1; the new bonus token has no KV.
+Decode: resolve lengths and draft input from the FutureMap -> draft a tree -> TARGET_VERIFY over
+`ntok` rows -> accept (spec.verify) -> publish the new lengths -> move the accepted rows' target
+KV to the front of the window (trees only) -> draft-extend over a constant-width window (accepted
+rows first) -> stash the head's state at the last accepted row. `seq_len` grows by accept_len =
+correct drafts + 1; the new bonus token has no KV. Between iterations nothing but the slot index
+ties a request to its state, so the overlap scheduler can launch the next decode before the host
+has seen this one's results.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.core import Batch, ForwardMode, Req, StepOutput
 from engine.engine import EngineParts
-from engine.executor import build_input_ids, last_token_rows, sample_output, scatter_to_batch
+from engine.executor import (HostCopy, build_input_ids, last_token_rows, maybe_enable_cuda_graphs,
+                             sample_positions, sample_tokens, sampled_output, sampling_reqs,
+                             scatter_to_batch, to_device, uniform_context)
 from engine.kv_cache import KVPool
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
-from spec.accept import accepted_rows, step_output, verify_window
+from spec.accept import accepted_rows, emit_device, host_output, verify_window
 from spec.config import SpecConfig
 from spec.draft_input import EagleDraftInput, EagleReqState, EagleVerifyInput
 from spec.eagle_draft import build_draft_tree, draft_topk
+from spec.future_map import FutureMap, RelayPayload
 from spec.metrics import SpecStats
 from spec.verify import VerifyResult
+
+if TYPE_CHECKING:
+    from spec.registry import SpeculativeAlgorithm
+
+
+@dataclass
+class EaglePending:
+    batch: Batch
+    copy: HostCopy | None  # None: no request sampled (non-final prefill chunks only)
 
 
 class EagleWorker:
     def __init__(self, target: ModelRunner, draft: ModelRunner, sampler: Sampler, config: SpecConfig,
-                 aux_layers: tuple[int, ...]) -> None:
+                 aux_layers: tuple[int, ...], future_map: FutureMap) -> None:
         self.target, self.draft, self.sampler = target, draft, sampler
         self.cfg = config
         self.aux_layers = aux_layers  # EAGLE-3: target layers whose inputs feed the head
+        self.future_map = future_map  # per-slot relay of lengths, bonus tokens, top-k, hidden
         self.stats = SpecStats(max_drafts=config.num_steps)
 
     @classmethod
-    def create(cls, parts: EngineParts, config: SpecConfig, fmt: str) -> "EagleWorker":
+    def create(cls, parts: EngineParts, config: SpecConfig, fmt: str,
+               algorithm: "SpeculativeAlgorithm") -> "EagleWorker":
         from engine.draft_loader import load_draft_model
 
         assert config.draft_model_path is not None
@@ -47,11 +68,17 @@ class EagleWorker:
         pool = KVPool(hcfg.num_layers, parts.kv.allocator.num_pages, parts.kv.page_size,
                       hcfg.num_kv_heads, hcfg.head_dim, parts.dtype, parts.device)
         draft = ModelRunner(head, parts.kv, pool, parts.runner.attn_backend, parts.device)
-        return cls(parts.runner, draft, parts.sampler, config, aux)
+        maybe_enable_cuda_graphs(draft, getattr(parts.config, "cuda_graph_max_bs", 0))
+        fm = algorithm.create_future_map(parts.kv.req_to_token.shape[0], parts.device,
+                                         debug=getattr(parts.config, "future_map_debug", False))
+        return cls(parts.runner, draft, parts.sampler, config, aux, fm)
 
     # ---- Executor protocol ----
     def kv_tokens_per_decode(self) -> int:
         return max(self.cfg.ntok, self.cfg.num_steps * self.cfg.eagle_topk)
+
+    def supports_overlap(self) -> bool:
+        return True
 
     def on_admit(self, req: Req) -> None:
         self.sampler.on_admit(req)
@@ -66,84 +93,102 @@ class EagleWorker:
 
     def on_release(self, req: Req) -> None:
         req.spec_state = None
+        self.future_map.invalidate(torch.tensor([req.slot], dtype=torch.int64))
 
     @torch.inference_mode()
     def step(self, batch: Batch) -> StepOutput:
+        return self.collect(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: Batch) -> EaglePending:
         if batch.mode is ForwardMode.EXTEND:
             return self._prefill(batch)
         return self._decode(batch)
+
+    def collect(self, pending: EaglePending) -> StepOutput:
+        batch = pending.batch
+        if pending.copy is None:
+            return StepOutput(tokens=[[] for _ in batch.reqs])
+        if batch.mode is ForwardMode.EXTEND:
+            return scatter_to_batch(sampled_output(pending.copy.wait()), batch.sample)
+        return host_output(self.stats, pending.copy.wait())
 
     # ---- prefill ----
     def _features(self, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(aux, dim=-1) if self.aux_layers else hidden
 
-    def _prefill(self, batch: Batch) -> StepOutput:
-        reqs, lens = batch.reqs, batch.extend_lens
-        slots, prefix = [r.slot for r in reqs], [r.seq_len for r in reqs]
+    def _prefill(self, batch: Batch) -> EaglePending:
+        reqs, lens, prefix = batch.reqs, batch.extend_lens, batch.prefix_lens
+        dev = self.target.device
+        slots = [r.slot for r in reqs]
         ctx = self.target.make_context(ForwardMode.EXTEND, slots, prefix, lens,
                                        aux_hidden_layers=self.aux_layers)
-        hidden, aux = self.target.forward(build_input_ids(batch, self.target.device), ctx)
+        hidden, aux = self.target.forward(build_input_ids(batch, dev), ctx)
         feats = self._features(hidden, aux)
-        sampling = [r for r, s in zip(reqs, batch.sample) if s]
-        out = StepOutput(tokens=[[] for _ in reqs])
-        rows = last_token_rows(ctx.qo_indptr, batch.sample)
+        sampling = sampling_reqs(batch)
+        rows = last_token_rows(batch, dev)
+        shifted = to_device(_shifted_tokens(batch), dev)  # draft-extend input: shifted left by one
+        out, idx = None, None
         if sampling:
-            sampled = sample_output(self.sampler, self.target.logits(hidden[rows]), sampling)
-            out = scatter_to_batch(sampled, batch.sample)
-        # draft-extend over the chunk, tokens shifted left by one
-        shifted: list[int] = []
-        for req, n, new in zip(reqs, lens, out.tokens):
-            shifted.extend(req.tokens(req.seq_len + 1, req.seq_len + n))
-            shifted.append(new[0] if new else req.tokens(req.seq_len + n, req.seq_len + n + 1)[0])
+            out = sample_tokens(self.sampler, self.target.logits(hidden[rows]), sampling,
+                                sample_positions(batch))
+            shifted[rows] = out["tokens"]  # the tail of a finished prompt is its sampled bonus
+            idx = to_device([r.slot for r in sampling], dev)
+            ends = [p + n for p, n, s in zip(prefix, lens, batch.sample) if s]
+            # fence before draft-extend: the next decode's lengths do not wait for the head
+            self.future_map.publish(idx, to_device(ends, dev))
         dctx = self.draft.make_context(ForwardMode.DRAFT_EXTEND, slots, prefix, lens)
-        g = self.draft.forward(torch.tensor(shifted, device=self.target.device), dctx, features=feats)
-        if sampling:
-            g_last = g[rows]
-            p, idx = draft_topk(self.draft.model, g_last, self.cfg.eagle_topk)
-            for i, req in enumerate(sampling):
-                req.spec_state = EagleReqState(p[i], idx[i], g_last[i])
-        return out
+        g = self.draft.forward(shifted, dctx, features=feats)
+        if out is None:
+            return EaglePending(batch, None)
+        g_last = g[rows]
+        p, topk_idx = draft_topk(self.draft.model, g_last, self.cfg.eagle_topk)
+        self.future_map.stash(idx, RelayPayload(out["tokens"], p, topk_idx, g_last))
+        _keep_handoff(sampling, p, topk_idx, g_last)
+        return EaglePending(batch, HostCopy(out))
 
     # ---- decode ----
-    def _decode(self, batch: Batch) -> StepOutput:
+    def _decode(self, batch: Batch) -> EaglePending:
         reqs = batch.reqs
         bs, ntok = len(reqs), self.cfg.ntok
-        dev = self.target.device
-        slots, seq_lens = [r.slot for r in reqs], [r.seq_len for r in reqs]
-        seq = torch.tensor(seq_lens, dtype=torch.int64, device=dev)
-        bonus = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=dev)
-        di = EagleDraftInput.stack([r.spec_state for r in reqs], bonus)
-        tree = build_draft_tree(self.draft, di, slots, seq_lens, self.cfg.num_steps,
+        slots, bound = [r.slot for r in reqs], batch.prefix_lens
+        idx = to_device(slots, self.target.device)
+        seq = self.future_map.resolve_seq_lens(idx)  # exact lengths, on the device only
+        relay = self.future_map.resolve(idx)
+        di = EagleDraftInput(relay.topk_p, relay.topk_index, relay.hidden_states, relay.bonus_tokens,
+                             future_indices=idx)
+        tree = build_draft_tree(self.draft, di, slots, seq, bound, self.cfg.num_steps,
                                 self.cfg.eagle_topk, ntok)
         vi = EagleVerifyInput.from_tree(tree, seq)
-        ctx = self.target.make_context(ForwardMode.TARGET_VERIFY, slots, seq_lens, [ntok] * bs,
-                                       positions=vi.positions, tree_mask=vi.tree_mask,
-                                       aux_hidden_layers=self.aux_layers)
+        ctx = uniform_context(self.target, ForwardMode.TARGET_VERIFY, slots, seq, bound, ntok,
+                              positions=vi.positions, tree_mask=vi.tree_mask,
+                              aux_hidden_layers=self.aux_layers)
         hidden, aux = self.target.forward(tree.tokens.reshape(-1), ctx)
         logits = self.target.logits(hidden)
         vr = verify_window(self.sampler, reqs, tree, logits, seq)
+        self.future_map.publish(idx, seq + vr.accept_lens)  # between verify and draft-extend
         rows = accepted_rows(vr, ntok)  # (bs, ntok) window rows, accepted first
         if not tree.is_chain:
             self._compact_target_kv(slots, seq, rows, vr.accept_lens)
-        self._draft_extend(reqs, slots, seq_lens, rows, vr, self._features(hidden, aux))
-        return step_output(self.sampler, self.stats, reqs, vr, logits, rows)
+        self._draft_extend(slots, seq, bound, rows, vr, self._features(hidden, aux), idx)
+        return EaglePending(batch, HostCopy(emit_device(self.sampler, reqs, vr, logits, rows)))
 
     def _compact_target_kv(self, slots: list[int], seq: torch.Tensor, rows: torch.Tensor,
                            accept_lens: torch.Tensor) -> None:
         """Tree verify wrote KV in tree order; move the accepted path's KV to [L, L + accept_len)."""
         table = self.target.kv.req_to_token
-        slot_t = torch.tensor(slots, device=seq.device).unsqueeze(1)
+        slot_t = to_device(slots, seq.device).unsqueeze(1)
         j = torch.arange(rows.shape[1], device=seq.device).unsqueeze(0)
-        keep = (j < accept_lens.unsqueeze(1)) & (rows != j)
-        src = table[slot_t, seq.unsqueeze(1) + rows][keep]
-        dst = table[slot_t, seq.unsqueeze(1) + j][keep]
-        if src.numel():
-            pool = self.target.pool
-            flat = pool.buffer.view(pool.num_layers, 2, -1, pool.num_kv_heads, pool.head_dim)
-            flat[:, :, dst] = flat[:, :, src].clone()  # clone: sources and targets may overlap
+        # rows that stay in place copy onto themselves: a fixed-shape gather/scatter (no mask
+        # indexing, so no host sync); the clone covers sources and targets that overlap
+        src = table[slot_t, seq.unsqueeze(1) + rows].reshape(-1)
+        dst = table[slot_t, seq.unsqueeze(1) + torch.where(j < accept_lens.unsqueeze(1), j, rows)]
+        pool = self.target.pool
+        flat = pool.buffer.view(pool.num_layers, 2, -1, pool.num_kv_heads, pool.head_dim)
+        flat[:, :, dst.reshape(-1)] = flat[:, :, src].clone()
 
-    def _draft_extend(self, reqs: list[Req], slots: list[int], seq_lens: list[int], rows: torch.Tensor,
-                      vr: VerifyResult, feats: torch.Tensor) -> None:
+    def _draft_extend(self, slots: list[int], seq: torch.Tensor, bound: list[int], rows: torch.Tensor,
+                      vr: VerifyResult, feats: torch.Tensor, idx: torch.Tensor) -> None:
         """Head over [L, L + ntok): row j pairs the target's feature at accepted row j with the
         token that followed it; rows past the accepted length only scribble beyond seq_len."""
         bs, ntok = rows.shape
@@ -151,10 +196,30 @@ class EagleWorker:
         if emitted.shape[1] < ntok:
             emitted = torch.cat((emitted, vr.bonus.unsqueeze(1).expand(bs, ntok - emitted.shape[1])), 1)
         flat_rows = (rows + torch.arange(bs, device=rows.device).unsqueeze(1) * ntok).reshape(-1)
-        ctx = self.draft.make_context(ForwardMode.DRAFT_EXTEND, slots, seq_lens, [ntok] * bs)
+        ctx = uniform_context(self.draft, ForwardMode.DRAFT_EXTEND, slots, seq, bound, ntok)
         g = self.draft.forward(emitted[:, :ntok].reshape(-1), ctx, features=feats[flat_rows])
         last = torch.arange(bs, device=rows.device) * ntok + vr.accept_lens - 1
         g_last = g[last]
-        p, idx = draft_topk(self.draft.model, g_last, self.cfg.eagle_topk)
-        for i, req in enumerate(reqs):
-            req.spec_state = EagleReqState(p[i], idx[i], g_last[i])
+        p, topk_idx = draft_topk(self.draft.model, g_last, self.cfg.eagle_topk)
+        self.future_map.stash(idx, RelayPayload(vr.bonus, p, topk_idx, g_last))
+
+
+def _shifted_tokens(batch: Batch) -> list[int]:
+    """Each window's tokens shifted left by one; the tail is the next prompt token, or a
+    placeholder where the window samples (the sampled token is written in on the device)."""
+    shifted: list[int] = []
+    for req, p, n, s in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample):
+        shifted += req.tokens(p + 1, p + n)
+        shifted.append(0 if s else req.tokens(p + n, p + n + 1)[0])
+    return shifted
+
+
+def _keep_handoff(reqs: list[Req], p: torch.Tensor, idx: torch.Tensor, g: torch.Tensor) -> None:
+    """PD prefill: a request that leaves this node (hold_kv) carries its draft state in the aux
+    row, so keep it on the request; everyone else keeps nothing but its FutureMap row."""
+    for i, req in enumerate(reqs):
+        if req.hold_kv:
+            req.spec_state = EagleReqState(p[i], idx[i], g[i])
+
+
+__all__ = ["EaglePending", "EagleWorker"]

@@ -242,11 +242,28 @@ class FutureMap:
             self._check_and_poison(self.output_tokens_buf, tokens, idx, "output_tokens")
         return RelayPayload(tokens, topk_p, topk_index, hidden)
 
+    def invalidate(self, indices: torch.Tensor) -> None:
+        """A request slot went back to its pool: in debug mode poison its rows, so whoever gets
+        the slot next is caught reading them before its own publish / stash."""
+        if not self.debug or indices.numel() == 0:
+            return
+        idx = self._idx(indices)
+        poison = torch.where(idx == 0, 0, _POISON)
+        self.output_tokens_buf[idx] = poison
+        self.new_seq_lens_buf[idx] = poison
+
+    def rows_free(self) -> bool:
+        """Debug mode: every real row is poisoned, i.e. was consumed or released (tests, CPU)."""
+        return bool((self.output_tokens_buf[1:] < 0).all() and (self.new_seq_lens_buf[1:] < 0).all())
+
     # ----------------------------------------------------------------- helpers
 
     def _full(self, shape: tuple[int, ...], fill: float, dtype: torch.dtype) -> torch.Tensor:
-        buf = torch.full(shape, fill, dtype=dtype, device=self.device)
-        buf[0] = 0
+        # Never an inference tensor, even when the first stash runs under inference_mode: PD
+        # seeding writes rows from outside it, which inference tensors refuse.
+        with torch.inference_mode(False):
+            buf = torch.full(shape, fill, dtype=dtype, device=self.device)
+            buf[0] = 0
         return buf
 
     def _idx(self, indices: torch.Tensor) -> torch.Tensor:

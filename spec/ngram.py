@@ -110,11 +110,22 @@ class NgramWorker:
     def on_release(self, req: Req) -> None:
         req.spec_state = None
 
+    def supports_overlap(self) -> bool:
+        """No: the drafts are looked up in the host's copy of each request's tokens, so the
+        previous step's tokens must have reached the host before the next step can start."""
+        return False
+
     @torch.inference_mode()
     def step(self, batch: Batch) -> StepOutput:
         if batch.mode is ForwardMode.EXTEND:
             return self.plain.step(batch)
         return self._decode(batch)
+
+    def launch(self, batch: Batch) -> StepOutput:
+        return self.step(batch)  # synchronous: the scheduler never overlaps this executor
+
+    def collect(self, handle: StepOutput) -> StepOutput:
+        return handle
 
     # ---- decode ----
     def draft_window(self, req: Req) -> list[int]:
@@ -130,7 +141,7 @@ class NgramWorker:
         reqs = batch.reqs
         bs, ntok = len(reqs), self.cfg.ntok
         dev = self.target.device
-        slots, seq_lens = [r.slot for r in reqs], [r.seq_len for r in reqs]
+        slots, seq_lens = [r.slot for r in reqs], batch.prefix_lens  # exact: never overlapped
         tokens = torch.tensor([self.draft_window(r) for r in reqs], dtype=torch.int64, device=dev)
         tree = chain_tree(tokens)
         # a chain is causal in row order at positions seq_len + row: no tree mask, no KV compaction

@@ -122,7 +122,7 @@ class _Eagle(SpeculativeAlgorithm):
     def create_worker(self, parts: "EngineParts", config: "SpecConfig") -> "Executor":
         from spec.eagle_worker import EagleWorker
 
-        return EagleWorker.create(parts, config, self.draft_format)
+        return EagleWorker.create(parts, config, self.draft_format, self)
 
 
 class _Eagle3(_Eagle):

@@ -52,7 +52,7 @@ class BatchPolicy:
         for req in self.running:  # continue chunked prefills first
             if budget <= 0:
                 break
-            if req.num_uncomputed > 1 or not req.output_ids:
+            if req.needs_extend:
                 n = min(req.num_uncomputed, budget)
                 reqs.append(req), lens.append(n)
                 budget -= n
@@ -68,10 +68,12 @@ class BatchPolicy:
             budget -= n
         if not reqs:
             return None
-        sample = [r.seq_len + n == r.total_len for r, n in zip(reqs, lens)]
+        sample = [r.sched_len + n == r.total_len for r, n in zip(reqs, lens)]
         return Batch(ForwardMode.EXTEND, reqs, lens, sample)
 
     def _try_admit(self, req: Req) -> bool:
+        if req.release_pending:  # retracted while in flight: its old pages are not back yet
+            return False
         need = req.total_len + self.kv_tokens_per_decode
         headroom = sum(self.kv.pages_for(self.cfg.decode_reserve_tokens) for _ in self.running)
         if self.kv.pages_for(need) + headroom > self.kv.allocator.num_free or not self.kv.num_free_slots:
@@ -82,15 +84,28 @@ class BatchPolicy:
         return True
 
     # ---- decode ----
+    def _decoding(self) -> list[Req]:
+        # A request whose in-flight tokens certainly end it needs no further step.
+        return [r for r in self.running if r.is_decoding and not r.will_finish]
+
+    def decode_needs_retraction(self) -> bool:
+        """Would the next decode batch run out of pages? (The overlap scheduler then collects
+        the batch in flight first: its finished requests' pages are what retraction lacks.)"""
+        if any(r.needs_extend for r in self.running):
+            return False
+        need = sum(max(0, self.kv.pages_for(r.sched_len + self.kv_tokens_per_decode) - r.num_pages)
+                   for r in self._decoding())
+        return need > self.kv.allocator.num_free
+
     def _decode_batch(self, on_retract: ReqHook) -> Batch:
-        decoding = [r for r in self.running if r.is_decoding]
+        decoding = self._decoding()
         if not decoding:
             return Batch.idle()
         i = 0
         while i < len(decoding):
             req = decoding[i]
             try:
-                self.kv.reserve(req, req.seq_len + self.kv_tokens_per_decode)
+                self.kv.reserve(req, req.sched_len + self.kv_tokens_per_decode)
                 i += 1
             except OutOfPages:  # free the newest request and try again
                 victim = decoding.pop()

@@ -1,10 +1,17 @@
-"""The scheduling loop: Scheduler(policy, executor, io) with continuous batching and stop checks."""
+"""The scheduling loop: Scheduler(policy, executor, io) with continuous batching and stop checks.
+
+Overlap mode (`overlap=True` and an executor that supports it): each iteration forms and launches
+batch N+1 from what the host knows, then collects batch N, so the CPU work of one batch hides
+behind the device work of the previous one. Results arrive one iteration late: a request that
+finishes in batch N may already run in batch N+1, whose results for it are discarded, and its
+pages, slot and FutureMap row go back only after batch N+1 was collected (`Req.inflight`).
+"""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from engine.core import Batch, FinishReason, ForwardMode, Req, ReqState, StepOutput
 from engine.executor import Executor
@@ -39,16 +46,28 @@ class SchedulerIO(Protocol):
         """Block until something arrives or the timeout passes (only called when idle)."""
 
 
+@dataclass(slots=True)
+class _Launched:
+    batch: Batch
+    handle: Any
+
+
 class Scheduler:
     """One iteration: take input, form a batch, run it, apply stop rules, publish updates."""
 
     def __init__(self, policy: BatchPolicy, executor: Executor, io: SchedulerIO, kv: KVCacheManager,
-                 eos_token_ids: tuple[int, ...], max_context_len: int) -> None:
+                 eos_token_ids: tuple[int, ...], max_context_len: int, overlap: bool = False) -> None:
         self.policy, self.executor, self.io, self.kv = policy, executor, io, kv
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_context_len = max_context_len
+        # the executor decides whether it can run one batch ahead; never the algorithm's name
+        supports = getattr(executor, "supports_overlap", lambda: False)
+        self.overlap = overlap and supports()
+        self.decode_window = executor.kv_tokens_per_decode()
         self.reqs: dict[str, Req] = {}
-        self.stats = {"steps": 0, "retractions": 0, "decode_tokens": 0, "prefill_tokens": 0}
+        self._inflight: _Launched | None = None
+        self.stats = {"steps": 0, "retractions": 0, "decode_tokens": 0, "prefill_tokens": 0,
+                      "discarded": 0, "overlap_syncs": 0}
 
     # ---- input ----
     def _ingest(self) -> list[RequestUpdate]:
@@ -95,34 +114,129 @@ class Scheduler:
             req.finish(FinishReason.ABORT, f"request needs more KV than the whole pool "
                                            f"({req.total_len} tokens)")
             updates.append(self._finish(req))
+        if self._inflight is not None and self.policy.decode_needs_retraction():
+            # finished requests of the batch in flight hold the pages retraction would miss
+            self.stats["overlap_syncs"] += 1
+            updates.extend(self._collect_inflight())
         batch = self.policy.next_batch(self._on_admit, self._on_retract)
         if batch.mode is not ForwardMode.IDLE:
-            out = self.executor.step(batch)
-            updates.extend(self._process(batch, out))
-            self.stats["steps"] += 1
+            updates.extend(self._run(batch))
+        elif self._inflight is not None:
+            updates.extend(self._collect_inflight())
         if updates:
             self.io.publish(updates)
         return updates
 
+    def _run(self, batch: Batch) -> list[RequestUpdate]:
+        self._mark_launched(batch)
+        self.stats["steps"] += 1
+        if not self.overlap:
+            try:
+                out = self.executor.step(batch)
+            except BaseException:
+                self._abandon(batch)
+                raise
+            return self._complete(batch, out)
+        try:
+            handle = self.executor.launch(batch)
+        except BaseException:
+            self._abandon(batch)
+            raise
+        updates = self._collect_inflight()
+        self._inflight = _Launched(batch, handle)
+        return updates
+
+    def _collect_inflight(self) -> list[RequestUpdate]:
+        launched, self._inflight = self._inflight, None
+        if launched is None:
+            return []
+        try:
+            out = self.executor.collect(launched.handle)
+        except BaseException:
+            self._abandon(launched.batch)
+            raise
+        return self._complete(launched.batch, out)
+
+    def flush(self) -> list[RequestUpdate]:
+        """Collect the batch in flight (if any) and publish what it produced."""
+        updates = self._collect_inflight()
+        if updates:
+            self.io.publish(updates)
+        return updates
+
+    @property
+    def has_work(self) -> bool:
+        return self.policy.has_work or self._inflight is not None
+
     def run(self, stop: threading.Event, idle_wait: float = 0.05) -> None:
         while not stop.is_set():
             self.step()
-            if not self.policy.has_work:
+            if not self.has_work:
                 self.io.wait_for_work(idle_wait)
+
+    def fail_all(self, detail: str) -> list[RequestUpdate]:
+        """After a failed step: drop the batch in flight and end every request with an error."""
+        launched, self._inflight = self._inflight, None
+        if launched is not None:
+            self._abandon(launched.batch)
+        updates = []
+        for req in list(self.reqs.values()):
+            req.finish(FinishReason.ABORT, detail)
+            updates.append(self._finish(req))
+        return updates
 
     def _on_admit(self, req: Req) -> None:
         self.executor.on_admit(req)
 
     def _on_retract(self, req: Req) -> None:
         self.stats["retractions"] += 1
+        req.epoch += 1  # what the batch in flight computes for it is recomputed after re-admission
+        self._release(req)
+
+    # ---- in-flight bookkeeping ----
+    def _window(self, batch: Batch, n: int) -> int:
+        return n if batch.mode is ForwardMode.EXTEND else self.decode_window
+
+    def _mark_launched(self, batch: Batch) -> None:
+        batch.epochs = [r.epoch for r in batch.reqs]
+        for req, n, s in zip(batch.reqs, batch.extend_lens, batch.sample):
+            req.inflight += 1
+            req.inflight_len += self._window(batch, n)
+            req.inflight_samples += int(s)
+
+    def _unmark(self, batch: Batch, i: int) -> None:
+        req = batch.reqs[i]
+        req.inflight -= 1
+        req.inflight_len -= self._window(batch, batch.extend_lens[i])
+        req.inflight_samples -= int(batch.sample[i])
+
+    def _abandon(self, batch: Batch) -> None:
+        """A batch whose results will never be processed (its step failed)."""
+        for i, req in enumerate(batch.reqs):
+            self._unmark(batch, i)
+            if req.release_pending and not req.inflight:
+                self._release(req)
+
+    def _release(self, req: Req) -> None:
+        """Pages, slot and the executor's per-slot state go back once no forward uses them."""
+        if not req.slot:
+            return
+        if req.inflight:
+            req.release_pending = True
+            return
+        req.release_pending = False
         self.executor.on_release(req)
         self.kv.release(req)
-
     # ---- output ----
-    def _process(self, batch: Batch, out: StepOutput) -> list[RequestUpdate]:
+    def _complete(self, batch: Batch, out: StepOutput) -> list[RequestUpdate]:
         updates = []
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
-            if req.finished:  # aborted while the step ran
+            self._unmark(batch, i)
+            if req.finished or req.epoch != batch.epochs[i]:
+                # aborted, finished by an earlier batch, or retracted while this one ran
+                self.stats["discarded"] += 1
+                if req.release_pending and not req.inflight:
+                    self._release(req)
                 continue
             new = out.tokens[i]
             # KV of the computed window is committed; under speculation len(new) = accepted + 1
@@ -175,17 +289,17 @@ class Scheduler:
     def _finish(self, req: Req) -> RequestUpdate:
         """Release everything a finished request holds and drop it from the scheduler."""
         self.policy.remove(req)
+        req.epoch += 1
         if req.slot and not (req.hold_kv and req.finish_reason is not FinishReason.ABORT):
-            self.release_kv(req)
+            self._release(req)
         req.state = ReqState.FINISHED
         self.reqs.pop(req.rid, None)
         return self._final_update(req)
 
     def release_kv(self, req: Req) -> None:
-        """Return a request's pages and slot (also for held requests once their transfer ends)."""
-        if req.slot:
-            self.executor.on_release(req)
-            self.kv.release(req)
+        """Return a request's pages and slot (also for held requests once their transfer ends);
+        deferred while a forward in flight still uses them."""
+        self._release(req)
 
     @staticmethod
     def _final_update(req: Req) -> RequestUpdate:

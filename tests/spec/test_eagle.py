@@ -6,6 +6,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from engine.config import ModelLoadError
 from engine.core import FinishReason, SamplingParams
@@ -103,18 +104,29 @@ def test_seeded_sampling_with_spec_is_reproducible(tmp_path, target):
 
 
 def test_prefill_leaves_the_handoff_state_on_the_request(tmp_path, target):
+    """A PD prefill request (hold_kv) keeps its draft state for the aux row; every request's
+    state is also in its FutureMap row, which is all an ordinary request keeps."""
     head = write_tiny_eagle_head(tmp_path / "head", target, "eagle", mode="random")
     eng = spec_engine(target, head, "EAGLE", 3, 2, 5)
-    rid = eng.add_request(PROMPTS[2], SamplingParams(max_new_tokens=5, temperature=0.0))
-    req = None
-    while req is None or not req.output_ids:  # the prompt is prefilled in chunks of 7
+    held = eng.make_request(PROMPTS[2], SamplingParams(max_new_tokens=5, temperature=0.0), "held")
+    held.hold_kv = True
+    eng.io.submit(held)
+    plain = eng.make_request(PROMPTS[0], SamplingParams(max_new_tokens=5, temperature=0.0), "plain")
+    eng.io.submit(plain)
+    while not held.output_ids or not plain.output_ids:  # the prompt is prefilled in chunks of 7
         eng.step()
-        req = eng.scheduler.reqs[rid]
-    st = req.spec_state
-    assert req.seq_len == len(PROMPTS[2]) and len(req.output_ids) == 1  # the bonus has no KV yet
+    st = held.spec_state
+    assert held.seq_len == len(PROMPTS[2]) and len(held.output_ids) == 1  # the bonus has no KV yet
     assert st.topk_p.shape == (2,) and st.topk_index.shape == (2,)
     assert st.hidden.shape == (eng.model_config.hidden_size,)
     assert float(st.topk_p.sum()) <= 1.0 + 1e-5
+    assert plain.spec_state is None
+    fm = eng.executor.future_map
+    row = torch.tensor([held.slot])
+    assert fm.resolve_seq_lens(row).tolist() == [len(PROMPTS[2])]
+    relay = fm.resolve(row)
+    assert relay.bonus_tokens.tolist() == held.output_ids
+    assert torch.equal(relay.topk_index[0], st.topk_index) and torch.equal(relay.hidden_states[0], st.hidden)
 
 
 def _with_config(src, dst, **changes):
