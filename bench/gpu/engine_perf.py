@@ -30,16 +30,22 @@ def prebuilt_model(model: nn.Module, cfg: ModelConfig) -> Iterator[None]:
 
 
 def make_engine(model: nn.Module, cfg: ModelConfig, *, overlap: bool, graphs: int, max_running: int,
-                max_total_tokens: int, **extra: Any) -> Engine:
+                max_total_tokens: int, backend: str = "triton", **extra: Any) -> Engine:
     with prebuilt_model(model, cfg):
-        conf = EngineConfig("<in-memory llama-8b-shaped>", device="cuda", dtype="bfloat16",
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        conf = EngineConfig("<in-memory llama-8b-shaped>", device=dev, dtype="bfloat16",
                             max_running=max_running, max_total_tokens=max_total_tokens,
-                            chunked_prefill_size=8192, attention_backend="triton",
+                            chunked_prefill_size=8192, attention_backend=backend,
                             max_context_len=4096, **extra)
         for name, value in (("overlap", overlap), ("cuda_graph_max_bs", graphs)):
             if hasattr(conf, name):
                 setattr(conf, name, value)
         return Engine(conf)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def busy_fraction(trace_file: Path) -> tuple[float, float]:
@@ -71,19 +77,19 @@ def steady_decode(eng: Engine, bs: int, prompt_len: int, steps: int, trace: Path
         started.update(d.rid for d in eng.step() if d.token_ids)
     for _ in range(5):  # warm the decode path (graph capture on first use, if lazy)
         eng.step()
-    torch.cuda.synchronize()
+    _sync()
     tokens, t0 = 0, time.perf_counter()
     if trace is not None:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             tokens = sum(len(d.token_ids) for _ in range(steps) for d in eng.step())
-            torch.cuda.synchronize()
+            _sync()
         secs = time.perf_counter() - t0
         prof.export_chrome_trace(str(trace))
     else:
         tokens = sum(len(d.token_ids) for _ in range(steps) for d in eng.step())
-        torch.cuda.synchronize()
+        _sync()
         secs = time.perf_counter() - t0
     for rid in rids:
         eng.abort(rid)
@@ -100,10 +106,10 @@ def steady_decode(eng: Engine, bs: int, prompt_len: int, steps: int, trace: Path
 def engine_generate_tps(eng: Engine, prompt: list[int], new_tokens: int) -> float:
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     eng.generate([prompt], params)  # warm-up (graphs, autotuning)
-    torch.cuda.synchronize()
+    _sync()
     t0 = time.perf_counter()
     out = eng.generate([prompt], params)
-    torch.cuda.synchronize()
+    _sync()
     return len(out[0].output_ids) / (time.perf_counter() - t0)
 
 
@@ -111,8 +117,8 @@ def hf_generate_tps(hf: nn.Module, prompt: list[int], new_tokens: int) -> float:
     ids = torch.tensor([prompt], device=next(hf.parameters()).device)
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     hf.generate(ids, **dict(kw, max_new_tokens=8, min_new_tokens=8))  # warm-up
-    torch.cuda.synchronize()
+    _sync()
     t0 = time.perf_counter()
     out = hf.generate(ids, **kw)
-    torch.cuda.synchronize()
+    _sync()
     return (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0)

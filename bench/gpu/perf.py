@@ -84,7 +84,7 @@ def main() -> int:
     gc.collect()
     torch.cuda.empty_cache() if dev.type == "cuda" else None
     if not args.skip_engine:
-        run_engine_sections(report, model, cfg, Path(args.out).with_suffix(""), prompt)
+        run_engine_sections(report, model, cfg, Path(args.out).with_suffix(""), prompt, args.backend)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(f"wrote {args.out}")
@@ -92,7 +92,7 @@ def main() -> int:
 
 
 def run_engine_sections(report: dict[str, Any], model: torch.nn.Module, cfg: Any, stem: Path,
-                        prompt: list[int]) -> None:
+                        prompt: list[int], backend: str) -> None:
     graphs = 64 if torch.cuda.is_available() else 0
     for overlap in (False, True):
         name = f"engine_bs64_overlap_{'on' if overlap else 'off'}"
@@ -100,7 +100,7 @@ def run_engine_sections(report: dict[str, Any], model: torch.nn.Module, cfg: Any
 
         def run(overlap: bool = overlap, trace: Path = trace) -> dict[str, Any]:
             eng = engine_perf.make_engine(model, cfg, overlap=overlap, graphs=graphs, max_running=64,
-                                          max_total_tokens=64 * 1300)
+                                          max_total_tokens=64 * 1300, backend=backend)
             try:
                 plain = engine_perf.steady_decode(eng, 64, 1024, 60, None)
                 profiled = engine_perf.steady_decode(eng, 64, 1024, 30, trace)

@@ -15,8 +15,9 @@ from engine.core import ForwardMode
 
 
 def graph_counters(rig: Rig) -> dict[str, Any]:
-    stats = getattr(rig.runner, "graph_stats", None)
-    return dict(stats() if callable(stats) else stats or {})
+    stats = rig.runner.graph_stats
+    return {"hits": stats.hits, "captures": stats.captures, "eager": stats.eager,
+            "eager_reasons": dict(stats.eager_reasons)}
 
 
 def decode_roofline(rig: Rig, cfg: ModelConfig, bw: float, weight_bytes: int, bs: int,
@@ -59,15 +60,14 @@ def eager_vs_graph(rig: Rig, bs: int, context: int, iters: int = 20) -> dict[str
     """The same decode step with graphs off (eager) and on; also checks they agree."""
     ids, ctx = step_context(rig, ForwardMode.DECODE, bs, context)
     fn = decode_step_fn(rig, ids, ctx)
-    graphs = getattr(rig.runner, "graphs_enabled", None)
-    set_graphs = getattr(rig.runner, "set_graphs_enabled", None)
-    if set_graphs is None:
-        return {"skipped": "runner has no graph switch"}
-    set_graphs(False)
+    graphs = rig.runner.graphs
+    if graphs is None:
+        return {"skipped": "graphs are off"}
+    rig.runner.graphs = None
     eager_tok = fn()
     eager = time_cuda(fn, iters)
-    set_graphs(True)
+    rig.runner.graphs = graphs
     graph_tok = fn()
     graph = time_cuda(fn, iters)
     return {"batch": bs, "eager_ms": eager * 1e3, "graph_ms": graph * 1e3, "speedup": eager / graph,
-            "same_tokens": bool(torch.equal(eager_tok, graph_tok)), "graphs_enabled_attr": graphs is not None}
+            "same_tokens": bool(torch.equal(eager_tok, graph_tok))}
