@@ -180,6 +180,9 @@ class Engine:
         maybe_enable_cuda_graphs(runner, config.cuda_graph_max_bs)
         if self.executor.kv_tokens_per_decode() > MAX_DECODE_WINDOW:
             raise ValueError(f"a decode step may not write more than {MAX_DECODE_WINDOW} tokens")
+        precapture = getattr(self.executor, "capture_cuda_graphs", None)
+        if config.cuda_graph_max_bs > 0 and callable(precapture):
+            precapture()  # at start-up, so first requests do not pay for captures
         policy = BatchPolicy(PolicyConfig(config.max_running, config.chunked_prefill_size),
                              self.kv, self.executor.kv_tokens_per_decode())
         self.io: SchedulerIO = io or _LocalIO()

@@ -162,6 +162,10 @@ class PlainExecutor:
     def supports_overlap(self) -> bool:
         return True
 
+    def capture_cuda_graphs(self) -> None:
+        """Decode graphs for every captured batch size (a no-op when graphs are off)."""
+        self.runner.capture(ForwardMode.DECODE, 1)
+
     def on_admit(self, req: Req) -> None:
         self.sampler.on_admit(req)
         if req.output_ids:  # PD PREBUILT: the first token came from the prefill node

@@ -34,6 +34,17 @@ AlgoOpt = Annotated[Optional[str], typer.Option(
 DraftOpt = Annotated[Optional[Path], typer.Option(help="Draft head directory (EAGLE/EAGLE3).",
                                                   rich_help_panel=PANEL_SPEC)]
 IntSpecOpt = Annotated[Optional[int], typer.Option(rich_help_panel=PANEL_SPEC)]
+PANEL_FAST = "GPU fast path"
+BackendOpt = Annotated[str, typer.Option(
+    help="Attention backend: auto (triton on GPUs, torch on CPU), torch or triton.",
+    rich_help_panel=PANEL_FAST)]
+OverlapOpt = Annotated[Optional[bool], typer.Option(
+    help="Overlap scheduling (default: on for GPUs, off on CPU).", rich_help_panel=PANEL_FAST)]
+GraphOpt = Annotated[Optional[int], typer.Option(
+    help="Largest batch served from CUDA graphs; 0 disables (default: min(max-running, 64) on "
+         "GPUs).", rich_help_panel=PANEL_FAST)]
+DebugOpt = Annotated[bool, typer.Option(
+    help="FutureMap debug mode: poison consumed rows and check every read.", rich_help_panel=PANEL_FAST)]
 
 
 @dataclass
@@ -50,6 +61,21 @@ class EngineOptions:
     speculative_num_steps: Optional[int]
     speculative_eagle_topk: Optional[int]
     speculative_num_draft_tokens: Optional[int]
+    attention_backend: str = "auto"
+    overlap: Optional[bool] = None
+    cuda_graph_max_bs: Optional[int] = None
+    future_map_debug: bool = False
+
+    def fast_path(self) -> dict[str, Any]:
+        """EngineConfig fields of the GPU fast path: Triton attention, overlap and CUDA graphs by
+        default on GPUs; the CPU keeps the torch reference path (nothing to overlap or capture)."""
+        gpu = self.device.startswith("cuda")
+        backend = self.attention_backend if self.attention_backend != "auto" else (
+            "triton" if gpu else "torch")
+        graphs = self.cuda_graph_max_bs if self.cuda_graph_max_bs is not None else (
+            min(self.max_running, 64) if gpu else 0)
+        return {"attention_backend": backend, "overlap": gpu if self.overlap is None else self.overlap,
+                "cuda_graph_max_bs": graphs, "future_map_debug": self.future_map_debug}
 
     def build(self) -> tuple["Engine", Any]:
         """Load the engine for a node (threaded scheduler IO); returns (engine, spec config)."""
@@ -69,7 +95,7 @@ class EngineOptions:
         cfg = EngineConfig(model=str(choice.model), dtype=choice.dtype,
                            device=self.device, page_size=self.page_size,
                            max_total_tokens=self.max_total_tokens, max_running=self.max_running,
-                           chunked_prefill_size=self.chunked_prefill_size)
+                           chunked_prefill_size=self.chunked_prefill_size, **self.fast_path())
         return Engine(cfg, executor_factory=factory, io=ThreadedIO()), spec
 
 
@@ -116,6 +142,8 @@ _ENGINE_PARAMS: list[tuple[str, Any, Any]] = [
     ("chunked_prefill_size", ChunkOpt, 2048), ("speculative_algorithm", AlgoOpt, None),
     ("speculative_draft_model_path", DraftOpt, None), ("speculative_num_steps", IntSpecOpt, None),
     ("speculative_eagle_topk", IntSpecOpt, None), ("speculative_num_draft_tokens", IntSpecOpt, None),
+    ("attention_backend", BackendOpt, "auto"), ("overlap", OverlapOpt, None),
+    ("cuda_graph_max_bs", GraphOpt, None), ("future_map_debug", DebugOpt, False),
 ]
 PortHelp = "Scheduler API (gRPC) port."
 

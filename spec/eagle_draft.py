@@ -77,4 +77,5 @@ def build_draft_tree(draft: ModelRunner, di: EagleDraftInput, slots: list[int], 
     if k == 1:
         return chain_tree(torch.cat([di.bonus_tokens.unsqueeze(1)] + cands.tokens, dim=1)[:, :ntok])
     tokens, scores, parents, depth = cands.cat()
-    return tree_from_candidates(di.bonus_tokens, tokens, scores, parents, depth, ntok)
+    return tree_from_candidates(di.bonus_tokens, tokens, scores, parents, depth, ntok,
+                                depth_bound=num_steps, branching=k)

@@ -80,6 +80,23 @@ class EagleWorker:
     def supports_overlap(self) -> bool:
         return True
 
+    def capture_cuda_graphs(self) -> None:
+        """Verify, draft-step and draft-extend graphs for every captured batch size, at start-up.
+        Shapes follow the drafting: step s of a tree sees a mask over s * topk scratch slots."""
+        cfg, k, ntok = self.cfg, self.cfg.eagle_topk, self.cfg.ntok
+        tree = k > 1
+        self.target.capture(ForwardMode.TARGET_VERIFY, ntok, tree_width=ntok if tree else None,
+                            aux_hidden_layers=self.aux_layers)
+        dev, dtype = self.target.device, self.draft.pool.buffer.dtype
+        target_h = self.target.model.config.hidden_size
+        feat_width = target_h * len(self.aux_layers) if self.aux_layers else target_h
+        self.draft.capture(ForwardMode.DRAFT_EXTEND, ntok,
+                           features=torch.empty(0, feat_width, dtype=dtype, device=dev))
+        draft_feats = torch.empty(0, self.draft.model.config.hidden_size, dtype=dtype, device=dev)
+        for step in range(1, cfg.num_steps):
+            self.draft.capture(ForwardMode.DECODE, k, tree_width=step * k if tree else None,
+                               features=draft_feats)
+
     def on_admit(self, req: Req) -> None:
         self.sampler.on_admit(req)
 

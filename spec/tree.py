@@ -20,6 +20,10 @@ class DraftTree:
     first_child: torch.Tensor  # (bs, ntok) int64, -1 none; children ordered best draft first
     next_sibling: torch.Tensor  # (bs, ntok) int64, -1 none
     is_chain: bool
+    # Static bounds known from how the tree was drafted (never read back from the device, so
+    # verification launches without a host sync): deepest level and most children of a node.
+    depth_bound: int = -1  # -1: ntok - 1
+    branching: int = -1  # -1: ntok - 1 (1 for a chain)
 
     @property
     def ntok(self) -> int:
@@ -27,7 +31,13 @@ class DraftTree:
 
     @property
     def max_depth(self) -> int:
-        return self.ntok - 1 if self.is_chain else int(self.depth.max())
+        return self.ntok - 1 if self.depth_bound < 0 else min(self.depth_bound, self.ntok - 1)
+
+    @property
+    def max_children(self) -> int:
+        if self.is_chain:
+            return 1
+        return self.ntok - 1 if self.branching < 0 else min(self.branching, self.ntok - 1)
 
     def attention_mask(self) -> torch.Tensor | None:
         """(bs, ntok, ntok) ancestor-or-self mask; None for a chain (causal suffices)."""
@@ -48,19 +58,16 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     dev = parents.device
     mask = torch.eye(ntok, dtype=torch.bool, device=dev).expand(bs, ntok, ntok).clone()
     cur = parents.clone()
-    rows = torch.arange(ntok, device=dev).expand(bs, ntok)
-    for _ in range(ntok - 1):
+    for _ in range(ntok - 1):  # a fixed count: no host sync to test for an early exit
         has = cur >= 0
-        if not bool(has.any()):
-            break
-        b_idx = torch.arange(bs, device=dev).unsqueeze(1).expand(bs, ntok)
-        mask[b_idx[has], rows[has], cur[has]] = True
+        mask |= torch.nn.functional.one_hot(cur.clamp(min=0), ntok).bool() & has.unsqueeze(2)
         cur = torch.where(has, torch.gather(parents, 1, cur.clamp(min=0)), -1)
     return mask
 
 
 def tree_from_candidates(root: torch.Tensor, cand_tokens: torch.Tensor, cand_scores: torch.Tensor,
-                         cand_parents: torch.Tensor, cand_depth: torch.Tensor, ntok: int) -> DraftTree:
+                         cand_parents: torch.Tensor, cand_depth: torch.Tensor, ntok: int,
+                         depth_bound: int = -1, branching: int = -1) -> DraftTree:
     """Pick the `ntok - 1` best-scoring candidates (EAGLE-2 style re-ranking) into a window.
 
     Candidates are listed level by level, each candidate's parent index (-1 = root) pointing
@@ -83,7 +90,7 @@ def tree_from_candidates(root: torch.Tensor, cand_tokens: torch.Tensor, cand_sco
                        torch.gather(cand_depth, 1, chosen)), dim=1)
     scores = torch.cat((torch.ones(bs, 1, device=dev), torch.gather(cand_scores, 1, chosen)), dim=1)
     first, sib = child_links(parents, scores)
-    return DraftTree(tokens, parents, depth, first, sib, False)
+    return DraftTree(tokens, parents, depth, first, sib, False, depth_bound, branching)
 
 
 def child_links(parents: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,13 +102,11 @@ def child_links(parents: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tens
     # visit nodes from worst to best score so the best ends up as first_child
     order = torch.sort(scores, dim=1, stable=True).indices
     b_idx = torch.arange(bs, device=dev)
-    for k in range(ntok):
+    for k in range(ntok):  # rows without a parent (the root) write their old values back
         node = order[:, k]
         par = parents[b_idx, node]
         ok = par >= 0
-        if not bool(ok.any()):
-            continue
-        bi, nd, pr = b_idx[ok], node[ok], par[ok]
-        sib[bi, nd] = first[bi, pr]
-        first[bi, pr] = nd
+        pr = par.clamp(min=0)
+        sib[b_idx, node] = torch.where(ok, first[b_idx, pr], sib[b_idx, node])
+        first[b_idx, pr] = torch.where(ok, node, first[b_idx, pr])
     return first, sib

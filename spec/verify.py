@@ -70,8 +70,7 @@ def _walk(tree: DraftTree, greedy_pick, probs: torch.Tensor | None, seeds: torch
         found = torch.full_like(cur, -1)
         coins = (uniform_noise(seeds, positions + d, max(ntok, 2), COIN_STREAM)
                  if probs is not None else None)
-        k = 0
-        while bool((child >= 0).any()):
+        for k in range(tree.max_children):  # a static bound: no host sync inside the launch
             tok = tree.tokens[b_idx, child.clamp(min=0)]
             live = (child >= 0) & (found < 0)
             if probs is None:
@@ -81,28 +80,23 @@ def _walk(tree: DraftTree, greedy_pick, probs: torch.Tensor | None, seeds: torch
                 ok = live & (coins[:, k] < p_tok)
                 # rejected: remove the token from the target distribution and renormalise
                 rej = live & ~ok
-                p_cur[b_idx[rej], tok[rej]] = 0.0
+                p_cur[b_idx, tok] = torch.where(rej, 0.0, p_cur[b_idx, tok])
                 p_cur = torch.where(rej.unsqueeze(1),
                                     p_cur / p_cur.sum(1, keepdim=True).clamp(min=1e-30), p_cur)
             found = torch.where(ok, child, found)
             child = torch.where(child >= 0, tree.next_sibling[b_idx, child.clamp(min=0)], -1)
-            k += 1
         advance = active & (found >= 0)
         stop = active & ~advance
-        if bool(stop.any()):
-            if probs is None:
-                bonus = torch.where(stop, want, bonus)
-            else:
-                draw = _draw(p_cur, seeds, positions + d)
-                bonus = torch.where(stop, draw, bonus)
-            emitted[stop, d] = bonus[stop]
+        if probs is None:
+            bonus = torch.where(stop, want, bonus)
+        else:
+            bonus = torch.where(stop, _draw(p_cur, seeds, positions + d), bonus)
+        emitted[:, d] = torch.where(stop, bonus, emitted[:, d])
         if d < depth:
             path[:, d + 1] = torch.where(advance, found, -1)
             emitted[:, d] = torch.where(advance, tree.tokens[b_idx, found.clamp(min=0)], emitted[:, d])
             cur = torch.where(advance, found, cur)
         active = advance
-        if not bool(active.any()):
-            break
     accept_lens = (path >= 0).sum(1)
     return VerifyResult(accept_lens, path, emitted, bonus)
 

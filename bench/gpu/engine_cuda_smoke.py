@@ -1,5 +1,6 @@
 """GPU smoke: the CPU-oracle-tested engine on CUDA gives the same greedy tokens (plain and
-speculative), and runs in bf16. Run on the GPU machine: python -m bench.gpu.engine_cuda_smoke."""
+speculative), on the eager torch path and on the fast path (Triton attention and layers, CUDA
+graphs, overlap), and runs in bf16. Run on the GPU machine: python -m bench.gpu.engine_cuda_smoke."""
 
 from __future__ import annotations
 
@@ -22,8 +23,12 @@ PROMPTS = [[5, 17, 42, 7, 99, 3, 11, 250], [300] * 5, list(range(100, 121)), [8,
 GREEDY = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
 
 
-def outputs(model: Path, device: str, spec: SpecConfig | None = None, dtype: str | None = None) -> list:
-    eng = Engine(EngineConfig(str(model), device=device, page_size=4, dtype=dtype),
+FAST = dict(attention_backend="triton", overlap=True, cuda_graph_max_bs=8)
+
+
+def outputs(model: Path, device: str, spec: SpecConfig | None = None, dtype: str | None = None,
+            **fast: object) -> list:
+    eng = Engine(EngineConfig(str(model), device=device, page_size=4, dtype=dtype, **fast),
                  executor_factory=executor_factory(spec) if spec else None)
     t = time.perf_counter()
     out = [o.output_ids for o in eng.generate(PROMPTS, GREEDY)]
@@ -45,10 +50,11 @@ def main() -> int:
              "ngram": SpecConfig("NGRAM", None, 3)}
     report, ok = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}, True
     for name, spec in cases.items():
-        got, secs, free = outputs(target, "cuda", spec)
-        same = got == want
-        ok &= same and free
-        report[name] = {"equal_to_cpu": same, "seconds": round(secs, 3), "pages_free": free}
+        for path, fast in (("eager", {}), ("fast", FAST)):
+            got, secs, free = outputs(target, "cuda", spec, **fast)
+            same = got == want
+            ok &= same and free
+            report[f"{name}-{path}"] = {"equal_to_cpu": same, "seconds": round(secs, 3), "pages_free": free}
     got, secs, free = outputs(target, "cuda", None, "bfloat16")
     report["plain-bf16"] = {"first_tokens_equal": [g[0] for g in got] == [w[0] for w in want],
                             "seconds": round(secs, 3), "pages_free": free}

@@ -36,10 +36,7 @@ def make_engine(model: nn.Module, cfg: ModelConfig, *, overlap: bool, graphs: in
         conf = EngineConfig("<in-memory llama-8b-shaped>", device=dev, dtype="bfloat16",
                             max_running=max_running, max_total_tokens=max_total_tokens,
                             chunked_prefill_size=8192, attention_backend=backend,
-                            max_context_len=4096, **extra)
-        for name, value in (("overlap", overlap), ("cuda_graph_max_bs", graphs)):
-            if hasattr(conf, name):
-                setattr(conf, name, value)
+                            max_context_len=4096, overlap=overlap, cuda_graph_max_bs=graphs, **extra)
         return Engine(conf)
 
 
@@ -70,7 +67,8 @@ def steady_decode(eng: Engine, bs: int, prompt_len: int, steps: int, trace: Path
     """Prefill `bs` prompts, then time `steps` engine steps of pure decode (profiled if `trace`)."""
     params = SamplingParams(max_new_tokens=steps + 64, temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
-    rids = [eng.add_request(torch.randint(10, 30000, (prompt_len,), generator=gen).tolist(), params)
+    vocab = eng.model_config.vocab_size
+    rids = [eng.add_request(torch.randint(10, vocab, (prompt_len,), generator=gen).tolist(), params)
             for _ in range(bs)]
     started: set[str] = set()
     while len(started) < bs:  # prefill phase: until every request has its first token

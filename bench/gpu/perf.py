@@ -60,7 +60,7 @@ def main() -> int:
         section(report, "matmul_tflops", lambda: matmul_rate(dev) / 1e12)
     bw = report.get("copy_bandwidth_tb_s", 1.0) * 1e12 if dev.type == "cuda" else 1e11
     mm = report.get("matmul_tflops", 1.0) * 1e12 if dev.type == "cuda" else 1e11
-    prompt = list(range(1000, 1032))
+    prompt = list(range(100, 132))
     hf = build_hf(raw, dev) if not args.skip_hf else None
     if hf is not None:
         section(report, "hf_generate_bs1_tokens_per_s", lambda: engine_perf.hf_generate_tps(hf, prompt, 128))

@@ -29,7 +29,8 @@ def _small_tree():
     scores = torch.tensor([[0.6, 0.3, 0.30, 0.24, 0.27]])
     parents = torch.tensor([[-1, -1, 0, 0, 1]])
     depth = torch.tensor([[1, 1, 2, 2, 2]])
-    return tree_from_candidates(torch.tensor([9]), tokens, scores, parents, depth, ntok=5)
+    return tree_from_candidates(torch.tensor([9]), tokens, scores, parents, depth, ntok=5,
+                                depth_bound=2, branching=2)
 
 
 def test_tree_from_candidates_keeps_best_nodes_and_their_parents():
@@ -57,7 +58,7 @@ def _first_token_counts(tree, p_rows, n, vocab):
     bs, ntok = tree.tokens.shape
     rep = lambda t: t.repeat(n, *([1] * (t.dim() - 1)))  # noqa: E731
     big = type(tree)(rep(tree.tokens), rep(tree.parents), rep(tree.depth), rep(tree.first_child),
-                     rep(tree.next_sibling), tree.is_chain)
+                     rep(tree.next_sibling), tree.is_chain, tree.depth_bound, tree.branching)
     probs = p_rows.unsqueeze(0).expand(n, ntok, vocab)
     seeds = torch.arange(n, dtype=torch.int64) * 7919 + 11
     r = verify_sampled(big, probs, seeds, torch.full((n,), 5, dtype=torch.int64))
