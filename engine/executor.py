@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.core import Batch, ForwardMode, Req, StepOutput
+from engine.h2d import to_device
 from engine.forward_context import ForwardContext
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
@@ -77,14 +78,6 @@ class HostCopy:
         if self._event is not None:
             self._event.synchronize()
         return self._host
-
-
-def to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """Host ints to the device without a blocking copy on CUDA (pinned staging)."""
-    t = torch.tensor(values, dtype=torch.int64)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 # ---------------------------------------------------------------- batch helpers

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.core import Req
+from engine.h2d import to_device
 
 
 # Tokens one decode step may write beyond seq_len (a speculative verify window).
@@ -178,7 +179,7 @@ class KVCacheManager:
     def _slots_of_pages(self, pages: list[int]) -> torch.Tensor:
         base = torch.tensor(pages, dtype=torch.int64).unsqueeze(1) * self.page_size
         slots = (base + torch.arange(self.page_size).unsqueeze(0)).flatten()
-        return slots.to(self.req_to_token.device)
+        return to_device(slots, self.req_to_token.device)  # no stall behind a forward in flight
 
     def check(self) -> None:
         self.allocator.check()

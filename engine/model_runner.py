@@ -12,6 +12,7 @@ from engine.attention.base import AttentionBackend
 from engine.core import ForwardMode
 from engine.cuda_graph import CudaGraphRunner, GraphStats, graph_unsupported_reason
 from engine.forward_context import ForwardContext
+from engine.h2d import to_device
 from engine.kv_cache import MAX_DECODE_WINDOW, KVCacheManager, KVPool
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class ModelRunner:
         KV slots always follow the row order so a verify window is contiguous.
         """
         dev = self.device
-        slots_t, prefix, ext = host_to_device([slots, prefix_lens, extend_lens], dev)
+        slots_t, prefix, ext = to_device([slots, prefix_lens, extend_lens], dev).unbind(0)
         qo_indptr = torch.zeros(len(slots) + 1, dtype=torch.int64, device=dev)
         torch.cumsum(ext, 0, out=qo_indptr[1:])
         num_tokens = sum(extend_lens)
@@ -108,14 +109,3 @@ class ModelRunner:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
 
-
-def host_to_device(rows: list[list[int]], device: torch.device) -> list[torch.Tensor]:
-    """Equal-length int lists as int64 device tensors in one copy. On a GPU the copy goes through
-    pinned memory without blocking: a pageable copy would wait for the stream to drain, which
-    would undo the overlap of scheduling with the forward in flight."""
-    host = torch.tensor(rows, dtype=torch.int64)
-    if device.type == "cuda":
-        dev = host.pin_memory().to(device, non_blocking=True)
-    else:
-        dev = host.to(device)
-    return list(dev.unbind(0))

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.core import Req
+from engine.h2d import to_device
 
 _MIN_TEMPERATURE = 1e-6  # positive temperatures below this are clamped (logits / T must stay finite)
 
@@ -202,9 +203,7 @@ class Sampler:
             num_rows=len(reqs) * r)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
+        return to_device(t, self.device)
 
     def _rows(self, mask: list[bool], r: int) -> torch.Tensor | None:
         """Row indices where `mask` (per request) holds; None when it holds for every row."""

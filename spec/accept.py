@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.core import Req, StepOutput
-from engine.executor import to_device
+from engine.h2d import to_device
 from engine.sampler import Sampler
 from spec.metrics import SpecStats
 from spec.tree import DraftTree

@@ -8,6 +8,7 @@ import json
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -51,7 +52,12 @@ def main() -> int:
     report, ok = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}, True
     for name, spec in cases.items():
         for path, fast in (("eager", {}), ("fast", FAST)):
-            got, secs, free = outputs(target, "cuda", spec, **fast)
+            try:
+                got, secs, free = outputs(target, "cuda", spec, **fast)
+            except Exception:  # noqa: BLE001 - report every case, then fail
+                ok = False
+                report[f"{name}-{path}"] = {"error": traceback.format_exc()[:5000]}
+                continue
             same = got == want
             ok &= same and free
             report[f"{name}-{path}"] = {"equal_to_cpu": same, "seconds": round(secs, 3), "pages_free": free}
