@@ -17,6 +17,7 @@ the padding logic is tested on CPU with the torch reference backend.
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -285,10 +286,19 @@ class CudaGraphRunner:
                 fn()
         current.wait_stream(self._stream)
         graph = torch.cuda.CUDAGraph()
-        # thread-local: other threads of a server (I/O, transfers) may use CUDA meanwhile
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream,
-                              capture_error_mode="thread_local"):
-            entry.output = fn()
+        # No garbage collection inside the capture: freeing an old pinned staging buffer there
+        # queries an event, which invalidates the capture.
+        gc_was_on = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        try:
+            # thread-local: other threads of a server (I/O, transfers) may use CUDA meanwhile
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream,
+                                  capture_error_mode="thread_local"):
+                entry.output = fn()
+        finally:
+            if gc_was_on:
+                gc.enable()
         entry.graph = graph
         logger.debug("captured CUDA graph %s", entry.key)
 
