@@ -1,11 +1,9 @@
-"""Tiny random-weight models in HF format, for tests, benchmarks and the built-in demo model."""
+"""Tiny random-weight models in HF format, for tests and benchmarks."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -304,43 +302,3 @@ def _save_weights(out: Path, weights: dict[str, torch.Tensor], shards: int) -> N
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
-
-# Bump when the demo model's recipe changes so stale caches are rewritten, not reused.
-_DEMO_VERSION = 1
-_DEMO_STAMP = ".pdserve-demo.json"
-
-
-def demo_model_dir() -> Path:
-    """The built-in demo model (a fixed-seed tiny Llama), written once into the cache and reused."""
-    cache = Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve")
-    target = cache / "demo-llama"
-    if _demo_is_current(target):
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    # Write into a sibling temp dir and rename it into place, so a concurrent or interrupted
-    # writer never leaves a half-written model where readers look.
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-llama-", dir=cache))
-    try:
-        write_tiny_model(tmp, "LlamaForCausalLM", seed=1234, max_position_embeddings=2048)
-        _write_json(tmp / _DEMO_STAMP, {"version": _DEMO_VERSION})
-        if target.exists():
-            if _demo_is_current(target):  # another process finished first
-                return target
-            stale = cache / f".demo-llama-stale-{os.getpid()}"
-            os.rename(target, stale)
-            shutil.rmtree(stale, ignore_errors=True)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not _demo_is_current(target):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def _demo_is_current(path: Path) -> bool:
-    try:
-        return json.loads((path / _DEMO_STAMP).read_text()).get("version") == _DEMO_VERSION
-    except (OSError, ValueError, AttributeError):
-        return False

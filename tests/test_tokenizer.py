@@ -326,14 +326,3 @@ def test_tiny_model_weights(tiny_qwen3_dir: Path, tmp_path: Path) -> None:
     bf16 = write_tiny_model(tmp_path / "c", dtype="bfloat16")
     assert json.loads((bf16 / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
-
-def test_demo_model_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.tiny_model import demo_model_dir
-
-    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
-    first = demo_model_dir()
-    assert first == tmp_path / "demo-llama" and (first / "model.safetensors").is_file()
-    stamp = (first / "model.safetensors").stat().st_mtime_ns
-    assert demo_model_dir() == first and (first / "model.safetensors").stat().st_mtime_ns == stamp
-    assert [p.name for p in tmp_path.iterdir()] == ["demo-llama"]  # no temp dirs left behind
-    assert Tokenizer.from_dir(first).encode("def fibonacci(n):")[0] == 0

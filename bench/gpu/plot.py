@@ -1,0 +1,49 @@
+"""Bar chart of the GPU goals: each measured ratio beside its goal (from bench/gpu/perf.py's JSON).
+
+Run: `python -m bench.gpu.plot bench/results/gpu_perf_h100.json` (writes the .png beside it).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+# (label, value from the report, goal, True when higher is better)
+GOALS = [
+    ("decode bs1\n/ roofline", lambda r: r["decode_bs1"]["fraction_of_roofline"], 0.85, True),
+    ("decode bs64 1K\n/ roofline", lambda r: r["decode_bs64_ctx1k"]["fraction_of_roofline"], 0.70, True),
+    ("prefill 4K\n/ matmul rate", lambda r: r["prefill_4k"]["fraction_of_matmul_rate"], 0.60, True),
+    ("verify (4 drafts)\n/ decode", lambda r: r["verify_bs1_4drafts"]["verify_chain_over_decode"], 1.15, False),
+    ("GPU idle\nbs64 overlap", lambda r: r["engine_bs64_overlap_on"]["profiled"]["gpu_idle_fraction"], 0.05,
+     False),
+]
+
+
+def main(path: str) -> Path:
+    report = json.loads(Path(path).read_text())
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for i, (label, get, goal, higher) in enumerate(GOALS):
+        value = get(report)
+        met = value >= goal if higher else value <= goal
+        ax.bar(i, value, color="tab:green" if met else "tab:red", width=0.6)
+        ax.hlines(goal, i - 0.4, i + 0.4, colors="black", linestyles="dashed")
+        ax.text(i, value + 0.02, f"{value:.3f}", ha="center")
+    ax.set_xticks(range(len(GOALS)), [g[0] for g in GOALS])
+    ax.set_ylabel("ratio (dashed: goal)")
+    ax.set_title(f"{report['device']}: Llama-3.1-8B-shaped, bf16; vs HF generate "
+                 f"{report.get('vs_hf_generate_bs1', 0):.1f}x, overlap gain "
+                 f"{report.get('overlap_throughput_gain', 0):.2f}x")
+    fig.tight_layout()
+    out = Path(path).with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    return out
+
+
+if __name__ == "__main__":
+    print(main(sys.argv[1]))
