@@ -22,9 +22,11 @@ PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef walk(root):\n", "class Sta
 
 
 def completions(url: str) -> list[str]:
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
+        model = json.load(r)["data"][0]["id"]
     texts = []
     for prompt in PROMPTS:
-        body = json.dumps({"model": "x", "prompt": prompt, "max_tokens": 48, "temperature": 0}).encode()
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 48, "temperature": 0}).encode()
         req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as r:
             texts.append(json.load(r)["choices"][0]["text"])
