@@ -10,22 +10,13 @@ import torch
 
 from engine.core import Batch, ForwardMode, HandoffState, Req, SamplingParams
 from engine.engine import Engine, EngineConfig
-from engine.tiny_eagle import write_tiny_eagle_head
-from engine.tiny_model import write_tiny_model
 from spec.config import SpecConfig
 from spec.eagle_disagg import DisaggHandoffError
-from spec.future_map import FutureMap
 from spec.registry import SpeculativeAlgorithm, executor_factory
 
 PROMPTS = [[5, 17, 42, 7, 99, 3, 11, 250], [300] * 5, list(range(100, 121))]
 GREEDY = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
 
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pd")
-    target = write_tiny_model(root / "t", seed=1)
-    return target, write_tiny_eagle_head(root / "h", target, "eagle", mode="repeat")
 
 
 def _engine(pair, topk=2, ntok=5, **kw):
