@@ -33,9 +33,25 @@ class VerifyResult:
 
 def verify_greedy(tree: DraftTree, target_tokens: torch.Tensor) -> VerifyResult:
     """target_tokens: (bs, ntok) the target's choice after each window row."""
+    if tree.is_chain:
+        return _chain_greedy(tree, target_tokens)
     probs = None
     return _walk(tree, lambda cur: torch.gather(target_tokens, 1, cur.unsqueeze(1)).squeeze(1), probs,
                  None, None)
+
+
+def _chain_greedy(tree: DraftTree, target_tokens: torch.Tensor) -> VerifyResult:
+    """A chain in a handful of whole-window ops (the walk's result, without its per-depth loop:
+    the speculative step's host work is mostly op launches)."""
+    bs, ntok = tree.tokens.shape
+    j = torch.arange(ntok, device=tree.tokens.device).unsqueeze(0)
+    match = tree.tokens[:, 1:] == target_tokens[:, :-1]  # draft j + 1 is the target's pick after row j
+    correct = torch.cumprod(match.to(torch.int64), dim=1).sum(1, keepdim=True)  # leading matches
+    bonus = torch.gather(target_tokens, 1, correct)
+    drafts = torch.cat((tree.tokens[:, 1:], bonus), dim=1)  # emitted row d < correct: draft d + 1
+    emitted = torch.where(j < correct, drafts, torch.where(j == correct, bonus, -1))
+    path = torch.where(j <= correct, j, -1)
+    return VerifyResult(correct.squeeze(1) + 1, path, emitted, bonus.squeeze(1))
 
 
 def verify_sampled(tree: DraftTree, probs: torch.Tensor, seeds: torch.Tensor,

@@ -112,3 +112,18 @@ def test_second_token_is_distributed_as_the_target_given_the_first():
     took = r.emitted[:, 0] == 1
     second = torch.bincount(r.emitted[took, 1], minlength=vocab).double()
     assert _chi2(second, p1) < CHI2_DF5_999
+
+
+def test_chain_fast_path_equals_the_walk():
+    from spec.verify import _walk
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        ntok = int(torch.randint(2, 7, (1,), generator=gen))
+        tokens = torch.randint(0, 3, (4, ntok), generator=gen)  # a tiny alphabet: every match length
+        target = torch.randint(0, 3, (4, ntok), generator=gen)
+        tree = chain_tree(tokens)
+        fast = verify_greedy(tree, target)
+        walk = _walk(tree, lambda cur: torch.gather(target, 1, cur.unsqueeze(1)).squeeze(1), None, None, None)
+        for field in ("accept_lens", "path", "emitted", "bonus"):
+            assert torch.equal(getattr(fast, field), getattr(walk, field)), field
