@@ -56,6 +56,8 @@ class EagleWorker:
         self.aux_layers = aux_layers  # EAGLE-3: target layers whose inputs feed the head
         self.future_map = future_map  # per-slot relay of lengths, bonus tokens, top-k, hidden
         self.stats = SpecStats(max_drafts=config.num_steps)
+        # tokens per request of the target's verify and the draft's extend graphs (see create)
+        self.graph_widths = (config.ntok, config.ntok)
 
     @classmethod
     def create(cls, parts: EngineParts, config: SpecConfig, fmt: str,
@@ -71,7 +73,14 @@ class EagleWorker:
         maybe_enable_cuda_graphs(draft, getattr(parts.config, "cuda_graph_max_bs", 0))
         fm = algorithm.create_future_map(parts.kv.req_to_token.shape[0], parts.device,
                                          debug=getattr(parts.config, "future_map_debug", False))
-        return cls(parts.runner, draft, parts.sampler, config, aux, fm)
+        worker = cls(parts.runner, draft, parts.sampler, config, aux, fm)
+        # the algorithm fixes the verify window (and so the graphs' width) for target and draft
+        worker.graph_widths = (algorithm.get_num_tokens_per_req_for_target_verify(config.ntok, False),
+                               algorithm.get_num_tokens_per_req_for_target_verify(config.ntok, True))
+        if worker.graph_widths != (config.ntok, config.ntok):
+            raise ValueError(f"{algorithm.name}: verify windows of {worker.graph_widths} tokens per "
+                             f"request; the EAGLE worker verifies {config.ntok}")
+        return worker
 
     # ---- Executor protocol ----
     def kv_tokens_per_decode(self) -> int:
@@ -83,14 +92,15 @@ class EagleWorker:
     def capture_cuda_graphs(self) -> None:
         """Verify, draft-step and draft-extend graphs for every captured batch size, at start-up.
         Shapes follow the drafting: step s of a tree sees a mask over s * topk scratch slots."""
-        cfg, k, ntok = self.cfg, self.cfg.eagle_topk, self.cfg.ntok
+        cfg, k = self.cfg, self.cfg.eagle_topk
+        ntok, extend_ntok = self.graph_widths
         tree = k > 1
         self.target.capture(ForwardMode.TARGET_VERIFY, ntok, tree_width=ntok if tree else None,
                             aux_hidden_layers=self.aux_layers)
         dev, dtype = self.target.device, self.draft.pool.buffer.dtype
         target_h = self.target.model.config.hidden_size
         feat_width = target_h * len(self.aux_layers) if self.aux_layers else target_h
-        self.draft.capture(ForwardMode.DRAFT_EXTEND, ntok,
+        self.draft.capture(ForwardMode.DRAFT_EXTEND, extend_ntok,
                            features=torch.empty(0, feat_width, dtype=dtype, device=dev))
         draft_feats = torch.empty(0, self.draft.model.config.hidden_size, dtype=dtype, device=dev)
         for step in range(1, cfg.num_steps):

@@ -1,0 +1,41 @@
+"""EAGLE graphs captured at start-up cover every forward of the decode loop (CPU: the padded
+static-buffer path of engine/cuda_graph.py, run eagerly), with widths from the algorithm's hook."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.core import SamplingParams
+from engine.engine import Engine, EngineConfig
+from spec.config import SpecConfig
+from spec.registry import SpeculativeAlgorithm, executor_factory
+
+PROMPTS = [[5, 17, 42, 7], [300] * 5, list(range(100, 121))]
+GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("topk,ntok", [(1, None), (2, 5)])
+def test_precaptured_graphs_serve_every_decode_forward(pair, topk, ntok) -> None:
+    target, head = pair
+    spec = SpecConfig("EAGLE", str(head), 3, topk, ntok)
+    want = [o.output_ids for o in Engine(EngineConfig(str(target), page_size=4),
+                                         executor_factory=executor_factory(spec)).generate(PROMPTS, GREEDY)]
+    eng = Engine(EngineConfig(str(target), page_size=4), executor_factory=executor_factory(spec))
+    worker = eng.executor
+    worker.target.enable_cuda_graphs(4, capture=False)
+    worker.draft.enable_cuda_graphs(4, capture=False)
+    worker.capture_cuda_graphs()
+    captured = (worker.target.graph_stats.captures, worker.draft.graph_stats.captures)
+    assert [o.output_ids for o in eng.generate(PROMPTS, GREEDY)] == want
+    # nothing new was needed: verify, draft steps and draft-extend all hit pre-captured graphs
+    assert (worker.target.graph_stats.captures, worker.draft.graph_stats.captures) == captured
+    assert worker.target.graph_stats.hits > 0 and worker.draft.graph_stats.hits > 0
+
+
+def test_verify_width_comes_from_the_algorithm(pair, monkeypatch) -> None:
+    target, head = pair
+    algo = SpeculativeAlgorithm.from_name("EAGLE")
+    monkeypatch.setattr(type(algo), "get_num_tokens_per_req_for_target_verify",
+                        lambda self, n, is_draft_worker: n + 1)
+    with pytest.raises(ValueError, match="verify windows"):
+        Engine(EngineConfig(str(target)), executor_factory=executor_factory(SpecConfig("EAGLE", str(head), 3, 1)))
