@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.models import BUILTIN_DIR, BUILTIN_DRAFT, BUILTIN_DRAFT_STEPS, BUILTIN_TARGET, resolve
+from pdserve.models import BUILTIN_DRAFT, BUILTIN_DRAFT_STEPS, BUILTIN_TARGET, resolve
 
 PROMPT = 'import os\n\n\ndef list_python_files(root):\n    """Return the .py files under root."""\n'
 
@@ -26,7 +26,7 @@ def test_no_model_means_the_builtin_pair_with_eagle() -> None:
 
 
 def test_pair_fits_the_size_budget() -> None:
-    files = [p for p in BUILTIN_DIR.rglob("*") if p.is_file()]
+    files = [p for d in (BUILTIN_TARGET, BUILTIN_DRAFT) for p in d.iterdir()]
     assert max(p.stat().st_size for p in files) <= 15_000_000
     assert sum(p.stat().st_size for p in files) <= 25_000_000
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-BUILTIN_DIR = Path(__file__).resolve().parent / "pycoder"
-BUILTIN_TARGET = BUILTIN_DIR / "target"
-BUILTIN_DRAFT = BUILTIN_DIR / "eagle"
+MODELS_DIR = Path(__file__).resolve().parent
+BUILTIN_TARGET = MODELS_DIR / "pycoder"  # the directory name is the model id the router serves
+BUILTIN_DRAFT = MODELS_DIR / "pycoder-eagle"
 # The head was trained for chained drafts of this length (pdserve/train, bench/RESULTS.md).
 BUILTIN_DRAFT_STEPS = 4
 
