@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -13,36 +11,15 @@ from engine.engine import Engine, EngineConfig
 from spec.config import SpecConfig
 from spec.eagle_disagg import DisaggHandoffError
 from spec.registry import SpeculativeAlgorithm, executor_factory
+from tests.spec.handoff import hand_off
 
 PROMPTS = [[5, 17, 42, 7, 99, 3, 11, 250], [300] * 5, list(range(100, 121))]
 GREEDY = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
 
 
-
 def _engine(pair, topk=2, ntok=5, **kw):
     cfg = SpecConfig("EAGLE", str(pair[1]), 3, topk, ntok)
     return Engine(EngineConfig(str(pair[0]), page_size=4, **kw), executor_factory=executor_factory(cfg)), cfg
-
-
-def _prefill_and_hand_off(prefill: Engine, decode: Engine, prompt: list[int], rid: str) -> Req:
-    """What prefill_node + NIXL + decode_node do, by hand: prefill, copy pages and the aux row."""
-    src = prefill.make_request(prompt, dataclasses.replace(GREEDY, max_new_tokens=1), rid)
-    src.hold_kv = True  # what a prefill node does: KV and draft state stay for the transfer
-    prefill.io.submit(src)
-    while not src.output_ids:
-        prefill.step()
-    req = Req(rid, list(prompt), GREEDY, output_ids=[src.output_ids[0]], seq_len=src.seq_len)
-    decode.kv.assign_slot(req)
-    decode.kv.reserve(req, req.seq_len)
-    pages_src = torch.tensor(prefill.kv.page_list(src))
-    pages_dst = torch.tensor(decode.kv.page_list(req))
-    for a, b in ((prefill.parts.runner.pool, decode.parts.runner.pool),
-                 (prefill.executor.draft.pool, decode.executor.draft.pool)):  # target and draft KV
-        b.buffer[:, :, pages_dst] = a.buffer[:, :, pages_src]
-    st = src.spec_state
-    req.handoff = HandoffState(src.output_ids[0], st.topk_p.clone(), st.topk_index.clone(), st.hidden.clone())
-    prefill.scheduler.release_kv(src)  # the transfer ended: held pages go back
-    return req
 
 
 @pytest.mark.parametrize("topk,ntok,overlap", [(1, 4, False), (2, 5, False), (1, 4, True), (2, 5, True)])
@@ -51,7 +28,7 @@ def test_pd_handoff_continues_exactly_like_colocated(pair, topk, ntok, overlap):
     want = colo.generate(PROMPTS, GREEDY)
     prefill, _ = _engine(pair, topk, ntok, overlap=overlap)
     decode, cfg = _engine(pair, topk, ntok, overlap=overlap, future_map_debug=True)
-    reqs = [_prefill_and_hand_off(prefill, decode, p, f"r{i}") for i, p in enumerate(PROMPTS)]
+    reqs = [hand_off(prefill, decode, p, f"r{i}", GREEDY) for i, p in enumerate(PROMPTS)]
     first = decode.scheduler.adopt_prebuilt(reqs)
     algo = SpeculativeAlgorithm.from_name("eagle")
     fm = decode.executor.future_map  # the worker's own relay rows: seeding is what it decodes from

@@ -3,20 +3,18 @@ detection of an unpublished read, and PD seeding while a forward is in flight.""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
-from engine.core import Batch, ForwardMode, HandoffState, Req, SamplingParams
+from engine.core import Batch, ForwardMode, SamplingParams
 from engine.engine import Engine, EngineConfig
 from spec.config import SpecConfig
 from spec.future_map import FutureMap, FutureMapError
 from spec.registry import SpeculativeAlgorithm, executor_factory
+from tests.spec.handoff import hand_off
 
 PROMPTS = [[5, 17, 42, 7, 99, 3, 11, 250], [300] * 5, list(range(100, 121))]
 GREEDY = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
-
 
 
 def _engine(pair, topk=2, ntok=5, **kw) -> tuple[Engine, SpecConfig]:
@@ -75,28 +73,6 @@ def test_debug_off_map_has_no_poison(pair):
     assert int(eng.executor.future_map.output_tokens_buf.min()) == 0
 
 
-def _handoff(prefill: Engine, decode: Engine, prompt: list[int], rid: str) -> Req:
-    """A prefill node's work by hand: prefill, copy target + draft KV pages and the aux state."""
-    src = prefill.make_request(prompt, dataclasses.replace(GREEDY, max_new_tokens=1), rid)
-    src.hold_kv = True
-    prefill.io.submit(src)
-    while not src.output_ids:
-        prefill.step()
-    req = Req(rid, list(prompt), GREEDY, output_ids=[src.output_ids[0]], seq_len=src.seq_len)
-    decode.kv.assign_slot(req)
-    decode.kv.reserve(req, req.seq_len)
-    need = prefill.kv.pages_for(src.seq_len)
-    pages_src = torch.tensor(prefill.kv.page_list(src)[:need])
-    pages_dst = torch.tensor(decode.kv.page_list(req))
-    for a, b in ((prefill.parts.runner.pool, decode.parts.runner.pool),
-                 (prefill.executor.draft.pool, decode.executor.draft.pool)):
-        b.buffer[:, :, pages_dst] = a.buffer[:, :, pages_src]
-    st = src.spec_state
-    req.handoff = HandoffState(src.output_ids[0], st.topk_p.clone(), st.topk_index.clone(), st.hidden.clone())
-    prefill.scheduler.release_kv(src)
-    return req
-
-
 @pytest.mark.parametrize("topk,ntok", [(1, 4), (2, 5)])
 def test_pd_seeding_while_a_forward_is_in_flight(pair, topk, ntok):
     colo, _ = _engine(pair, topk, ntok)
@@ -112,7 +88,7 @@ def test_pd_seeding_while_a_forward_is_in_flight(pair, topk, ntok):
             for d in decode.step():
                 got.setdefault(d.rid, []).extend(d.token_ids)
         assert decode.scheduler._inflight is not None
-        req = _handoff(prefill, decode, prompt, f"r{i}")
+        req = hand_off(prefill, decode, prompt, f"r{i}", GREEDY)
         for u in decode.scheduler.adopt_prebuilt([req]):
             got.setdefault(u.rid, []).extend(u.tokens)
         algo.build_disagg_draft_input(Batch(ForwardMode.PREBUILT, [req]), cfg,
