@@ -40,11 +40,7 @@ def plot_latency(report: dict[str, Any], path: Path) -> Path:
         ax.set(title=f"{title} (ms)", xlabel=name, ylabel="ms", xticks=xs, xticklabels=labels)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("latency vs load")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, "latency vs load", path)
 
 
 def plot_throughput(report: dict[str, Any], path: Path) -> Path:
@@ -59,7 +55,11 @@ def plot_throughput(report: dict[str, Any], path: Path) -> Path:
         ax.set(title=title, xlabel=name, xticks=xs, xticklabels=labels)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-    fig.suptitle("throughput vs load")
+    return _save(plt, fig, "throughput vs load", path)
+
+
+def _save(plt: Any, fig: Any, title: str, path: Path) -> Path:
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
