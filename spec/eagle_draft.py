@@ -43,6 +43,8 @@ def build_draft_tree(draft: ModelRunner, di: EagleDraftInput, slots: list[int], 
                      seq_bound: list[int], num_steps: int, topk: int, ntok: int) -> DraftTree:
     """`seq`: exact committed lengths on the device; `seq_bound`: the host's upper bound of them
     (equal without overlap), used only to size host-side lists."""
+    if topk == 1:
+        return _draft_chain(draft, di, slots, seq, seq_bound, num_steps, ntok)
     bs, k = len(di), topk
     dev = di.bonus_tokens.device
     cands = _Candidates([di.topk_index], [di.topk_p], [torch.full((bs, k), -1, dtype=torch.int64, device=dev)],
@@ -56,7 +58,7 @@ def build_draft_tree(draft: ModelRunner, di: EagleDraftInput, slots: list[int], 
         ctx = uniform_context(
             draft, ForwardMode.DECODE, slots, seq + (step - 1) * k,
             [s + (step - 1) * k for s in seq_bound], k,
-            positions=(seq + step - 1).repeat_interleave(k), tree_mask=None if k == 1 else anc)
+            positions=(seq + step - 1).repeat_interleave(k), tree_mask=anc)
         g = draft.forward(f_tokens.reshape(-1), ctx, features=f_feats.reshape(bs * k, -1))
         p, idx = draft_topk(draft.model, g, k)
         child_scores = (f_scores.unsqueeze(2) * p.view(bs, k, k)).reshape(bs, k * k)
@@ -71,11 +73,25 @@ def build_draft_tree(draft: ModelRunner, di: EagleDraftInput, slots: list[int], 
         f_feats = torch.gather(g.view(bs, k, -1), 1, parent_j.unsqueeze(2).expand(-1, -1, g.shape[-1]))
         f_cand = offset + sel
         offset += k * k
-        if k > 1:  # ancestors of a new node: its parent's, plus itself in the new level's slots
-            anc = torch.cat((torch.gather(anc, 1, parent_j.unsqueeze(2).expand(-1, -1, anc.shape[2])),
-                             torch.eye(k, dtype=torch.bool, device=dev).expand(bs, k, k)), dim=2)
-    if k == 1:
-        return chain_tree(torch.cat([di.bonus_tokens.unsqueeze(1)] + cands.tokens, dim=1)[:, :ntok])
+        # ancestors of a new node: its parent's, plus itself in the new level's slots
+        anc = torch.cat((torch.gather(anc, 1, parent_j.unsqueeze(2).expand(-1, -1, anc.shape[2])),
+                         torch.eye(k, dtype=torch.bool, device=dev).expand(bs, k, k)), dim=2)
     tokens, scores, parents, depth = cands.cat()
     return tree_from_candidates(di.bonus_tokens, tokens, scores, parents, depth, ntok,
                                 depth_bound=num_steps, branching=k)
+
+
+def _draft_chain(draft: ModelRunner, di: EagleDraftInput, slots: list[int], seq: torch.Tensor,
+                 seq_bound: list[int], num_steps: int, ntok: int) -> DraftTree:
+    """topk = 1: each step feeds the newest draft and the hidden state that proposed it, and the
+    head's greedy pick is the next draft. No scores, parents or masks: every op here is a launch
+    the speculative step pays for on the host."""
+    tok, feats = di.topk_index[:, 0], di.hidden_states
+    tokens = [di.bonus_tokens, tok]
+    for step in range(1, num_steps):
+        ctx = uniform_context(draft, ForwardMode.DECODE, slots, seq + step - 1,
+                              [s + step - 1 for s in seq_bound], 1, positions=seq + step - 1)
+        feats = draft.forward(tok, ctx, features=feats)
+        tok = draft.model.to_target_ids(draft.model.compute_logits(feats).argmax(-1))
+        tokens.append(tok)
+    return chain_tree(torch.stack(tokens, dim=1)[:, :ntok])
