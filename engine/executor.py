@@ -13,7 +13,6 @@ step scatters into.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -21,11 +20,8 @@ import torch
 
 from engine.core import Batch, ForwardMode, Req, StepOutput
 from engine.h2d import to_device
-from engine.forward_context import ForwardContext
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
-
-log = logging.getLogger(__name__)
 
 
 class Executor(Protocol):
@@ -109,27 +105,6 @@ def sample_positions(batch: Batch) -> list[int]:
 
 def sampling_reqs(batch: Batch) -> list[Req]:
     return [r for r, s in zip(batch.reqs, batch.sample) if s]
-
-
-def uniform_context(runner: ModelRunner, mode: ForwardMode, slots: list[int], prefix: torch.Tensor,
-                    prefix_bound: list[int], width: int, **kw: Any) -> ForwardContext:
-    """A context of `width` tokens per request whose prefix lengths live on the device.
-
-    The host only knows an upper bound (`prefix_bound`) under overlapped speculation; it sizes
-    the CPU-side lists (padding in the torch backend). Everything position-dependent is then
-    recomputed on the device from `prefix`, without a host sync.
-    """
-    ctx = runner.make_context(mode, slots, prefix_bound, [width] * len(slots), **kw)
-    bs = len(slots)
-    dev = prefix.device
-    offset = torch.arange(width, device=dev).repeat(bs)
-    kv_index = prefix.repeat_interleave(width, output_size=bs * width) + offset
-    ctx.out_cache_loc = ctx.req_to_token[ctx.req_slots.repeat_interleave(width, output_size=bs * width),
-                                         kv_index]
-    if kw.get("positions") is None:
-        ctx.positions = kv_index
-    ctx.seq_lens = prefix + width
-    return ctx
 
 
 # ---------------------------------------------------------------- the plain executor
@@ -234,10 +209,5 @@ def scatter_to_batch(sampled: StepOutput, mask: list[bool]) -> StepOutput:
 
 def maybe_enable_cuda_graphs(runner: ModelRunner, max_bs: int) -> None:
     """`EngineConfig.cuda_graph_max_bs` > 0 on CUDA: capture this runner's fixed-shape forwards."""
-    if max_bs <= 0 or runner.device.type != "cuda":
-        return
-    enable = getattr(runner, "enable_cuda_graphs", None)
-    if enable is None:  # ModelRunner without graph support (older checkout)
-        log.warning("cuda_graph_max_bs=%d ignored: ModelRunner has no enable_cuda_graphs", max_bs)
-        return
-    enable(max_bs)
+    if max_bs > 0 and runner.device.type == "cuda":
+        runner.enable_cuda_graphs(max_bs)

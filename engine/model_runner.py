@@ -63,15 +63,19 @@ class ModelRunner:
 
     def make_context(self, mode: ForwardMode, slots: list[int], prefix_lens: list[int],
                      extend_lens: list[int], *, positions: torch.Tensor | None = None,
-                     tree_mask: torch.Tensor | None = None,
-                     aux_hidden_layers: tuple[int, ...] = ()) -> ForwardContext:
+                     tree_mask: torch.Tensor | None = None, aux_hidden_layers: tuple[int, ...] = (),
+                     device_prefix: torch.Tensor | None = None) -> ForwardContext:
         """Request i writes tokens [prefix_lens[i], prefix_lens[i] + extend_lens[i]) of its row.
 
         `positions` overrides the rotary positions (tree drafts sit at depth, not at slot order);
-        KV slots always follow the row order so a verify window is contiguous.
+        KV slots always follow the row order so a verify window is contiguous. `device_prefix`:
+        the exact prefix lengths when only the device knows them (overlapped speculation); then
+        `prefix_lens` is the host's upper bound and only sizes host-side lists.
         """
         dev = self.device
         slots_t, prefix, ext = to_device([slots, prefix_lens, extend_lens], dev).unbind(0)
+        if device_prefix is not None:
+            prefix = device_prefix
         qo_indptr = torch.zeros(len(slots) + 1, dtype=torch.int64, device=dev)
         torch.cumsum(ext, 0, out=qo_indptr[1:])
         num_tokens = sum(extend_lens)

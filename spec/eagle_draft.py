@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from engine.core import ForwardMode
-from engine.executor import uniform_context
 from engine.model_runner import ModelRunner
 from spec.draft_input import EagleDraftInput
 from spec.tree import DraftTree, chain_tree, tree_from_candidates
@@ -55,10 +54,10 @@ def build_draft_tree(draft: ModelRunner, di: EagleDraftInput, slots: list[int], 
     anc = torch.eye(k, dtype=torch.bool, device=dev).expand(bs, k, k)  # over scratch slots so far
     offset = k
     for step in range(1, num_steps):
-        ctx = uniform_context(
-            draft, ForwardMode.DECODE, slots, seq + (step - 1) * k,
-            [s + (step - 1) * k for s in seq_bound], k,
-            positions=(seq + step - 1).repeat_interleave(k), tree_mask=anc)
+        ctx = draft.make_context(
+            ForwardMode.DECODE, slots, [s + (step - 1) * k for s in seq_bound], [k] * bs,
+            device_prefix=seq + (step - 1) * k, positions=(seq + step - 1).repeat_interleave(k),
+            tree_mask=anc)
         g = draft.forward(f_tokens.reshape(-1), ctx, features=f_feats.reshape(bs * k, -1))
         p, idx = draft_topk(draft.model, g, k)
         child_scores = (f_scores.unsqueeze(2) * p.view(bs, k, k)).reshape(bs, k * k)
@@ -89,8 +88,8 @@ def _draft_chain(draft: ModelRunner, di: EagleDraftInput, slots: list[int], seq:
     tok, feats = di.topk_index[:, 0], di.hidden_states
     tokens = [di.bonus_tokens, tok]
     for step in range(1, num_steps):
-        ctx = uniform_context(draft, ForwardMode.DECODE, slots, seq + step - 1,
-                              [s + step - 1 for s in seq_bound], 1, positions=seq + step - 1)
+        ctx = draft.make_context(ForwardMode.DECODE, slots, [s + step - 1 for s in seq_bound],
+                                 [1] * len(slots), device_prefix=seq + step - 1, positions=seq + step - 1)
         feats = draft.forward(tok, ctx, features=feats)
         tok = draft.model.to_target_ids(draft.model.compute_logits(feats).argmax(-1))
         tokens.append(tok)

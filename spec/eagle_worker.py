@@ -26,7 +26,8 @@ from engine.core import Batch, ForwardMode, Req, StepOutput
 from engine.engine import EngineParts
 from engine.executor import (HostCopy, build_input_ids, last_token_rows, maybe_enable_cuda_graphs,
                              sample_positions, sample_tokens, sampled_output, sampling_reqs,
-                             scatter_to_batch, to_device, uniform_context)
+                             scatter_to_batch)
+from engine.h2d import to_device
 from engine.kv_cache import KVPool
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
@@ -187,9 +188,9 @@ class EagleWorker:
         tree = build_draft_tree(self.draft, di, slots, seq, bound, self.cfg.num_steps,
                                 self.cfg.eagle_topk, ntok)
         vi = EagleVerifyInput.from_tree(tree, seq)
-        ctx = uniform_context(self.target, ForwardMode.TARGET_VERIFY, slots, seq, bound, ntok,
-                              positions=vi.positions, tree_mask=vi.tree_mask,
-                              aux_hidden_layers=self.aux_layers)
+        ctx = self.target.make_context(ForwardMode.TARGET_VERIFY, slots, bound, [ntok] * bs,
+                                       device_prefix=seq, positions=vi.positions,
+                                       tree_mask=vi.tree_mask, aux_hidden_layers=self.aux_layers)
         hidden, aux = self.target.forward(tree.tokens.reshape(-1), ctx)
         logits = self.target.logits(hidden)
         vr = verify_window(self.sampler, reqs, tree, logits, seq)
@@ -223,7 +224,8 @@ class EagleWorker:
         if emitted.shape[1] < ntok:
             emitted = torch.cat((emitted, vr.bonus.unsqueeze(1).expand(bs, ntok - emitted.shape[1])), 1)
         flat_rows = (rows + torch.arange(bs, device=rows.device).unsqueeze(1) * ntok).reshape(-1)
-        ctx = uniform_context(self.draft, ForwardMode.DRAFT_EXTEND, slots, seq, bound, ntok)
+        ctx = self.draft.make_context(ForwardMode.DRAFT_EXTEND, slots, bound, [ntok] * bs,
+                                      device_prefix=seq)
         g = self.draft.forward(emitted[:, :ntok].reshape(-1), ctx, features=feats[flat_rows])
         last = torch.arange(bs, device=rows.device) * ntok + vr.accept_lens - 1
         g_last = g[last]
