@@ -65,7 +65,7 @@ def main() -> int:
     if hf is not None:
         section(report, "hf_generate_bs1_tokens_per_s", lambda: engine_perf.hf_generate_tps(hf, prompt, 128))
     model = build_engine_model(cfg, dev, weights_from=hf)
-    del hf
+    hf = None  # free the HF copy: the engine model holds its own weights
     gc.collect()
     torch.cuda.empty_cache() if dev.type == "cuda" else None
     wbytes = weight_read_bytes(model)
@@ -80,7 +80,7 @@ def main() -> int:
     section(report, "prefill_4k", lambda: step_perf.prefill_rate(rig, cfg, mm, 4096))
     section(report, "eager_vs_graph_bs1", lambda: step_perf.eager_vs_graph(rig, 1, 1024))
     report["rig_graph_counters"] = step_perf.graph_counters(rig)
-    del rig
+    rig = None  # free the pool before the engine-level runs
     gc.collect()
     torch.cuda.empty_cache() if dev.type == "cuda" else None
     if not args.skip_engine:

@@ -227,6 +227,7 @@ class Scheduler:
         req.release_pending = False
         self.executor.on_release(req)
         self.kv.release(req)
+
     # ---- output ----
     def _complete(self, batch: Batch, out: StepOutput) -> list[RequestUpdate]:
         updates = []
