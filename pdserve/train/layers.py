@@ -1,4 +1,5 @@
-"""Training-side Llama building blocks (pure torch) with HF parameter names, numerics as the engine's."""
+"""Training-side Llama blocks with HF parameter names: attention over whole sequences here, norm and
+MLP shared with the engine."""
 
 from __future__ import annotations
 
@@ -8,6 +9,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+# The engine's layers run the torch reference whenever autograd needs them, so training uses the
+# very modules (and numerics) that serve the checkpoint.
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import rope_inv_freq
+from engine.models.llama import LlamaMLP
 
 
 @dataclass(frozen=True)
@@ -32,26 +39,11 @@ class LlamaShape:
         return asdict(self)
 
 
-class RMSNorm(nn.Module):
-    """As engine.layers.norm: normalise in float32, cast back, then scale."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
 def rope_tables(head_dim: int, positions: int, theta: float,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin (positions, head_dim // 2) in float32, the engine's table (neox layout)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     t = torch.arange(positions, dtype=torch.float32)
-    freqs = torch.outer(t, inv_freq.float())
+    freqs = torch.outer(t, rope_inv_freq(head_dim, theta, None))
     return freqs.cos().to(device), freqs.sin().to(device)
 
 
@@ -91,24 +83,13 @@ class Attention(nn.Module):
         return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
-class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     """Pre-norm Llama layer; `input_norm=False` is the EAGLE-1 head's layer (no input norm)."""
 
     def __init__(self, s: LlamaShape, input_norm: bool = True) -> None:
         super().__init__()
         self.self_attn = Attention(s)
-        self.mlp = MLP(s.hidden, s.intermediate)
+        self.mlp = LlamaMLP(s.hidden, s.intermediate)
         self.input_layernorm: nn.Module = RMSNorm(s.hidden, s.rms_eps) if input_norm else nn.Identity()
         self.post_attention_layernorm = RMSNorm(s.hidden, s.rms_eps)
 

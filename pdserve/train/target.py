@@ -8,8 +8,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from engine.layers.norm import RMSNorm
 from pdserve.train.data import heldout_windows, sample_windows
-from pdserve.train.layers import DecoderLayer, LlamaShape, RMSNorm, init_weights, rope_tables
+from pdserve.train.layers import DecoderLayer, LlamaShape, init_weights, rope_tables
 from pdserve.train.loop import Schedule, autocast, train_loop
 
 
