@@ -8,13 +8,13 @@ bench/results/serving_matrix.json and prints a markdown table for bench/RESULTS.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+from bench.common import write_report
 from pdserve.bench.cli import BenchOptions, run_bench
 from pdserve.models import BUILTIN_TARGET
 from pdserve.up import Deployment, UpConfig
@@ -87,9 +87,7 @@ def main() -> int:
         colocated, algo = CONFIGS[name]
         results[name] = run_config(name, colocated, algo, args)
         print(f"[{name}] done", file=sys.stderr, flush=True)
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT.parent / "serving_matrix.json").write_text(json.dumps(
-        {"args": vars(args), "results": results}, indent=2, default=str) + "\n")
+    write_report(OUT.parent / "serving_matrix.json", {"args": vars(args), "results": results})
     print(table(results))
     return 0
 

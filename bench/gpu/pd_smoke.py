@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from bench.common import write_report
 from pdserve.bench.cli import BenchOptions, run_bench
 from pdserve.models import BUILTIN_TARGET
 from pdserve.up import Deployment, UpConfig
@@ -60,8 +61,7 @@ def main() -> int:
     spec_plain = sum(a == b for a, b in zip(runs["pd-eagle"]["texts"], runs["pd-plain"]["texts"]))
     summary = {"pd_equals_colocated": same, "spec_equals_plain_prompts": f"{spec_plain}/{len(PROMPTS)}",
                **runs}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_report(out / "summary.json", summary)
     print(json.dumps({k: v["bench"] if isinstance(v, dict) else v for k, v in summary.items()}, indent=1))
     return 0 if same else 1
 

@@ -18,9 +18,15 @@ from typing import Any, Callable
 
 import torch
 
+from bench.common import write_report
 from bench.gpu import engine_perf, step_perf
 from bench.gpu.hw import copy_bandwidth, matmul_rate
-from bench.gpu.llama8b import build_engine_model, build_hf, shape_config, weight_read_bytes
+from bench.gpu.llama8b import (
+    build_engine_model,
+    build_hf,
+    shape_config,
+    weight_read_bytes,
+)
 from bench.gpu.rig import make_rig
 
 TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -85,9 +91,7 @@ def main() -> int:
     torch.cuda.empty_cache() if dev.type == "cuda" else None
     if not args.skip_engine:
         run_engine_sections(report, model, cfg, Path(args.out).with_suffix(""), prompt, args.backend)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2, default=str) + "\n")
-    print(f"wrote {args.out}")
+    write_report(Path(args.out), report)
     return 0
 
 
