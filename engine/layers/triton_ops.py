@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.pdl import pdl_launch, pdl_sync
+
 # Elements one program touches at most: enough to hide latency, small enough for registers.
 _TILE = 4096
 
@@ -20,7 +22,9 @@ _TILE = 4096
 @triton.jit(do_not_specialize=["n_rows"])
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, heads,
                     sx_t, sx_h, sr_t, so_t, so_h, sro_t, dim, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                    HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                    USE_PDL: tl.constexpr):
+    pdl_sync(USE_PDL)
     # A row is one (token, head) vector: heads == 1 for hidden states, > 1 for Qwen3's q/k norm.
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
@@ -82,7 +86,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         x3, r2, weight, o3, ro2, n_rows, heads, x3.stride(0), x3.stride(1), r2.stride(0),
         o3.stride(0), o3.stride(1), ro2.stride(0), dim, eps,
         HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_D=block_d,
-        num_warps=_num_warps(block_r * block_d))
+        num_warps=_num_warps(block_r * block_d), **pdl_launch(x))
     return out, res_out
 
 
@@ -104,7 +108,9 @@ def _rope_heads(src, dst, s_h, d_h, n_heads, cos, sin, half,
 @triton.jit(do_not_specialize=["n_tokens"])
 def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr, n_tokens,
                  sq_t, sq_h, sk_t, sk_h, sqo_t, sqo_h, sko_t, sko_h, s_cos,
-                 q_heads, k_heads, half, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                 q_heads, k_heads, half, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                 USE_PDL: tl.constexpr):
+    pdl_sync(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -144,12 +150,14 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
             q_in.stride(0), q_in.stride(1), k_in.stride(0), k_in.stride(1),
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos.stride(0),
             q.shape[1], k.shape[1], half, BLOCK_H=block_h, BLOCK_D=block_d,
-            num_warps=_num_warps(block_h * block_d))
+            num_warps=_num_warps(block_h * block_d), **pdl_launch(q))
     return q_out, k_out
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n_rows, sg, su, so, n_cols, BLOCK: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n_rows, sg, su, so, n_cols, BLOCK: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    pdl_sync(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -175,5 +183,5 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if n_rows > 0:
         _silu_mul_kernel[(n_rows, triton.cdiv(n_cols, block))](
             g2, u2, o2, n_rows, g2.stride(0), u2.stride(0), o2.stride(0), n_cols, BLOCK=block,
-            num_warps=4)
+            num_warps=4, **pdl_launch(gate))
     return out

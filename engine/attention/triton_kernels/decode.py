@@ -18,6 +18,7 @@ import triton.language as tl
 
 from engine.attention.triton_kernels.common import dot_in_fp32, dot_precision
 from engine.attention.triton_kernels.tile import attend_tile
+from engine.pdl import pdl_launch, pdl_sync
 
 
 @triton.jit
@@ -27,7 +28,9 @@ def _split_kernel(q_ptr, k_cache, v_cache, mid_o, mid_lse, req_to_token, req_slo
                   stride_ms, stride_lt, stride_lh, stride_tb, stride_tq,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                  HAS_TREE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+                  HAS_TREE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+                  USE_PDL: tl.constexpr):
+    pdl_sync(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -88,7 +91,8 @@ def _split_kernel(q_ptr, k_cache, v_cache, mid_o, mid_lse, req_to_token, req_slo
 @triton.jit
 def _merge_kernel(mid_o, mid_lse, o_ptr, stride_ot, stride_oh, stride_mt, stride_mh, stride_ms,
                   stride_lt, stride_lh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+                  NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_sync(USE_PDL)
     t = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -138,9 +142,9 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, NUM_SPLITS=splits, HAS_TREE=has_tree,
         DOT_PRECISION=dot_precision(q.dtype), DOT_FP32=dot_in_fp32(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(q))
     _merge_kernel[(num_tokens, num_heads)](
         mid_o, mid_lse, out, out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1),
         mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits))
+        NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), **pdl_launch(q))
     return out

@@ -6,13 +6,16 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.pdl import pdl_launch, pdl_sync
+
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, loc_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_ct, stride_ch, stride_vct, stride_vch,
                      NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_sync(USE_PDL)
     tok = tl.program_id(0)
     loc = tl.load(loc_ptr + tok)
     h = tl.arange(0, BLOCK_H)
@@ -43,4 +46,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim))
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        **pdl_launch(k))
