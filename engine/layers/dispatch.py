@@ -1,4 +1,5 @@
-"""Chooses between the fused Triton kernels and the torch reference for the elementwise layers.
+"""Chooses between the fused Triton kernels and the torch reference for the elementwise layers
+and the skinny linears (the GEMV of engine/layers/gemv.py).
 
 "auto" (default): Triton for CUDA tensors when it imports, torch otherwise, so CPU runs never
 import Triton and stay the reference. "on" forces Triton (CPU tests under TRITON_INTERPRET=1);
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 from types import ModuleType
 from typing import Iterator
 
@@ -41,24 +43,33 @@ def fused_ops(mode: str) -> Iterator[None]:
 
 
 @functools.lru_cache(maxsize=None)
-def _load_kernels() -> ModuleType | None:
+def _load(name: str) -> ModuleType | None:
     try:
-        from engine.layers import triton_ops
+        return importlib.import_module(f"engine.layers.{name}")
     except ImportError:
         return None
-    return triton_ops
 
 
-def kernels_for(t: torch.Tensor, *others: torch.Tensor) -> ModuleType | None:
-    """The Triton kernel module when `t` (and `others`, e.g. a norm weight) should take the
-    fused path, else None (use torch)."""
+def _module_for(name: str, t: torch.Tensor, others: tuple[torch.Tensor, ...]) -> ModuleType | None:
     if _mode == "off" or (_mode == "auto" and not t.is_cuda):
         return None
     # the kernels have no backward: anything autograd must differentiate stays in torch (serving
     # runs under inference_mode, so this only catches training code reusing these layers)
     if torch.is_grad_enabled() and (t.requires_grad or any(o.requires_grad for o in others)):
         return None
-    ops = _load_kernels()
+    ops = _load(name)
     if ops is None and _mode == "on":
         raise RuntimeError("fused ops forced on but triton does not import")
     return ops
+
+
+def kernels_for(t: torch.Tensor, *others: torch.Tensor) -> ModuleType | None:
+    """The Triton kernel module when `t` (and `others`, e.g. a norm weight) should take the
+    fused path, else None (use torch)."""
+    return _module_for("triton_ops", t, others)
+
+
+def gemv_for(x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
+    """The GEMV module when x @ weight^T is skinny enough for it (a few rows), else None."""
+    ops = _module_for("gemv", x, (weight,))
+    return ops if ops is not None and ops.supports(x, weight) else None

@@ -13,6 +13,21 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from engine.layers.dispatch import gemv_for
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or the Triton GEMV on CUDA for the few-row products of decode and verify."""
+    ops = gemv_for(x, weight)
+    if ops is not None:
+        return ops.gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def apply_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """An nn.Linear's forward through `linear` (modules keep their names and parameters)."""
+    return linear(x, layer.weight, layer.bias)
+
 
 class MergedLinear:
     """One weight (and bias) for several nn.Linear modules over the same input."""
@@ -43,7 +58,7 @@ class MergedLinear:
         return not (torch.is_grad_enabled() and self.linears[0].weight.requires_grad)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 def project(merged: MergedLinear | None, linears: list[nn.Linear],
@@ -51,4 +66,4 @@ def project(merged: MergedLinear | None, linears: list[nn.Linear],
     """Each linear's output: column views of one merged GEMM when possible, else one GEMM each."""
     if merged is not None and merged.usable():
         return list(merged(x).split(merged.sizes, dim=-1))
-    return [lin(x) for lin in linears]
+    return [apply_linear(lin, x) for lin in linears]

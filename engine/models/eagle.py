@@ -17,6 +17,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.forward_context import ForwardContext
+from engine.layers.linear import apply_linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
@@ -58,7 +59,7 @@ class EagleHead(_DraftHead):
 
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, features: torch.Tensor) -> torch.Tensor:
-        x = self.fc(torch.cat((self._embed(input_ids), features.to(self.fc.weight.dtype)), dim=-1))
+        x = apply_linear(self.fc, torch.cat((self._embed(input_ids), features.to(self.fc.weight.dtype)), dim=-1))
         out, residual = self.layers[0](x, None, self.rotary, ctx)
         return out + residual
 
@@ -111,11 +112,11 @@ class Eagle3Head(_DraftHead):
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, features: torch.Tensor) -> torch.Tensor:
         features = features.to(self.fc.weight.dtype)
         # target features arrive 3x wide; the head's own outputs (later draft steps) are not
-        hidden = self.fc(features) if features.shape[-1] == self.fc.in_features else features
+        hidden = apply_linear(self.fc, features) if features.shape[-1] == self.fc.in_features else features
         return self.midlayer(self._embed(input_ids).to(hidden.dtype), hidden, self.rotary, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden)).float()
+        return apply_linear(self.lm_head, self.norm(hidden)).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -12,7 +12,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.forward_context import ForwardContext
 from engine.layers.activation import silu_and_mul
-from engine.layers.linear import MergedLinear, project
+from engine.layers.linear import MergedLinear, apply_linear, project
 from engine.layers.norm import RMSNorm, add_norm
 from engine.layers.rotary import RotaryEmbedding
 
@@ -48,7 +48,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(ctx.positions, q, k)
         out = ctx.attn_backend.forward(q, k, v, self.layer_id, self.scale, ctx)
-        return self.o_proj(out.reshape(n, -1))
+        return apply_linear(self.o_proj, out.reshape(n, -1))
 
 
 class LlamaMLP(nn.Module):
@@ -65,7 +65,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(self._gate_up, [self.gate_proj, self.up_proj], x)
-        return self.down_proj(silu_and_mul(gate, up))
+        return apply_linear(self.down_proj, silu_and_mul(gate, up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -126,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return apply_linear(self.lm_head, hidden).float()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
