@@ -1,4 +1,5 @@
-"""Bar chart of the GPU goals: each measured ratio beside its goal (from bench/gpu/perf.py's JSON).
+"""Bar charts of GPU results: the goals from bench/gpu/perf.py's JSON (each ratio beside its goal),
+or the skinny-GEMM bandwidth from bench/gpu/gemv_perf.py's JSON (ours vs cuBLAS per shape).
 
 Run: `python -m bench.gpu.plot bench/results/gpu_perf_h100.json` (writes the .png beside it).
 """
@@ -25,8 +26,32 @@ GOALS = [
 ]
 
 
+def plot_gemv(report: dict, out: Path) -> Path:
+    """Fraction of copy bandwidth per projection, cuBLAS vs ours, at 1 and 5 activation rows."""
+    names = ["qkv", "o", "gate_up", "down", "lm_head"]
+    series = [(f"{who} m={m}", [report["shapes"][f"{n}_m{m}"][key] for n in names])
+              for m in (1, 5) for who, key in (("cuBLAS", "cublas"), ("ours", "default"))]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(series)
+    for j, (label, values) in enumerate(series):
+        ax.bar([i + (j - 1.5) * width for i in range(len(names))], values, width, label=label)
+    ax.axhline(1.0, color="black", linestyle="dashed", linewidth=0.8)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("weight bytes / time / copy bandwidth")
+    chain = report.get("chain", {})
+    ax.set_title(f"{report['device']}: 8B decode GEMMs; 32-layer chain "
+                 f"{chain.get('cublas', {}).get('fraction', 0):.2f} cuBLAS -> "
+                 f"{chain.get('gemv_pdl', {}).get('fraction', 0):.2f} ours + PDL", fontsize=10)
+    ax.legend(ncol=4, fontsize=8, loc="lower center")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def main(path: str) -> Path:
     report = json.loads(Path(path).read_text())
+    if "shapes" in report:
+        return plot_gemv(report, Path(path).with_suffix(".png"))
     fig, ax = plt.subplots(figsize=(9, 4))
     for i, (label, get, goal, higher) in enumerate(GOALS):
         value = get(report)
