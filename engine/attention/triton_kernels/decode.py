@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from engine.attention.triton_kernels.common import dot_in_fp32, dot_precision
-from engine.attention.triton_kernels.tile import attend_tile
+from engine.attention.triton_kernels.tile import attend_range
 from engine.pdl import pdl_launch, pdl_sync
 
 
@@ -67,16 +67,10 @@ def _split_kernel(q_ptr, k_cache, v_cache, mid_o, mid_lse, req_to_token, req_slo
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(start, full_end, BLOCK_N):
-        m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, k_cache, v_cache, row, kvh, n0, end, qpos, tok, row_ok, seq_len,
-            tree_ptr, tree_width, req_to_token, stride_rt, stride_kt, stride_kh, stride_vt,
-            stride_vh, stride_tq, scale_log2, d, d_ok, BLOCK_N, False, HAS_TREE, DOT_PRECISION)
-    for n0 in range(full_end, end, BLOCK_N):
-        m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, k_cache, v_cache, row, kvh, n0, end, qpos, tok, row_ok, seq_len,
-            tree_ptr, tree_width, req_to_token, stride_rt, stride_kt, stride_kh, stride_vt,
-            stride_vh, stride_tq, scale_log2, d, d_ok, BLOCK_N, True, HAS_TREE, DOT_PRECISION)
+    m_i, l_i, acc = attend_range(
+        q, m_i, l_i, acc, k_cache, v_cache, row, kvh, start, full_end, end, qpos, tok, row_ok,
+        seq_len, tree_ptr, tree_width, req_to_token, stride_rt, stride_kt, stride_kh, stride_vt,
+        stride_vh, stride_tq, scale_log2, d, d_ok, BLOCK_N, HAS_TREE, DOT_PRECISION)
 
     # a split that saw no visible key (a short request) reports lse = -inf: zero weight
     has = l_i > 0

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from engine.attention.triton_kernels.common import dot_in_fp32, dot_precision
-from engine.attention.triton_kernels.tile import attend_tile
+from engine.attention.triton_kernels.tile import attend_range
 
 
 @triton.jit
@@ -68,16 +68,10 @@ def _extend_kernel(q_ptr, o_ptr, k_cache, v_cache, req_to_token, req_slots, seq_
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(0, full_end, BLOCK_N):
-        m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, k_cache, v_cache, row, kvh, n0, kv_end, qpos, tok, row_ok, seq_len,
-            tree_ptr, tree_width, req_to_token, stride_rt, stride_kt, stride_kh, stride_vt,
-            stride_vh, stride_tq, scale_log2, d, d_ok, BLOCK_N, False, HAS_TREE, DOT_PRECISION)
-    for n0 in range(full_end, kv_end, BLOCK_N):
-        m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, k_cache, v_cache, row, kvh, n0, kv_end, qpos, tok, row_ok, seq_len,
-            tree_ptr, tree_width, req_to_token, stride_rt, stride_kt, stride_kh, stride_vt,
-            stride_vh, stride_tq, scale_log2, d, d_ok, BLOCK_N, True, HAS_TREE, DOT_PRECISION)
+    m_i, l_i, acc = attend_range(
+        q, m_i, l_i, acc, k_cache, v_cache, row, kvh, 0, full_end, kv_end, qpos, tok, row_ok,
+        seq_len, tree_ptr, tree_width, req_to_token, stride_rt, stride_kt, stride_kh, stride_vt,
+        stride_vh, stride_tq, scale_log2, d, d_ok, BLOCK_N, HAS_TREE, DOT_PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],

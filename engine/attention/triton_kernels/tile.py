@@ -1,8 +1,9 @@
-"""One online-softmax step over a tile of paged keys, shared by the split-K and extend kernels.
+"""Online softmax over tiles of paged keys, shared by the split-K and extend kernels.
 
 Rows are (query token, query head) pairs of one kv head; keys are read through the request
 table. MASKED applies causality, the tree window and the key range; unmasked tiles are those
 every row may fully see, which skips the mask arithmetic on most of a long context.
+`attend_range` walks a key range as unmasked tiles up to `full_end`, then masked ones.
 """
 
 import triton
@@ -43,3 +44,22 @@ def attend_tile(q, m_i, l_i, acc, k_cache, v_cache, row, kvh, n0, kv_end, qpos, 
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def attend_range(q, m_i, l_i, acc, k_cache, v_cache, row, kvh, start, full_end, kv_end, qpos,
+                 tok, row_ok, seq_len, tree_ptr, tree_width, req_to_token, stride_rt, stride_kt,
+                 stride_kh, stride_vt, stride_vh, stride_tq, scale_log2, d, d_ok,
+                 BLOCK_N: tl.constexpr, HAS_TREE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Keys [start, kv_end): tiles before `full_end` (tile-aligned) skip the mask."""
+    for n0 in range(start, full_end, BLOCK_N):
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, k_cache, v_cache, row, kvh, n0, kv_end, qpos, tok, row_ok, seq_len,
+            tree_ptr, tree_width, req_to_token, stride_rt, stride_kt, stride_kh, stride_vt,
+            stride_vh, stride_tq, scale_log2, d, d_ok, BLOCK_N, False, HAS_TREE, DOT_PRECISION)
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, k_cache, v_cache, row, kvh, n0, kv_end, qpos, tok, row_ok, seq_len,
+            tree_ptr, tree_width, req_to_token, stride_rt, stride_kt, stride_kh, stride_vt,
+            stride_vh, stride_tq, scale_log2, d, d_ok, BLOCK_N, True, HAS_TREE, DOT_PRECISION)
+    return m_i, l_i, acc
