@@ -111,3 +111,18 @@ def test_gpu_chain_in_cuda_graph_equals_eager(rows: int) -> None:
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, chain(), atol=0, rtol=0)
+
+
+def test_pdl_is_off_on_cpu_and_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine import pdl
+
+    assert pdl.use_pdl(torch.device("cpu")) is False
+    assert pdl.pdl_launch(torch.zeros(1)) == {"USE_PDL": False, "launch_pdl": False}
+    if torch.cuda.is_available():
+        monkeypatch.setenv("PDSERVE_PDL", "0")
+        pdl._device_supports_pdl.cache_clear()
+        try:
+            assert pdl.use_pdl(torch.device("cuda")) is False
+        finally:
+            monkeypatch.delenv("PDSERVE_PDL")
+            pdl._device_supports_pdl.cache_clear()
