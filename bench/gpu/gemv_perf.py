@@ -1,8 +1,9 @@
 """Skinny GEMMs on an 8B model's decode shapes: the Triton GEMV vs cuBLAS, as a fraction of copy bandwidth.
 
 `python -m bench.gpu.gemv_perf` (GPU machine): for each projection (merged q/k/v, o, merged
-gate/up, down, lm_head) and 1..8 activation rows, the weight bytes over the time of one product,
-timed inside a CUDA graph over enough distinct weight copies that none is served from L2. Then
+gate/up, down, lm_head) and 1-16 activation rows (--rows), the weight bytes over the time of one
+product, timed inside a CUDA graph over enough distinct weight copies that none is served from
+L2. Then
 a 32-layer chain of the four layer projections (the GEMM part of a batch-1 decode step) with
 cuBLAS, with the GEMV, and with the GEMV under programmatic dependent launch.
 """

@@ -30,7 +30,7 @@ MAX_ROWS = 16
 @dataclass(frozen=True)
 class GemvConfig:
     block_n: int  # weight rows per program
-    block_k: int  # columns per tile (two tiles in flight per program)
+    block_k: int  # weight columns per tile
     num_warps: int
     num_stages: int = 1  # the tensor-core kernel's pipeline depth (the one-row kernel keeps two)
 
@@ -43,10 +43,10 @@ def _row_tile(w_rows, k0, kk, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _x_tile(x_ptr, m, m_ok, stride_xm, k0, kk, K):
+def _x_tile(x_ptr, k0, kk, K):
+    """Columns [k0, k0 + BLOCK_K) of the one activation row, as a (1, BLOCK_K) fp32 tile."""
     cols = k0 + kk
-    return tl.load(x_ptr + m[:, None] * stride_xm + cols[None, :],
-                   mask=m_ok[:, None] & (cols < K)[None, :], other=0.0).to(tl.float32)
+    return tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
 
 
 @triton.jit
@@ -58,16 +58,15 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_
     # a ragged last block re-reads row N-1 rather than masking: loads stay unpredicated
     w_rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * K
     kk = tl.arange(0, BLOCK_K)
-    one = tl.arange(0, 1)
     # the weight never depends on earlier kernels: start streaming it before the PDL wait
     w = _row_tile(w_rows, 0, kk, K, EVEN_K)
     pdl_sync(USE_PDL)
     part = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w_next = _row_tile(w_rows, k0, kk, K, EVEN_K)
-        part += w.to(tl.float32) * _x_tile(x_ptr, one, one < 1, 0, k0 - BLOCK_K, kk, K)
+        part += w.to(tl.float32) * _x_tile(x_ptr, k0 - BLOCK_K, kk, K)
         w = w_next
-    part += w.to(tl.float32) * _x_tile(x_ptr, one, one < 1, 0, (K - 1) // BLOCK_K * BLOCK_K, kk, K)
+    part += w.to(tl.float32) * _x_tile(x_ptr, (K - 1) // BLOCK_K * BLOCK_K, kk, K)
     acc = tl.sum(part, axis=1)
     if HAS_BIAS:
         acc += tl.load(b_ptr + tl.minimum(n, N - 1)).to(tl.float32)

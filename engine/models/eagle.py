@@ -59,7 +59,8 @@ class EagleHead(_DraftHead):
 
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, features: torch.Tensor) -> torch.Tensor:
-        x = apply_linear(self.fc, torch.cat((self._embed(input_ids), features.to(self.fc.weight.dtype)), dim=-1))
+        inputs = torch.cat((self._embed(input_ids), features.to(self.fc.weight.dtype)), dim=-1)
+        x = apply_linear(self.fc, inputs)
         out, residual = self.layers[0](x, None, self.rotary, ctx)
         return out + residual
 
