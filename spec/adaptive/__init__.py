@@ -1,0 +1,6 @@
+"""Adaptive speculative steps: per batch-size range, an EMA of accepted drafts picks the step count."""
+
+from spec.adaptive.config import (DEFAULT_ADAPTIVE_CONFIG, AdaptiveConfig, AdaptiveConfigError,
+                                  SlotConfig)
+
+__all__ = ["DEFAULT_ADAPTIVE_CONFIG", "AdaptiveConfig", "AdaptiveConfigError", "SlotConfig"]
