@@ -26,10 +26,11 @@ DEFAULT_UPDATE_INTERVAL = 5
 DEFAULT_MIN_DWELL = 16  # iterations a switch persists before the next one (anti-flapping)
 DEFAULT_UPSHIFT_BACKOFF = 64  # iterations upshifts from a level wait after a failed upshift
 DEFAULT_UPSHIFT_BACKOFF_MAX = 1024  # the cap of that wait as it doubles
+DEFAULT_CONFIRM_DECISIONS = 2  # consecutive decisions that must agree before a switch
 
 SLOT_FIELDS = ("candidate_steps", "up_hysteresis", "down_hysteresis", "ceiling_coeff")
 SETTINGS = ("ema_alpha", "warmup_batches", "update_interval", "min_dwell", "upshift_backoff",
-            "upshift_backoff_max")
+            "upshift_backoff_max", "confirm_decisions")
 _SLOT_DEFAULT_KEYS = SLOT_FIELDS[1:]  # top-level keys that are defaults for the slots
 _INT_KEY = re.compile(r"[+-]?\d+")  # "-1" is a (bad) lower bound, not an unknown key
 
@@ -64,10 +65,9 @@ def _number(where: str, name: str, value: object, lo: float | None = None) -> fl
     return float(value)
 
 
-def _int(where: str, name: str, value: object, lo: int) -> int:
+def _int(where: str, name: str, value: object, lo: int) -> None:
     if not _is_int(value) or value < lo:
         _fail(where, f"{name} must be an int >= {lo}, got {value!r}")
-    return value
 
 
 def _slot_fields(where: str, candidate_steps: object, up: object, down: object,
@@ -138,6 +138,7 @@ class AdaptiveConfig:
     min_dwell: int = DEFAULT_MIN_DWELL  # a slot's batches after a switch with no further switch
     upshift_backoff: int = DEFAULT_UPSHIFT_BACKOFF  # 0 = no backoff after a failed upshift
     upshift_backoff_max: int = DEFAULT_UPSHIFT_BACKOFF_MAX
+    confirm_decisions: int = DEFAULT_CONFIRM_DECISIONS  # 1 = switch on the first decision
 
     def __post_init__(self) -> None:
         where = "top level"
@@ -145,10 +146,9 @@ class AdaptiveConfig:
         if not _is_number(alpha) or not 0 < alpha <= 1:
             _fail(where, f"ema_alpha must be a number in (0, 1], got {alpha!r}")
         object.__setattr__(self, "ema_alpha", float(alpha))
-        _int(where, "warmup_batches", self.warmup_batches, 0)
-        _int(where, "update_interval", self.update_interval, 1)
-        _int(where, "min_dwell", self.min_dwell, 0)
-        _int(where, "upshift_backoff", self.upshift_backoff, 0)
+        for name, lo in (("warmup_batches", 0), ("update_interval", 1), ("min_dwell", 0),
+                         ("upshift_backoff", 0), ("confirm_decisions", 1)):
+            _int(where, name, getattr(self, name), lo)
         if not _is_int(self.upshift_backoff_max) or self.upshift_backoff_max < self.upshift_backoff:
             _fail(where, f"upshift_backoff_max must be an int >= upshift_backoff "
                          f"({self.upshift_backoff}), got {self.upshift_backoff_max!r}")
@@ -209,8 +209,7 @@ def _checked_slots(slots: object) -> tuple[tuple[int, SlotConfig], ...]:
     return tuple(sorted(pairs, key=lambda p: p[0]))
 
 
-def _load(obj: object) -> tuple[object, Path | None]:
-    """(decoded JSON, the path it came from or None for JSON text)."""
+def _load(obj: object) -> tuple[object, Path | None]:  # (decoded JSON, its file or None)
     if not isinstance(obj, (str, Path)):
         raise AdaptiveConfigError(f"adaptive config: expected a dict, JSON text or a path, "
                                   f"got {type(obj).__name__}")

@@ -29,6 +29,7 @@ def test_default_config() -> None:
     assert all(s.ceiling_coeff == 0.0 for s in slots.values())
     assert (cfg.ema_alpha, cfg.warmup_batches, cfg.update_interval) == (0.2, 10, 5)
     assert (cfg.min_dwell, cfg.upshift_backoff, cfg.upshift_backoff_max) == (16, 64, 1024)
+    assert cfg.confirm_decisions == 2
     assert cfg.candidate_steps() == (0, 1, 3, 5, 7)
     assert cfg.max_steps() == 7
 
@@ -44,7 +45,7 @@ def test_legacy_single_entry_form_is_one_slot_for_every_batch_size() -> None:
 def test_top_level_settings_merge_into_slots_and_slots_override() -> None:
     cfg = AdaptiveConfig.from_json({
         "ema_alpha": 0.5, "warmup_batches": 0, "update_interval": 1, "min_dwell": 4,
-        "upshift_backoff": 8, "upshift_backoff_max": 8,
+        "upshift_backoff": 8, "upshift_backoff_max": 8, "confirm_decisions": 1,
         "up_hysteresis": 0.2, "down_hysteresis": -0.5, "ceiling_coeff": 1.5,
         "32": {"candidate_steps": [0, 1]},  # keys in any order: slots come out sorted
         "1": {"candidate_steps": [1, 3], "down_hysteresis": -0.1, "ceiling_coeff": 0},
@@ -55,6 +56,7 @@ def test_top_level_settings_merge_into_slots_and_slots_override() -> None:
     assert slots[32] == SlotConfig((0, 1), up_hysteresis=0.2, down_hysteresis=-0.5, ceiling_coeff=1.5)
     assert (cfg.ema_alpha, cfg.warmup_batches, cfg.update_interval) == (0.5, 0, 1)
     assert (cfg.min_dwell, cfg.upshift_backoff, cfg.upshift_backoff_max) == (4, 8, 8)
+    assert cfg.confirm_decisions == 1
 
 
 def test_slot_without_hysteresis_gets_the_slot_defaults() -> None:
@@ -90,10 +92,9 @@ def test_to_json_round_trip(tmp_path: Path) -> None:
     out = cfg.to_json()
     assert out["1"] == {"candidate_steps": [1, 3, 7], "up_hysteresis": 0.0, "down_hysteresis": -0.25,
                         "ceiling_coeff": 2.0}
-    assert {k: out[k] for k in ("ema_alpha", "warmup_batches", "update_interval", "min_dwell",
-                                "upshift_backoff", "upshift_backoff_max")} == {
+    assert {k: v for k, v in out.items() if k != "1"} == {
         "ema_alpha": 0.3, "warmup_batches": 10, "update_interval": 5, "min_dwell": 0,
-        "upshift_backoff": 64, "upshift_backoff_max": 1024}
+        "upshift_backoff": 64, "upshift_backoff_max": 1024, "confirm_decisions": 2}
 
 
 def test_slot_config_normalizes_and_validates_when_built_directly() -> None:
@@ -164,6 +165,10 @@ LEGACY = "top level (legacy single-entry form)"
     ({"1": GOOD, "upshift_backoff": -1}, "top level", "upshift_backoff"),
     ({"1": GOOD, "upshift_backoff": 64, "upshift_backoff_max": 32}, "top level",
      "upshift_backoff_max"),
+    ({"1": GOOD, "upshift_backoff_max": 1.5}, "top level", "upshift_backoff_max"),
+    ({"1": GOOD, "confirm_decisions": 0}, "top level", "confirm_decisions"),
+    ({"1": GOOD, "confirm_decisions": 1.5}, "top level", "confirm_decisions"),
+    ({"1": GOOD, "confirm_decisions": "2"}, "top level", "confirm_decisions"),
     # hysteresis and ceiling, per slot and as top-level defaults
     ({"1": {**GOOD, "up_hysteresis": "0.1"}}, 'slot "1"', "up_hysteresis"),
     ({"1": {**GOOD, "down_hysteresis": None}}, 'slot "1"', "down_hysteresis"),
