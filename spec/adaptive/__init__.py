@@ -2,5 +2,7 @@
 
 from spec.adaptive.config import (DEFAULT_ADAPTIVE_CONFIG, AdaptiveConfig, AdaptiveConfigError,
                                   SlotConfig)
+from spec.adaptive.slot import StepSlot
 
-__all__ = ["DEFAULT_ADAPTIVE_CONFIG", "AdaptiveConfig", "AdaptiveConfigError", "SlotConfig"]
+__all__ = ["DEFAULT_ADAPTIVE_CONFIG", "AdaptiveConfig", "AdaptiveConfigError", "SlotConfig",
+           "StepSlot"]
