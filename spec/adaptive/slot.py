@@ -1,4 +1,4 @@
-"""One batch-size range's step count: EMA of accepted drafts, hysteresis, minimum dwell, upshift backoff."""
+"""One batch-size range's step count: an EMA of accepted drafts, hysteresis, and rules against flapping."""
 
 from __future__ import annotations
 
