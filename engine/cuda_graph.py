@@ -151,6 +151,11 @@ class CudaGraphRunner:
     def max_bs(self) -> int:
         return self.batch_sizes[-1]
 
+    def shapes(self) -> list[tuple[ForwardMode, int, int]]:
+        """(mode, tokens per request, padded batch size) of every graph held, for tests and
+        benchmarks that count what was captured."""
+        return sorted(((k.mode, k.tokens_per_req, k.batch_size) for k in self._graphs), key=str)
+
     def padded_batch_size(self, bs: int) -> int | None:
         i = bisect.bisect_left(self.batch_sizes, bs)
         return self.batch_sizes[i] if i < len(self.batch_sizes) else None

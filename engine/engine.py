@@ -8,14 +8,15 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
+from engine.algorithm import EngineAlgorithm, PlainDecoding
 from engine.attention import create_attention_backend
 from engine.config import ModelConfig, parse_dtype
 from engine.core import FinishReason, InvalidRequest, Req, SamplingParams, as_token_list
-from engine.executor import Executor, PlainExecutor, maybe_enable_cuda_graphs
+from engine.executor import Executor, check_executor, maybe_enable_cuda_graphs
 from engine.kv_cache import MAX_DECODE_WINDOW, KVCacheConfig, KVCacheManager, KVPool
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
@@ -49,6 +50,9 @@ class EngineConfig:
     future_map_debug: bool = False
     # > 0 on CUDA: capture decode / verify / draft forwards in CUDA graphs up to this batch size
     cuda_graph_max_bs: int = 0
+    # with cuda_graph_max_bs > 0 off CUDA: run those forwards through the graphs' padded static
+    # buffers without capturing (the CPU test path of the graph code)
+    cuda_graph_padded_eager: bool = False
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_total_tokens", "max_running", "chunked_prefill_size"):
@@ -72,10 +76,6 @@ def check_device(name: str) -> torch.device:
     if dev.index is not None and dev.index >= mod.device_count():
         raise ValueError(f"device {name!r} does not exist ({mod.device_count()} present)")
     return dev
-
-
-# Builds the executor once the target is loaded (the plain one, or a speculative worker).
-ExecutorFactory = Callable[["EngineParts"], Executor]
 
 
 @dataclass
@@ -154,7 +154,7 @@ class _LocalIO:
 class Engine:
     """Generate for a batch of prompts (text or token ids), all at once or streaming."""
 
-    def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory | None = None,
+    def __init__(self, config: EngineConfig, algorithm: EngineAlgorithm | None = None,
                  io: SchedulerIO | None = None) -> None:
         self.config = config
         self.device = torch.device(config.device)
@@ -176,18 +176,19 @@ class Engine:
                              self.device)
         sampler = Sampler(mc.vocab_size, config.max_running, self.device)
         self.parts = EngineParts(config, mc, runner, self.kv, sampler, self.device, self.dtype)
-        self.executor = (executor_factory or (lambda p: PlainExecutor(p.runner, p.sampler)))(self.parts)
-        maybe_enable_cuda_graphs(runner, config.cuda_graph_max_bs)
+        self.algorithm: EngineAlgorithm = algorithm or PlainDecoding()
+        self.executor = check_executor(self.algorithm.create_worker(self.parts), self.algorithm.name)
+        maybe_enable_cuda_graphs(runner, config.cuda_graph_max_bs, config.cuda_graph_padded_eager)
         if self.executor.kv_tokens_per_decode() > MAX_DECODE_WINDOW:
             raise ValueError(f"a decode step may not write more than {MAX_DECODE_WINDOW} tokens")
-        precapture = getattr(self.executor, "capture_cuda_graphs", None)
-        if config.cuda_graph_max_bs > 0 and callable(precapture):
-            precapture()  # at start-up, so first requests do not pay for captures
+        if config.cuda_graph_max_bs > 0:
+            self.executor.capture_cuda_graphs()  # at start-up, so first requests do not pay for captures
         policy = BatchPolicy(PolicyConfig(config.max_running, config.chunked_prefill_size),
                              self.kv, self.executor.kv_tokens_per_decode())
         self.io: SchedulerIO = io or _LocalIO()
         self.scheduler = Scheduler(policy, self.executor, self.io, self.kv, mc.eos_token_ids,
-                                   self.max_context_len, overlap=config.overlap)
+                                   self.max_context_len, overlap=config.overlap, algorithm=self.algorithm,
+                                   future_map_debug=config.future_map_debug)
         self.tokenizer = _maybe_tokenizer(Path(config.model))
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()

@@ -1,14 +1,16 @@
 """Executors run a scheduled Batch and return new tokens; the plain one samples one token per step.
 
-The scheduler only sees the `Executor` protocol, so a speculative worker (spec/) plugs in here
-without the engine knowing which algorithm it is. A step is split in two: `launch` enqueues the
-device work and starts copying the results to the host; `collect` waits for those copies and
-builds the StepOutput. The overlap scheduler forms and launches batch N+1 between the two halves
-of batch N; the synchronous path is `step = collect(launch(batch))`.
+The scheduler and the node facade see only the `Executor` protocol, so a speculative worker
+(spec/) plugs in here without the engine knowing which algorithm it is; every hook the engine
+asks of an executor is declared on the protocol (the plain executor is the reference for the
+defaults). A step is split in two: `launch` enqueues the device work and starts copying the
+results to the host; `collect` waits for those copies and builds the StepOutput. The overlap
+scheduler forms and launches batch N+1 between the two halves of batch N; the synchronous path is
+`step = collect(launch(batch))`.
 
 Nothing a launch needs may come from a device value the host has not seen: the next input token
-of a decoding request is gathered on the device from a per-slot token table that every sampling
-step scatters into.
+of a decoding request is gathered on the device from the batch's FutureMap rows (`BatchRelay`),
+which every sampling step stashes into.
 """
 
 from __future__ import annotations
@@ -19,19 +21,31 @@ from typing import Any, Protocol
 import torch
 
 from engine.core import Batch, ForwardMode, Req, StepOutput
+from engine.future_map import BatchRelay, DraftInput, FutureMap, RelayPayload
 from engine.h2d import to_device
+from engine.handoff import HandoffCodec, NoPayloadCodec
+from engine.kv_cache import KVPool
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
+from engine.spec_stats import SpecStats
 
 
 class Executor(Protocol):
-    """What the scheduler needs from whoever runs the model."""
+    """What the scheduler, the engine and the PD facade need from whoever runs the model."""
 
-    def step(self, batch: Batch) -> StepOutput:
+    def bind_future_map(self, future_map: FutureMap) -> None:
+        """The scheduler's FutureMap (built by the algorithm), bound once at start-up."""
+
+    @property
+    def future_map(self) -> FutureMap:
+        """The bound FutureMap."""
+
+    def step(self, batch: Batch, relay: BatchRelay) -> StepOutput:
         """Run one forward (or one speculative round) and return the new tokens per request."""
 
-    def launch(self, batch: Batch) -> Any:
-        """Enqueue the step's device work; returns a handle for `collect` (no host sync)."""
+    def launch(self, batch: Batch, relay: BatchRelay) -> Any:
+        """Enqueue the step's device work; returns a handle for `collect` (no host sync).
+        `relay` holds the batch's FutureMap rows; `relay.on_publish` fences the new lengths."""
 
     def collect(self, handle: Any) -> StepOutput:
         """Wait for a launched step's results and bring them to the host."""
@@ -41,14 +55,44 @@ class Executor(Protocol):
         executors that need the host to know the previous tokens (e.g. drafts from history)."""
 
     def kv_tokens_per_decode(self) -> int:
-        """KV slots one decode step may write beyond `seq_len` (1 plain; drafts under speculation)."""
+        """KV slots one decode step may write beyond `seq_len` (1 plain; the verify window or
+        draft scratch under speculation, from the algorithm's verify-width hook)."""
 
     def on_admit(self, req: Req) -> None:
-        """A request got a KV slot (first time, after a retraction, or PD PREBUILT adoption)."""
+        """A request got a KV slot (first time, after a retraction, or PD prebuilt adoption)."""
+
+    def adopt_prebuilt(self, reqs: list[Req], draft_input: DraftInput, relay: BatchRelay) -> None:
+        """PD decode: requests whose KV arrived from a prefill node join; seed their FutureMap
+        rows (`relay`) from the algorithm's draft input, as their prefill's stash would have."""
 
     def on_release(self, req: Req) -> None:
         """A request gave its KV slot back (finished, aborted or retracted), after every
         in-flight forward that used it was collected."""
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture every decode-loop forward's graphs at start-up (no-op when graphs are off)."""
+
+    def extra_kv_pools(self) -> list[KVPool]:
+        """KV pools besides the target's that share its page ids (PD moves them too)."""
+
+    def handoff_codec(self) -> HandoffCodec:
+        """The algorithm's part of a PD handoff row (draft state carried prefill -> decode)."""
+
+    def spec_stats(self) -> SpecStats | None:
+        """Speculative counters, or None without speculation."""
+
+
+_EXECUTOR_HOOKS = tuple(n for n in vars(Executor) if not n.startswith("_"))
+
+
+def check_executor(executor: Executor, algorithm: str) -> Executor:
+    """Refuse a worker that lacks part of the protocol, naming what it lacks (checked on its
+    class, so properties are not evaluated before the scheduler binds their state)."""
+    missing = sorted(n for n in _EXECUTOR_HOOKS if not hasattr(type(executor), n))
+    if missing:
+        raise TypeError(f"{algorithm}: its worker {type(executor).__name__} does not implement the "
+                        f"Executor protocol (engine/executor.py): missing {missing}")
+    return executor
 
 
 # ---------------------------------------------------------------- host copies
@@ -121,8 +165,17 @@ class PlainExecutor:
 
     def __init__(self, runner: ModelRunner, sampler: Sampler) -> None:
         self.runner, self.sampler = runner, sampler
-        # last sampled token per request slot (row 0: padding): the next decode's input
-        self.tokens = torch.zeros(runner.kv.req_to_token.shape[0], dtype=torch.int64, device=runner.device)
+        self._future_map: FutureMap | None = None
+
+    # ---- hooks (the protocol's reference defaults) ----
+    def bind_future_map(self, future_map: FutureMap) -> None:
+        self._future_map = future_map
+
+    @property
+    def future_map(self) -> FutureMap:
+        if self._future_map is None:
+            raise RuntimeError("no FutureMap bound: the scheduler binds one at start-up")
+        return self._future_map
 
     def kv_tokens_per_decode(self) -> int:
         return 1
@@ -134,32 +187,42 @@ class PlainExecutor:
         """Decode graphs for every captured batch size (a no-op when graphs are off)."""
         self.runner.capture(ForwardMode.DECODE, 1)
 
+    def extra_kv_pools(self) -> list[KVPool]:
+        return []
+
+    def handoff_codec(self) -> HandoffCodec:
+        return NoPayloadCodec()
+
+    def spec_stats(self) -> SpecStats | None:
+        return None
+
     def on_admit(self, req: Req) -> None:
         self.sampler.on_admit(req)
-        if req.output_ids:  # PD PREBUILT: the first token came from the prefill node
-            self.tokens[req.slot] = req.output_ids[-1]
+
+    def adopt_prebuilt(self, reqs: list[Req], draft_input: DraftInput, relay: BatchRelay) -> None:
+        seed_prebuilt_rows(reqs, draft_input, relay)
 
     def on_release(self, req: Req) -> None:
         pass
 
     @torch.inference_mode()
-    def step(self, batch: Batch) -> StepOutput:
-        return self.collect(self.launch(batch))
+    def step(self, batch: Batch, relay: BatchRelay) -> StepOutput:
+        return self.collect(self.launch(batch, relay))
 
     @torch.inference_mode()
-    def launch(self, batch: Batch) -> PlainPending:
+    def launch(self, batch: Batch, relay: BatchRelay) -> PlainPending:
         reqs, dev = batch.reqs, self.runner.device
         ctx = self.runner.make_context(batch.mode, [r.slot for r in reqs], batch.prefix_lens,
                                        batch.extend_lens)
         decode = batch.mode is ForwardMode.DECODE
-        ids = self.tokens[ctx.req_slots] if decode else build_input_ids(batch, dev)
+        ids = relay.resolve().bonus_tokens if decode else build_input_ids(batch, dev)
         hidden, _ = self.runner.forward(ids, ctx)
         if not any(batch.sample):
             return PlainPending(batch, None)
         rows = hidden if decode else hidden[last_token_rows(batch, dev)]
         sampling = sampling_reqs(batch)
         out = sample_tokens(self.sampler, self.runner.logits(rows), sampling, sample_positions(batch))
-        self.tokens[to_device([r.slot for r in sampling], dev)] = out["tokens"]
+        relay.select(batch.sample).stash(RelayPayload(out["tokens"]))
         return PlainPending(batch, HostCopy(out))
 
     def collect(self, pending: PlainPending) -> StepOutput:
@@ -167,6 +230,13 @@ class PlainExecutor:
             return StepOutput(tokens=[[] for _ in pending.batch.reqs])
         sampled = sampled_output(pending.copy.wait())
         return scatter_to_batch(sampled, pending.batch.sample)
+
+
+def seed_prebuilt_rows(reqs: list[Req], draft_input: DraftInput, relay: BatchRelay) -> None:
+    """Publish the prebuilt requests' committed lengths and stash their draft input's rows."""
+    if len(draft_input) != len(reqs):
+        raise ValueError(f"draft input has {len(draft_input)} rows for {len(reqs)} prebuilt requests")
+    relay.seed(to_device([r.seq_len for r in reqs], relay.indices.device), draft_input.relay_payload())
 
 
 def sample_tokens(sampler: Sampler, logits: torch.Tensor, reqs: list[Req],
@@ -207,7 +277,13 @@ def scatter_to_batch(sampled: StepOutput, mask: list[bool]) -> StepOutput:
                       top_logprobs=pick(sampled.top_logprobs) if sampled.top_logprobs else None)
 
 
-def maybe_enable_cuda_graphs(runner: ModelRunner, max_bs: int) -> None:
-    """`EngineConfig.cuda_graph_max_bs` > 0 on CUDA: capture this runner's fixed-shape forwards."""
-    if max_bs > 0 and runner.device.type == "cuda":
+def maybe_enable_cuda_graphs(runner: ModelRunner, max_bs: int, padded_eager: bool = False) -> None:
+    """`EngineConfig.cuda_graph_max_bs` > 0: capture this runner's fixed-shape forwards on CUDA;
+    elsewhere, with `padded_eager`, run them through the same padded static buffers uncaptured
+    (how the graph path is tested on CPU)."""
+    if max_bs <= 0:
+        return
+    if runner.device.type == "cuda":
         runner.enable_cuda_graphs(max_bs)
+    elif padded_eager:
+        runner.enable_cuda_graphs(max_bs, capture=False)

@@ -19,14 +19,25 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """Owns a model and its KV pool; the request table and page ids come from the shared manager."""
+    """Owns a model and its KV pool; the request table and page ids come from the shared manager.
+
+    A draft model's runner runs TARGET_VERIFY forwards (fixed-width windows, in that mode's shape
+    and graphs) only when its algorithm says it may (`supports_target_verify_for_draft`); asked
+    otherwise, it refuses with an error naming why."""
 
     def __init__(self, model: nn.Module, kv: KVCacheManager, pool: KVPool,
-                 attn_backend: AttentionBackend, device: torch.device | str) -> None:
+                 attn_backend: AttentionBackend, device: torch.device | str, *,
+                 target_verify: bool | str = True) -> None:
         self.model, self.kv, self.pool = model, kv, pool
         self.attn_backend = attn_backend
         self.device = torch.device(device)
         self.graphs: CudaGraphRunner | None = None  # set by enable_cuda_graphs
+        # True, or the reason this (draft) runner may not run TARGET_VERIFY forwards
+        self._target_verify = target_verify
+
+    def check_mode(self, mode: ForwardMode) -> None:
+        if mode is ForwardMode.TARGET_VERIFY and self._target_verify is not True:
+            raise ValueError(f"this model runner cannot run TARGET_VERIFY forwards: {self._target_verify}")
 
     # ---- CUDA graphs ----
     def enable_cuda_graphs(self, max_bs: int, batch_sizes: list[int] | None = None, *,
@@ -51,11 +62,16 @@ class ModelRunner:
         """Pre-capture (at start-up) the graphs of one forward shape so first requests do not pay
         for it. Model inputs are examples: only their trailing shape and dtype matter. Returns
         the number of new graphs (0 when graphs are off)."""
+        self.check_mode(mode)
         if self.graphs is None:
             return 0
         return self.graphs.precapture(mode, tokens_per_req, batch_sizes, tree_width, aux_hidden_layers,
                                       example_model_inputs, self.pool, self.kv.req_to_token,
                                       self.attn_backend)
+
+    def graph_shapes(self) -> list[tuple[ForwardMode, int, int]]:
+        """(mode, tokens per request, padded batch size) of the graphs held (none when off)."""
+        return self.graphs.shapes() if self.graphs is not None else []
 
     @property
     def graph_stats(self) -> GraphStats:
@@ -72,6 +88,7 @@ class ModelRunner:
         the exact prefix lengths when only the device knows them (overlapped speculation); then
         `prefix_lens` is the host's upper bound and only sizes host-side lists.
         """
+        self.check_mode(mode)
         dev = self.device
         slots_t, prefix, ext = to_device([slots, prefix_lens, extend_lens], dev).unbind(0)
         if device_prefix is not None:

@@ -13,8 +13,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
+
+from engine.algorithm import EngineAlgorithm, PlainDecoding
 from engine.core import Batch, FinishReason, ForwardMode, Req, ReqState, StepOutput
 from engine.executor import Executor
+from engine.future_map import DraftInput, FutureMap
 from engine.kv_cache import KVCacheManager
 from engine.scheduler.policy import BatchPolicy
 
@@ -56,18 +60,31 @@ class Scheduler:
     """One iteration: take input, form a batch, run it, apply stop rules, publish updates."""
 
     def __init__(self, policy: BatchPolicy, executor: Executor, io: SchedulerIO, kv: KVCacheManager,
-                 eos_token_ids: tuple[int, ...], max_context_len: int, overlap: bool = False) -> None:
+                 eos_token_ids: tuple[int, ...], max_context_len: int, overlap: bool = False, *,
+                 algorithm: EngineAlgorithm | None = None, future_map_debug: bool = False) -> None:
         self.policy, self.executor, self.io, self.kv = policy, executor, io, kv
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_context_len = max_context_len
-        # the executor decides whether it can run one batch ahead; never the algorithm's name
-        supports = getattr(executor, "supports_overlap", lambda: False)
-        self.overlap = overlap and supports()
+        self.future_map = self._init_overlap(algorithm or PlainDecoding(), overlap, future_map_debug)
         self.decode_window = executor.kv_tokens_per_decode()
         self.reqs: dict[str, Req] = {}
         self._inflight: _Launched | None = None
         self.stats = {"steps": 0, "retractions": 0, "decode_tokens": 0, "prefill_tokens": 0,
                       "discarded": 0, "overlap_syncs": 0}
+
+    def _init_overlap(self, algorithm: EngineAlgorithm, overlap: bool, debug: bool) -> FutureMap:
+        """The relay every launch reads its unknown-on-the-host inputs from, built by the algorithm
+        (plain decoding too: its next input tokens travel the same way), bound to the executor.
+        Overlap runs only when the executor can run one batch ahead; never by algorithm name."""
+        self.overlap = overlap and self.executor.supports_overlap()
+        cfg, device = self.policy.cfg, self.kv.req_to_token.device
+        future_map = algorithm.create_future_map(cfg.max_running, cfg.chunked_prefill_size,
+                                                 self.max_context_len, device, debug=debug)
+        if future_map.num_rows < self.kv.req_to_token.shape[0]:
+            raise ValueError(f"{algorithm.name}: create_future_map gave {future_map.num_rows} rows; "
+                             f"{self.kv.req_to_token.shape[0]} request slots need one each")
+        self.executor.bind_future_map(future_map)
+        return future_map
 
     # ---- input ----
     def _ingest(self) -> list[RequestUpdate]:
@@ -81,19 +98,24 @@ class Scheduler:
             self.policy.add(req)
         return [self._abort(rid) for rid in aborts if rid in self.reqs]
 
-    def adopt_prebuilt(self, reqs: list[Req]) -> list[RequestUpdate]:
+    def adopt_prebuilt(self, reqs: list[Req], draft_input: DraftInput,
+                       first: StepOutput | None = None) -> list[RequestUpdate]:
         """PD decode: requests whose prompt KV and first token arrived from a prefill node join the
         running batch. Each already holds a slot and pages covering `seq_len` (= prompt length)
-        and has `output_ids == [first token]`; the first token goes through the stop rules."""
-        updates = []
+        and has `output_ids == [first token]`; the executor seeds their FutureMap rows from the
+        algorithm's `draft_input`, and the first token (with its logprobs in `first`, if any)
+        goes through the stop rules."""
         for req in reqs:
             assert req.slot and req.seq_len == len(req.prompt_ids) and len(req.output_ids) == 1, req.rid
             req.state = ReqState.RUNNING
             self.reqs[req.rid] = req
             self.policy.running.append(req)
             self.executor.on_admit(req)
-            first = req.output_ids.pop()
-            updates.append(self._append(req, [first], StepOutput(tokens=[[first]]), 0))
+        self.executor.adopt_prebuilt(reqs, draft_input, self.future_map.batch([r.slot for r in reqs]))
+        out = first or StepOutput(tokens=[[r.output_ids[0]] for r in reqs])
+        updates = []
+        for i, req in enumerate(reqs):
+            updates.append(self._append(req, [req.output_ids.pop()], out, i))
         return [u for u in updates if u is not None]
 
     def fail(self, req: Req, detail: str) -> RequestUpdate:
@@ -130,15 +152,16 @@ class Scheduler:
     def _run(self, batch: Batch) -> list[RequestUpdate]:
         self._mark_launched(batch)
         self.stats["steps"] += 1
+        relay = self.future_map.batch([r.slot for r in batch.reqs])
         if not self.overlap:
             try:
-                out = self.executor.step(batch)
+                out = self.executor.step(batch, relay)
             except BaseException:
                 self._abandon(batch)
                 raise
             return self._complete(batch, out)
         try:
-            handle = self.executor.launch(batch)
+            handle = self.executor.launch(batch, relay)
         except BaseException:
             self._abandon(batch)
             raise
@@ -226,6 +249,7 @@ class Scheduler:
             return
         req.release_pending = False
         self.executor.on_release(req)
+        self.future_map.invalidate(torch.tensor([req.slot], dtype=torch.int64))
         self.kv.release(req)
 
     # ---- output ----

@@ -201,14 +201,14 @@ def test_precapture_then_hit(rig):
 
 def test_eagle_engine_padded_eager_equals_plain(tiny_llama_dir, head_dir):
     from spec.config import SpecConfig
-    from spec.registry import executor_factory
+    from spec.registry import bind
 
     prompts = [[5, 17, 42, 7, 99], [8, 1], list(range(100, 113))]
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 
     def run(padded: bool) -> list[list[int]]:
         eng = Engine(EngineConfig(str(tiny_llama_dir), page_size=4),
-                     executor_factory=executor_factory(SpecConfig("EAGLE", str(head_dir), 3, 2, 5)))
+                     algorithm=bind(SpecConfig("EAGLE", str(head_dir), 3, 2, 5)))
         if padded:
             for r in (eng.executor.target, eng.executor.draft):
                 r.enable_cuda_graphs(4, [2, 4], capture=False)
@@ -312,11 +312,11 @@ GPU_GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
 
 def _gpu_engine(model_dir: Path, graphs: bool, spec_cfg=None) -> Engine:
     """fp32 so that padding (other matmul shapes) cannot flip a near-tie of a random model."""
-    from spec.registry import executor_factory
+    from spec.registry import bind
 
     eng = Engine(EngineConfig(str(model_dir), device="cuda", dtype="float32", page_size=4,
                               attention_backend="triton"),
-                 executor_factory=executor_factory(spec_cfg) if spec_cfg else None)
+                 algorithm=bind(spec_cfg) if spec_cfg else None)
     runners = [eng.executor.target, eng.executor.draft] if spec_cfg else [eng.parts.runner]
     for r in runners:
         if graphs:

@@ -11,7 +11,7 @@ from engine.engine import Engine, EngineConfig
 from engine.tiny_eagle import write_tiny_eagle_head
 from engine.tiny_model import write_tiny_model
 from spec.config import SpecConfig
-from spec.registry import executor_factory
+from spec.registry import bind
 
 PROMPTS = [[5, 17, 42, 7, 99, 3, 11, 250], [8, 1], list(range(100, 121)), [300] * 5]
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
@@ -32,12 +32,12 @@ def models(tmp_path_factory):
 
 def make_engine(models, spec=None, **kw) -> Engine:
     kw = {"page_size": 4, "chunked_prefill_size": 7, "future_map_debug": True, **kw}
-    factory = None
+    binding = None
     if spec is not None:
         algo, steps, topk, ntok = spec
         head = models["eagle3" if algo == "EAGLE3" else "eagle"]
-        factory = executor_factory(SpecConfig(algo, str(head), steps, topk, ntok))
-    return Engine(EngineConfig(str(models["target"]), **kw), executor_factory=factory)
+        binding = bind(SpecConfig(algo, str(head), steps, topk, ntok))
+    return Engine(EngineConfig(str(models["target"]), **kw), algorithm=binding)
 
 
 def assert_all_returned(eng: Engine) -> None:
@@ -88,10 +88,10 @@ def test_launch_runs_one_batch_ahead_of_collect(models):
     batches: list = []  # kept alive so identities stay unique
     launch, collect = eng.executor.launch, eng.executor.collect
 
-    def traced_launch(batch):
+    def traced_launch(batch, relay):
         batches.append(batch)
         log.append(("launch", len(batches) - 1))
-        return launch(batch)
+        return launch(batch, relay)
 
     def traced_collect(handle):
         log.append(("collect", next(i for i, b in enumerate(batches) if b is handle.batch)))
@@ -169,7 +169,7 @@ def test_executor_that_cannot_overlap_runs_synchronously(models, plain_greedy):
 
     register_class("NGRAM", NgramAlgo)  # normally its entry point; a no-op when that loaded it
     eng = Engine(EngineConfig(str(models["target"]), page_size=4, overlap=True),
-                 executor_factory=executor_factory(SpecConfig("NGRAM", num_steps=3)))
+                 algorithm=bind(SpecConfig("NGRAM", num_steps=3)))
     assert not eng.executor.supports_overlap() and not eng.scheduler.overlap
     outs = eng.generate(PROMPTS, GREEDY)
     assert [o.output_ids for o in outs] == [p[:24] for p in plain_greedy]
@@ -181,11 +181,11 @@ def test_a_failed_launch_with_a_batch_in_flight_frees_everything(models, spec):
     eng = make_engine(models, spec, overlap=True)
     launch, calls = eng.executor.launch, []
 
-    def flaky(batch):
+    def flaky(batch, relay):
         calls.append(batch)
         if len(calls) == 6:
             raise RuntimeError("boom")
-        return launch(batch)
+        return launch(batch, relay)
 
     eng.executor.launch = flaky
     for p in PROMPTS:

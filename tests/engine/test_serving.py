@@ -70,11 +70,11 @@ def test_a_failing_step_aborts_in_flight_requests_and_the_loop_goes_on(loop):
     real_step = eng.executor.step
     calls = {"n": 0}
 
-    def flaky(batch):
+    def flaky(batch, relay):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("boom")
-        return real_step(batch)
+        return real_step(batch, relay)
 
     eng.executor.step = flaky
     _, upd = _collect(loop, eng.make_request([1, 2], SamplingParams(max_new_tokens=20), "x"))

@@ -198,7 +198,7 @@ def test_eagle_tree_greedy_equals_torch(tmp_path, tiny_llama_dir) -> None:
     from engine.engine import Engine, EngineConfig
     from engine.tiny_eagle import write_tiny_eagle_head
     from spec.config import SpecConfig
-    from spec.registry import executor_factory
+    from spec.registry import bind
 
     head = write_tiny_eagle_head(tmp_path / "head", tiny_llama_dir, "eagle", mode="repeat")
     prompts = [[5, 17, 42, 7, 99, 3, 11, 250], [300] * 5]
@@ -207,7 +207,7 @@ def test_eagle_tree_greedy_equals_torch(tmp_path, tiny_llama_dir) -> None:
     for name in ("torch", "triton"):
         eng = Engine(EngineConfig(str(tiny_llama_dir), page_size=4, chunked_prefill_size=7,
                                   attention_backend=name, device=DEVICE),
-                     executor_factory=executor_factory(SpecConfig("EAGLE", str(head), 3, 2, 5)))
+                     algorithm=bind(SpecConfig("EAGLE", str(head), 3, 2, 5)))
         outs[name] = [o.output_ids for o in eng.generate(prompts, params)]
         assert eng.executor.stats.verifies > 0
     assert outs["triton"] == outs["torch"]

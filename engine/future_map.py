@@ -1,50 +1,49 @@
-"""FutureMap: device-side relay buffers for the overlap scheduler.
+"""FutureMap: device-side relay rows through which one forward hands the next its inputs.
 
 Under overlap scheduling the CPU prepares batch N+1 while the device still runs batch N, so
-batch N+1's inputs (next input token, new sequence lengths, EAGLE top-k and draft hidden
-state) are not known on the host yet. The forward of batch N writes them here and the forward
-of batch N+1 gathers them, all in device stream order, with no host sync.
+batch N+1's inputs (next input token, new sequence lengths, draft top-k and hidden state) are not
+known on the host yet. Batch N's forward writes them here and batch N+1's forward gathers them,
+in device stream order, with no host sync. Every algorithm relays through one map, plain decoding
+included (its next input token is a bonus token like any other); the scheduler builds it with the
+algorithm's `create_future_map` and hands each launch the rows of its batch (`BatchRelay`).
 
-Rows are keyed by request slot (``req_pool_idx``). Row 0 is padding: it mirrors the KV padding
-row, so graph-padded entries may read and write it without touching a real request. A row is
-safe without a ring of future slots because a request is in at most one in-flight forward and
-its slot is freed only after its result was processed.
+Rows are keyed by request slot. Row 0 is padding: it mirrors the KV padding row, so graph-padded
+entries may read and write it without touching a real request. A row is safe without a ring of
+future slots because a request is in at most one in-flight forward and its slot is freed only
+after its result was processed.
 
 Protocol per iteration:
 
-* ``publish(indices, new_seq_lens)`` between verify and draft-extend: scatters the new lengths
-  and (re)records the ``publish_ready`` event, chained onto the previous record.
-* ``stash(indices, payload)`` after the forward, on the forward stream: bonus tokens, top-k and
-  hidden states.
-* ``resolve_seq_lens(indices)`` / ``resolve(indices)`` for the next batch: wait the event on the
-  current stream, then gather. Stash-side visibility comes from stream order (the next forward
-  runs after the previous one on the forward stream) or from the caller's cross-stream wait.
+* ``on_publish(new_seq_lens)`` (``publish``) between verify and draft-extend: scatters the new
+  lengths and (re)records ``publish_ready``, chained onto the previous record.
+* ``stash(payload)`` after the forward, on the forward stream: bonus tokens, top-k, hidden states.
+* ``resolve_seq_lens()`` / ``resolve()`` for the next batch: wait the event, then gather.
 
-``debug=True`` poisons buffers with -1 and re-poisons consumed rows, and checks on every
-resolve that each row read was written since it was last consumed.
+Guards. Unwritten and released rows hold a negative sentinel. Every resolve checks on the device
+that no row it read is a sentinel (``torch._assert_async``: no host sync; on the CPU the check is
+immediate), so a read of a row that was never published fails instead of decoding from length 0.
+``debug=True`` also re-poisons rows once consumed, catching a second read without a new write.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import torch
 
+from engine.h2d import to_device
+
 __all__ = [
-    "DeviceEvent",
-    "FutureMap",
-    "FutureMapError",
-    "RelayPayload",
-    "make_event",
-    "seed_rows",
+    "BatchRelay", "DeviceEvent", "DraftInput", "FutureMap", "FutureMapError", "RelayPayload",
+    "make_event", "plain_future_map",
 ]
 
-_POISON = -1
+_SENTINEL = -1
 
 
 class FutureMapError(RuntimeError):
-    """A relay row was misused: read before being written, read twice, or malformed input."""
+    """A relay row was misused: read before being written, read twice (debug), or bad input."""
 
 
 # --------------------------------------------------------------------------- events
@@ -82,8 +81,7 @@ class StreamEvent:
     """A backend event recorded on / waited from the *current* stream of one device.
 
     Built from the generic ``torch.Event`` when this torch has it, else from the device module's
-    ``Event`` (looked up by name, so builds whose module lacks a given class never break import).
-    The stream is passed explicitly: the event's device may not be the current device.
+    ``Event``. The stream is passed explicitly: the event's device may not be the current device.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -92,7 +90,7 @@ class StreamEvent:
         if hasattr(torch, "Event"):
             self._event: Any = torch.Event(device=device)
         else:  # older torch: the per-backend class
-            self._event = getattr(self._module, "Event")()
+            self._event = self._module.Event()
 
     def _stream(self) -> Any:
         return self._module.current_stream(self.device)
@@ -130,15 +128,14 @@ class RelayPayload:
     topk_index: torch.Tensor | None = None  # (n, topk) int64
     hidden_states: torch.Tensor | None = None  # (n, H) draft dtype
 
-    @classmethod
-    def from_draft_input(cls, draft_input: Any) -> RelayPayload:
-        """Duck-typed: any object with ``bonus_tokens`` and optional topk/hidden attributes."""
-        return cls(
-            bonus_tokens=draft_input.bonus_tokens,
-            topk_p=getattr(draft_input, "topk_p", None),
-            topk_index=getattr(draft_input, "topk_index", None),
-            hidden_states=getattr(draft_input, "hidden_states", None),
-        )
+
+class DraftInput(Protocol):
+    """What an algorithm's draft input offers the engine: its rows as a relay payload (PD decode
+    seeds a prebuilt request's FutureMap row from it)."""
+
+    def relay_payload(self) -> RelayPayload: ...
+
+    def __len__(self) -> int: ...
 
 
 # --------------------------------------------------------------------------- the map
@@ -156,11 +153,9 @@ class FutureMap:
         self.need_topk = need_topk
         self.need_hidden = need_hidden
         self.debug = debug
-        # Eager: every path (spec or not) relays tokens and lengths. Row 0 stays 0 in debug too,
-        # so padded reads never trip the poison check.
-        fill = _POISON if debug else 0
-        self.output_tokens_buf = self._full((num_rows,), fill, torch.int64)
-        self.new_seq_lens_buf = self._full((num_rows,), fill, torch.int64)
+        # Eager: every path relays tokens and lengths. Row 0 stays 0: padded reads pass the guard.
+        self.output_tokens_buf = self._full((num_rows,), _SENTINEL, torch.int64)
+        self.new_seq_lens_buf = self._full((num_rows,), _SENTINEL, torch.int64)
         # Lazy: shapes (topk, hidden size) and dtypes are only known from the first payload.
         self.topk_p_buf: torch.Tensor | None = None
         self.topk_index_buf: torch.Tensor | None = None
@@ -172,11 +167,15 @@ class FutureMap:
         """The ``publish_ready`` event; None until the first non-empty publish."""
         return self._publish_ready
 
+    def batch(self, slots: Sequence[int] | torch.Tensor) -> "BatchRelay":
+        """The rows of one batch (request slots in batch order)."""
+        return BatchRelay(self, slots if isinstance(slots, torch.Tensor) else to_device(list(slots), self.device))
+
     # ----------------------------------------------------------------- writes
 
     def publish(self, indices: torch.Tensor, new_seq_lens: torch.Tensor) -> None:
         """Scatter ``new_seq_lens`` into their rows and record ``publish_ready`` (chained)."""
-        if indices.numel() == 0:  # idle rank / empty batch: nothing to fence
+        if indices.numel() == 0:  # empty batch: nothing to fence
             return
         self._check_rows("new_seq_lens", new_seq_lens, indices)
         idx = self._idx(indices)
@@ -219,8 +218,7 @@ class FutureMap:
         idx = self._idx(indices)
         self._wait_published()
         seq_lens = self.new_seq_lens_buf[idx]  # advanced indexing copies: safe to poison after
-        if self.debug:
-            self._check_and_poison(self.new_seq_lens_buf, seq_lens, idx, "new_seq_lens")
+        self._guard(self.new_seq_lens_buf, seq_lens, idx, "new_seq_lens", minimum=1)
         return seq_lens
 
     def resolve(self, indices: torch.Tensor) -> RelayPayload:
@@ -237,23 +235,22 @@ class FutureMap:
             if self.hidden_states_buf is None:
                 raise FutureMapError("resolve of hidden states before any stash carried them")
             hidden = self.hidden_states_buf[idx]
-        if self.debug:
-            # The token buffer stands for the whole stash: stash writes all fields together.
-            self._check_and_poison(self.output_tokens_buf, tokens, idx, "output_tokens")
+        # The token row stands for the whole stash: stash writes all fields together.
+        self._guard(self.output_tokens_buf, tokens, idx, "output_tokens", minimum=0)
         return RelayPayload(tokens, topk_p, topk_index, hidden)
 
     def invalidate(self, indices: torch.Tensor) -> None:
-        """A request slot went back to its pool: in debug mode poison its rows, so whoever gets
-        the slot next is caught reading them before its own publish / stash."""
-        if not self.debug or indices.numel() == 0:
+        """A request slot went back to its pool: reset its rows to the sentinel, so whoever gets
+        the slot next fails its first read unless it publishes and stashes first."""
+        if indices.numel() == 0:
             return
         idx = self._idx(indices)
-        poison = torch.where(idx == 0, 0, _POISON)
-        self.output_tokens_buf[idx] = poison
-        self.new_seq_lens_buf[idx] = poison
+        sentinel = torch.where(idx == 0, 0, _SENTINEL)
+        self.output_tokens_buf[idx] = sentinel
+        self.new_seq_lens_buf[idx] = sentinel
 
     def rows_free(self) -> bool:
-        """Debug mode: every real row is poisoned, i.e. was consumed or released (tests, CPU)."""
+        """Every real row holds the sentinel: released, or (debug) consumed. For tests."""
         return bool((self.output_tokens_buf[1:] < 0).all() and (self.new_seq_lens_buf[1:] < 0).all())
 
     # ----------------------------------------------------------------- helpers
@@ -269,7 +266,9 @@ class FutureMap:
     def _idx(self, indices: torch.Tensor) -> torch.Tensor:
         if indices.dim() != 1:
             raise FutureMapError(f"indices must be 1-D, got shape {tuple(indices.shape)}")
-        return indices.to(self.device, torch.int64, non_blocking=True)
+        if indices.device != self.device:  # pinned staging: never stall behind a forward in flight
+            return to_device(indices.to(torch.int64), self.device)
+        return indices.to(torch.int64)
 
     @staticmethod
     def _check_rows(name: str, values: torch.Tensor, indices: torch.Tensor) -> None:
@@ -281,8 +280,7 @@ class FutureMap:
                values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         self._check_rows(name, values, indices)
         if buf is None:
-            buf = self._full((self.num_rows, *values.shape[1:]),
-                             _POISON if self.debug else 0, values.dtype)
+            buf = self._full((self.num_rows, *values.shape[1:]), 0, values.dtype)
         elif buf.shape[1:] != values.shape[1:]:
             raise FutureMapError(f"{name} rows have shape {tuple(values.shape[1:])}, "
                                  f"buffer holds {tuple(buf.shape[1:])}")
@@ -293,30 +291,66 @@ class FutureMap:
         if self._publish_ready is not None:
             self._publish_ready.wait()
 
-    def _check_and_poison(self, buf: torch.Tensor, values: torch.Tensor, idx: torch.Tensor,
-                          name: str) -> None:
-        # Row 0 is exempt: padding reads it freely and it is never poisoned.
-        ok = ((values >= 0) | (idx == 0)).all()
-        msg = f"FutureMap: {name} row read before being written since its last resolve"
+    def _guard(self, buf: torch.Tensor, values: torch.Tensor, idx: torch.Tensor, name: str,
+               minimum: int) -> None:
+        """Fail a read of a sentinel row (never written, released or, in debug, consumed).
+        Row 0 is exempt: padding reads it freely."""
+        if values.numel() == 0:
+            return
+        ok = ((values >= minimum) | (idx == 0)).all()
+        msg = f"FutureMap: {name} row read before being written (never published, or released)"
         if self.device.type == "cpu":
             if not bool(ok):
-                bad = idx[(values < 0) & (idx != 0)].tolist()
+                bad = idx[(values < minimum) & (idx != 0)].tolist()
                 raise FutureMapError(f"{msg} (rows {bad})")
         else:
             # No host sync on an accelerator: the failure surfaces at the next synchronize.
             torch._assert_async(ok, msg)
-        # where() keeps duplicate row-0 writes identical, so the scatter stays deterministic.
-        buf[idx] = torch.where(idx == 0, 0, _POISON).to(buf.dtype)
+        if self.debug:  # consume once: a second read without a new write fails too
+            buf[idx] = torch.where(idx == 0, 0, _SENTINEL).to(buf.dtype)
 
 
-def seed_rows(fm: FutureMap, indices: torch.Tensor, seq_lens: torch.Tensor,
-              payload: RelayPayload) -> None:
-    """Seed rows of requests that did not come from a forward (PD decode PREBUILT batches).
+class BatchRelay:
+    """One batch's rows of a FutureMap, with the callback that publishes them (`on_publish`).
 
-    Publish then stash, like a forward would. The chained publish keeps the fence of a forward
-    in flight on another stream: after this, ``publish_ready`` still implies that forward's
-    publish. The stash half becomes visible to the next forward through the caller's stream
-    order (the forward stream waits on the schedule stream before resolving).
-    """
-    fm.publish(indices, seq_lens)
-    fm.stash(indices, payload)
+    Executors get one per launch from the scheduler; they never see other requests' rows."""
+
+    def __init__(self, future_map: FutureMap, indices: torch.Tensor) -> None:
+        self.future_map, self.indices = future_map, indices
+
+    def __len__(self) -> int:
+        return int(self.indices.shape[0])
+
+    def on_publish(self, new_seq_lens: torch.Tensor) -> None:
+        """The batch's new committed lengths are final (called between verify and draft-extend)."""
+        self.future_map.publish(self.indices, new_seq_lens)
+
+    def stash(self, payload: RelayPayload) -> None:
+        self.future_map.stash(self.indices, payload)
+
+    def resolve_seq_lens(self) -> torch.Tensor:
+        return self.future_map.resolve_seq_lens(self.indices)
+
+    def resolve(self) -> RelayPayload:
+        return self.future_map.resolve(self.indices)
+
+    def seed(self, seq_lens: torch.Tensor, payload: RelayPayload) -> None:
+        """Rows of requests that did not come from a forward (PD decode prebuilt requests):
+        publish then stash, like a forward would. The chained publish keeps the fence of a
+        forward in flight; the stash becomes visible to the next forward by stream order."""
+        self.on_publish(seq_lens)
+        self.stash(payload)
+
+    def select(self, mask: Sequence[bool]) -> "BatchRelay":
+        """The rows of the requests where `mask` is true (e.g. those that sample this step)."""
+        if all(mask):
+            return self
+        keep = [i for i, m in enumerate(mask) if m]
+        return BatchRelay(self.future_map, self.indices[to_device(keep, self.indices.device)])
+
+
+def plain_future_map(max_running_requests: int, chunked_prefill_size: int, context_len: int,
+                     device: torch.device | str, *, debug: bool = False) -> FutureMap:
+    """The map of decoding without speculation: next input tokens and lengths, nothing else.
+    (chunked_prefill_size and context_len are part of the factory signature; rows are per slot.)"""
+    return FutureMap(max_running_requests + 1, device, need_topk=False, need_hidden=False, debug=debug)

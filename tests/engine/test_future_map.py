@@ -1,4 +1,5 @@
-"""FutureMap: publish/stash/resolve contracts, ordering, debug poison guard, chained event."""
+"""FutureMap: publish/stash/resolve contracts, ordering, the production guard against unpublished
+reads (CPU and CUDA), the debug consume-once guard, batch relays, chained event."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import textwrap
 import pytest
 import torch
 
-import spec.future_map as future_map_module
-from spec.future_map import CompletedEvent, FutureMap, FutureMapError, RelayPayload, seed_rows
+import engine.future_map as future_map_module
+from engine.future_map import BatchRelay, CompletedEvent, FutureMap, FutureMapError, RelayPayload
 
 DEVICES = [
     "cpu",
@@ -153,7 +154,7 @@ def test_seeding_between_publish_and_stash(device: str) -> None:
     inflight, seeded = [1, 2], [6, 7, 8]
     pay_inflight, pay_seeded = _payload(device, inflight, 300), _payload(device, seeded, 400)
     fm.publish(_idx(device, inflight), _idx(device, [5, 6]))  # forward: after verify
-    seed_rows(fm, _idx(device, seeded), _idx(device, [17, 18, 19]), pay_seeded)  # PD prebuilt
+    fm.batch(_idx(device, seeded)).seed(_idx(device, [17, 18, 19]), pay_seeded)  # PD prebuilt
     fm.stash(_idx(device, inflight), pay_inflight)  # forward: after it returns
     merged = _idx(device, inflight + seeded)  # the next decode batch merges both
     assert fm.resolve_seq_lens(merged).tolist() == [5, 6, 17, 18, 19]
@@ -164,14 +165,44 @@ def test_seeding_between_publish_and_stash(device: str) -> None:
                                  got.hidden_states[2:]), pay_seeded)
 
 
-def test_debug_unpublished_read_raises_on_cpu() -> None:
-    fm = _fm("cpu", debug=True)
+@pytest.mark.parametrize("debug", [False, True])
+def test_unpublished_read_raises_on_cpu(debug: bool) -> None:
+    fm = _fm("cpu", debug=debug)  # the guard is on in production too, not only in debug
     with pytest.raises(FutureMapError, match="new_seq_lens"):
         fm.resolve_seq_lens(_idx("cpu", [3]))
     fm.publish(_idx("cpu", [3]), _idx("cpu", [9]))
     fm.stash(_idx("cpu", [4]), _payload("cpu", [4], 1))
     with pytest.raises(FutureMapError, match="output_tokens"):
         fm.resolve(_idx("cpu", [3]))  # row 3 published, never stashed
+
+
+def test_released_rows_fail_their_next_read() -> None:
+    fm = _fm("cpu")
+    idx = _idx("cpu", [2, 5])
+    fm.publish(idx, _idx("cpu", [7, 8]))
+    fm.stash(idx, _payload("cpu", [2, 5], 10))
+    fm.invalidate(_idx("cpu", [5]))  # slot 5 went back to the pool
+    assert fm.resolve_seq_lens(_idx("cpu", [2])).tolist() == [7]
+    with pytest.raises(FutureMapError, match=r"rows \[5\]"):
+        fm.resolve_seq_lens(idx)
+    with pytest.raises(FutureMapError, match="output_tokens"):
+        fm.resolve(_idx("cpu", [5]))
+    assert not fm.rows_free()
+    fm.invalidate(_idx("cpu", [2]))
+    assert fm.rows_free()
+
+
+def test_batch_relay_publishes_stashes_and_selects() -> None:
+    fm = _fm("cpu", need_topk=False, need_hidden=False)
+    relay = fm.batch([3, 6, 9])
+    assert isinstance(relay, BatchRelay) and len(relay) == 3
+    relay.on_publish(_idx("cpu", [4, 5, 6]))
+    relay.select([True, False, True]).stash(RelayPayload(_idx("cpu", [30, 90])))
+    assert relay.resolve_seq_lens().tolist() == [4, 5, 6]
+    assert fm.batch([9, 3]).resolve().bonus_tokens.tolist() == [90, 30]
+    with pytest.raises(FutureMapError):
+        fm.batch([6]).resolve()  # row 6 sampled nothing: never stashed
+    assert relay.select([True] * 3) is relay
 
 
 def test_debug_double_consume_raises_on_cpu() -> None:
@@ -203,13 +234,16 @@ def test_non_debug_allows_rereads() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_debug_async_assert_surfaces_on_cuda() -> None:
-    # A failed device assert poisons the CUDA context, so it runs in its own process.
-    code = textwrap.dedent("""
+@pytest.mark.parametrize("debug", [False, True])
+def test_async_assert_surfaces_on_cuda(debug: bool) -> None:
+    # A failed device assert poisons the CUDA context, so it runs in its own process. The read
+    # itself returns without a host sync; the failure surfaces at the next synchronize.
+    code = textwrap.dedent(f"""
         import torch
-        from spec.future_map import FutureMap
-        fm = FutureMap(8, "cuda", need_topk=False, need_hidden=False, debug=True)
+        from engine.future_map import FutureMap
+        fm = FutureMap(8, "cuda", need_topk=False, need_hidden=False, debug={debug})
         fm.resolve_seq_lens(torch.tensor([3], device="cuda"))
+        print("RETURNED")
         try:
             torch.cuda.synchronize()
         except RuntimeError as e:
@@ -217,6 +251,7 @@ def test_debug_async_assert_surfaces_on_cuda() -> None:
     """)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
+    assert "RETURNED" in res.stdout, (res.stdout, res.stderr)
     assert "ASYNC-ASSERT" in res.stdout or "Assertion" in res.stderr, (res.stdout, res.stderr)
 
 
@@ -266,12 +301,3 @@ def test_module_never_names_backend_event_class() -> None:
     source = inspect.getsource(future_map_module)
     assert "torch.cuda.Event" not in source
     assert "cuda.Event" not in source
-
-
-def test_from_draft_input_duck_typed() -> None:
-    class Draft:
-        bonus_tokens = torch.tensor([1, 2])
-        topk_p = None
-
-    p = RelayPayload.from_draft_input(Draft())
-    assert p.bonus_tokens.tolist() == [1, 2] and p.topk_p is None and p.hidden_states is None

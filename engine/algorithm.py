@@ -1,0 +1,53 @@
+"""What the engine asks of a (speculative) algorithm, declared here so the engine never imports one.
+
+spec/ binds an algorithm and its settings into an object of this shape; an Engine built without
+one decodes plainly. The scheduler's start-up builds the FutureMap through `create_future_map`
+(SGLang's argument order), for every algorithm, plain decoding included.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from engine.future_map import FutureMap, plain_future_map
+
+if TYPE_CHECKING:
+    from engine.engine import EngineParts
+    from engine.executor import Executor
+
+
+class EngineAlgorithm(Protocol):
+    """An algorithm bound to its settings, as the engine sees it."""
+
+    @property
+    def name(self) -> str: ...
+
+    def create_worker(self, parts: "EngineParts") -> "Executor":
+        """The executor that runs this algorithm on the loaded target."""
+
+    def create_future_map(self, max_running_requests: int, chunked_prefill_size: int, context_len: int,
+                          device: torch.device | str, *, debug: bool = False) -> FutureMap:
+        """The overlap relay this algorithm needs (rows per request slot)."""
+
+    def describe(self) -> dict[str, Any]:
+        """Settings to log and report (name, steps, widths ...)."""
+
+
+class PlainDecoding:
+    """The engine's own default: the target alone, no drafts (spec/ supplies everything else)."""
+
+    name = "plain"
+
+    def create_worker(self, parts: "EngineParts") -> "Executor":
+        from engine.executor import PlainExecutor
+
+        return PlainExecutor(parts.runner, parts.sampler)
+
+    def create_future_map(self, max_running_requests: int, chunked_prefill_size: int, context_len: int,
+                          device: torch.device | str, *, debug: bool = False) -> FutureMap:
+        return plain_future_map(max_running_requests, chunked_prefill_size, context_len, device, debug=debug)
+
+    def describe(self) -> dict[str, Any]:
+        return {"algorithm": self.name}
