@@ -1,7 +1,7 @@
 """CPU benchmark of PD handoff: NIXL (UCX) KV-page bandwidth and latency, and PD's added TTFT.
 
 Run: `python -m bench.pd_cpu [--quick] [--out PATH]`.
-1. Transfer: this process writes one request's pages + aux row (NixlTransport) to a reader child
+1. Transfer: this process writes one request's pages + handoff row (NixlTransport) to a reader child
    owning the destination pool (random page ids), which stamps the completion notification with
    CLOCK_MONOTONIC (shared by both processes). In turn with each write, the same pages go to the
    same ids of a local pool in-process: "memcpy" (numpy indexing over page-sized void items = one
@@ -41,8 +41,7 @@ from bench.common import write_report
 from bench.engine_cpu import DEFAULT_SHAPE, _loadavg, environment
 from engine.kv_cache import KVPool
 from engine.kv_transfer import (
-    AuxBuffer,
-    AuxLayout,
+    HandoffRows,
     KVPoll,
     MemoryLayout,
     Region,
@@ -95,7 +94,7 @@ def reader_main(spec: dict[str, Any]) -> None:
     """Child: destination pool + aux rows; reports (room, t, ok) for every completion."""
     from engine.kv_transfer.nixl import NixlTransport
 
-    pools, aux = [_pool(spec["shape"], spec["pages"], 0.0)], AuxBuffer(AuxLayout(), 8)
+    pools, aux = [_pool(spec["shape"], spec["pages"], 0.0)], HandoffRows(256, 8)
     with progress_thread(spec["prog_thread"]):
         t = NixlTransport(spec["name"], pools, aux)
     print("@@ " + json.dumps({"md": base64.b64encode(t.metadata()).decode(),
@@ -167,7 +166,7 @@ def bench_transfer(tokens: tuple[int, ...], reps: int, shape: dict[str, int], pr
     pages = 2 * max(tokens) // ps + 1  # room for scattered ids; page 0 is reserved
     src, local = _pool(shape, pages, 1.0), _pool(shape, pages, 0.0)
     src_np, local_np = _pages_np(src), _pages_np(local)
-    aux, rng, room, rows = AuxBuffer(AuxLayout(), 8), random.Random(0), 0, []
+    aux, rng, room, rows = HandoffRows(256, 8), random.Random(0), 0, []
     reader = Reader({"name": f"bench-reader-{os.getpid()}-{prog}", "shape": shape, "pages": pages,
                      "life_s": 900, "prog_thread": prog})
     try:
@@ -193,7 +192,7 @@ def bench_transfer(tokens: tuple[int, ...], reps: int, shape: dict[str, int], pr
                         room += 1
                         stamp, row = float(room % 2000), 1 + room % 7  # stamp: exact in fp16
                         src.buffer[:, :, [src_pages[0], src_pages[-1]]] = stamp
-                        aux.write(1, room, first_token=0)
+                        aux.write(1, room, torch.zeros(256, dtype=torch.uint8))
                         reader.send(room=room, row=row, stamp=stamp, check=[dst_pages[0], dst_pages[-1]])
                         t0 = time.monotonic()  # the data moves inside write(): UCX cma copies synchronously
                         h = t.write(TransferRequest(room, peer, src_pages, dst_pages, 1, row))

@@ -114,7 +114,7 @@ class Fingerprint:
     draft_model_hash: str
     """`model_hash` of the draft model directory; "" when there is none."""
     aux_row_bytes: int
-    """Bytes per aux row (first token, top-k, draft hidden state, room echo)."""
+    """Bytes per handoff row (room echo, the shared header, the algorithm's payload)."""
     version: str
     """pdserve version."""
 

@@ -91,17 +91,6 @@ def _check(ok: bool, name: str, rule: str, value: Any) -> None:
         raise InvalidRequest(f"{name} {rule}, got {value!r}")
 
 
-@dataclass(slots=True)
-class HandoffState:
-    """What a prefill node sends besides KV pages (one aux row): the first sampled token and,
-    under speculation, the draft's top-k after it and the draft hidden state (tensors)."""
-
-    first_token: int
-    topk_p: Any = None
-    topk_index: Any = None
-    hidden: Any = None
-
-
 class ReqState(enum.Enum):
     WAITING = "waiting"  # queued, no KV
     RUNNING = "running"  # has KV, decoding (or mid chunked prefill)
@@ -132,7 +121,7 @@ class Req:
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_retractions: int = 0
     spec_state: Any = None  # opaque per-request state owned by a speculative worker
-    handoff: HandoffState | None = None  # PD decode: what arrived from the prefill node
+    handoff: Any = None  # PD decode: the algorithm's handoff state, decoded by its codec
     # PD prefill: keep KV pages and speculative state after finishing, until the transfer ends
     hold_kv: bool = False
     # Overlap scheduling: what launched-but-uncollected batches will add. The host knows them

@@ -1,6 +1,6 @@
-"""Prefill Generate: wait for the decode's destination, run the prompt, write KV + aux, answer.
+"""Prefill Generate: wait for the decode's destination, run the prompt, write KV + handoff row, answer.
 
-Decode-driven: the prompt is computed only once the decode node has reserved pages and an aux
+Decode-driven: the prompt is computed only once the decode node has reserved pages and a handoff
 row for this room (that is the system's backpressure), bounded by the bootstrap deadline. The
 request's KV stays held after its first token until the write ends, then returns to the pool
 whatever happened.
@@ -19,13 +19,14 @@ import grpc
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 from engine.core import FinishReason, InvalidRequest, Req
+from engine.disagg import DisaggEngine
+from engine.handoff import HandoffError
 from engine.kv_transfer import KVPoll, TransferError, TransferRequest, failure_tag
-from engine.kv_transfer.endpoint import Endpoint, handoff_tensors, kv_pools, room_echo
+from engine.kv_transfer.endpoint import Endpoint, room_echo
 from engine.scheduler import RequestUpdate
 from engine.service import convert
 from engine.service.metrics import KV_TRANSFER_BYTES, KV_TRANSFER_FAILURES, KV_TRANSFER_SECONDS
 from engine.service.stream import RequestFailed
-from engine.serving import EngineLoop
 from prefill_node.rooms import Room, RoomTable
 
 log = logging.getLogger(__name__)
@@ -39,18 +40,17 @@ class PrefillTimeouts:
 
 
 class PrefillHandler:
-    def __init__(self, loop: EngineLoop, endpoint: Endpoint, rooms: RoomTable,
+    def __init__(self, pd: DisaggEngine, endpoint: Endpoint, rooms: RoomTable,
                  timeouts: PrefillTimeouts) -> None:
-        self.loop, self.endpoint, self.rooms, self.timeouts = loop, endpoint, rooms, timeouts
-        self.engine = loop.engine
+        self.pd, self.endpoint, self.rooms, self.timeouts = pd, endpoint, rooms, timeouts
 
     async def generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        eng = self.engine
-        params = convert.sampling_params(request, eng.max_context_len)
-        req = eng.make_request(list(request.tokenized.input_ids),
-                               dataclasses.replace(params, max_new_tokens=1, stop=()),
-                               request.request_id or None)
+        pd = self.pd
+        params = convert.sampling_params(request, pd.max_context_len)
+        req = pd.make_request(list(request.tokenized.input_ids),
+                              dataclasses.replace(params, max_new_tokens=1, stop=()),
+                              request.request_id or None)
         req.hold_kv = True
         room = self.rooms.get_or_create(request.disaggregated_params.bootstrap_room)
         if room.request_id:
@@ -61,15 +61,15 @@ class PrefillHandler:
             await self._wait_destination(room)
             first = await self._compute(req, room)
             await self._transfer(req, room, first)
-        except (RequestFailed, TransferError, asyncio.TimeoutError) as e:
+        except (RequestFailed, TransferError, HandoffError, asyncio.TimeoutError) as e:
             reason = str(e) or type(e).__name__
             room.fail(reason)
             self._tell_decode(room, reason)
-            KV_TRANSFER_FAILURES.labels("prefill", getattr(e, "kind", _kind(e))).inc()
+            KV_TRANSFER_FAILURES.labels("prefill", e.kind if isinstance(e, RequestFailed) else _kind(e)).inc()
             raise RequestFailed(f"prefill failed for room {room.room}: {reason}") from None
         finally:
-            self.loop.abort(req.rid, "prefill ended")  # no-op once finished
-            self.loop.call(lambda: self.engine.scheduler.release_kv(req))
+            pd.abort(req.rid, "prefill ended")  # no-op once finished
+            pd.release(req)
             if room.state is KVPoll.FAILED:  # a late destination for it must be refused
                 room.deadline = time.monotonic() + self.rooms.orphan_ttl_s
             else:
@@ -95,7 +95,7 @@ class PrefillHandler:
             if upd.finished:
                 aio.call_soon_threadsafe(lambda: done.done() or done.set_result(upd))
 
-        self.loop.submit(req, on_update)  # an abort (client or decode) finishes it as ABORT
+        self.pd.submit(req, on_update)  # an abort (client or decode) finishes it as ABORT
         upd = await asyncio.wait_for(done, self.timeouts.compute_s)
         if upd.finish_reason is FinishReason.ABORT or room.state is KVPoll.FAILED:
             raise RequestFailed(room.reason or upd.finish_detail or "aborted", "aborted")
@@ -104,18 +104,19 @@ class PrefillHandler:
     async def _transfer(self, req: Req, room: Room, first: int) -> None:
         dest = room.destination
         assert dest is not None
-        eng, aux = self.engine, self.endpoint.aux
-        pages = await asyncio.wrap_future(self.loop.call(lambda: eng.kv.page_list(req)))
-        need = eng.kv.pages_for(req.seq_len)
+        pd, rows = self.pd, self.endpoint.rows
+        pages = await asyncio.wrap_future(pd.page_list(req))
+        need = pd.pages_for(req.seq_len)
         if len(dest.pages) != need or dest.num_tokens != req.seq_len:
             raise RequestFailed(f"destination holds {len(dest.pages)} pages for {dest.num_tokens} tokens; "
                                 f"the prompt needs {need} pages for {req.seq_len} tokens", "bad_destination")
-        row = aux.alloc()
+        payload = pd.encode_handoff(req)
+        row = rows.alloc()
         if row is None:
-            raise RequestFailed("no free aux row on the prefill node", "no_aux_row")
+            raise RequestFailed("no free handoff row on the prefill node", "no_aux_row")
         handle = None
         try:
-            aux.write(row, room_echo(room.room), first, *handoff_tensors(req.spec_state))
+            rows.write(row, room_echo(room.room), payload)
             room.state = KVPoll.TRANSFERRING
             room.deadline = time.monotonic() + self.timeouts.transfer_s
             posted = time.perf_counter()
@@ -125,12 +126,11 @@ class PrefillHandler:
             await self._poll(handle, room)
             room.state = KVPoll.SUCCESS
             KV_TRANSFER_SECONDS.labels("prefill").observe(time.perf_counter() - posted)
-            page_bytes = sum(p.page_bytes * p.num_layers * 2 for p in kv_pools(eng))
-            KV_TRANSFER_BYTES.labels("prefill").inc(need * page_bytes + aux.row_bytes)
+            KV_TRANSFER_BYTES.labels("prefill").inc(need * pd.kv_bytes_per_page + rows.row_bytes)
         finally:
             if handle is not None:
                 self.endpoint.transport.release(handle)
-            aux.free(row)
+            rows.free(row)
 
     async def _poll(self, handle: object, room: Room) -> None:
         t = self.endpoint.transport
@@ -139,7 +139,7 @@ class PrefillHandler:
             if state is KVPoll.SUCCESS:
                 return
             if state is KVPoll.FAILED:
-                raise RequestFailed(f"KV write failed: {getattr(t, 'last_error', lambda h: '')(handle)}",
+                raise RequestFailed(f"KV write failed: {t.last_error(handle) or 'unknown reason'}",
                                     "transfer_error")
             if room.state is KVPoll.FAILED:
                 raise RequestFailed(room.reason, "aborted")
@@ -157,7 +157,7 @@ class PrefillHandler:
             log.debug("could not notify decode about room %d", room.room, exc_info=True)
 
     def abort(self, request_id: str, reason: str) -> bool:
-        self.loop.abort(request_id, reason)
+        self.pd.abort(request_id, reason)
         room = self.rooms.by_request(request_id)
         if room is not None:
             room.fail(reason)
@@ -172,4 +172,6 @@ class PrefillHandler:
 
 
 def _kind(e: BaseException) -> str:
+    if isinstance(e, HandoffError):
+        return "bad_handoff"
     return "transfer_error" if isinstance(e, TransferError) else "timeout"

@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 from engine.compat import pairing_protocol
+from engine.disagg import DisaggEngine
 from engine.kv_transfer.endpoint import build_endpoint
 from engine.service.server import (metrics_suffix, node_info, scheduler_service, serve_until,
                                    start_server, stop_on_signals)
@@ -23,22 +24,21 @@ log = logging.getLogger(__name__)
 async def run_prefill(opts: Any, host: str, port: int, bootstrap_port: int, transport: str,
                       timeouts: PrefillTimeouts, metrics_port: int | None = None) -> None:
     stop = stop_on_signals()
-    engine, spec = opts.build()
+    engine, binding = opts.build()
     loop = EngineLoop(engine).start()
-    algo = spec.algorithm if spec is not None else "NONE"
-    draft = spec.draft_model_path if spec is not None else None
-    endpoint = build_endpoint(engine, kind=transport, role="prefill", aux_rows=2 * engine.config.max_running + 1,
-                              spec_algorithm=algo, draft_model_dir=draft)
+    pd = DisaggEngine.over(loop)
+    endpoint = build_endpoint(pd, kind=transport, role="prefill", rows=2 * engine.config.max_running + 1,
+                              spec_algorithm=binding.name, draft_model_dir=binding.config.draft_model_path)
     rooms = RoomTable(orphan_ttl_s=timeouts.bootstrap_s)
-    handler = PrefillHandler(loop, endpoint, rooms, timeouts)
+    handler = PrefillHandler(pd, endpoint, rooms, timeouts)
     info = node_info(engine, "prefill", pairing_protocol=pairing_protocol(endpoint.fingerprint))
     api, api_port = await start_server([scheduler_service(SchedulerServicer(info, loop, handler))], host, port)
     control = (kpb_grpc.add_KVControlServicer_to_server, KVControlServicer(endpoint, rooms),
                "pdserve.v1.KVControl")
     boot, boot_port = await start_server([control], host, bootstrap_port)
     janitor = asyncio.create_task(_expire_orphans(rooms))
-    log.info("prefill node serving %s: scheduler %s:%d, bootstrap %s:%d", engine.config.model,
-             host, api_port, host, boot_port)
+    log.info("prefill node serving %s: scheduler %s:%d, bootstrap %s:%d (%s)", engine.config.model,
+             host, api_port, host, boot_port, binding.describe())
     print(f"READY scheduler={host}:{api_port} bootstrap={host}:{boot_port}"
           f"{metrics_suffix(engine, 'prefill', host, metrics_port)}", flush=True)
 

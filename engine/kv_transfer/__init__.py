@@ -1,4 +1,4 @@
-"""KV transfer between prefill and decode nodes: contract (base), aux rows, layouts, transports.
+"""KV transfer between prefill and decode nodes: contract (base), handoff rows, layouts, transports.
 
 NIXL is optional at import time: `engine.kv_transfer` imports without it, and only
 `create_transport("nixl", ...)` (or importing `engine.kv_transfer.nixl`) needs `nixl_cu13`.
@@ -10,17 +10,17 @@ import os
 from collections.abc import Sequence
 
 from engine.kv_cache import KVPool
-from engine.kv_transfer.aux import AuxBuffer, AuxLayout, AuxRecord
+from engine.kv_transfer.rows import HandoffRows, row_bytes_for
 from engine.kv_transfer.base import (KVPoll, KVTransport, MemoryLayout, Region, TransferError,
                                      TransferRequest, completion_tag, failure_tag, parse_tag)
 from engine.kv_transfer.fake import FakeTransport
 from engine.kv_transfer.layout import coalesce_runs, kv_regions, page_descs, run_descs
 
 __all__ = [
-    "AuxBuffer", "AuxLayout", "AuxRecord", "FakeTransport", "KVPoll", "KVTransport",
+    "FakeTransport", "HandoffRows", "KVPoll", "KVTransport",
     "MemoryLayout", "Region", "TransferError", "TransferRequest", "coalesce_runs",
     "completion_tag", "create_transport", "failure_tag", "kv_regions", "nixl_available",
-    "page_descs", "parse_tag", "run_descs",
+    "page_descs", "parse_tag", "row_bytes_for", "run_descs",
 ]
 
 
@@ -33,7 +33,7 @@ def nixl_available() -> bool:
     return True
 
 
-def create_transport(kind: str, name: str, pools: Sequence[KVPool], aux: AuxBuffer,
+def create_transport(kind: str, name: str, pools: Sequence[KVPool], aux: HandoffRows,
                      **kwargs: object) -> KVTransport:
     """`kind` "nixl" (production) or "fake" (in-process, tests only); kwargs go to NixlTransport."""
     if kind == "fake":

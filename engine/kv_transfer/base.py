@@ -98,6 +98,9 @@ class KVTransport(Protocol):
 
     def release(self, handle: object) -> None: ...
 
+    def last_error(self, handle: object) -> str | None:
+        """Why a write polled FAILED (None when it did not fail or the reason is unknown)."""
+
     def notify(self, peer: str, message: bytes) -> None:
         """A small control message to the peer (e.g. 'room failed'), best effort."""
 

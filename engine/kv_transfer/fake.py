@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_cache import KVPool
-from engine.kv_transfer.aux import AuxBuffer
+from engine.kv_transfer.rows import HandoffRows
 from engine.kv_transfer.base import (KVPoll, MemoryLayout, TransferError, TransferRequest,
                                      completion_tag)
 from engine.kv_transfer.layout import kv_regions, tensor_mem_type
@@ -50,7 +50,7 @@ class FakeTransport:
     "fail" (write copies nothing, poll says FAILED) or "stall" (copies nothing, stays
     TRANSFERRING: for deadline tests)."""
 
-    def __init__(self, name: str, pools: Sequence[KVPool], aux: AuxBuffer) -> None:
+    def __init__(self, name: str, pools: Sequence[KVPool], aux: HandoffRows) -> None:
         self._name, self._pools, self._aux = name, list(pools), aux
         self._slabs = _slabs(self._pools)
         kinds = {tensor_mem_type(p.buffer) for p in self._pools}

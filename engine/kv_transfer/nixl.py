@@ -31,7 +31,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's Python logger prints I
 from nixl_cu13._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t  # noqa: E402
 
 from engine.kv_cache import KVPool
-from engine.kv_transfer.aux import AuxBuffer
+from engine.kv_transfer.rows import HandoffRows
 from engine.kv_transfer.base import (KVPoll, MemoryLayout, TransferError,
                                      TransferRequest, completion_tag)
 from engine.kv_transfer.layout import coalesce_runs, kv_regions, run_descs, tensor_mem_type
@@ -73,7 +73,7 @@ def _md_agent_name(md: bytes) -> str | None:
 class NixlTransport:
     """KVTransport over a NIXL agent. Thread-safe: every agent call holds one lock."""
 
-    def __init__(self, name: str, pools: Sequence[KVPool], aux: AuxBuffer, backend: str = "UCX",
+    def __init__(self, name: str, pools: Sequence[KVPool], aux: HandoffRows, backend: str = "UCX",
                  *, backend_params: dict[str, str] | None = None,
                  xfer_timeout_s: float = 60.0, progress_thread: bool = False) -> None:
         self._name, self._pools, self._aux = name, list(pools), aux

@@ -42,7 +42,7 @@ class EngineCollector(Collector):
                      kv.allocator.num_used * kv.page_size)
         yield _gauge("pdserve_kv_cache_capacity_tokens", "KV cache capacity in tokens", self.role,
                      kv.allocator.total * kv.page_size)
-        stats = getattr(eng.executor, "stats", None)
+        stats = eng.executor.spec_stats()
         if stats is not None:
             yield _gauge("pdserve_spec_accept_length", "Mean tokens per verify (accepted drafts + 1)",
                          self.role, stats.mean_accept_len)

@@ -101,7 +101,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             num_total_reqs=len(policy.running) + len(policy.waiting), num_used_tokens=used,
             max_total_num_tokens=total, token_usage=used / max(total, 1),
             max_running_requests=eng.config.max_running)
-        stats = getattr(eng.executor, "stats", None)
+        stats = eng.executor.spec_stats()
         if stats is not None:
             load.speculative.CopyFrom(pb.SpeculativeMetrics(accept_length=stats.mean_accept_len,
                                                             accept_rate=stats.acceptance_rate))

@@ -7,19 +7,24 @@ tail incrementally and ends the request at the first stop string (SMG/the router
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from typing import AsyncIterator, Protocol
 
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 from engine.core import FinishReason, Req
 from engine.scheduler import RequestUpdate
 from engine.service import convert
-from engine.serving import EngineLoop
 from pdserve.tokenizer import StopStringMatcher, Tokenizer, IncrementalDetokenizer
 
 
+class Aborter(Protocol):
+    """Whoever can end a request early (the engine loop, or the PD facade over it)."""
+
+    def abort(self, rid: str, reason: str = "aborted") -> None: ...
+
+
 class RequestStream:
-    def __init__(self, loop: EngineLoop, req: Req, stream: bool, tokenizer: Tokenizer | None,
+    def __init__(self, loop: Aborter, req: Req, stream: bool, tokenizer: Tokenizer | None,
                  eos_token_ids: frozenset[int]) -> None:
         self.loop, self.req, self.stream = loop, req, stream
         self.eos = eos_token_ids

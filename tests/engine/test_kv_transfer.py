@@ -1,4 +1,4 @@
-"""Tests for engine.kv_transfer: aux rows, layouts, the fake transport, and real NIXL between two
+"""Tests for engine.kv_transfer: handoff rows, layouts, the fake transport, and real NIXL between two
 processes (this process writes; a child running this file as a script owns the destination).
 
 Every wait has a deadline and every child process is killed in a `finally`.
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from engine.kv_cache import KVPool
-from engine.kv_transfer import (AuxBuffer, AuxLayout, KVPoll, MemoryLayout, Region, TransferError,
+from engine.kv_transfer import (HandoffRows, KVPoll, MemoryLayout, Region, TransferError,
                                 TransferRequest, coalesce_runs, create_transport, failure_tag,
                                 kv_regions, nixl_available, page_descs, parse_tag, run_descs)
 
@@ -36,9 +36,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # Two pools like target + draft: same page ids, different page sizes in bytes.
 SMALL = {"pools": [[2, 12, 4, 2, 8, "float32"], [2, 12, 4, 1, 16, "bfloat16"]],
-         "aux": [32, "bfloat16", 8], "seed": 7}
+         "aux": [200, 8], "seed": 7}
 # One pool of 1024 usable pages x (K+V) x 32 KiB = 64 MiB, for the bandwidth probe.
-BIG = {"pools": [[1, 1025, 16, 8, 128, "bfloat16"]], "aux": [0, "float32", 4], "seed": 11}
+BIG = {"pools": [[1, 1025, 16, 8, 128, "bfloat16"]], "aux": [0, 4], "seed": 11}
 
 
 # ---- shared by this process and the child ---------------------------------------------------
@@ -56,16 +56,15 @@ def make_pools(spec: dict[str, Any], fill: bool) -> list[KVPool]:
     return pools
 
 
-def make_aux(spec: dict[str, Any]) -> AuxBuffer:
-    hidden, dt, rows = spec["aux"]
-    return AuxBuffer(AuxLayout(hidden_size=hidden, hidden_dtype=DTYPES[dt]), rows)
+def make_aux(spec: dict[str, Any]) -> HandoffRows:
+    payload_bytes, rows = spec["aux"]
+    return HandoffRows(payload_bytes, rows)
 
 
-def expected_hidden(spec: dict[str, Any], room: int) -> torch.Tensor | None:
-    hidden, dt, _ = spec["aux"]
-    if not hidden:
-        return None
-    return torch.randn(hidden, generator=torch.Generator().manual_seed(room)).to(DTYPES[dt])
+def expected_payload(spec: dict[str, Any], room: int) -> torch.Tensor:
+    """Opaque row bytes derived from the room, so a row written for another room is recognisable."""
+    n = spec["aux"][0]
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(room), dtype=torch.uint8)
 
 
 def layout_from_json(d: dict[str, Any]) -> MemoryLayout:
@@ -77,7 +76,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-def verify(spec: dict[str, Any], pools: list[KVPool], aux: AuxBuffer, cmd: dict[str, Any],
+def verify(spec: dict[str, Any], pools: list[KVPool], aux: HandoffRows, cmd: dict[str, Any],
            written: set[int]) -> str | None:
     """Destination pages equal the source pages byte for byte, nothing else was touched, and the
     aux row carries this room. Returns what is wrong, or None."""
@@ -91,14 +90,11 @@ def verify(spec: dict[str, Any], pools: list[KVPool], aux: AuxBuffer, cmd: dict[
         untouched = [p for p in range(d.buffer.shape[2]) if p not in written]
         if bool(_bytes(d.buffer[:, :, untouched]).any()):
             return f"pool {i}: a page outside the destination list was written"
-    rec = aux.read(cmd["dst_row"])
-    got = (rec.room, aux.room_of(cmd["dst_row"]), rec.first_token, rec.topk_p.tolist(), rec.topk_index.tolist())
-    want = (cmd["room"], cmd["room"], cmd["first_token"], cmd["topk_p"], cmd["topk_index"])
-    if got != want:
-        return f"aux row (room, echo, first token, topk p, topk index) {got} != {want}"
-    h = expected_hidden(spec, cmd["room"])
-    if (h is None) != (rec.hidden is None) or (h is not None and not torch.equal(_bytes(h), _bytes(rec.hidden))):
-        return "hidden state differs"
+    echo, payload = aux.read(cmd["dst_row"])
+    if (echo, aux.room_of(cmd["dst_row"])) != (cmd["room"], cmd["room"]):
+        return f"row echo {echo} != room {cmd['room']}"
+    if not torch.equal(payload, expected_payload(spec, cmd["room"])):
+        return "row payload differs"
     return None
 
 
@@ -185,46 +181,38 @@ def wait_done(t: Any, h: object, timeout: float = DEADLINE_S) -> KVPoll:
     return st
 
 
-def write_aux_row(spec: dict[str, Any], aux: AuxBuffer, room: int, k: int) -> tuple[int, dict[str, Any]]:
-    g = torch.Generator().manual_seed(room)
-    p = torch.rand(k, generator=g)
-    idx = torch.randint(0, 50_000, (k,), generator=g)
+def write_aux_row(spec: dict[str, Any], aux: HandoffRows, room: int, k: int = 0) -> tuple[int, dict[str, Any]]:
     row = aux.alloc()
     assert row is not None
-    aux.write(row, room, first_token=room % 1000, topk_p=p, topk_index=idx,
-              hidden=expected_hidden(spec, room))
-    return row, {"first_token": room % 1000, "topk_p": p.tolist(), "topk_index": idx.tolist()}
+    aux.write(row, room, expected_payload(spec, room))
+    return row, {}
 
 
-# ---- aux rows -------------------------------------------------------------------------------
+# ---- handoff rows ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("hidden,dtype,k", [(64, torch.bfloat16, 1), (48, torch.float32, 4),
-                                            (0, torch.float32, 16), (7, torch.bfloat16, 16)])
-def test_aux_round_trip(hidden: int, dtype: torch.dtype, k: int) -> None:
-    layout = AuxLayout(hidden_size=hidden, hidden_dtype=dtype)
-    assert layout.row_bytes % 64 == 0
-    assert layout.row_bytes == AuxLayout(hidden_size=hidden, hidden_dtype=dtype).row_bytes
-    buf = AuxBuffer(layout, 4)
-    assert buf.region().item_bytes == layout.row_bytes and buf.region().count == 4
+@pytest.mark.parametrize("payload_bytes", [0, 1, 56, 200, 4096 + 3])
+def test_rows_round_trip(payload_bytes: int) -> None:
+    buf = HandoffRows(payload_bytes, 4)
+    assert buf.row_bytes % 64 == 0 and buf.row_bytes >= 8 + payload_bytes
+    assert buf.region().item_bytes == buf.row_bytes and buf.region().count == 4
     row = buf.alloc()
-    p, idx = torch.rand(k), torch.randint(0, 2**40, (k,))
-    h = torch.randn(hidden).to(dtype) if hidden else None
-    buf.write(row, 2**62 + 5, 1234, topk_p=p, topk_index=idx, hidden=h)
+    data = torch.randint(0, 256, (payload_bytes,), dtype=torch.uint8)
+    buf.write(row, 2**62 + 5, data)
     other = buf.alloc()
-    buf.write(other, 9, 1)  # a neighbouring row must not disturb this one
-    rec = buf.read(row)
-    assert (rec.room, rec.first_token) == (2**62 + 5, 1234) and buf.room_of(row) == 2**62 + 5
-    assert torch.equal(rec.topk_p, p) and torch.equal(rec.topk_index, idx)
-    assert (rec.hidden is None) if h is None else torch.equal(rec.hidden, h)
-    assert buf.read(other).topk_p.numel() == 0 and buf.read(other).first_token == 1
+    buf.write(other, 9, data[: payload_bytes // 2].flip(0))  # a neighbouring row must not disturb this one
+    echo, got = buf.read(row)
+    assert echo == 2**62 + 5 and buf.room_of(row) == 2**62 + 5 and torch.equal(got, data)
+    short = buf.read(other)[1]
+    assert torch.equal(short[: payload_bytes // 2], data[: payload_bytes // 2].flip(0))
+    assert not bool(short[payload_bytes // 2:].any())  # a short payload is zero-padded
 
 
-def test_aux_accounting_and_stale_rows() -> None:
-    buf = AuxBuffer(AuxLayout(hidden_size=8), 4)
+def test_rows_accounting_and_stale_rows() -> None:
+    buf = HandoffRows(16, 4)
     rows = [buf.alloc() for _ in range(3)]
     assert rows == [1, 2, 3] and buf.alloc() is None and buf.num_free == 0
     buf.check()
-    buf.write(2, 77, 5, hidden=torch.ones(8))
+    buf.write(2, 77, torch.ones(8, dtype=torch.uint8))
     buf.free(2)
     assert buf.room_of(2) == 0 and not bool(buf.tensor[2].any())  # echo zeroed: stale row fails
     with pytest.raises(RuntimeError):
@@ -233,11 +221,13 @@ def test_aux_accounting_and_stale_rows() -> None:
     assert [buf.alloc(), buf.alloc()] == [2, 1]  # FIFO
     buf.check()
     with pytest.raises(IndexError):
-        buf.write(0, 1, 1)  # row 0 is reserved
+        buf.write(0, 1, torch.zeros(1, dtype=torch.uint8))  # row 0 is reserved
     with pytest.raises(ValueError):
-        buf.write(1, 0, 1)  # room 0 means empty
+        buf.write(1, 0, torch.zeros(1, dtype=torch.uint8))  # room 0 means empty
     with pytest.raises(ValueError):
-        buf.write(1, 3, 1, topk_p=torch.rand(17), topk_index=torch.zeros(17, dtype=torch.int64))
+        buf.write(1, 3, torch.zeros(17, dtype=torch.uint8))  # does not fit
+    with pytest.raises(ValueError):
+        buf.write(1, 3, torch.zeros(2, dtype=torch.float32))  # bytes only
 
 
 # ---- layouts --------------------------------------------------------------------------------
@@ -293,7 +283,7 @@ def test_fake_transport_moves_pages_and_aux() -> None:
 # ---- real NIXL, two processes ---------------------------------------------------------------
 
 @contextlib.contextmanager
-def nixl_pair(base: dict[str, Any], tag: str) -> Iterator[tuple[Any, Child, list[KVPool], AuxBuffer, str]]:
+def nixl_pair(base: dict[str, Any], tag: str) -> Iterator[tuple[Any, Child, list[KVPool], HandoffRows, str]]:
     """(writer transport here, reader child, writer pools, writer aux, peer name); both torn down."""
     from engine.kv_transfer.nixl import NixlTransport
 
@@ -387,7 +377,7 @@ def test_nixl_64mib_bandwidth() -> None:
     with nixl_pair(BIG, "bw") as (t, child, _, aux, peer):
         pages = list(range(1, 1025))
         for room, dst, label in [(1, pages, "contiguous"), (2, pages[::-1], "scattered 32 KiB")]:
-            aux.write(1, room, first_token=0)
+            aux.write(1, room, expected_payload(BIG, room))
             start = time.perf_counter()
             h = t.write(TransferRequest(room, peer, pages, dst, 1, 1))
             assert wait_done(t, h) == KVPoll.SUCCESS, t.last_error(h)
@@ -396,7 +386,7 @@ def test_nixl_64mib_bandwidth() -> None:
             print(f"\nNIXL WRITE {label}: {h.nbytes / 2**20:.1f} MiB in {dt * 1e3:.1f} ms "
                   f"= {h.nbytes / dt / 1e9:.2f} GB/s")
             child.send(op="expect", kind="done", room=room, verify=room == 1, src_pages=pages,
-                       dst_pages=dst, dst_row=1, first_token=0, topk_p=[], topk_index=[])
+                       dst_pages=dst, dst_row=1)
             reply = child.recv()
             assert reply["ok"], reply["error"]
 
