@@ -28,7 +28,7 @@ from engine.engine import Engine, EngineConfig
 from engine.tiny_eagle import write_tiny_eagle_head
 from engine.tiny_model import write_tiny_model
 from spec.config import SpecConfig
-from spec.registry import SpecRegistryError, executor_factory, registered_names
+from spec.registry import SpecRegistryError, bind, registered_names
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "spec_cpu.json"
 NEW_TOKENS, RANDOM_PROMPT_LEN = 64, 32
@@ -72,7 +72,7 @@ def build_engines(target: Path, heads: dict[str, Path]) -> tuple[dict[str, Engin
             skipped.append(name)
             continue
         cfg = SpecConfig(algo, str(heads[head]) if head else None, steps, topk, ntok)
-        engines[name] = Engine(config, executor_factory=executor_factory(cfg))
+        engines[name] = Engine(config, algorithm=bind(cfg))
     return engines, skipped
 
 

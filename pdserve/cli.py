@@ -15,8 +15,9 @@ import typer
 
 if TYPE_CHECKING:  # only for annotations; importing these at run time would pull in torch
     from engine.core import SamplingParams
-    from engine.engine import Engine, EngineConfig, ExecutorFactory
+    from engine.engine import Engine, EngineConfig
     from spec.config import SpecConfig
+    from spec.registry import AlgorithmBinding
 
 app = typer.Typer(
     name="pdserve",
@@ -96,56 +97,57 @@ def sampling_params(*, max_new_tokens: int, temperature: float, top_p: float, to
                           top_k=top_k, min_p=min_p, stop=tuple(stop or ()))
 
 
-def spec_config(algorithm: str | None, **options: object) -> SpecConfig | None:
-    """The SpecConfig for `generate`, or None without speculation.
+def spec_config(algorithm: str | None, **options: object) -> SpecConfig:
+    """The SpecConfig for the speculative flags (the registry's default algorithm when None).
 
     `options` are SpecConfig fields named like their flags (num_steps <-> --speculative-num-steps).
-    Unset (None) ones are left out so that SpecConfig's defaults live in one place.
+    Unset (None) ones are left out so that SpecConfig's defaults live in one place. Raises
+    SpecRegistryError (a ValueError) listing the known algorithms for an unknown name.
     """
     from spec.config import SpecConfig
+    from spec.registry import SpeculativeAlgorithm
 
     given = {name: value for name, value in options.items() if value is not None}
-    if algorithm is None or algorithm.upper() == "NONE":
+    algo = SpeculativeAlgorithm.from_name(algorithm.upper() if algorithm else None)
+    if algo.is_none():
         if given:  # silently ignoring them would let a user believe speculation ran
             flags = ", ".join(_spec_flag(name) for name in given)
-            raise ValueError(f"{flags} need --speculative-algorithm (it is NONE)")
-        return None
+            raise ValueError(f"{flags} need --speculative-algorithm (it is {algo.name})")
+        return SpecConfig(algorithm=algo.name)
     if "draft_model_path" in given:
         given["draft_model_path"] = str(given["draft_model_path"])
-    return SpecConfig(algorithm=algorithm, **given)  # type: ignore[arg-type]
+    return SpecConfig(algorithm=algo.name, **given)  # type: ignore[arg-type]
 
 
 def _spec_flag(field: str) -> str:
     return "--speculative-" + field.replace("_", "-")
 
 
-def spec_executor_factory(cfg: SpecConfig | None) -> ExecutorFactory | None:
+def bind_algorithm(cfg: SpecConfig) -> AlgorithmBinding:
     """Resolve and check the speculative settings before the (slow) target load.
 
     Raises SpecConfigError / SpecRegistryError (both ValueErrors) naming the flag or listing
     the known algorithms; a bad draft directory surfaces later, as ModelLoadError, from Engine.
     """
-    if cfg is None:
-        return None
-    from spec.registry import executor_factory
+    from spec.registry import bind
 
-    return executor_factory(cfg)
+    return bind(cfg)
 
 
-def build_engine(config: EngineConfig, executor_factory: ExecutorFactory | None = None) -> Engine:
+def build_engine(config: EngineConfig, binding: AlgorithmBinding) -> Engine:
     """Load the model behind a spinner on stderr, so stdout carries only generated text."""
     from rich.console import Console
 
     from engine.engine import Engine
 
     with Console(stderr=True).status(f"loading model {config.model} ...", spinner="dots"):
-        return Engine(config, executor_factory=executor_factory)
+        return Engine(config, algorithm=binding)
 
 
 def spec_summary(engine: Engine, algorithm: str) -> str | None:
     """One stderr line on how well speculation did, or None if the worker keeps no SpecStats."""
-    stats = getattr(engine.executor, "stats", None)
-    if stats is None or not hasattr(stats, "mean_accept_len"):  # plugins need not keep stats
+    stats = engine.executor.spec_stats()
+    if stats is None:  # plain decoding
         return None
     return (f"speculative {algorithm.upper()}: {stats.mean_accept_len:.2f} tokens per target "
             f"forward (mean accepted length), acceptance rate {100 * stats.acceptance_rate:.1f}%, "
@@ -263,14 +265,13 @@ def generate(
         choice = resolve(model, algorithm=speculative_algorithm,
                          draft_model_path=speculative_draft_model_path,
                          num_steps=speculative_num_steps, dtype=dtype, device=device)
-        speculative_algorithm = choice.algorithm
         spec = spec_config(choice.algorithm, draft_model_path=choice.draft_model_path,
                            num_steps=choice.num_steps, eagle_topk=speculative_eagle_topk,
                            num_draft_tokens=speculative_num_draft_tokens,
                            ngram_min=speculative_ngram_min, ngram_max=speculative_ngram_max)
-        factory = spec_executor_factory(spec)
+        binding = bind_algorithm(spec)
         engine = build_engine(engine_config(choice.model, dtype=choice.dtype, device=device,
-                                            page_size=page_size, seed=seed), factory)
+                                            page_size=page_size, seed=seed), binding)
         inputs = prompt_inputs(engine, prompt, chat)
         start = time.perf_counter()
         if len(inputs) == 1:
@@ -288,7 +289,7 @@ def generate(
     rate = n_tokens / elapsed if elapsed > 0 else 0.0
     typer.echo(f"{n_tokens} tokens in {elapsed:.2f} s ({rate:.1f} tok/s), finish: {reason}",
                err=True)
-    summary = spec_summary(engine, speculative_algorithm) if spec is not None else None
+    summary = spec_summary(engine, binding.name)
     if summary:
         typer.echo(summary, err=True)
 

@@ -78,10 +78,10 @@ class EngineOptions:
                 "cuda_graph_max_bs": graphs, "future_map_debug": self.future_map_debug}
 
     def build(self) -> tuple["Engine", Any]:
-        """Load the engine for a node (threaded scheduler IO); returns (engine, spec config)."""
+        """Load the engine for a node (threaded scheduler IO); returns (engine, algorithm binding)."""
         from engine.engine import Engine, EngineConfig, check_device
         from engine.serving import ThreadedIO
-        from pdserve.cli import spec_config, spec_executor_factory
+        from pdserve.cli import bind_algorithm, spec_config
         from pdserve.models import resolve
 
         check_device(self.device)
@@ -91,12 +91,12 @@ class EngineOptions:
         spec = spec_config(choice.algorithm, draft_model_path=choice.draft_model_path,
                            num_steps=choice.num_steps, eagle_topk=self.speculative_eagle_topk,
                            num_draft_tokens=self.speculative_num_draft_tokens)
-        factory = spec_executor_factory(spec)
+        binding = bind_algorithm(spec)
         cfg = EngineConfig(model=str(choice.model), dtype=choice.dtype,
                            device=self.device, page_size=self.page_size,
                            max_total_tokens=self.max_total_tokens, max_running=self.max_running,
                            chunked_prefill_size=self.chunked_prefill_size, **self.fast_path())
-        return Engine(cfg, executor_factory=factory, io=ThreadedIO()), spec
+        return Engine(cfg, algorithm=binding, io=ThreadedIO()), binding
 
 
 def _run(main: Any) -> None:

@@ -7,7 +7,7 @@ import torch
 from engine.core import Req, StepOutput
 from engine.h2d import to_device
 from engine.sampler import Sampler
-from spec.metrics import SpecStats
+from engine.spec_stats import SpecStats
 from spec.tree import DraftTree
 from spec.verify import VerifyResult, verify_greedy, verify_sampled
 

@@ -1,13 +1,32 @@
-"""EAGLE's state between iterations (draft input) and the verify input built from a draft tree."""
+"""Draft inputs (what a decode iteration starts from) and the verify input built from a draft tree.
+
+`BonusDraftInput` is the whole state of algorithms that relay nothing but the next input token
+(plain decoding, n-gram lookup); `EagleDraftInput` adds the draft's top-k and hidden state.
+Both hand the engine their rows as a RelayPayload (PD seeding of FutureMap rows).
+"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.future_map import RelayPayload
 from spec.tree import DraftTree
+
+if TYPE_CHECKING:
+    from engine.core import Batch
+    from engine.future_map import FutureMap
+
+
+class DisaggHandoffError(ValueError):
+    """A handoff that cannot seed decoding; `rids` names the requests to fail (the rest may go on)."""
+
+    def __init__(self, message: str, rids: list[str]) -> None:
+        super().__init__(message)
+        self.rids = rids
 
 
 class CaptureHiddenMode(enum.IntEnum):
@@ -45,8 +64,68 @@ class EagleDraftInput:
     def row(self, i: int) -> EagleReqState:
         return EagleReqState(self.topk_p[i], self.topk_index[i], self.hidden_states[i])
 
+    def relay_payload(self) -> RelayPayload:
+        return RelayPayload(self.bonus_tokens, self.topk_p, self.topk_index, self.hidden_states)
+
     def __len__(self) -> int:
         return int(self.bonus_tokens.shape[0])
+
+
+@dataclass
+class BonusDraftInput:
+    """The next input token per request and nothing else (plain decoding, drafts from history)."""
+
+    bonus_tokens: torch.Tensor  # (bs,) int64, the next input (the verify root); no KV yet
+    future_indices: torch.Tensor | None = None  # FutureMap rows seeded with the bonus tokens
+
+    def relay_payload(self) -> RelayPayload:
+        return RelayPayload(self.bonus_tokens)
+
+    def __len__(self) -> int:
+        return int(self.bonus_tokens.shape[0])
+
+
+def check_prebuilt(batch: "Batch", last_tokens: Any, label: str) -> torch.Tensor:
+    """The bonus tokens of a PREBUILT batch as int64, validated before anything is touched."""
+    if not batch.reqs:
+        raise DisaggHandoffError(f"{label}: empty PREBUILT batch (no requests to build a draft input for)", [])
+    try:
+        bonus = torch.as_tensor(last_tokens).to(torch.int64)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise DisaggHandoffError(f"{label}: last_tokens must be integer token ids, got "
+                                 f"{type(last_tokens).__name__}: {e}", [r.rid for r in batch.reqs]) from None
+    if bonus.dim() != 1 or bonus.shape[0] != len(batch.reqs):
+        raise DisaggHandoffError(f"{label}: last_tokens has shape {tuple(bonus.shape)}, expected one "
+                                 f"bonus token per request ({len(batch.reqs)})", [r.rid for r in batch.reqs])
+    if bool((bonus < 0).any()):
+        raise DisaggHandoffError(f"{label}: last_tokens holds negative token ids {bonus.tolist()}",
+                                 [r.rid for r in batch.reqs])
+    return bonus
+
+
+def seed_prebuilt(batch: "Batch", future_map: "FutureMap", payload: RelayPayload) -> torch.Tensor:
+    """Publish the prebuilt requests' lengths and stash their payload in their FutureMap rows
+    (what their prefill's forward would have done); returns the row indices."""
+    no_slot = [r.rid for r in batch.reqs if r.slot <= 0]
+    if no_slot:
+        raise DisaggHandoffError(f"requests {no_slot} have no KV slot to seed", no_slot)
+    rows = future_map.batch([r.slot for r in batch.reqs])
+    seq_lens = torch.tensor([r.seq_len for r in batch.reqs], dtype=torch.int64)
+    rows.seed(seq_lens.to(future_map.device), payload)
+    return rows.indices
+
+
+def bonus_draft_input(batch: "Batch", last_tokens: Any, future_map: "FutureMap | None",
+                      label: str) -> BonusDraftInput:
+    """The draft input of algorithms whose decode needs only the bonus token (the drafts, if
+    any, come from the context the decode node already has)."""
+    bonus = check_prebuilt(batch, last_tokens, label)
+    for r in batch.reqs:
+        r.spec_state = None  # nothing is kept per request between steps
+    if future_map is None:
+        return BonusDraftInput(bonus)
+    bonus = bonus.to(future_map.device)
+    return BonusDraftInput(bonus, seed_prebuilt(batch, future_map, RelayPayload(bonus)))
 
 
 @dataclass

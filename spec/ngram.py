@@ -13,19 +13,21 @@ at import, so it exercises the same discovery path as an out-of-tree plugin.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from engine.core import Batch, ForwardMode, Req, StepOutput
 from engine.executor import PlainExecutor
-from spec.config import SpecConfig, SpecConfigError
-from spec.future_map import FutureMap, RelayPayload, seed_rows
-from spec.metrics import SpecStats
+from engine.future_map import BatchRelay, DraftInput, FutureMap
+from engine.handoff import HandoffCodec, NoPayloadCodec
+from engine.kv_cache import KVPool
+from engine.spec_stats import SpecStats
+from spec.accept import step_output, verify_window
+from spec.config import MAX_WINDOW, SpecConfig, SpecConfigError
+from spec.draft_input import BonusDraftInput, bonus_draft_input
 from spec.registry import CustomSpecAlgo
 from spec.tree import chain_tree
-from spec.accept import step_output, verify_window
 
 if TYPE_CHECKING:
     from engine.engine import EngineParts
@@ -80,32 +82,35 @@ def _chain_config(config: SpecConfig) -> SpecConfig:
     return cfg
 
 
-@dataclass
-class NgramDraftInput:
-    """What a decode node needs to start n-gram decoding: only the bonus token per request."""
-
-    bonus_tokens: torch.Tensor  # (bs,) int64, the root of the next verify; no KV yet
-    future_indices: torch.Tensor | None = None  # FutureMap rows seeded with the bonus tokens
-
-    def __len__(self) -> int:
-        return int(self.bonus_tokens.shape[0])
-
-
 class NgramWorker:
-    """Executor: plain prefill; decode = prompt lookup -> chain TARGET_VERIFY -> accept."""
+    """Executor: plain prefill; decode = prompt lookup -> chain TARGET_VERIFY over W rows -> accept.
+    W comes from the algorithm's verify-width hook: the lookup proposes W - 1 drafts."""
 
-    def __init__(self, target: ModelRunner, sampler: Sampler, config: SpecConfig) -> None:
+    def __init__(self, target: ModelRunner, sampler: Sampler, config: SpecConfig, width: int) -> None:
         self.target, self.sampler = target, sampler
         self.cfg = _chain_config(config)
+        if not 2 <= width <= MAX_WINDOW:
+            raise SpecConfigError(f"n-gram verify width must be in [2, {MAX_WINDOW}], got {width}")
+        self.width = width
         self.plain = PlainExecutor(target, sampler)  # prefill is exactly the non-speculative one
-        self.stats = SpecStats(max_drafts=self.cfg.num_steps)
+        self.stats = SpecStats(max_drafts=width - 1)
 
     # ---- Executor protocol ----
+    def bind_future_map(self, future_map: FutureMap) -> None:
+        self.plain.bind_future_map(future_map)
+
+    @property
+    def future_map(self) -> FutureMap:
+        return self.plain.future_map
+
     def kv_tokens_per_decode(self) -> int:
-        return self.cfg.ntok
+        return self.width
 
     def on_admit(self, req: Req) -> None:
         self.plain.on_admit(req)
+
+    def adopt_prebuilt(self, reqs: list[Req], draft_input: DraftInput, relay: BatchRelay) -> None:
+        self.plain.adopt_prebuilt(reqs, draft_input, relay)
 
     def on_release(self, req: Req) -> None:
         req.spec_state = None
@@ -115,14 +120,26 @@ class NgramWorker:
         previous step's tokens must have reached the host before the next step can start."""
         return False
 
+    def capture_cuda_graphs(self) -> None:
+        self.target.capture(ForwardMode.TARGET_VERIFY, self.width)
+
+    def extra_kv_pools(self) -> list[KVPool]:
+        return []
+
+    def handoff_codec(self) -> HandoffCodec:
+        return NoPayloadCodec()  # the drafts come from context the decode node already has
+
+    def spec_stats(self) -> SpecStats:
+        return self.stats
+
     @torch.inference_mode()
-    def step(self, batch: Batch) -> StepOutput:
+    def step(self, batch: Batch, relay: BatchRelay) -> StepOutput:
         if batch.mode is ForwardMode.EXTEND:
-            return self.plain.step(batch)
+            return self.plain.step(batch, relay)
         return self._decode(batch)
 
-    def launch(self, batch: Batch) -> StepOutput:
-        return self.step(batch)  # synchronous: the scheduler never overlaps this executor
+    def launch(self, batch: Batch, relay: BatchRelay) -> StepOutput:
+        return self.step(batch, relay)  # synchronous: the scheduler never overlaps this executor
 
     def collect(self, handle: StepOutput) -> StepOutput:
         return handle
@@ -130,7 +147,7 @@ class NgramWorker:
     # ---- decode ----
     def draft_window(self, req: Req) -> list[int]:
         """[bonus, d1 .. d_k] for one decoding request, padded to ntok (padding is just rejected)."""
-        k = self.cfg.ntok - 1
+        k = self.width - 1
         end = req.total_len
         context = req.tokens(max(0, end - LOOKUP_WINDOW), end)  # ends with the bonus token
         drafts = propose_drafts(context, k, self.cfg.ngram_min, self.cfg.ngram_max)
@@ -139,7 +156,7 @@ class NgramWorker:
 
     def _decode(self, batch: Batch) -> StepOutput:
         reqs = batch.reqs
-        bs, ntok = len(reqs), self.cfg.ntok
+        bs, ntok = len(reqs), self.width
         dev = self.target.device
         slots, seq_lens = [r.slot for r in reqs], batch.prefix_lens  # exact: never overlapped
         tokens = torch.tensor([self.draft_window(r) for r in reqs], dtype=torch.int64, device=dev)
@@ -161,50 +178,29 @@ class NgramAlgo(CustomSpecAlgo):
     def _label(self) -> str:
         return self.name or type(self).__name__  # `name` is set when the algorithm is registered
 
+    def is_ngram(self) -> bool:
+        return True
+
     def needs_draft_model(self) -> bool:
         return False
 
     def carries_draft_hidden_states(self) -> bool:
         return False
 
-    def create_future_map(self, num_rows: int, device: Any, *, debug: bool = False) -> FutureMap:
-        return FutureMap(num_rows, device, need_topk=False, need_hidden=False, debug=debug)
+    def need_topk(self) -> bool:
+        return False
 
     def build_disagg_draft_input(self, batch: Batch, config: SpecConfig, last_tokens: Any,
-                                 future_map: FutureMap | None) -> NgramDraftInput:
+                                 future_map: FutureMap | None) -> BonusDraftInput:
         """PD decode: the drafts come from the context the decode node already has, so the
         prefill node's handoff reduces to the bonus token; validate before touching any req."""
         _chain_config(config)
-        reqs = batch.reqs
-        if not reqs:
-            raise ValueError(f"{self._label}: build_disagg_draft_input got a batch with no requests")
-        try:
-            bonus = torch.as_tensor(last_tokens, dtype=torch.int64)
-        except (TypeError, ValueError, RuntimeError) as e:
-            raise ValueError(f"{self._label}: last_tokens must be integer token ids, got "
-                             f"{type(last_tokens).__name__}: {e}") from None
-        if bonus.dim() != 1 or bonus.shape[0] != len(reqs):
-            raise ValueError(f"{self._label}: last_tokens has shape {tuple(bonus.shape)}, expected "
-                             f"one bonus token per request ({len(reqs)})")
-        if bool((bonus < 0).any()):
-            raise ValueError(f"{self._label}: last_tokens holds negative token ids {bonus.tolist()}")
-        if future_map is not None:
-            no_slot = [r.rid for r in reqs if r.slot <= 0]
-            if no_slot:
-                raise ValueError(f"{self._label}: requests {no_slot} have no KV slot to seed")
-        for r in reqs:
-            r.spec_state = None  # n-gram keeps no per-request state between steps
-        if future_map is None:
-            return NgramDraftInput(bonus)
-        bonus = bonus.to(future_map.device)
-        indices = torch.tensor([r.slot for r in reqs], dtype=torch.int64)
-        seed_rows(future_map, indices=indices,
-                  seq_lens=torch.tensor([r.seq_len for r in reqs], dtype=torch.int64),
-                  payload=RelayPayload(bonus_tokens=bonus))
-        return NgramDraftInput(bonus, future_indices=indices)
+        return bonus_draft_input(batch, last_tokens, future_map, self._label)
 
     def create_worker(self, parts: EngineParts, config: SpecConfig) -> NgramWorker:
-        return NgramWorker(parts.runner, parts.sampler, config)
+        cfg = _chain_config(config)
+        width = self.get_num_tokens_per_req_for_target_verify(cfg.ntok, False)
+        return NgramWorker(parts.runner, parts.sampler, cfg, width)
 
 
-__all__ = ["LOOKUP_WINDOW", "NgramAlgo", "NgramDraftInput", "NgramWorker", "propose_drafts"]
+__all__ = ["LOOKUP_WINDOW", "NgramAlgo", "NgramWorker", "propose_drafts"]

@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from engine.core import Batch
     from engine.engine import EngineParts
     from engine.executor import Executor
+    from engine.future_map import FutureMap
     from spec.config import SpecConfig
-    from spec.future_map import FutureMap
 
 ENTRY_POINT_GROUP = "pdserve.speculative"
 
@@ -35,36 +35,83 @@ class SpeculativeAlgorithm:
     EAGLE: ClassVar["SpeculativeAlgorithm"]
     EAGLE3: ClassVar["SpeculativeAlgorithm"]
 
-    # ---- extension points ----
+    # ---- identity: callers ask, they never compare names ----
+    def is_none(self) -> bool:
+        return not self.is_speculative()
+
+    def is_some(self) -> bool:
+        return self.is_speculative()
+
     def is_speculative(self) -> bool:
         return True
 
+    def is_eagle(self) -> bool:
+        """The EAGLE family (EAGLE-1/2 and EAGLE-3 heads)."""
+        return False
+
+    def is_eagle3(self) -> bool:
+        return False
+
+    def is_standalone(self) -> bool:
+        """Drafts from a separate small language model."""
+        return False
+
+    def is_ngram(self) -> bool:
+        """Drafts looked up in the request's own tokens, no draft model."""
+        return False
+
+    def is_dflash(self) -> bool:
+        """Block drafting: the draft proposes a whole window in one forward."""
+        return False
+
+    # ---- extension points ----
     def supports_target_verify_for_draft(self) -> bool:
-        """May the draft worker capture its graphs in TARGET_VERIFY mode (fixed-length windows)?"""
+        """May the draft worker run (and capture its graphs) in TARGET_VERIFY mode, i.e. as
+        fixed-width windows over the committed prefix? Asked otherwise, its runner refuses."""
         return False
 
     def get_num_tokens_per_req_for_target_verify(self, num_draft_tokens: int,
                                                  is_draft_worker: bool) -> int:
-        """Tokens per request in a verify forward (fixes the verify CUDA-graph width)."""
+        """Tokens per request in a verify forward (target), or in the draft worker's fixed-width
+        window forward (draft-extend); sets KV reserved per step, windows, metadata and graphs."""
         return num_draft_tokens
 
+    def get_num_tokens_per_bs_for_target_verify(self, num_draft_tokens: int,
+                                                is_draft_worker: bool) -> int:
+        """SGLang's older name of `get_num_tokens_per_req_for_target_verify`."""
+        return self.get_num_tokens_per_req_for_target_verify(num_draft_tokens, is_draft_worker)
+
     def carries_draft_hidden_states(self) -> bool:
-        """Does the PD handoff carry the draft's hidden state (sizes the aux row)?"""
+        """Does the PD handoff carry the draft's hidden state?"""
+        return True
+
+    def has_draft_kv(self) -> bool:
+        """Does the draft keep its own KV (moved with the target's in PD)?"""
+        return self.needs_draft_model()
+
+    def need_topk(self) -> bool:
+        """Does the FutureMap relay the draft's top-k between iterations?"""
         return True
 
     def needs_draft_model(self) -> bool:
         return True
 
-    def create_future_map(self, num_rows: int, device: Any, *, debug: bool = False) -> "FutureMap":
-        from spec.future_map import FutureMap
+    def create_future_map(self, max_running_requests: int, chunked_prefill_size: int, context_len: int,
+                          device: Any, *, debug: bool = False) -> "FutureMap":
+        """The overlap relay the scheduler builds at start-up (rows per request slot)."""
+        from engine.future_map import FutureMap
 
-        return FutureMap(num_rows, device, need_topk=True, need_hidden=self.carries_draft_hidden_states(),
-                         debug=debug)
+        return FutureMap(max_running_requests + 1, device, need_topk=self.need_topk(),
+                         need_hidden=self.carries_draft_hidden_states(), debug=debug)
 
     def build_disagg_draft_input(self, batch: "Batch", config: "SpecConfig", last_tokens: Any,
                                  future_map: "FutureMap | None") -> Any:
-        """PD decode: turn a PREBUILT batch's handoff into this algorithm's draft input (or None)."""
-        return None
+        """PD decode: turn a PREBUILT batch's handoff (each `Req.handoff`, decoded by the worker's
+        handoff codec) into this algorithm's draft input; with a `future_map`, also seed the
+        requests' rows. Raises DisaggHandoffError naming the requests it cannot serve."""
+        from spec.draft_input import bonus_draft_input
+
+        return bonus_draft_input(batch, last_tokens, future_map, self.name)
 
     def create_worker(self, parts: "EngineParts", config: "SpecConfig") -> "Executor":
         raise NotImplementedError
@@ -95,13 +142,11 @@ class _NoSpec(SpeculativeAlgorithm):
     def carries_draft_hidden_states(self) -> bool:
         return False
 
-    def needs_draft_model(self) -> bool:
+    def need_topk(self) -> bool:
         return False
 
-    def create_future_map(self, num_rows: int, device: Any, *, debug: bool = False) -> "FutureMap":
-        from spec.future_map import FutureMap
-
-        return FutureMap(num_rows, device, need_topk=False, need_hidden=False, debug=debug)
+    def needs_draft_model(self) -> bool:
+        return False
 
     def create_worker(self, parts: "EngineParts", config: "SpecConfig") -> "Executor":
         from engine.executor import PlainExecutor
@@ -112,6 +157,9 @@ class _NoSpec(SpeculativeAlgorithm):
 class _Eagle(SpeculativeAlgorithm):
     name = "EAGLE"
     draft_format = "eagle"
+
+    def is_eagle(self) -> bool:
+        return True
 
     def build_disagg_draft_input(self, batch: "Batch", config: "SpecConfig", last_tokens: Any,
                                  future_map: "FutureMap | None") -> Any:
@@ -129,6 +177,9 @@ class _Eagle3(_Eagle):
     name = "EAGLE3"
     draft_format = "eagle3"
 
+    def is_eagle3(self) -> bool:
+        return True
+
 
 _BUILTINS: dict[str, SpeculativeAlgorithm] = {a.name: a for a in (_NoSpec(), _Eagle(), _Eagle3())}
 SpeculativeAlgorithm.NONE = _BUILTINS["NONE"]
@@ -140,7 +191,8 @@ _entry_points_loaded = False
 
 
 class CustomSpecAlgo(SpeculativeAlgorithm):
-    """Base class of plugin algorithms: override `create_worker` (required) and any other hook."""
+    """Base class of plugin algorithms: override `create_worker` (required) and any other hook.
+    Every `is_*` query answers False (but `is_some` / `is_speculative`) unless overridden."""
 
     REQUIRED: ClassVar[tuple[str, ...]] = ("create_worker",)
 
@@ -151,10 +203,15 @@ INTERFACE = tuple(n for n, v in vars(SpeculativeAlgorithm).items()
 
 
 def _adopt_old_hook_names(cls: type) -> None:
-    """Older plugins named the verify-width hook `..._per_bs_...`; forward the new name to it."""
-    old = getattr(cls, "get_num_tokens_per_bs_for_target_verify", None)
-    if old is None or "get_num_tokens_per_req_for_target_verify" in vars(cls):
+    """Plugins ported from older SGLang name the verify-width hook `..._per_bs_...`; when a plugin
+    defines only that name, the new name forwards to it (the base class forwards the other way)."""
+    if not any("get_num_tokens_per_bs_for_target_verify" in vars(c) for c in cls.__mro__
+               if c not in (SpeculativeAlgorithm, CustomSpecAlgo, object)):
         return
+    if any("get_num_tokens_per_req_for_target_verify" in vars(c) for c in cls.__mro__
+           if c not in (SpeculativeAlgorithm, CustomSpecAlgo, object)):
+        return
+    old = cls.get_num_tokens_per_bs_for_target_verify
 
     def forward(self: Any, num_draft_tokens: int, is_draft_worker: bool) -> int:
         warnings.warn(f"{cls.__name__}.get_num_tokens_per_bs_for_target_verify is deprecated; "
@@ -232,14 +289,43 @@ def registered_names() -> list[str]:
     return sorted(set(_BUILTINS) | set(_PLUGINS))
 
 
-def executor_factory(config: "SpecConfig") -> Callable[["EngineParts"], "Executor"]:
-    """What `Engine(executor_factory=...)` takes: builds the algorithm's worker on the target."""
+class AlgorithmBinding:
+    """An algorithm bound to its resolved settings: what `Engine(config, algorithm=...)` takes
+    (engine/algorithm.py's EngineAlgorithm) and what nodes ask about the algorithm."""
+
+    def __init__(self, algorithm: SpeculativeAlgorithm, config: "SpecConfig") -> None:
+        self.algorithm, self.config = algorithm, config
+
+    @property
+    def name(self) -> str:
+        return self.algorithm.name
+
+    def create_worker(self, parts: "EngineParts") -> "Executor":
+        return self.algorithm.create_worker(parts, self.config)
+
+    def create_future_map(self, max_running_requests: int, chunked_prefill_size: int, context_len: int,
+                          device: Any, *, debug: bool = False) -> "FutureMap":
+        return self.algorithm.create_future_map(max_running_requests, chunked_prefill_size, context_len,
+                                                device, debug=debug)
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"algorithm": self.name}
+        if self.algorithm.is_speculative():
+            c = self.config
+            out.update(num_steps=c.num_steps, eagle_topk=c.eagle_topk, num_draft_tokens=c.num_draft_tokens,
+                       draft_model_path=c.draft_model_path)
+        return out
+
+
+def bind(config: "SpecConfig") -> AlgorithmBinding:
+    """Resolve and check the settings, find the algorithm; fails fast (before any model load)
+    with a SpecConfigError / SpecRegistryError naming the flag or listing known algorithms."""
     cfg = config.resolved()
     algo = SpeculativeAlgorithm.from_name(cfg.algorithm)
     if algo.needs_draft_model() and not cfg.draft_model_path:
         raise SpecRegistryError(f"--speculative-algorithm {algo.name} needs --speculative-draft-model-path")
-    return lambda parts: algo.create_worker(parts, cfg)
+    return AlgorithmBinding(algo, cfg)
 
 
-__all__ = ["CustomSpecAlgo", "SpeculativeAlgorithm", "SpecRegistryError", "executor_factory",
+__all__ = ["AlgorithmBinding", "CustomSpecAlgo", "SpeculativeAlgorithm", "SpecRegistryError", "bind",
            "register", "registered_names"]

@@ -22,7 +22,7 @@ def test_no_model_means_the_builtin_pair_with_eagle() -> None:
     assert gpu.dtype is None  # the checkpoint's bf16 on GPUs
     own = resolve("/some/model", algorithm=None, draft_model_path=None, num_steps=None, dtype=None,
                   device="cpu")
-    assert own.model == Path("/some/model") and own.algorithm == "NONE"
+    assert own.model == Path("/some/model") and own.algorithm is None  # the registry's default: no speculation
 
 
 def test_pair_fits_the_size_budget() -> None:
@@ -35,11 +35,11 @@ def test_pair_fits_the_size_budget() -> None:
 def engines():
     from engine.engine import Engine, EngineConfig
     from spec.config import SpecConfig
-    from spec.registry import executor_factory
+    from spec.registry import bind
 
     cfg = EngineConfig(str(BUILTIN_TARGET), dtype="float32", page_size=16)
     spec = SpecConfig("EAGLE", str(BUILTIN_DRAFT), BUILTIN_DRAFT_STEPS, 1)
-    return Engine(cfg), Engine(cfg, executor_factory=executor_factory(spec))
+    return Engine(cfg), Engine(cfg, algorithm=bind(spec))
 
 
 def test_pair_completes_python_and_the_draft_is_trained(engines) -> None:

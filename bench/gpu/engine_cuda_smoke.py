@@ -18,7 +18,7 @@ from engine.engine import Engine, EngineConfig
 from engine.tiny_eagle import write_tiny_eagle_head
 from engine.tiny_model import write_tiny_model
 from spec.config import SpecConfig
-from spec.registry import executor_factory, register_class, registered_names
+from spec.registry import bind, register_class, registered_names
 
 PROMPTS = [[5, 17, 42, 7, 99, 3, 11, 250], [300] * 5, list(range(100, 121)), [8, 1]]
 GREEDY = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
@@ -30,7 +30,7 @@ FAST = dict(attention_backend="triton", overlap=True, cuda_graph_max_bs=8)
 def outputs(model: Path, device: str, spec: SpecConfig | None = None, dtype: str | None = None,
             **fast: object) -> list:
     eng = Engine(EngineConfig(str(model), device=device, page_size=4, dtype=dtype, **fast),
-                 executor_factory=executor_factory(spec) if spec else None)
+                 algorithm=bind(spec) if spec else None)
     t = time.perf_counter()
     out = [o.output_ids for o in eng.generate(PROMPTS, GREEDY)]
     return out, time.perf_counter() - t, eng.kv.all_free

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer
 from engine.core import SamplingParams
 from engine.engine import Engine, EngineConfig
 from spec.config import SpecConfig
-from spec.registry import executor_factory
+from spec.registry import bind
 
 
 def heldout_prompts(tok: Tokenizer, texts: Sequence[str], n: int, prompt_tokens: int) -> list[list[int]]:
@@ -38,7 +38,7 @@ def measure_acceptance(target_dir: Path, head_dir: Path, prompts: list[list[int]
     plain = Engine(config).generate(prompts, params)
     plain_s = time.perf_counter() - start
     spec_cfg = SpecConfig("EAGLE", str(head_dir), num_steps=num_steps, eagle_topk=1)
-    eng = Engine(config, executor_factory=executor_factory(spec_cfg))
+    eng = Engine(config, algorithm=bind(spec_cfg))
     start = time.perf_counter()
     outs = eng.generate(prompts, params)
     spec_s = time.perf_counter() - start

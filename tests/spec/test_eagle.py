@@ -14,7 +14,7 @@ from engine.engine import Engine, EngineConfig
 from engine.tiny_eagle import write_tiny_eagle_head
 from engine.tiny_model import write_tiny_model
 from spec.config import SpecConfig
-from spec.registry import executor_factory
+from spec.registry import bind
 
 PROMPTS = [[5, 17, 42, 7, 99, 3, 11, 250], [8, 1], list(range(100, 121)), [300] * 5]
 GREEDY = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
@@ -35,7 +35,7 @@ def plain_greedy(target):
 def spec_engine(target, head, algo, steps, topk, ntok=None, **kw):
     cfg = SpecConfig(algo, str(head), steps, topk, ntok)
     return Engine(EngineConfig(str(target), page_size=4, chunked_prefill_size=7, **kw),
-                  executor_factory=executor_factory(cfg))
+                  algorithm=bind(cfg))
 
 
 CASES = [  # fmt, head mode, steps, topk, draft tokens

@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.core import Batch, ForwardMode, HandoffState, Req, SamplingParams
+from engine.core import Batch, ForwardMode, Req, SamplingParams
 from engine.engine import Engine, EngineConfig
 from spec.config import SpecConfig
+from spec.draft_input import EagleReqState
 from spec.eagle_disagg import DisaggHandoffError
-from spec.registry import SpeculativeAlgorithm, executor_factory
+from spec.registry import SpeculativeAlgorithm, bind
 from tests.spec.handoff import hand_off
 
 PROMPTS = [[5, 17, 42, 7, 99, 3, 11, 250], [300] * 5, list(range(100, 121))]
@@ -19,7 +20,7 @@ GREEDY = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
 
 def _engine(pair, topk=2, ntok=5, **kw):
     cfg = SpecConfig("EAGLE", str(pair[1]), 3, topk, ntok)
-    return Engine(EngineConfig(str(pair[0]), page_size=4, **kw), executor_factory=executor_factory(cfg)), cfg
+    return Engine(EngineConfig(str(pair[0]), page_size=4, **kw), algorithm=bind(cfg)), cfg
 
 
 @pytest.mark.parametrize("topk,ntok,overlap", [(1, 4, False), (2, 5, False), (1, 4, True), (2, 5, True)])
@@ -29,12 +30,13 @@ def test_pd_handoff_continues_exactly_like_colocated(pair, topk, ntok, overlap):
     prefill, _ = _engine(pair, topk, ntok, overlap=overlap)
     decode, cfg = _engine(pair, topk, ntok, overlap=overlap, future_map_debug=True)
     reqs = [hand_off(prefill, decode, p, f"r{i}", GREEDY) for i, p in enumerate(PROMPTS)]
-    first = decode.scheduler.adopt_prebuilt(reqs)
     algo = SpeculativeAlgorithm.from_name("eagle")
     fm = decode.executor.future_map  # the worker's own relay rows: seeding is what it decodes from
     last = torch.tensor([r.output_ids[-1] for r in reqs])
-    di = algo.build_disagg_draft_input(Batch(ForwardMode.PREBUILT, reqs), cfg, last, fm)
-    assert di.topk_index.shape == (3, topk) and fm.new_seq_lens_buf[di.future_indices].tolist() == [8, 5, 21]
+    di = algo.build_disagg_draft_input(Batch(ForwardMode.PREBUILT, reqs), cfg, last, None)
+    first = decode.scheduler.adopt_prebuilt(reqs, di)  # the worker seeds its rows from di
+    assert di.topk_index.shape == (3, topk)
+    assert fm.new_seq_lens_buf[torch.tensor([r.slot for r in reqs])].tolist() == [8, 5, 21]
     assert all(r.spec_state is None for r in reqs)  # between iterations: only the slot index
     got = {u.rid: list(u.tokens) for u in first}
     accepted = {r.rid: [] for r in reqs}
@@ -59,14 +61,15 @@ def test_bad_handoffs_are_per_request_errors(pair):
     with pytest.raises(DisaggHandoffError, match="empty"):
         algo.build_disagg_draft_input(Batch(ForwardMode.PREBUILT, []), cfg, torch.tensor([]), None)
     good = Req("ok", [1, 2], GREEDY, output_ids=[3], seq_len=2,
-               handoff=HandoffState(3, torch.tensor([0.6, 0.3]), torch.tensor([4, 5]), torch.zeros(64)))
+               handoff=EagleReqState(torch.tensor([0.6, 0.3]), torch.tensor([4, 5]), torch.zeros(64)))
     bad = Req("no-hidden", [1, 2], GREEDY, output_ids=[3], seq_len=2,
-              handoff=HandoffState(3, torch.tensor([0.6, 0.3]), torch.tensor([4, 5]), None))
+              handoff=EagleReqState(torch.tensor([0.6, 0.3]), torch.tensor([4, 5]), None))
     with pytest.raises(DisaggHandoffError) as e:
         algo.build_disagg_draft_input(Batch(ForwardMode.PREBUILT, [good, bad]), cfg,
                                       torch.tensor([3, 3]), None)
     assert e.value.rids == ["no-hidden"]
     di = algo.build_disagg_draft_input(Batch(ForwardMode.PREBUILT, [good]), cfg, torch.tensor([3]), None)
-    assert good.spec_state is not None and di.hidden_states.shape == (1, 64)
-    assert SpeculativeAlgorithm.NONE.build_disagg_draft_input(Batch(ForwardMode.PREBUILT, [good]), cfg,
-                                                              torch.tensor([3]), None) is None
+    assert di.hidden_states.shape == (1, 64) and di.relay_payload().topk_index.tolist() == [[4, 5]]
+    plain = SpeculativeAlgorithm.NONE.build_disagg_draft_input(Batch(ForwardMode.PREBUILT, [good]), cfg,
+                                                               torch.tensor([3]), None)
+    assert plain.bonus_tokens.tolist() == [3] and plain.relay_payload().topk_p is None

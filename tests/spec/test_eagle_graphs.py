@@ -8,7 +8,7 @@ import pytest
 from engine.core import SamplingParams
 from engine.engine import Engine, EngineConfig
 from spec.config import SpecConfig
-from spec.registry import SpeculativeAlgorithm, executor_factory
+from spec.registry import bind
 
 PROMPTS = [[5, 17, 42, 7], [300] * 5, list(range(100, 121))]
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
@@ -19,8 +19,8 @@ def test_precaptured_graphs_serve_every_decode_forward(pair, topk, ntok) -> None
     target, head = pair
     spec = SpecConfig("EAGLE", str(head), 3, topk, ntok)
     want = [o.output_ids for o in Engine(EngineConfig(str(target), page_size=4),
-                                         executor_factory=executor_factory(spec)).generate(PROMPTS, GREEDY)]
-    eng = Engine(EngineConfig(str(target), page_size=4), executor_factory=executor_factory(spec))
+                                         algorithm=bind(spec)).generate(PROMPTS, GREEDY)]
+    eng = Engine(EngineConfig(str(target), page_size=4), algorithm=bind(spec))
     worker = eng.executor
     worker.target.enable_cuda_graphs(4, capture=False)
     worker.draft.enable_cuda_graphs(4, capture=False)
@@ -30,12 +30,3 @@ def test_precaptured_graphs_serve_every_decode_forward(pair, topk, ntok) -> None
     # nothing new was needed: verify, draft steps and draft-extend all hit pre-captured graphs
     assert (worker.target.graph_stats.captures, worker.draft.graph_stats.captures) == captured
     assert worker.target.graph_stats.hits > 0 and worker.draft.graph_stats.hits > 0
-
-
-def test_verify_width_comes_from_the_algorithm(pair, monkeypatch) -> None:
-    target, head = pair
-    algo = SpeculativeAlgorithm.from_name("EAGLE")
-    monkeypatch.setattr(type(algo), "get_num_tokens_per_req_for_target_verify",
-                        lambda self, n, is_draft_worker: n + 1)
-    with pytest.raises(ValueError, match="verify windows"):
-        Engine(EngineConfig(str(target)), executor_factory=executor_factory(SpecConfig("EAGLE", str(head), 3, 1)))

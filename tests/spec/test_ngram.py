@@ -12,9 +12,10 @@ from engine.core import Batch, FinishReason, ForwardMode, Req, SamplingParams
 from engine.engine import Engine, EngineConfig
 from engine.tiny_model import write_tiny_model
 from spec.config import SpecConfig, SpecConfigError
-from spec.future_map import FutureMap
-from spec.ngram import NgramAlgo, NgramDraftInput, propose_drafts
-from spec.registry import SpeculativeAlgorithm, executor_factory
+from engine.future_map import FutureMap
+from spec.draft_input import BonusDraftInput
+from spec.ngram import NgramAlgo, propose_drafts
+from spec.registry import SpeculativeAlgorithm, bind
 
 SNIPPET = ("def fibonacci(n):\n    if n < 2:\n        return n\n"
            "    return fibonacci(n - 1) + fibonacci(n - 2)\n\n")
@@ -31,7 +32,7 @@ def target(tmp_path_factory):
 
 def engine(target, spec: SpecConfig | None = NGRAM, **kw) -> Engine:
     cfg = EngineConfig(str(target), page_size=4, chunked_prefill_size=7, **kw)
-    return Engine(cfg, executor_factory=executor_factory(spec) if spec else None)
+    return Engine(cfg, algorithm=bind(spec) if spec else None)
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +120,7 @@ def test_random_aborts_during_ngram_decoding_free_every_page(target, prompts):
     while not eng.idle:
         drain()
     assert not live and FinishReason.ABORT in reasons
-    assert eng.executor.stats.verifies > 0
+    assert eng.executor.spec_stats().verifies > 0
     assert eng.kv.all_free
     eng.kv.check()
 
@@ -132,13 +133,13 @@ def test_disagg_draft_input_relays_only_the_bonus_token():
     algo = SpeculativeAlgorithm.from_name("ngram")
     assert isinstance(algo, NgramAlgo)
     assert not algo.needs_draft_model() and not algo.carries_draft_hidden_states()
-    fm = algo.create_future_map(8, "cpu", debug=True)
+    fm = algo.create_future_map(7, 2048, 1024, "cpu", debug=True)
     assert not fm.need_topk and not fm.need_hidden
     reqs = [Req(f"r{i}", [1, 2, 3, i], SamplingParams(), output_ids=[40 + i]) for i in range(2)]
     for slot, req in zip((3, 5), reqs):
         req.slot, req.seq_len, req.spec_state = slot, 4, "stale"
     di = algo.build_disagg_draft_input(_prebuilt(reqs), NGRAM, torch.tensor([40, 41]), fm)
-    assert isinstance(di, NgramDraftInput) and len(di) == 2
+    assert isinstance(di, BonusDraftInput) and len(di) == 2
     assert di.bonus_tokens.tolist() == [40, 41] and di.future_indices.tolist() == [3, 5]
     assert all(r.spec_state is None for r in reqs)
     idx = torch.tensor([3, 5])

@@ -9,8 +9,8 @@ import torch
 from engine.core import Batch, ForwardMode, SamplingParams
 from engine.engine import Engine, EngineConfig
 from spec.config import SpecConfig
-from spec.future_map import FutureMap, FutureMapError
-from spec.registry import SpeculativeAlgorithm, executor_factory
+from engine.future_map import FutureMap, FutureMapError
+from spec.registry import SpeculativeAlgorithm, bind
 from tests.spec.handoff import hand_off
 
 PROMPTS = [[5, 17, 42, 7, 99, 3, 11, 250], [300] * 5, list(range(100, 121))]
@@ -20,7 +20,7 @@ GREEDY = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
 def _engine(pair, topk=2, ntok=5, **kw) -> tuple[Engine, SpecConfig]:
     cfg = SpecConfig("EAGLE", str(pair[1]), 3, topk, ntok)
     kw = {"page_size": 4, "overlap": True, "future_map_debug": True, **kw}
-    return Engine(EngineConfig(str(pair[0]), **kw), executor_factory=executor_factory(cfg)), cfg
+    return Engine(EngineConfig(str(pair[0]), **kw), algorithm=bind(cfg)), cfg
 
 
 def _trace(fm: FutureMap) -> list[tuple[str, tuple[int, ...]]]:
@@ -67,10 +67,19 @@ def test_reading_an_unpublished_row_is_detected(pair):
             eng.step()
 
 
-def test_debug_off_map_has_no_poison(pair):
+def test_production_map_guards_unpublished_reads(pair):
     eng, _ = _engine(pair, future_map_debug=False)
-    assert not eng.executor.future_map.debug
-    assert int(eng.executor.future_map.output_tokens_buf.min()) == 0
+    fm = eng.executor.future_map
+    assert not fm.debug and fm is eng.scheduler.future_map
+    assert int(fm.output_tokens_buf.min()) == -1  # unwritten rows hold the sentinel
+    req = eng.make_request(PROMPTS[0], GREEDY, "victim")
+    eng.io.submit(req)
+    while not req.output_ids:
+        eng.step()
+    fm.invalidate(torch.tensor([req.slot]))  # as a missed publish would leave it
+    with pytest.raises(FutureMapError, match="read before being written"):
+        for _ in range(5):
+            eng.step()
 
 
 @pytest.mark.parametrize("topk,ntok", [(1, 4), (2, 5)])
@@ -89,10 +98,11 @@ def test_pd_seeding_while_a_forward_is_in_flight(pair, topk, ntok):
                 got.setdefault(d.rid, []).extend(d.token_ids)
         assert decode.scheduler._inflight is not None
         req = hand_off(prefill, decode, prompt, f"r{i}", GREEDY)
-        for u in decode.scheduler.adopt_prebuilt([req]):
+        # seeded by the algorithm right away (SGLang's call shape), then adopted
+        di = algo.build_disagg_draft_input(Batch(ForwardMode.PREBUILT, [req]), cfg,
+                                           torch.tensor(req.output_ids[-1:]), fm)
+        for u in decode.scheduler.adopt_prebuilt([req], di):
             got.setdefault(u.rid, []).extend(u.tokens)
-        algo.build_disagg_draft_input(Batch(ForwardMode.PREBUILT, [req]), cfg,
-                                      torch.tensor(req.output_ids[-1:]), fm)
     while not decode.idle:
         for d in decode.step():
             got.setdefault(d.rid, []).extend(d.token_ids)

@@ -9,7 +9,7 @@ import pytest
 import spec.registry as registry
 from spec.config import SpecConfig
 from spec.ngram import NgramAlgo
-from spec.registry import (CustomSpecAlgo, SpeculativeAlgorithm, SpecRegistryError, executor_factory,
+from spec.registry import (CustomSpecAlgo, SpeculativeAlgorithm, SpecRegistryError, bind,
                            register, register_class, registered_names)
 
 
@@ -147,13 +147,13 @@ def test_extension_point_defaults_are_eagles(names):
         assert a.get_num_tokens_per_req_for_target_verify(4, False) == 4
         assert a.carries_draft_hidden_states() is True
     assert algo.is_speculative() and algo.needs_draft_model()
-    fm = algo.create_future_map(4, "cpu")
-    assert fm.need_topk and fm.need_hidden
+    fm = algo.create_future_map(4, 2048, 1024, "cpu")
+    assert fm.need_topk and fm.need_hidden and fm.num_rows == 5
 
 
-def test_executor_factory_needs_a_draft_path_for_eagle():
+def test_bind_needs_a_draft_path_for_eagle():
     with pytest.raises(SpecRegistryError, match="EAGLE needs --speculative-draft-model-path"):
-        executor_factory(SpecConfig("eagle"))
+        bind(SpecConfig("eagle"))
     with pytest.raises(SpecRegistryError, match="unknown speculative algorithm"):
-        executor_factory(SpecConfig("medusa"))
-    assert callable(executor_factory(SpecConfig("ngram")))  # n-gram needs no draft model
+        bind(SpecConfig("medusa"))
+    assert callable(bind(SpecConfig("ngram")).create_worker)  # n-gram needs no draft model

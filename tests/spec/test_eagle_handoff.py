@@ -1,0 +1,41 @@
+"""EAGLE's handoff codec: the draft top-k and hidden state survive a row byte for byte, in every
+dtype and top-k; mismatched or missing state is a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.core import Req, SamplingParams
+from engine.handoff import HandoffError
+from spec.draft_input import EagleReqState
+from spec.eagle_handoff import EagleHandoffCodec
+
+
+@pytest.mark.parametrize("k,hidden,dtype", [(1, 64, torch.bfloat16), (4, 48, torch.float32),
+                                            (16, 7, torch.bfloat16), (3, 384, torch.float16)])
+def test_round_trip(k: int, hidden: int, dtype: torch.dtype) -> None:
+    codec = EagleHandoffCodec(k, hidden, dtype)
+    assert codec.payload_bytes >= 8 + 12 * k + hidden * dtype.itemsize
+    st = EagleReqState(torch.rand(k), torch.randint(0, 2**40, (k,)), torch.randn(hidden).to(dtype))
+    req = Req("r", [1], SamplingParams(), spec_state=st)
+    payload = codec.encode(req)
+    assert payload.dtype == torch.uint8 and payload.numel() == codec.payload_bytes
+    got = codec.decode(payload)
+    assert torch.equal(got.topk_p, st.topk_p) and torch.equal(got.topk_index, st.topk_index)
+    assert got.hidden.dtype == dtype and torch.equal(got.hidden, st.hidden)
+
+
+def test_mismatches_are_refused() -> None:
+    codec = EagleHandoffCodec(2, 8, torch.float32)
+    with pytest.raises(HandoffError, match="without EAGLE draft state"):
+        codec.encode(Req("r", [1], SamplingParams()))
+    st = EagleReqState(torch.rand(3), torch.zeros(3, dtype=torch.int64), torch.zeros(8))
+    with pytest.raises(HandoffError, match="top-3"):
+        codec.encode(Req("r", [1], SamplingParams(), spec_state=st))
+    other = EagleHandoffCodec(4, 8, torch.float32)
+    st4 = EagleReqState(torch.rand(4), torch.zeros(4, dtype=torch.int64), torch.zeros(8))
+    with pytest.raises(HandoffError, match="top-4"):
+        codec.decode(other.encode(Req("r", [1], SamplingParams(), spec_state=st4)))
+    with pytest.raises(HandoffError, match="needs"):
+        codec.decode(torch.zeros(3, dtype=torch.uint8))
