@@ -13,7 +13,10 @@ venv: $(STAMP)
 # torch goes in first and pinned: 2.13.0 is served as a local CPU build, while an unpinned torch
 # (or one pulled in by `pip install -e .`) would fetch GBs of CUDA wheels. Where torch already
 # imports (a GPU machine with its own build), that step is skipped.
-$(STAMP): pyproject.toml
+# The example speculative plugin is installed like any out-of-tree plugin (not editable), so its
+# entry point is what pdserve discovers; its sources are prerequisites so edits reinstall it.
+PLUGIN := examples/standalone
+$(STAMP): pyproject.toml $(PLUGIN)/pyproject.toml $(wildcard $(PLUGIN)/pdserve_standalone/*.py)
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -U pip
 	if $(VPY) -c "import torch" >/dev/null 2>&1; then \
@@ -23,6 +26,7 @@ $(STAMP): pyproject.toml
 	fi
 	$(VPY) -m pip install -e '.[test,triton]'
 	$(VPY) -m pip install --no-deps nixl-cu13==1.5.1 || echo "warning: nixl-cu13 not installed; PD transfer unavailable"
+	$(VPY) -m pip install ./$(PLUGIN)
 	touch $@
 
 test: venv

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import os
 import subprocess
 import sys
@@ -133,3 +134,69 @@ def test_modules_have_docstrings() -> None:
         if not ast.get_docstring(ast.parse(source, filename=str(path))):
             missing.append(str(rel))
     assert not missing, "modules without a module docstring:\n" + "\n".join(missing)
+
+
+# ---- the engine's protocol, facade and algorithm-neutral code (issue: extension points) ----
+
+NODE_PACKAGES = ("prefill_node", "decode_node")
+ENGINE_INTERNALS = frozenset({"kv", "scheduler", "executor", "io", "parts"})
+# Comparisons that branch on an algorithm's identity instead of asking it; allowed only in the
+# speculative registry's own package and in the draft loader's table of head formats.
+NAME_BRANCH = re.compile(r"""(==|!=|\bin\b)\s*[(\[{]?\s*["'](NONE|EAGLE3?|NGRAM|STANDALONE|eagle3?)["']"""
+                         r"""|\bfmt\s*==|\bspec\s+is\s+(not\s+)?None""")
+NAME_BRANCH_ALLOWED = ("spec/", "engine/draft_loader.py", "engine/tiny_eagle.py")
+
+
+def test_no_getattr_probe_of_an_executor() -> None:
+    problems = []
+    for package in ("engine", "spec", *NODE_PACKAGES, "pdserve"):
+        for path in python_files(ROOT / package):
+            if path == ROOT / "engine" / "executor.py":  # the protocol's own conformance check
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in
+                        ("getattr", "hasattr") and node.args and "executor" in ast.unparse(node.args[0])):
+                    problems.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not problems, "declare the hook on engine.executor.Executor instead:\n" + "\n".join(problems)
+
+
+def test_node_handlers_use_the_engine_facade_only() -> None:
+    problems = []
+    for package in NODE_PACKAGES:
+        for path in python_files(ROOT / package):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Attribute) and node.attr in ENGINE_INTERNALS:
+                    problems.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+    assert not problems, "node code reaches into the engine; use engine.disagg.DisaggEngine:\n" + \
+        "\n".join(problems)
+
+
+def test_no_code_outside_spec_branches_on_an_algorithm_name() -> None:
+    problems = []
+    for package in ("engine", *NODE_PACKAGES, "pdserve", "router"):
+        for path in python_files(ROOT / package):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel.startswith(NAME_BRANCH_ALLOWED) or rel.startswith("pdserve/v1/"):
+                continue
+            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if NAME_BRANCH.search(line.split("#")[0]):
+                    problems.append(f"{rel}:{i}: {line.strip()}")
+    assert not problems, "ask the algorithm (is_*(), hooks) instead of comparing names:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("line,bad", [('if algo == "EAGLE":', True), ("if fmt == x:", True),
+                                      ("if spec is None:", True), ('x = "EAGLE"', False),
+                                      ('if a.is_eagle():', False), ('name in ("NGRAM", "X")', True)])
+def test_name_branch_pattern(line: str, bad: bool) -> None:
+    assert bool(NAME_BRANCH.search(line)) == bad
+
+
+def test_example_plugins_use_only_the_public_api() -> None:
+    """examples/ are out-of-tree plugins: from pdserve's packages they may import spec.api only."""
+    ours = {"engine", "spec", "prefill_node", "decode_node", "router", "pdserve"}
+    problems = []
+    for path in python_files(ROOT / "examples"):
+        for line, module in imported_modules(path.read_text(encoding="utf-8"), str(path)):
+            if module.split(".")[0] in ours and not module.startswith("spec.api"):
+                problems.append(f"{path.relative_to(ROOT)}:{line}: imports {module}")
+    assert not problems, "plugins must build on spec.api:\n" + "\n".join(problems)

@@ -1,9 +1,12 @@
 """PD output equals colocated output (real processes, real NIXL over UCX), with and without
-speculation; acceptance in PD equals colocated; every page returns to both pools."""
+speculation (built-ins, the bundled n-gram plugin and the out-of-tree STANDALONE plugin);
+acceptance in PD equals colocated; every page returns to both pools."""
 
 from __future__ import annotations
 
 import pytest
+
+import importlib.util
 
 from engine.kv_transfer import nixl_available
 from engine.tiny_eagle import write_tiny_eagle_head
@@ -19,20 +22,24 @@ PROMPTS = [[5, 17, 42, 7, 99, 3, 11, 250], [300] * 5, list(range(100, 121)), [8,
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("pd-models")
     target = write_tiny_model(root / "t", seed=1)
-    return target, write_tiny_eagle_head(root / "h", target, "eagle", mode="repeat")
+    return {"eagle": write_tiny_eagle_head(root / "h", target, "eagle", mode="repeat"),
+            "standalone": write_tiny_model(root / "d", seed=1)}, target
 
 
 SPEC = {
     "plain": [],
     "eagle": ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3"],
     "ngram": ["--speculative-algorithm", "NGRAM", "--speculative-num-steps", "3"],
+    "standalone": ["--speculative-algorithm", "STANDALONE", "--speculative-num-steps", "3"],
 }
 
 
 @pytest.mark.parametrize("mode", sorted(SPEC))
 def test_pd_equals_colocated(models, mode):
-    target, head = models
-    extra = list(SPEC[mode]) + (["--speculative-draft-model-path", str(head)] if mode == "eagle" else [])
+    if mode == "standalone" and importlib.util.find_spec("pdserve_standalone") is None:
+        pytest.skip("pip install ./examples/standalone (make test does)")
+    drafts, target = models
+    extra = list(SPEC[mode]) + (["--speculative-draft-model-path", str(drafts[mode])] if mode in drafts else [])
     colo = Node(["serve", "--model", str(target), "--port", "0", "--page-size", "4", *extra])
     prefill, decode = start_pair(str(target), *extra)
     try:
