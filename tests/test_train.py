@@ -15,7 +15,7 @@ from pdserve.train.corpus import is_heldout, load_corpus, source_files
 from pdserve.train.main import PRESETS, train_pair
 from pdserve.train.save import save_weights
 from spec.config import SpecConfig
-from spec.registry import executor_factory
+from spec.registry import bind
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -32,7 +32,7 @@ def test_pair_serves_with_and_without_eagle(pair: tuple[Path, dict]) -> None:
     plain = Engine(config)
     prompts = [plain.tokenizer.encode("def main():\n    "), plain.tokenizer.encode("import os\nimport")]
     want = [o.output_ids for o in plain.generate(prompts, GREEDY)]
-    spec = Engine(config, executor_factory=executor_factory(SpecConfig("EAGLE", str(out / "eagle"), 4, 1)))
+    spec = Engine(config, algorithm=bind(SpecConfig("EAGLE", str(out / "eagle"), 4, 1)))
     assert [o.output_ids for o in spec.generate(prompts, GREEDY)] == want
     assert spec.executor.stats.verifies > 0
     acc = metrics["acceptance"]
