@@ -39,12 +39,15 @@ def _q(p: float, metric: str, by: str = "le", match: str = "") -> str:
 
 ROWS: list[tuple[str, list[Panel]]] = [
     ("Requests", [
-        Panel("Request rate by endpoint and status", "reqps", "HTTP responses of the routers.",
-              [(f"sum by (endpoint, status) (rate(pdserve_router_requests_total[{W}]))", "{{endpoint}} {{status}}")]),
+        Panel("Request rate by endpoint and status", "reqps", "API responses of the routers (probes and "
+              "scrapes, endpoint=\"other\", left out).",
+              [(f'sum by (endpoint, status) (rate(pdserve_router_requests_total{{endpoint!="other"}}[{W}]))',
+                "{{endpoint}} {{status}}")]),
         Panel("Errors by status", "reqps", "Non-2xx responses, streams that failed after the first byte, "
               "requests shed at the queue limit.",
-              [(f'sum by (status) (rate(pdserve_router_requests_total{{status!~"2.."}}[{W}]))', "HTTP {{status}}"),
-               (f"sum(rate(pdserve_router_stream_errors_total[{W}]))", "stream errors"),
+              [(f'sum by (status) (rate(pdserve_router_requests_total{{endpoint!="other",status!~"2.."}}[{W}]))',
+                "HTTP {{status}}"),
+               (f"sum(rate(pdserve_router_stream_errors_total[{W}])) or vector(0)", "stream errors"),
                (f"sum(rate(pdserve_router_requests_shed_total[{W}]))", "shed (queue full)")]),
     ]),
     ("Latency", [
