@@ -6,9 +6,21 @@ VPY := $(VENV)/bin/python
 # Reinstall only when the dependency list changes.
 STAMP := $(VENV)/.pdserve-installed
 
-.PHONY: venv test up bench
+.PHONY: venv tools test up bench
 
 venv: $(STAMP)
+
+# Prometheus + promtool for tests/deploy (rules, alert unit tests, the live dashboard test):
+# Debian's package where promtool is missing and apt-get can run (root, as in CI); otherwise a
+# note, and those tests skip saying why.
+tools:
+	@if command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; } \
+			|| echo "note: apt-get could not install prometheus: tests/deploy's Prometheus tests will skip"; \
+	else \
+		echo "note: prometheus/promtool not installed and apt-get unavailable here: tests/deploy's Prometheus tests will skip"; \
+	fi
 
 # torch goes in first and pinned: 2.13.0 is served as a local CPU build, while an unpinned torch
 # (or one pulled in by `pip install -e .`) would fetch GBs of CUDA wheels. Where torch already
@@ -24,12 +36,12 @@ $(STAMP): pyproject.toml $(PLUGIN)/pyproject.toml $(wildcard $(PLUGIN)/pdserve_s
 	else \
 		$(VPY) -m pip install torch==2.13.0; \
 	fi
-	$(VPY) -m pip install -e '.[test,triton]'
+	$(VPY) -m pip install -e '.[test,triton,deploy-test]'
 	$(VPY) -m pip install --no-deps nixl-cu13==1.5.1 || echo "warning: nixl-cu13 not installed; PD transfer unavailable"
 	$(VPY) -m pip install ./$(PLUGIN)
 	touch $@
 
-test: venv
+test: venv tools
 	TRITON_INTERPRET=1 $(VPY) -m pytest -q -x
 
 up: venv

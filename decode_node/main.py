@@ -35,7 +35,7 @@ async def run_decode(opts: Any, host: str, port: int, transport: str, timeouts: 
     api, api_port = await start_server([scheduler_service(SchedulerServicer(info, loop, handler))], host, port)
     pump = asyncio.create_task(waiter.run())
     log.info("decode node serving %s on %s:%d (%s)", engine.config.model, host, api_port, binding.describe())
-    print(f"READY scheduler={host}:{api_port}{metrics_suffix(engine, 'decode', host, metrics_port)}",
+    print(f"READY scheduler={host}:{api_port}{metrics_suffix(engine, 'decode', host, metrics_port, handler)}",
           flush=True)
 
     def shutdown() -> None:

@@ -120,6 +120,7 @@ class Req:
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_retractions: int = 0
+    queued_at: float = 0.0  # time.monotonic() when it (re)entered the waiting queue
     spec_state: Any = None  # opaque per-request state owned by a speculative worker
     handoff: Any = None  # PD decode: the algorithm's handoff state, decoded by its codec
     # PD prefill: keep KV pages and speculative state after finishing, until the transfer ends

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,6 +157,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig, algorithm: EngineAlgorithm | None = None,
                  io: SchedulerIO | None = None) -> None:
+        started = time.perf_counter()
         self.config = config
         self.device = torch.device(config.device)
         model, self.model_config = load_model(config.model, config.dtype, self.device)
@@ -193,6 +195,7 @@ class Engine:
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._texts: dict[str, TextAssembler] = {}
+        self.load_seconds = time.perf_counter() - started  # weights, KV pool, graphs (node metrics)
 
     # ---- requests ----
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,

@@ -81,6 +81,10 @@ class Executor(Protocol):
     def spec_stats(self) -> SpecStats | None:
         """Speculative counters, or None without speculation."""
 
+    def adaptive_snapshot(self) -> dict[str, Any] | None:
+        """Adaptive speculation's state, or None when steps are fixed: {"slots": [{"lower_bound",
+        "upper_bound", "current_steps", "ema", "switches", ...}], "switches": total}."""
+
 
 _EXECUTOR_HOOKS = tuple(n for n in vars(Executor) if not n.startswith("_"))
 
@@ -194,6 +198,9 @@ class PlainExecutor:
         return NoPayloadCodec()
 
     def spec_stats(self) -> SpecStats | None:
+        return None
+
+    def adaptive_snapshot(self) -> dict[str, Any] | None:
         return None
 
     def on_admit(self, req: Req) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -30,6 +30,7 @@ class ThreadedIO:
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._subscribers: dict[str, UpdateCallback] = {}
         self._wake = threading.Event()
+        self.finished: Counter[str] = Counter()  # finish reason -> requests (node metrics read it)
 
     def submit(self, req: Req, on_update: UpdateCallback) -> None:
         with self._lock:
@@ -77,6 +78,8 @@ class ThreadedIO:
         for upd in updates:
             with self._lock:
                 cb = self._subscribers.pop(upd.rid, None) if upd.finished else self._subscribers.get(upd.rid)
+                if upd.finished:
+                    self.finished[_reason(upd)] += 1
             if cb is not None:
                 try:
                     cb(upd)
@@ -87,10 +90,18 @@ class ThreadedIO:
         self._wake.wait(timeout)
         self._wake.clear()
 
+    def finished_counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.finished)
+
     @property
     def has_pending(self) -> bool:
         with self._lock:
             return bool(self._new or self._aborts or self._calls)
+
+
+def _reason(upd: RequestUpdate) -> str:
+    return upd.finish_reason.value if upd.finish_reason is not None else "unknown"
 
 
 class EngineLoop:

@@ -40,7 +40,7 @@ async def run_prefill(opts: Any, host: str, port: int, bootstrap_port: int, tran
     log.info("prefill node serving %s: scheduler %s:%d, bootstrap %s:%d (%s)", engine.config.model,
              host, api_port, host, boot_port, binding.describe())
     print(f"READY scheduler={host}:{api_port} bootstrap={host}:{boot_port}"
-          f"{metrics_suffix(engine, 'prefill', host, metrics_port)}", flush=True)
+          f"{metrics_suffix(engine, 'prefill', host, metrics_port, handler)}", flush=True)
 
     def shutdown() -> None:
         janitor.cancel()

@@ -13,11 +13,12 @@ from typing import Callable
 
 
 class BreakerState(enum.IntEnum):
-    """Values are what the router's breaker-state gauge reports."""
+    """Values are what the router's breaker-state gauge reports; SMG's `smg_worker_cb_state` uses
+    the same ones, so one dashboard query (`== 1`: open) reads both."""
 
     CLOSED = 0
-    HALF_OPEN = 1
-    OPEN = 2
+    OPEN = 1
+    HALF_OPEN = 2
 
 
 class CircuitBreaker:

@@ -253,6 +253,7 @@ class PDDispatcher:
         # Its own registry unless given one: /metrics must expose it (or pass the HTTP side's registry).
         self.metrics_registry = metrics_registry if metrics_registry is not None else CollectorRegistry()
         self.metrics = DispatchMetrics(self.metrics_registry)
+        self.metrics.ready.set_function(lambda: float(self.ready()))
         self._last_success: float | None = None
         self._last_probe = -float("inf")
         self._probe_task: asyncio.Task[bool] | None = None
@@ -351,7 +352,7 @@ class PDDispatcher:
 
     def _on_refresh(self) -> None:
         """Registry refresh hook: publish node gauges; re-probe when no request succeeded lately."""
-        self.metrics.observe_nodes(self.registry.states)
+        self.metrics.sync_nodes(self.registry.states)
         now = time.monotonic()
         stale = self._last_success is None or now - self._last_success > self.ready_window_s / 2
         if (stale and (self._probe_task is None or self._probe_task.done())

@@ -114,7 +114,7 @@ class DispatchMetrics:
         self.pairs = Counter("pdserve_router_pair_selections", "Pairs chosen (prefill '-' means a "
                              "colocated node)", ["prefill", "decode"], registry=registry)
         self.breaker = Gauge("pdserve_router_breaker_state", "Circuit breaker per node: 0 closed, "
-                             "1 half-open, 2 open", ["node", "role"], registry=registry)
+                             "1 open, 2 half-open (SMG's values)", ["node", "role"], registry=registry)
         self.node_up = Gauge("pdserve_router_node_up", "1 when the node's last refresh succeeded",
                              ["node", "role"], registry=registry)
         # TTFT by stage. "prefill" ends when the prefill answers, which it does once its KV write
@@ -124,7 +124,28 @@ class DispatchMetrics:
         self.ttft_stage = Histogram("pdserve_router_ttft_stage_seconds", "Time to first token by stage",
                                     ["stage"], buckets=_STAGE_BUCKETS, registry=registry)
 
+        self.ready = Gauge("pdserve_router_ready", "1 while /ready answers 200: a compatible pair (or "
+                           "colocated node) is usable and a handoff succeeded lately", registry=registry)
+        self._known: set[tuple[str, str]] = set()
+
     def observe_nodes(self, nodes: list[NodeState]) -> None:
         for n in nodes:
             self.breaker.labels(n.address, n.role).set(int(n.breaker.state))
             self.node_up.labels(n.address, n.role).set(int(n.healthy))
+
+    def sync_nodes(self, nodes: list[NodeState]) -> None:
+        """All nodes the registry knows now: their gauges set, the series of forgotten ones removed
+        (pods come and go behind a headless service; their series must not pile up)."""
+        self.observe_nodes(nodes)
+        now = {(n.address, n.role) for n in nodes}
+        for address, role in self._known - now:
+            for gauge in (self.breaker, self.node_up):
+                try:
+                    gauge.remove(address, role)
+                except KeyError:
+                    pass
+            pairs = {(s.labels["prefill"], s.labels["decode"]) for m in self.pairs.collect() for s in m.samples}
+            for p, d in pairs:
+                if address in (p, d):
+                    self.pairs.remove(p, d)
+        self._known = now

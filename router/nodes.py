@@ -184,7 +184,9 @@ class DnsSource:
 
 class NodeRegistry:
     """One channel and stub per node, refreshed every `refresh_s` by a background task. Nodes come
-    from static specs and from DNS sources; a vanished address simply stops passing health checks."""
+    from static specs and from DNS sources. A DNS-discovered address that no longer resolves is
+    forgotten once no request of ours runs on it (a draining pod keeps its streams), so pods that
+    come and go leave no channels or metric series behind; static nodes are never forgotten."""
 
     def __init__(self, specs: Iterable[NodeSpec], *, refresh_s: float = 2.0, rpc_timeout_s: float = 1.0,
                  breaker: Callable[[], CircuitBreaker] = CircuitBreaker,
@@ -195,7 +197,8 @@ class NodeRegistry:
         self.states = [NodeState(spec, breaker()) for spec in specs]
         self.card: ModelCard | None = None
         self.listeners: list[Callable[[], None]] = []  # called after each refresh round
-        self._channels: list[grpc.aio.Channel] = []
+        self._channels: dict[str, grpc.aio.Channel] = {}  # by node address
+        self._discovered: dict[tuple[str, str], str] = {}  # (role, address) -> DNS name it came from
         self._task: asyncio.Task[None] | None = None
 
     def nodes(self, role: str, *, healthy_only: bool = True) -> list[NodeState]:
@@ -212,7 +215,7 @@ class NodeRegistry:
         for s in self.states:
             if s.stub is None:
                 channel = grpc.aio.insecure_channel(s.address, options=CHANNEL_OPTIONS)
-                self._channels.append(channel)
+                self._channels[s.address] = channel
                 s.stub = pb_grpc.SglangSchedulerStub(channel)
 
     async def start(self) -> None:
@@ -225,7 +228,7 @@ class NodeRegistry:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        await asyncio.gather(*(c.close() for c in self._channels), return_exceptions=True)
+        await asyncio.gather(*(c.close() for c in self._channels.values()), return_exceptions=True)
         self._channels.clear()
         for s in self.states:
             s.stub, s.healthy = None, False
@@ -239,7 +242,8 @@ class NodeRegistry:
                 log.exception("node refresh failed")
 
     async def discover(self) -> None:
-        """Add the addresses DNS names resolve to now (a failed lookup keeps what we know)."""
+        """Add the addresses DNS names resolve to now and forget idle ones that vanished (a failed
+        lookup keeps what we know)."""
         known = {(st.role, st.address) for st in self.states}
         for src in self.dns:
             try:
@@ -251,7 +255,21 @@ class NodeRegistry:
                 if (src.role, addr) not in known:
                     log.info("discovered %s node %s via %s", src.role, addr, src.name)
                     self.states.append(NodeState(NodeSpec(src.role, addr, src.bootstrap_port), self._breaker()))
+                    self._discovered[(src.role, addr)] = src.name
                     known.add((src.role, addr))
+            await self._forget_vanished(src, set(addrs))
+
+    async def _forget_vanished(self, src: DnsSource, resolved: set[str]) -> None:
+        gone = [st for st in self.states if st.role == src.role and st.address not in resolved
+                and self._discovered.get((st.role, st.address)) == src.name and st.inflight == 0]
+        for st in gone:
+            log.info("forgetting %s node %s: %s no longer lists it", st.role, st.address, src.name)
+            self.states.remove(st)
+            del self._discovered[(st.role, st.address)]
+            channel = self._channels.pop(st.address, None)
+            st.stub, st.healthy = None, False
+            if channel is not None:
+                await channel.close()
 
     async def refresh_once(self) -> None:
         await self.discover()

@@ -23,7 +23,7 @@ TARGET_VERIFY shape when the algorithm `supports_target_verify_for_draft()`, els
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -174,6 +174,9 @@ class EagleWorker:
 
     def spec_stats(self) -> SpecStats:
         return self.stats
+
+    def adaptive_snapshot(self) -> dict[str, Any] | None:
+        return None
 
     @torch.inference_mode()
     def step(self, batch: Batch, relay: BatchRelay) -> StepOutput:

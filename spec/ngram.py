@@ -132,6 +132,9 @@ class NgramWorker:
     def spec_stats(self) -> SpecStats:
         return self.stats
 
+    def adaptive_snapshot(self) -> dict[str, Any] | None:
+        return None
+
     @torch.inference_mode()
     def step(self, batch: Batch, relay: BatchRelay) -> StepOutput:
         if batch.mode is ForwardMode.EXTEND:

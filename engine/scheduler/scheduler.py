@@ -10,6 +10,7 @@ pages, slot and FutureMap row go back only after batch N+1 was collected (`Req.i
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -21,6 +22,7 @@ from engine.executor import Executor
 from engine.future_map import DraftInput, FutureMap
 from engine.kv_cache import KVCacheManager
 from engine.scheduler.policy import BatchPolicy
+from engine.scheduler.stats import DurationHistogram
 
 
 @dataclass(slots=True)
@@ -71,6 +73,7 @@ class Scheduler:
         self._inflight: _Launched | None = None
         self.stats = {"steps": 0, "retractions": 0, "decode_tokens": 0, "prefill_tokens": 0,
                       "discarded": 0, "overlap_syncs": 0}
+        self.queue_time = DurationHistogram()  # waiting -> admitted, per admission (node metrics)
 
     def _init_overlap(self, algorithm: EngineAlgorithm, overlap: bool, debug: bool) -> FutureMap:
         """The relay every launch reads its unknown-on-the-host inputs from, built by the algorithm
@@ -95,6 +98,7 @@ class Scheduler:
                 self.io.publish([self._final_update(req)])
                 continue
             self.reqs[req.rid] = req
+            req.queued_at = time.monotonic()
             self.policy.add(req)
         return [self._abort(rid) for rid in aborts if rid in self.reqs]
 
@@ -209,10 +213,12 @@ class Scheduler:
         return updates
 
     def _on_admit(self, req: Req) -> None:
+        self.queue_time.observe(time.monotonic() - req.queued_at)
         self.executor.on_admit(req)
 
     def _on_retract(self, req: Req) -> None:
         self.stats["retractions"] += 1
+        req.queued_at = time.monotonic()  # back in the queue: its next wait is counted from now
         req.epoch += 1  # what the batch in flight computes for it is recomputed after re-admission
         self._release(req)
 

@@ -1,7 +1,8 @@
 """Prometheus metrics of a node (prefix `pdserve_`, units in names), served on --metrics-port.
 
 Transfer metrics are process-wide counters/histograms updated by the PD handlers; engine state
-(queues, KV usage, speculative acceptance) is read when scraped, so the hot loop pays nothing.
+(queues, KV usage, queue time, finish reasons, speculative counters) is read when scraped, so the
+hot loop pays nothing. deploy/prometheus and deploy/grafana query these names.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -26,28 +28,90 @@ BOOTSTRAP_ATTEMPTS = Counter("pdserve_bootstrap_attempts", "Handshake attempts f
 
 
 class EngineCollector(Collector):
-    """Scheduler queues, KV usage and speculative acceptance of one engine, read at scrape time."""
+    """Scheduler queues, KV usage, request outcomes and speculative counters of one engine, read at
+    scrape time. `handler` is the node role's Generate handler: its `disaggregation_metrics()` has
+    the PD queues (the same numbers GetLoads reports to routers)."""
 
-    def __init__(self, engine: Any, role: str) -> None:
-        self.engine, self.role = engine, role
+    def __init__(self, engine: Any, role: str, handler: Any = None) -> None:
+        self.engine, self.role, self.handler = engine, role, handler
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        eng = self.engine
+    def collect(self) -> Iterator[Metric]:
+        eng, role = self.engine, self.role
         policy, kv = eng.scheduler.policy, eng.kv
         yield _gauge("pdserve_node_running_requests", "Requests with KV in the running batch",
-                     self.role, len(policy.running))
-        yield _gauge("pdserve_node_waiting_requests", "Requests queued for admission", self.role,
+                     role, len(policy.running))
+        yield _gauge("pdserve_node_waiting_requests", "Requests queued for admission", role,
                      len(policy.waiting))
-        yield _gauge("pdserve_kv_cache_used_tokens", "KV cache tokens in use (whole pages)", self.role,
-                     kv.allocator.num_used * kv.page_size)
-        yield _gauge("pdserve_kv_cache_capacity_tokens", "KV cache capacity in tokens", self.role,
-                     kv.allocator.total * kv.page_size)
-        stats = eng.executor.spec_stats()
+        used, total = kv.allocator.num_used * kv.page_size, kv.allocator.total * kv.page_size
+        yield _gauge("pdserve_kv_cache_used_tokens", "KV cache tokens in use (whole pages)", role, used)
+        yield _gauge("pdserve_kv_cache_capacity_tokens", "KV cache capacity in tokens", role, total)
+        yield _gauge("pdserve_kv_cache_usage_ratio", "KV cache tokens in use / capacity", role,
+                     used / total if total else 0.0)
+        yield from self._pd_queues()
+        yield _histogram("pdserve_node_queue_time_seconds", "Waiting queue -> admitted to a batch, "
+                         "per admission (a retracted request waits again)", role, eng.scheduler.queue_time)
+        yield _counter("pdserve_node_retractions", "Running requests sent back to the queue because "
+                       "the KV cache ran out", role, eng.scheduler.stats["retractions"])
+        finished = CounterMetricFamily("pdserve_node_finished_requests", "Requests that ended, by "
+                                       "finish reason (abort: cancelled or failed)", labels=["role", "reason"])
+        for reason, n in sorted(eng.io.finished_counts().items()):
+            finished.add_metric([role, reason], n)
+        yield finished
+        yield _gauge("pdserve_model_load_seconds", "Engine construction at start-up: weights, draft, "
+                     "KV pool, CUDA graphs", role, eng.load_seconds)
+        yield from self._speculative()
+
+    def _pd_queues(self) -> Iterator[Metric]:
+        disagg = self.handler.disaggregation_metrics() if self.handler is not None else None
+        if disagg is None:  # colocated: no PD queues
+            return
+        g = GaugeMetricFamily("pdserve_pd_queue_requests", "PD requests by queue. Decode: prealloc "
+                              "(waiting for KV pages), transfer (waiting for the prefill's write). "
+                              "Prefill: prealloc (waiting for a destination), transfer (computing or "
+                              "writing)", labels=["role", "queue"])
+        if self.role == "decode":
+            g.add_metric([self.role, "prealloc"], disagg.decode_prealloc_queue_reqs)
+            g.add_metric([self.role, "transfer"], disagg.decode_transfer_queue_reqs)
+        else:
+            g.add_metric([self.role, "prealloc"], disagg.prefill_prealloc_queue_reqs)
+            g.add_metric([self.role, "transfer"], disagg.prefill_inflight_queue_reqs)
+        yield g
+
+    def _speculative(self) -> Iterator[Metric]:
+        executor = self.engine.executor
+        stats = executor.spec_stats()
         if stats is not None:
-            yield _gauge("pdserve_spec_accept_length", "Mean tokens per verify (accepted drafts + 1)",
-                         self.role, stats.mean_accept_len)
-            yield _gauge("pdserve_spec_acceptance_ratio", "Accepted drafts / drafts proposed", self.role,
-                         stats.acceptance_rate)
+            role = self.role
+            yield _gauge("pdserve_spec_accept_length", "Mean tokens per verify (accepted drafts + 1) "
+                         "since start-up", role, stats.mean_accept_len)
+            yield _gauge("pdserve_spec_acceptance_ratio", "Accepted drafts / drafts proposed since "
+                         "start-up", role, stats.acceptance_rate)
+            # Counters, so rate() gives windowed values: accept length = 1 + accepted / verifies,
+            # acceptance rate = accepted / drafts.
+            yield _counter("pdserve_spec_verifies", "Request-verifies (one per request per target "
+                           "forward)", role, stats.verifies)
+            yield _counter("pdserve_spec_accepted_tokens", "Draft tokens the target accepted", role,
+                           stats.accepted_drafts)
+            yield _counter("pdserve_spec_draft_tokens", "Draft tokens proposed along the verified "
+                           "path", role, stats.proposed_drafts)
+        yield from self._adaptive(executor.adaptive_snapshot())
+
+    def _adaptive(self, snap: dict[str, Any] | None) -> Iterator[Metric]:
+        """Adaptive speculation: per batch-size slot (its smallest batch size) the step count in
+        force and the EMA of accepted drafts; switches since start-up."""
+        if not snap:
+            return
+        steps = GaugeMetricFamily("pdserve_spec_adaptive_steps", "Draft steps the adaptive policy "
+                                  "chose, per batch-size slot", labels=["role", "slot"])
+        ema = GaugeMetricFamily("pdserve_spec_adaptive_ema_accepted", "EMA of accepted drafts per "
+                                "request, per batch-size slot", labels=["role", "slot"])
+        for slot in snap["slots"]:
+            steps.add_metric([self.role, str(slot["lower_bound"])], slot["current_steps"])
+            ema.add_metric([self.role, str(slot["lower_bound"])], slot["ema"])
+        yield steps
+        yield ema
+        yield _counter("pdserve_spec_adaptive_switches", "Step-count switches of the adaptive policy",
+                       self.role, snap["switches"])
 
 
 def _gauge(name: str, doc: str, role: str, value: float) -> GaugeMetricFamily:
@@ -56,8 +120,25 @@ def _gauge(name: str, doc: str, role: str, value: float) -> GaugeMetricFamily:
     return g
 
 
-def start_metrics(engine: Any, role: str, host: str, port: int) -> int:
+def _counter(name: str, doc: str, role: str, value: float) -> CounterMetricFamily:
+    c = CounterMetricFamily(name, doc, labels=["role"])
+    c.add_metric([role], value)
+    return c
+
+
+def _histogram(name: str, doc: str, role: str, hist: Any) -> HistogramMetricFamily:
+    buckets, total = hist.snapshot()
+    h = HistogramMetricFamily(name, doc, labels=["role"])
+    h.add_metric([role], [(_le(b), n) for b, n in buckets], total)
+    return h
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(float(bound))
+
+
+def start_metrics(engine: Any, role: str, host: str, port: int, handler: Any = None) -> int:
     """Serve /metrics over HTTP; returns the bound port (0 picks a free one)."""
-    REGISTRY.register(EngineCollector(engine, role))
+    REGISTRY.register(EngineCollector(engine, role, handler))
     server, _ = start_http_server(port, addr=host)
     return int(server.server_address[1])

@@ -56,13 +56,13 @@ def scheduler_service(servicer: Any) -> ServiceSpec:
             "sglang.grpc.scheduler.SglangScheduler")
 
 
-def metrics_suffix(engine: Any, role: str, host: str, port: int | None) -> str:
+def metrics_suffix(engine: Any, role: str, host: str, port: int | None, handler: Any = None) -> str:
     """Start /metrics when asked; the READY line then names its port too."""
     if port is None:
         return ""
     from engine.service.metrics import start_metrics
 
-    return f" metrics={host}:{start_metrics(engine, role, host, port)}"
+    return f" metrics={host}:{start_metrics(engine, role, host, port, handler)}"
 
 
 def stop_on_signals() -> asyncio.Event:

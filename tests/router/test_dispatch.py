@@ -285,7 +285,7 @@ def test_open_breaker_skips_the_node() -> None:
                 await collect(disp, job())
             assert e.value.code == "no_available_pair" and len(bad.requests) == 2
             assert metrics.get_sample_value("pdserve_router_breaker_state",
-                                            {"node": bad.address, "role": "decode"}) == 2
+                                            {"node": bad.address, "role": "decode"}) == 1  # open
 
     run(main())
 

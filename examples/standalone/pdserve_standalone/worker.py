@@ -110,6 +110,9 @@ class StandaloneWorker:
     def spec_stats(self) -> SpecStats:
         return self.stats
 
+    def adaptive_snapshot(self) -> dict[str, Any] | None:
+        return None
+
     @torch.inference_mode()
     def step(self, batch: Batch, relay: BatchRelay) -> StepOutput:
         return self.collect(self.launch(batch, relay))

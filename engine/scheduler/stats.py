@@ -1,0 +1,39 @@
+"""Cumulative duration histograms the scheduler thread fills and a metrics scrape reads."""
+
+from __future__ import annotations
+
+import bisect
+import threading
+
+# Queue time spans sub-millisecond (idle node) to minutes (a saturated one).
+QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                      60.0, 120.0)
+
+
+class DurationHistogram:
+    """Counts per upper bound (not cumulative), sum and count, like a Prometheus histogram.
+
+    The engine stays free of the metrics library: the node's collector turns a `snapshot()` into
+    exposition at scrape time. A lock keeps a scrape from seeing a half-applied observation."""
+
+    def __init__(self, bounds: tuple[float, ...] = QUEUE_TIME_BUCKETS) -> None:
+        self.bounds = tuple(sorted(bounds))
+        self._counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, seconds: float) -> None:
+        i = bisect.bisect_left(self.bounds, seconds)
+        with self._lock:
+            self._counts[i] += 1
+            self._sum += seconds
+
+    def snapshot(self) -> tuple[list[tuple[float, int]], float]:
+        """([(upper bound, cumulative count)] ending with (inf, total), sum of observations)."""
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        out, running = [], 0
+        for bound, n in zip((*self.bounds, float("inf")), counts):
+            running += n
+            out.append((bound, running))
+        return out, total

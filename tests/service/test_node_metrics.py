@@ -1,0 +1,57 @@
+"""The node collector's exposition from engine state, on stand-in objects (no model): histogram
+buckets of the queue time, counters from SpecStats, PD queues, adaptive steps when exposed."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from smg_grpc_proto import sglang_scheduler_pb2 as pb
+
+from engine.scheduler.stats import DurationHistogram
+from engine.service.metrics import EngineCollector
+from spec.metrics import SpecStats
+
+
+def _engine(executor: Any) -> Any:
+    hist = DurationHistogram((0.01, 0.1, 1.0))
+    for s in (0.005, 0.05, 0.05, 3.0):
+        hist.observe(s)
+    kv = SimpleNamespace(allocator=SimpleNamespace(num_used=3, total=12), page_size=16)
+    sched = SimpleNamespace(policy=SimpleNamespace(running=[1, 2], waiting=[3]), queue_time=hist,
+                            stats={"retractions": 4})
+    io = SimpleNamespace(finished_counts=lambda: {"stop": 5, "abort": 2})
+    return SimpleNamespace(scheduler=sched, kv=kv, io=io, executor=executor, load_seconds=1.5)
+
+
+def _registry(engine: Any, role: str, handler: Any = None) -> CollectorRegistry:
+    reg = CollectorRegistry()
+    reg.register(EngineCollector(engine, role, handler))
+    return reg
+
+
+def test_queue_time_histogram_counts_and_state_gauges() -> None:
+    reg = _registry(_engine(SimpleNamespace()), "colocated")
+    v = lambda name, **labels: reg.get_sample_value(name, {"role": "colocated", **labels})  # noqa: E731
+    assert [v("pdserve_node_queue_time_seconds_bucket", le=le) for le in ("0.01", "0.1", "1.0", "+Inf")] == [1, 3, 3, 4]
+    assert v("pdserve_node_queue_time_seconds_count") == 4 and abs(v("pdserve_node_queue_time_seconds_sum") - 3.105) < 1e-9
+    assert v("pdserve_kv_cache_usage_ratio") == 0.25
+    assert v("pdserve_node_retractions_total") == 4 and v("pdserve_model_load_seconds") == 1.5
+    assert v("pdserve_node_finished_requests_total", reason="abort") == 2
+    assert reg.get_sample_value("pdserve_pd_queue_requests", {"role": "colocated", "queue": "prealloc"}) is None
+    assert v("pdserve_spec_verifies_total") is None  # no speculative stats, no series
+
+
+def test_speculative_counters_pd_queues_and_adaptive_steps() -> None:
+    stats = SpecStats(max_drafts=4)
+    stats.record([3, 1, 5])  # accepted drafts 2 + 0 + 4
+    executor = SimpleNamespace(stats=stats, adaptive_steps=lambda: {1: 4, 8: 2})
+    handler = SimpleNamespace(disaggregation_metrics=lambda: pb.DisaggregationMetrics(
+        mode="decode", decode_prealloc_queue_reqs=2, decode_transfer_queue_reqs=1))
+    reg = _registry(_engine(executor), "decode", handler)
+    v = lambda name, **labels: reg.get_sample_value(name, {"role": "decode", **labels})  # noqa: E731
+    assert v("pdserve_spec_verifies_total") == 3 and v("pdserve_spec_accepted_tokens_total") == 6
+    assert v("pdserve_spec_draft_tokens_total") == 12  # 3 verifies x 4 steps
+    assert v("pdserve_pd_queue_requests", queue="prealloc") == 2 and v("pdserve_pd_queue_requests", queue="transfer") == 1
+    assert v("pdserve_spec_adaptive_steps", slot="1") == 4 and v("pdserve_spec_adaptive_steps", slot="8") == 2
