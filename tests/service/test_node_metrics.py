@@ -11,7 +11,7 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 from engine.scheduler.stats import DurationHistogram
 from engine.service.metrics import EngineCollector
-from spec.metrics import SpecStats
+from engine.spec_stats import SpecStats
 
 
 def _engine(executor: Any) -> Any:
@@ -32,7 +32,8 @@ def _registry(engine: Any, role: str, handler: Any = None) -> CollectorRegistry:
 
 
 def test_queue_time_histogram_counts_and_state_gauges() -> None:
-    reg = _registry(_engine(SimpleNamespace()), "colocated")
+    plain = SimpleNamespace(spec_stats=lambda: None, adaptive_snapshot=lambda: None)
+    reg = _registry(_engine(plain), "colocated")
     v = lambda name, **labels: reg.get_sample_value(name, {"role": "colocated", **labels})  # noqa: E731
     assert [v("pdserve_node_queue_time_seconds_bucket", le=le) for le in ("0.01", "0.1", "1.0", "+Inf")] == [1, 3, 3, 4]
     assert v("pdserve_node_queue_time_seconds_count") == 4 and abs(v("pdserve_node_queue_time_seconds_sum") - 3.105) < 1e-9
@@ -46,7 +47,9 @@ def test_queue_time_histogram_counts_and_state_gauges() -> None:
 def test_speculative_counters_pd_queues_and_adaptive_steps() -> None:
     stats = SpecStats(max_drafts=4)
     stats.record([3, 1, 5])  # accepted drafts 2 + 0 + 4
-    executor = SimpleNamespace(stats=stats, adaptive_steps=lambda: {1: 4, 8: 2})
+    snap = {"slots": [{"lower_bound": 1, "current_steps": 4, "ema": 2.5},
+                      {"lower_bound": 8, "current_steps": 2, "ema": 1.25}], "switches": 7}
+    executor = SimpleNamespace(spec_stats=lambda: stats, adaptive_snapshot=lambda: snap)
     handler = SimpleNamespace(disaggregation_metrics=lambda: pb.DisaggregationMetrics(
         mode="decode", decode_prealloc_queue_reqs=2, decode_transfer_queue_reqs=1))
     reg = _registry(_engine(executor), "decode", handler)
@@ -55,3 +58,4 @@ def test_speculative_counters_pd_queues_and_adaptive_steps() -> None:
     assert v("pdserve_spec_draft_tokens_total") == 12  # 3 verifies x 4 steps
     assert v("pdserve_pd_queue_requests", queue="prealloc") == 2 and v("pdserve_pd_queue_requests", queue="transfer") == 1
     assert v("pdserve_spec_adaptive_steps", slot="1") == 4 and v("pdserve_spec_adaptive_steps", slot="8") == 2
+    assert v("pdserve_spec_adaptive_ema_accepted", slot="8") == 1.25 and v("pdserve_spec_adaptive_switches_total") == 7
