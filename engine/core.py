@@ -38,6 +38,8 @@ class SamplingParams:
     """Per-request decoding controls, validated at construction."""
 
     max_new_tokens: int = 16
+    # EOS and stop token ids are masked, and stop strings ignored, until this many tokens exist
+    min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: no top-k cut
@@ -54,6 +56,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1", self.max_new_tokens)
+        _check(0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
+               f"must be in [0, max_new_tokens={self.max_new_tokens}]", self.min_new_tokens)
         _check(_finite(self.temperature) and self.temperature >= 0.0, "temperature",
                "must be a finite number >= 0", self.temperature)
         _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]", self.top_p)

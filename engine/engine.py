@@ -174,7 +174,7 @@ class Engine:
                       self.dtype, self.device)
         runner = ModelRunner(model, self.kv, pool, create_attention_backend(config.attention_backend),
                              self.device)
-        sampler = Sampler(mc.vocab_size, config.max_running, self.device)
+        sampler = Sampler(mc.vocab_size, config.max_running, self.device, mc.eos_token_ids)
         self.parts = EngineParts(config, mc, runner, self.kv, sampler, self.device, self.dtype)
         self.executor = (executor_factory or (lambda p: PlainExecutor(p.runner, p.sampler)))(self.parts)
         maybe_enable_cuda_graphs(runner, config.cuda_graph_max_bs)
@@ -204,7 +204,8 @@ class Engine:
         params = params or SamplingParams()
         req = self.make_request(self._prompt_ids(prompt), params, rid)
         if self.tokenizer is not None:
-            self._texts[req.rid] = TextAssembler(self.tokenizer, params.stop, req.prompt_ids)
+            self._texts[req.rid] = TextAssembler(self.tokenizer, params.stop, req.prompt_ids,
+                                                 params.min_new_tokens)
         self.io.submit(req)
         return req
 

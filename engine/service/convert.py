@@ -20,6 +20,7 @@ def sampling_params(req: pb.GenerateRequest, max_new_tokens_cap: int) -> Samplin
     max_new = sp.max_new_tokens if sp.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
     return SamplingParams(
         max_new_tokens=max(1, min(max_new, max_new_tokens_cap)),
+        min_new_tokens=sp.min_new_tokens,
         temperature=sp.temperature,
         top_p=sp.top_p if sp.top_p > 0 else 1.0,  # proto3 default 0 means "unset"
         top_k=sp.top_k if sp.top_k > 0 else -1,

@@ -15,7 +15,8 @@ from engine.core import FinishReason, Req
 from engine.scheduler import RequestUpdate
 from engine.service import convert
 from engine.serving import EngineLoop
-from pdserve.tokenizer import StopStringMatcher, Tokenizer, IncrementalDetokenizer
+from engine.text_output import TextAssembler
+from pdserve.tokenizer import Tokenizer
 
 
 class RequestStream:
@@ -25,8 +26,9 @@ class RequestStream:
         self.eos = eos_token_ids
         self._aio = asyncio.get_running_loop()
         self._queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
-        self._detok = IncrementalDetokenizer(tokenizer, req.prompt_ids) if (tokenizer and req.params.stop) else None
-        self._stop = StopStringMatcher(req.params.stop) if self._detok else None
+        p = req.params
+        self._text = TextAssembler(tokenizer, p.stop, req.prompt_ids, p.min_new_tokens) if (
+            tokenizer and p.stop) else None
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top: list = []
@@ -45,11 +47,11 @@ class RequestStream:
                 upd = await self._queue.get()
                 reason, matched = upd.finish_reason, None
                 finished = upd.finished
-                if self._stop is not None and upd.tokens and not finished:
-                    _, hit = self._stop.feed(self._detok.feed(upd.tokens))  # type: ignore[union-attr]
+                if self._text is not None and upd.tokens and not finished:
+                    _, hit = self._text.feed(upd.tokens)
                     if hit:  # end it here; the scheduler frees the request on its next step
                         self.loop.abort(rid, "stop string")
-                        finished, reason, matched = True, FinishReason.STOP, self._stop.matched
+                        finished, reason, matched = True, FinishReason.STOP, self._text.matched
                 self._record(upd)
                 if upd.tokens and self.stream:
                     yield convert.chunk(rid, upd.tokens, n_prompt, len(self.output_ids),
