@@ -53,6 +53,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    skip_special_tokens: bool = True  # in the text stop strings are matched against
 
     def __post_init__(self) -> None:
         _check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1", self.max_new_tokens)

@@ -205,7 +205,7 @@ class Engine:
         req = self.make_request(self._prompt_ids(prompt), params, rid)
         if self.tokenizer is not None:
             self._texts[req.rid] = TextAssembler(self.tokenizer, params.stop, req.prompt_ids,
-                                                 params.min_new_tokens)
+                                                 params.min_new_tokens, params.skip_special_tokens)
         self.io.submit(req)
         return req
 

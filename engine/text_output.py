@@ -15,8 +15,8 @@ class TextAssembler:
     """
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str], prompt_ids: Sequence[int] = (),
-                 min_tokens: int = 0) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+                 min_tokens: int = 0, skip_special_tokens: bool = True) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
         self._stop = StopStringMatcher(stop) if stop else None
         self._min_tokens = min_tokens
         self._seen = 0  # tokens fed so far

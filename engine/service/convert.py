@@ -34,6 +34,7 @@ def sampling_params(req: pb.GenerateRequest, max_new_tokens_cap: int) -> Samplin
         logprobs=req.return_logprob,
         top_logprobs=max(0, req.top_logprobs_num),
         seed=_seed(sp),
+        skip_special_tokens=sp.skip_special_tokens,
     )
 
 

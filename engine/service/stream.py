@@ -27,8 +27,8 @@ class RequestStream:
         self._aio = asyncio.get_running_loop()
         self._queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
         p = req.params
-        self._text = TextAssembler(tokenizer, p.stop, req.prompt_ids, p.min_new_tokens) if (
-            tokenizer and p.stop) else None
+        self._text = TextAssembler(tokenizer, p.stop, req.prompt_ids, p.min_new_tokens,
+                                   p.skip_special_tokens) if (tokenizer and p.stop) else None
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top: list = []
