@@ -82,8 +82,10 @@ class RequestStream:
 
 class RequestFailed(RuntimeError):
     """A request ended with an error; the servicer maps it to a gRPC status. `kind` is a short,
-    fixed label for metrics (never free text: it is a Prometheus label value)."""
+    fixed label for metrics (never free text: it is a Prometheus label value). `blame` names the
+    role of the node at fault when that is not this one (a decode whose prefill peer failed it):
+    the servicer sends it as trailing metadata, so the router charges the right node."""
 
-    def __init__(self, message: str, kind: str = "other") -> None:
+    def __init__(self, message: str, kind: str = "other", blame: str | None = None) -> None:
         super().__init__(message)
-        self.kind = kind
+        self.kind, self.blame = kind, blame
