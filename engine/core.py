@@ -54,6 +54,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True  # in the text stop strings are matched against
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), as OpenAI's
 
     def __post_init__(self) -> None:
         _check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1", self.max_new_tokens)
@@ -76,6 +77,8 @@ class SamplingParams:
                self.stop_token_ids)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings",
                self.stop)
+        _check(all(t >= 0 and _finite(b) and -100.0 <= b <= 100.0 for t, b in self.logit_bias), "logit_bias",
+               "must map token ids >= 0 to biases in [-100, 100]", self.logit_bias)
 
     @property
     def is_greedy(self) -> bool:

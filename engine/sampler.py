@@ -1,4 +1,5 @@
-"""Batched token sampling: penalties, min-token bans, temperature, top-k/top-p/min-p and seeded noise."""
+"""Batched token sampling: penalties, logit bias, min-token bans, temperature, top-k/top-p/min-p and
+seeded noise."""
 
 from __future__ import annotations
 
@@ -85,6 +86,10 @@ class SamplingBatch:
     ban_rows: torch.Tensor | None = None  # (pairs,) int64
     ban_ids: torch.Tensor | None = None  # (pairs,) int64
     ban_until: torch.Tensor | None = None  # (pairs,) int64: prompt length + min_new_tokens
+    # logit_bias: (row, token) pairs and what is added to their logits
+    bias_rows: torch.Tensor | None = None  # (pairs,) int64
+    bias_ids: torch.Tensor | None = None  # (pairs,) int64
+    bias_values: torch.Tensor | None = None  # (pairs,) float32
 
 
 @dataclass(slots=True)
@@ -202,6 +207,7 @@ class Sampler:
         if any_pen and self._counts is None:
             raise RuntimeError("a request with penalties was never on_admit()-ed")
         bans = self._min_token_bans(reqs, r)
+        bias = self._logit_bias(reqs, r)
         return SamplingBatch(
             temperature=floats[0], top_p=floats[1], min_p=floats[2], frequency_penalty=floats[3],
             presence_penalty=floats[4], repetition_penalty=floats[5], top_k=ints[0],
@@ -211,7 +217,22 @@ class Sampler:
             any_min_p=any(p.min_p > 0.0 and not g for p, g in zip(ps, greedy)),
             need_sort=any(need_sort),
             penalty_rows=self._rows(has_pen, r), sort_rows=self._rows(need_sort, r),
-            num_rows=len(reqs) * r, ban_rows=bans[0], ban_ids=bans[1], ban_until=bans[2])
+            num_rows=len(reqs) * r, ban_rows=bans[0], ban_ids=bans[1], ban_until=bans[2],
+            bias_rows=bias[0], bias_ids=bias[1], bias_values=bias[2])
+
+    def _logit_bias(self, reqs: list[Req], r: int) -> tuple[torch.Tensor | None, ...]:
+        """(rows, ids, values) of every request's logit_bias, repeated over its rows."""
+        rows: list[int] = []
+        pairs: list[tuple[int, float]] = []
+        for i, q in enumerate(reqs):
+            mine = [(t, b) for t, b in q.params.logit_bias if t < self.vocab_size]
+            for j in range(r):
+                rows += [i * r + j] * len(mine)
+                pairs += mine
+        if not rows:
+            return None, None, None
+        idx = self._to_device(torch.tensor([rows, [t for t, _ in pairs]], dtype=torch.int64))
+        return idx[0], idx[1], self._to_device(torch.tensor([b for _, b in pairs], dtype=torch.float32))
 
     def _min_token_bans(self, reqs: list[Req], r: int) -> tuple[torch.Tensor | None, ...]:
         """(rows, ids, until) of every token a request may not sample yet: its stop token ids and
@@ -248,11 +269,14 @@ class Sampler:
 
     # ---- logits processing ---------------------------------------------------------------
     def _penalised(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-        """float32 copy of `logits` with repetition, frequency and presence penalties and the
-        min-token bans applied (before greedy's argmax, so greedy rows obey them too)."""
+        """float32 copy of `logits` with repetition, frequency and presence penalties, logit bias and
+        the min-token bans applied (before greedy's argmax, so greedy rows obey them too)."""
         if logits.dim() != 2 or logits.shape[0] != sb.num_rows:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {sb.num_rows} rows")
         x = self._apply_penalties(logits.to(torch.float32, copy=True), sb)
+        if sb.bias_rows is not None:
+            assert sb.bias_ids is not None and sb.bias_values is not None
+            x.index_put_((sb.bias_rows, sb.bias_ids), sb.bias_values, accumulate=True)
         if sb.ban_rows is not None:
             assert sb.ban_ids is not None and sb.ban_until is not None
             short = sb.positions.index_select(0, sb.ban_rows) < sb.ban_until

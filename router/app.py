@@ -32,8 +32,8 @@ from router.chat import render as render_chat
 from router.contract import Dispatcher, DispatchError, GenerationJob, ModelCard
 from router.errors import APIError, bad_request, from_dispatch_error, from_validation_error, install_handlers
 from router.metrics import ResponseCounter, RouterMetrics
-from router.protocol import (ChatCompletionRequest, CompletionRequest, Shapes, build_jobs, check_ids,
-                             check_min_tokens, context_budget, read_body, response_ids, truncate)
+from router.protocol import (ChatCompletionRequest, CompletionRequest, Shapes, build_jobs, check_bias_ids,
+                             check_ids, check_min_tokens, context_budget, read_body, response_ids, truncate)
 from router.serving import Serving, SSEResponse, until_disconnect
 from router.text import ChoiceText, RequestOutput, TextOptions
 
@@ -125,6 +125,7 @@ def create_app(dispatcher: Dispatcher, tokenizer: Tokenizer, *, served_model: st
                param: str) -> int:
         max_new = context_budget(n_prompt, asked, default, card, param)
         check_min_tokens(req.min_tokens, max_new, asked is not None)
+        check_bias_ids(req.bias_pairs(), tokenizer.vocab_size)
         return max_new
 
     async def serve(request: Request, endpoint: str, out: RequestOutput, jobs: list[GenerationJob],

@@ -33,6 +33,7 @@ class SamplingSpec:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True  # the nodes detokenize only to find stop strings
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ after it), skip_special_tokens (router-side detokenization), include_stop_str_in
 SGLang's no_stop_trim (the stop string stays in the text), add_special_tokens (tokenization),
 truncate_prompt_tokens (the prompt's last k tokens), request_id and SGLang's rid (the response id).
 Honoured (chat): echo, add_generation_prompt, continue_final_message, chat_template_kwargs and
-documents (the chat template renderer).
+documents (the chat template renderer). OpenAI's own logit_bias and seed are honoured by the
+nodes' sampler, and OpenAI's echo on /v1/completions by the router (not with logprobs: the nodes do
+not compute the prompt's).
 
 Accepted, and provably without effect here: spaces_between_special_tokens (fast tokenizers, the only
 kind served, have no such option: HF, vLLM and SGLang ignore it for them too), length_penalty (it

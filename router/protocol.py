@@ -3,8 +3,8 @@
 Strict typing (no "0.5" -> 0.5 coercion) and `extra="forbid"` match what OpenAI answers with a 400.
 Every documented OpenAI field is declared, even the ones the router does not act on, so a client
 written against the real API is never refused for sending them; the ones that would change the
-output in a way we cannot honour (suffix, logit_bias, tools, response formats other than text,
-...) are refused explicitly in `unsupported()`, never silently dropped.
+output in a way we cannot honour (suffix, tools, response formats other than text, ...) are
+refused explicitly in `unsupported()`, never silently dropped.
 
 The extensions vLLM and SGLang clients send are declared too (router/extensions.py says which are
 honoured, which change nothing here, and which are refused and why).
@@ -27,6 +27,7 @@ MAX_N = 16
 MAX_STOP_STRINGS = 16
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions `logprobs`
 MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's limit for chat `top_logprobs`
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
@@ -66,6 +67,21 @@ class _Sampling(SamplingExtensions):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
+        if v is not None and len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens may be biased")
+        return v
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple(sorted((int(k), float(b)) for k, b in (self.logit_bias or {}).items()))
+
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -89,12 +105,10 @@ class _Sampling(SamplingExtensions):
             # One seed for n separate jobs would make the n choices identical: choice j gets seed + j.
             seed=None if self.seed is None else self.seed + choice,
             logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self.bias_pairs())
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, reason) for a field whose value we cannot honour, else None."""
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
         return self.refused_extension()
@@ -215,6 +229,13 @@ class Shapes:
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def check_bias_ids(pairs: tuple[tuple[int, float], ...], vocab_size: int) -> None:
+    for token, _ in pairs:
+        if token >= vocab_size:
+            raise bad_request(f"Invalid key in 'logit_bias': {token}. Token ids must be in [0, {vocab_size}).",
+                              param="logit_bias", code="invalid_value")
 
 
 def check_ids(ids: list[int], vocab_size: int, param: str) -> None:

@@ -351,6 +351,23 @@ def test_min_new_tokens_is_per_row_in_a_verify_window() -> None:
     assert probs[0, :2, EOS].sum() == 0 and probs[0, 2:, EOS].min() > 0
 
 
+def test_logit_bias_shifts_each_row_of_its_request() -> None:
+    s = Sampler(V, 8, "cpu")
+    logits = _favouring(6, 11, 12)
+    biased = mk("a", 1, temperature=0.0, logit_bias=((12, 5.0), (3, -100.0), (V + 7, 50.0)))  # unknown id ignored
+    plain = mk("b", 2, temperature=0.0)
+    assert sample_tokens(s, [biased, plain], logits, rows_per_req=3).tolist() == [12] * 3 + [11] * 3
+    sb = s.prepare([biased, plain], rows_per_req=3)
+    probs = s.processed_probs(logits, s.prepare([mk("a", 1, temperature=1.0, logit_bias=((3, -100.0),)), plain],
+                                                rows_per_req=3))
+    assert float(probs[:3, 3].max()) < 1e-30
+    assert sb.bias_rows is not None and sb.bias_rows.tolist() == [0, 0, 1, 1, 2, 2]
+    from engine.core import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="logit_bias"):
+        SamplingParams(logit_bias=((1, 101.0),))
+
+
 # ---- device ---------------------------------------------------------------------------------
 
 @pytest.mark.gpu

@@ -81,7 +81,8 @@ def test_chat_fields_and_strict_messages(client: openai.OpenAI, stack: Stack) ->
         extra_body={"add_generation_prompt": False, "continue_final_message": True, "echo": True})
     assert (cont.choices[0].message.content or "").startswith("def add(a, b):")
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi", "foo": 1}])  # type: ignore[misc]
+        bad: list[Any] = [{"role": "user", "content": "hi", "foo": 1}]
+        client.chat.completions.create(model=model, messages=bad)
     assert (e.value.param, e.value.code) == ("messages[0].foo", "unknown_parameter")
     with httpx.Client(base_url=stack.url, timeout=30) as h:  # what the typed client will not send
         r2 = h.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "tool", "content": "x"}]})

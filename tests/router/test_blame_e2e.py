@@ -56,8 +56,8 @@ def _value(m: dict, name: str, **labels: str) -> float:
 def _charged(m: dict, node: Node, role: str) -> float:
     """Failures charged to a node's breaker, whatever the reason."""
     addr = f"127.0.0.1:{node.ports['scheduler']}"
-    return sum(v for (name, labels), v in m.items()
-               if name == "pdserve_router_node_failures_total" and ("node", addr) in labels and ("role", role) in labels)
+    return sum(v for (name, labels), v in m.items() if name == "pdserve_router_node_failures_total"
+               and ("node", addr) in labels and ("role", role) in labels)
 
 
 def _breaker(m: dict, node: Node, role: str) -> float:

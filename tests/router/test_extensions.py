@@ -18,7 +18,7 @@ from router.nodes import build_request
 from tests.router.fake_dispatcher import Script, server, sse_lines
 from tests.router.test_app import MODEL, check_error, make, stream_text
 
-U = [{"role": "user", "content": "hi"}]
+U: list[Any] = [{"role": "user", "content": "hi"}]
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + eos_token }}{% endfor %}"
             "{% if documents %}[docs:{% for d in documents %}{{ d['title'] }};{% endfor %}]{% endif %}"
             "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
@@ -57,7 +57,7 @@ def test_sampling_fields_reach_the_nodes(tok: Tokenizer) -> None:
              "min_tokens": 3, "skip_special_tokens": False}
     with server(app) as url:
         _client(url).completions.create(model=MODEL, prompt="x", max_tokens=8, extra_body=extra)
-        _client(url).chat.completions.create(model=MODEL, messages=U, max_tokens=8, extra_body=extra)  # type: ignore[arg-type]
+        _client(url).chat.completions.create(model=MODEL, messages=U, max_tokens=8, extra_body=extra)
     for job in fake.jobs:
         s = job.sampling
         assert (s.top_k, s.min_p, s.repetition_penalty, s.ignore_eos, s.stop_token_ids, s.min_new_tokens,
@@ -66,6 +66,19 @@ def test_sampling_fields_reach_the_nodes(tok: Tokenizer) -> None:
         assert (sp.top_k, sp.min_new_tokens, sp.ignore_eos, list(sp.stop_token_ids), sp.skip_special_tokens) == \
             (1, 3, True, [7], False)
         assert sp.min_p == pytest.approx(0.1) and sp.repetition_penalty == pytest.approx(1.2)
+
+
+def test_logit_bias_reaches_the_nodes_and_is_checked(tok: Tokenizer) -> None:
+    app, fake = make(tok)
+    with server(app) as url:
+        _client(url).completions.create(model=MODEL, prompt="x", logit_bias={"12": -100, "7": 2.5})
+    assert fake.jobs[0].sampling.logit_bias == ((7, 2.5), (12, -100.0))
+    sp = build_request(fake.jobs[0], "r", 1, None).sampling_params
+    assert dict(sp.logit_bias) == {"7": 2.5, "12": -100.0}
+    client = TestClient(app)
+    for bias in ({"x": 1}, {"5": 101}, {str(tok.vocab_size): 1}):
+        r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": U, "logit_bias": bias})
+        check_error(r, 400, "logit_bias", "invalid_value")
 
 
 def test_min_tokens_is_bounded_and_holds_back_stop_strings(tok: Tokenizer) -> None:
@@ -125,20 +138,20 @@ def test_chat_template_options(tok: Tokenizer) -> None:
     app, fake = make(tok)
     with server(app) as url:
         c = _client(url)
-        c.chat.completions.create(model=MODEL, messages=U)  # type: ignore[arg-type]
+        c.chat.completions.create(model=MODEL, messages=U)
         assert _prompt(fake).endswith("<|assistant|>")
-        c.chat.completions.create(model=MODEL, messages=U,  # type: ignore[arg-type]
+        c.chat.completions.create(model=MODEL, messages=U,
                                   extra_body={"chat_template_kwargs": {"enable_thinking": False}})
         assert _prompt(fake).endswith("<|assistant|><think></think>")
-        c.chat.completions.create(model=MODEL, messages=U, extra_body={"documents": [{"title": "a"}]})  # type: ignore[arg-type]
+        c.chat.completions.create(model=MODEL, messages=U, extra_body={"documents": [{"title": "a"}]})
         assert "[docs:a;]" in _prompt(fake)
-        c.chat.completions.create(model=MODEL, messages=U, extra_body={"add_generation_prompt": False})  # type: ignore[arg-type]
+        c.chat.completions.create(model=MODEL, messages=U, extra_body={"add_generation_prompt": False})
         assert not _prompt(fake).endswith("<|assistant|>")
-        c.chat.completions.create(model=MODEL, messages=U, extra_body={"add_special_tokens": True})  # type: ignore[arg-type]
+        c.chat.completions.create(model=MODEL, messages=U, extra_body={"add_special_tokens": True})
         assert fake.jobs[-1].input_ids[:2] == (tok.bos_token_id, tok.bos_token_id)  # the template's and one more
         for key in ("messages", "add_generation_prompt", "bos_token", "tools"):
             with pytest.raises(openai.BadRequestError) as e:
-                c.chat.completions.create(model=MODEL, messages=U,  # type: ignore[arg-type]
+                c.chat.completions.create(model=MODEL, messages=U,
                                           extra_body={"chat_template_kwargs": {key: 1}})
             assert (e.value.param, e.value.code) == (f"chat_template_kwargs.{key}", "invalid_value")
 
@@ -151,7 +164,7 @@ def test_prompt_fields_and_request_id(tok: Tokenizer) -> None:
         assert fake.jobs[-1].input_ids == (26, 27, 28, 29)
         c.completions.create(model=MODEL, prompt="hi", extra_body={"add_special_tokens": False})
         assert fake.jobs[-1].input_ids == tuple(tok.encode("hi", add_special_tokens=False))
-        r = c.chat.completions.create(model=MODEL, messages=U, extra_body={"request_id": "my-id"})  # type: ignore[arg-type]
+        r = c.chat.completions.create(model=MODEL, messages=U, extra_body={"request_id": "my-id"})
         assert r.id == "chatcmpl-my-id" and fake.jobs[-1].request_id != r.id  # node-side ids stay unique
         assert c.completions.create(model=MODEL, prompt="x", extra_body={"rid": "r2"}).id == "cmpl-r2"
     check_error(TestClient(app).post("/v1/completions", json={"model": MODEL, "prompt": "x",

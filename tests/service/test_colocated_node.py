@@ -66,6 +66,14 @@ def test_min_new_tokens_travels_and_holds_back_stop_tokens(stub, tiny_llama_dir)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_new_tokens" in e.value.details()
 
 
+def test_logit_bias_travels(stub):
+    [resp] = list(stub.Generate(_request("bias", logit_bias={"42": 100.0}), timeout=30))
+    assert list(resp.complete.output_ids) == [42] * 12
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(_request("bias-bad", logit_bias={"x": 1.0}), timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logit_bias" in e.value.details()
+
+
 def test_bad_requests_get_a_status_and_the_node_keeps_serving(stub):
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(_request("bad", n=2), timeout=10))

@@ -1,5 +1,5 @@
-"""min_new_tokens under speculation: every verify row is masked by the output number it samples,
-so greedy speculative output (chain, tree, n-gram, overlapped) equals greedy plain output."""
+"""min_new_tokens (and logit_bias) under speculation: every verify row is masked by the output number
+it samples, so greedy speculative output (chain, tree, n-gram, overlapped) equals greedy plain output."""
 
 from __future__ import annotations
 
@@ -85,3 +85,16 @@ def test_verify_window_bans_each_tree_row_by_its_depth() -> None:
     seq_lens = torch.tensor([len(req.prompt_ids) + len(req.output_ids) - 1])
     vr = verify_window(Sampler(vocab, 4, "cpu", eos_token_ids=[eos]), [req], tree, logits, seq_lens)
     assert vr.accept_lens.tolist() == [3] and vr.emitted[0, :3].tolist() == [11, 11, eos]
+
+
+def test_greedy_spec_with_logit_bias_equals_plain(pair) -> None:  # type: ignore[no-untyped-def]
+    plain = _engine(pair[0], None)
+    free = SamplingParams(max_new_tokens=MAX, temperature=0.0, ignore_eos=True)
+    first = [o.output_ids for o in plain.generate(PROMPTS, free)]
+    # push the plain path off its tracks: ban what it said second, favour a token mildly
+    biased = dataclasses.replace(free, logit_bias=tuple(sorted({(o[1], -100.0) for o in first} | {(77, 3.0)})))
+    want = [o.output_ids for o in plain.generate(PROMPTS, biased)]
+    assert want != first
+    for name in ("eagle-chain", "eagle-tree", "ngram"):
+        spec, kw = SPECS[name](pair[1])
+        assert [o.output_ids for o in _engine(pair[0], spec, **kw).generate(PROMPTS, biased)] == want, name
