@@ -98,6 +98,7 @@ def create_app(dispatcher: Dispatcher, tokenizer: Tokenizer, *, served_model: st
             raise from_validation_error(e) from e
         if (why := req.unsupported()) is not None:
             raise bad_request(why[1], param=why[0], code="unsupported_parameter")
+        check_bias_ids(req.bias_pairs(), tokenizer.vocab_size)
         if req.model != served_model:
             raise APIError(404, f"The model `{req.model}` does not exist or you do not have access to it.",
                            param="model", code="model_not_found")
@@ -125,7 +126,6 @@ def create_app(dispatcher: Dispatcher, tokenizer: Tokenizer, *, served_model: st
                param: str) -> int:
         max_new = context_budget(n_prompt, asked, default, card, param)
         check_min_tokens(req.min_tokens, max_new, asked is not None)
-        check_bias_ids(req.bias_pairs(), tokenizer.vocab_size)
         return max_new
 
     async def serve(request: Request, endpoint: str, out: RequestOutput, jobs: list[GenerationJob],

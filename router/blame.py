@@ -1,5 +1,7 @@
-"""Whose fault is a failed attempt: the prefill, the decode, or both. The answer decides which nodes a
-job avoids on its retry, which breakers are charged, and the retry reason on /metrics.
+"""Whose fault is a failed attempt: the prefill, the decode, or both.
+
+The answer decides which nodes a job avoids on its retry, which breakers are charged, and the retry
+reason on /metrics.
 
 A leg's error is not always its own: a decode cannot start a room when its prefill is unreachable,
 and a prefill's KV write fails when its decode died. So:

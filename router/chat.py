@@ -1,6 +1,8 @@
-"""A chat request's prompt: its messages checked, rendered by the model's chat template with the
-request's template options (chat_template_kwargs, documents, add_generation_prompt,
-continue_final_message), and the text `echo` puts in front of the answer."""
+"""A chat request's prompt: messages checked, rendered by the chat template, and its echo text.
+
+The template gets the request's options (chat_template_kwargs, documents, add_generation_prompt,
+continue_final_message); `echo` puts the continued assistant message in front of the answer.
+"""
 
 from __future__ import annotations
 

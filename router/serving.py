@@ -1,5 +1,8 @@
-"""One request in flight: its n jobs' events merged (`Fanout`) and turned into OpenAI output
-(`Serving`), an SSE response that notices a client leaving, and waiting on work meanwhile."""
+"""One request in flight: its jobs' events merged, rendered, streamed, and watched for a disconnect.
+
+`Fanout` merges the n jobs' events, `Serving` turns them into OpenAI output, `SSEResponse` streams it
+and notices a client leaving, `until_disconnect` waits on work meanwhile.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Per-choice text assembly: token ids -> text deltas, exact stop-string cuts, logprobs.
+"""Per-choice text assembly: token ids -> text deltas, exact stop-string cuts, echo, logprobs.
+
+Special tokens are shown or not (skip_special_tokens), a stop string is kept on request
+(include_stop_str_in_output) and never ends a choice inside its first min_tokens tokens' text.
 
 The router is the authority on text. Nodes also get the stop strings and may stop early, but what
 reaches the client is decided here, the same way for streamed and non-streamed responses (both use
