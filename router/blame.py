@@ -23,7 +23,8 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from router.contract import DispatchError
 from router.nodes import NodeState
 
-BLAME_KEY = "pdserve-blame"  # trailing metadata: the role of the node at fault ("prefill" | "decode")
+# trailing metadata: the role of the node at fault ("prefill" | "decode"), as engine/service/servicer.py sends it
+BLAME_KEY = "pdserve-blame"
 # The request itself is bad: the same request fails on every pair, so no retry and no blame.
 CLIENT_ERRORS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE})
 

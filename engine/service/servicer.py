@@ -17,7 +17,8 @@ from engine.service.stream import RequestFailed
 from engine.serving import EngineLoop
 
 log = logging.getLogger(__name__)
-BLAME_KEY = "pdserve-blame"  # trailing metadata naming the role at fault (the router reads it)
+# trailing metadata naming the role at fault; router/blame.py reads the same key (it cannot import this)
+BLAME_KEY = "pdserve-blame"
 
 
 @dataclass
