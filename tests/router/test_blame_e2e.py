@@ -20,11 +20,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.kv_transfer import nixl_available
+from router.breaker import BreakerState
 from tests.procs import Node
 from tests.router.stack import Stack, start_stack
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")
 
+OPEN, CLOSED = int(BreakerState.OPEN), int(BreakerState.CLOSED)  # the breaker gauge's values
 FIRST_TOKEN_S = 8.0
 COOLDOWN_S = 3.0
 ROUTER_ARGS = ("--decode-policy", "round_robin", "--refresh-interval", "60", "--first-token-timeout",
@@ -97,9 +99,9 @@ def test_a_stopped_decode_is_blamed_not_its_prefill(stack: Stack) -> None:
     assert _retries(m, "decode_timeout") - _retries(before, "decode_timeout") == 3
     assert _retries(m, "prefill") == _retries(before, "prefill")
     assert _charged(m, stuck, "decode") - _charged(before, stuck, "decode") == 3
-    assert _breaker(m, stuck, "decode") == 2  # open
-    assert _charged(m, stack.prefill, "prefill") == 0 and _breaker(m, stack.prefill, "prefill") == 0
-    assert _charged(m, healthy, "decode") == 0 and _breaker(m, healthy, "decode") == 0
+    assert _breaker(m, stuck, "decode") == OPEN
+    assert _charged(m, stack.prefill, "prefill") == 0 and _breaker(m, stack.prefill, "prefill") == CLOSED
+    assert _charged(m, healthy, "decode") == 0 and _breaker(m, healthy, "decode") == CLOSED
 
 
 def test_a_stopped_then_killed_prefill_is_blamed_not_its_decodes(stack: Stack) -> None:
@@ -114,7 +116,7 @@ def test_a_stopped_then_killed_prefill_is_blamed_not_its_decodes(stack: Stack) -
         m = _metrics(stack.url)
         assert _retries(m, "prefill_") - _retries(before, "prefill_") == 3
         assert _charged(m, prefill, "prefill") - _charged(before, prefill, "prefill") == 3
-        assert _breaker(m, prefill, "prefill") == 2
+        assert _breaker(m, prefill, "prefill") == OPEN
         for d in stack.decodes:  # the decodes it was paired with are not charged for it
             assert _charged(m, d, "decode") == _charged(before, d, "decode")
         prefill.kill()  # now dead: refused connections instead of silence
@@ -129,6 +131,6 @@ def test_a_stopped_then_killed_prefill_is_blamed_not_its_decodes(stack: Stack) -
     reasons = {dict(labels)["reason"]: v for (name, labels), v in m2.items() if name == "pdserve_router_retries_total"}
     print(f"retry reasons: {reasons}")
     assert _charged(m2, prefill, "prefill") == _charged(m, prefill, "prefill") + 1
-    assert _breaker(m2, prefill, "prefill") == 2
+    assert _breaker(m2, prefill, "prefill") == OPEN
     for d in stack.decodes:
         assert _charged(m2, d, "decode") == _charged(before, d, "decode")
