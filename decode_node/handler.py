@@ -29,6 +29,9 @@ from spec.registry import AlgorithmBinding
 
 log = logging.getLogger(__name__)
 DEFAULT_BOOTSTRAP_PORT = 8998  # what SMG sends when the operator names no port
+# Failure kinds (below) that are the prefill peer's doing: unreachable, its control RPC failed,
+# no KV within the wait, or it reported the handoff failed. The router charges the prefill.
+PREFILL_FAULTS = frozenset({"prefill_unreachable", "rpc_error", "waiting_timeout", "prefill_failed"})
 
 
 @dataclass(frozen=True)
@@ -64,9 +67,11 @@ class DecodeHandler:
             row = await self._reserve(req)
             header, state = await self._receive(req, room, peer, row)
         except (PeerError, RequestFailed, asyncio.TimeoutError, grpc.aio.AioRpcError) as e:
-            KV_TRANSFER_FAILURES.labels("decode", _kind(e)).inc()
+            kind = _kind(e)
+            KV_TRANSFER_FAILURES.labels("decode", kind).inc()
             await self._give_up(req, room, row, peer, _reason(e))
-            raise RequestFailed(f"decode could not start room {room}: {_reason(e)}") from None
+            raise RequestFailed(f"decode could not start room {room}: {_reason(e)}", kind,
+                                blame="prefill" if kind in PREFILL_FAULTS else None) from None
         except BaseException:  # cancelled by the client: free everything, tell the prefill
             await self._give_up(req, room, row, peer, "cancelled")
             raise

@@ -38,6 +38,8 @@ class SamplingParams:
     """Per-request decoding controls, validated at construction."""
 
     max_new_tokens: int = 16
+    # EOS and stop token ids are masked, and stop strings ignored, until this many tokens exist
+    min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: no top-k cut
@@ -51,9 +53,13 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    skip_special_tokens: bool = True  # in the text stop strings are matched against
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), as OpenAI's
 
     def __post_init__(self) -> None:
         _check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1", self.max_new_tokens)
+        _check(0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
+               f"must be in [0, max_new_tokens={self.max_new_tokens}]", self.min_new_tokens)
         _check(_finite(self.temperature) and self.temperature >= 0.0, "temperature",
                "must be a finite number >= 0", self.temperature)
         _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]", self.top_p)
@@ -71,6 +77,8 @@ class SamplingParams:
                self.stop_token_ids)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings",
                self.stop)
+        _check(all(t >= 0 and _finite(b) and -100.0 <= b <= 100.0 for t, b in self.logit_bias), "logit_bias",
+               "must map token ids >= 0 to biases in [-100, 100]", self.logit_bias)
 
     @property
     def is_greedy(self) -> bool:

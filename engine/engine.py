@@ -176,7 +176,7 @@ class Engine:
                       self.dtype, self.device)
         runner = ModelRunner(model, self.kv, pool, create_attention_backend(config.attention_backend),
                              self.device)
-        sampler = Sampler(mc.vocab_size, config.max_running, self.device)
+        sampler = Sampler(mc.vocab_size, config.max_running, self.device, mc.eos_token_ids)
         self.parts = EngineParts(config, mc, runner, self.kv, sampler, self.device, self.dtype)
         self.algorithm: EngineAlgorithm = algorithm or PlainDecoding()
         self.executor = check_executor(self.algorithm.create_worker(self.parts), self.algorithm.name)
@@ -208,7 +208,8 @@ class Engine:
         params = params or SamplingParams()
         req = self.make_request(self._prompt_ids(prompt), params, rid)
         if self.tokenizer is not None:
-            self._texts[req.rid] = TextAssembler(self.tokenizer, params.stop, req.prompt_ids)
+            self._texts[req.rid] = TextAssembler(self.tokenizer, params.stop, req.prompt_ids,
+                                                 params.min_new_tokens, params.skip_special_tokens)
         self.io.submit(req)
         return req
 

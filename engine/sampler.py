@@ -1,8 +1,10 @@
-"""Batched token sampling: penalties, temperature, top-k/top-p/min-p and counter-based seeded noise."""
+"""Batched token sampling: penalties, logit bias, min-token bans, temperature, top-k/top-p/min-p and
+seeded noise."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -80,6 +82,14 @@ class SamplingBatch:
     penalty_rows: torch.Tensor | None = None  # rows with penalties; None means all rows
     sort_rows: torch.Tensor | None = None  # rows needing the sort; None means all rows
     num_rows: int = 0
+    # min_new_tokens: (row, token) pairs masked while the row samples a position < ban_until
+    ban_rows: torch.Tensor | None = None  # (pairs,) int64
+    ban_ids: torch.Tensor | None = None  # (pairs,) int64
+    ban_until: torch.Tensor | None = None  # (pairs,) int64: prompt length + min_new_tokens
+    # logit_bias: (row, token) pairs and what is added to their logits
+    bias_rows: torch.Tensor | None = None  # (pairs,) int64
+    bias_ids: torch.Tensor | None = None  # (pairs,) int64
+    bias_values: torch.Tensor | None = None  # (pairs,) float32
 
 
 @dataclass(slots=True)
@@ -93,10 +103,12 @@ class SampleResult:
 class Sampler:
     """Turns logits into tokens for a batch of requests; owns per-slot penalty state on the device."""
 
-    def __init__(self, vocab_size: int, max_reqs: int, device: torch.device | str) -> None:
+    def __init__(self, vocab_size: int, max_reqs: int, device: torch.device | str,
+                 eos_token_ids: Sequence[int] = ()) -> None:
         self.vocab_size = vocab_size
         self.max_reqs = max_reqs
         self.device = torch.device(device)
+        self.eos_token_ids = frozenset(eos_token_ids)  # banned before min_new_tokens (unless ignore_eos)
         self._counts: torch.Tensor | None = None  # (max_reqs+1, V) int32 output token counts
         self._prompt_seen: torch.Tensor | None = None  # (max_reqs+1, V) bool
 
@@ -158,13 +170,15 @@ class Sampler:
         self._counts.view(-1).scatter_add_(0, flat, ones)
 
     # ---- batch preparation ---------------------------------------------------------------
-    def prepare(self, reqs: list[Req], rows_per_req: int = 1,
-                positions: list[int] | None = None) -> SamplingBatch:
+    def prepare(self, reqs: list[Req], rows_per_req: int = 1, positions: list[int] | None = None,
+                row_positions: torch.Tensor | None = None) -> SamplingBatch:
         """Device tensors for `reqs`, each request's values repeated over `rows_per_req` rows.
 
         `positions[i]`: index of the token request i samples (default: prompt + output length).
         The overlap scheduler passes it because tokens still on the device are not in
-        `output_ids` yet, and the seeded noise is keyed by that index.
+        `output_ids` yet, and the seeded noise is keyed by that index. With several rows per
+        request, row j defaults to position + j; `row_positions` (rows,) on the device replaces
+        them all (a verify window knows each row's exact index there, tree depths included).
         """
         V, r = self.vocab_size, rows_per_req
         ps = [q.params for q in reqs]
@@ -192,15 +206,56 @@ class Sampler:
         any_pen = any(has_pen)
         if any_pen and self._counts is None:
             raise RuntimeError("a request with penalties was never on_admit()-ed")
+        bans = self._min_token_bans(reqs, r)
+        bias = self._logit_bias(reqs, r)
         return SamplingBatch(
             temperature=floats[0], top_p=floats[1], min_p=floats[2], frequency_penalty=floats[3],
             presence_penalty=floats[4], repetition_penalty=floats[5], top_k=ints[0],
-            slots=ints[1], seeds=ints[2], positions=ints[3], greedy=flags,
+            slots=ints[1], seeds=ints[2], greedy=flags,
+            positions=ints[3] if row_positions is None else row_positions.to(torch.int64),
             any_penalties=any_pen, all_greedy=all(greedy), any_greedy=any(greedy),
             any_min_p=any(p.min_p > 0.0 and not g for p, g in zip(ps, greedy)),
             need_sort=any(need_sort),
             penalty_rows=self._rows(has_pen, r), sort_rows=self._rows(need_sort, r),
-            num_rows=len(reqs) * r)
+            num_rows=len(reqs) * r, ban_rows=bans[0], ban_ids=bans[1], ban_until=bans[2],
+            bias_rows=bias[0], bias_ids=bias[1], bias_values=bias[2])
+
+    def _logit_bias(self, reqs: list[Req], r: int) -> tuple[torch.Tensor | None, ...]:
+        """(rows, ids, values) of every request's logit_bias, repeated over its rows."""
+        rows: list[int] = []
+        pairs: list[tuple[int, float]] = []
+        for i, q in enumerate(reqs):
+            mine = [(t, b) for t, b in q.params.logit_bias if t < self.vocab_size]
+            for j in range(r):
+                rows += [i * r + j] * len(mine)
+                pairs += mine
+        if not rows:
+            return None, None, None
+        idx = self._to_device(torch.tensor([rows, [t for t, _ in pairs]], dtype=torch.int64))
+        return idx[0], idx[1], self._to_device(torch.tensor([b for _, b in pairs], dtype=torch.float32))
+
+    def _min_token_bans(self, reqs: list[Req], r: int) -> tuple[torch.Tensor | None, ...]:
+        """(rows, ids, until) of every token a request may not sample yet: its stop token ids and
+        (unless ignore_eos) EOS, while fewer than min_new_tokens outputs exist. Which rows are
+        still short is decided on the device from their positions, so a verify window's rows
+        (position + depth) and an overlapped batch (tokens not on the host yet) are exact."""
+        rows: list[int] = []
+        ids: list[int] = []
+        until: list[int] = []
+        for i, q in enumerate(reqs):
+            p = q.params
+            if p.min_new_tokens <= 0:
+                continue
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+            banned_ids = sorted(t for t in banned if 0 <= t < self.vocab_size)
+            for j in range(r):
+                rows += [i * r + j] * len(banned_ids)
+                ids += banned_ids
+                until += [len(q.prompt_ids) + p.min_new_tokens] * len(banned_ids)
+        if not rows:
+            return None, None, None
+        t = self._to_device(torch.tensor([rows, ids, until], dtype=torch.int64))
+        return t[0], t[1], t[2]
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return to_device(t, self.device)
@@ -214,10 +269,23 @@ class Sampler:
 
     # ---- logits processing ---------------------------------------------------------------
     def _penalised(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-        """float32 copy of `logits` with repetition, frequency and presence penalties applied."""
+        """float32 copy of `logits` with repetition, frequency and presence penalties, logit bias and
+        the min-token bans applied (before greedy's argmax, so greedy rows obey them too)."""
         if logits.dim() != 2 or logits.shape[0] != sb.num_rows:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {sb.num_rows} rows")
-        x = logits.to(torch.float32, copy=True)
+        x = self._apply_penalties(logits.to(torch.float32, copy=True), sb)
+        if sb.bias_rows is not None:
+            assert sb.bias_ids is not None and sb.bias_values is not None
+            x.index_put_((sb.bias_rows, sb.bias_ids), sb.bias_values, accumulate=True)
+        if sb.ban_rows is not None:
+            assert sb.ban_ids is not None and sb.ban_until is not None
+            short = sb.positions.index_select(0, sb.ban_rows) < sb.ban_until
+            kept = x[sb.ban_rows, sb.ban_ids]
+            x.index_put_((sb.ban_rows, sb.ban_ids), torch.where(short, float("-inf"), kept))
+        return x
+
+    def _apply_penalties(self, x: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+        """Repetition, frequency and presence penalties on float32 logits (in place where it can)."""
         if not sb.any_penalties:
             return x
         assert self._counts is not None and self._prompt_seen is not None

@@ -266,11 +266,21 @@ def register(app: typer.Typer) -> None:
             help="Headless service NAME:PORT,BOOTSTRAP_PORT whose addresses are prefill nodes.")] = None,
         decode_dns: Annotated[Optional[list[str]], typer.Option(
             help="Headless service NAME:PORT whose addresses are decode nodes.")] = None,
+        first_token_timeout: Annotated[float, typer.Option(
+            help="Seconds from sending a request to its first decode message (prefill + transfer).")] = 90.0,
+        inter_token_timeout: Annotated[float, typer.Option(help="Seconds between two decode messages.")] = 60.0,
+        prefill_timeout: Annotated[float, typer.Option(help="Seconds for a whole prefill leg.")] = 60.0,
+        refresh_interval: Annotated[float, typer.Option(help="Seconds between node health/load refreshes.")] = 2.0,
+        breaker_failures: Annotated[int, typer.Option(
+            help="Consecutive failures that open a node's circuit breaker.")] = 3,
+        breaker_cooldown: Annotated[float, typer.Option(
+            help="Seconds an open breaker waits before letting one request probe the node.")] = 10.0,
     ) -> None:
         """The OpenAI-compatible router in front of prefill/decode (and colocated) nodes."""
         import asyncio
 
         from pdserve.cli import _fail
+        from router.dispatch import StageTimeouts
         from router.main import RouterConfig, run_router
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -278,6 +288,11 @@ def register(app: typer.Typer) -> None:
             asyncio.run(run_router(RouterConfig(host, port, tuple(prefill or ()), tuple(decode or ()),
                                      tuple(colocated or ()), prefill_policy, decode_policy, served_model,
                                      frozenset(api_key or ()), max_queue,
-                                     prefill_dns=tuple(prefill_dns or ()), decode_dns=tuple(decode_dns or ()))))
+                                     prefill_dns=tuple(prefill_dns or ()), decode_dns=tuple(decode_dns or ()),
+                                     timeouts=StageTimeouts(prefill_s=prefill_timeout,
+                                                            first_token_s=first_token_timeout,
+                                                            inter_token_s=inter_token_timeout),
+                                     refresh_s=refresh_interval, breaker_failures=breaker_failures,
+                                     breaker_cooldown_s=breaker_cooldown)))
         except (RuntimeError, ValueError, OSError) as e:
             _fail(e)

@@ -259,17 +259,25 @@ class StopStringMatcher:
             raise ValueError(f"stop strings must be non-empty strings, got {list(stop)!r}")
         self._stops = tuple(dict.fromkeys(stop))
         self._held = ""
+        self._floor = 0  # leading chars of `_held` that no match may end in (see `feed`)
         self.stopped = False
         self.matched: str | None = None  # the stop string that ended the stream
 
-    def feed(self, delta: str) -> tuple[str, bool]:
-        """Return (text safe to emit now, whether a stop string was hit)."""
+    def feed(self, delta: str, *, can_stop: bool = True) -> tuple[str, bool]:
+        """Return (text safe to emit now, whether a stop string was hit).
+
+        `can_stop=False` marks `delta` as text no stop string may end in (the output of the first
+        min_tokens tokens): a match ending there is ignored, one that starts there and ends in
+        a later delta still counts.
+        """
         if self.stopped:
             return "", True
         buf = self._held + delta
+        floor = len(buf) if not can_stop else self._floor
         hit, hit_at = None, len(buf)
         for s in self._stops:
-            i = buf.find(s, 0, hit_at + len(s) - 1)  # only a match starting before the best so far
+            # only a match ending past `floor` and starting before the best so far
+            i = buf.find(s, max(0, floor - len(s) + 1), hit_at + len(s) - 1)
             if i != -1 and i < hit_at:
                 hit, hit_at = s, i
         if hit is not None:
@@ -277,11 +285,12 @@ class StopStringMatcher:
             return buf[:hit_at], True
         keep = self._partial_suffix_len(buf)
         self._held = buf[len(buf) - keep:] if keep else ""
+        self._floor = max(0, floor - (len(buf) - keep))
         return buf[:len(buf) - keep], False
 
     def flush(self) -> str:
         """At the end of the stream: the held-back text, which turned out not to be a stop string."""
-        held, self._held = self._held, ""
+        held, self._held, self._floor = self._held, "", 0
         return "" if self.stopped else held
 
     def _partial_suffix_len(self, buf: str) -> int:

@@ -49,7 +49,9 @@ class PrefillHandler:
         pd = self.pd
         params = convert.sampling_params(request, pd.max_context_len)
         req = pd.make_request(list(request.tokenized.input_ids),
-                              dataclasses.replace(params, max_new_tokens=1, stop=()),
+                              # the first token is sampled here: it obeys min_new_tokens too
+                              dataclasses.replace(params, max_new_tokens=1, stop=(),
+                                                  min_new_tokens=min(1, params.min_new_tokens)),
                               request.request_id or None)
         req.hold_kv = True
         room = self.rooms.get_or_create(request.disaggregated_params.bootstrap_room)

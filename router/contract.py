@@ -18,6 +18,7 @@ class SamplingSpec:
     """What the router asks a node for (mirrors the scheduler API's SamplingParams)."""
 
     max_new_tokens: int
+    min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -31,6 +32,8 @@ class SamplingSpec:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    skip_special_tokens: bool = True  # the nodes detokenize only to find stop strings
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
 
 
 @dataclass(frozen=True)

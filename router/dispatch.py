@@ -5,7 +5,8 @@ int32 bootstrap room and sends the same GenerateRequest to both legs at once. Th
 is what the client sees; the prefill leg runs in the background and its failure ends the decode
 leg. Before the first event an attempt that fails is retried with backoff on a new pair (the
 failing node excluded) and a new room; after it, a failure ends the job. Closing the iterator
-sends Abort to both legs. With no PD pair, a colocated node (if any) serves the job alone.
+sends Abort to both legs. With no PD pair, a colocated node (if any) serves the job alone. Which
+node a failure is charged to is router/blame.py's decision.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from router.contract import (
     SamplingSpec,
     TokenEvent,
 )
+from router.blame import LegFailed, prefill_failure, rpc_failure, stage_timeout
 from router.metrics import DispatchMetrics
 from router.nodes import NodeRegistry, NodeState, build_request, token_event
 from router.policy import Policy, pair_available, select_colocated, select_pair
@@ -38,8 +40,6 @@ from router.policy import Policy, pair_available, select_colocated, select_pair
 log = logging.getLogger(__name__)
 
 MAX_ROOM = 2**31 - 1  # SMG's gRPC rooms are int32; 0 is avoided (it reads as "unset")
-# The request itself is bad: the same request fails on every pair, so no retry and no blame.
-CLIENT_ERRORS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE})
 
 
 @dataclass(frozen=True)
@@ -49,26 +49,7 @@ class StageTimeouts:
     inter_token_s: float = 60.0  # between two decode messages
     abort_s: float = 2.0  # the Abort RPCs sent on cancel or failure
     probe_s: float = 60.0  # one whole readiness probe
-
-
-class _LegFailed(Exception):
-    """An attempt failed; `blame` are the nodes it counts against, `error` what the client gets."""
-
-    def __init__(self, error: DispatchError, blame: tuple[NodeState, ...], reason: str,
-                 retryable: bool = True) -> None:
-        super().__init__(error.message)
-        self.error, self.blame, self.reason, self.retryable = error, blame, reason, retryable
-
-
-def _rpc_failure(e: grpc.aio.AioRpcError, leg: str, node: NodeState) -> _LegFailed:
-    code = e.code()
-    msg = f"{leg} node {node.address}: {code.name}: {e.details()}"
-    if code in CLIENT_ERRORS:
-        return _LegFailed(DispatchError(400, msg, code="invalid_request"), (), "invalid", retryable=False)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return _LegFailed(DispatchError(429, msg, code="overloaded", retry_after_s=1.0), (node,), "overloaded")
-    status = 504 if code == grpc.StatusCode.DEADLINE_EXCEEDED else 502
-    return _LegFailed(DispatchError(status, msg, code=f"{leg}_failed"), (node,), f"{leg}_failed")
+    health_s: float = 1.0  # a health check asking whose fault a failure is (a stopped node never answers)
 
 
 class _Attempt:
@@ -81,16 +62,17 @@ class _Attempt:
         req = build_request(job, request_id, self.room, prefill)
         assert decode.stub is not None
         self.call = decode.stub.Generate(req)  # no deadline: a stream may be long; stage timeouts bound it
-        self.prefill_task: asyncio.Task[_LegFailed | None] | None = None
+        self.prefill_task: asyncio.Task[LegFailed | None] | None = None
         if prefill is not None:
             self.prefill_task = asyncio.create_task(self._prefill_leg(req), name=f"prefill-{request_id}")
         decode.inflight += 1
         self.blame: set[str] = set()
+        self.blame_reason = ""
         self.finished = False
         self.started_at = time.monotonic()
         self.prefill_done_at: float | None = None
 
-    async def _prefill_leg(self, req: pb.GenerateRequest) -> _LegFailed | None:
+    async def _prefill_leg(self, req: pb.GenerateRequest) -> LegFailed | None:
         """Drains the prefill stream; returns (rather than raises) its failure, read by `_read`."""
         assert self.prefill is not None and self.prefill.stub is not None
         self.prefill.inflight += 1  # here, not at creation: a task cancelled unstarted runs no finally
@@ -98,9 +80,9 @@ class _Attempt:
             async for _ in self.prefill.stub.Generate(req, timeout=self.d.timeouts.prefill_s):
                 pass
         except grpc.aio.AioRpcError as e:
-            return _rpc_failure(e, "prefill", self.prefill)
+            return rpc_failure(e, "prefill", self.prefill, self.decode)
         except Exception as e:  # anything else still ends this attempt, not the router
-            return _LegFailed(DispatchError(502, f"prefill leg: {e!r}", code="prefill_failed"),
+            return LegFailed(DispatchError(502, f"prefill leg: {e!r}", code="prefill_failed"),
                               (self.prefill,), "prefill_failed")
         finally:
             self.prefill.inflight -= 1
@@ -142,7 +124,7 @@ class _Attempt:
             return
 
     async def _read(self, timeout: float) -> pb.GenerateResponse:
-        """The next decode message, watching the prefill leg meanwhile; raises _LegFailed."""
+        """The next decode message, watching the prefill leg meanwhile; raises LegFailed."""
         read = asyncio.ensure_future(self.call.read())
         waiting: set[asyncio.Future] = {read}
         if self.prefill_task is not None and not self.prefill_task.done():
@@ -155,7 +137,9 @@ class _Attempt:
                 if read in done:
                     return await self._message(read)
                 if not done:
-                    raise self._timeout(timeout)
+                    pt = self.prefill_task
+                    raise await stage_timeout(self.prefill, self.decode, pt is not None and not pt.done(),
+                                              timeout, self.d.timeouts.health_s)
                 waiting.discard(self.prefill_task)  # type: ignore[arg-type]
                 if (failure := self.prefill_task.result()) is not None:  # type: ignore[union-attr]
                     raise await self._attribute(failure)
@@ -170,35 +154,14 @@ class _Attempt:
             pt = self.prefill_task
             if pt is not None and pt.done() and not pt.cancelled() and pt.result() is not None:
                 raise await self._attribute(pt.result()) from None  # the decode only followed
-            raise _rpc_failure(e, "decode", self.decode) from None
+            raise rpc_failure(e, "decode", self.decode, self.prefill) from None
         if msg is grpc.aio.EOF:
-            raise _LegFailed(DispatchError(502, f"decode node {self.decode.address} ended its stream without "
+            raise LegFailed(DispatchError(502, f"decode node {self.decode.address} ended its stream without "
                                            "GenerateComplete", code="decode_failed"), (self.decode,), "decode_failed")
         return msg
 
-    async def _attribute(self, failure: _LegFailed) -> _LegFailed:
-        """Whose fault is a failed prefill leg? A prefill's KV write fails too when its decode dies;
-        blaming the prefill then would exclude it for the rest of the job (with one prefill: no
-        retry on the healthy pair) and charge its breaker. So if the decode does not answer a
-        health check now, the decode is blamed instead."""
-        if failure.reason != "prefill_failed" or self.decode.stub is None:
-            return failure
-        try:
-            health = await self.decode.stub.HealthCheck(pb.HealthCheckRequest(), timeout=self.d.timeouts.abort_s)
-            if health.healthy:
-                return failure
-        except grpc.aio.AioRpcError:
-            pass
-        msg = f"decode node {self.decode.address} is unreachable ({failure.error.message})"
-        return _LegFailed(DispatchError(502, msg, code="decode_failed"), (self.decode,), "decode_failed")
-
-    def _timeout(self, timeout: float) -> _LegFailed:
-        # A decode waiting on a prefill that has not finished is most likely waiting for its KV.
-        pt = self.prefill_task
-        node, leg = (self.prefill, "prefill") if pt is not None and not pt.done() else (self.decode, "decode")
-        assert node is not None
-        return _LegFailed(DispatchError(504, f"{leg} node {node.address}: no decode message within {timeout:g} s",
-                                        code=f"{leg}_timeout"), (node,), f"{leg}_timeout")
+    async def _attribute(self, failure: LegFailed) -> LegFailed:
+        return await prefill_failure(failure, self.decode, self.d.timeouts.health_s)
 
     async def close(self, reason: str) -> None:
         """End the attempt: on failure or cancel stop both legs and Abort them; give verdicts."""
@@ -233,6 +196,7 @@ class _Attempt:
     def _verdict(self, node: NodeState, ok: bool) -> None:
         if node.address in self.blame:
             node.breaker.record_failure()
+            self.d.metrics.node_failures.labels(node.address, node.role, self.blame_reason).inc()
         elif ok:
             node.breaker.record_success()
         else:  # cancelled, or the other leg's fault: no verdict on this node
@@ -274,7 +238,7 @@ class PDDispatcher:
         job_started = time.monotonic()
         blamed: set[str] = set()  # never again for this job
         tried: set[str] = set()  # avoided when another choice exists
-        last: _LegFailed | None = None
+        last: LegFailed | None = None
         for n in range(self.max_attempts):
             if last is not None:
                 self.metrics.retries.labels(last.reason).inc()
@@ -299,8 +263,8 @@ class PDDispatcher:
                         self._last_success = time.monotonic()  # before the yield: the consumer may stop here
                     yield event
                 return
-            except _LegFailed as f:
-                attempt.blame = {node.address for node in f.blame}
+            except LegFailed as f:
+                attempt.blame, attempt.blame_reason = {node.address for node in f.blame}, f.reason
                 reason = f"{f.reason}: {f.error.message}"
                 if started:
                     f.error.before_first_token = False

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import uvicorn
 
 from pdserve.tokenizer import Tokenizer
 from router.app import create_app
-from router.dispatch import PDDispatcher
+from router.breaker import CircuitBreaker
+from router.dispatch import PDDispatcher, StageTimeouts
 from router.nodes import DnsSource, NodeRegistry, parse_node_lists
 from router.policy import make_policy
 
@@ -34,6 +36,10 @@ class RouterConfig:
     model_wait_s: float = 120.0
     prefill_dns: tuple[str, ...] = ()  # NAME:PORT,BOOTSTRAP_PORT of a headless service
     decode_dns: tuple[str, ...] = ()
+    timeouts: StageTimeouts = field(default_factory=StageTimeouts)
+    refresh_s: float = 2.0  # node health/load refresh period
+    breaker_failures: int = 3  # consecutive failures that open a node's breaker
+    breaker_cooldown_s: float = 10.0  # open -> half-open
 
 
 async def run_router(cfg: RouterConfig) -> None:
@@ -45,11 +51,13 @@ async def run_router(cfg: RouterConfig) -> None:
         [DnsSource.parse("decode", t) for t in cfg.decode_dns]
     if not (cfg.prefill or cfg.decode or cfg.colocated or dns):
         raise ValueError("no nodes: give --prefill/--decode (or --colocated), or their --*-dns forms")
+    breaker = functools.partial(CircuitBreaker, cfg.breaker_failures, cfg.breaker_cooldown_s)
     registry = NodeRegistry(parse_node_lists(list(cfg.prefill), list(cfg.decode), list(cfg.colocated)),
-                            dns=dns)
-    await registry.start()
+                            dns=dns, refresh_s=cfg.refresh_s, breaker=breaker)
+    # before the first refresh: its listener starts the readiness probe as soon as a pair is up
     dispatcher = PDDispatcher(registry, make_policy("prefill", cfg.prefill_policy),
-                              make_policy("decode", cfg.decode_policy))
+                              make_policy("decode", cfg.decode_policy), timeouts=cfg.timeouts)
+    await registry.start()
     try:
         card = await _wait_model(registry, cfg.model_wait_s, stop)
         tokenizer = Tokenizer.from_dir(card.tokenizer_path)

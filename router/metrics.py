@@ -59,6 +59,11 @@ class RouterMetrics:
         self.errors = Counter("pdserve_router_stream_errors_total",
                               "Streams that failed after the first byte (sent as an SSE error event)",
                               ["endpoint"], registry=r)
+        # stage: body (while its request body was read), before_first_token (nothing of the answer
+        # sent yet, non-streamed requests included) or streaming (mid-stream)
+        self.client_disconnects = Counter("pdserve_router_client_disconnects_total",
+                                          "Clients that went away before their answer was complete, by stage",
+                                          ["stage"], registry=r)
 
     def record_response(self, path: str, status: int) -> None:
         self.requests.labels(path if path in ENDPOINTS else "other", str(status)).inc()
@@ -115,6 +120,9 @@ class DispatchMetrics:
                              "colocated node)", ["prefill", "decode"], registry=registry)
         self.breaker = Gauge("pdserve_router_breaker_state", "Circuit breaker per node: 0 closed, "
                              "1 open, 2 half-open (SMG's values)", ["node", "role"], registry=registry)
+        self.node_failures = Counter("pdserve_router_node_failures", "Failures charged to a node's "
+                                     "breaker, by the reason of the attempt that failed",
+                                     ["node", "role", "reason"], registry=registry)
         self.node_up = Gauge("pdserve_router_node_up", "1 when the node's last refresh succeeded",
                              ["node", "role"], registry=registry)
         # TTFT by stage. "prefill" ends when the prefill answers, which it does once its KV write
@@ -148,4 +156,9 @@ class DispatchMetrics:
             for p, d in pairs:
                 if address in (p, d):
                     self.pairs.remove(p, d)
+            charged = {(s.labels["node"], s.labels["role"], s.labels["reason"])
+                       for m in self.node_failures.collect() for s in m.samples}
+            for node, r, reason in charged:
+                if (node, r) == (address, role):
+                    self.node_failures.remove(node, r, reason)
         self._known = now

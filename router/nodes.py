@@ -141,9 +141,12 @@ def build_request(job: GenerationJob, request_id: str, room: int, prefill: NodeS
     sp = pb.SamplingParams(
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
         frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
-        repetition_penalty=s.repetition_penalty, max_new_tokens=s.max_new_tokens, stop=list(s.stop),
-        stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, n=1,
-        skip_special_tokens=True, spaces_between_special_tokens=True)
+        repetition_penalty=s.repetition_penalty, max_new_tokens=s.max_new_tokens,
+        min_new_tokens=s.min_new_tokens, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos, n=1, skip_special_tokens=s.skip_special_tokens,
+        spaces_between_special_tokens=True)
+    for token, bias in s.logit_bias:  # keyed by the id as a string, as in OpenAI's JSON
+        sp.logit_bias[str(token)] = bias
     if s.seed is not None:  # SGLang's place for a sampling seed
         sp.custom_params.update({"seed": s.seed})
     req = pb.GenerateRequest(request_id=request_id, tokenized=pb.TokenizedInput(input_ids=list(job.input_ids)),

@@ -3,16 +3,17 @@
 Strict typing (no "0.5" -> 0.5 coercion) and `extra="forbid"` match what OpenAI answers with a 400.
 Every documented OpenAI field is declared, even the ones the router does not act on, so a client
 written against the real API is never refused for sending them; the ones that would change the
-output in a way we cannot honour (echo, suffix, logit_bias, tools, response formats other than
-text, ...) are refused explicitly in `unsupported()`, never silently dropped.
+output in a way we cannot honour (suffix, tools, response formats other than text, ...) are
+refused explicitly in `unsupported()`, never silently dropped.
 
-Extensions beyond OpenAI (the vLLM/SGLang names): top_k, min_p, repetition_penalty, ignore_eos,
-stop_token_ids.
+The extensions vLLM and SGLang clients send are declared too (router/extensions.py says which are
+honoured, which change nothing here, and which are refused and why).
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any, Literal
 
 from fastapi import Request
@@ -20,11 +21,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from router.contract import GenerationJob, ModelCard, SamplingSpec
 from router.errors import APIError, bad_request
+from router.extensions import ChatExtensions, SamplingExtensions
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions `logprobs`
 MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's limit for chat `top_logprobs`
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
@@ -35,7 +38,7 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = None  # OpenAI field; there is nothing to obfuscate here
 
 
-class _Sampling(BaseModel):
+class _Sampling(SamplingExtensions):
     """Fields shared by both endpoints."""
 
     model_config = _STRICT
@@ -53,12 +56,6 @@ class _Sampling(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Extensions.
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -69,6 +66,21 @@ class _Sampling(BaseModel):
         if len(items) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported")
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
+        if v is not None and len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens may be biased")
+        return v
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple(sorted((int(k), float(b)) for k, b in (self.logit_bias or {}).items()))
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -81,7 +93,7 @@ class _Sampling(BaseModel):
     def sampling_spec(self, max_new_tokens: int, choice: int, top_logprobs: int | None) -> SamplingSpec:
         """The node-side sampling of choice `choice`; `top_logprobs` None means no logprobs."""
         return SamplingSpec(
-            max_new_tokens=max_new_tokens,
+            max_new_tokens=max_new_tokens, min_new_tokens=self.min_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k if self.top_k else -1,  # 0 and -1 both mean "off"
@@ -92,15 +104,14 @@ class _Sampling(BaseModel):
             stop=self.stop_list(), stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             # One seed for n separate jobs would make the n choices identical: choice j gets seed + j.
             seed=None if self.seed is None else self.seed + choice,
-            logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0)
+            logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0,
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self.bias_pairs())
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, reason) for a field whose value we cannot honour, else None."""
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
-        return None
+        return self.refused_extension()
 
 
 class CompletionRequest(_Sampling):
@@ -120,8 +131,9 @@ class CompletionRequest(_Sampling):
         return list(p)  # type: ignore[arg-type]
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", "echo is not supported"
+        if self.echo and self.logprobs is not None:
+            return "echo", ("echo with logprobs needs the prompt's logprobs, which the nodes do not compute; "
+                            "use one or the other")
         if self.suffix:
             return "suffix", "suffix is not supported"
         if self.best_of is not None and self.best_of != self.n:
@@ -129,33 +141,8 @@ class CompletionRequest(_Sampling):
         return super().unsupported()
 
 
-class TextPart(BaseModel):
-    model_config = _STRICT
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    """One message; OpenAI's assistant/tool extras (tool_calls, refusal, ...) are kept for the template."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-    role: str
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-
-    def for_template(self) -> dict[str, Any]:
-        out = self.model_dump(exclude_none=True)
-        # Templates expect a string; text parts are concatenated as OpenAI's own renderer does.
-        out["content"] = (self.content if isinstance(self.content, str)
-                          else "".join(p.text for p in self.content or []))
-        # "developer" is OpenAI's new name for "system"; open-model templates only know "system".
-        if out["role"] == "developer":
-            out["role"] = "system"
-        return out
-
-
-class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage]
+class ChatCompletionRequest(ChatExtensions, _Sampling):
+    messages: list[Any]  # checked as OpenAI does, with exact params, by router.messages
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
@@ -197,7 +184,7 @@ class ChatCompletionRequest(_Sampling):
         for name in ("audio", "prediction", "web_search_options"):
             if getattr(self, name):
                 return name, f"{name} is not supported"
-        return super().unsupported()
+        return self.refused_chat_extension() or super().unsupported()
 
 
 class Shapes:
@@ -244,6 +231,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def check_bias_ids(pairs: tuple[tuple[int, float], ...], vocab_size: int) -> None:
+    for token, _ in pairs:
+        if token >= vocab_size:
+            raise bad_request(f"Invalid key in 'logit_bias': {token}. Token ids must be in [0, {vocab_size}).",
+                              param="logit_bias", code="invalid_value")
+
+
 def check_ids(ids: list[int], vocab_size: int, param: str) -> None:
     if not ids:
         raise bad_request(f"'{param}' must not be empty.", param=param, code="empty_prompt")
@@ -262,6 +256,29 @@ def context_budget(n_prompt: int, asked: int | None, default: int | None, card: 
             f"{n_prompt + want} tokens ({n_prompt} in the {param}, {want} in the completion). Please reduce "
             f"the length of the {param} or completion.", param=param, code="context_length_exceeded")
     return max_new
+
+
+def check_min_tokens(min_tokens: int, max_new: int, asked: bool) -> None:
+    """min_tokens may not exceed what the request may generate (max_tokens, else the context left)."""
+    if min_tokens > max_new:
+        limit = f"max_tokens ({max_new})" if asked else f"the {max_new} tokens left in the context"
+        raise bad_request(f"min_tokens ({min_tokens}) must be at most {limit}.", param="min_tokens",
+                          code="invalid_value")
+
+
+def truncate(ids: list[int], keep: int | None, card: ModelCard) -> list[int]:
+    """truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as the context holds)."""
+    if keep is None:
+        return ids
+    k = card.max_context_length if keep == -1 else keep
+    return ids[-k:] if k < len(ids) else ids
+
+
+def response_ids(prefix: str, client_id: str | None) -> tuple[str, str]:
+    """(the response's id, the base of its node-side request ids). A client's request_id names the
+    response (as vLLM does); node-side ids stay unique even when a client reuses its ids."""
+    own = f"{prefix}-{uuid.uuid4().hex}"
+    return (f"{prefix}-{client_id}" if client_id else own), own
 
 
 def build_jobs(rid: str, total: int, start: int, ids: list[int], req: Any, max_new: int,

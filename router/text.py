@@ -1,4 +1,7 @@
-"""Per-choice text assembly: token ids -> text deltas, exact stop-string cuts, logprobs.
+"""Per-choice text assembly: token ids -> text deltas, exact stop-string cuts, echo, logprobs.
+
+Special tokens are shown or not (skip_special_tokens), a stop string is kept on request
+(include_stop_str_in_output) and never ends a choice inside its first min_tokens tokens' text.
 
 The router is the authority on text. Nodes also get the stop strings and may stop early, but what
 reaches the client is decided here, the same way for streamed and non-streamed responses (both use
@@ -32,6 +35,17 @@ class Delta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class TextOptions:
+    """How a choice's tokens become text (vLLM's names): special tokens shown or not, the stop string
+    kept or cut, the first `min_tokens` tokens' text never ending the choice, an echoed prefix."""
+
+    skip_special_tokens: bool = True
+    include_stop_str: bool = False
+    min_tokens: int = 0
+    echo: str = ""  # shown before the generated text (the prompt, or the continued message)
+
+
 class ChoiceText:
     """Text, token count and finish reason of one choice (one GenerationJob).
 
@@ -41,13 +55,16 @@ class ChoiceText:
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], *, stop: Sequence[str] = (),
-                 end_ids: frozenset[int] = frozenset(), logprobs: bool = False) -> None:
+                 end_ids: frozenset[int] = frozenset(), logprobs: bool = False,
+                 options: TextOptions = TextOptions()) -> None:
         self._tok = tokenizer
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=options.skip_special_tokens)
         self._matcher = StopStringMatcher(stop) if stop else None
         self._end_ids = end_ids
         self._want_logprobs = logprobs
-        self.text = ""
+        self._opt = options
+        self.echo = options.echo
+        self.text = ""  # generated text only (the echo is added where the choice is rendered)
         self.tokens = 0  # tokens consumed from the node (all of them, end ids included)
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprob] = []
@@ -78,8 +95,9 @@ class ChoiceText:
             if self._matcher is None:
                 delta.text += piece
                 continue
-            safe, hit = self._matcher.feed(piece)
-            delta.text += safe
+            # no stop string may end in the text of the first min_tokens tokens
+            safe, hit = self._matcher.feed(piece, can_stop=self.tokens > self._opt.min_tokens)
+            delta.text += safe + (self._kept_stop() if hit else "")
             if hit:
                 self.finish_reason = "stop"
                 break
@@ -93,21 +111,28 @@ class ChoiceText:
         out = self._detok.flush()
         reason = event.finish_reason
         if self._matcher is not None:
-            out, hit = self._matcher.feed(out)
+            out, hit = self._matcher.feed(out, can_stop=self.tokens > self._opt.min_tokens)
             if hit:
                 reason = "stop"
+                out += self._kept_stop()
             else:
                 held = self._matcher.flush()
                 if isinstance(event.matched_stop, str):
                     # The node saw its stop string start inside the text we were holding back (its
                     # detokenization may differ at the edge): never show text from there on.
                     held = held[:_stop_start(held, event.matched_stop)]
+                    held += event.matched_stop if self._opt.include_stop_str else ""
                 out += held
         # Trust the node's count unless it is short of what we saw (it may count differently).
         self.tokens = max(self.tokens, event.completion_tokens)
         self.text += out
         self.finish_reason = reason
         return Delta(out)
+
+    def _kept_stop(self) -> str:
+        """The stop string that was hit, when the client asked to keep it (include_stop_str_in_output)."""
+        assert self._matcher is not None
+        return (self._matcher.matched or "") if self._opt.include_stop_str else ""
 
     def _logprob(self, tid: int, event: TokenEvent, k: int, offset: int) -> TokenLogprob:
         top = event.top_logprobs[k] if k < len(event.top_logprobs) else ()
@@ -175,9 +200,13 @@ class RequestOutput:
         return chat_logprobs(entries, self._top) if self.shapes.chat else completion_logprobs(entries)
 
     def response(self) -> dict[str, Any]:
-        return self.shapes.response([self.shapes.choice(i, c.text, self._render_logprobs(c.logprobs),
+        return self.shapes.response([self.shapes.choice(i, c.echo + c.text, self._render_logprobs(c.logprobs),
                                                         c.finish_reason) for i, c in enumerate(self.choices)],
                                     self.usage())
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        """The echoed text of each choice, streamed before anything it generates."""
+        return [self.shapes.chunk(i, c.echo) for i, c in enumerate(self.choices) if c.echo]
 
     def chunks(self, index: int, delta: Delta) -> list[dict[str, Any]]:
         """The chunks one applied event produces: its text/logprobs, then the finish if it finished."""

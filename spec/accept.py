@@ -16,7 +16,11 @@ def verify_window(sampler: Sampler, reqs: list[Req], tree: DraftTree, logits: to
                   seq_lens: torch.Tensor) -> VerifyResult:
     """logits: (bs * ntok, V) target logits over the window rows."""
     bs, ntok = tree.tokens.shape
-    sb = sampler.prepare(reqs, rows_per_req=ntok)
+    # min_new_tokens bans depend on the index each row samples: seq_len + 1 + its depth (exact on
+    # the device, for trees and under overlap, where the host's output_ids lag)
+    rows_at = (seq_lens.unsqueeze(1) + 1 + tree.depth).reshape(-1) if any(
+        r.params.min_new_tokens for r in reqs) else None
+    sb = sampler.prepare(reqs, rows_per_req=ntok, row_positions=rows_at)
     if sb.all_greedy:  # the (penalised) argmax per row is all greedy verification needs
         return verify_greedy(tree, sampler.sample(logits, sb).tokens.view(bs, ntok))
     probs = sampler.processed_probs(logits, sb).view(bs, ntok, -1)

@@ -284,6 +284,49 @@ def test_stop_matcher_matches_reference(seed: int) -> None:
     assert _run(stops, deltas) == expected
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_stop_matcher_ignores_matches_ending_in_protected_text(seed: int) -> None:
+    """min_tokens: no stop string may end in the first deltas' text; one that starts there and
+    ends later counts. Reference: the earliest match ending past the protected prefix."""
+    rng = random.Random(seed)
+    text = "".join(rng.choice("abc") for _ in range(60))
+    stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+    cuts = sorted(rng.sample(range(1, len(text)), 10))
+    deltas = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
+    n_protected = rng.randint(0, len(deltas))
+    floor = sum(len(d) for d in deltas[:n_protected])
+    m, out, stopped = StopStringMatcher(stops), "", False
+    for k, d in enumerate(deltas):
+        piece, stopped = m.feed(d, can_stop=k >= n_protected)
+        out += piece
+        if stopped:
+            break
+    out += m.flush()
+    starts = [text.find(s, max(0, floor - len(s) + 1)) for s in stops]
+    hits = [i for i in starts if i != -1]
+    assert (out, stopped) == ((text[:min(hits)], True) if hits else (text, False))
+
+
+def test_text_assembler_min_tokens(tiny_llama_dir: Path) -> None:
+    from engine.text_output import TextAssembler
+
+    tok = Tokenizer.from_dir(tiny_llama_dir)
+    ids = tok.encode("ab ab ab ab", add_special_tokens=False)
+    per = [tok.decode(ids[:k + 1]) for k in range(len(ids))]
+    first_ab = next(k for k, t in enumerate(per) if t.endswith("ab")) + 1  # tokens until "ab" shows
+    for min_tokens, fed in ((0, [ids]), (first_ab, [ids]), (first_ab, [[i] for i in ids])):
+        ta = TextAssembler(tok, ["ab"], min_tokens=min_tokens)
+        out, hit = "", False
+        for chunk in fed:
+            piece, hit = ta.feed(chunk)
+            out += piece
+            if hit:
+                break
+        assert hit and ta.matched == "ab"
+        # min 0: stops at the first "ab"; min = the tokens that spell it: that one is ignored
+        assert out == ("" if min_tokens == 0 else "ab ")
+
+
 # --- tiny model directories --------------------------------------------------------------------
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])

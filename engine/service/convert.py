@@ -15,11 +15,10 @@ def sampling_params(req: pb.GenerateRequest, max_new_tokens_cap: int) -> Samplin
     sp = req.sampling_params
     if sp.n > 1:
         raise InvalidRequest("n > 1 is not supported by a worker; the router splits such requests")
-    if sp.logit_bias:
-        raise InvalidRequest("logit_bias is not supported")
     max_new = sp.max_new_tokens if sp.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
     return SamplingParams(
         max_new_tokens=max(1, min(max_new, max_new_tokens_cap)),
+        min_new_tokens=sp.min_new_tokens,
         temperature=sp.temperature,
         top_p=sp.top_p if sp.top_p > 0 else 1.0,  # proto3 default 0 means "unset"
         top_k=sp.top_k if sp.top_k > 0 else -1,
@@ -33,7 +32,17 @@ def sampling_params(req: pb.GenerateRequest, max_new_tokens_cap: int) -> Samplin
         logprobs=req.return_logprob,
         top_logprobs=max(0, req.top_logprobs_num),
         seed=_seed(sp),
+        skip_special_tokens=sp.skip_special_tokens,
+        logit_bias=_logit_bias(sp),
     )
+
+
+def _logit_bias(sp: pb.SamplingParams) -> tuple[tuple[int, float], ...]:
+    """The proto's map keys token ids as strings (OpenAI's JSON shape)."""
+    try:
+        return tuple(sorted((int(k), float(v)) for k, v in sp.logit_bias.items()))
+    except ValueError:
+        raise InvalidRequest("logit_bias keys must be token ids") from None
 
 
 def _seed(sp: pb.SamplingParams) -> int | None:

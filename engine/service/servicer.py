@@ -17,6 +17,8 @@ from engine.service.stream import RequestFailed
 from engine.serving import EngineLoop
 
 log = logging.getLogger(__name__)
+# trailing metadata naming the role at fault; router/blame.py reads the same key (it cannot import this)
+BLAME_KEY = "pdserve-blame"
 
 
 @dataclass
@@ -58,7 +60,8 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RequestFailed as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            blame = ((BLAME_KEY, e.blame),) if e.blame else ()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e), trailing_metadata=blame)
 
     async def HealthCheck(self, request: pb.HealthCheckRequest,
                           context: grpc.aio.ServicerContext) -> pb.HealthCheckResponse:

@@ -14,7 +14,8 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from engine.core import FinishReason, Req
 from engine.scheduler import RequestUpdate
 from engine.service import convert
-from pdserve.tokenizer import StopStringMatcher, Tokenizer, IncrementalDetokenizer
+from engine.text_output import TextAssembler
+from pdserve.tokenizer import Tokenizer
 
 
 class Aborter(Protocol):
@@ -30,8 +31,9 @@ class RequestStream:
         self.eos = eos_token_ids
         self._aio = asyncio.get_running_loop()
         self._queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
-        self._detok = IncrementalDetokenizer(tokenizer, req.prompt_ids) if (tokenizer and req.params.stop) else None
-        self._stop = StopStringMatcher(req.params.stop) if self._detok else None
+        p = req.params
+        self._text = TextAssembler(tokenizer, p.stop, req.prompt_ids, p.min_new_tokens,
+                                   p.skip_special_tokens) if (tokenizer and p.stop) else None
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top: list = []
@@ -50,11 +52,11 @@ class RequestStream:
                 upd = await self._queue.get()
                 reason, matched = upd.finish_reason, None
                 finished = upd.finished
-                if self._stop is not None and upd.tokens and not finished:
-                    _, hit = self._stop.feed(self._detok.feed(upd.tokens))  # type: ignore[union-attr]
+                if self._text is not None and upd.tokens and not finished:
+                    _, hit = self._text.feed(upd.tokens)
                     if hit:  # end it here; the scheduler frees the request on its next step
                         self.loop.abort(rid, "stop string")
-                        finished, reason, matched = True, FinishReason.STOP, self._stop.matched
+                        finished, reason, matched = True, FinishReason.STOP, self._text.matched
                 self._record(upd)
                 if upd.tokens and self.stream:
                     yield convert.chunk(rid, upd.tokens, n_prompt, len(self.output_ids),
@@ -85,8 +87,10 @@ class RequestStream:
 
 class RequestFailed(RuntimeError):
     """A request ended with an error; the servicer maps it to a gRPC status. `kind` is a short,
-    fixed label for metrics (never free text: it is a Prometheus label value)."""
+    fixed label for metrics (never free text: it is a Prometheus label value). `blame` names the
+    role of the node at fault when that is not this one (a decode whose prefill peer failed it):
+    the servicer sends it as trailing metadata, so the router charges the right node."""
 
-    def __init__(self, message: str, kind: str = "other") -> None:
+    def __init__(self, message: str, kind: str = "other", blame: str | None = None) -> None:
         super().__init__(message)
-        self.kind = kind
+        self.kind, self.blame = kind, blame

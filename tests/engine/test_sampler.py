@@ -288,6 +288,86 @@ def test_logprobs_are_raw_log_softmax() -> None:
     assert torch.equal(plain.tokens, res.tokens)
 
 
+# ---- min_new_tokens -------------------------------------------------------------------------
+
+EOS, STOP = 7, 9
+
+
+def _favouring(rows: int, *ids: int) -> torch.Tensor:
+    """Logits where `ids` (in that order) are the most likely tokens of every row."""
+    x = torch.randn(rows, V, generator=torch.Generator().manual_seed(3))
+    for rank, t in enumerate(ids):
+        x[:, t] = 20.0 - rank
+    return x
+
+
+def test_min_new_tokens_validated() -> None:
+    from engine.core import InvalidRequest
+
+    SamplingParams(max_new_tokens=4, min_new_tokens=4)
+    for bad in (-1, 5):
+        with pytest.raises(InvalidRequest, match="min_new_tokens"):
+            SamplingParams(max_new_tokens=4, min_new_tokens=bad)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=5)])
+def test_min_new_tokens_bans_eos_and_stop_ids_until_reached(kw: dict) -> None:
+    s = Sampler(V, 8, "cpu", eos_token_ids=[EOS])
+    logits = _favouring(1, EOS, STOP, 11)
+    for n_out, want in ((0, 11), (2, 11), (3, EOS)):  # min 3: outputs 1..3 may not be EOS/STOP
+        r = mk(out=[4] * n_out, min_new_tokens=3, max_new_tokens=8, stop_token_ids=(STOP,), **kw)
+        assert sample_tokens(s, [r], logits).item() == want, n_out
+    # ignore_eos: EOS is an ordinary token, never banned; stop ids still are
+    r = mk(min_new_tokens=3, max_new_tokens=8, stop_token_ids=(STOP,), ignore_eos=True, **kw)
+    assert sample_tokens(s, [r], logits).item() == EOS
+    r = mk(min_new_tokens=3, max_new_tokens=8, stop_token_ids=(STOP,), ignore_eos=True, **kw)
+    assert sample_tokens(s, [r], _favouring(1, STOP, 11)).item() == 11
+    # a neighbour without min_new_tokens in the same batch is untouched
+    plain = mk("b", 2, **kw)
+    toks = sample_tokens(s, [mk(min_new_tokens=2, max_new_tokens=8, **kw), plain], _favouring(2, EOS, 11))
+    assert toks.tolist() == [11, EOS]
+
+
+def test_min_new_tokens_is_per_row_in_a_verify_window() -> None:
+    """Row j of a request with n outputs samples output number n + j + 1: only rows before
+    min_new_tokens are banned, in the default layout and with explicit (tree) row positions."""
+    s = Sampler(V, 8, "cpu", eos_token_ids=[EOS])
+    ntok = 4
+    a = mk("a", 1, prompt=[1, 2, 3], out=[5], temperature=0.0, min_new_tokens=3, max_new_tokens=9)
+    b = mk("b", 2, prompt=[1, 2], out=[5, 6], temperature=0.0, max_new_tokens=9)
+    logits = _favouring(2 * ntok, EOS, 11)
+    sb = s.prepare([a, b], rows_per_req=ntok)
+    got = s.sample(logits, sb).tokens.view(2, ntok).tolist()
+    assert got == [[11, 11, EOS, EOS], [EOS] * ntok]  # a: outputs 2, 3 banned; 4, 5 free
+    probs = s.processed_probs(logits, sb).view(2, ntok, V)
+    assert probs[0, :2, EOS].sum() == 0 and probs[0, 2:, EOS].min() == 1
+    # a tree: rows at depths 0, 1, 1, 2 sample positions 4, 5, 5, 6 (prompt 3: outputs 2, 3, 3, 4)
+    rows_at = torch.tensor([4, 5, 5, 6, 3, 4, 4, 5])
+    sb = s.prepare([a, b], rows_per_req=ntok, row_positions=rows_at)
+    assert s.sample(logits, sb).tokens.view(2, ntok).tolist() == [[11, 11, 11, EOS], [EOS] * ntok]
+    # sampled rows obey it too
+    hot = mk("a", 1, prompt=[1, 2, 3], out=[5], temperature=1.0, min_new_tokens=3, max_new_tokens=9)
+    probs = s.processed_probs(logits, s.prepare([hot, b], rows_per_req=ntok)).view(2, ntok, V)
+    assert probs[0, :2, EOS].sum() == 0 and probs[0, 2:, EOS].min() > 0
+
+
+def test_logit_bias_shifts_each_row_of_its_request() -> None:
+    s = Sampler(V, 8, "cpu")
+    logits = _favouring(6, 11, 12)
+    biased = mk("a", 1, temperature=0.0, logit_bias=((12, 5.0), (3, -100.0), (V + 7, 50.0)))  # unknown id ignored
+    plain = mk("b", 2, temperature=0.0)
+    assert sample_tokens(s, [biased, plain], logits, rows_per_req=3).tolist() == [12] * 3 + [11] * 3
+    sb = s.prepare([biased, plain], rows_per_req=3)
+    probs = s.processed_probs(logits, s.prepare([mk("a", 1, temperature=1.0, logit_bias=((3, -100.0),)), plain],
+                                                rows_per_req=3))
+    assert float(probs[:3, 3].max()) < 1e-30
+    assert sb.bias_rows is not None and sb.bias_rows.tolist() == [0, 0, 1, 1, 2, 2]
+    from engine.core import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="logit_bias"):
+        SamplingParams(logit_bias=((1, 101.0),))
+
+
 # ---- device ---------------------------------------------------------------------------------
 
 @pytest.mark.gpu

@@ -59,6 +59,7 @@ def test_decode_gives_up_on_a_prefill_that_never_answers(tiny_llama_dir):
             list(d.Generate(request("nobody", IDS, 6, free_port()), timeout=30))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "unreachable after 3 attempts" in e.value.details()
+        assert ("pdserve-blame", "prefill") in tuple(e.value.trailing_metadata())  # the router charges the prefill
         assert time.monotonic() - start < 15
         wait_idle(d)
     finally:

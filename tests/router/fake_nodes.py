@@ -36,6 +36,8 @@ class Behaviour:
     pairing_protocol: str | None = "pp-A"
     mode: str | None = None  # GetServerInfo's disaggregation_mode; None: the role's own
     healthy: bool = True
+    silent: bool = False  # HealthCheck never answers (a stopped process)
+    blame: str | None = None  # a failure names this role at fault (trailing metadata, as nodes do)
     running: int = 0
     waiting: int = 0
 
@@ -78,7 +80,8 @@ class FakeNode(pbg.SglangSchedulerServicer):
             if b.hang_before_first:
                 await asyncio.sleep(HANG_S)
             if b.fail_before_first:
-                await context.abort(b.status, f"fake {self.role} failed before its first token")
+                await context.abort(b.status, f"fake {self.role} failed before its first token",
+                                    trailing_metadata=(("pdserve-blame", b.blame),) if b.blame else ())
             if self.role == "prefill":
                 yield pb.GenerateResponse(request_id=rid, complete=pb.GenerateComplete(
                     output_ids=tokens[:1], finish_reason="length", prompt_tokens=n_prompt, completion_tokens=1))
@@ -106,6 +109,8 @@ class FakeNode(pbg.SglangSchedulerServicer):
 
     async def HealthCheck(self, request: pb.HealthCheckRequest,
                           context: grpc.aio.ServicerContext) -> pb.HealthCheckResponse:
+        if self.b.silent:
+            await asyncio.sleep(HANG_S)
         return pb.HealthCheckResponse(healthy=self.b.healthy, message="ok" if self.b.healthy else "sick")
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,

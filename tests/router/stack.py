@@ -16,8 +16,13 @@ from tests.procs import Node
 NODE_ARGS = ("--page-size", "4")
 
 
-def decode_node(model: str, port: int = 0) -> Node:
-    return Node(["decode", "--model", model, "--port", str(port), *NODE_ARGS])
+def _model_args(model: str | None) -> list[str]:
+    """None: the built-in pair (pycoder with its EAGLE head)."""
+    return [] if model is None else ["--model", model]
+
+
+def decode_node(model: str | None, port: int = 0) -> Node:
+    return Node(["decode", *_model_args(model), "--port", str(port), *NODE_ARGS])
 
 
 def http_status(url: str, timeout: float = 5.0) -> int | None:
@@ -43,7 +48,7 @@ def wait_status(url: str, want: int, timeout: float) -> float:
 
 @dataclass
 class Stack:
-    model: str
+    model: str | None
     prefill: Node
     decodes: list[Node]
     router: Node
@@ -71,9 +76,10 @@ class Stack:
             n.kill()
 
 
-def start_stack(model: str, decodes: int = 2, ready_timeout: float = 60.0) -> Stack:
+def start_stack(model: str | None, decodes: int = 2, ready_timeout: float = 60.0,
+                router_args: tuple[str, ...] = ()) -> Stack:
     """Nodes start in parallel; then the router; then /ready must turn 200 (a real handoff)."""
-    prefill = Node(["prefill", "--model", model, "--port", "0", "--bootstrap-port", "0", *NODE_ARGS])
+    prefill = Node(["prefill", *_model_args(model), "--port", "0", "--bootstrap-port", "0", *NODE_ARGS])
     ds = [decode_node(model) for _ in range(decodes)]
     started: list[Node] = [prefill, *ds]
     try:
@@ -81,7 +87,8 @@ def start_stack(model: str, decodes: int = 2, ready_timeout: float = 60.0) -> St
             n.wait_ready(120)
         router = Node(["router", "--host", "127.0.0.1", "--port", "0",
                        "--prefill", f"127.0.0.1:{prefill.ports['scheduler']},{prefill.ports['bootstrap']}",
-                       *[a for d in ds for a in ("--decode", f"127.0.0.1:{d.ports['scheduler']}")]])
+                       *[a for d in ds for a in ("--decode", f"127.0.0.1:{d.ports['scheduler']}")],
+                       *router_args])
         started.append(router)
         router.wait_ready(60)
         stack = Stack(model, prefill, ds, router)

@@ -206,7 +206,7 @@ BAD = [
     ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "logprobs": 6}, 400, "logprobs", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "stop": ""}, 400, "stop", "invalid_value"),
-    ({"model": MODEL, "prompt": "x", "echo": True}, 400, "echo", "unsupported_parameter"),
+    ({"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, 400, "echo", "unsupported_parameter"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options",
      "unsupported_parameter"),
     ({"model": MODEL, "prompt": ""}, 400, "prompt", "empty_prompt"),
@@ -220,7 +220,7 @@ BAD = [
 ]
 BAD_CHAT = [
     ({"model": MODEL, "messages": []}, 400, "messages", "empty_messages"),
-    ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages", "invalid_messages"),
+    ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", "invalid_value"),
     ({"model": MODEL, "messages": [{"content": "x"}]}, 400, "messages[0].role", "missing_required_parameter"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 21, "logprobs": True},
      400, "top_logprobs", "invalid_value"),

@@ -53,6 +53,27 @@ def test_generate_matches_the_in_process_engine(stub, tiny_llama_dir):
     assert chunks == want and streamed[-1].HasField("complete")
 
 
+def test_min_new_tokens_travels_and_holds_back_stop_tokens(stub, tiny_llama_dir):
+    eng = Engine(EngineConfig(str(tiny_llama_dir), page_size=4))
+    free = eng.generate([PROMPT], SamplingParams(max_new_tokens=12, temperature=0.0))[0].output_ids
+    stop = free[1]  # without min_new_tokens the request would end at its 2nd token
+    want = eng.generate([PROMPT], SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=(stop,),
+                                                 min_new_tokens=6))[0].output_ids
+    [resp] = list(stub.Generate(_request("min", stop_token_ids=[stop], min_new_tokens=6), timeout=30))
+    assert list(resp.complete.output_ids) == want and len(want) >= 6 and stop not in want[:6]
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(_request("min-too-big", min_new_tokens=13), timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_new_tokens" in e.value.details()
+
+
+def test_logit_bias_travels(stub):
+    [resp] = list(stub.Generate(_request("bias", logit_bias={"42": 100.0}), timeout=30))
+    assert list(resp.complete.output_ids) == [42] * 12
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(_request("bias-bad", logit_bias={"x": 1.0}), timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logit_bias" in e.value.details()
+
+
 def test_bad_requests_get_a_status_and_the_node_keeps_serving(stub):
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(_request("bad", n=2), timeout=10))
