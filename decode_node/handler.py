@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -14,13 +13,14 @@ import grpc
 import torch
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
-from engine.core import InvalidRequest, Req
+from engine.core import InvalidRequest
 from engine.disagg import DisaggEngine
 from engine.handoff import HandoffError, HandoffHeader
 from engine.kv_transfer.endpoint import Endpoint, room_echo
 from engine.service.metrics import KV_TRANSFER_BYTES, KV_TRANSFER_FAILURES, KV_TRANSFER_SECONDS
 from engine.service import convert
 from engine.service.stream import RequestFailed, RequestStream
+from decode_node.inflight import DecodeRequest, InFlight, Stage
 from decode_node.peers import PeerError, PeerManager
 from decode_node.receiver import CompletionWaiter
 from pdserve.v1 import kv_control_pb2 as kpb
@@ -45,9 +45,7 @@ class DecodeHandler:
                  binding: AlgorithmBinding, timeouts: DecodeTimeouts) -> None:
         self.pd, self.endpoint, self.peers, self.waiter = pd, endpoint, peers, waiter
         self.binding, self.timeouts = binding, timeouts
-        self.prealloc: set[str] = set()
-        self.transferring: dict[str, int] = {}  # request id -> room
-        self.aborted: dict[str, str] = {}  # aborts of requests not yet in the scheduler
+        self.pending = InFlight(pd, endpoint.rows, waiter, quarantine_s=timeouts.waiting_s)
 
     async def generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -57,119 +55,149 @@ class DecodeHandler:
         dp = request.disaggregated_params
         if not dp.bootstrap_host:
             raise InvalidRequest("a decode node needs disaggregated_params.bootstrap_host")
-        room = dp.bootstrap_room
-        if room in self.transferring.values():
-            raise InvalidRequest(f"bootstrap_room {room} is already in use on this decode node")
-        row, peer = None, None
-        self.aborted.pop(req.rid, None)
+        if self.pending.room_in_use(dp.bootstrap_room):
+            raise InvalidRequest(f"bootstrap_room {dp.bootstrap_room} is already in use on this decode node")
+        dr = self.pending.begin(req, dp.bootstrap_room)
+        bootstrap = (dp.bootstrap_host, dp.bootstrap_port or DEFAULT_BOOTSTRAP_PORT)
+        stream = RequestStream(pd, req, request.stream, pd.tokenizer, pd.eos_token_ids)
         try:
-            peer = await self.peers.get(dp.bootstrap_host, dp.bootstrap_port or DEFAULT_BOOTSTRAP_PORT)
-            row = await self._reserve(req)
-            header, state = await self._receive(req, room, peer, row)
+            dr.peer = await self.peers.get(*bootstrap)
+            await self._reserve(dr)
+            header, state = await self._receive(dr)
+            await self._adopt(dr, header, state, stream)
         except (PeerError, RequestFailed, asyncio.TimeoutError, grpc.aio.AioRpcError) as e:
             kind = _kind(e)
             KV_TRANSFER_FAILURES.labels("decode", kind).inc()
-            await self._give_up(req, room, row, peer, _reason(e))
-            raise RequestFailed(f"decode could not start room {room}: {_reason(e)}", kind,
+            self._give_up(dr, _reason(e), bootstrap)
+            raise RequestFailed(f"decode could not start room {dr.room}: {_reason(e)}", kind,
                                 blame="prefill" if kind in PREFILL_FAULTS else None) from None
-        except BaseException:  # cancelled by the client: free everything, tell the prefill
-            await self._give_up(req, room, row, peer, "cancelled")
+        except BaseException:  # cancelled by the client (at any await): free what it holds
+            self._give_up(dr, "cancelled", bootstrap)
             raise
-        stream = RequestStream(pd, req, request.stream, pd.tokenizer, pd.eos_token_ids)
-        pd.subscribe(req.rid, stream.on_update)
-        await asyncio.wrap_future(self._adopt(req, header, state))
         async for resp in stream.responses():
             yield resp
 
-    async def _reserve(self, req: Req) -> int:
-        """A slot and pages for the prompt, and a handoff row; waits (bounded) for capacity."""
-        rows = self.endpoint.rows
+    async def _reserve(self, dr: DecodeRequest) -> None:
+        """A handoff row, a slot and pages for the prompt; waits (bounded) for capacity."""
+        rows, req = self.endpoint.rows, dr.req
         deadline = time.monotonic() + self.timeouts.prealloc_s
-        self.prealloc.add(req.rid)
-        try:
-            while True:
-                row = rows.alloc()
-                if row is not None:
-                    if await asyncio.wrap_future(self.pd.reserve_prompt(req)):
-                        return row
-                    rows.free(row)
-                if req.rid in self.aborted:
-                    raise RequestFailed(self.aborted.pop(req.rid), "aborted")
-                if time.monotonic() > deadline:
-                    raise RequestFailed(f"no KV capacity for {len(req.prompt_ids)} prompt tokens within "
-                                        f"{self.timeouts.prealloc_s:.0f} s", "no_capacity")
-                await asyncio.sleep(0.01)
-        finally:
-            self.prealloc.discard(req.rid)
+        while True:
+            _check_aborted(dr)
+            dr.row = rows.alloc()
+            if dr.row is not None:
+                if await asyncio.wrap_future(self.pd.reserve_prompt(req)):
+                    dr.stage = Stage.RESERVED
+                    return
+                rows.free(dr.row)
+                dr.row = None
+            if time.monotonic() > deadline:
+                raise RequestFailed(f"no KV capacity for {len(req.prompt_ids)} prompt tokens within "
+                                    f"{self.timeouts.prealloc_s:.0f} s", "no_capacity")
+            try:  # an abort ends the wait at once
+                await asyncio.wait_for(dr.aborted.wait(), 0.01)
+            except asyncio.TimeoutError:
+                pass
 
-    async def _receive(self, req: Req, room: int, peer: Any, row: int) -> tuple[HandoffHeader, Any]:
+    async def _receive(self, dr: DecodeRequest) -> tuple[HandoffHeader, Any]:
+        req, room, peer = dr.req, dr.room, dr.peer
+        assert dr.row is not None
         pages = await asyncio.wrap_future(self.pd.page_list(req))
+        _check_aborted(dr)
         done = self.waiter.expect(room, peer.agent)
-        self.transferring[req.rid] = room
+        dr.stage = Stage.SENT  # from here a write may land in these pages: settle quarantines them
         try:
             ack = await peer.stub.SendDestination(kpb.DestinationRequest(
                 room=room, request_id=req.rid, decode_agent=self.endpoint.transport.name, pages=pages,
-                aux_row=row, num_tokens=len(req.prompt_ids),
+                aux_row=dr.row, num_tokens=len(req.prompt_ids),
                 deadline_unix_s=time.time() + self.timeouts.waiting_s), timeout=self.peers.policy.rpc_timeout_s)
             sent = time.perf_counter()
             if not ack.accepted:
                 raise RequestFailed(f"prefill refused the destination: {ack.error}", "destination_refused")
-            kind, reason = await asyncio.wait_for(done, self.timeouts.waiting_s)
+            abort = asyncio.ensure_future(dr.aborted.wait())
+            try:
+                await asyncio.wait({done, abort}, timeout=self.timeouts.waiting_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                abort.cancel()
         except asyncio.TimeoutError:
             raise RequestFailed(f"no KV from the prefill within {self.timeouts.waiting_s:.0f} s",
                                 "waiting_timeout") from None
-        finally:
-            self.waiter.forget(room)
-            self.transferring.pop(req.rid, None)
+        _check_aborted(dr)
+        if not done.done():
+            raise RequestFailed(f"no KV from the prefill within {self.timeouts.waiting_s:.0f} s", "waiting_timeout")
+        kind, reason = done.result()
         KV_TRANSFER_SECONDS.labels("decode").observe(time.perf_counter() - sent)
         if kind != "done":
             raise RequestFailed(f"prefill reported: {reason or kind}", "aborted" if kind == "abort" else "prefill_failed")
-        echo, payload = self.endpoint.rows.read(row)
+        self.waiter.forget(room)
+        dr.stage = Stage.COMMITTED  # the write is over: nothing else lands in these pages
+        echo, payload = self.endpoint.rows.read(dr.row)
+        self.endpoint.rows.free(dr.row)
+        dr.row = None
         if echo != room_echo(room):  # a stale or foreign row: never commit it
             raise RequestFailed(f"handoff row echo {echo} does not match room {room}", "echo_mismatch")
-        self.endpoint.rows.free(row)
         KV_TRANSFER_BYTES.labels("decode").inc(len(pages) * self.pd.kv_bytes_per_page + self.endpoint.rows.row_bytes)
         try:
             return self.pd.decode_handoff(payload)
         except HandoffError as e:
             raise RequestFailed(f"bad handoff row: {e}", "bad_handoff") from None
 
-    def _adopt(self, req: Req, header: HandoffHeader, state: Any) -> Future:
+    async def _adopt(self, dr: DecodeRequest, header: HandoffHeader, state: Any, stream: RequestStream) -> None:
         """The request joins the running batch with its first token; the algorithm turns its
         handoff into its draft input, which the worker seeds its FutureMap rows from. A bad
-        handoff fails this request only."""
+        handoff fails this request only. Once queued, the adoption runs even if the client goes
+        away meanwhile (the engine then aborts it): never a request the engine half-knows."""
+        req = dr.req
+        _check_aborted(dr)
         req.output_ids, req.seq_len, req.handoff = [header.first_token], len(req.prompt_ids), state
         try:
             draft_input = self.binding.algorithm.build_disagg_draft_input(
                 self.pd.prebuilt(req), self.binding.config, torch.tensor([header.first_token]), None)
         except (DisaggHandoffError, ValueError) as e:
-            return self.pd.fail(req, f"bad handoff: {e}")
-        return self.pd.adopt(req, draft_input, header)
+            raise RequestFailed(f"bad handoff: {e}", "bad_handoff") from None
+        self.pd.subscribe(req.rid, stream.on_update)
+        fut = self.pd.adopt(req, draft_input, header)
+        self.pending.handed_over(dr)
+        await asyncio.shield(asyncio.wrap_future(fut))
 
-    async def _give_up(self, req: Req, room: int, row: int | None, peer: Any, reason: str) -> None:
-        self.aborted.pop(req.rid, None)
-        self.pd.release(req)
-        if row is not None:
-            self.endpoint.rows.free(row)
-        if peer is not None and peer.alive:  # best effort: the prefill frees now, not at its deadline
-            try:
-                await peer.stub.AbortRoom(kpb.AbortRoomRequest(room=room, reason=reason[:200]), timeout=1.0)
-            except Exception:  # noqa: BLE001 - an unreachable prefill has its own deadlines
-                log.debug("AbortRoom for room %d failed", room, exc_info=True)
+    def _give_up(self, dr: DecodeRequest, reason: str, bootstrap: tuple[str, int]) -> None:
+        """Free what the request holds and, unless its write already landed, tell the prefill
+        (best effort, if connected) so its leg ends now too instead of at its own deadline."""
+        dr.abort_reason = dr.abort_reason or reason
+        tell = dr.stage < Stage.COMMITTED
+        self.pending.settle(dr)
+        peer = dr.peer or self.peers.connected(*bootstrap)
+        if tell and peer is not None and peer.alive:
+            asyncio.ensure_future(_abort_room(peer, dr.room, reason))
 
     def abort(self, request_id: str, reason: str) -> bool:
-        """Wherever the request is: preallocating, transferring, or running in the engine."""
-        room = self.transferring.get(request_id)
-        if room is not None:
-            self.waiter.resolve(room, "abort", reason)
-        elif request_id in self.prealloc:
-            self.aborted[request_id] = reason
-        self.pd.abort(request_id, reason)
+        """Wherever the request is: before its Generate, reserving, transferring, or in the engine."""
+        self.pending.abort(request_id, reason)
         return True
 
+    def inflight(self) -> int:
+        return len(self.pending.live) + len(self.pending.quarantined)
+
+    def stuck_reason(self) -> str | None:
+        rows = self.endpoint.rows
+        return f"all {rows.num_used} handoff rows are held with nothing in flight" if not rows.num_free else None
+
     def disaggregation_metrics(self) -> pb.DisaggregationMetrics:
-        return pb.DisaggregationMetrics(mode="decode", decode_prealloc_queue_reqs=len(self.prealloc),
-                                        decode_transfer_queue_reqs=len(self.transferring))
+        c = self.pending.counts()
+        return pb.DisaggregationMetrics(mode="decode", decode_prealloc_queue_reqs=c["prealloc"],
+                                        decode_transfer_queue_reqs=c["transfer"])
+
+
+def _check_aborted(dr: DecodeRequest) -> None:
+    if dr.aborted.is_set():
+        raise RequestFailed(dr.abort_reason or "aborted", "aborted")
+
+
+async def _abort_room(peer: Any, room: int, reason: str) -> None:
+    try:
+        await peer.stub.AbortRoom(kpb.AbortRoomRequest(room=room, reason=reason[:200]), timeout=1.0)
+    except Exception:  # noqa: BLE001 - an unreachable prefill has its own deadlines
+        log.debug("AbortRoom for room %d failed", room, exc_info=True)
 
 
 def _kind(e: BaseException) -> str:

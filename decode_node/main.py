@@ -32,7 +32,8 @@ async def run_decode(opts: Any, host: str, port: int, transport: str, timeouts: 
     peers = PeerManager(endpoint, policy, on_dead=waiter.fail_peer)
     handler = DecodeHandler(pd, endpoint, peers, waiter, binding, timeouts)
     info = node_info(engine, "decode", pairing_protocol=pairing_protocol(endpoint.fingerprint))
-    api, api_port = await start_server([scheduler_service(SchedulerServicer(info, loop, handler))], host, port)
+    servicer = SchedulerServicer(info, loop, handler)
+    api, api_port = await start_server([scheduler_service(servicer)], host, port, watch=servicer.health)
     pump = asyncio.create_task(waiter.run())
     log.info("decode node serving %s on %s:%d (%s)", engine.config.model, host, api_port, binding.describe())
     print(f"READY scheduler={host}:{api_port}{metrics_suffix(engine, 'decode', host, metrics_port, handler)}",

@@ -58,6 +58,11 @@ class PeerManager:
         self._peers: dict[str, Peer] = {}
         self._connecting: dict[str, asyncio.Task] = {}
 
+    def connected(self, host: str, port: int) -> Peer | None:
+        """The live peer at host:port if one is connected now (no handshake)."""
+        peer = self._peers.get(f"{host}:{port}")
+        return peer if peer is not None and peer.alive else None
+
     async def get(self, host: str, port: int) -> Peer:
         """The connected peer at host:port, handshaking (with backoff) on first use."""
         address = f"{host}:{port}"

@@ -28,6 +28,15 @@ class CompletionWaiter:
     def forget(self, room: int) -> None:
         self._waiting.pop(room, None)
 
+    def future(self, room: int) -> asyncio.Future | None:
+        entry = self._waiting.get(room)
+        return entry[1] if entry is not None else None
+
+    def settled(self, room: int) -> bool:
+        """Has the room's write ended one way or the other (or was it never expected)?"""
+        fut = self.future(room)
+        return fut is None or fut.done()
+
     def resolve(self, room: int, kind: str, reason: str) -> None:
         entry = self._waiting.get(room)
         if entry is not None and not entry[1].done():

@@ -135,16 +135,19 @@ class PrefillHandler:
             rows.free(row)
 
     async def _poll(self, handle: object, room: Room) -> None:
+        """Until the posted write ends. An abort meanwhile does not cut it short: a write released
+        in flight might still land later, in pages the decode node has handed to someone else;
+        the decode keeps them until it hears how this write ended."""
         t = self.endpoint.transport
         while True:
             state = t.poll(handle)
             if state is KVPoll.SUCCESS:
+                if room.state is KVPoll.FAILED:
+                    raise RequestFailed(room.reason, "aborted")
                 return
             if state is KVPoll.FAILED:
                 raise RequestFailed(f"KV write failed: {t.last_error(handle) or 'unknown reason'}",
                                     "transfer_error")
-            if room.state is KVPoll.FAILED:
-                raise RequestFailed(room.reason, "aborted")
             if time.monotonic() > room.deadline:
                 raise RequestFailed(f"KV write did not finish within {self.timeouts.transfer_s:.0f} s",
                                     "transfer_timeout")
@@ -164,6 +167,13 @@ class PrefillHandler:
         if room is not None:
             room.fail(reason)
         return room is not None
+
+    def inflight(self) -> int:
+        return len(self.rooms)  # rooms hold KV until their write ends (hold_kv)
+
+    def stuck_reason(self) -> str | None:
+        rows = self.endpoint.rows
+        return f"all {rows.num_used} handoff rows are held with no room open" if not rows.num_free else None
 
     def disaggregation_metrics(self) -> pb.DisaggregationMetrics:
         c = self.rooms.counts()

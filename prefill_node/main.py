@@ -32,10 +32,11 @@ async def run_prefill(opts: Any, host: str, port: int, bootstrap_port: int, tran
     rooms = RoomTable(orphan_ttl_s=timeouts.bootstrap_s)
     handler = PrefillHandler(pd, endpoint, rooms, timeouts)
     info = node_info(engine, "prefill", pairing_protocol=pairing_protocol(endpoint.fingerprint))
-    api, api_port = await start_server([scheduler_service(SchedulerServicer(info, loop, handler))], host, port)
+    servicer = SchedulerServicer(info, loop, handler)
+    api, api_port = await start_server([scheduler_service(servicer)], host, port, watch=servicer.health)
     control = (kpb_grpc.add_KVControlServicer_to_server, KVControlServicer(endpoint, rooms),
                "pdserve.v1.KVControl")
-    boot, boot_port = await start_server([control], host, bootstrap_port)
+    boot, boot_port = await start_server([control], host, bootstrap_port, watch=servicer.health)
     janitor = asyncio.create_task(_expire_orphans(rooms))
     log.info("prefill node serving %s: scheduler %s:%d, bootstrap %s:%d (%s)", engine.config.model,
              host, api_port, host, boot_port, binding.describe())

@@ -38,6 +38,12 @@ class ColocatedHandler:
     def disaggregation_metrics(self) -> pb.DisaggregationMetrics | None:
         return None
 
+    def inflight(self) -> int:
+        return 0  # everything it serves is in the engine's own queues
+
+    def stuck_reason(self) -> str | None:
+        return None
+
 
 async def run_colocated(opts: Any, host: str, port: int, metrics_port: int | None = None) -> None:
     """`pdserve serve`: load, serve the scheduler API, stop cleanly on SIGINT/SIGTERM."""
@@ -50,7 +56,7 @@ async def run_colocated(opts: Any, host: str, port: int, metrics_port: int | Non
     engine, _ = opts.build()
     loop = EngineLoop(engine).start()
     servicer = SchedulerServicer(node_info(engine, "null"), loop, ColocatedHandler(loop))
-    server, bound = await start_server([scheduler_service(servicer)], host, port)
+    server, bound = await start_server([scheduler_service(servicer)], host, port, watch=servicer.health)
     log.info("colocated node serving %s on %s:%d", engine.config.model, host, bound)
     print(f"READY scheduler={host}:{bound}{metrics_suffix(engine, 'colocated', host, metrics_port)}", flush=True)
     await serve_until(stop, [server], on_stop=loop.stop)

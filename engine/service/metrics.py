@@ -47,6 +47,10 @@ class EngineCollector(Collector):
         yield _gauge("pdserve_kv_cache_capacity_tokens", "KV cache capacity in tokens", role, total)
         yield _gauge("pdserve_kv_cache_usage_ratio", "KV cache tokens in use / capacity", role,
                      used / total if total else 0.0)
+        slots = kv.cfg.max_reqs
+        yield _gauge("pdserve_node_request_slots_used", "Admission slots held: running requests, and PD "
+                     "requests reserving or receiving KV", role, slots - kv.num_free_slots)
+        yield _gauge("pdserve_node_request_slots_capacity", "Admission slots (--max-running)", role, slots)
         yield from self._pd_queues()
         yield _histogram("pdserve_node_queue_time_seconds", "Waiting queue -> admitted to a batch, "
                          "per admission (a retracted request waits again)", role, eng.scheduler.queue_time)

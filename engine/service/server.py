@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
+from engine.service.health import HealthWatch
 from engine.service.servicer import NodeInfo
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,10 @@ def node_info(engine: Any, role: str, served_name: str | None = None,
                      "tp_size": 1, "dp_size": 1})
 
 
-async def start_server(services: list[ServiceSpec], host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """Start serving; returns the server and the bound port (port 0 picks a free one)."""
+async def start_server(services: list[ServiceSpec], host: str, port: int,
+                       watch: HealthWatch | None = None) -> tuple[grpc.aio.Server, int]:
+    """Start serving; returns the server and the bound port (port 0 picks a free one). With a
+    `watch`, standard gRPC health follows its verdict (NOT_SERVING while the node cannot serve)."""
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.max_send_message_length", 64 << 20)])
     health_servicer = health.aio.HealthServicer()
@@ -45,10 +48,17 @@ async def start_server(services: list[ServiceSpec], host: str, port: int) -> tup
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     await server.start()
-    for _, _, name in services:
+    names = [name for _, _, name in services] + [""]
+    for name in names:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    if watch is not None:
+        task = asyncio.create_task(watch.run(health_servicer, names), name="health-watch")
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
     return server, bound
+
+
+_BACKGROUND: set[asyncio.Task] = set()  # asyncio keeps only weak references to tasks
 
 
 def scheduler_service(servicer: Any) -> ServiceSpec:

@@ -13,6 +13,7 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
 from engine.core import InvalidRequest
+from engine.service.health import HealthWatch, leaked_capacity
 from engine.service.stream import RequestFailed
 from engine.serving import EngineLoop
 
@@ -47,10 +48,17 @@ class GenerateHandler(Protocol):
 
     def disaggregation_metrics(self) -> pb.DisaggregationMetrics | None: ...
 
+    def inflight(self) -> int:
+        """Requests the role holds capacity for outside the engine's queues (engine.service.health)."""
+
+    def stuck_reason(self) -> str | None:
+        """Capacity the role itself leaked (e.g. handoff rows), or None."""
+
 
 class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
     def __init__(self, info: NodeInfo, loop: EngineLoop, handler: GenerateHandler) -> None:
         self.info, self.loop, self.handler = info, loop, handler
+        self.health = HealthWatch(lambda: loop.alive, lambda: leaked_capacity(loop.engine, handler))
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -65,8 +73,8 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
 
     async def HealthCheck(self, request: pb.HealthCheckRequest,
                           context: grpc.aio.ServicerContext) -> pb.HealthCheckResponse:
-        alive = self.loop.alive
-        return pb.HealthCheckResponse(healthy=alive, message="ok" if alive else "engine stopped")
+        why = self.health.check()
+        return pb.HealthCheckResponse(healthy=why is None, message=why or "ok")
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         found = self.handler.abort(request.request_id, request.reason or "aborted by client")

@@ -21,8 +21,8 @@ def _model_args(model: str | None) -> list[str]:
     return [] if model is None else ["--model", model]
 
 
-def decode_node(model: str | None, port: int = 0) -> Node:
-    return Node(["decode", *_model_args(model), "--port", str(port), *NODE_ARGS])
+def decode_node(model: str | None, port: int = 0, extra: tuple[str, ...] = ()) -> Node:
+    return Node(["decode", *_model_args(model), "--port", str(port), *NODE_ARGS, *extra])
 
 
 def http_status(url: str, timeout: float = 5.0) -> int | None:
@@ -77,10 +77,11 @@ class Stack:
 
 
 def start_stack(model: str | None, decodes: int = 2, ready_timeout: float = 60.0,
-                router_args: tuple[str, ...] = ()) -> Stack:
+                router_args: tuple[str, ...] = (), node_args: tuple[str, ...] = ()) -> Stack:
     """Nodes start in parallel; then the router; then /ready must turn 200 (a real handoff)."""
-    prefill = Node(["prefill", *_model_args(model), "--port", "0", "--bootstrap-port", "0", *NODE_ARGS])
-    ds = [decode_node(model) for _ in range(decodes)]
+    prefill = Node(["prefill", *_model_args(model), "--port", "0", "--bootstrap-port", "0", *NODE_ARGS,
+                    *node_args])
+    ds = [decode_node(model, extra=node_args) for _ in range(decodes)]
     started: list[Node] = [prefill, *ds]
     try:
         for n in started:
