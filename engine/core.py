@@ -128,6 +128,7 @@ class Req:
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_retractions: int = 0
+    solo: int = 0  # steps left to run alone (a batch it was in failed: find out whether it is the cause)
     queued_at: float = 0.0  # time.monotonic() when it (re)entered the waiting queue
     spec_state: Any = None  # opaque per-request state owned by a speculative worker
     handoff: Any = None  # PD decode: the algorithm's handoff state, decoded by its codec
@@ -213,6 +214,9 @@ class Batch:
     # value is on the device). Filled from `Req.sched_len` when the batch is formed.
     prefix_lens: list[int] = field(default_factory=list)
     epochs: list[int] = field(default_factory=list)  # Req.epoch at launch
+    # DECODE: KV slots one request may write beyond its committed length this step (1 plain; the
+    # speculative window the executor chose for this batch's size and context room)
+    window: int = 1
 
     def __post_init__(self) -> None:
         if not self.prefix_lens:
@@ -226,8 +230,8 @@ class Batch:
         return sum(self.extend_lens)
 
     @staticmethod
-    def decode(reqs: list[Req]) -> "Batch":
-        return Batch(ForwardMode.DECODE, reqs, [1] * len(reqs), [True] * len(reqs))
+    def decode(reqs: list[Req], window: int = 1) -> "Batch":
+        return Batch(ForwardMode.DECODE, reqs, [1] * len(reqs), [True] * len(reqs), window=window)
 
     @staticmethod
     def idle() -> "Batch":

@@ -142,6 +142,7 @@ class CudaGraphRunner:
         self.use_graphs = capture
         self.max_tokens_per_req, self.max_graphs = max_tokens_per_req, max_graphs
         self.stats = GraphStats()
+        self.frozen = False  # after start-up capture: a miss runs eagerly instead of capturing
         self._graphs: dict[GraphKey, _Graph] = {}
         self._arena = _InputArena(device)
         self._pool: Any = None  # one memory pool shared by all graphs of this runner
@@ -168,7 +169,9 @@ class CudaGraphRunner:
         key = None if why else self._key(ctx, model_inputs)
         entry = None if key is None else self._graphs.get(key)
         if key is not None and entry is None:
-            if len(self._graphs) >= self.max_graphs:
+            if self.frozen:
+                why = "not captured at start-up"
+            elif len(self._graphs) >= self.max_graphs:
                 why = "graph limit reached"
             elif key.tokens_per_req > self.max_tokens_per_req:
                 why = "too many tokens per request"

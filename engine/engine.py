@@ -185,8 +185,8 @@ class Engine:
             raise ValueError(f"a decode step may not write more than {MAX_DECODE_WINDOW} tokens")
         if config.cuda_graph_max_bs > 0:
             self.executor.capture_cuda_graphs()  # at start-up, so first requests do not pay for captures
-        policy = BatchPolicy(PolicyConfig(config.max_running, config.chunked_prefill_size),
-                             self.kv, self.executor.kv_tokens_per_decode())
+        policy = BatchPolicy(PolicyConfig(config.max_running, config.chunked_prefill_size,
+                                          max_context_len=self.max_context_len), self.kv, self.executor)
         self.io: SchedulerIO = io or _LocalIO()
         self.scheduler = Scheduler(policy, self.executor, self.io, self.kv, mc.eos_token_ids,
                                    self.max_context_len, overlap=config.overlap, algorithm=self.algorithm,

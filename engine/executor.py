@@ -55,8 +55,14 @@ class Executor(Protocol):
         executors that need the host to know the previous tokens (e.g. drafts from history)."""
 
     def kv_tokens_per_decode(self) -> int:
-        """KV slots one decode step may write beyond `seq_len` (1 plain; the verify window or
-        draft scratch under speculation, from the algorithm's verify-width hook)."""
+        """The most KV slots any decode step may write beyond `seq_len` (1 plain; the widest
+        verify window or draft scratch under speculation): admission headroom."""
+
+    def decode_window(self, batch_size: int, room: int) -> int:
+        """Choose (and activate) how the next decode batch of `batch_size` requests runs, writing
+        at most `room` KV slots beyond each request's length (the context room its tightest
+        request has left, >= 1); returns the slots it will write. Adaptive speculation picks its
+        step count here; near the context limit windows shrink, down to plain decoding."""
 
     def on_admit(self, req: Req) -> None:
         """A request got a KV slot (first time, after a retraction, or PD prebuilt adoption)."""
@@ -70,7 +76,8 @@ class Executor(Protocol):
         in-flight forward that used it was collected."""
 
     def capture_cuda_graphs(self) -> None:
-        """Capture every decode-loop forward's graphs at start-up (no-op when graphs are off)."""
+        """Capture every decode-loop forward's graphs at start-up (no-op when graphs are off),
+        then freeze its runners: a shape not captured runs eagerly, never captured mid-serving."""
 
     def extra_kv_pools(self) -> list[KVPool]:
         """KV pools besides the target's that share its page ids (PD moves them too)."""
@@ -184,12 +191,16 @@ class PlainExecutor:
     def kv_tokens_per_decode(self) -> int:
         return 1
 
+    def decode_window(self, batch_size: int, room: int) -> int:
+        return 1
+
     def supports_overlap(self) -> bool:
         return True
 
     def capture_cuda_graphs(self) -> None:
         """Decode graphs for every captured batch size (a no-op when graphs are off)."""
         self.runner.capture(ForwardMode.DECODE, 1)
+        self.runner.freeze_graphs()
 
     def extra_kv_pools(self) -> list[KVPool]:
         return []

@@ -34,6 +34,9 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None  # set by enable_cuda_graphs
         # True, or the reason this (draft) runner may not run TARGET_VERIFY forwards
         self._target_verify = target_verify
+        # positions past the model's table only occur in steps whose results are discarded (a
+        # request that finished while the next step was in flight): clamp them, never index out
+        self.max_position = int(model.config.max_position_embeddings) - 1 if model is not None else None
 
     def check_mode(self, mode: ForwardMode) -> None:
         if mode is ForwardMode.TARGET_VERIFY and self._target_verify is not True:
@@ -54,6 +57,11 @@ class ModelRunner:
 
     def disable_cuda_graphs(self) -> None:
         self.graphs = None
+
+    def freeze_graphs(self) -> None:
+        """No capture after this: shapes that were not pre-captured run eagerly."""
+        if self.graphs is not None:
+            self.graphs.frozen = True
 
     @torch.inference_mode()
     def capture(self, mode: ForwardMode, tokens_per_req: int, batch_sizes: list[int] | None = None, *,
@@ -102,7 +110,7 @@ class ModelRunner:
         kv_index = prefix[row_of_token] + offset
         out_cache_loc = self.kv.req_to_token[slots_t[row_of_token], kv_index]
         ctx = ForwardContext(
-            mode=mode, positions=kv_index if positions is None else positions,
+            mode=mode, positions=self._positions(kv_index if positions is None else positions),
             out_cache_loc=out_cache_loc, req_slots=slots_t, seq_lens=prefix + ext,
             extend_lens=ext, qo_indptr=qo_indptr, req_to_token=self.kv.req_to_token,
             kv_pool=self.pool, attn_backend=self.attn_backend,
@@ -110,6 +118,9 @@ class ModelRunner:
             extend_lens_cpu=list(extend_lens), tree_mask=tree_mask,
             aux_hidden_layers=aux_hidden_layers)
         return ctx
+
+    def _positions(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions if self.max_position is None else positions.clamp(max=self.max_position)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, **model_inputs: Any) -> Any:

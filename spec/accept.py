@@ -39,9 +39,9 @@ def accepted_rows(vr: VerifyResult, ntok: int) -> torch.Tensor:
 
 
 def step_output(sampler: Sampler, stats: SpecStats, reqs: list[Req], vr: VerifyResult,
-                logits: torch.Tensor, rows: torch.Tensor) -> StepOutput:
+                logits: torch.Tensor, rows: torch.Tensor, drafts: int | None = None) -> StepOutput:
     """Record penalties and stats; one CPU copy of the emitted tokens (+ logprobs if asked)."""
-    return host_output(stats, emit_device(sampler, reqs, vr, logits, rows))
+    return host_output(stats, emit_device(sampler, reqs, vr, logits, rows), drafts)
 
 
 def emit_device(sampler: Sampler, reqs: list[Req], vr: VerifyResult, logits: torch.Tensor,
@@ -49,22 +49,30 @@ def emit_device(sampler: Sampler, reqs: list[Req], vr: VerifyResult, logits: tor
     """The device half: record penalties, compute logprobs; returns what the host will read."""
     sampler.record(reqs, vr.emitted.clamp(min=0), counts=vr.accept_lens)
     out = {"accept_lens": vr.accept_lens, "emitted": vr.emitted}
-    if any(r.params.logprobs for r in reqs):
-        # emitted token j was chosen from the target's distribution at accepted row j
+    n_top = max((r.params.top_logprobs for r in reqs), default=0)
+    if any(r.params.logprobs for r in reqs) or n_top:
+        # Emitted token j was chosen from the target's distribution at accepted row j: its
+        # logprob and the top-n there are the target's (raw logits, as plain sampling reports).
         bs, ntok = rows.shape
         width = vr.emitted.shape[1]
         flat = (rows[:, :width] + torch.arange(bs, device=rows.device).unsqueeze(1) * ntok).reshape(-1)
         lp = torch.log_softmax(logits[flat].float(), -1).view(bs, width, -1)
         out["logprobs"] = torch.gather(lp, 2, vr.emitted.clamp(min=0).unsqueeze(2)).squeeze(2)
+        if n_top:
+            out["top_values"], out["top_ids"] = torch.topk(lp, min(n_top, lp.shape[-1]), dim=-1)
     return out
 
 
-def host_output(stats: SpecStats, host: dict[str, torch.Tensor]) -> StepOutput:
-    """The host half, once the copies of `emit_device`'s tensors arrived."""
+def host_output(stats: SpecStats, host: dict[str, torch.Tensor], drafts: int | None = None) -> StepOutput:
+    """The host half, once the copies of `emit_device`'s tensors arrived; `drafts`: drafts per
+    request along the longest path of this step (default: the stats' configured maximum)."""
     accept = host["accept_lens"].tolist()
-    stats.record(accept)
+    stats.record(accept, drafts)
     out = StepOutput(tokens=[e[:a] for e, a in zip(host["emitted"].tolist(), accept)],
                      accepted_drafts=[a - 1 for a in accept])
     if "logprobs" in host:
         out.logprobs = [c[:a] for c, a in zip(host["logprobs"].tolist(), accept)]
+    if "top_ids" in host:
+        out.top_logprobs = [[list(zip(ids[j], vals[j])) for j in range(a)]
+                            for ids, vals, a in zip(host["top_ids"].tolist(), host["top_values"].tolist(), accept)]
     return out

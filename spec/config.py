@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.kv_cache import MAX_DECODE_WINDOW
+
+if TYPE_CHECKING:
+    from spec.adaptive import AdaptiveConfig
 
 MAX_TOPK = 16  # the PD aux row carries at most 16 top-k entries
 MAX_WINDOW = MAX_DECODE_WINDOW  # tokens one verify may write beyond seq_len
@@ -25,6 +29,9 @@ class SpecConfig:
     # n-gram prompt lookup (the bundled plugin)
     ngram_min: int = 1
     ngram_max: int = 4
+    # adaptive step counts by batch size (spec/adaptive); the JSON config, or the built-in default
+    adaptive: bool = False
+    adaptive_config: str | None = None
 
     def resolved(self) -> "SpecConfig":
         """Fill defaults and check the combination; returns a new config."""
@@ -52,7 +59,35 @@ class SpecConfig:
         if self.draft_model_path is not None:
             _need(Path(self.draft_model_path).is_dir(), "--speculative-draft-model-path",
                   f"{self.draft_model_path!r} is not a directory")
+        self._check_adaptive()
         return replace(cfg, num_draft_tokens=ntok)
+
+    def _check_adaptive(self) -> None:
+        _need(self.adaptive or self.adaptive_config is None, "--speculative-adaptive-config",
+              "needs --speculative-adaptive")
+        if not self.adaptive:
+            return
+        _need(self.eagle_topk == 1, "--speculative-adaptive", f"needs --speculative-eagle-topk 1 (chains), "
+              f"got {self.eagle_topk}")
+        cfg = self.adaptive_policy_config()
+        assert cfg is not None
+        try:
+            cfg.check_initial_steps(self.num_steps)
+        except ValueError as e:
+            raise SpecConfigError(f"--speculative-num-steps: {e}") from None
+        _need(cfg.max_steps() + 1 <= MAX_WINDOW, "--speculative-adaptive-config",
+              f"candidate steps up to {cfg.max_steps()} exceed the verify window limit {MAX_WINDOW}")
+
+    def adaptive_policy_config(self) -> "AdaptiveConfig | None":
+        """The adaptive step config in force (the file's, or the built-in default), or None."""
+        if not self.adaptive:
+            return None
+        from spec.adaptive import AdaptiveConfig, AdaptiveConfigError
+
+        try:
+            return AdaptiveConfig.from_json(self.adaptive_config) if self.adaptive_config else AdaptiveConfig.default()
+        except AdaptiveConfigError as e:
+            raise SpecConfigError(f"--speculative-adaptive-config: {e}") from None
 
     @property
     def is_chain(self) -> bool:

@@ -18,6 +18,8 @@ Widths come from the algorithm: W = get_num_tokens_per_req_for_target_verify(nto
 per verify (a chain drafts W - 1 tokens; a tree keeps the W - 1 best candidates) and the
 draft-extend window is get_num_tokens_per_req_for_target_verify(ntok, True) rows, run in
 TARGET_VERIFY shape when the algorithm `supports_target_verify_for_draft()`, else DRAFT_EXTEND.
+The step count of each decode batch (and so its widths and graphs) is chosen when the batch is
+formed (spec/eagle_steps.py): by batch size under adaptive steps, and never past the context.
 """
 
 from __future__ import annotations
@@ -40,10 +42,11 @@ from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.spec_stats import SpecStats
 from spec.accept import accepted_rows, emit_device, host_output, verify_window
-from spec.config import MAX_WINDOW, SpecConfig, SpecConfigError
+from spec.config import SpecConfig
 from spec.draft_input import EagleDraftInput, EagleReqState, EagleVerifyInput
 from spec.eagle_draft import build_draft_tree, draft_topk
 from spec.eagle_handoff import EagleHandoffCodec
+from spec.eagle_steps import StepState, StepStates
 from spec.verify import VerifyResult
 from spec.windows import emitted_window, last_accepted_rows, shifted_tokens
 
@@ -55,49 +58,17 @@ if TYPE_CHECKING:
 class EaglePending:
     batch: Batch
     copy: HostCopy | None  # None: no request sampled (non-final prefill chunks only)
-
-
-@dataclass(frozen=True)
-class Widths:
-    """Rows per request of the verify window and of the draft's fixed-width window."""
-
-    verify: int
-    draft: int
-    draft_mode: ForwardMode  # DRAFT_EXTEND, or TARGET_VERIFY when the algorithm allows it
-    drafts: int  # drafts along the longest path a verify can accept
-
-
-def resolve_widths(algorithm: "SpeculativeAlgorithm", cfg: SpecConfig) -> Widths:
-    """Ask the algorithm for its widths and check that the drafting can fill them."""
-    w = algorithm.get_num_tokens_per_req_for_target_verify(cfg.ntok, False)
-    wd = algorithm.get_num_tokens_per_req_for_target_verify(cfg.ntok, True)
-    name = algorithm.name
-    if not 2 <= w <= MAX_WINDOW or not 1 <= wd <= MAX_WINDOW:
-        raise SpecConfigError(f"{name}: verify width {w} / draft width {wd} must be in [2, {MAX_WINDOW}]")
-    k, steps = cfg.eagle_topk, cfg.num_steps
-    if k == 1:
-        drafts = w - 1  # a chain drafts as many tokens as the window holds
-    else:
-        nodes = k + (steps - 1) * k * k
-        if w - 1 > nodes:
-            raise SpecConfigError(f"{name}: a verify window of {w} rows needs {w - 1} drafted nodes; "
-                                  f"{steps} steps of top-{k} draft {nodes}")
-        drafts = min(steps, w - 1)
-    if wd < drafts + 1:
-        raise SpecConfigError(f"{name}: the draft-extend window ({wd} rows) must hold the longest "
-                              f"accepted path ({drafts + 1} rows)")
-    mode = ForwardMode.TARGET_VERIFY if algorithm.supports_target_verify_for_draft() else ForwardMode.DRAFT_EXTEND
-    return Widths(w, wd, mode, drafts)
+    state: StepState | None = None  # decode: the step count it ran with
 
 
 class EagleWorker:
     def __init__(self, target: ModelRunner, draft: ModelRunner, sampler: Sampler, config: SpecConfig,
-                 aux_layers: tuple[int, ...], widths: Widths) -> None:
+                 aux_layers: tuple[int, ...], states: StepStates) -> None:
         self.target, self.draft, self.sampler = target, draft, sampler
         self.cfg = config
         self.aux_layers = aux_layers  # EAGLE-3: target layers whose inputs feed the head
-        self.widths = widths
-        self.stats = SpecStats(max_drafts=widths.drafts)
+        self.states = states
+        self.stats = SpecStats(max_drafts=states.active.widths.drafts)
         self._future_map: FutureMap | None = None
 
     @classmethod
@@ -106,7 +77,7 @@ class EagleWorker:
         from engine.draft_loader import load_draft_model
 
         assert config.draft_model_path is not None
-        widths = resolve_widths(algorithm, config)  # before the (slow) head load
+        states = StepStates(algorithm, config)  # widths checked before the (slow) head load
         head, hcfg, aux = load_draft_model(config.draft_model_path, fmt, parts.runner.model,
                                            parts.model_config, parts.dtype, parts.device)
         pool = KVPool(hcfg.num_layers, parts.kv.allocator.num_pages, parts.kv.page_size,
@@ -115,7 +86,7 @@ class EagleWorker:
             f"{algorithm.name}.supports_target_verify_for_draft() is False")
         draft = ModelRunner(head, parts.kv, pool, parts.runner.attn_backend, parts.device, target_verify=why)
         maybe_enable_cuda_graphs(draft, parts.config.cuda_graph_max_bs, parts.config.cuda_graph_padded_eager)
-        return cls(parts.runner, draft, parts.sampler, config, aux, widths)
+        return cls(parts.runner, draft, parts.sampler, config, aux, states)
 
     # ---- Executor protocol ----
     def bind_future_map(self, future_map: FutureMap) -> None:
@@ -128,31 +99,43 @@ class EagleWorker:
         return self._future_map
 
     def kv_tokens_per_decode(self) -> int:
-        w = self.widths
-        return max(w.verify, w.draft, self._draft_steps() * self.cfg.eagle_topk)
+        return self.states.max_window
+
+    def decode_window(self, batch_size: int, room: int) -> int:
+        return self.states.choose(batch_size, room).window
 
     def supports_overlap(self) -> bool:
         return True
 
-    def _draft_steps(self) -> int:
-        """Drafting depth: a chain fills the verify window; a tree drafts num_steps levels."""
-        return self.widths.drafts if self.cfg.eagle_topk == 1 else self.cfg.num_steps
+    @staticmethod
+    def _draft_steps(state: StepState) -> int:
+        """Drafting depth: a chain fills the verify window; a tree drafts its levels."""
+        return state.widths.drafts if state.is_chain else state.steps
 
     def capture_cuda_graphs(self) -> None:
-        """Verify, draft-step and draft-extend graphs for every captured batch size, at start-up.
+        """Verify, draft-step and draft-extend graphs of every step count's state, for the batch
+        sizes that state can run at (adaptive pruning), at start-up; then no more captures.
         Shapes follow the drafting: step s of a tree sees a mask over s * topk scratch slots."""
-        k, w = self.cfg.eagle_topk, self.widths
-        tree = k > 1
-        self.target.capture(ForwardMode.TARGET_VERIFY, w.verify, tree_width=w.verify if tree else None,
-                            aux_hidden_layers=self.aux_layers)
+        graphs = self.target.graphs
+        self.states.set_graph_batch_sizes(list(graphs.batch_sizes) if graphs is not None else None)
         dev, dtype = self.target.device, self.draft.pool.buffer.dtype
         target_h = self.target.model.config.hidden_size
         feat_width = target_h * len(self.aux_layers) if self.aux_layers else target_h
-        self.draft.capture(w.draft_mode, w.draft, features=torch.empty(0, feat_width, dtype=dtype, device=dev))
+        feats = torch.empty(0, feat_width, dtype=dtype, device=dev)
         draft_feats = torch.empty(0, self.draft.model.config.hidden_size, dtype=dtype, device=dev)
-        for step in range(1, self._draft_steps()):
-            self.draft.capture(ForwardMode.DECODE, k, tree_width=step * k if tree else None,
-                               features=draft_feats)
+        for state in self.states.states.values():
+            sizes = list(state.graph_batch_sizes) if state.graph_batch_sizes is not None else None
+            if sizes == []:
+                continue
+            k, w, tree = state.topk, state.widths, not state.is_chain
+            self.target.capture(ForwardMode.TARGET_VERIFY, w.verify, sizes, tree_width=w.verify if tree else None,
+                                aux_hidden_layers=self.aux_layers)
+            self.draft.capture(w.draft_mode, w.draft, sizes, features=feats)
+            for step in range(1, self._draft_steps(state)):
+                self.draft.capture(ForwardMode.DECODE, 1 if state.is_chain else k, sizes,
+                                   tree_width=step * k if tree else None, features=draft_feats)
+        self.target.freeze_graphs()
+        self.draft.freeze_graphs()
 
     def on_admit(self, req: Req) -> None:
         self.sampler.on_admit(req)
@@ -176,7 +159,7 @@ class EagleWorker:
         return self.stats
 
     def adaptive_snapshot(self) -> dict[str, Any] | None:
-        return None
+        return self.states.snapshot()
 
     @torch.inference_mode()
     def step(self, batch: Batch, relay: BatchRelay) -> StepOutput:
@@ -194,7 +177,10 @@ class EagleWorker:
             return StepOutput(tokens=[[] for _ in batch.reqs])
         if batch.mode is ForwardMode.EXTEND:
             return scatter_to_batch(sampled_output(pending.copy.wait()), batch.sample)
-        return host_output(self.stats, pending.copy.wait())
+        assert pending.state is not None
+        out = host_output(self.stats, pending.copy.wait(), pending.state.widths.drafts)
+        self.states.feedback(len(batch.reqs), out.accepted_drafts or [])
+        return out
 
     # ---- prefill ----
     def _features(self, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
@@ -231,15 +217,15 @@ class EagleWorker:
 
     # ---- decode ----
     def _decode(self, batch: Batch, relay: BatchRelay) -> EaglePending:
-        reqs = batch.reqs
-        bs, w = len(reqs), self.widths.verify
+        reqs, state = batch.reqs, self.states.active  # chosen when the batch was formed
+        bs, w = len(reqs), state.widths.verify
         slots, bound = [r.slot for r in reqs], batch.prefix_lens
         seq = relay.resolve_seq_lens()  # exact lengths, on the device only
         r = relay.resolve()
         di = EagleDraftInput(r.topk_p, r.topk_index, r.hidden_states, r.bonus_tokens,
                              future_indices=relay.indices)
-        tree = build_draft_tree(self.draft, di, slots, seq, bound, self._draft_steps(),
-                                self.cfg.eagle_topk, w)
+        tree = build_draft_tree(self.draft, di, slots, seq, bound, self._draft_steps(state),
+                                1 if state.is_chain else state.topk, w)
         vi = EagleVerifyInput.from_tree(tree, seq)
         ctx = self.target.make_context(ForwardMode.TARGET_VERIFY, slots, bound, [w] * bs,
                                        device_prefix=seq, positions=vi.positions,
@@ -251,8 +237,8 @@ class EagleWorker:
         rows = accepted_rows(vr, w)  # (bs, W) window rows, accepted first
         if not tree.is_chain:
             self._compact_target_kv(slots, seq, rows, vr.accept_lens)
-        self._draft_extend(slots, seq, bound, vr, self._features(hidden, aux), relay)
-        return EaglePending(batch, HostCopy(emit_device(self.sampler, reqs, vr, logits, rows)))
+        self._draft_extend(state, slots, seq, bound, vr, self._features(hidden, aux), relay)
+        return EaglePending(batch, HostCopy(emit_device(self.sampler, reqs, vr, logits, rows)), state)
 
     def _compact_target_kv(self, slots: list[int], seq: torch.Tensor, rows: torch.Tensor,
                            accept_lens: torch.Tensor) -> None:
@@ -268,14 +254,14 @@ class EagleWorker:
         flat = pool.buffer.view(pool.num_layers, 2, -1, pool.num_kv_heads, pool.head_dim)
         flat[:, :, dst.reshape(-1)] = flat[:, :, src].clone()
 
-    def _draft_extend(self, slots: list[int], seq: torch.Tensor, bound: list[int], vr: VerifyResult,
-                      feats: torch.Tensor, relay: BatchRelay) -> None:
+    def _draft_extend(self, state: StepState, slots: list[int], seq: torch.Tensor, bound: list[int],
+                      vr: VerifyResult, feats: torch.Tensor, relay: BatchRelay) -> None:
         """Head over [L, L + Wd): row j pairs the target's feature at accepted row j with the
         token that followed it; rows past the accepted length only scribble beyond seq_len."""
-        bs, w, wd = len(slots), self.widths.verify, self.widths.draft
+        bs, w, wd = len(slots), state.widths.verify, state.widths.draft
         rows = accepted_rows(vr, wd)
         flat_rows = (rows + torch.arange(bs, device=rows.device).unsqueeze(1) * w).reshape(-1)
-        ctx = self.draft.make_context(self.widths.draft_mode, slots, bound, [wd] * bs, device_prefix=seq)
+        ctx = self.draft.make_context(state.widths.draft_mode, slots, bound, [wd] * bs, device_prefix=seq)
         g = self.draft.forward(emitted_window(vr, wd).reshape(-1), ctx, features=feats[flat_rows])
         g_last = g[last_accepted_rows(vr, wd)]
         p, topk_idx = draft_topk(self.draft.model, g_last, self.cfg.eagle_topk)
@@ -290,4 +276,4 @@ def _keep_handoff(reqs: list[Req], p: torch.Tensor, idx: torch.Tensor, g: torch.
             req.spec_state = EagleReqState(p[i], idx[i], g[i])
 
 
-__all__ = ["EaglePending", "EagleWorker", "Widths", "resolve_widths"]
+__all__ = ["EaglePending", "EagleWorker"]

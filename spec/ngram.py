@@ -92,6 +92,7 @@ class NgramWorker:
         if not 2 <= width <= MAX_WINDOW:
             raise SpecConfigError(f"n-gram verify width must be in [2, {MAX_WINDOW}], got {width}")
         self.width = width
+        self.active_width = width  # this decode batch's (narrower near the context limit)
         self.plain = PlainExecutor(target, sampler)  # prefill is exactly the non-speculative one
         self.stats = SpecStats(max_drafts=width - 1)
 
@@ -105,6 +106,10 @@ class NgramWorker:
 
     def kv_tokens_per_decode(self) -> int:
         return self.width
+
+    def decode_window(self, batch_size: int, room: int) -> int:
+        self.active_width = max(1, min(self.width, room))
+        return self.active_width
 
     def on_admit(self, req: Req) -> None:
         self.plain.on_admit(req)
@@ -122,6 +127,7 @@ class NgramWorker:
 
     def capture_cuda_graphs(self) -> None:
         self.target.capture(ForwardMode.TARGET_VERIFY, self.width)
+        self.target.freeze_graphs()
 
     def extra_kv_pools(self) -> list[KVPool]:
         return []
@@ -150,7 +156,7 @@ class NgramWorker:
     # ---- decode ----
     def draft_window(self, req: Req) -> list[int]:
         """[bonus, d1 .. d_k] for one decoding request, padded to ntok (padding is just rejected)."""
-        k = self.width - 1
+        k = self.active_width - 1
         end = req.total_len
         context = req.tokens(max(0, end - LOOKUP_WINDOW), end)  # ends with the bonus token
         drafts = propose_drafts(context, k, self.cfg.ngram_min, self.cfg.ngram_max)
@@ -159,7 +165,7 @@ class NgramWorker:
 
     def _decode(self, batch: Batch) -> StepOutput:
         reqs = batch.reqs
-        bs, ntok = len(reqs), self.width
+        bs, ntok = len(reqs), self.active_width
         dev = self.target.device
         slots, seq_lens = [r.slot for r in reqs], batch.prefix_lens  # exact: never overlapped
         tokens = torch.tensor([self.draft_window(r) for r in reqs], dtype=torch.int64, device=dev)
@@ -171,7 +177,7 @@ class NgramWorker:
         seq = torch.tensor(seq_lens, dtype=torch.int64, device=dev)
         vr = verify_window(self.sampler, reqs, tree, logits, seq)
         rows = torch.arange(ntok, device=dev).expand(bs, ntok)  # a chain's path is its row order
-        return step_output(self.sampler, self.stats, reqs, vr, logits, rows)
+        return step_output(self.sampler, self.stats, reqs, vr, logits, rows, drafts=ntok - 1)
 
 
 class NgramAlgo(CustomSpecAlgo):

@@ -4,8 +4,10 @@
 (overlap off and on), CUDA-graph shaped forwards (the padded static-buffer path, run eagerly on a
 CPU), PD over the in-process transport (prefill engine -> handoff row + KV pages over the fake
 transport -> decode engine, through the same facade, codec and `build_disagg_draft_input` a
-decode node uses), an empty PREBUILT batch and a handoff with missing state. It checks that
-greedy output equals plain decoding everywhere, that PD acceptance equals colocated acceptance,
+decode node uses), an empty PREBUILT batch, a handoff with missing state, and prompts that end
+within a window of the context limit (greedy and sampled, overlap off and on, colocated and PD).
+It checks that greedy output equals plain decoding everywhere, that PD acceptance equals
+colocated acceptance, that generation runs to the context limit and ends there with `length`,
 and that every KV page, FutureMap row and handoff row returns to its pool. Any failure raises
 ConformanceError naming the check.
 """
@@ -200,7 +202,48 @@ def check_algorithm(spec: SpecConfig, target_dir: str | Path, *, prompts: Sequen
         report.checks.append("empty batch and missing handoff state")
     finally:
         pd.close()
+    _check_context_limit(engine, binding, plain_engine)
+    report.checks.append("generation up to the context limit")
     return report
+
+
+def _limit_prompts(limit: int, vocab: int) -> list[list[int]]:
+    """Prompts ending 1 to 9 positions short of the limit: every window size gets cut."""
+    rng = random.Random(1)
+    return [[rng.randrange(3, vocab) for _ in range(limit - 1 - short)] for short in (0, 1, 2, 3, 5, 8)]
+
+
+def _check_context_limit(engine: Any, binding: AlgorithmBinding, plain_engine: Engine) -> None:
+    """No max_tokens: every request runs until the context is full and ends with `length`;
+    windows shrink near the end (no position past the model's table), greedy stays exact and
+    sampled is the same in PD as colocated and with overlap on as off."""
+    limit, vocab = plain_engine.max_context_len, plain_engine.model_config.vocab_size
+    prompts = _limit_prompts(limit, vocab)
+    greedy = SamplingParams(max_new_tokens=limit, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_new_tokens=limit, temperature=1.0, ignore_eos=True, seed=5)
+    want = _run(plain_engine, prompts, greedy).tokens
+    for params, name in ((greedy, "greedy"), (sampled, "sampled")):
+        outcomes = {}
+        for label, kw in (("overlap off", {}), ("overlap on", {"overlap": True})):
+            eng = engine(binding, future_map_debug=True, **kw)
+            outs = eng.generate(prompts, params)
+            for o in outs:
+                _expect(o.finish_reason is not None and o.finish_reason.value == "length"
+                        and len(o.prompt_ids) + len(o.output_ids) == limit, f"context limit ({name}, {label})",
+                        f"{o.rid} ended with {o.finish_reason} after {len(o.output_ids)} tokens "
+                        f"({o.finish_detail})")
+            outcomes[label] = {f"r{i}": o.output_ids for i, o in enumerate(outs)}
+            _assert_returned(eng, f"context limit ({name}, {label})")
+        pd = InProcessPD(engine(binding), engine(binding, future_map_debug=True), binding)
+        try:
+            outcomes["PD"] = pd.run(prompts, params).tokens
+            pd.check_returned()
+        finally:
+            pd.close()
+        if params is greedy:
+            _expect(outcomes["overlap off"] == want, "context limit (greedy)", "output differs from plain decoding")
+        _expect(outcomes["PD"] == outcomes["overlap off"] == outcomes["overlap on"], f"context limit ({name})",
+                f"PD / overlap on / overlap off differ: {outcomes}")
 
 
 def _check_bad_handoffs(pd: InProcessPD, prompt: list[int], params: SamplingParams) -> None:

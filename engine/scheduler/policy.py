@@ -4,12 +4,22 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 from engine.core import Batch, ForwardMode, Req, ReqState
 from engine.kv_cache import KVCacheManager, OutOfPages
 
 ReqHook = Callable[[Req], None]
+
+
+class DecodeWindows(Protocol):
+    """The executor's side of sizing decode steps (engine.executor.Executor has both)."""
+
+    def kv_tokens_per_decode(self) -> int:
+        """The largest window any decode step may use (admission headroom)."""
+
+    def decode_window(self, batch_size: int, room: int) -> int:
+        """The window of the next decode batch of this size, at most `room` (>= 1)."""
 
 
 @dataclass(frozen=True)
@@ -19,6 +29,8 @@ class PolicyConfig:
     chunked_prefill_size: int = 2048
     # KV tokens kept free per running request at admission, so decode does not retract at once
     decode_reserve_tokens: int = 16
+    # positions a request may ever hold: decode windows shrink to stay inside (None: no limit)
+    max_context_len: int | None = None
 
 
 class BatchPolicy:
@@ -29,9 +41,9 @@ class BatchPolicy:
     retracts the newest request when the pool runs dry.
     """
 
-    def __init__(self, cfg: PolicyConfig, kv: KVCacheManager, kv_tokens_per_decode: int) -> None:
-        self.cfg, self.kv = cfg, kv
-        self.kv_tokens_per_decode = kv_tokens_per_decode
+    def __init__(self, cfg: PolicyConfig, kv: KVCacheManager, windows: DecodeWindows) -> None:
+        self.cfg, self.kv, self.windows = cfg, kv, windows
+        self.kv_tokens_per_decode = windows.kv_tokens_per_decode()
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admitted: prefilling or decoding, in admission order
 
@@ -39,10 +51,34 @@ class BatchPolicy:
         self.waiting.append(req)
 
     def next_batch(self, on_admit: ReqHook, on_retract: ReqHook) -> Batch:
+        solo = self._solo_batch(on_admit, on_retract)
+        if solo is not None:
+            return solo
         batch = self._prefill_batch(on_admit)
         if batch is not None:
             return batch
-        return self._decode_batch(on_retract)
+        return self._decode_batch(on_retract, self._decoding())
+
+    def _solo_batch(self, on_admit: ReqHook, on_retract: ReqHook) -> Batch | None:
+        """A request under suspicion (engine.scheduler isolates the members of a failed batch)
+        runs alone until it proves innocent or fails by itself."""
+        req = next((r for r in self.running if r.solo), None)
+        if req is None:
+            if not (self.waiting and self.waiting[0].solo):
+                return None
+            head = self.waiting[0]
+            if not self._try_admit(head):
+                return None
+            self.waiting.popleft()
+            self.running.append(head)
+            on_admit(head)
+            req = head
+        if req.needs_extend:
+            n = min(req.num_uncomputed, self.cfg.chunked_prefill_size)
+            return Batch(ForwardMode.EXTEND, [req], [n], [req.sched_len + n == req.total_len])
+        if req.is_decoding and not req.will_finish:
+            return self._decode_batch(on_retract, [req])
+        return None
 
     # ---- prefill ----
     def _prefill_batch(self, on_admit: ReqHook) -> Batch | None:
@@ -58,7 +94,7 @@ class BatchPolicy:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
             req = self.waiting[0]
-            if not self._try_admit(req):
+            if req.solo or not self._try_admit(req):  # a suspect is admitted alone (_solo_batch)
                 break
             self.waiting.popleft()
             self.running.append(req)
@@ -97,22 +133,36 @@ class BatchPolicy:
                    for r in self._decoding())
         return need > self.kv.allocator.num_free
 
-    def _decode_batch(self, on_retract: ReqHook) -> Batch:
-        decoding = self._decoding()
-        if not decoding:
-            return Batch.idle()
-        i = 0
-        while i < len(decoding):
-            req = decoding[i]
-            try:
-                self.kv.reserve(req, req.sched_len + self.kv_tokens_per_decode)
-                i += 1
-            except OutOfPages:  # free the newest request and try again
-                victim = decoding.pop()
-                self.retract(victim, on_retract)
-                if victim is req:
-                    continue
-        return Batch.decode(decoding) if decoding else Batch.idle()
+    def _room(self, reqs: list[Req]) -> int:
+        """Positions the batch's tightest request has left before the context limit (>= 1: a
+        request that reached it is finishing; its step's results are discarded)."""
+        limit = self.cfg.max_context_len
+        if limit is None:
+            return self.kv_tokens_per_decode
+        return max(1, min(limit - r.sched_len for r in reqs))
+
+    def _decode_batch(self, on_retract: ReqHook, decoding: list[Req]) -> Batch:
+        """Reserve each request's window (the executor's choice for this batch size and the
+        context room left), retracting the newest requests while pages run out."""
+        decoding = list(decoding)
+        window = 0
+        while decoding:
+            want = self.windows.decode_window(len(decoding), self._room(decoding))
+            if want == window:
+                break
+            window, i = want, 0
+            while i < len(decoding):
+                req = decoding[i]
+                try:
+                    self.kv.reserve(req, req.sched_len + window)
+                    i += 1
+                except OutOfPages:  # free the newest request and try again
+                    victim = decoding.pop()
+                    self.retract(victim, on_retract)
+                    if victim is req:
+                        continue
+            # fewer requests may choose another window: ask again until it settles
+        return Batch.decode(decoding, window) if decoding else Batch.idle()
 
     def retract(self, req: Req, on_retract: ReqHook) -> None:
         """Give a running request's pages back and requeue it; it re-extends over prompt + output."""

@@ -9,6 +9,7 @@ pages, slot and FutureMap row go back only after batch N+1 was collected (`Req.i
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,12 @@ from engine.future_map import DraftInput, FutureMap
 from engine.kv_cache import KVCacheManager
 from engine.scheduler.policy import BatchPolicy
 from engine.scheduler.stats import DurationHistogram
+
+
+log = logging.getLogger(__name__)
+# Steps a member of a failed batch runs alone: its (re)prefill and a decode step, the two places
+# a request-specific failure shows.
+SOLO_STEPS = 2
 
 
 @dataclass(slots=True)
@@ -68,11 +75,10 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_context_len = max_context_len
         self.future_map = self._init_overlap(algorithm or PlainDecoding(), overlap, future_map_debug)
-        self.decode_window = executor.kv_tokens_per_decode()
         self.reqs: dict[str, Req] = {}
         self._inflight: _Launched | None = None
         self.stats = {"steps": 0, "retractions": 0, "decode_tokens": 0, "prefill_tokens": 0,
-                      "discarded": 0, "overlap_syncs": 0}
+                      "discarded": 0, "overlap_syncs": 0, "failed_steps": 0}
         self.queue_time = DurationHistogram()  # waiting -> admitted, per admission (node metrics)
 
     def _init_overlap(self, algorithm: EngineAlgorithm, overlap: bool, debug: bool) -> FutureMap:
@@ -160,15 +166,15 @@ class Scheduler:
         if not self.overlap:
             try:
                 out = self.executor.step(batch, relay)
-            except BaseException:
+            except Exception as e:  # noqa: BLE001 - isolated below: only its cause fails
                 self._abandon(batch)
-                raise
+                return self._isolate(batch, e)
             return self._complete(batch, out)
         try:
             handle = self.executor.launch(batch, relay)
-        except BaseException:
+        except Exception as e:  # noqa: BLE001 - isolated below: only its cause fails
             self._abandon(batch)
-            raise
+            return self._isolate(batch, e) + self._collect_inflight()
         updates = self._collect_inflight()
         self._inflight = _Launched(batch, handle)
         return updates
@@ -179,10 +185,27 @@ class Scheduler:
             return []
         try:
             out = self.executor.collect(launched.handle)
-        except BaseException:
+        except Exception as e:  # noqa: BLE001 - isolated below: only its cause fails
             self._abandon(launched.batch)
-            raise
+            return self._isolate(launched.batch, e)
         return self._complete(launched.batch, out)
+
+    def _isolate(self, batch: Batch, err: Exception) -> list[RequestUpdate]:
+        """A step failed. A request alone in its batch is the cause: it fails, and only it. In
+        a batch of several, each member is retracted and re-runs alone for a few steps (its KV
+        recomputed from its tokens: exact), so the cause fails by itself and the rest go on."""
+        live = [r for r, e in zip(batch.reqs, batch.epochs) if not r.finished and r.epoch == e]
+        detail = f"internal error: {type(err).__name__}: {err}"
+        log.error("%s step of %d request(s) failed: %s", batch.mode.name, len(batch.reqs), detail,
+                  exc_info=err)
+        self.stats["failed_steps"] += 1
+        if len(batch.reqs) == 1:
+            return [self.fail(r, detail) for r in live]
+        for req in live:
+            req.solo = SOLO_STEPS
+            if req in self.policy.running:
+                self.policy.retract(req, self._on_retract)
+        return []
 
     def flush(self) -> list[RequestUpdate]:
         """Collect the batch in flight (if any) and publish what it produced."""
@@ -223,8 +246,9 @@ class Scheduler:
         self._release(req)
 
     # ---- in-flight bookkeeping ----
-    def _window(self, batch: Batch, n: int) -> int:
-        return n if batch.mode is ForwardMode.EXTEND else self.decode_window
+    @staticmethod
+    def _window(batch: Batch, n: int) -> int:
+        return n if batch.mode is ForwardMode.EXTEND else batch.window
 
     def _mark_launched(self, batch: Batch) -> None:
         batch.epochs = [r.epoch for r in batch.reqs]
@@ -270,6 +294,7 @@ class Scheduler:
                     self._release(req)
                 continue
             new = out.tokens[i]
+            req.solo = max(0, req.solo - 1)  # one more step it ran without failing
             # KV of the computed window is committed; under speculation len(new) = accepted + 1
             if batch.mode is ForwardMode.EXTEND:
                 req.seq_len += n

@@ -177,25 +177,27 @@ def test_executor_that_cannot_overlap_runs_synchronously(models, plain_greedy):
 
 
 @pytest.mark.parametrize("spec", [None, ("EAGLE", 3, 2, 5)])
-def test_a_failed_launch_with_a_batch_in_flight_frees_everything(models, spec):
+def test_a_failed_launch_with_a_batch_in_flight_fails_only_its_cause(models, spec):
+    want = [o.output_ids for o in make_engine(models, spec, overlap=True).generate(PROMPTS, GREEDY)]
     eng = make_engine(models, spec, overlap=True)
     launch, calls = eng.executor.launch, []
 
     def flaky(batch, relay):
         calls.append(batch)
         if len(calls) == 6:
+            assert eng.scheduler._inflight is not None  # batch 5 is in flight when batch 6 fails
             raise RuntimeError("boom")
         return launch(batch, relay)
 
     eng.executor.launch = flaky
-    for p in PROMPTS:
-        eng.add_request(p, GREEDY)
-    with pytest.raises(RuntimeError, match="boom"):
-        for _ in range(10):
-            eng.step()
-    assert eng.scheduler._inflight is not None  # batch 5 was in flight when batch 6 failed
-    updates = eng.scheduler.fail_all("internal error: boom")
-    assert len(updates) == len(PROMPTS) and all(u.finish_reason.value == "abort" for u in updates)
+    outs = eng.generate(PROMPTS, GREEDY)
+    assert eng.scheduler.stats["failed_steps"] == 1
+    failed = calls[5].reqs
+    for o, w in zip(outs, want):
+        if len(failed) == 1 and o.rid == failed[0].rid:  # alone in the failed batch: the cause
+            assert o.finish_reason.value == "abort" and "boom" in o.finish_detail
+        else:  # the batch in flight and the failed batch's members re-run alone: exact
+            assert o.output_ids == w
     assert_all_returned(eng)
     eng.executor.launch = launch  # the engine goes on serving
     assert len(eng.generate(PROMPTS[:1], GREEDY)[0].output_ids) == 24

@@ -38,7 +38,8 @@ def test_discovered_by_its_entry_point() -> None:
 def test_passes_the_conformance_kit(models, draft) -> None:
     target, same, other = models
     report = check_algorithm(SpecConfig("STANDALONE", str(same if draft == "same" else other), 3), target)
-    assert report.checks[-2:] == ["PD over the in-process transport", "empty batch and missing handoff state"]
+    assert report.checks[-3:] == ["PD over the in-process transport", "empty batch and missing handoff state",
+                                  "generation up to the context limit"]
     if draft == "same":  # the target's own weights draft well (not perfectly: the draft, one token
         assert report.mean_accept_len > 2.5  # ahead of the target's KV, never reads token 0)
 

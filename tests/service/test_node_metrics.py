@@ -18,7 +18,8 @@ def _engine(executor: Any) -> Any:
     hist = DurationHistogram((0.01, 0.1, 1.0))
     for s in (0.005, 0.05, 0.05, 3.0):
         hist.observe(s)
-    kv = SimpleNamespace(allocator=SimpleNamespace(num_used=3, total=12), page_size=16)
+    kv = SimpleNamespace(allocator=SimpleNamespace(num_used=3, total=12), page_size=16,
+                         cfg=SimpleNamespace(max_reqs=8), num_free_slots=6)
     sched = SimpleNamespace(policy=SimpleNamespace(running=[1, 2], waiting=[3]), queue_time=hist,
                             stats={"retractions": 4})
     io = SimpleNamespace(finished_counts=lambda: {"stop": 5, "abort": 2})
@@ -38,6 +39,7 @@ def test_queue_time_histogram_counts_and_state_gauges() -> None:
     assert [v("pdserve_node_queue_time_seconds_bucket", le=le) for le in ("0.01", "0.1", "1.0", "+Inf")] == [1, 3, 3, 4]
     assert v("pdserve_node_queue_time_seconds_count") == 4 and abs(v("pdserve_node_queue_time_seconds_sum") - 3.105) < 1e-9
     assert v("pdserve_kv_cache_usage_ratio") == 0.25
+    assert v("pdserve_node_request_slots_used") == 2 and v("pdserve_node_request_slots_capacity") == 8
     assert v("pdserve_node_retractions_total") == 4 and v("pdserve_model_load_seconds") == 1.5
     assert v("pdserve_node_finished_requests_total", reason="abort") == 2
     assert reg.get_sample_value("pdserve_pd_queue_requests", {"role": "colocated", "queue": "prealloc"}) is None

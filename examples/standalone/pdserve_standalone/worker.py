@@ -34,6 +34,7 @@ from pdserve_standalone.handoff import DraftGuess, GuessCodec
 class Pending:
     batch: Batch
     copy: HostCopy | None
+    widths: tuple[int, int] = (0, 0)  # decode: (verify, draft) widths it ran with
 
 
 def top1(runner: ModelRunner, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,6 +48,7 @@ class StandaloneWorker:
                  draft_width: int, draft_mode: ForwardMode) -> None:
         self.target, self.draft, self.sampler = target, draft, sampler
         self.width, self.draft_width, self.draft_mode = width, draft_width, draft_mode
+        self.active = (width, draft_width)  # this decode batch's widths (narrower near the limit)
         self.stats = SpecStats(max_drafts=width - 1)
         self._future_map: FutureMap | None = None
 
@@ -83,6 +85,11 @@ class StandaloneWorker:
     def kv_tokens_per_decode(self) -> int:
         return max(self.width, self.draft_width)
 
+    def decode_window(self, batch_size: int, room: int) -> int:
+        w = max(1, min(self.width, room))
+        self.active = (w, max(w, min(self.draft_width, room)))
+        return max(self.active)
+
     def supports_overlap(self) -> bool:
         return True
 
@@ -91,6 +98,8 @@ class StandaloneWorker:
         self.draft.capture(self.draft_mode, self.draft_width)
         if self.width > 2:
             self.draft.capture(ForwardMode.DECODE, 1)
+        self.target.freeze_graphs()
+        self.draft.freeze_graphs()
 
     def on_admit(self, req: Req) -> None:
         self.sampler.on_admit(req)
@@ -126,7 +135,7 @@ class StandaloneWorker:
             return StepOutput(tokens=[[] for _ in pending.batch.reqs])
         if pending.batch.mode is ForwardMode.EXTEND:
             return scatter_to_batch(sampled_output(pending.copy.wait()), pending.batch.sample)
-        return host_output(self.stats, pending.copy.wait())
+        return host_output(self.stats, pending.copy.wait(), pending.widths[0] - 1)
 
     # ---- prefill: the target over the chunk, the draft LM over it shifted by one ----
     def _prefill(self, batch: Batch, relay: BatchRelay) -> Pending:
@@ -154,7 +163,7 @@ class StandaloneWorker:
 
     # ---- decode ----
     def _decode(self, batch: Batch, relay: BatchRelay) -> Pending:
-        reqs, w = batch.reqs, self.width
+        reqs, (w, wd) = batch.reqs, self.active
         bs, slots, bound = len(reqs), [r.slot for r in reqs], batch.prefix_lens
         seq = relay.resolve_seq_lens()
         r = relay.resolve()
@@ -166,15 +175,14 @@ class StandaloneWorker:
             g, _ = self.draft.forward(tok, ctx)
             tok = self.draft.logits(g).argmax(-1)
             chain.append(tok)
-        tree = chain_tree(torch.stack(chain, dim=1))
+        tree = chain_tree(torch.stack(chain, dim=1)[:, :w])
         ctx = self.target.make_context(ForwardMode.TARGET_VERIFY, slots, bound, [w] * bs, device_prefix=seq)
         hidden, _ = self.target.forward(tree.tokens.reshape(-1), ctx)
         logits = self.target.logits(hidden)
         vr = verify_window(self.sampler, reqs, tree, logits, seq)
         relay.on_publish(seq + vr.accept_lens)
-        wd = self.draft_width
         dctx = self.draft.make_context(self.draft_mode, slots, bound, [wd] * bs, device_prefix=seq)
         g, _ = self.draft.forward(emitted_window(vr, wd).reshape(-1), dctx)
         p, tok = top1(self.draft, g[last_accepted_rows(vr, wd)])
         relay.stash(RelayPayload(vr.bonus, p, tok))
-        return Pending(batch, HostCopy(emit_device(self.sampler, reqs, vr, logits, accepted_rows(vr, w))))
+        return Pending(batch, HostCopy(emit_device(self.sampler, reqs, vr, logits, accepted_rows(vr, w))), (w, wd))

@@ -1,0 +1,176 @@
+"""A whole EAGLE chain iteration as one CUDA graph per (padded batch size, step count).
+
+Resolve the batch's FutureMap rows -> draft steps -> TARGET_VERIFY -> greedy acceptance ->
+publish the new lengths -> draft-extend -> stash, all device ops with fixed shapes: contexts are
+built on the device from the resolved lengths (ModelRunner.window_context), so the host's part of
+an iteration is one copy of the slot indices, one replay and the copy of the results. Between
+separately replayed forward graphs the host otherwise spends milliseconds on the small ops this
+graph now holds, which on a small target costs more than the GPU work itself.
+
+Eligible batches: a chain state (topk 1, or zero drafts), every request greedy without penalties,
+min_tokens, logit_bias or logprobs (those take the eager path, same results), a batch size up to
+the largest captured graph. The same body runs uncaptured on the padded static buffers (CPU
+tests), which is what makes "graphs equal eager" testable without a GPU. Padded rows read and
+write FutureMap row 0, kept at zero, and KV page 0, reserved for padding.
+"""
+
+from __future__ import annotations
+
+import bisect
+import gc
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.core import ForwardMode, Req
+from engine.future_map import FutureMap, RelayPayload
+from spec.eagle_draft import draft_topk
+from spec.eagle_steps import StepState
+from spec.verify import chain_greedy_tokens
+from spec.windows import emitted_window, last_accepted_rows
+
+if TYPE_CHECKING:
+    from spec.eagle_worker import EagleWorker
+
+log = logging.getLogger(__name__)
+
+
+def graphable(reqs: list[Req]) -> bool:
+    """Requests whose step the graph computes exactly: greedy picks of the raw target logits."""
+    for r in reqs:
+        p = r.params
+        if (not p.is_greedy or p.has_penalties or p.min_new_tokens or p.logit_bias or p.logprobs
+                or p.top_logprobs):
+            return False
+    return True
+
+
+@dataclass
+class _Graph:
+    state: StepState
+    slots: torch.Tensor  # (padded bs,) static input: the batch's request slots, 0 for padding
+    accept_lens: torch.Tensor | None = None  # static outputs of the body
+    emitted: torch.Tensor | None = None
+    graph: Any = None  # torch.cuda.CUDAGraph once captured
+
+
+def chain_iteration(worker: "EagleWorker", state: StepState, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One iteration for the requests at `slots` (padded with 0); returns (accept_lens, emitted)."""
+    fm = worker.future_map
+    target, draft = worker.target, worker.draft
+    real = slots != 0
+    seq = fm.resolve_seq_lens(slots, wait=False)
+    relay = fm.resolve(slots, wait=False)
+    w, wd, drafts = state.widths.verify, state.widths.draft, state.widths.drafts
+    tok, feats = relay.topk_index[:, 0], relay.hidden_states
+    chain = [relay.bonus_tokens, tok]
+    for step in range(1, drafts):  # draft token `step` sits at position seq + step - 1
+        ctx = draft.window_context(ForwardMode.DECODE, slots, seq + step - 1, 1)
+        feats = draft.forward_direct(tok, ctx, features=feats)
+        tok = draft.model.to_target_ids(draft.model.compute_logits(feats).argmax(-1))
+        chain.append(tok)
+    window = torch.stack(chain, dim=1)[:, :w]
+    ctx = target.window_context(ForwardMode.TARGET_VERIFY, slots, seq, w, aux_hidden_layers=worker.aux_layers)
+    hidden, aux = target.forward_direct(window.reshape(-1), ctx)
+    picks = target.model.compute_logits(hidden).argmax(-1).view(-1, w)
+    vr = chain_greedy_tokens(window, picks)
+    fm.publish(slots, torch.where(real, seq + vr.accept_lens, 0), record=False)
+    feats_t = worker.features(hidden, aux)
+    bs = slots.shape[0]
+    rows = torch.arange(wd, device=slots.device).clamp(max=w - 1).unsqueeze(0)
+    rows = torch.minimum(rows, (vr.accept_lens - 1).unsqueeze(1))  # accepted rows, then the last one
+    flat = (rows + torch.arange(bs, device=slots.device).unsqueeze(1) * w).reshape(-1)
+    ctx = draft.window_context(state.widths.draft_mode, slots, seq, wd)
+    g = draft.forward_direct(emitted_window(vr, wd).reshape(-1), ctx, features=feats_t[flat])
+    g_last = g[last_accepted_rows(vr, wd)]
+    p, topk = draft_topk(draft.model, g_last, 1)
+    keep = real.unsqueeze(1)
+    fm.stash(slots, RelayPayload(torch.where(real, vr.bonus, 0), torch.where(keep, p, 0),
+                                 torch.where(keep, topk, 0), torch.where(keep, g_last, 0)))
+    return vr.accept_lens, vr.emitted
+
+
+class EagleIterationGraphs:
+    """The iteration graphs of one worker: captured at start-up for the states' batch sizes."""
+
+    def __init__(self, worker: "EagleWorker", batch_sizes: list[int], capture: bool) -> None:
+        self.worker, self.batch_sizes, self.capture = worker, sorted(batch_sizes), capture
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._pool: Any = None
+        self.hits = 0
+
+    def padded(self, bs: int) -> int | None:
+        i = bisect.bisect_left(self.batch_sizes, bs)
+        return self.batch_sizes[i] if i < len(self.batch_sizes) else None
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """(step count, padded batch size) of every graph held."""
+        return sorted((k[1], k[0]) for k in self._graphs)
+
+    def prepare(self, states: list[StepState], future_map: FutureMap, hidden_size: int,
+                dtype: torch.dtype) -> None:
+        """Build (and on CUDA capture) every eligible state's graphs for its batch sizes."""
+        future_map.reserve_extras(topk=1, hidden_size=hidden_size, hidden_dtype=dtype)
+        for state in states:
+            if not state.is_chain:
+                continue
+            sizes = state.graph_batch_sizes if state.graph_batch_sizes is not None else self.batch_sizes
+            for bs in sorted({p for b in sizes if (p := self.padded(b)) is not None}, reverse=True):
+                self._build(state, bs)
+
+    def _build(self, state: StepState, bs: int) -> _Graph:
+        entry = _Graph(state, torch.zeros(bs, dtype=torch.int64, device=self.worker.target.device))
+        self._graphs[(bs, state.steps)] = entry
+        if self.capture:
+            self._capture(entry)
+        return entry
+
+    def _capture(self, entry: _Graph) -> None:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        body = lambda: chain_iteration(self.worker, entry.state, entry.slots)  # noqa: E731
+        stream = torch.cuda.Stream(entry.slots.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside the capture (Triton compiles, handles)
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        gc_was_on = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
+                entry.accept_lens, entry.emitted = body()
+        finally:
+            if gc_was_on:
+                gc.enable()
+        entry.graph = graph
+        # the warm-up wrote into padding rows only (all slots 0): row 0 back to zero
+        self.worker.future_map.invalidate(torch.zeros(1, dtype=torch.int64))
+
+    def run(self, reqs: list[Req], slots: torch.Tensor, state: StepState) -> dict[str, torch.Tensor] | None:
+        """The iteration's (accept_lens, emitted) rows of `reqs` through its graph, or None when
+        this batch is not eligible (the caller runs the eager path)."""
+        if not (state.is_chain and graphable(reqs)):
+            return None
+        bs = self.padded(len(reqs))
+        entry = self._graphs.get((bs, state.steps)) if bs is not None else None
+        if entry is None:
+            return None
+        n = len(reqs)
+        entry.slots[:n].copy_(slots)
+        entry.slots[n:].zero_()
+        fm = self.worker.future_map
+        fm.wait_published()  # the previous iteration's publish, from any stream
+        if entry.graph is not None:
+            entry.graph.replay()
+            accept, emitted = entry.accept_lens, entry.emitted
+        else:  # padded eager: the same body, uncaptured
+            accept, emitted = chain_iteration(self.worker, state, entry.slots)
+        fm.mark_published()
+        self.hits += 1
+        assert accept is not None and emitted is not None
+        return {"accept_lens": accept[:n].clone(), "emitted": emitted[:n].clone()}
