@@ -183,14 +183,14 @@ class Engine:
         maybe_enable_cuda_graphs(runner, config.cuda_graph_max_bs, config.cuda_graph_padded_eager)
         if self.executor.kv_tokens_per_decode() > MAX_DECODE_WINDOW:
             raise ValueError(f"a decode step may not write more than {MAX_DECODE_WINDOW} tokens")
-        if config.cuda_graph_max_bs > 0:
-            self.executor.capture_cuda_graphs()  # at start-up, so first requests do not pay for captures
         policy = BatchPolicy(PolicyConfig(config.max_running, config.chunked_prefill_size,
                                           max_context_len=self.max_context_len), self.kv, self.executor)
         self.io: SchedulerIO = io or _LocalIO()
         self.scheduler = Scheduler(policy, self.executor, self.io, self.kv, mc.eos_token_ids,
                                    self.max_context_len, overlap=config.overlap, algorithm=self.algorithm,
                                    future_map_debug=config.future_map_debug)
+        if config.cuda_graph_max_bs > 0:  # after the scheduler bound the FutureMap graphs read
+            self.executor.capture_cuda_graphs()  # at start-up, so first requests do not pay for captures
         self.tokenizer = _maybe_tokenizer(Path(config.model))
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()

@@ -173,12 +173,16 @@ class FutureMap:
 
     # ----------------------------------------------------------------- writes
 
-    def publish(self, indices: torch.Tensor, new_seq_lens: torch.Tensor) -> None:
-        """Scatter ``new_seq_lens`` into their rows and record ``publish_ready`` (chained)."""
+    def publish(self, indices: torch.Tensor, new_seq_lens: torch.Tensor, *, record: bool = True) -> None:
+        """Scatter ``new_seq_lens`` into their rows and record ``publish_ready`` (chained).
+        `record=False` inside a captured graph: the caller records after the replay."""
         if indices.numel() == 0:  # empty batch: nothing to fence
             return
         self._check_rows("new_seq_lens", new_seq_lens, indices)
         idx = self._idx(indices)
+        if not record:
+            self.new_seq_lens_buf[idx] = new_seq_lens.to(self.device, torch.int64, non_blocking=True)
+            return
         if self._publish_ready is None:
             self._publish_ready = make_event(self.device)
         else:
@@ -213,18 +217,41 @@ class FutureMap:
 
     # ----------------------------------------------------------------- reads
 
-    def resolve_seq_lens(self, indices: torch.Tensor) -> torch.Tensor:
-        """Device tensor of the rows' published lengths, ordered after ``publish_ready``."""
-        idx = self._idx(indices)
+    def mark_published(self) -> None:
+        """Record ``publish_ready`` (chained) after publishes made with `record=False`."""
+        if self._publish_ready is None:
+            self._publish_ready = make_event(self.device)
+        else:
+            self._publish_ready.wait()
+        self._publish_ready.record()
+
+    def wait_published(self) -> None:
+        """Order the current stream after every publish so far (before a captured resolve)."""
         self._wait_published()
+
+    def reserve_extras(self, topk: int, hidden_size: int, hidden_dtype: torch.dtype) -> None:
+        """Allocate the top-k and hidden-state rows now (a captured graph needs fixed buffers)."""
+        if self.need_topk and self.topk_p_buf is None:
+            self.topk_p_buf = self._full((self.num_rows, topk), 0, torch.float32)
+            self.topk_index_buf = self._full((self.num_rows, topk), 0, torch.int64)
+        if self.need_hidden and self.hidden_states_buf is None:
+            self.hidden_states_buf = self._full((self.num_rows, hidden_size), 0, hidden_dtype)
+
+    def resolve_seq_lens(self, indices: torch.Tensor, *, wait: bool = True) -> torch.Tensor:
+        """Device tensor of the rows' published lengths, ordered after ``publish_ready``
+        (`wait=False` inside a captured graph: the caller waits before the replay)."""
+        idx = self._idx(indices)
+        if wait:
+            self._wait_published()
         seq_lens = self.new_seq_lens_buf[idx]  # advanced indexing copies: safe to poison after
         self._guard(self.new_seq_lens_buf, seq_lens, idx, "new_seq_lens", minimum=1)
         return seq_lens
 
-    def resolve(self, indices: torch.Tensor) -> RelayPayload:
+    def resolve(self, indices: torch.Tensor, *, wait: bool = True) -> RelayPayload:
         """Gather the stashed payload rows on the device."""
         idx = self._idx(indices)
-        self._wait_published()
+        if wait:
+            self._wait_published()
         tokens = self.output_tokens_buf[idx]
         topk_p = topk_index = hidden = None
         if self.need_topk and idx.numel() > 0:

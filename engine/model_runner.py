@@ -119,6 +119,32 @@ class ModelRunner:
             aux_hidden_layers=aux_hidden_layers)
         return ctx
 
+    def window_context(self, mode: ForwardMode, slots: torch.Tensor, prefix: torch.Tensor, width: int, *,
+                       tree_mask: torch.Tensor | None = None,
+                       aux_hidden_layers: tuple[int, ...] = ()) -> ForwardContext:
+        """Every request writes `width` tokens after its `prefix` (device tensors, one per row):
+        built by device ops of fixed shapes alone, so a captured graph can build it. Rows of
+        slot 0 are padding (their writes land on page 0)."""
+        self.check_mode(mode)
+        dev, bs = slots.device, int(slots.shape[0])
+        table = self.kv.req_to_token
+        kv_index = (prefix.unsqueeze(1) + torch.arange(width, device=dev)).reshape(-1)
+        slot_rows = slots.repeat_interleave(width)
+        out_cache_loc = table[slot_rows, kv_index.clamp(max=table.shape[1] - 1)]
+        # the host knows lengths exactly only off the GPU; captured graphs size kernels by the table
+        seq_cpu = (prefix + width).tolist() if dev.type == "cpu" else [int(table.shape[1])] * bs
+        return ForwardContext(
+            mode=mode, positions=self._positions(kv_index), out_cache_loc=out_cache_loc, req_slots=slots,
+            seq_lens=prefix + width, extend_lens=torch.full((bs,), width, dtype=torch.int64, device=dev),
+            qo_indptr=torch.arange(bs + 1, dtype=torch.int64, device=dev) * width, req_to_token=table,
+            kv_pool=self.pool, attn_backend=self.attn_backend, seq_lens_cpu=seq_cpu,
+            extend_lens_cpu=[width] * bs, tree_mask=tree_mask, aux_hidden_layers=aux_hidden_layers)
+
+    def forward_direct(self, input_ids: torch.Tensor, ctx: ForwardContext, **model_inputs: Any) -> Any:
+        """The model on this context now, never through a per-forward graph (for bodies that are
+        captured whole, and their padded-eager twins)."""
+        return self._forward_eager(input_ids, ctx, model_inputs)
+
     def _positions(self, positions: torch.Tensor) -> torch.Tensor:
         return positions if self.max_position is None else positions.clamp(max=self.max_position)
 

@@ -114,8 +114,9 @@ def spec_config(algorithm: str | None, **options: object) -> SpecConfig:
             flags = ", ".join(_spec_flag(name) for name in given)
             raise ValueError(f"{flags} need --speculative-algorithm (it is {algo.name})")
         return SpecConfig(algorithm=algo.name)
-    if "draft_model_path" in given:
-        given["draft_model_path"] = str(given["draft_model_path"])
+    for path_option in ("draft_model_path", "adaptive_config"):
+        if path_option in given:
+            given[path_option] = str(given[path_option])
     return SpecConfig(algorithm=algo.name, **given)  # type: ignore[arg-type]
 
 

@@ -34,6 +34,12 @@ AlgoOpt = Annotated[Optional[str], typer.Option(
 DraftOpt = Annotated[Optional[Path], typer.Option(help="Draft head directory (EAGLE/EAGLE3).",
                                                   rich_help_panel=PANEL_SPEC)]
 IntSpecOpt = Annotated[Optional[int], typer.Option(rich_help_panel=PANEL_SPEC)]
+AdaptiveOpt = Annotated[bool, typer.Option(
+    help="Adapt the draft steps to the batch size and the acceptance seen (EAGLE chains).",
+    rich_help_panel=PANEL_SPEC)]
+AdaptiveConfigOpt = Annotated[Optional[Path], typer.Option(
+    help="JSON of candidate steps per batch-size range (default: the built-in one; spec/adaptive).",
+    rich_help_panel=PANEL_SPEC)]
 PANEL_FAST = "GPU fast path"
 BackendOpt = Annotated[str, typer.Option(
     help="Attention backend: auto (triton on GPUs, torch on CPU), torch or triton.",
@@ -61,6 +67,8 @@ class EngineOptions:
     speculative_num_steps: Optional[int]
     speculative_eagle_topk: Optional[int]
     speculative_num_draft_tokens: Optional[int]
+    speculative_adaptive: bool = False
+    speculative_adaptive_config: Optional[Path] = None
     attention_backend: str = "auto"
     overlap: Optional[bool] = None
     cuda_graph_max_bs: Optional[int] = None
@@ -90,7 +98,9 @@ class EngineOptions:
                          num_steps=self.speculative_num_steps, dtype=self.dtype, device=self.device)
         spec = spec_config(choice.algorithm, draft_model_path=choice.draft_model_path,
                            num_steps=choice.num_steps, eagle_topk=self.speculative_eagle_topk,
-                           num_draft_tokens=self.speculative_num_draft_tokens)
+                           num_draft_tokens=self.speculative_num_draft_tokens,
+                           adaptive=self.speculative_adaptive or None,
+                           adaptive_config=self.speculative_adaptive_config)
         binding = bind_algorithm(spec)
         cfg = EngineConfig(model=str(choice.model), dtype=choice.dtype,
                            device=self.device, page_size=self.page_size,
@@ -142,6 +152,7 @@ _ENGINE_PARAMS: list[tuple[str, Any, Any]] = [
     ("chunked_prefill_size", ChunkOpt, 2048), ("speculative_algorithm", AlgoOpt, None),
     ("speculative_draft_model_path", DraftOpt, None), ("speculative_num_steps", IntSpecOpt, None),
     ("speculative_eagle_topk", IntSpecOpt, None), ("speculative_num_draft_tokens", IntSpecOpt, None),
+    ("speculative_adaptive", AdaptiveOpt, False), ("speculative_adaptive_config", AdaptiveConfigOpt, None),
     ("attention_backend", BackendOpt, "auto"), ("overlap", OverlapOpt, None),
     ("cuda_graph_max_bs", GraphOpt, None), ("future_map_debug", DebugOpt, False),
 ]
@@ -209,7 +220,7 @@ def register(app: typer.Typer) -> None:
             help="Run this many colocated nodes instead of prefill/decode (the PD baseline).")] = 0,
         device: Annotated[str, typer.Option(help="auto (GPUs when present), cpu or cuda.")] = "auto",
         speculative_algorithm: AlgoOpt = None, speculative_draft_model_path: DraftOpt = None,
-        speculative_num_steps: IntSpecOpt = None,
+        speculative_num_steps: IntSpecOpt = None, speculative_adaptive: AdaptiveOpt = False,
         verbose: Annotated[bool, typer.Option("--verbose", help="Echo the nodes' logs.")] = False,
     ) -> None:
         """A local deployment: router + prefill + decode nodes on 127.0.0.1; Ctrl-C stops all."""
@@ -228,6 +239,8 @@ def register(app: typer.Typer) -> None:
             node_args += ["--speculative-draft-model-path", str(speculative_draft_model_path)]
         if speculative_num_steps is not None:
             node_args += ["--speculative-num-steps", str(speculative_num_steps)]
+        if speculative_adaptive:
+            node_args += ["--speculative-adaptive"]
         cfg = UpConfig(str(model) if model else None, host, port, prefill, decode, device,
                        tuple(node_args), verbose, colocated=colocated)
         dep, stop = Deployment(cfg), threading.Event()

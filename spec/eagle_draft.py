@@ -11,10 +11,11 @@ slots [L + l*k, L + (l+1)*k); a tree mask lets each node see only its ancestors 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from engine.core import ForwardMode
+from engine.core import ForwardMode, Req
 from engine.model_runner import ModelRunner
 from spec.draft_input import EagleDraftInput
 from spec.tree import DraftTree, chain_tree, tree_from_candidates
@@ -38,12 +39,43 @@ def draft_topk(head: torch.nn.Module, hidden: torch.Tensor, k: int) -> tuple[tor
     return p, head.to_target_ids(idx)
 
 
+class DraftPicker(Protocol):
+    """How a chain's drafts are chosen from the head's output. `positions` are the sequence
+    positions of the tokens being proposed; `slots` the requests' rows (device tensors)."""
+
+    def on_admit(self, req: Req) -> None: ...
+
+    def pick(self, head: torch.nn.Module, hidden: torch.Tensor, slots: torch.Tensor,
+             positions: torch.Tensor) -> torch.Tensor:
+        """(rows,) the next draft token of each row."""
+
+    def guess(self, head: torch.nn.Module, hidden: torch.Tensor, k: int, slots: torch.Tensor,
+              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(p, ids), each (rows, k): the top-k after the bonus token (the next verify's first draft)."""
+
+
+class HeadPicker:
+    """The head's own choice: its greedy token, its top-k."""
+
+    def on_admit(self, req: Req) -> None:
+        pass
+
+    def pick(self, head: torch.nn.Module, hidden: torch.Tensor, slots: torch.Tensor,
+             positions: torch.Tensor) -> torch.Tensor:
+        return head.to_target_ids(head.compute_logits(hidden).argmax(-1))
+
+    def guess(self, head: torch.nn.Module, hidden: torch.Tensor, k: int, slots: torch.Tensor,
+              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return draft_topk(head, hidden, k)
+
+
 def build_draft_tree(draft: ModelRunner, di: EagleDraftInput, slots: list[int], seq: torch.Tensor,
-                     seq_bound: list[int], num_steps: int, topk: int, ntok: int) -> DraftTree:
+                     seq_bound: list[int], num_steps: int, topk: int, ntok: int,
+                     picker: DraftPicker | None = None) -> DraftTree:
     """`seq`: exact committed lengths on the device; `seq_bound`: the host's upper bound of them
     (equal without overlap), used only to size host-side lists."""
     if topk == 1:
-        return _draft_chain(draft, di, slots, seq, seq_bound, num_steps, ntok)
+        return _draft_chain(draft, di, slots, seq, seq_bound, num_steps, ntok, picker or HeadPicker())
     bs, k = len(di), topk
     dev = di.bonus_tokens.device
     cands = _Candidates([di.topk_index], [di.topk_p], [torch.full((bs, k), -1, dtype=torch.int64, device=dev)],
@@ -81,16 +113,16 @@ def build_draft_tree(draft: ModelRunner, di: EagleDraftInput, slots: list[int], 
 
 
 def _draft_chain(draft: ModelRunner, di: EagleDraftInput, slots: list[int], seq: torch.Tensor,
-                 seq_bound: list[int], num_steps: int, ntok: int) -> DraftTree:
+                 seq_bound: list[int], num_steps: int, ntok: int, picker: DraftPicker) -> DraftTree:
     """topk = 1: each step feeds the newest draft and the hidden state that proposed it, and the
     head's greedy pick is the next draft. No scores, parents or masks: every op here is a launch
     the speculative step pays for on the host."""
     tok, feats = di.topk_index[:, 0], di.hidden_states
     tokens = [di.bonus_tokens, tok]
-    for step in range(1, num_steps):
+    for step in range(1, num_steps):  # draft `step` (at position seq + step) is fed, one slot back
         ctx = draft.make_context(ForwardMode.DECODE, slots, [s + step - 1 for s in seq_bound],
                                  [1] * len(slots), device_prefix=seq + step - 1, positions=seq + step - 1)
         feats = draft.forward(tok, ctx, features=feats)
-        tok = draft.model.to_target_ids(draft.model.compute_logits(feats).argmax(-1))
+        tok = picker.pick(draft.model, feats, di.future_indices, seq + step + 1)
         tokens.append(tok)
     return chain_tree(torch.stack(tokens, dim=1)[:, :ntok])

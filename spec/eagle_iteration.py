@@ -26,9 +26,9 @@ import torch
 
 from engine.core import ForwardMode, Req
 from engine.future_map import FutureMap, RelayPayload
-from spec.eagle_draft import draft_topk
+from spec.accept import accepted_rows
 from spec.eagle_steps import StepState
-from spec.verify import chain_greedy_tokens
+from spec.verify import chain_greedy
 from spec.windows import emitted_window, last_accepted_rows
 
 if TYPE_CHECKING:
@@ -57,35 +57,34 @@ class _Graph:
 
 
 def chain_iteration(worker: "EagleWorker", state: StepState, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One iteration for the requests at `slots` (padded with 0); returns (accept_lens, emitted)."""
-    fm = worker.future_map
-    target, draft = worker.target, worker.draft
+    """One iteration for the requests at `slots` (padded with 0); returns (accept_lens, emitted).
+    The eager path's ops (EagleWorker._decode) on device-built contexts, for chains."""
+    fm, picker = worker.future_map, worker.picker
+    target, draft, head = worker.target, worker.draft, worker.draft.model
     real = slots != 0
     seq = fm.resolve_seq_lens(slots, wait=False)
     relay = fm.resolve(slots, wait=False)
     w, wd, drafts = state.widths.verify, state.widths.draft, state.widths.drafts
     tok, feats = relay.topk_index[:, 0], relay.hidden_states
     chain = [relay.bonus_tokens, tok]
-    for step in range(1, drafts):  # draft token `step` sits at position seq + step - 1
+    for step in range(1, drafts):  # draft `step` (at position seq + step) is fed, one slot back
         ctx = draft.window_context(ForwardMode.DECODE, slots, seq + step - 1, 1)
         feats = draft.forward_direct(tok, ctx, features=feats)
-        tok = draft.model.to_target_ids(draft.model.compute_logits(feats).argmax(-1))
+        tok = picker.pick(head, feats, slots, seq + step + 1)
         chain.append(tok)
     window = torch.stack(chain, dim=1)[:, :w]
     ctx = target.window_context(ForwardMode.TARGET_VERIFY, slots, seq, w, aux_hidden_layers=worker.aux_layers)
     hidden, aux = target.forward_direct(window.reshape(-1), ctx)
     picks = target.model.compute_logits(hidden).argmax(-1).view(-1, w)
-    vr = chain_greedy_tokens(window, picks)
+    vr = chain_greedy(window, picks)
     fm.publish(slots, torch.where(real, seq + vr.accept_lens, 0), record=False)
     feats_t = worker.features(hidden, aux)
     bs = slots.shape[0]
-    rows = torch.arange(wd, device=slots.device).clamp(max=w - 1).unsqueeze(0)
-    rows = torch.minimum(rows, (vr.accept_lens - 1).unsqueeze(1))  # accepted rows, then the last one
-    flat = (rows + torch.arange(bs, device=slots.device).unsqueeze(1) * w).reshape(-1)
+    flat = (accepted_rows(vr, wd) + torch.arange(bs, device=slots.device).unsqueeze(1) * w).reshape(-1)
     ctx = draft.window_context(state.widths.draft_mode, slots, seq, wd)
     g = draft.forward_direct(emitted_window(vr, wd).reshape(-1), ctx, features=feats_t[flat])
     g_last = g[last_accepted_rows(vr, wd)]
-    p, topk = draft_topk(draft.model, g_last, 1)
+    p, topk = picker.guess(head, g_last, 1, slots, seq + vr.accept_lens + 1)
     keep = real.unsqueeze(1)
     fm.stash(slots, RelayPayload(torch.where(real, vr.bonus, 0), torch.where(keep, p, 0),
                                  torch.where(keep, topk, 0), torch.where(keep, g_last, 0)))

@@ -44,8 +44,9 @@ from engine.spec_stats import SpecStats
 from spec.accept import accepted_rows, emit_device, host_output, verify_window
 from spec.config import SpecConfig
 from spec.draft_input import EagleDraftInput, EagleReqState, EagleVerifyInput
-from spec.eagle_draft import build_draft_tree, draft_topk
+from spec.eagle_draft import DraftPicker, HeadPicker, build_draft_tree
 from spec.eagle_handoff import EagleHandoffCodec
+from spec.eagle_iteration import EagleIterationGraphs
 from spec.eagle_steps import StepState, StepStates
 from spec.verify import VerifyResult
 from spec.windows import emitted_window, last_accepted_rows, shifted_tokens
@@ -69,6 +70,8 @@ class EagleWorker:
         self.aux_layers = aux_layers  # EAGLE-3: target layers whose inputs feed the head
         self.states = states
         self.stats = SpecStats(max_drafts=states.active.widths.drafts)
+        self.picker: DraftPicker = HeadPicker()
+        self.iteration: EagleIterationGraphs | None = None  # whole-iteration graphs (capture_cuda_graphs)
         self._future_map: FutureMap | None = None
 
     @classmethod
@@ -136,9 +139,14 @@ class EagleWorker:
                                    tree_width=step * k if tree else None, features=draft_feats)
         self.target.freeze_graphs()
         self.draft.freeze_graphs()
+        if graphs is not None and self.cfg.eagle_topk == 1:  # chains: one graph per iteration
+            self.iteration = EagleIterationGraphs(self, list(graphs.batch_sizes), capture=graphs.use_graphs)
+            self.iteration.prepare(list(self.states.states.values()), self.future_map,
+                                   self.draft.model.config.hidden_size, dtype)
 
     def on_admit(self, req: Req) -> None:
         self.sampler.on_admit(req)
+        self.picker.on_admit(req)
 
     def adopt_prebuilt(self, reqs: list[Req], draft_input: DraftInput, relay: BatchRelay) -> None:
         seed_prebuilt_rows(reqs, draft_input, relay)
@@ -183,7 +191,9 @@ class EagleWorker:
         return out
 
     # ---- prefill ----
-    def _features(self, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
+    def features(self, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
+        """What the head reads from the target: its last hidden state, or (EAGLE-3) the
+        concatenated low/mid/high layer outputs."""
         return torch.cat(aux, dim=-1) if self.aux_layers else hidden
 
     def _prefill(self, batch: Batch, relay: BatchRelay) -> EaglePending:
@@ -193,7 +203,7 @@ class EagleWorker:
         ctx = self.target.make_context(ForwardMode.EXTEND, slots, prefix, lens,
                                        aux_hidden_layers=self.aux_layers)
         hidden, aux = self.target.forward(build_input_ids(batch, dev), ctx)
-        feats = self._features(hidden, aux)
+        feats = self.features(hidden, aux)
         sampling = sampling_reqs(batch)
         rows = last_token_rows(batch, dev)
         shifted = to_device(shifted_tokens(batch), dev)  # draft-extend input: shifted left by one
@@ -210,7 +220,8 @@ class EagleWorker:
         if out is None:
             return EaglePending(batch, None)
         g_last = g[rows]
-        p, topk_idx = draft_topk(self.draft.model, g_last, self.cfg.eagle_topk)
+        p, topk_idx = self.picker.guess(self.draft.model, g_last, self.cfg.eagle_topk, done.indices,
+                                        to_device(ends, dev) + 1)
         done.stash(RelayPayload(out["tokens"], p, topk_idx, g_last))
         _keep_handoff(sampling, p, topk_idx, g_last)
         return EaglePending(batch, HostCopy(out))
@@ -218,6 +229,10 @@ class EagleWorker:
     # ---- decode ----
     def _decode(self, batch: Batch, relay: BatchRelay) -> EaglePending:
         reqs, state = batch.reqs, self.states.active  # chosen when the batch was formed
+        if self.iteration is not None:
+            out = self.iteration.run(reqs, relay.indices, state)
+            if out is not None:
+                return EaglePending(batch, HostCopy(out), state)
         bs, w = len(reqs), state.widths.verify
         slots, bound = [r.slot for r in reqs], batch.prefix_lens
         seq = relay.resolve_seq_lens()  # exact lengths, on the device only
@@ -225,7 +240,7 @@ class EagleWorker:
         di = EagleDraftInput(r.topk_p, r.topk_index, r.hidden_states, r.bonus_tokens,
                              future_indices=relay.indices)
         tree = build_draft_tree(self.draft, di, slots, seq, bound, self._draft_steps(state),
-                                1 if state.is_chain else state.topk, w)
+                                1 if state.is_chain else state.topk, w, self.picker)
         vi = EagleVerifyInput.from_tree(tree, seq)
         ctx = self.target.make_context(ForwardMode.TARGET_VERIFY, slots, bound, [w] * bs,
                                        device_prefix=seq, positions=vi.positions,
@@ -237,7 +252,7 @@ class EagleWorker:
         rows = accepted_rows(vr, w)  # (bs, W) window rows, accepted first
         if not tree.is_chain:
             self._compact_target_kv(slots, seq, rows, vr.accept_lens)
-        self._draft_extend(state, slots, seq, bound, vr, self._features(hidden, aux), relay)
+        self._draft_extend(state, slots, seq, bound, vr, self.features(hidden, aux), relay)
         return EaglePending(batch, HostCopy(emit_device(self.sampler, reqs, vr, logits, rows)), state)
 
     def _compact_target_kv(self, slots: list[int], seq: torch.Tensor, rows: torch.Tensor,
@@ -264,7 +279,8 @@ class EagleWorker:
         ctx = self.draft.make_context(state.widths.draft_mode, slots, bound, [wd] * bs, device_prefix=seq)
         g = self.draft.forward(emitted_window(vr, wd).reshape(-1), ctx, features=feats[flat_rows])
         g_last = g[last_accepted_rows(vr, wd)]
-        p, topk_idx = draft_topk(self.draft.model, g_last, self.cfg.eagle_topk)
+        p, topk_idx = self.picker.guess(self.draft.model, g_last, self.cfg.eagle_topk, relay.indices,
+                                        seq + vr.accept_lens + 1)
         relay.stash(RelayPayload(vr.bonus, p, topk_idx, g_last))
 
 

@@ -314,6 +314,9 @@ class AlgorithmBinding:
             c = self.config
             out.update(num_steps=c.num_steps, eagle_topk=c.eagle_topk, num_draft_tokens=c.num_draft_tokens,
                        draft_model_path=c.draft_model_path)
+            adaptive = c.adaptive_policy_config()
+            if adaptive is not None:
+                out["adaptive"] = adaptive.to_json()
         return out
 
 

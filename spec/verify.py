@@ -41,14 +41,19 @@ def verify_greedy(tree: DraftTree, target_tokens: torch.Tensor) -> VerifyResult:
 
 
 def _chain_greedy(tree: DraftTree, target_tokens: torch.Tensor) -> VerifyResult:
-    """A chain in a handful of whole-window ops (the walk's result, without its per-depth loop:
-    the speculative step's host work is mostly op launches)."""
-    bs, ntok = tree.tokens.shape
-    j = torch.arange(ntok, device=tree.tokens.device).unsqueeze(0)
-    match = tree.tokens[:, 1:] == target_tokens[:, :-1]  # draft j + 1 is the target's pick after row j
+    return chain_greedy(tree.tokens, target_tokens)
+
+
+def chain_greedy(tokens: torch.Tensor, target_tokens: torch.Tensor) -> VerifyResult:
+    """A chain window (bs, ntok; row 0 the bonus) against the target's greedy pick after each
+    row, in a handful of whole-window ops (the walk's result, without its per-depth loop: the
+    speculative step's host work is mostly op launches; also fixed shapes, so capturable)."""
+    bs, ntok = tokens.shape
+    j = torch.arange(ntok, device=tokens.device).unsqueeze(0)
+    match = tokens[:, 1:] == target_tokens[:, :-1]  # draft j + 1 is the target's pick after row j
     correct = torch.cumprod(match.to(torch.int64), dim=1).sum(1, keepdim=True)  # leading matches
     bonus = torch.gather(target_tokens, 1, correct)
-    drafts = torch.cat((tree.tokens[:, 1:], bonus), dim=1)  # emitted row d < correct: draft d + 1
+    drafts = torch.cat((tokens[:, 1:], bonus), dim=1)  # emitted row d < correct: draft d + 1
     emitted = torch.where(j < correct, drafts, torch.where(j == correct, bonus, -1))
     path = torch.where(j <= correct, j, -1)
     return VerifyResult(correct.squeeze(1) + 1, path, emitted, bonus.squeeze(1))

@@ -30,14 +30,15 @@ def prebuilt_model(model: nn.Module, cfg: ModelConfig) -> Iterator[None]:
 
 
 def make_engine(model: nn.Module, cfg: ModelConfig, *, overlap: bool, graphs: int, max_running: int,
-                max_total_tokens: int, backend: str = "triton", **extra: Any) -> Engine:
+                max_total_tokens: int, backend: str = "triton", algorithm: Any = None, **extra: Any) -> Engine:
+    """An engine over the in-memory model (`algorithm`: a spec binding, or None for plain)."""
     with prebuilt_model(model, cfg):
         dev = "cuda" if torch.cuda.is_available() else "cpu"
-        conf = EngineConfig("<in-memory llama-8b-shaped>", device=dev, dtype="bfloat16",
+        conf = EngineConfig("<in-memory llama-8b-shaped>", device=dev, dtype="bfloat16" if dev == "cuda" else "float32",
                             max_running=max_running, max_total_tokens=max_total_tokens,
                             chunked_prefill_size=8192, attention_backend=backend,
                             max_context_len=4096, overlap=overlap, cuda_graph_max_bs=graphs, **extra)
-        return Engine(conf)
+        return Engine(conf, algorithm=algorithm)
 
 
 def _sync() -> None:

@@ -45,7 +45,8 @@ def build_hf(raw: dict[str, Any], device: torch.device, seed: int = 0) -> nn.Mod
 def build_engine_model(cfg: ModelConfig, device: torch.device,
                        weights_from: nn.Module | None = None, seed: int = 0) -> nn.Module:
     """The engine's model of the same shape: weights copied from an HF model, or random."""
-    model = build_empty(model_class(cfg), cfg, torch.bfloat16, device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU: dry runs of the scripts
+    model = build_empty(model_class(cfg), cfg, dtype, device)
     with torch.no_grad():
         if weights_from is not None:
             missing, unexpected = model.load_state_dict(weights_from.state_dict(), strict=False)

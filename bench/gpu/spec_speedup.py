@@ -1,0 +1,181 @@
+"""Speculative speedup over plain decoding on Llama-shaped random-weight targets, by batch size and
+accepted length: fixed step counts 1/3/5/7 and adaptive steps, against the ideal.
+
+The draft is a random EAGLE-3 head (draft vocabulary 32000) whose choices an oracle replaces by
+the target's own next token with probability p (bench/gpu/synthetic.py): every draft forward
+costs what a real one does, verification is real, and p sets the accepted length. For each model
+shape and batch size: plain decode throughput, then per p and per configuration the decode
+throughput, the realized accepted length, and whether the output equals plain decoding. The ideal
+speedup is accepted length x plain step time / iteration time.
+
+Run on the GPU machine: `python -m bench.gpu.spec_speedup llama-8b OUT` (and llama-1b); writes
+OUT/spec_speedup_<gpu>_<model>.json ({"device", "points": [...]}, the layout of
+bench/results/spec_speedup_<gpu>.json) and a plot.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import spec.registry as registry
+from bench.common import write_report
+from bench.gpu.engine_perf import make_engine
+from bench.gpu.llama8b import LLAMA_8B, build_engine_model, shape_config
+from bench.gpu.synthetic import PICKER, OraclePicker, SyntheticEagle3
+from engine.core import SamplingParams
+from engine.engine import Engine
+from engine.tiny_eagle import write_tiny_eagle_head
+from spec.config import SpecConfig
+from spec.registry import bind
+
+LLAMA_1B = dict(LLAMA_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
+                rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+# a dry run of the script's logic on a CPU (TRITON_INTERPRET=1): tiny shapes, two batch sizes
+TINY = dict(LLAMA_8B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=512, torch_dtype="float32")
+MODELS = {"llama-8b": LLAMA_8B, "llama-1b": LLAMA_1B, "tiny": TINY}
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+P_VALUES = (0.0, 0.7, 0.9)  # 0.9: about 3.2 tokens per verify with 3 steps (realized, reported)
+FIXED = (1, 3, 5, 7)
+PROMPT_LEN, NEW_TOKENS = 256, 96
+MAX_RUNNING = 64
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def prompts_for(bs: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1000 + bs)
+    return [torch.randint(10, vocab, (PROMPT_LEN,), generator=g).tolist() for _ in range(bs)]
+
+
+def timed_decode(eng: Engine, prompts: list[list[int]]) -> dict[str, Any]:
+    """Prefill, then time the decode phase only (until every request ended)."""
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    out = {eng.add_request(p, params): [] for p in prompts}
+    first: set[str] = set()
+    while len(first) < len(out):
+        for d in eng.step():
+            out[d.rid] += d.token_ids
+            if d.token_ids:
+                first.add(d.rid)
+    stats = eng.executor.spec_stats()
+    v0, a0 = (stats.verifies, stats.accepted_drafts) if stats else (0, 0)
+    sync()
+    t0, steps, tokens = time.perf_counter(), 0, 0
+    while not eng.idle:
+        for d in eng.step():
+            out[d.rid] += d.token_ids
+            tokens += len(d.token_ids)
+        steps += 1
+    sync()
+    secs = time.perf_counter() - t0
+    verifies = (stats.verifies - v0) if stats else 0
+    accept = 1 + (stats.accepted_drafts - a0) / verifies if verifies else 1.0
+    return {"outputs": [out[r] for r in out], "tok_s": tokens / secs, "step_ms": secs / max(steps, 1) * 1e3,
+            "accept_len": accept}
+
+
+def engine_for(model: torch.nn.Module, cfg: Any, head: Path | None, steps: int | None) -> Engine:
+    binding = None
+    if head is not None:
+        spec = SpecConfig("SYNTHETIC", str(head), steps or 3, 1, adaptive=steps is None)
+        binding = bind(spec)
+    total = MAX_RUNNING * (PROMPT_LEN + NEW_TOKENS + 96)
+    return make_engine(model, cfg, overlap=True, graphs=MAX_RUNNING, max_running=MAX_RUNNING,
+                       max_total_tokens=total, algorithm=binding,
+                       backend="triton" if torch.cuda.is_available() else "torch",
+                       cuda_graph_padded_eager=not torch.cuda.is_available())
+
+
+def free(eng: Engine | None) -> None:
+    del eng
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def sweep(name: str, out_dir: Path) -> dict[str, Any]:
+    raw, cfg = shape_config(MODELS[name])
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    batches = BATCHES if dev.type == "cuda" else (1, 4)
+    model = build_engine_model(cfg, dev)
+    tmp = Path(tempfile.mkdtemp())
+    (tmp / "config.json").write_text(json.dumps(raw))
+    head = write_tiny_eagle_head(tmp / "head", tmp, "eagle3", draft_vocab_size=min(32000, cfg.vocab_size // 2),
+                                 intermediate_size=cfg.intermediate_size)
+    registry.register_class("SYNTHETIC", SyntheticEagle3)
+    picker = PICKER["current"] = OraclePicker(MAX_RUNNING, PROMPT_LEN + NEW_TOKENS + 96, cfg.vocab_size, dev)
+    eng = engine_for(model, cfg, None, None)
+    plain: dict[int, dict[str, Any]] = {}
+    for bs in batches:
+        ps = prompts_for(bs, cfg.vocab_size)
+        plain[bs] = timed_decode(eng, ps)
+        for p, o in zip(ps, plain[bs]["outputs"]):
+            picker.sequences[tuple(p)] = p + o
+        print(f"{name} plain bs {bs}: {plain[bs]['tok_s']:.0f} tok/s, step {plain[bs]['step_ms']:.2f} ms", flush=True)
+    free(eng)
+    runs: dict[str, dict[tuple[int, float], dict[str, Any]]] = {}
+    for label, steps in [*((str(s), s) for s in FIXED), ("adaptive", None)]:
+        eng = engine_for(model, cfg, head, steps)
+        runs[label] = {}
+        for bs in batches:
+            ps = prompts_for(bs, cfg.vocab_size)
+            for p in P_VALUES:
+                picker.set_p(p)
+                r = timed_decode(eng, ps)
+                r["exact"] = sum(a == b for a, b in zip(r.pop("outputs"), plain[bs]["outputs"])) / bs
+                runs[label][(bs, p)] = r
+                print(f"{name} {label} bs {bs} p {p}: {r['tok_s']:.0f} tok/s ({r['tok_s'] / plain[bs]['tok_s']:.2f}x), "
+                      f"accept {r['accept_len']:.2f}, exact {r['exact']:.2f}", flush=True)
+        free(eng)
+    points = []
+    for bs in batches:
+        for p in P_VALUES:
+            best = max(FIXED, key=lambda s: runs[str(s)][(bs, p)]["tok_s"])
+            ideal = {s: runs[str(s)][(bs, p)]["accept_len"] * plain[bs]["step_ms"] / runs[str(s)][(bs, p)]["step_ms"]
+                     for s in FIXED}
+            points.append({
+                "model": name, "batch": bs, "p": p,
+                "accept_len": runs[str(best)][(bs, p)]["accept_len"],
+                "plain_tok_s": plain[bs]["tok_s"], "plain_step_ms": plain[bs]["step_ms"],
+                "fixed_tok_s": {str(s): runs[str(s)][(bs, p)]["tok_s"] for s in FIXED},
+                "fixed_accept_len": {str(s): runs[str(s)][(bs, p)]["accept_len"] for s in FIXED},
+                "fixed_iteration_ms": {str(s): runs[str(s)][(bs, p)]["step_ms"] for s in FIXED},
+                "fixed_ideal_speedup": {str(s): v for s, v in ideal.items()},
+                "adaptive_tok_s": runs["adaptive"][(bs, p)]["tok_s"],
+                "adaptive_accept_len": runs["adaptive"][(bs, p)]["accept_len"],
+                "exact_fraction": min(r[(bs, p)]["exact"] for r in runs.values()),
+            })
+    device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    gpu = device.split()[1].lower() if " " in device else device
+    report = {"device": device, "torch": torch.__version__, "points": points,
+              "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS,
+              "command": f"python -m bench.gpu.spec_speedup {name} OUT"}
+    write_report(out_dir / f"spec_speedup_{gpu}_{name}.json", report)
+    return report
+
+
+def main() -> int:
+    names = [a for a in sys.argv[1:] if a in MODELS] or list(MODELS)
+    rest = [a for a in sys.argv[1:] if a not in MODELS]
+    out = Path(rest[0]) if rest else Path("bench/results")
+    for name in names:
+        sweep(name, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
