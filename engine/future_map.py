@@ -293,9 +293,9 @@ class FutureMap:
     def _idx(self, indices: torch.Tensor) -> torch.Tensor:
         if indices.dim() != 1:
             raise FutureMapError(f"indices must be 1-D, got shape {tuple(indices.shape)}")
-        if indices.device != self.device:  # pinned staging: never stall behind a forward in flight
-            return to_device(indices.to(torch.int64), self.device)
-        return indices.to(torch.int64)
+        if indices.device.type == "cpu" and self.device.type != "cpu":
+            return to_device(indices.to(torch.int64), self.device)  # pinned: never stall a forward
+        return indices.to(self.device, torch.int64)
 
     @staticmethod
     def _check_rows(name: str, values: torch.Tensor, indices: torch.Tensor) -> None:

@@ -14,6 +14,8 @@ import torch
 def to_device(values: list[int] | list[list[int]] | torch.Tensor, device: torch.device) -> torch.Tensor:
     """int64 values (a list, a list of equal-length lists, or a CPU tensor) on `device`."""
     host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
+    if host.device.type != "cpu":  # already on a device: nothing to stage
+        return host.to(device)
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)

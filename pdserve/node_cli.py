@@ -95,7 +95,8 @@ class EngineOptions:
         check_device(self.device)
         choice = resolve(self.model, algorithm=self.speculative_algorithm,
                          draft_model_path=self.speculative_draft_model_path,
-                         num_steps=self.speculative_num_steps, dtype=self.dtype, device=self.device)
+                         num_steps=self.speculative_num_steps, dtype=self.dtype, device=self.device,
+                         adaptive=self.speculative_adaptive)
         spec = spec_config(choice.algorithm, draft_model_path=choice.draft_model_path,
                            num_steps=choice.num_steps, eagle_topk=self.speculative_eagle_topk,
                            num_draft_tokens=self.speculative_num_draft_tokens,
