@@ -26,7 +26,8 @@ from engine.h2d import to_device
 from engine.handoff import HandoffCodec, NoPayloadCodec
 from engine.kv_cache import KVPool
 from engine.model_runner import ModelRunner
-from engine.sampler import Sampler
+from engine.sampler import Sampler, plain_argmax_ok
+from engine.step_graphs import StepGraphs
 from engine.spec_stats import SpecStats
 
 
@@ -177,6 +178,7 @@ class PlainExecutor:
     def __init__(self, runner: ModelRunner, sampler: Sampler) -> None:
         self.runner, self.sampler = runner, sampler
         self._future_map: FutureMap | None = None
+        self.step_graphs: StepGraphs | None = None  # whole greedy decode steps (capture_cuda_graphs)
 
     # ---- hooks (the protocol's reference defaults) ----
     def bind_future_map(self, future_map: FutureMap) -> None:
@@ -198,9 +200,20 @@ class PlainExecutor:
         return True
 
     def capture_cuda_graphs(self) -> None:
-        """Decode graphs for every captured batch size (a no-op when graphs are off)."""
+        """Decode forward graphs for every captured batch size, and whole greedy decode steps
+        (a no-op when graphs are off)."""
         self.runner.capture(ForwardMode.DECODE, 1)
         self.runner.freeze_graphs()
+        graphs = self.runner.graphs
+        if graphs is None:
+            return
+        fm, dev = self.future_map, self.runner.device
+        self.step_graphs = StepGraphs(graphs.batch_sizes, capture=graphs.use_graphs,
+                                      after_warmup=lambda: fm.invalidate(torch.zeros(1, dtype=torch.int64)))
+        for bs in sorted(graphs.batch_sizes, reverse=True):
+            slots, prefix = (torch.zeros(bs, dtype=torch.int64, device=dev) for _ in range(2))
+            body = (lambda sl, pr: lambda: greedy_decode_step(self.runner, fm, sl, pr))(slots, prefix)
+            self.step_graphs.add(bs, {"slots": slots, "prefix": prefix}, body)
 
     def extra_kv_pools(self) -> list[KVPool]:
         return []
@@ -230,6 +243,10 @@ class PlainExecutor:
     @torch.inference_mode()
     def launch(self, batch: Batch, relay: BatchRelay) -> PlainPending:
         reqs, dev = batch.reqs, self.runner.device
+        if batch.mode is ForwardMode.DECODE:
+            tokens = self._graphed_decode(batch, relay)
+            if tokens is not None:
+                return PlainPending(batch, HostCopy({"tokens": tokens}))
         ctx = self.runner.make_context(batch.mode, [r.slot for r in reqs], batch.prefix_lens,
                                        batch.extend_lens)
         decode = batch.mode is ForwardMode.DECODE
@@ -243,11 +260,36 @@ class PlainExecutor:
         relay.select(batch.sample).stash(RelayPayload(out["tokens"]))
         return PlainPending(batch, HostCopy(out))
 
+    def _graphed_decode(self, batch: Batch, relay: BatchRelay) -> torch.Tensor | None:
+        """The batch's new tokens through a whole-step graph, or None when it is not eligible."""
+        graphs = self.step_graphs
+        bs = graphs.padded(len(batch.reqs)) if graphs is not None else None
+        if graphs is None or bs is None or not plain_argmax_ok(batch.reqs):
+            return None
+        entry = graphs.get(bs)
+        assert entry is not None
+        lens = to_device(batch.prefix_lens, self.runner.device)
+        self.future_map.wait_published()  # PD seeding publishes from another stream
+        (tokens,) = graphs.run(entry, len(batch.reqs), {"slots": relay.indices, "prefix": lens})
+        return tokens.clone()
+
     def collect(self, pending: PlainPending) -> StepOutput:
         if pending.copy is None:
             return StepOutput(tokens=[[] for _ in pending.batch.reqs])
         sampled = sampled_output(pending.copy.wait())
         return scatter_to_batch(sampled, pending.batch.sample)
+
+
+def greedy_decode_step(runner: ModelRunner, future_map: FutureMap, slots: torch.Tensor,
+                       prefix: torch.Tensor) -> tuple[torch.Tensor]:
+    """One plain decode step of greedy requests in fixed-shape device ops: last tokens from the
+    FutureMap, forward, argmax, stash (padding rows: slot 0, kept at zero)."""
+    ids = future_map.resolve(slots, wait=False).bonus_tokens
+    ctx = runner.window_context(ForwardMode.DECODE, slots, prefix, 1)
+    hidden, _ = runner.forward_direct(ids, ctx)
+    tokens = runner.logits(hidden).argmax(-1)
+    future_map.stash(slots, RelayPayload(torch.where(slots != 0, tokens, 0)))
+    return (tokens,)
 
 
 def seed_prebuilt_rows(reqs: list[Req], draft_input: DraftInput, relay: BatchRelay) -> None:

@@ -14,6 +14,17 @@ from engine.h2d import to_device
 _MIN_TEMPERATURE = 1e-6  # positive temperatures below this are clamped (logits / T must stay finite)
 
 
+def plain_argmax_ok(reqs: list[Req]) -> bool:
+    """Requests whose next token is the argmax of the raw logits: greedy, with no penalties,
+    min_tokens bans, logit bias or logprobs to compute (what whole-step graphs may do alone)."""
+    for r in reqs:
+        p = r.params
+        if (not p.is_greedy or p.has_penalties or p.min_new_tokens or p.logit_bias or p.logprobs
+                or p.top_logprobs):
+            return False
+    return True
+
+
 def _s64(x: int) -> int:
     """A Python int wrapped to the signed int64 value with the same low 64 bits."""
     return ((x + 2**63) % 2**64) - 2**63

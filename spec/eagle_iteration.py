@@ -16,16 +16,15 @@ write FutureMap row 0, kept at zero, and KV page 0, reserved for padding.
 
 from __future__ import annotations
 
-import bisect
-import gc
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.core import ForwardMode, Req
 from engine.future_map import FutureMap, RelayPayload
+from engine.sampler import plain_argmax_ok as graphable
+from engine.step_graphs import StepGraphs
 from spec.accept import accepted_rows
 from spec.eagle_steps import StepState
 from spec.verify import chain_greedy
@@ -35,25 +34,6 @@ if TYPE_CHECKING:
     from spec.eagle_worker import EagleWorker
 
 log = logging.getLogger(__name__)
-
-
-def graphable(reqs: list[Req]) -> bool:
-    """Requests whose step the graph computes exactly: greedy picks of the raw target logits."""
-    for r in reqs:
-        p = r.params
-        if (not p.is_greedy or p.has_penalties or p.min_new_tokens or p.logit_bias or p.logprobs
-                or p.top_logprobs):
-            return False
-    return True
-
-
-@dataclass
-class _Graph:
-    state: StepState
-    slots: torch.Tensor  # (padded bs,) static input: the batch's request slots, 0 for padding
-    accept_lens: torch.Tensor | None = None  # static outputs of the body
-    emitted: torch.Tensor | None = None
-    graph: Any = None  # torch.cuda.CUDAGraph once captured
 
 
 def chain_iteration(worker: "EagleWorker", state: StepState, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,60 +75,39 @@ class EagleIterationGraphs:
     """The iteration graphs of one worker: captured at start-up for the states' batch sizes."""
 
     def __init__(self, worker: "EagleWorker", batch_sizes: list[int], capture: bool) -> None:
-        self.worker, self.batch_sizes, self.capture = worker, sorted(batch_sizes), capture
-        self._graphs: dict[tuple[int, int], _Graph] = {}
-        self._pool: Any = None
-        self.hits = 0
+        self.worker = worker
+        # the warm-up wrote into padding rows only (all slots 0): row 0 back to zero
+        self.graphs = StepGraphs(batch_sizes, capture=capture, after_warmup=lambda: worker.future_map.invalidate(
+            torch.zeros(1, dtype=torch.int64)))
+
+    @property
+    def hits(self) -> int:
+        return self.graphs.hits
 
     def padded(self, bs: int) -> int | None:
-        i = bisect.bisect_left(self.batch_sizes, bs)
-        return self.batch_sizes[i] if i < len(self.batch_sizes) else None
+        return self.graphs.padded(bs)
 
     def shapes(self) -> list[tuple[int, int]]:
         """(step count, padded batch size) of every graph held."""
-        return sorted((k[1], k[0]) for k in self._graphs)
+        return sorted((steps, bs) for bs, steps in self.graphs.keys())
+
+    def captured(self) -> bool:
+        """Every graph held was captured (not run padded-eager)."""
+        return all(self.graphs.get(k).graph is not None for k in self.graphs.keys())
 
     def prepare(self, states: list[StepState], future_map: FutureMap, hidden_size: int,
                 dtype: torch.dtype) -> None:
         """Build (and on CUDA capture) every eligible state's graphs for its batch sizes."""
         future_map.reserve_extras(topk=1, hidden_size=hidden_size, hidden_dtype=dtype)
+        device = self.worker.target.device
         for state in states:
             if not state.is_chain:
                 continue
-            sizes = state.graph_batch_sizes if state.graph_batch_sizes is not None else self.batch_sizes
+            sizes = state.graph_batch_sizes if state.graph_batch_sizes is not None else self.graphs.batch_sizes
             for bs in sorted({p for b in sizes if (p := self.padded(b)) is not None}, reverse=True):
-                self._build(state, bs)
-
-    def _build(self, state: StepState, bs: int) -> _Graph:
-        entry = _Graph(state, torch.zeros(bs, dtype=torch.int64, device=self.worker.target.device))
-        self._graphs[(bs, state.steps)] = entry
-        if self.capture:
-            self._capture(entry)
-        return entry
-
-    def _capture(self, entry: _Graph) -> None:
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        body = lambda: chain_iteration(self.worker, entry.state, entry.slots)  # noqa: E731
-        stream = torch.cuda.Stream(entry.slots.device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up outside the capture (Triton compiles, handles)
-            for _ in range(2):
-                body()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        gc_was_on = gc.isenabled()
-        gc.collect()
-        gc.disable()
-        try:
-            with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
-                entry.accept_lens, entry.emitted = body()
-        finally:
-            if gc_was_on:
-                gc.enable()
-        entry.graph = graph
-        # the warm-up wrote into padding rows only (all slots 0): row 0 back to zero
-        self.worker.future_map.invalidate(torch.zeros(1, dtype=torch.int64))
+                slots = torch.zeros(bs, dtype=torch.int64, device=device)
+                body = (lambda st, sl: lambda: chain_iteration(self.worker, st, sl))(state, slots)
+                self.graphs.add((bs, state.steps), {"slots": slots}, body)
 
     def run(self, reqs: list[Req], slots: torch.Tensor, state: StepState) -> dict[str, torch.Tensor] | None:
         """The iteration's (accept_lens, emitted) rows of `reqs` through its graph, or None when
@@ -156,20 +115,11 @@ class EagleIterationGraphs:
         if not (state.is_chain and graphable(reqs)):
             return None
         bs = self.padded(len(reqs))
-        entry = self._graphs.get((bs, state.steps)) if bs is not None else None
+        entry = self.graphs.get((bs, state.steps)) if bs is not None else None
         if entry is None:
             return None
-        n = len(reqs)
-        entry.slots[:n].copy_(slots)
-        entry.slots[n:].zero_()
         fm = self.worker.future_map
         fm.wait_published()  # the previous iteration's publish, from any stream
-        if entry.graph is not None:
-            entry.graph.replay()
-            accept, emitted = entry.accept_lens, entry.emitted
-        else:  # padded eager: the same body, uncaptured
-            accept, emitted = chain_iteration(self.worker, state, entry.slots)
+        accept, emitted = self.graphs.run(entry, len(reqs), {"slots": slots})
         fm.mark_published()
-        self.hits += 1
-        assert accept is not None and emitted is not None
-        return {"accept_lens": accept[:n].clone(), "emitted": emitted[:n].clone()}
+        return {"accept_lens": accept.clone(), "emitted": emitted.clone()}

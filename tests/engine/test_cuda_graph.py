@@ -341,3 +341,26 @@ def test_gpu_engine_greedy_graphs_on_equals_off(tiny_llama_dir, head_dir, spec):
             main = eng.executor.target if spec else eng.parts.runner
             assert main.graph_stats.hits > 0, main.graph_stats
     assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_plain_whole_step_graphs_equal_eager(tiny_llama_dir, overlap):
+    """Greedy decode steps run as whole-step bodies on padded buffers (the captured graph's twin);
+    a batch with a sampled request falls back to the per-op path; results equal graphs off."""
+    greedy = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_new_tokens=10, temperature=0.8, seed=7, ignore_eos=True)
+    prompts = [[5, 17, 42, 7, 99], [8, 1], list(range(100, 113))]
+
+    def run(graphs: bool) -> tuple[list[list[int]], list[list[int]], int]:
+        eng = Engine(EngineConfig(str(tiny_llama_dir), page_size=4, overlap=overlap,
+                                  cuda_graph_max_bs=4 if graphs else 0, cuda_graph_padded_eager=graphs))
+        only_greedy = [o.output_ids for o in eng.generate(prompts, greedy)]
+        hits = eng.executor.step_graphs.hits if graphs else 0
+        mixed = [o.output_ids for o in eng.generate(prompts, [greedy, sampled, greedy])]
+        assert eng.kv.all_free and eng.scheduler.future_map.rows_free()
+        return only_greedy, mixed, hits
+
+    ref_greedy, ref_mixed, _ = run(False)
+    out_greedy, out_mixed, hits = run(True)
+    assert out_greedy == ref_greedy and out_mixed == ref_mixed
+    assert hits > 0
