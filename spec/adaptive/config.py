@@ -14,7 +14,7 @@ from typing import Any, Mapping, NoReturn
 # decoding (0) from batch 64 on, where verify windows become compute-bound. Our default may be
 # retuned from GPU measurements (issue 14 part B): change it here.
 DEFAULT_ADAPTIVE_CONFIG: dict[str, Any] = {
-    "1": {"candidate_steps": [1, 3, 5, 7], "down_hysteresis": -0.25},
+    "1": {"candidate_steps": [0, 1, 3, 5, 7], "down_hysteresis": -0.25},
     "8": {"candidate_steps": [0, 1, 3], "down_hysteresis": 0.0},
     "32": {"candidate_steps": [0, 1], "down_hysteresis": 0.0},
     "64": {"candidate_steps": [0], "down_hysteresis": 0.0},

@@ -22,7 +22,7 @@ def test_default_config() -> None:
     assert cfg == AdaptiveConfig.from_json(DEFAULT_ADAPTIVE_CONFIG)
     assert cfg.lower_bounds() == (1, 8, 32, 64)
     slots = _slots(cfg)
-    assert slots[1] == SlotConfig((1, 3, 5, 7), up_hysteresis=0.0, down_hysteresis=-0.25)
+    assert slots[1] == SlotConfig((0, 1, 3, 5, 7), up_hysteresis=0.0, down_hysteresis=-0.25)
     assert slots[8] == SlotConfig((0, 1, 3), down_hysteresis=0.0)
     assert slots[32] == SlotConfig((0, 1), down_hysteresis=0.0)
     assert slots[64] == SlotConfig((0,), down_hysteresis=0.0)

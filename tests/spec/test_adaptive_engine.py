@@ -78,6 +78,7 @@ def test_graphs_exist_per_step_count_only_for_their_batch_sizes_and_switches_cap
         assert sorted(bs for s, bs in shapes if s == steps) == want
     # the default sizes are 1, 2, 4, 8: steps 5 only at 1, steps 2 at 2, steps 0 at 4 and 8
     assert {bs for s, bs in shapes if s == 5} == {1} and {bs for s, bs in shapes if s == 0} == {4, 8}
+    assert {s: sum(1 for st, _ in shapes if st == s) for s in policy.candidate_steps()} == {0: 2, 1: 3, 2: 1, 3: 1, 5: 1}
     before = (list(shapes), eng.executor.target.graph_shapes(), eng.executor.draft.graph_shapes())
     _staggered(eng, SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True))
     assert eng.executor.adaptive_snapshot()["switches"] > 0
@@ -110,7 +111,7 @@ def test_gpu_graphs_per_step_count_and_no_recapture(pair, config_path) -> None:
     worker = eng.executor
     assert worker.iteration is not None and worker.iteration.captured()
     counts = {s: sum(1 for st, _ in worker.iteration.shapes() if st == s) for s in worker.states.policy.candidate_steps()}
-    assert counts == {0: 2, 1: 2, 2: 1, 3: 1, 5: 1}
+    assert counts == {0: 2, 1: 3, 2: 1, 3: 1, 5: 1}  # sizes 1, 2, 4, 8: steps 1 at 2 (slot "2") and 4, 8 (slot "4")
     before = worker.iteration.shapes()
     plain = Engine(EngineConfig(str(pair[0]), page_size=4, device="cuda", attention_backend="triton",
                                 cuda_graph_max_bs=8))

@@ -429,7 +429,7 @@ def test_graph_pruning_per_step_for_the_default_config() -> None:
     policy = AdaptiveSteps(AdaptiveConfig.default(), 3, GRAPHS)
     assert policy.candidate_steps() == (0, 1, 3, 5, 7)
     assert {s: policy.graph_batch_sizes_for_step(s) for s in policy.candidate_steps()} == {
-        0: [8, 16, 24, 32, 48, 64],
+        0: [1, 2, 4, 8, 16, 24, 32, 48, 64],
         1: [1, 2, 4, 8, 16, 24, 32, 48],
         3: [1, 2, 4, 8, 16, 24],
         5: [1, 2, 4],
@@ -443,7 +443,7 @@ def test_graph_pruning_per_step_for_the_default_config() -> None:
 
 
 @pytest.mark.parametrize("initial,expected", [(3, [3, 3, 1, 0]), (7, [7, 3, 1, 0]), (5, [5, 3, 1, 0]),
-                                              (0, [1, 0, 0, 0]), (1, [1, 1, 1, 0])])
+                                              (0, [0, 0, 0, 0]), (1, [1, 1, 1, 0])])
 def test_each_slot_starts_at_its_candidate_nearest_the_initial_steps(initial: int,
                                                                       expected: list[int]) -> None:
     policy = AdaptiveSteps(AdaptiveConfig.default(), initial)
@@ -461,12 +461,12 @@ def test_feedback_reaches_the_slot_the_batch_size_maps_to() -> None:
     assert policy.steps_for_batch(20) == 3 and policy.active_slot == 1
     switched = [policy.on_verify_complete(3, [0, 0, 0]) for _ in range(20)]  # bs 3 -> 4 -> slot "1"
     assert switched == [False] * 19 + [True]
-    assert policy.steps_for_batch(2) == 1 and policy.steps_for_batch(20) == 3
+    assert policy.steps_for_batch(2) == 0 and policy.steps_for_batch(20) == 3  # no drafts accepted: plain
     assert policy.total_switches == 1
     assert not policy.on_verify_complete(20, [])  # an empty batch feeds nothing
     snap = policy.snapshot()
     assert [(s["lower_bound"], s["upper_bound"]) for s in snap] == [(1, 7), (8, 31), (32, 63), (64, None)]
-    assert snap[0] == {"lower_bound": 1, "upper_bound": 7, "current_steps": 1,
+    assert snap[0] == {"lower_bound": 1, "upper_bound": 7, "current_steps": 0,
                        "ema": pytest.approx(6 * 0.8 ** 20), "switches": 1, "batches": 20,
                        "failed_upshifts": 0}
     assert [s["batches"] for s in snap] == [20, 0, 0, 0]
