@@ -74,7 +74,8 @@ class StepGraphs:
             entry.graph.replay()
             outputs = entry.outputs
         else:
-            outputs = entry.body()
+            with torch.inference_mode():
+                outputs = entry.body()
         self.hits += 1
         assert outputs is not None
         return tuple(t[:n] for t in outputs)
@@ -85,7 +86,8 @@ class StepGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up outside the capture (Triton compiles, handles)
+        # inference mode as at serving time: no autograd records, the fused kernels' path
+        with torch.inference_mode(), torch.cuda.stream(stream):  # warm-up outside the capture
             for _ in range(2):
                 entry.body()
         torch.cuda.current_stream().wait_stream(stream)
@@ -94,7 +96,8 @@ class StepGraphs:
         gc.collect()
         gc.disable()  # a collection mid-capture could free a tensor the graph still records into
         try:
-            with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, stream=stream,
+                                                          capture_error_mode="thread_local"):
                 entry.outputs = entry.body()
         finally:
             if gc_was_on:

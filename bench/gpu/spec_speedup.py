@@ -31,7 +31,7 @@ import spec.registry as registry
 from bench.common import write_report
 from bench.gpu.engine_perf import make_engine
 from bench.gpu.llama8b import LLAMA_8B, build_engine_model, shape_config
-from bench.gpu.synthetic import PICKER, OraclePicker, SyntheticEagle3
+from bench.gpu.synthetic import PICKER, OraclePicker, SyntheticEagle3, widen_margins
 from engine.core import SamplingParams
 from engine.engine import Engine
 from engine.tiny_eagle import write_tiny_eagle_head
@@ -102,8 +102,8 @@ def engine_for(model: torch.nn.Module, cfg: Any, head: Path | None, steps: int |
                        cuda_graph_padded_eager=not torch.cuda.is_available())
 
 
-def free(eng: Engine | None) -> None:
-    del eng
+def release_memory() -> None:
+    """After the caller dropped its engine: two 8B engines' graphs and KV do not fit together."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -114,6 +114,7 @@ def sweep(name: str, out_dir: Path) -> dict[str, Any]:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     batches = BATCHES if dev.type == "cuda" else (1, 4)
     model = build_engine_model(cfg, dev)
+    widen_margins(model)
     tmp = Path(tempfile.mkdtemp())
     (tmp / "config.json").write_text(json.dumps(raw))
     head = write_tiny_eagle_head(tmp / "head", tmp, "eagle3", draft_vocab_size=min(32000, cfg.vocab_size // 2),
@@ -128,7 +129,8 @@ def sweep(name: str, out_dir: Path) -> dict[str, Any]:
         for p, o in zip(ps, plain[bs]["outputs"]):
             picker.sequences[tuple(p)] = p + o
         print(f"{name} plain bs {bs}: {plain[bs]['tok_s']:.0f} tok/s, step {plain[bs]['step_ms']:.2f} ms", flush=True)
-    free(eng)
+    del eng
+    release_memory()
     runs: dict[str, dict[tuple[int, float], dict[str, Any]]] = {}
     for label, steps in [*((str(s), s) for s in FIXED), ("adaptive", None)]:
         eng = engine_for(model, cfg, head, steps)
@@ -147,7 +149,8 @@ def sweep(name: str, out_dir: Path) -> dict[str, Any]:
                 print(f"{name} {label} bs {bs} p {p}: {r['tok_s']:.0f} tok/s ({r['tok_s'] / plain[bs]['tok_s']:.2f}x), "
                       f"accept {r['accept_len']:.2f}, exact {r['exact']:.2f}, iteration {r['step_ms']:.2f} ms"
                       + (f", cold {cold:.0f} tok/s" if cold else ""), flush=True)
-        free(eng)
+        del eng
+        release_memory()
         write_report(out_dir / f"spec_speedup_{name}_partial.json",
                      {"plain": {str(b): {k: v for k, v in r.items() if k != "outputs"} for b, r in plain.items()},
                       "runs": {lab: {f"{b}/{p}": r for (b, p), r in rr.items()} for lab, rr in runs.items()}})
