@@ -9,15 +9,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, NoReturn
 
-# The built-in default, in the form a user writes. It starts from SGLang's newer default: deep
-# chains only at small batch sizes, where a verify costs about as much as a plain step; plain
-# decoding (0) from batch 64 on, where verify windows become compute-bound. Our default may be
-# retuned from GPU measurements (issue 14 part B): change it here.
+# The built-in default, in the form a user writes. Deep chains only at small batch sizes, where a
+# verify costs about as much as a plain step; at most one draft from batch 64 on, where verify
+# windows become compute-bound. Plain decoding (0) is a candidate everywhere: traffic whose
+# drafts are rarely accepted turns speculation off. Set from the H100 sweep of
+# bench/gpu/spec_speedup.py (bench/RESULTS.md).
 DEFAULT_ADAPTIVE_CONFIG: dict[str, Any] = {
     "1": {"candidate_steps": [0, 1, 3, 5, 7], "down_hysteresis": -0.25},
     "8": {"candidate_steps": [0, 1, 3], "down_hysteresis": 0.0},
-    "32": {"candidate_steps": [0, 1], "down_hysteresis": 0.0},
-    "64": {"candidate_steps": [0], "down_hysteresis": 0.0},
+    "32": {"candidate_steps": [0, 1, 3], "down_hysteresis": 0.0},
+    "64": {"candidate_steps": [0, 1], "down_hysteresis": 0.0},
 }
 
 DEFAULT_EMA_ALPHA = 0.2
