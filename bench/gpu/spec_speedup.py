@@ -6,9 +6,9 @@ the target's own next token with probability p (bench/gpu/synthetic.py): every d
 costs what a real one does, verification is real, and p sets the accepted length. For each model
 shape and batch size: plain decode throughput, then per p and per configuration the decode
 throughput, the realized accepted length, and whether the output equals plain decoding. The ideal
-speedup is accepted length x plain step time / iteration time. Adaptive steps are timed on a
-second pass of the same traffic (its controller's steady state); the first pass is reported too
-(`adaptive_cold_tok_s`).
+speedup is accepted length x plain step time / iteration time. Adaptive steps start each point
+from a fresh controller; they are timed on a second pass of the same traffic (the controller's
+steady state), the first pass is reported too (`adaptive_cold_tok_s`).
 
 Run on the GPU machine: `python -m bench.gpu.spec_speedup llama-8b OUT` (and llama-1b); writes
 OUT/spec_speedup_<gpu>_<model>.json ({"device", "points": [...]}, the layout of
@@ -102,6 +102,15 @@ def engine_for(model: torch.nn.Module, cfg: Any, head: Path | None, steps: int |
                        cuda_graph_padded_eager=not torch.cuda.is_available())
 
 
+def fresh_controller(eng: Engine) -> None:
+    """A new adaptive controller (same config, initial steps and graph sizes) for each traffic
+    point: one point's history (e.g. upshift backoff after a run of rejected drafts) must not
+    decide the next point's measurement."""
+    states = eng.executor.states
+    assert states.policy is not None
+    states.policy = states.policy.restarted()
+
+
 def release_memory() -> None:
     """After the caller dropped its engine: two 8B engines' graphs and KV do not fit together."""
     gc.collect()
@@ -140,7 +149,8 @@ def sweep(name: str, out_dir: Path) -> dict[str, Any]:
             for p in P_VALUES:
                 picker.set_p(p)
                 cold = None
-                if steps is None:  # the controller's steady state: one untimed-for-the-goal pass first
+                if steps is None:  # from the initial steps, then the controller's steady state
+                    fresh_controller(eng)
                     cold = timed_decode(eng, ps)["tok_s"]
                 r = timed_decode(eng, ps)
                 r["cold_tok_s"] = cold

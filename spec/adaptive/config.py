@@ -9,18 +9,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, NoReturn
 
-# The built-in default, in the form a user writes. Deep chains only at small batch sizes, where a
-# verify costs about as much as a plain step; at most one draft from batch 64 on, where verify
-# windows become compute-bound. Plain decoding (0) is a candidate everywhere: traffic whose
-# drafts are rarely accepted turns speculation off. Set from the H100 sweep of
-# bench/gpu/spec_speedup.py (bench/RESULTS.md).
+# The built-in default, in the form a user writes. Set from the H100 sweep of
+# bench/gpu/spec_speedup.py (Llama-8B and -1B shapes, batch 1-64; bench/RESULTS.md): a verify
+# window stays memory-bound up to batch 64 there, so chains of 3-5 drafts pay at every batch size
+# when drafts are accepted; 7 only below batch 32. Hysteresis -0.45 both ways: a level is left
+# upwards once its chain's last half-draft is mostly accepted (SGLang's 0 waits for a chain used
+# up, which stays at 3 steps where 5 pays), and downwards (to plain decoding too) once the EMA
+# is near zero. Plain decoding (0) is a candidate everywhere: traffic whose drafts are rarely
+# accepted turns speculation off.
 DEFAULT_ADAPTIVE_CONFIG: dict[str, Any] = {
-    "1": {"candidate_steps": [0, 1, 3, 5, 7], "down_hysteresis": -0.25},
-    "8": {"candidate_steps": [0, 1, 3], "down_hysteresis": 0.0},
-    "32": {"candidate_steps": [0, 1, 3], "down_hysteresis": 0.0},
-    "64": {"candidate_steps": [0, 1], "down_hysteresis": 0.0},
+    "up_hysteresis": -0.45, "down_hysteresis": -0.45,
+    "1": {"candidate_steps": [0, 1, 3, 5, 7]},
+    "8": {"candidate_steps": [0, 1, 3, 5, 7]},
+    "32": {"candidate_steps": [0, 1, 3, 5]},
+    "64": {"candidate_steps": [0, 1, 3, 5]},
 }
-
 DEFAULT_EMA_ALPHA = 0.2
 DEFAULT_WARMUP_BATCHES = 10
 DEFAULT_UPDATE_INTERVAL = 5

@@ -59,7 +59,7 @@ class AdaptiveSteps:
     def __init__(self, config: AdaptiveConfig, initial_steps: int,
                  graph_batch_sizes: Sequence[int] | None = None) -> None:
         config.check_initial_steps(initial_steps)
-        self.config = config
+        self.config, self.initial_steps = config, initial_steps
         self._bounds = config.lower_bounds()
         # A slot that cannot run the initial steps starts at its nearest candidate.
         self._slots = tuple(StepSlot.from_config(config, slot, initial_steps)
@@ -80,6 +80,10 @@ class AdaptiveSteps:
     @property
     def total_switches(self) -> int:
         return sum(slot.switches for slot in self._slots)
+
+    def restarted(self) -> "AdaptiveSteps":
+        """The same policy as at start-up (config, initial steps, graph sizes), its history gone."""
+        return AdaptiveSteps(self.config, self.initial_steps, self._graph_bs or None)
 
     def set_graph_batch_sizes(self, sizes: Sequence[int] | None) -> None:
         sizes = list(sizes or ())

@@ -431,9 +431,9 @@ def test_graph_pruning_per_step_for_the_default_config() -> None:
     assert {s: policy.graph_batch_sizes_for_step(s) for s in policy.candidate_steps()} == {
         0: [1, 2, 4, 8, 16, 24, 32, 48, 64],
         1: [1, 2, 4, 8, 16, 24, 32, 48, 64],
-        3: [1, 2, 4, 8, 16, 24, 32, 48],
-        5: [1, 2, 4],
-        7: [1, 2, 4],
+        3: [1, 2, 4, 8, 16, 24, 32, 48, 64],
+        5: [1, 2, 4, 8, 16, 24, 32, 48, 64],
+        7: [1, 2, 4, 8, 16, 24],
     }
     assert policy.graph_batch_sizes_for_step(2) == []
     # Every batch size can run its slot's current steps with a graph captured for it.
@@ -442,7 +442,7 @@ def test_graph_pruning_per_step_for_the_default_config() -> None:
     assert AdaptiveSteps(AdaptiveConfig.default(), 3).graph_batch_sizes_for_step(3) == []
 
 
-@pytest.mark.parametrize("initial,expected", [(3, [3, 3, 3, 1]), (7, [7, 3, 3, 1]), (5, [5, 3, 3, 1]),
+@pytest.mark.parametrize("initial,expected", [(3, [3, 3, 3, 3]), (7, [7, 7, 5, 5]), (5, [5, 5, 5, 5]),
                                               (0, [0, 0, 0, 0]), (1, [1, 1, 1, 1])])
 def test_each_slot_starts_at_its_candidate_nearest_the_initial_steps(initial: int,
                                                                       expected: list[int]) -> None:
@@ -458,19 +458,20 @@ def test_initial_steps_outside_every_slot_is_refused() -> None:
 def test_feedback_reaches_the_slot_the_batch_size_maps_to() -> None:
     policy = AdaptiveSteps(AdaptiveConfig.default(), 7, GRAPHS)
     assert policy.steps_for_batch(3) == 7 and policy.active_slot == 0
-    assert policy.steps_for_batch(20) == 3 and policy.active_slot == 1
+    assert policy.steps_for_batch(20) == 7 and policy.active_slot == 1
     switched = [policy.on_verify_complete(3, [0, 0, 0]) for _ in range(20)]  # bs 3 -> 4 -> slot "1"
     assert switched == [False] * 19 + [True]
-    assert policy.steps_for_batch(2) == 0 and policy.steps_for_batch(20) == 3  # no drafts accepted: plain
+    # no drafts accepted: down several levels at once, to 3 (to 1 and plain once the EMA <= 0.05)
+    assert policy.steps_for_batch(2) == 3 and policy.steps_for_batch(20) == 7
     assert policy.total_switches == 1
     assert not policy.on_verify_complete(20, [])  # an empty batch feeds nothing
     snap = policy.snapshot()
     assert [(s["lower_bound"], s["upper_bound"]) for s in snap] == [(1, 7), (8, 31), (32, 63), (64, None)]
-    assert snap[0] == {"lower_bound": 1, "upper_bound": 7, "current_steps": 0,
+    assert snap[0] == {"lower_bound": 1, "upper_bound": 7, "current_steps": 3,
                        "ema": pytest.approx(6 * 0.8 ** 20), "switches": 1, "batches": 20,
                        "failed_upshifts": 0}
     assert [s["batches"] for s in snap] == [20, 0, 0, 0]
-    assert [s["ema"] for s in snap[1:]] == [2.0, 2.0, 0.0]
+    assert [s["ema"] for s in snap[1:]] == [6.0, 4.0, 4.0]
 
 
 def test_policies_satisfy_the_protocol() -> None:
@@ -503,3 +504,13 @@ def test_policies_satisfy_the_protocol() -> None:
 
     assert isinstance(Fixed(), AdaptivePolicy)
     assert not isinstance(object(), AdaptivePolicy)
+
+
+def test_restarted_policy_forgets_its_history() -> None:
+    policy = AdaptiveSteps(AdaptiveConfig.default(), 7, GRAPHS)
+    for _ in range(20):
+        policy.on_verify_complete(3, [0, 0, 0])
+    fresh = policy.restarted()
+    assert fresh.snapshot() == AdaptiveSteps(AdaptiveConfig.default(), 7, GRAPHS).snapshot()
+    assert fresh.graph_batch_sizes_for_step(7) == policy.graph_batch_sizes_for_step(7)
+    assert policy.snapshot()[0]["current_steps"] == 3  # the original keeps its own
