@@ -111,7 +111,9 @@ class DecodeHandler:
                 aux_row=dr.row, num_tokens=len(req.prompt_ids),
                 deadline_unix_s=time.time() + self.timeouts.waiting_s), timeout=self.peers.policy.rpc_timeout_s)
             sent = time.perf_counter()
-            if not ack.accepted:
+            if not ack.accepted:  # the prefill will never write here: the pages are free at once
+                self.waiter.forget(room)
+                dr.stage = Stage.RESERVED
                 raise RequestFailed(f"prefill refused the destination: {ack.error}", "destination_refused")
             abort = asyncio.ensure_future(dr.aborted.wait())
             try:

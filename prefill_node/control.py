@@ -8,7 +8,7 @@ import logging
 import grpc
 
 from engine.compat import Fingerprint, first_mismatch
-from engine.kv_transfer import TransferError
+from engine.kv_transfer import KVPoll, TransferError
 from engine.kv_transfer.endpoint import Endpoint
 from engine.kv_transfer.wire import layout_from_proto, layout_to_proto
 from pdserve.v1 import kv_control_pb2 as kpb
@@ -60,5 +60,8 @@ class KVControlServicer(kpb_grpc.KVControlServicer):
         # An abort may overtake the router's prefill leg: keep a failed room (it expires with the
         # orphan TTL) so that leg fails at once instead of waiting for a destination.
         room = self.rooms.get_or_create(request.room)
+        idle = room.state not in (KVPoll.TRANSFERRING, KVPoll.SUCCESS)  # no write posted into its pages
         room.fail(f"aborted by decode: {request.reason or 'no reason given'}")
+        if idle:  # a failed room never posts one: the decode may free its pages now
+            room.tell_decode(self.endpoint.transport, room.reason)
         return kpb.AbortRoomAck()

@@ -21,7 +21,7 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from engine.core import FinishReason, InvalidRequest, Req
 from engine.disagg import DisaggEngine
 from engine.handoff import HandoffError
-from engine.kv_transfer import KVPoll, TransferError, TransferRequest, failure_tag
+from engine.kv_transfer import KVPoll, TransferError, TransferRequest
 from engine.kv_transfer.endpoint import Endpoint, room_echo
 from engine.scheduler import RequestUpdate
 from engine.service import convert
@@ -43,6 +43,7 @@ class PrefillHandler:
     def __init__(self, pd: DisaggEngine, endpoint: Endpoint, rooms: RoomTable,
                  timeouts: PrefillTimeouts) -> None:
         self.pd, self.endpoint, self.rooms, self.timeouts = pd, endpoint, rooms, timeouts
+        self._orphans: dict[str, asyncio.Future] = {}  # rid -> the end of a cancelled request's write
 
     async def generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -66,12 +67,19 @@ class PrefillHandler:
         except (RequestFailed, TransferError, HandoffError, asyncio.TimeoutError) as e:
             reason = str(e) or type(e).__name__
             room.fail(reason)
-            self._tell_decode(room, reason)
+            room.tell_decode(self.endpoint.transport, reason)
             KV_TRANSFER_FAILURES.labels("prefill", e.kind if isinstance(e, RequestFailed) else _kind(e)).inc()
             raise RequestFailed(f"prefill failed for room {room.room}: {reason}") from None
+        except asyncio.CancelledError:  # the caller went away: the decode hears it now
+            in_flight = room.state is KVPoll.TRANSFERRING  # then the write's own end tells it
+            room.fail("prefill request cancelled")
+            if not in_flight:
+                room.tell_decode(self.endpoint.transport, room.reason)
+            raise
         finally:
             pd.abort(req.rid, "prefill ended")  # no-op once finished
-            pd.release(req)
+            if req.rid not in self._orphans:  # else a posted write still reads its pages
+                pd.release(req)
             if room.state is KVPoll.FAILED:  # a late destination for it must be refused
                 room.deadline = time.monotonic() + self.rooms.orphan_ttl_s
             else:
@@ -119,6 +127,8 @@ class PrefillHandler:
         handle = None
         try:
             rows.write(row, room_echo(room.room), payload)
+            if room.state is KVPoll.FAILED:  # aborted while computing: never post into its pages
+                raise RequestFailed(room.reason, "aborted")
             room.state = KVPoll.TRANSFERRING
             room.deadline = time.monotonic() + self.timeouts.transfer_s
             posted = time.perf_counter()
@@ -129,10 +139,30 @@ class PrefillHandler:
             room.state = KVPoll.SUCCESS
             KV_TRANSFER_SECONDS.labels("prefill").observe(time.perf_counter() - posted)
             KV_TRANSFER_BYTES.labels("prefill").inc(need * pd.kv_bytes_per_page + rows.row_bytes)
+        except asyncio.CancelledError:
+            if handle is not None:  # the write runs on: release it once it ended, then tell the decode
+                self._orphans[req.rid] = asyncio.ensure_future(self._end_orphaned_write(handle, room, row, req))
+                handle = row = None
+            raise
         finally:
             if handle is not None:
                 self.endpoint.transport.release(handle)
-            rows.free(row)
+            if row is not None:
+                rows.free(row)
+
+    async def _end_orphaned_write(self, handle: object, room: Room, row: int, req: Req) -> None:
+        """A cancelled request's posted write: wait for its end (bounded by the room deadline),
+        then free its handle, row and source pages, and tell the decode that this room failed."""
+        try:
+            await self._poll(handle, room)
+        except RequestFailed:
+            pass
+        finally:
+            self.endpoint.transport.release(handle)
+            self.endpoint.rows.free(row)
+            del self._orphans[req.rid]
+            self.pd.release(req)
+            room.tell_decode(self.endpoint.transport, room.reason or "prefill request cancelled")
 
     async def _poll(self, handle: object, room: Room) -> None:
         """Until the posted write ends. An abort meanwhile does not cut it short: a write released
@@ -152,14 +182,6 @@ class PrefillHandler:
                 raise RequestFailed(f"KV write did not finish within {self.timeouts.transfer_s:.0f} s",
                                     "transfer_timeout")
             await asyncio.sleep(0.001)
-
-    def _tell_decode(self, room: Room, reason: str) -> None:
-        if room.destination is None:
-            return
-        try:
-            self.endpoint.transport.notify(room.destination.peer, failure_tag(room.room, reason[:200]))
-        except Exception:  # noqa: BLE001 - best effort: the decode's own deadline still holds
-            log.debug("could not notify decode about room %d", room.room, exc_info=True)
 
     def abort(self, request_id: str, reason: str) -> bool:
         self.pd.abort(request_id, reason)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 
-from engine.kv_transfer import KVPoll
+from engine.kv_transfer import KVPoll, KVTransport, failure_tag
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -33,6 +36,16 @@ class Room:
         if self.state not in (KVPoll.SUCCESS, KVPoll.FAILED):
             self.state, self.reason = KVPoll.FAILED, reason
         self.arrived.set()
+
+    def tell_decode(self, transport: KVTransport, reason: str) -> None:
+        """Best effort: the decode frees this room's pages now instead of at its own deadline.
+        Only said when no write into them is posted, or once that write has ended."""
+        if self.destination is None:
+            return
+        try:
+            transport.notify(self.destination.peer, failure_tag(self.room, reason[:200]))
+        except Exception:  # noqa: BLE001 - the decode's own deadline still holds
+            log.debug("could not notify decode about room %d", self.room, exc_info=True)
 
 
 class RoomTable:
