@@ -54,6 +54,9 @@ class UpConfig:
     verbose: bool = False
     start_timeout_s: float = 300.0
     colocated: int = 0  # > 0: that many colocated nodes instead of prefill/decode (the PD baseline)
+    # Each node sees only its own GPU (CUDA_VISIBLE_DEVICES). Off: every node sees every GPU and
+    # gets `--device cuda:N`, which NIXL needs for GPU-to-GPU copies over NVLink (CUDA IPC).
+    isolate_gpus: bool = True
 
 
 class Deployment:
@@ -63,7 +66,7 @@ class Deployment:
 
     def _spawn(self, name: str, args: list[str], device: str | None = None) -> Child:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "NIXL_LOG_LEVEL": "WARN"}
-        if device is not None and device.startswith("cuda:"):
+        if device is not None and device.startswith("cuda:") and self.cfg.isolate_gpus:
             env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]  # each node sees one GPU as cuda:0
         proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -105,7 +108,7 @@ class Deployment:
 
     def _spawn_colocated(self, common: list[str]) -> list[Child]:
         devices = _devices(self.cfg.device, self.cfg.colocated)
-        return [self._spawn(f"colocated-{i}", ["serve", *common, "--device", _local(dev)], dev)
+        return [self._spawn(f"colocated-{i}", ["serve", *common, "--device", self._local(dev)], dev)
                 for i, dev in enumerate(devices)]
 
     def _spawn_pd(self, common: list[str]) -> list[Child]:
@@ -115,11 +118,15 @@ class Deployment:
         for i in range(cfg.prefill):
             dev = devices[i]
             nodes.append(self._spawn(f"prefill-{i}", ["prefill", *common, "--bootstrap-port", "0",
-                                                      "--device", _local(dev)], dev))
+                                                      "--device", self._local(dev)], dev))
         for i in range(cfg.decode):
             dev = devices[cfg.prefill + i]
-            nodes.append(self._spawn(f"decode-{i}", ["decode", *common, "--device", _local(dev)], dev))
+            nodes.append(self._spawn(f"decode-{i}", ["decode", *common, "--device", self._local(dev)], dev))
         return nodes
+
+    def _local(self, device: str) -> str:
+        """The node's --device: cuda:0 of its one visible GPU, or the real index when all are visible."""
+        return _local(device) if self.cfg.isolate_gpus else device
 
     def stop(self, grace_s: float = 10.0) -> None:
         for c in self.children:

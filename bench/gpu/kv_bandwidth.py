@@ -1,0 +1,132 @@
+"""KV + handoff-row write bandwidth from one GPU to another through pdserve's NIXL transport, next
+to raw NIXL (one descriptor of the same bytes) between the same GPUs, on the Llama-3.1-8B KV shape
+(32 layers, 8 KV heads, head dim 128, bf16: 128 KiB per token; 16-token pages).
+
+The receiving side runs in a child process (as a decode node would), so the copy crosses
+processes exactly as in serving: CUDA IPC over NVLink between two GPUs, or within one GPU.
+`measure(src, dst)` returns, per prompt length, the transport's and raw NIXL's GB/s and ratio.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+LAYERS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+TOKENS = (1024, 8192)
+REPEATS = 5
+BYTES_PER_TOKEN = 2 * LAYERS * KV_HEADS * HEAD_DIM * 2
+ROW_PAYLOAD = 4096  # about an EAGLE handoff row of an 8B model (top-k + a 4096-wide hidden state)
+
+
+def _endpoint(name: str, device: str, max_tokens: int) -> tuple[Any, Any, Any, torch.Tensor]:
+    """Our transport over an 8B-shaped pool, plus a raw NIXL agent over one flat buffer."""
+    from nixl_cu13._api import nixl_agent, nixl_agent_config
+
+    from engine.kv_cache import KVPool
+    from engine.kv_transfer import HandoffRows, create_transport
+
+    pool = KVPool(LAYERS, max_tokens // PAGE + 2, PAGE, KV_HEADS, HEAD_DIM, torch.bfloat16, device)
+    rows = HandoffRows(ROW_PAYLOAD, 4, device="cpu")
+    transport = create_transport("nixl", f"bw-{name}", [pool], rows)
+    flat = torch.empty(max_tokens * BYTES_PER_TOKEN, dtype=torch.uint8, device=device)
+    raw = nixl_agent(f"raw-{name}", nixl_agent_config(backends=["UCX"]))
+    raw.register_memory([(flat.data_ptr(), flat.numel(), max(flat.get_device(), 0), "")], _mem(flat))
+    return transport, (pool, rows), raw, flat
+
+
+def _mem(t: torch.Tensor) -> str:
+    return "VRAM" if t.is_cuda else "DRAM"
+
+
+def _receiver(conn: Any, device: str, max_tokens: int) -> None:
+    transport, keep, raw, flat = _endpoint("recv", device, max_tokens)
+    conn.send((transport.metadata(), transport.layout(), bytes(raw.get_agent_metadata()), flat.data_ptr(),
+               max(flat.get_device(), 0)))
+    while not conn.poll(0.0005):  # a receiver drives its agents' progress, as a decode node does
+        transport.drain_notifications()
+        raw.get_new_notifs()
+    transport.close()
+    del keep
+
+
+def _wait(poll: Any, done: Any) -> None:
+    while True:
+        state = poll()
+        if done(state):
+            return
+        time.sleep(0)
+
+
+def _time_ours(transport: Any, peer: str, tokens: int, scattered: bool) -> float:
+    from engine.kv_transfer import KVPoll, TransferRequest
+
+    pages = list(range(1, tokens // PAGE + 1))
+    dst = list(np.random.default_rng(0).permutation(pages)) if scattered else pages
+    times = []
+    for i in range(REPEATS + 1):
+        t0 = time.perf_counter()
+        h = transport.write(TransferRequest(i, peer, pages, [int(p) for p in dst], 1, 1))
+        _wait(lambda: transport.poll(h), lambda s: s is not KVPoll.TRANSFERRING)
+        times.append(time.perf_counter() - t0)
+        assert transport.poll(h) is KVPoll.SUCCESS, transport.last_error(h)
+        transport.release(h)
+    return statistics.median(times[1:])  # the first pays connection set-up
+
+
+def _time_raw(raw: Any, peer: str, flat: torch.Tensor, remote: tuple[int, int], nbytes: int) -> float:
+    local = raw.get_xfer_descs(np.array([[flat.data_ptr(), nbytes, max(flat.get_device(), 0)]], dtype=np.uint64),
+                               _mem(flat))
+    far = raw.get_xfer_descs(np.array([[remote[0], nbytes, remote[1]]], dtype=np.uint64), _mem(flat))
+    times = []
+    for _ in range(REPEATS + 1):
+        h = raw.initialize_xfer("WRITE", local, far, peer, b"")
+        t0 = time.perf_counter()
+        st = raw.transfer(h)
+        if st != "DONE":
+            _wait(lambda: raw.check_xfer_state(h), lambda s: s != "PROC")
+        times.append(time.perf_counter() - t0)
+        h.release()
+    return statistics.median(times[1:])
+
+
+def measure(src: str, dst: str, tokens_list: tuple[int, ...] = TOKENS) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver, args=(child, dst, max(tokens_list)), daemon=True)
+    proc.start()
+    try:
+        md, layout, raw_md, raddr, rdev = parent.recv()
+        transport, keep, raw, flat = _endpoint("send", src, max(tokens_list))
+        peer = transport.add_peer(md, layout)
+        raw_peer = raw.add_remote_agent(raw_md)
+        raw_peer = raw_peer.decode() if isinstance(raw_peer, bytes) else raw_peer
+        out: dict[str, Any] = {}
+        for tokens in tokens_list:
+            nbytes = tokens * BYTES_PER_TOKEN
+            total = nbytes + keep[1].row_bytes
+            ours, scattered = _time_ours(transport, peer, tokens, False), _time_ours(transport, peer, tokens, True)
+            raw_s = _time_raw(raw, raw_peer, flat, (raddr, rdev), nbytes)
+            out[str(tokens)] = {
+                "kv_bytes": nbytes, "kv_plus_row_bytes": total,
+                "ours_s": ours, "ours_gb_s": total / ours / 1e9,
+                "ours_scattered_pages_s": scattered, "ours_scattered_pages_gb_s": total / scattered / 1e9,
+                "raw_nixl_s": raw_s, "raw_nixl_gb_s": nbytes / raw_s / 1e9,
+                "ratio_vs_raw": (total / ours) / (nbytes / raw_s),
+                "ratio_vs_raw_scattered_pages": (total / scattered) / (nbytes / raw_s)}
+            print(f"{tokens} tokens: ours {out[str(tokens)]['ours_gb_s']:.1f} GB/s (scattered pages "
+                  f"{out[str(tokens)]['ours_scattered_pages_gb_s']:.1f}), raw NIXL "
+                  f"{out[str(tokens)]['raw_nixl_gb_s']:.1f} GB/s, ratio {out[str(tokens)]['ratio_vs_raw']:.2f}",
+                  flush=True)
+        transport.close()
+        return out
+    finally:
+        parent.send("stop")
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()

@@ -1,0 +1,139 @@
+"""PD across two GPUs of one host: a prefill node on GPU 0, a decode node on GPU 1 and a router,
+NIXL moving KV device to device (CUDA IPC over NVLink), against a colocated node on GPU 0.
+
+The model has the Llama-3.1-8B KV shape (32 layers, 8 KV heads, head dim 128, bf16: 128 KiB of KV
+per token) with a narrow body (hidden 1024, MLP 2816) so the run fits a short GPU slot; the KV
+moved per token is the 8B model's. EAGLE (3-step chains, a head that predicts the target's own
+features) decodes in both deployments.
+
+Reports (OUT/pd_two_gpu_<gpu>.json):
+* bandwidth: KV + handoff row per request for 1K and 8K-token prompts through the transport, and
+  raw NIXL GPU0 -> GPU1 in the same run (bench/gpu/kv_bandwidth.py); goal: ratio >= 0.8;
+* outputs: a fixed greedy request set through the router, PD texts == colocated texts;
+* acceptance: the decode node's mean accepted length == the colocated node's;
+* TTFT: PD minus colocated time to first token (1-token requests, median of 5) for both prompt
+  lengths, against the full KV's transfer time + 2 ms; chunked prefill (2K-token chunks) sends
+  each chunk's pages while the next one runs, so the handoff adds about one chunk's transfer.
+
+With one GPU the same runs put both nodes on it (NIXL within VRAM), and the report says
+"one GPU". Run: `python -m bench.gpu.pd_two_gpu OUT` (keep NVLink multicast off:
+NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from bench.common import write_report
+from bench.gpu import kv_bandwidth
+from bench.serving_matrix import scrape_accept_len
+from engine.tiny_eagle import write_tiny_eagle_head
+from engine.tiny_model import write_tiny_model
+from pdserve.up import Deployment, UpConfig
+
+CHUNK = 2048
+NODE_ARGS = ("--page-size", str(kv_bandwidth.PAGE), "--max-total-tokens", "40000", "--chunked-prefill-size",
+             str(CHUNK), "--max-running", "16", "--metrics-port", "0", "--speculative-algorithm", "EAGLE",
+             "--speculative-num-steps", "3")
+FIXED_SET = [(n, seed) for n, seed in ((24, 1), (100, 2), (300, 3), (700, 4), (1500, 5), (3000, 6))]
+
+
+def write_models(root: Path) -> tuple[Path, Path]:
+    target = write_tiny_model(root / "target", seed=0, hidden_size=1024, num_layers=kv_bandwidth.LAYERS,
+                              num_heads=8, num_kv_heads=kv_bandwidth.KV_HEADS, head_dim=kv_bandwidth.HEAD_DIM,
+                              intermediate_size=2816, max_position_embeddings=16384, dtype="bfloat16")
+    return target, write_tiny_eagle_head(root / "head", target, "eagle", mode="repeat")
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 250) for _ in range(n)]
+
+
+def complete(url: str, ids: list[int], max_tokens: int) -> tuple[str, float]:
+    body = json.dumps({"model": _model(url), "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=120) as r:
+        text = json.load(r)["choices"][0]["text"]
+    return text, time.perf_counter() - t0
+
+
+def _model(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
+        return json.load(r)["data"][0]["id"]
+
+
+def ttft_ms(url: str, tokens: int) -> float:
+    """One-token requests: the whole latency is the time to the first token (median of 5)."""
+    complete(url, prompt(tokens, 99), 1)  # warm the shapes of this length
+    return statistics.median(complete(url, prompt(tokens, 100 + i), 1)[1] for i in range(5)) * 1e3
+
+
+def serve(target: Path, head: Path, colocated: int, device: str = "cuda") -> Deployment:
+    args = (*NODE_ARGS, "--speculative-draft-model-path", str(head))
+    return Deployment(UpConfig(str(target), port=0, device=device, colocated=colocated, node_args=args,
+                               start_timeout_s=300, isolate_gpus=False))
+
+
+def run_deployment(dep: Deployment, name: str, tokens: tuple[int, ...] = kv_bandwidth.TOKENS) -> dict[str, Any]:
+    url = dep.start(lambda msg: print(f"[{name}] {msg}", file=sys.stderr, flush=True))
+    texts = [complete(url, prompt(n, seed), 32)[0] for n, seed in FIXED_SET]
+    accept = scrape_accept_len(dep)
+    ttft = {str(t): ttft_ms(url, t) for t in tokens}
+    return {"texts": texts, "accept_len": accept, "ttft_ms": ttft}
+
+
+def main() -> int:
+    import torch
+
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results")
+    gpus = torch.cuda.device_count()
+    topology = "two GPUs" if gpus >= 2 else "one GPU"
+    src, dst = "cuda:0", "cuda:1" if gpus >= 2 else "cuda:0"
+    bandwidth = kv_bandwidth.measure(src, dst)
+    runs: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        target, head = write_models(Path(tmp))
+        for name, colocated in (("pd", 0), ("colocated", 1)):
+            dep = serve(target, head, colocated)
+            try:
+                runs[name] = run_deployment(dep, name)
+            finally:
+                dep.stop()
+    ttft = {}
+    for t in kv_bandwidth.TOKENS:
+        b = bandwidth[str(t)]
+        diff = runs["pd"]["ttft_ms"][str(t)] - runs["colocated"]["ttft_ms"][str(t)]
+        ttft[str(t)] = {"pd_ms": runs["pd"]["ttft_ms"][str(t)], "colocated_ms": runs["colocated"]["ttft_ms"][str(t)],
+                        "diff_ms": diff, "full_transfer_ms": b["ours_s"] * 1e3,
+                        "chunk_transfer_ms": b["ours_s"] * 1e3 * min(1.0, CHUNK / t),
+                        "within_transfer_plus_2ms": diff <= b["ours_s"] * 1e3 + 2.0}
+    report = {
+        "device": torch.cuda.get_device_name(), "topology": topology, "gpus": gpus,
+        "command": "python -m bench.gpu.pd_two_gpu OUT", "chunked_prefill_size": CHUNK,
+        "bandwidth": bandwidth,
+        "bandwidth_goal_met": all(b["ratio_vs_raw"] >= 0.8 for b in bandwidth.values()),
+        "pd_equals_colocated": runs["pd"]["texts"] == runs["colocated"]["texts"],
+        "accept_len": {"pd": runs["pd"]["accept_len"], "colocated": runs["colocated"]["accept_len"]},
+        "acceptance_equal": runs["pd"]["accept_len"] == runs["colocated"]["accept_len"],
+        "ttft": ttft, "texts": {k: v["texts"] for k, v in runs.items()},
+    }
+    gpu = report["device"].split()[1].lower() if " " in report["device"] else "gpu"
+    write_report(out / f"pd_two_gpu_{gpu}.json", report)
+    print(json.dumps({k: report[k] for k in ("topology", "bandwidth_goal_met", "pd_equals_colocated",
+                                             "accept_len", "ttft")}, indent=1))
+    return 0 if report["pd_equals_colocated"] and report["acceptance_equal"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
