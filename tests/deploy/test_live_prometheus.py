@@ -28,10 +28,7 @@ ORPHAN_WAIT_S = 8  # the decode's --waiting-timeout: long enough for real prefil
 
 # Panels whose data the stack cannot produce yet, and why. Remove an entry once it is wired; the
 # test then insists on data for it (and fails while the entry stays but data shows up).
-PENDING = {
-    "Adaptive speculative steps": "the executor exposes no adaptive state yet "
-                                  "(pdserve_spec_adaptive_steps appears with --speculative-adaptive)",
-}
+PENDING: dict[str, str] = {}
 
 
 def _has_finite(result: list[dict]) -> bool:
@@ -51,8 +48,9 @@ def test_dashboard_and_rules_on_a_live_stack(tmp_path: Path) -> None:
     prom: Prometheus | None = None
     try:
         prefill = _node("prefill", "--bootstrap-port", "0")
-        decode = _node("decode", "--waiting-timeout", str(ORPHAN_WAIT_S))
-        colocated = _node("serve")
+        # generating nodes adapt their draft steps (the dashboard's adaptive panel)
+        decode = _node("decode", "--waiting-timeout", str(ORPHAN_WAIT_S), "--speculative-adaptive")
+        colocated = _node("serve", "--speculative-adaptive")
         procs += [prefill, decode, colocated]
         flaky = FlakyDecode()
         for n in (prefill, decode, colocated):
