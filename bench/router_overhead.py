@@ -33,7 +33,7 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pbg
 
 from bench.engine_cpu import _cpu_model, _loadavg, _nproc
-from pdserve.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "bench" / "results" / "router_overhead.json"

@@ -9,7 +9,7 @@ from typing import Any
 from decode_node.handler import DecodeHandler, DecodeTimeouts
 from decode_node.peers import PeerManager, PeerPolicy
 from decode_node.receiver import CompletionWaiter
-from engine.compat import pairing_protocol
+from common.fingerprint import pairing_protocol
 from engine.disagg import DisaggEngine
 from engine.kv_transfer.endpoint import build_endpoint
 from engine.service.server import (metrics_suffix, node_info, scheduler_service, serve_until,

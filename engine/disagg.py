@@ -20,7 +20,7 @@ from engine.handoff import HandoffCodec, HandoffHeader, decode_row, encode_row
 from engine.kv_cache import KVPool, OutOfPages
 from engine.scheduler import RequestUpdate
 from engine.serving import EngineLoop, UpdateCallback
-from pdserve.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 
 
 class DisaggEngine:

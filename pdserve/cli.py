@@ -254,7 +254,7 @@ def generate(
 ) -> None:
     """Generate text for one prompt (streamed) or several (batched) with the in-process engine."""
     from engine.config import ModelLoadError
-    from pdserve.tokenizer import TokenizerFileNotFoundError
+    from common.tokenizer import TokenizerFileNotFoundError
 
     try:
         # Validate sampling and speculative options before the (slow) model load, so typos

@@ -6,7 +6,7 @@ import asyncio
 import logging
 from typing import Any
 
-from engine.compat import pairing_protocol
+from common.fingerprint import pairing_protocol
 from engine.disagg import DisaggEngine
 from engine.kv_transfer.endpoint import build_endpoint
 from engine.service.server import (metrics_suffix, node_info, scheduler_service, serve_until,

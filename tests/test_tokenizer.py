@@ -10,7 +10,8 @@ from typing import Any, Sequence
 
 import pytest
 
-from pdserve.tokenizer import (ChatTemplateError, IncrementalDetokenizer, StopStringMatcher, Tokenizer,
+from common.detokenize import IncrementalDetokenizer, StopStringMatcher
+from common.tokenizer import (ChatTemplateError, Tokenizer,
                                TokenizerFileNotFoundError)
 
 TEXTS = [
@@ -308,7 +309,7 @@ def test_stop_matcher_ignores_matches_ending_in_protected_text(seed: int) -> Non
 
 
 def test_text_assembler_min_tokens(tiny_llama_dir: Path) -> None:
-    from engine.text_output import TextAssembler
+    from common.detokenize import TextAssembler
 
     tok = Tokenizer.from_dir(tiny_llama_dir)
     ids = tok.encode("ab ab ab ab", add_special_tokens=False)

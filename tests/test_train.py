@@ -10,7 +10,7 @@ import torch
 
 from engine.core import SamplingParams
 from engine.engine import Engine, EngineConfig
-from pdserve.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 from pdserve.train.corpus import is_heldout, load_corpus, source_files
 from pdserve.train.main import PRESETS, train_pair
 from pdserve.train.save import save_weights

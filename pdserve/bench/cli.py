@@ -80,7 +80,7 @@ def run_bench(opts: BenchOptions, progress: bool = True) -> tuple[dict[str, Any]
 def _load_tokenizer(path: Path | None) -> Any:
     if path is None:
         return None
-    from pdserve.tokenizer import Tokenizer  # torch-free, as the router uses it
+    from common.tokenizer import Tokenizer  # torch-free, as the router uses it
 
     return Tokenizer.from_dir(path)
 

@@ -32,7 +32,7 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int) -> Tokenizer:
 
 
 def save_tokenizer(tok: Tokenizer, out: Path, model_max_length: int) -> None:
-    """Files that pdserve.tokenizer.Tokenizer and transformers' AutoTokenizer both load."""
+    """Files that common.tokenizer.Tokenizer and transformers' AutoTokenizer both load."""
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     added = {str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False,

@@ -1,4 +1,4 @@
-"""engine.compat: the model hash, the fingerprint's field-naming mismatch and the pairing token."""
+"""common.fingerprint: the model hash, the fingerprint's field-naming mismatch and the pairing token."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.compat import (SAMPLE_BYTES, SAMPLE_COUNT, Fingerprint, build_fingerprint, first_mismatch,
+from common.fingerprint import (SAMPLE_BYTES, SAMPLE_COUNT, Fingerprint, build_fingerprint, first_mismatch,
                            model_hash, pairing_protocol)
 
 

@@ -24,7 +24,7 @@ import pytest
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 from engine.kv_transfer import nixl_available
-from pdserve.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 from tests.pd.pdkit import stub, wait_idle
 from tests.router.stack import Stack, decode_node, start_stack, wait_status
 
