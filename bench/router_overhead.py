@@ -215,7 +215,7 @@ async def measure(c: Clients, cfg: dict[str, Any], pids: dict[str, int]) -> dict
 def run(quick: bool = False, tokens_per_chunk: int = TOKENS_PER_CHUNK) -> dict[str, Any]:
     """Start nodes + router, measure, stop them; returns the results (nothing printed or written)."""
     # torch: only this (client) process pays for it, not the router or the nodes
-    from engine.tiny_model import write_tiny_model
+    from fixtures.tiny_model import write_tiny_model
 
     cfg = dict(QUICK if quick else FULL)
     env = {"cpu": _cpu_model(), "cores": _nproc(), "python": sys.version.split()[0],

@@ -299,14 +299,14 @@ def generate(
              add_help_option=False)
 def train(ctx: typer.Context) -> None:
     """Train a target + EAGLE head pair like the built-in one (`pdserve train --help` for options)."""
-    from pdserve.train.main import main
+    from trainer.main import main
 
     main(list(ctx.args))
 
 
 def _register_node_commands() -> None:
     from pdserve import node_cli
-    from pdserve.bench.cli import register as register_bench
+    from loadgen.cli import register as register_bench
 
     node_cli.register(app)
     register_bench(app)

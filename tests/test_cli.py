@@ -16,7 +16,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.tiny_model import write_tiny_model
+    from fixtures.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("cli") / "tiny", seed=3)
 
@@ -104,7 +104,7 @@ def test_module_help_runs_and_import_stays_torch_free() -> None:
 
 @pytest.fixture(scope="module")
 def eagle_head(model_dir: Path) -> Path:
-    from engine.tiny_eagle import write_tiny_eagle_head
+    from fixtures.tiny_eagle import write_tiny_eagle_head
 
     # A random head: its drafts are almost always rejected, so nearly every verify falls back
     # to the target's own token, the path where an off-by-one would show in the text.

@@ -144,7 +144,7 @@ ENGINE_INTERNALS = frozenset({"kv", "scheduler", "executor", "io", "parts"})
 # speculative registry's own package and in the draft loader's table of head formats.
 NAME_BRANCH = re.compile(r"""(==|!=|\bin\b)\s*[(\[{]?\s*["'](NONE|EAGLE3?|NGRAM|STANDALONE|eagle3?)["']"""
                          r"""|\bfmt\s*==|\bspec\s+is\s+(not\s+)?None""")
-NAME_BRANCH_ALLOWED = ("spec/", "engine/draft_loader.py", "engine/tiny_eagle.py")
+NAME_BRANCH_ALLOWED = ("spec/", "engine/draft_loader.py", "fixtures/tiny_eagle.py")
 
 
 def test_no_getattr_probe_of_an_executor() -> None:

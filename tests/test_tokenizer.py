@@ -351,7 +351,7 @@ def test_tiny_models_load_in_transformers(fixture: str, request: pytest.FixtureR
 def test_tiny_model_weights(tiny_qwen3_dir: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    from engine.tiny_model import write_tiny_model
+    from fixtures.tiny_model import write_tiny_model
 
     index = json.loads((tiny_qwen3_dir / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))

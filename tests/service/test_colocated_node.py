@@ -9,7 +9,7 @@ from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
 from engine.core import SamplingParams
 from engine.engine import Engine, EngineConfig
-from tests.procs import Node
+from fixtures.procs import Node
 
 PROMPT = [5, 17, 42, 7, 99, 3]
 

@@ -1,7 +1,7 @@
 """`pdserve bench`: the typer command, and `run_bench` that scripts (bench/serving.py) call.
 
 Cheap at import (typer and stdlib only): httpx, rich and matplotlib load when the command runs.
-Register it on the main app with `register(app)`; `python -m pdserve.bench.cli` runs it alone.
+Register it on the main app with `register(app)`; `python -m loadgen.cli` runs it alone.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
 import typer
 
 if TYPE_CHECKING:
-    from pdserve.bench.metrics import RequestRecord
+    from loadgen.metrics import RequestRecord
 
 EXIT_USAGE = 2
 
@@ -48,10 +48,10 @@ def run_bench(opts: BenchOptions, progress: bool = True) -> tuple[dict[str, Any]
     """Build the prompts, run the sweep, write results.json (+ PNGs); returns (report, files)."""
     import asyncio
 
-    from pdserve.bench.client import EndpointConfig
-    from pdserve.bench.dataset import CHARS_PER_TOKEN, random_requests
-    from pdserve.bench.metrics import parse_slo
-    from pdserve.bench.sweep import SweepConfig, parse_loads, run_sweep, write_report
+    from loadgen.client import EndpointConfig
+    from loadgen.dataset import CHARS_PER_TOKEN, random_requests
+    from loadgen.metrics import parse_slo
+    from loadgen.sweep import SweepConfig, parse_loads, run_sweep, write_report
 
     if opts.num_prompts < 1:
         raise ValueError("--num-prompts must be at least 1")
@@ -71,7 +71,7 @@ def run_bench(opts: BenchOptions, progress: bool = True) -> tuple[dict[str, Any]
         report = asyncio.run(run_sweep(cfg, requests, factory))
     files = [write_report(report, opts.out)]
     if opts.plots:
-        from pdserve.bench.plots import write_plots
+        from loadgen.plots import write_plots
 
         files += write_plots(report, opts.out)
     return report, files
@@ -156,7 +156,7 @@ def bench(
     """Benchmark an OpenAI-compatible server: streamed requests at swept load, latency/throughput report."""
     import httpx
 
-    from pdserve.bench.sweep import format_summary
+    from loadgen.sweep import format_summary
 
     opts = BenchOptions(base_url, endpoint, model, tokenizer, num_prompts, input_len, output_len,
                         range_ratio, request_rate, concurrency, seed, warmup, slo, ignore_eos, usage,

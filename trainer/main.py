@@ -11,17 +11,17 @@ from typing import Any, Callable
 
 import torch
 
-from pdserve.train.corpus import load_corpus
-from pdserve.train.data import encode_stream
-from pdserve.train.eagle_head import build_head, head_agreement, train_head
-from pdserve.train.eagle_head import hf_tensors as head_tensors
-from pdserve.train.evaluate import heldout_prompts, measure_acceptance
-from pdserve.train.layers import LlamaShape
-from pdserve.train.loop import Schedule
-from pdserve.train.save import file_sizes, save_head, save_target, write_json
-from pdserve.train.target import build_target, train_target
-from pdserve.train.target import hf_tensors as target_tensors
-from pdserve.train.tokenizer import save_tokenizer, special_ids, train_tokenizer
+from trainer.corpus import load_corpus
+from trainer.data import encode_stream
+from trainer.eagle_head import build_head, head_agreement, train_head
+from trainer.eagle_head import hf_tensors as head_tensors
+from trainer.evaluate import heldout_prompts, measure_acceptance
+from trainer.layers import LlamaShape
+from trainer.loop import Schedule
+from trainer.save import file_sizes, save_head, save_target, write_json
+from trainer.target import build_target, train_target
+from trainer.target import hf_tensors as target_tensors
+from trainer.tokenizer import save_tokenizer, special_ids, train_tokenizer
 
 MAX_PAIR_BYTES = 25_000_000
 
@@ -170,7 +170,7 @@ def _metrics(out: Path, seed: int, dev: torch.device, p: Preset, shape: LlamaSha
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(prog="python -m pdserve.train", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
     ap.add_argument("--out", type=Path, required=True,
                     help="output directory (target/, eagle/, train_meta.json)")
     ap.add_argument("--seed", type=int, default=0)

@@ -8,7 +8,7 @@ from typing import Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from engine.tiny_model import ASSISTANT, BOS, CHAT_TEMPLATE, EOS, SYSTEM, USER
+from fixtures.tiny_model import ASSISTANT, BOS, CHAT_TEMPLATE, EOS, SYSTEM, USER
 
 PAD = "<|pad|>"
 # Specials take ids 0..5 (bos, eos, pad first), then the 256 byte tokens, then merges.
