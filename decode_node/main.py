@@ -8,14 +8,14 @@ from typing import Any
 
 from decode_node.handler import DecodeHandler, DecodeTimeouts
 from decode_node.peers import PeerManager, PeerPolicy
-from decode_node.receiver import CompletionWaiter
+from decode_node.completion import CompletionWaiter
 from common.fingerprint import pairing_protocol
 from engine.disagg import DisaggEngine
 from engine.kv_transfer.endpoint import build_endpoint
 from engine.service.server import (metrics_suffix, node_info, scheduler_service, serve_until,
                                    start_server, stop_on_signals)
 from engine.service.servicer import SchedulerServicer
-from engine.serving import EngineLoop
+from engine.loop import EngineLoop
 
 log = logging.getLogger(__name__)
 

@@ -88,7 +88,7 @@ class EngineOptions:
     def build(self) -> tuple["Engine", Any]:
         """Load the engine for a node (threaded scheduler IO); returns (engine, algorithm binding)."""
         from engine.engine import Engine, EngineConfig, check_device
-        from engine.serving import ThreadedIO
+        from engine.loop import ThreadedIO
         from pdserve.cli import bind_algorithm, spec_config
         from pdserve.models import resolve
 

@@ -12,7 +12,7 @@ from engine.kv_transfer.endpoint import build_endpoint
 from engine.service.server import (metrics_suffix, node_info, scheduler_service, serve_until,
                                    start_server, stop_on_signals)
 from engine.service.servicer import SchedulerServicer
-from engine.serving import EngineLoop
+from engine.loop import EngineLoop
 from pdserve.v1 import kv_control_pb2_grpc as kpb_grpc
 from prefill_node.control import KVControlServicer
 from prefill_node.handler import PrefillHandler, PrefillTimeouts

@@ -10,7 +10,7 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 from engine.service import convert
 from engine.service.stream import RequestStream
-from engine.serving import EngineLoop
+from engine.loop import EngineLoop
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ async def run_colocated(opts: Any, host: str, port: int, metrics_port: int | Non
     from engine.service.server import (metrics_suffix, node_info, scheduler_service, serve_until,
                                        start_server, stop_on_signals)
     from engine.service.servicer import SchedulerServicer
-    from engine.serving import EngineLoop
+    from engine.loop import EngineLoop
 
     stop = stop_on_signals()
     engine, _ = opts.build()
