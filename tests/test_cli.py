@@ -183,3 +183,26 @@ def test_spec_flags_without_algorithm_are_refused(model_dir: Path) -> None:
     # Ignoring them silently would let a user believe speculation ran.
     res = _greedy(model_dir, "--speculative-num-steps", "2")
     _assert_clean_error(res, "--speculative-num-steps", "--speculative-algorithm")
+
+
+def test_flags_take_sglang_aliases_and_pdserve_env_vars(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every flag comes from a config field: SGLang's names work, and PDSERVE_<FLAG> sets it."""
+    from common.config import DecodeRole, EngineOptions, PrefillRole, SpeculativeOptions
+    from pdserve import node_cli
+
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(node_cli, "_run", lambda role, engine, spec, *rest: seen.update(
+        role=role, engine=engine, spec=spec, rest=rest))
+    monkeypatch.setenv("PDSERVE_SPECULATIVE_NGRAM_MAX", "7")
+    res = CliRunner().invoke(app, ["prefill", "--model-path", "/m", "--served-model-name", "pycoder",
+                                   "--max-running-requests", "5", "--disaggregation-bootstrap-port", "9001",
+                                   "--disaggregation-transfer-backend", "fake", "--speculative-algorithm", "NGRAM"],
+                             catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    engine, spec = seen["engine"], seen["spec"]
+    assert isinstance(engine, EngineOptions) and isinstance(spec, SpeculativeOptions)
+    assert (str(engine.model), engine.served_model_name, engine.max_running) == ("/m", "pycoder", 5)
+    assert (spec.algorithm, spec.ngram_max) == ("NGRAM", 7)
+    role = seen["role"]
+    assert (role.bootstrap_port, role.transport) == (9001, "fake")
+    assert PrefillRole().bootstrap_port == 8998 and DecodeRole().port == 30002
