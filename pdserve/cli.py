@@ -159,21 +159,11 @@ def generate(opts: GenerateOptions, spec: SpeculativeOptions) -> None:
         typer.echo(summary, err=True)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-             add_help_option=False)
-def train(ctx: typer.Context) -> None:
-    """Train a target + EAGLE head pair like the built-in one (`pdserve train --help` for options)."""
-    from trainer.main import main
-
-    main(list(ctx.args))
-
-
 def _register_commands() -> None:
-    from loadgen.cli import register as register_bench
-    from pdserve import node_cli
+    from pdserve import node_cli, tools_cli
 
     node_cli.register(app)
-    register_bench(app)
+    tools_cli.register(app)
 
 
 _register_commands()

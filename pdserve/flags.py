@@ -47,6 +47,8 @@ def with_options(**schemas: type) -> Callable[[Callable[..., None]], Callable[..
         for arg, cls in schemas.items():
             hints = typing.get_type_hints(cls)
             for f in dataclasses.fields(cls):
+                if "flag" not in f.metadata:  # a setting for scripts, not the command line
+                    continue
                 param = PREFIXES.get(cls, "") + f.name
                 plan.append((arg, f.name, param))
                 params.append(_parameter(f, hints[f.name], param))

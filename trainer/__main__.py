@@ -1,6 +1,8 @@
-"""`python -m trainer --out DIR [...]`: train the built-in pair and print its metrics."""
+"""`python -m trainer --out DIR [...]`: the same as `pdserve train` (the same flags)."""
 
-from trainer.main import main
+import sys
+
+from pdserve.cli import app
 
 if __name__ == "__main__":
-    main()
+    app(["train", *sys.argv[1:]], prog_name="python -m trainer")
