@@ -1,8 +1,10 @@
 """Prefill Generate: wait for the decode's destination, run the prompt, write KV + handoff row, answer.
 
 Decode-driven: the prompt is computed only once the decode node has reserved pages and a handoff
-row for this room (that is the system's backpressure), bounded by the bootstrap deadline. The
-request's KV stays held after its first token until the write ends, then returns to the pool
+row for this room (that is the system's backpressure), bounded by the bootstrap deadline. With
+chunked prefill, each finished chunk's pages are written while the next chunk runs (see
+prefill_node/writer.py), so the final write carries only the last chunk's pages and the row. The
+request's KV stays held after its first token until every write ends, then returns to the pool
 whatever happened.
 """
 
@@ -21,13 +23,15 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from engine.core import FinishReason, InvalidRequest, Req
 from engine.disagg import DisaggEngine
 from engine.handoff import HandoffError
-from engine.kv_transfer import KVPoll, TransferError, TransferRequest
+from engine.kv_transfer import KVPoll, TransferError
 from engine.kv_transfer.endpoint import Endpoint, room_echo
 from engine.scheduler import RequestUpdate
 from engine.service import convert
-from engine.service.metrics import KV_TRANSFER_BYTES, KV_TRANSFER_FAILURES, KV_TRANSFER_SECONDS
+from engine.service.metrics import (KV_HANDOFF_TAIL_SECONDS, KV_TRANSFER_BYTES, KV_TRANSFER_FAILURES,
+                                    KV_TRANSFER_SECONDS, KV_WRITE_PAGES, KV_WRITES)
 from engine.service.stream import RequestFailed
 from prefill_node.rooms import Room, RoomTable
+from prefill_node.writer import RoomWriter, WriteFailed
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +45,9 @@ class PrefillTimeouts:
 
 class PrefillHandler:
     def __init__(self, pd: DisaggEngine, endpoint: Endpoint, rooms: RoomTable,
-                 timeouts: PrefillTimeouts) -> None:
+                 timeouts: PrefillTimeouts, send_chunks: bool = True) -> None:
         self.pd, self.endpoint, self.rooms, self.timeouts = pd, endpoint, rooms, timeouts
-        self._orphans: dict[str, asyncio.Future] = {}  # rid -> the end of a cancelled request's write
+        self.send_chunks = send_chunks  # chunked prefill: each chunk's pages leave as it finishes
 
     async def generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -60,31 +64,33 @@ class PrefillHandler:
             raise InvalidRequest(f"bootstrap_room {room.room} is already in use")
         room.request_id = req.rid
         room.deadline = time.monotonic() + self.timeouts.bootstrap_s
+        writer = RoomWriter(self.endpoint.transport, room, self.timeouts.transfer_s, self.send_chunks)
         try:
             await self._wait_destination(room)
-            first = await self._compute(req, room)
-            await self._transfer(req, room, first)
-        except (RequestFailed, TransferError, HandoffError, asyncio.TimeoutError) as e:
+            first = await self._compute(req, room, writer)
+            await self._transfer(req, room, writer)
+        except (RequestFailed, WriteFailed, TransferError, HandoffError, asyncio.TimeoutError) as e:
             reason = str(e) or type(e).__name__
             room.fail(reason)
-            room.tell_decode(self.endpoint.transport, reason)
-            KV_TRANSFER_FAILURES.labels("prefill", e.kind if isinstance(e, RequestFailed) else _kind(e)).inc()
+            KV_TRANSFER_FAILURES.labels("prefill", _kind(e)).inc()
             raise RequestFailed(f"prefill failed for room {room.room}: {reason}") from None
-        except asyncio.CancelledError:  # the caller went away: the decode hears it now
-            in_flight = room.state is KVPoll.TRANSFERRING  # then the write's own end tells it
+        except asyncio.CancelledError:  # the caller went away: the decode hears it (below)
             room.fail("prefill request cancelled")
-            if not in_flight:
-                room.tell_decode(self.endpoint.transport, room.reason)
             raise
         finally:
             pd.abort(req.rid, "prefill ended")  # no-op once finished
-            if req.rid not in self._orphans:  # else a posted write still reads its pages
-                pd.release(req)
+            # pages back, and a failed room's decode told, once no write of the room is in flight
+            writer.after_writes(lambda: self._end_room(req, room))
             if room.state is KVPoll.FAILED:  # a late destination for it must be refused
                 room.deadline = time.monotonic() + self.rooms.orphan_ttl_s
             else:
                 self.rooms.forget(room)
         yield convert.complete(req.rid, [first], FinishReason.LENGTH, len(req.prompt_ids))
+
+    def _end_room(self, req: Req, room: Room) -> None:
+        self.pd.release(req)
+        if room.state is KVPoll.FAILED:
+            room.tell_decode(self.endpoint.transport, room.reason)
 
     async def _wait_destination(self, room: Room) -> None:
         left = room.deadline - time.monotonic()
@@ -97,11 +103,14 @@ class PrefillHandler:
             raise RequestFailed(room.reason, "aborted")
         room.state = KVPoll.WAITING_FOR_INPUT
 
-    async def _compute(self, req: Req, room: Room) -> int:
-        done: asyncio.Future[RequestUpdate] = asyncio.get_running_loop().create_future()
+    async def _compute(self, req: Req, room: Room, writer: RoomWriter) -> int:
+        """Run the prompt; pages of finished chunks go to the decode meanwhile (`writer`)."""
         aio = asyncio.get_running_loop()
+        done: asyncio.Future[RequestUpdate] = aio.create_future()
 
-        def on_update(upd: RequestUpdate) -> None:
+        def on_update(upd: RequestUpdate) -> None:  # scheduler thread
+            if upd.kv_progress is not None:
+                writer.offer(upd.kv_progress, aio)
             if upd.finished:
                 aio.call_soon_threadsafe(lambda: done.done() or done.set_result(upd))
 
@@ -111,7 +120,11 @@ class PrefillHandler:
             raise RequestFailed(room.reason or upd.finish_detail or "aborted", "aborted")
         return req.output_ids[0]
 
-    async def _transfer(self, req: Req, room: Room, first: int) -> None:
+    async def _transfer(self, req: Req, room: Room, writer: RoomWriter) -> None:
+        """The pages not sent with a chunk + the handoff row, once every chunk write ended. An
+        abort meanwhile does not cut a posted write short: released in flight, it might still
+        land later in pages the decode has handed to someone else."""
+        computed = time.perf_counter()
         dest = room.destination
         assert dest is not None
         pd, rows = self.pd, self.endpoint.rows
@@ -121,67 +134,30 @@ class PrefillHandler:
             raise RequestFailed(f"destination holds {len(dest.pages)} pages for {dest.num_tokens} tokens; "
                                 f"the prompt needs {need} pages for {req.seq_len} tokens", "bad_destination")
         payload = pd.encode_handoff(req)
+        sent = await writer.settle_chunks()
         row = rows.alloc()
         if row is None:
             raise RequestFailed("no free handoff row on the prefill node", "no_aux_row")
-        handle = None
         try:
             rows.write(row, room_echo(room.room), payload)
             if room.state is KVPoll.FAILED:  # aborted while computing: never post into its pages
                 raise RequestFailed(room.reason, "aborted")
             room.state = KVPoll.TRANSFERRING
-            room.deadline = time.monotonic() + self.timeouts.transfer_s
             posted = time.perf_counter()
-            # posting may copy synchronously (CPU); keep the event loop serving meanwhile
-            handle = await asyncio.to_thread(self.endpoint.transport.write, TransferRequest(
-                room.room, dest.peer, pages[:need], dest.pages, row, dest.aux_row))
-            await self._poll(handle, room)
+            await writer.write_final(pages[sent:need], dest.pages[sent:need], row, dest.aux_row)
+            if room.state is KVPoll.FAILED:
+                raise RequestFailed(room.reason, "aborted")
             room.state = KVPoll.SUCCESS
-            KV_TRANSFER_SECONDS.labels("prefill").observe(time.perf_counter() - posted)
-            KV_TRANSFER_BYTES.labels("prefill").inc(need * pd.kv_bytes_per_page + rows.row_bytes)
-        except asyncio.CancelledError:
-            if handle is not None:  # the write runs on: release it once it ended, then tell the decode
-                self._orphans[req.rid] = asyncio.ensure_future(self._end_orphaned_write(handle, room, row, req))
-                handle = row = None
-            raise
         finally:
-            if handle is not None:
-                self.endpoint.transport.release(handle)
-            if row is not None:
-                rows.free(row)
-
-    async def _end_orphaned_write(self, handle: object, room: Room, row: int, req: Req) -> None:
-        """A cancelled request's posted write: wait for its end (bounded by the room deadline),
-        then free its handle, row and source pages, and tell the decode that this room failed."""
-        try:
-            await self._poll(handle, room)
-        except RequestFailed:
-            pass
-        finally:
-            self.endpoint.transport.release(handle)
-            self.endpoint.rows.free(row)
-            del self._orphans[req.rid]
-            self.pd.release(req)
-            room.tell_decode(self.endpoint.transport, room.reason or "prefill request cancelled")
-
-    async def _poll(self, handle: object, room: Room) -> None:
-        """Until the posted write ends. An abort meanwhile does not cut it short: a write released
-        in flight might still land later, in pages the decode node has handed to someone else;
-        the decode keeps them until it hears how this write ended."""
-        t = self.endpoint.transport
-        while True:
-            state = t.poll(handle)
-            if state is KVPoll.SUCCESS:
-                if room.state is KVPoll.FAILED:
-                    raise RequestFailed(room.reason, "aborted")
-                return
-            if state is KVPoll.FAILED:
-                raise RequestFailed(f"KV write failed: {t.last_error(handle) or 'unknown reason'}",
-                                    "transfer_error")
-            if time.monotonic() > room.deadline:
-                raise RequestFailed(f"KV write did not finish within {self.timeouts.transfer_s:.0f} s",
-                                    "transfer_timeout")
-            await asyncio.sleep(0.001)
+            writer.after_writes(lambda: rows.free(row))  # the row is a write's source until it ends
+        now = time.perf_counter()
+        KV_TRANSFER_SECONDS.labels("prefill").observe(now - posted)
+        KV_HANDOFF_TAIL_SECONDS.observe(now - computed)
+        KV_WRITES.labels("chunk").inc(writer.partial_writes)
+        KV_WRITES.labels("final").inc()
+        KV_WRITE_PAGES.labels("chunk").inc(sent)
+        KV_WRITE_PAGES.labels("final").inc(need - sent)
+        KV_TRANSFER_BYTES.labels("prefill").inc(need * pd.kv_bytes_per_page + rows.row_bytes)
 
     def abort(self, request_id: str, reason: str) -> bool:
         self.pd.abort(request_id, reason)
@@ -206,6 +182,8 @@ class PrefillHandler:
 
 
 def _kind(e: BaseException) -> str:
+    if isinstance(e, (RequestFailed, WriteFailed)):
+        return e.kind
     if isinstance(e, HandoffError):
         return "bad_handoff"
     return "transfer_error" if isinstance(e, TransferError) else "timeout"

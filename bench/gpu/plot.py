@@ -1,5 +1,6 @@
-"""Bar charts of GPU results: the goals from bench/gpu/perf.py's JSON (each ratio beside its goal),
-or the skinny-GEMM bandwidth from bench/gpu/gemv_perf.py's JSON (ours vs cuBLAS per shape).
+"""Charts of GPU results: the goals from bench/gpu/perf.py's JSON (each ratio beside its goal),
+the skinny-GEMM bandwidth from bench/gpu/gemv_perf.py's JSON (ours vs cuBLAS per shape), or the
+speculative speedup against batch size from bench/gpu/spec_speedup.py's merged JSON.
 
 Run: `python -m bench.gpu.plot bench/results/gpu_perf_h100.json` (writes the .png beside it).
 """
@@ -48,10 +49,42 @@ def plot_gemv(report: dict, out: Path) -> Path:
     return out
 
 
+def plot_spec(report: dict, out: Path) -> Path:
+    """Speedup over plain decoding against batch size: one panel per (model, draft acceptance p),
+    a line per fixed step count and one for adaptive; plain is the dashed 1.0."""
+    models = sorted({p["model"] for p in report["points"]}, reverse=True)
+    accepts = sorted({p["p"] for p in report["points"]})
+    fig, axes = plt.subplots(len(models), len(accepts), figsize=(4 * len(accepts), 3.2 * len(models)),
+                             squeeze=False, sharex=True)
+    for row, model in enumerate(models):
+        for col, acc in enumerate(accepts):
+            ax, pts = axes[row][col], [p for p in report["points"] if p["model"] == model and p["p"] == acc]
+            batches = [p["batch"] for p in pts]
+            for steps in sorted(pts[0]["fixed_tok_s"], key=int):
+                ax.plot(batches, [p["fixed_tok_s"][steps] / p["plain_tok_s"] for p in pts], marker=".",
+                        linewidth=1, label=f"{steps} steps")
+            ax.plot(batches, [p["adaptive_tok_s"] / p["plain_tok_s"] for p in pts], marker="o",
+                    color="black", linewidth=2, label="adaptive")
+            ax.axhline(1.0, color="gray", linestyle="dashed", linewidth=1, label="plain")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{model}, p={acc} (accept {pts[0]['accept_len']:.1f}-{pts[-1]['accept_len']:.1f})",
+                         fontsize=9)
+            ax.set_xlabel("batch size")
+            if col == 0:
+                ax.set_ylabel("speedup over plain")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"{report['device']}: EAGLE chain speedup, random weights, synthetic acceptance", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def main(path: str) -> Path:
     report = json.loads(Path(path).read_text())
     if "shapes" in report:
         return plot_gemv(report, Path(path).with_suffix(".png"))
+    if "points" in report:
+        return plot_spec(report, Path(path).with_suffix(".png"))
     fig, ax = plt.subplots(figsize=(9, 4))
     for i, (label, get, goal, higher) in enumerate(GOALS):
         value = get(report)

@@ -193,12 +193,27 @@ def sweep(name: str, out_dir: Path) -> dict[str, Any]:
     return report
 
 
+def merge_reports(out_dir: Path, gpu: str) -> Path:
+    """One `spec_speedup_<gpu>.json` with every model's points (the layout the results use)."""
+    parts = [json.loads(f.read_text()) for f in sorted(out_dir.glob(f"spec_speedup_{gpu}_*.json"))]
+    merged = {**{k: v for k, v in parts[0].items() if k != "points"},
+              "points": [p for part in parts for p in part["points"]],
+              "command": "python -m bench.gpu.spec_speedup " + " ".join(sorted({p["model"] for part in parts
+                                                                                for p in part["points"]})) + " OUT"}
+    path = out_dir / f"spec_speedup_{gpu}.json"
+    write_report(path, merged)
+    return path
+
+
 def main() -> int:
     names = [a for a in sys.argv[1:] if a in MODELS] or list(MODELS)
     rest = [a for a in sys.argv[1:] if a not in MODELS]
     out = Path(rest[0]) if rest else Path("bench/results")
+    gpu = ""
     for name in names:
-        sweep(name, out)
+        report = sweep(name, out)
+        gpu = report["device"].split()[1].lower() if " " in report["device"] else report["device"]
+    print("wrote", merge_reports(out, gpu))
     return 0
 
 

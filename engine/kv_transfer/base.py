@@ -2,9 +2,11 @@
 
 Decode-driven: the decode node owns the destination memory, reserves pages and an aux row, and
 tells the prefill node where to write. The prefill node WRITEs the request's pages of every
-registered pool (target and draft share page ids) plus one aux row in a single transfer whose
+registered pool (target and draft share page ids) plus one aux row in a final transfer whose
 completion notification carries the room; the decode node commits only after seeing that
-notification AND the aux row's room echo equal to its room.
+notification AND the aux row's room echo equal to its room. Pages whose KV is final before the
+prompt ends (chunked prefill) may go ahead in partial writes: pages only, no aux row and no
+notification; the writer lets every partial write end before posting the final one.
 """
 
 from __future__ import annotations
@@ -63,15 +65,21 @@ class MemoryLayout:
 
 @dataclass
 class TransferRequest:
-    """One request's write: source pages/aux row here, destination pages/aux row at the peer."""
+    """One write: source pages/aux row here, destination pages/aux row at the peer. Without aux
+    rows it is a partial write (pages only, the peer is not notified)."""
 
     room: int
     peer: str
     src_pages: list[int]
     dst_pages: list[int]
-    src_aux_row: int
-    dst_aux_row: int
+    src_aux_row: int | None
+    dst_aux_row: int | None
     extra: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def is_final(self) -> bool:
+        """The write that carries the aux row and notifies the peer with the room."""
+        return self.src_aux_row is not None and self.dst_aux_row is not None
 
 
 class KVTransport(Protocol):
@@ -91,7 +99,8 @@ class KVTransport(Protocol):
     def remove_peer(self, name: str) -> None: ...
 
     def write(self, req: TransferRequest) -> object:
-        """Post the write of pages + aux row; the peer is notified with the room on completion."""
+        """Post the write of pages (+ aux row when final: then the peer is notified with the room
+        on completion)."""
 
     def poll(self, handle: object) -> KVPoll:
         """TRANSFERRING, SUCCESS, or FAILED for a posted write."""

@@ -62,6 +62,7 @@ class FakeTransport:
         self._lock = threading.Lock()
         self._closed = False
         self.fail_mode: str | None = None
+        self.writes: list[tuple[int, int, bool]] = []  # (room, pages, final) per posted write, for tests
         with _REGISTRY_LOCK:
             if name in _REGISTRY:
                 raise ValueError(f"a fake agent named {name!r} already exists")
@@ -109,13 +110,16 @@ class FakeTransport:
             raise TransferError(f"{len(req.src_pages)} source vs {len(req.dst_pages)} destination pages")
         _check("source page", req.src_pages, self._layout.kv[0].count if self._slabs else 0)
         _check("destination page", req.dst_pages, target._layout.kv[0].count if target._slabs else 0)
-        _check("source aux row", [req.src_aux_row], self._aux.num_rows)
-        _check("destination aux row", [req.dst_aux_row], target._aux.num_rows)
         if req.src_pages:
             src_idx = torch.tensor(req.src_pages, dtype=torch.int64)
             dst_idx = torch.tensor(req.dst_pages, dtype=torch.int64)
             for s, d in zip(self._slabs, target._slabs):
                 d[dst_idx.to(d.device)] = s[src_idx.to(s.device)].to(d.device)
+        self.writes.append((req.room, len(req.src_pages), req.is_final))
+        if req.src_aux_row is None or req.dst_aux_row is None:  # partial: pages only, no notification
+            return FakeXfer(req.room, req.peer, KVPoll.SUCCESS)
+        _check("source aux row", [req.src_aux_row], self._aux.num_rows)
+        _check("destination aux row", [req.dst_aux_row], target._aux.num_rows)
         target._aux.tensor[req.dst_aux_row] = self._aux.tensor[req.src_aux_row].to(target._aux.tensor.device)
         target._deliver(self._name, completion_tag(req.room))
         return FakeXfer(req.room, req.peer, KVPoll.SUCCESS)

@@ -180,8 +180,9 @@ class NixlTransport:
             self._check_items("source page", req.src_pages, min((r.count for r in me.kv), default=0))
             self._check_items("destination page", req.dst_pages,
                               min((r.count for r in peer.kv), default=0))
-            self._check_items("source aux row", [req.src_aux_row], me.aux.count)
-            self._check_items("destination aux row", [req.dst_aux_row], peer.aux.count)
+            if req.src_aux_row is not None and req.dst_aux_row is not None:
+                self._check_items("source aux row", [req.src_aux_row], me.aux.count)
+                self._check_items("destination aux row", [req.dst_aux_row], peer.aux.count)
             try:
                 src_start, dst_start, lengths = coalesce_runs(req.src_pages, req.dst_pages)
             except ValueError as e:
@@ -191,14 +192,17 @@ class NixlTransport:
             if kv_local.size:
                 parts.append((kv_local, me.mem_type, run_descs(peer.kv, dst_start, lengths),
                               peer.mem_type))
-            parts.append((self._aux_desc(me, req.src_aux_row), me.aux_mem_type,
-                          self._aux_desc(peer, req.dst_aux_row), peer.aux_mem_type))
+            if req.src_aux_row is not None and req.dst_aux_row is not None:
+                parts.append((self._aux_desc(me, req.src_aux_row), me.aux_mem_type,
+                              self._aux_desc(peer, req.dst_aux_row), peer.aux_mem_type))
+            if not parts:
+                raise TransferError(f"room {req.room}: a partial write needs at least one page")
             split = self._force_split_aux or any(p[1] != parts[-1][1] or p[3] != parts[-1][3]
                                                  for p in parts)
             if not split and len(parts) == 2:
                 parts = [(np.concatenate((parts[0][0], parts[1][0])), parts[1][1],
                           np.concatenate((parts[0][2], parts[1][2])), parts[1][3])]
-            tag = completion_tag(req.room)
+            tag = completion_tag(req.room) if req.is_final else b""  # partial writes notify no one
             stages: list[Any] = []
             try:
                 for i, (loc, loc_kind, rem, rem_kind) in enumerate(parts):

@@ -22,6 +22,8 @@ from engine.core import Batch, FinishReason, ForwardMode, Req, ReqState, StepOut
 from engine.executor import Executor
 from engine.future_map import DraftInput, FutureMap
 from engine.kv_cache import KVCacheManager
+from engine.future_map import DeviceEvent
+from engine.scheduler.kv_progress import KVProgress, needs_fence, record_fence
 from engine.scheduler.policy import BatchPolicy
 from engine.scheduler.stats import DurationHistogram
 
@@ -45,6 +47,7 @@ class RequestUpdate:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_tokens: int = 0
     accepted_drafts: int | None = None
+    kv_progress: KVProgress | None = None  # hold_kv requests: pages final after a prompt chunk
 
 
 class SchedulerIO(Protocol):
@@ -63,6 +66,7 @@ class SchedulerIO(Protocol):
 class _Launched:
     batch: Batch
     handle: Any
+    fence: DeviceEvent | None = None
 
 
 class Scheduler:
@@ -163,20 +167,22 @@ class Scheduler:
         self._mark_launched(batch)
         self.stats["steps"] += 1
         relay = self.future_map.batch([r.slot for r in batch.reqs])
+        device = self.kv.req_to_token.device
         if not self.overlap:
             try:
                 out = self.executor.step(batch, relay)
             except Exception as e:  # noqa: BLE001 - isolated below: only its cause fails
                 self._abandon(batch)
                 return self._isolate(batch, e)
-            return self._complete(batch, out)
+            return self._complete(batch, out, record_fence(device) if needs_fence(batch) else None)
         try:
             handle = self.executor.launch(batch, relay)
         except Exception as e:  # noqa: BLE001 - isolated below: only its cause fails
             self._abandon(batch)
             return self._isolate(batch, e) + self._collect_inflight()
+        fence = record_fence(device) if needs_fence(batch) else None  # before the next launch
         updates = self._collect_inflight()
-        self._inflight = _Launched(batch, handle)
+        self._inflight = _Launched(batch, handle, fence)
         return updates
 
     def _collect_inflight(self) -> list[RequestUpdate]:
@@ -188,7 +194,7 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - isolated below: only its cause fails
             self._abandon(launched.batch)
             return self._isolate(launched.batch, e)
-        return self._complete(launched.batch, out)
+        return self._complete(launched.batch, out, launched.fence)
 
     def _isolate(self, batch: Batch, err: Exception) -> list[RequestUpdate]:
         """A step failed. A request alone in its batch is the cause: it fails, and only it. In
@@ -243,6 +249,9 @@ class Scheduler:
         self.stats["retractions"] += 1
         req.queued_at = time.monotonic()  # back in the queue: its next wait is counted from now
         req.epoch += 1  # what the batch in flight computes for it is recomputed after re-admission
+        if req.hold_kv:  # pages reported final are gone: whoever ships them starts over
+            self.io.publish([RequestUpdate(req.rid, [], kv_progress=KVProgress((), record_fence(
+                self.kv.req_to_token.device)))])
         self._release(req)
 
     # ---- in-flight bookkeeping ----
@@ -283,7 +292,7 @@ class Scheduler:
         self.kv.release(req)
 
     # ---- output ----
-    def _complete(self, batch: Batch, out: StepOutput) -> list[RequestUpdate]:
+    def _complete(self, batch: Batch, out: StepOutput, fence: DeviceEvent | None = None) -> list[RequestUpdate]:
         updates = []
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
             self._unmark(batch, i)
@@ -305,6 +314,9 @@ class Scheduler:
             upd = self._append(req, new, out, i)
             if upd is not None:
                 updates.append(upd)
+            elif fence is not None and req.hold_kv and not batch.sample[i]:
+                full = self.kv.page_list(req)[:req.seq_len // self.kv.page_size]
+                updates.append(RequestUpdate(req.rid, [], kv_progress=KVProgress(tuple(full), fence)))
         return updates
 
     def _append(self, req: Req, new: list[int], out: StepOutput, i: int) -> RequestUpdate | None:

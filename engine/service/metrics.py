@@ -21,6 +21,14 @@ KV_TRANSFER_BYTES = Counter("pdserve_kv_transfer_bytes", "KV page and aux row by
                             "decode nodes (prefill) / received (decode)", ["role"])
 KV_TRANSFER_SECONDS = Histogram("pdserve_kv_transfer_seconds", "Prefill: write posted -> completed. "
                                 "Decode: destination sent -> KV landed", ["role"], buckets=_LATENCY_BUCKETS)
+KV_HANDOFF_TAIL_SECONDS = Histogram("pdserve_kv_handoff_tail_seconds", "Prefill: last prompt chunk "
+                                    "computed -> final KV write completed (what the handoff adds to TTFT)",
+                                    buckets=_LATENCY_BUCKETS)
+KV_WRITES = Counter("pdserve_kv_writes", "KV writes posted to decode nodes: chunk (pages of a prompt "
+                    "chunk, sent while the prompt still runs) or final (remaining pages + handoff row)",
+                    ["kind"])
+KV_WRITE_PAGES = Counter("pdserve_kv_write_pages", "KV pages written to decode nodes, by write kind "
+                         "(chunk or final)", ["kind"])
 KV_TRANSFER_FAILURES = Counter("pdserve_kv_transfer_failures", "PD requests that failed before "
                                "decoding, by reason", ["role", "reason"])
 BOOTSTRAP_ATTEMPTS = Counter("pdserve_bootstrap_attempts", "Handshake attempts from a decode node "

@@ -1,0 +1,175 @@
+"""Every KV write of one prefill room: prompt chunks sent while the prompt still runs, then the
+final write (the remaining pages + the handoff row, which notifies the decode).
+
+With chunked prefill the scheduler reports, after each non-final chunk, which leading pages of
+the request hold final KV (`KVProgress`, with a fence on the device). The writer posts those
+pages in a partial write as soon as the fence is reached, so by the time the last chunk is
+computed only its own pages are left for the final write. Ordering rules:
+
+* every partial write has ended (and succeeded) before the final write is posted, so the decode's
+  completion notification means all pages landed;
+* after a retraction (an empty progress) the writer lets posted writes end and starts over;
+* whatever ends the room, its pages are freed and the decode is told only once no write of the
+  room is in flight any more (`after_writes`), so no write lands in pages handed to someone else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+from engine.kv_transfer import KVPoll, KVTransport, TransferError, TransferRequest
+from engine.scheduler.kv_progress import KVProgress
+from prefill_node.rooms import Room
+
+log = logging.getLogger(__name__)
+
+
+class WriteFailed(RuntimeError):
+    """A KV write of the room failed or did not end in time; the message says which and why."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class RoomWriter:
+    def __init__(self, transport: KVTransport, room: Room, timeout_s: float, per_chunk: bool) -> None:
+        self.transport, self.room, self.timeout_s, self.per_chunk = transport, room, timeout_s, per_chunk
+        self.sent = 0  # leading pages covered by posted partial writes
+        self.partial_writes = 0
+        self._posted: list[tuple[object, float]] = []  # (handle, deadline) of writes not yet ended
+        self._pending: list[KVProgress] = []
+        self._wake = asyncio.Event()
+        self._closing = False
+        self._task: asyncio.Task | None = None
+        self._error: WriteFailed | None = None
+        self._on_idle: list[Callable[[], None]] = []
+        self._drainer: asyncio.Task | None = None
+
+    @property
+    def posted(self) -> bool:
+        """A write of this room may still be landing in the decode's pages."""
+        return bool(self._posted)
+
+    # ---- chunks (progress offered from the scheduler thread) ----
+    def offer(self, progress: KVProgress, loop: asyncio.AbstractEventLoop) -> None:
+        loop.call_soon_threadsafe(self._accept, progress)
+
+    def _accept(self, progress: KVProgress) -> None:
+        if not self.per_chunk or self._closing:
+            return
+        self._pending.append(progress)
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._run())
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while not self._closing:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending and not self._closing:
+                await self._apply(self._pending.pop(0))
+
+    async def _apply(self, progress: KVProgress) -> None:
+        if progress.restarted:  # retracted: what was sent is void, and nothing may overtake it
+            await self._end_posted()
+            self.sent = 0
+            return
+        if len(progress.pages) <= self.sent or self._error is not None:
+            return
+        await asyncio.to_thread(progress.fence.synchronize)
+        dest, room = self.room.destination, self.room
+        if dest is None or room.state is KVPoll.FAILED:
+            return
+        end = len(progress.pages)
+        room.state = KVPoll.TRANSFERRING  # a write into its pages is posted from here on
+        try:
+            handle = await asyncio.to_thread(self.transport.write, TransferRequest(
+                room.room, dest.peer, list(progress.pages[self.sent:]), dest.pages[self.sent:end], None, None))
+        except TransferError as e:
+            self._error = WriteFailed(f"KV chunk write failed: {e}", "transfer_error")
+            return
+        self._posted.append((handle, time.monotonic() + self.timeout_s))
+        self.partial_writes += 1
+        self.sent = end
+
+    async def settle_chunks(self) -> int:
+        """The prompt is computed: stop sending chunks, wait until every partial write ended,
+        and return how many leading pages the decode already has (raises WriteFailed)."""
+        restart = any(p.restarted for p in self._pending)
+        self._pending.clear()
+        self._closing = True
+        self._wake.set()
+        if self._task is not None:
+            await self._task
+        await self._end_posted()
+        if restart:
+            self.sent = 0
+        if self._error is not None:
+            raise self._error
+        return self.sent
+
+    # ---- the final write ----
+    async def write_final(self, src_pages: list[int], dst_pages: list[int], src_row: int, dst_row: int) -> None:
+        """Post the remaining pages + the handoff row (the decode is notified on completion) and
+        wait for it to end; raises WriteFailed."""
+        dest, room = self.room.destination, self.room
+        assert dest is not None
+        # posting may copy synchronously (CPU); keep the event loop serving meanwhile
+        try:
+            handle = await asyncio.to_thread(self.transport.write, TransferRequest(
+                room.room, dest.peer, src_pages, dst_pages, src_row, dst_row))
+        except TransferError as e:
+            raise WriteFailed(f"KV write failed: {e}", "transfer_error") from None
+        self._posted.append((handle, time.monotonic() + self.timeout_s))
+        await self._end_posted()
+        if self._error is not None:
+            raise self._error
+
+    # ---- ending ----
+    async def _end_posted(self) -> None:
+        """Poll every posted write until it ends or passes its deadline, then release it."""
+        t = self.transport
+        while self._posted:
+            handle, deadline = self._posted[0]
+            state = t.poll(handle)
+            if state is KVPoll.TRANSFERRING and time.monotonic() < deadline:
+                await asyncio.sleep(0.001)
+                continue
+            if state is KVPoll.FAILED and self._error is None:
+                self._error = WriteFailed(f"KV write failed: {t.last_error(handle) or 'unknown reason'}",
+                                          "transfer_error")
+            elif state is KVPoll.TRANSFERRING and self._error is None:
+                self._error = WriteFailed(f"KV write did not finish within {self.timeout_s:.0f} s",
+                                          "transfer_timeout")
+            t.release(handle)
+            self._posted.pop(0)
+        self._run_idle_callbacks()
+
+    def after_writes(self, callback: Callable[[], None]) -> None:
+        """Run `callback` once no write of the room is in flight (now, if none is): stops chunk
+        sending and ends posted writes in the background (for requests whose caller went away)."""
+        self._closing = True
+        self._pending.clear()
+        self._wake.set()
+        self._on_idle.append(callback)
+        if not self._posted and (self._task is None or self._task.done()):
+            self._run_idle_callbacks()
+        elif self._drainer is None:
+            self._drainer = asyncio.ensure_future(self._drain_in_background())
+
+    async def _drain_in_background(self) -> None:
+        if self._task is not None:
+            await self._task
+        await self._end_posted()
+
+    def _run_idle_callbacks(self) -> None:
+        callbacks, self._on_idle = self._on_idle, []
+        for cb in callbacks:
+            try:
+                cb()
+            except Exception:  # noqa: BLE001 - one cleanup step must not skip the others
+                log.exception("room %d: cleanup after its writes failed", self.room.room)

@@ -1,0 +1,59 @@
+"""Chunked prefill in PD: each finished chunk's pages leave while the next chunk runs, so the
+final write carries at most the last chunk's pages; output and acceptance still equal colocated
+(real processes, NIXL over UCX), and every page returns to both pools."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine.kv_transfer import nixl_available
+from fixtures.tiny_eagle import write_tiny_eagle_head
+from fixtures.pdkit import pd_generate, request, start_pair, stub, wait_idle
+from tests.pd.test_pd_metrics import scrape
+from fixtures.procs import Node
+
+pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")
+CHUNK, PAGE = 8, 4
+PROMPTS = [list(range(3, 60)), [7, 9, 11] * 13, list(range(200, 232))]  # 57, 39, 32 tokens
+
+
+@pytest.fixture(scope="module")
+def eagle_head(tiny_llama_dir, tmp_path_factory):
+    return write_tiny_eagle_head(tmp_path_factory.mktemp("chunk-head"), tiny_llama_dir, "eagle", mode="repeat")
+
+
+@pytest.mark.parametrize("spec", [[], ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3"]],
+                         ids=["plain", "eagle"])
+def test_chunk_writes_overlap_the_prompt_and_keep_pd_equal_to_colocated(tiny_llama_dir, eagle_head, spec):
+    extra = ["--chunked-prefill-size", str(CHUNK), *spec]
+    if spec:
+        extra += ["--speculative-draft-model-path", str(eagle_head)]
+    colo = Node(["serve", "--model", str(tiny_llama_dir), "--port", "0", "--page-size", str(PAGE), *extra])
+    prefill, decode = start_pair(str(tiny_llama_dir), "--metrics-port", "0", *extra)
+    try:
+        colo.wait_ready(120)
+        c, p, d = stub(colo.ports["scheduler"]), stub(prefill.ports["scheduler"]), stub(decode.ports["scheduler"])
+        boot = prefill.ports["bootstrap"]
+        for i, ids in enumerate(PROMPTS):
+            want = list(c.Generate(request(f"c{i}", ids, 0, 0, max_new=16), timeout=60))[-1].complete
+            got, _ = pd_generate(p, d, request(f"pd{i}", ids, 500 + i, boot, max_new=16))
+            assert list(got[-1].complete.output_ids) == list(want.output_ids), i
+            assert (got[-1].complete.spec_accepted_tokens, got[-1].complete.spec_draft_tokens) == \
+                (want.spec_accepted_tokens, want.spec_draft_tokens), i
+        wait_idle(p)
+        wait_idle(d)
+        m = scrape(prefill.ports["metrics"])
+        kind = lambda k: (("kind", k),)  # noqa: E731
+        pages = [math.ceil(len(ids) / PAGE) for ids in PROMPTS]
+        assert m[("pdserve_kv_writes_total", kind("final"))] == len(PROMPTS)
+        assert m[("pdserve_kv_writes_total", kind("chunk"))] >= len(PROMPTS)
+        assert m[("pdserve_kv_write_pages_total", kind("chunk"))] + \
+            m[("pdserve_kv_write_pages_total", kind("final"))] == sum(pages)
+        # the final write holds no more than one chunk's pages (+1 for a page a chunk boundary splits)
+        assert m[("pdserve_kv_write_pages_total", kind("final"))] <= len(PROMPTS) * (CHUNK // PAGE + 1)
+        assert m[("pdserve_kv_handoff_tail_seconds_count", ())] == len(PROMPTS)
+    finally:
+        for n in (colo, prefill, decode):
+            n.kill()

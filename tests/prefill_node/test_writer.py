@@ -1,0 +1,117 @@
+"""RoomWriter: chunk pages go ahead as the prompt runs; the final write waits for every chunk
+write; a retraction starts over; a failed chunk fails the room; cleanup waits for writes in flight."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.future_map import make_event
+from engine.kv_transfer import KVPoll
+from engine.scheduler.kv_progress import KVProgress
+from prefill_node.rooms import Destination, Room
+from prefill_node.writer import RoomWriter, WriteFailed
+
+
+class ScriptedTransport:
+    """Records writes; each stays TRANSFERRING for `polls` polls, then ends as `outcome`."""
+
+    def __init__(self, polls: int = 2, outcome: KVPoll = KVPoll.SUCCESS) -> None:
+        self.writes: list[tuple[list[int], list[int], bool]] = []
+        self.left: dict[int, int] = {}
+        self.released: list[int] = []
+        self.polls, self.outcome = polls, outcome
+
+    def write(self, req) -> int:
+        self.writes.append((req.src_pages, req.dst_pages, req.is_final))
+        self.left[len(self.writes)] = self.polls
+        return len(self.writes)
+
+    def poll(self, handle: int) -> KVPoll:
+        if self.left[handle] > 0:
+            self.left[handle] -= 1
+            return KVPoll.TRANSFERRING
+        return self.outcome
+
+    def release(self, handle: int) -> None:
+        self.released.append(handle)
+
+    def last_error(self, handle: int) -> str:
+        return "scripted failure"
+
+
+def _progress(pages: tuple[int, ...]) -> KVProgress:
+    return KVProgress(pages, make_event("cpu"))
+
+
+def _room() -> Room:
+    room = Room(1, request_id="r", state=KVPoll.WAITING_FOR_INPUT)
+    room.destination = Destination("decode", [100 + i for i in range(6)], 3, 24)
+    return room
+
+
+async def _feed(writer: RoomWriter, *progress: KVProgress) -> None:
+    loop = asyncio.get_running_loop()
+    for p in progress:
+        writer.offer(p, loop)
+        await asyncio.sleep(0.01)
+
+
+def test_chunks_go_ahead_and_the_final_write_carries_the_rest() -> None:
+    async def run() -> tuple[ScriptedTransport, int]:
+        t = ScriptedTransport()
+        writer = RoomWriter(t, _room(), 5.0, per_chunk=True)  # type: ignore[arg-type]
+        await _feed(writer, _progress((7, 8)), _progress((7, 8, 9, 10)))
+        sent = await writer.settle_chunks()
+        await writer.write_final([11, 12], [104, 105], 0, 3)
+        return t, sent
+
+    t, sent = asyncio.run(run())
+    assert sent == 4
+    assert t.writes == [([7, 8], [100, 101], False), ([9, 10], [102, 103], False), ([11, 12], [104, 105], True)]
+    assert t.released == [1, 2, 3]
+
+
+def test_a_retraction_voids_what_was_sent() -> None:
+    async def run() -> int:
+        writer = RoomWriter(ScriptedTransport(), _room(), 5.0, per_chunk=True)  # type: ignore[arg-type]
+        await _feed(writer, _progress((7, 8)), _progress(()))
+        return await writer.settle_chunks()
+
+    assert asyncio.run(run()) == 0
+
+
+def test_off_sends_nothing_ahead() -> None:
+    async def run() -> tuple[ScriptedTransport, int]:
+        t = ScriptedTransport()
+        writer = RoomWriter(t, _room(), 5.0, per_chunk=False)  # type: ignore[arg-type]
+        await _feed(writer, _progress((7, 8)))
+        return t, await writer.settle_chunks()
+
+    t, sent = asyncio.run(run())
+    assert (t.writes, sent) == ([], 0)
+
+
+def test_a_failed_chunk_fails_the_room() -> None:
+    async def run() -> None:
+        writer = RoomWriter(ScriptedTransport(outcome=KVPoll.FAILED), _room(), 5.0, per_chunk=True)  # type: ignore[arg-type]
+        await _feed(writer, _progress((7, 8)))
+        await writer.settle_chunks()
+
+    with pytest.raises(WriteFailed, match="scripted failure"):
+        asyncio.run(run())
+
+
+def test_cleanup_waits_for_writes_in_flight() -> None:
+    async def run() -> list[str]:
+        t, events = ScriptedTransport(polls=20), []
+        writer = RoomWriter(t, _room(), 5.0, per_chunk=True)  # type: ignore[arg-type]
+        await _feed(writer, _progress((7, 8)))
+        writer.after_writes(lambda: events.append(f"cleanup after {len(t.released)} released"))
+        events.append("asked")
+        while len(events) < 2:
+            await asyncio.sleep(0.005)
+        return events
+
+    assert asyncio.run(run()) == ["asked", "cleanup after 1 released"]
