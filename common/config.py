@@ -27,12 +27,13 @@ class Flag:
     aliases: tuple[str, ...] = ()  # extra long names (SGLang's) or a short one ("-p")
     panel: str | None = None  # the --help section
     negatable: bool = True  # booleans: --x/--no-x (False: --x only)
+    separator: str | None = None  # repeatable flags: what splits the env var's values (None: whitespace)
 
 
 def opt(default: Any, help: str, *, aliases: tuple[str, ...] = (), panel: str | None = None,
-        negatable: bool = True) -> Any:
+        negatable: bool = True, separator: str | None = None) -> Any:
     """A config field that is also a flag; `default=...` makes the flag required."""
-    meta = {"flag": Flag(help, aliases, panel, negatable)}
+    meta = {"flag": Flag(help, aliases, panel, negatable, separator)}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta) if default is not ... else field(metadata=meta)
@@ -171,7 +172,8 @@ class RouterOptions:
     decode_policy: str = opt("least_load", "round_robin or least_load.")
     served_model: Optional[str] = opt(None, "Model id clients send (default: the nodes').",
                                       aliases=("--served-model-name",))
-    api_key: list[str] = opt([], "Accepted API key (repeatable).")
+    api_key: list[str] = opt([], "Accepted API key (repeatable; PDSERVE_API_KEY takes key1,key2).",
+                             separator=",")
     max_queue: int = opt(256, "Most requests in flight before 503.")
     prefill_dns: list[str] = opt([], "Headless service NAME:PORT,BOOTSTRAP_PORT whose addresses are prefill "
                                  "nodes.")

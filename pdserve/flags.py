@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import os
 import typing
 from typing import Annotated, Any, Callable, Optional
 
@@ -33,7 +34,9 @@ def _parameter(f: dataclasses.Field[Any], hint: Any, param: str) -> inspect.Para
         default = inspect.Parameter.empty
     else:
         default = f.default
-    option = typer.Option(*decls, help=flag.help, rich_help_panel=flag.panel, envvar=env_name(param))
+    # A separator other than whitespace: the command splits the variable itself (`_from_env`).
+    envvar = env_name(param) if flag.separator is None else None
+    option = typer.Option(*decls, help=flag.help, rich_help_panel=flag.panel, envvar=envvar)
     return inspect.Parameter(param, inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[hint, option],
                              default=default)
 
@@ -59,12 +62,21 @@ def with_options(**schemas: type) -> Callable[[Callable[..., None]], Callable[..
             values: dict[str, dict[str, Any]] = {arg: {} for arg in schemas}
             for arg, name, param in plan:
                 value = kwargs[param]
-                values[arg][name] = [] if value is None and _is_list(schemas[arg], name) else value
+                if value is None and _is_list(schemas[arg], name):
+                    value = _from_env(schemas[arg], name, param)
+                values[arg][name] = value
             fn(**{arg: cls(**values[arg]) for arg, cls in schemas.items()})
 
         command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
         return command
     return wrap
+
+
+def _from_env(cls: type, name: str, param: str) -> list[str]:
+    """A repeatable flag not given: its variable split on the field's separator (or nothing)."""
+    sep = flag_of(next(f for f in dataclasses.fields(cls) if f.name == name)).separator
+    raw = os.environ.get(env_name(param), "") if sep is not None else ""
+    return [part.strip() for part in raw.split(sep) if part.strip()] if sep is not None else []
 
 
 def _is_list(cls: type, name: str) -> bool:

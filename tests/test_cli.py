@@ -206,3 +206,19 @@ def test_flags_take_sglang_aliases_and_pdserve_env_vars(monkeypatch: pytest.Monk
     role = seen["role"]
     assert (role.bootstrap_port, role.transport) == (9001, "fake")
     assert PrefillRole().bootstrap_port == 8998 and DecodeRole().port == 30002
+
+
+def test_api_keys_come_from_a_comma_separated_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PDSERVE_API_KEY=key1,key2 (the chart's Secret) gives the router both keys; --api-key wins."""
+    import router.main
+
+    seen: list[object] = []
+
+    async def fake_run_router(cfg: object) -> None:
+        seen.append(cfg)
+
+    monkeypatch.setattr(router.main, "run_router", fake_run_router)
+    monkeypatch.setenv("PDSERVE_API_KEY", "key1, key2")
+    assert CliRunner().invoke(app, ["router"], catch_exceptions=False).exit_code == 0
+    assert CliRunner().invoke(app, ["router", "--api-key", "k3"], catch_exceptions=False).exit_code == 0
+    assert [c.api_keys for c in seen] == [frozenset({"key1", "key2"}), frozenset({"k3"})]
