@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml $(PLUGIN)/pyproject.toml $(wildcard $(PLUGIN)/pdserve_s
 	else \
 		$(VPY) -m pip install torch==2.13.0; \
 	fi
-	$(VPY) -m pip install -e '.[test,triton,deploy-test]'
+	$(VPY) -m pip install -e '.[node,router,bench,test,triton,deploy-test]'
 	$(VPY) -m pip install --no-deps nixl-cu13==1.5.1 || echo "warning: nixl-cu13 not installed; PD transfer unavailable"
 	$(VPY) -m pip install ./$(PLUGIN)
 	touch $@

@@ -22,7 +22,7 @@ import torch
 from bench.common import write_report
 from engine.core import SamplingParams
 from engine.engine import Engine, EngineConfig
-from engine.tiny_model import write_tiny_model
+from fixtures.tiny_model import write_tiny_model
 
 # Still tiny (3.2M params, 2.9M outside the embeddings) but big enough that matmuls are not free.
 DEFAULT_SHAPE: dict[str, Any] = dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,

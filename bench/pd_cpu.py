@@ -222,9 +222,9 @@ def bench_e2e(lens: tuple[int, ...], reps: int, shape: dict[str, Any]) -> dict[s
     import grpc
     from smg_grpc_proto import sglang_scheduler_pb2_grpc as pbg
 
-    from engine.tiny_model import write_tiny_model
-    from tests.pd.pdkit import request
-    from tests.procs import Node
+    from fixtures.tiny_model import write_tiny_model
+    from fixtures.pdkit import request
+    from fixtures.procs import Node
 
     rng, nodes, channels, count = random.Random(1), {}, {}, [0]  # nodes: name -> Node
     modes = {"colocated": ("serve",), "pd": ("prefill", "decode"), "pd_prog_off": ("prefill_off", "decode_off")}

@@ -19,7 +19,7 @@ from google.protobuf import struct_pb2
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pbg
 
-from pdserve.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 
 TEXT = (" The decode phase generates one token at a time, reusing the key and value cache of the"
         " tokens before; serving systems batch many requests together so the accelerator stays busy.")

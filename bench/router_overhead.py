@@ -33,7 +33,7 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pbg
 
 from bench.engine_cpu import _cpu_model, _loadavg, _nproc
-from pdserve.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "bench" / "results" / "router_overhead.json"
@@ -215,7 +215,7 @@ async def measure(c: Clients, cfg: dict[str, Any], pids: dict[str, int]) -> dict
 def run(quick: bool = False, tokens_per_chunk: int = TOKENS_PER_CHUNK) -> dict[str, Any]:
     """Start nodes + router, measure, stop them; returns the results (nothing printed or written)."""
     # torch: only this (client) process pays for it, not the router or the nodes
-    from engine.tiny_model import write_tiny_model
+    from fixtures.tiny_model import write_tiny_model
 
     cfg = dict(QUICK if quick else FULL)
     env = {"cpu": _cpu_model(), "cores": _nproc(), "python": sys.version.split()[0],

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import typer
 
-from pdserve.bench.cli import bench
+from pdserve.tools_cli import bench
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "bench" / "results" / "serving"

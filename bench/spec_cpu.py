@@ -25,8 +25,8 @@ from bench.common import write_report
 from bench.engine_cpu import DEFAULT_SHAPE, _loadavg, environment, random_prompts
 from engine.core import SamplingParams
 from engine.engine import Engine, EngineConfig
-from engine.tiny_eagle import write_tiny_eagle_head
-from engine.tiny_model import write_tiny_model
+from fixtures.tiny_eagle import write_tiny_eagle_head
+from fixtures.tiny_model import write_tiny_model
 from spec.config import SpecConfig
 from spec.registry import SpecRegistryError, bind, registered_names
 

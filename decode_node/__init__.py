@@ -1,1 +1,1 @@
-"""Decode node: gRPC servicer, decode batch policy (prealloc, transfer, running) and receiving KV."""
+"""Decode node role: Generate after a prefill's KV arrives, prefill peers, completion waiting, and its role object."""

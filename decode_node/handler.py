@@ -22,7 +22,7 @@ from engine.service import convert
 from engine.service.stream import RequestFailed, RequestStream
 from decode_node.inflight import DecodeRequest, InFlight, Stage
 from decode_node.peers import PeerError, PeerManager
-from decode_node.receiver import CompletionWaiter
+from decode_node.completion import CompletionWaiter
 from pdserve.v1 import kv_control_pb2 as kpb
 from spec.draft_input import DisaggHandoffError
 from spec.registry import AlgorithmBinding

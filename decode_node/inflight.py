@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from decode_node.receiver import CompletionWaiter
+from decode_node.completion import CompletionWaiter
 from engine.core import Req
 from engine.disagg import DisaggEngine
 from engine.kv_transfer import HandoffRows

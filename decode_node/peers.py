@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tenacity import (AsyncRetrying, RetryError, retry_if_exception, stop_after_attempt,
                       stop_after_delay, wait_exponential_jitter)
 
-from engine.compat import Fingerprint, first_mismatch
+from common.fingerprint import Fingerprint, first_mismatch
 from engine.kv_transfer.endpoint import Endpoint
 from engine.kv_transfer.wire import layout_from_proto, layout_to_proto
 from engine.service.metrics import BOOTSTRAP_ATTEMPTS

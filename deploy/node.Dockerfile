@@ -27,6 +27,8 @@ RUN pip install "pip==${PIP_VERSION}" \
 WORKDIR /src
 COPY pyproject.toml README.md deploy/constraints.txt ./
 COPY pdserve ./pdserve
+COPY common ./common
+COPY loadgen ./loadgen
 COPY engine ./engine
 COPY spec ./spec
 COPY prefill_node ./prefill_node
@@ -34,7 +36,7 @@ COPY decode_node ./decode_node
 COPY router ./router
 # Every dependency pinned by constraints.txt; --no-deps for NIXL: its only declared
 # dependencies (torch, numpy) are already here
-RUN pip install --constraint constraints.txt ".[triton]" \
+RUN pip install --constraint constraints.txt ".[node,triton]" \
     && pip install --no-deps "nixl-${NIXL_FLAVOUR}==${NIXL_VERSION}"
 
 FROM ${BASE_IMAGE}

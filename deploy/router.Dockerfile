@@ -12,6 +12,8 @@ RUN pip install "pip==${PIP_VERSION}"
 WORKDIR /src
 COPY pyproject.toml README.md deploy/constraints.txt ./
 COPY pdserve ./pdserve
+COPY common ./common
+COPY loadgen ./loadgen
 COPY engine ./engine
 COPY spec ./spec
 COPY prefill_node ./prefill_node

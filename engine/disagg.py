@@ -19,8 +19,8 @@ from engine.future_map import DraftInput
 from engine.handoff import HandoffCodec, HandoffHeader, decode_row, encode_row
 from engine.kv_cache import KVPool, OutOfPages
 from engine.scheduler import RequestUpdate
-from engine.serving import EngineLoop, UpdateCallback
-from pdserve.tokenizer import Tokenizer
+from engine.loop import EngineLoop, UpdateCallback
+from common.tokenizer import Tokenizer
 
 
 class DisaggEngine:

@@ -24,8 +24,8 @@ from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import BatchPolicy, PolicyConfig, RequestUpdate, Scheduler
 from engine.scheduler.scheduler import SchedulerIO
-from engine.text_output import TextAssembler
-from pdserve.tokenizer import Tokenizer
+from common.detokenize import TextAssembler
+from common.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

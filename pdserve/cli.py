@@ -1,4 +1,5 @@
-"""The `pdserve` command line: one typer app, one subcommand per role (today: `generate`).
+"""The `pdserve` command line: one typer app, one subcommand per role (generate, serve, prefill,
+decode, router, up, bench, train).
 
 Importing this module must stay cheap and torch-free (the router and `--help` use it), so every
 subcommand imports the engine inside its function body.
@@ -8,29 +9,27 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NoReturn, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from common.config import GenerateOptions, SpeculativeOptions
+from pdserve.errors import EXIT_USAGE, fail
+from pdserve.flags import with_options
+
 if TYPE_CHECKING:  # only for annotations; importing these at run time would pull in torch
     from engine.core import SamplingParams
-    from engine.engine import Engine, EngineConfig
-    from spec.config import SpecConfig
-    from spec.registry import AlgorithmBinding
+    from engine.engine import Engine
 
 app = typer.Typer(
     name="pdserve",
     help="Prefill/decode disaggregated LLM serving with speculative decoding.",
     no_args_is_help=True,
     add_completion=False,
-    # Errors we expect are reported as one line by `_fail`; anything else is a bug and keeps
+    # Errors we expect are reported as one line by `pdserve.errors.fail`; anything else is a bug and keeps
     # the plain traceback (rich's boxed traceback hides the frames a bug report needs).
     pretty_exceptions_enable=False,
 )
-
-EXIT_USAGE = 2  # same code click uses for bad options, so scripts see one "you asked wrong" code
-
 
 @app.callback(invoke_without_command=True)
 def _root(
@@ -49,101 +48,7 @@ def _root(
         raise typer.Exit(EXIT_USAGE)
 
 
-def _fail(message: object, code: int = EXIT_USAGE) -> NoReturn:
-    """Print `error: ...` on one line to stderr and exit without a traceback."""
-    text = " ".join(str(message).split()) or type(message).__name__
-    typer.echo(f"error: {text}", err=True)
-    raise typer.Exit(code)
-
-
-# ---- generate: builders kept small so new options (e.g. speculative ones) slot in easily ----
-
-def engine_config(model: Path, *, dtype: str | None, device: str, page_size: int,
-                  seed: int | None) -> EngineConfig:
-    """The EngineConfig for `generate` (the model already resolved by pdserve.models.resolve)."""
-    from engine.engine import EngineConfig
-
-    _check_device(device)
-    # The engine seeds per-request seeds from this, so a batch is reproducible yet every
-    # prompt samples differently (a shared SamplingParams.seed would make them identical).
-    return EngineConfig(model=str(model), dtype=dtype, device=device, page_size=page_size,
-                        seed=seed)
-
-
-def _check_device(device: str) -> None:
-    """Refuse a malformed or absent device up front; torch would fail deep in model loading
-    with a RuntimeError or AssertionError that names neither the option nor the device."""
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        dev = None
-    # The engine has CPU and CUDA paths only (DESIGN.md §3); other torch backends fail deep inside.
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {device!r} is not supported; use cpu, cuda or cuda:N")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device!r}: CUDA is not available in this torch build or machine")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(f"--device {device!r}: only {torch.cuda.device_count()} CUDA device(s)")
-
-
-def sampling_params(*, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
-                    min_p: float, stop: list[str] | None) -> SamplingParams:
-    """SamplingParams validates every field and raises InvalidRequest naming the bad one."""
-    from engine.core import SamplingParams
-
-    return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                          top_k=top_k, min_p=min_p, stop=tuple(stop or ()))
-
-
-def spec_config(algorithm: str | None, **options: object) -> SpecConfig:
-    """The SpecConfig for the speculative flags (the registry's default algorithm when None).
-
-    `options` are SpecConfig fields named like their flags (num_steps <-> --speculative-num-steps).
-    Unset (None) ones are left out so that SpecConfig's defaults live in one place. Raises
-    SpecRegistryError (a ValueError) listing the known algorithms for an unknown name.
-    """
-    from spec.config import SpecConfig
-    from spec.registry import SpeculativeAlgorithm
-
-    given = {name: value for name, value in options.items() if value is not None}
-    algo = SpeculativeAlgorithm.from_name(algorithm.upper() if algorithm else None)
-    if algo.is_none():
-        if given:  # silently ignoring them would let a user believe speculation ran
-            flags = ", ".join(_spec_flag(name) for name in given)
-            raise ValueError(f"{flags} need --speculative-algorithm (it is {algo.name})")
-        return SpecConfig(algorithm=algo.name)
-    for path_option in ("draft_model_path", "adaptive_config"):
-        if path_option in given:
-            given[path_option] = str(given[path_option])
-    return SpecConfig(algorithm=algo.name, **given)  # type: ignore[arg-type]
-
-
-def _spec_flag(field: str) -> str:
-    return "--speculative-" + field.replace("_", "-")
-
-
-def bind_algorithm(cfg: SpecConfig) -> AlgorithmBinding:
-    """Resolve and check the speculative settings before the (slow) target load.
-
-    Raises SpecConfigError / SpecRegistryError (both ValueErrors) naming the flag or listing
-    the known algorithms; a bad draft directory surfaces later, as ModelLoadError, from Engine.
-    """
-    from spec.registry import bind
-
-    return bind(cfg)
-
-
-def build_engine(config: EngineConfig, binding: AlgorithmBinding) -> Engine:
-    """Load the model behind a spinner on stderr, so stdout carries only generated text."""
-    from rich.console import Console
-
-    from engine.engine import Engine
-
-    with Console(stderr=True).status(f"loading model {config.model} ...", spinner="dots"):
-        return Engine(config, algorithm=binding)
-
+# ---- generate ----
 
 def spec_summary(engine: Engine, algorithm: str) -> str | None:
     """One stderr line on how well speculation did, or None if the worker keeps no SpecStats."""
@@ -211,69 +116,28 @@ def _reason(reason: object) -> str:
 
 
 @app.command()
-def generate(
-    prompt: Annotated[list[str], typer.Option(
-        "--prompt", "-p", help="Prompt text; repeat for a batch (one prompt streams).")],
-    model: Annotated[Optional[Path], typer.Option(
-        help="HF-format model directory (default: the built-in Python-code pair, EAGLE on).")] = None,
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 64,
-    temperature: Annotated[float, typer.Option(help="0 means greedy.")] = 1.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")] = 1.0,
-    top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens; -1 is off.")] = -1,
-    min_p: Annotated[float, typer.Option(help="Drop tokens below min_p * max prob.")] = 0.0,
-    seed: Annotated[Optional[int], typer.Option(help="Seed for reproducible sampling.")] = None,
-    stop: Annotated[Optional[list[str]], typer.Option(
-        help="Stop string (repeatable); the output ends before it.")] = None,
-    dtype: Annotated[Optional[str], typer.Option(
-        help="float32, bfloat16 or float16 (default: the checkpoint's).")] = None,
-    device: Annotated[str, typer.Option(help="torch device, e.g. cpu or cuda.")] = "cpu",
-    page_size: Annotated[int, typer.Option(help="Tokens per KV cache page.")] = 16,
-    chat: Annotated[bool, typer.Option(
-        "--chat", help="Wrap each prompt as a user message with the chat template.")] = False,
-    speculative_algorithm: Annotated[Optional[str], typer.Option(
-        help="NONE, EAGLE, EAGLE3 or a registered plugin such as NGRAM (case-insensitive; default: "
-             "EAGLE with the built-in pair, else NONE).",
-        rich_help_panel="Speculative decoding")] = None,
-    speculative_draft_model_path: Annotated[Optional[Path], typer.Option(
-        help="Draft head directory (HF format), needed by EAGLE and EAGLE3.",
-        rich_help_panel="Speculative decoding")] = None,
-    speculative_num_steps: Annotated[Optional[int], typer.Option(
-        help="Draft steps per verify (default 3).", rich_help_panel="Speculative decoding")] = None,
-    speculative_eagle_topk: Annotated[Optional[int], typer.Option(
-        help="Branches per draft step; 1 is a chain, more is a tree (default 1).",
-        rich_help_panel="Speculative decoding")] = None,
-    speculative_num_draft_tokens: Annotated[Optional[int], typer.Option(
-        help="Tokens per verify, root included (default: num_steps + 1 for a chain, more for a tree).",
-        rich_help_panel="Speculative decoding")] = None,
-    speculative_ngram_min: Annotated[Optional[int], typer.Option(
-        help="NGRAM: shortest suffix to look up (default 1).",
-        rich_help_panel="Speculative decoding")] = None,
-    speculative_ngram_max: Annotated[Optional[int], typer.Option(
-        help="NGRAM: longest suffix to look up (default 4).",
-        rich_help_panel="Speculative decoding")] = None,
-) -> None:
+@with_options(opts=GenerateOptions, spec=SpeculativeOptions)
+def generate(opts: GenerateOptions, spec: SpeculativeOptions) -> None:
     """Generate text for one prompt (streamed) or several (batched) with the in-process engine."""
+    from common.tokenizer import TokenizerFileNotFoundError
     from engine.config import ModelLoadError
-    from pdserve.tokenizer import TokenizerFileNotFoundError
+    from pdserve.build import bind_algorithm, build_engine, engine_config, sampling_params, spec_config
 
+    prompt = opts.prompt
     try:
         # Validate sampling and speculative options before the (slow) model load, so typos
         # fail fast; only a bad draft head directory is found during the load.
-        params = sampling_params(max_new_tokens=max_new_tokens, temperature=temperature,
-                                 top_p=top_p, top_k=top_k, min_p=min_p, stop=stop)
+        params = sampling_params(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature,
+                                 top_p=opts.top_p, top_k=opts.top_k, min_p=opts.min_p, stop=opts.stop)
         from pdserve.models import resolve
 
-        choice = resolve(model, algorithm=speculative_algorithm,
-                         draft_model_path=speculative_draft_model_path,
-                         num_steps=speculative_num_steps, dtype=dtype, device=device)
-        spec = spec_config(choice.algorithm, draft_model_path=choice.draft_model_path,
-                           num_steps=choice.num_steps, eagle_topk=speculative_eagle_topk,
-                           num_draft_tokens=speculative_num_draft_tokens,
-                           ngram_min=speculative_ngram_min, ngram_max=speculative_ngram_max)
-        binding = bind_algorithm(spec)
-        engine = build_engine(engine_config(choice.model, dtype=choice.dtype, device=device,
-                                            page_size=page_size, seed=seed), binding)
-        inputs = prompt_inputs(engine, prompt, chat)
+        choice = resolve(opts.model, algorithm=spec.algorithm, draft_model_path=spec.draft_model_path,
+                         num_steps=spec.num_steps, dtype=opts.dtype, device=opts.device, adaptive=spec.adaptive)
+        binding = bind_algorithm(spec_config(choice.algorithm, **{
+            **spec.given(), "draft_model_path": choice.draft_model_path, "num_steps": choice.num_steps}))
+        engine = build_engine(engine_config(choice.model, dtype=choice.dtype, device=opts.device,
+                                            page_size=opts.page_size, seed=opts.seed), binding)
+        inputs = prompt_inputs(engine, prompt, opts.chat)
         start = time.perf_counter()
         if len(inputs) == 1:
             n_tokens, reason = _stream_one(engine, inputs[0], params)
@@ -283,10 +147,10 @@ def generate(
     # InvalidRequest, ChatTemplateError, bad dtypes, SpecConfigError and SpecRegistryError are
     # all ValueErrors; a bad draft head directory raises ModelLoadError.
     except (ModelLoadError, TokenizerFileNotFoundError, ValueError) as e:
-        _fail(e)
+        fail(e)
     except KeyboardInterrupt:
         sys.stdout.write("\n")
-        _fail("interrupted", code=130)
+        fail("interrupted", code=130)
     rate = n_tokens / elapsed if elapsed > 0 else 0.0
     typer.echo(f"{n_tokens} tokens in {elapsed:.2f} s ({rate:.1f} tok/s), finish: {reason}",
                err=True)
@@ -295,24 +159,14 @@ def generate(
         typer.echo(summary, err=True)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-             add_help_option=False)
-def train(ctx: typer.Context) -> None:
-    """Train a target + EAGLE head pair like the built-in one (`pdserve train --help` for options)."""
-    from pdserve.train.main import main
-
-    main(list(ctx.args))
-
-
-def _register_node_commands() -> None:
-    from pdserve import node_cli
-    from pdserve.bench.cli import register as register_bench
+def _register_commands() -> None:
+    from pdserve import node_cli, tools_cli
 
     node_cli.register(app)
-    register_bench(app)
+    tools_cli.register(app)
 
 
-_register_node_commands()
+_register_commands()
 
 if __name__ == "__main__":
     app()

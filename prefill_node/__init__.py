@@ -1,1 +1,1 @@
-"""Prefill node: gRPC servicer, prefill batch policy and sending KV handoffs to decode nodes."""
+"""Prefill node role: Generate for prompts, rooms, the KVControl servicer decode nodes call, and its role object."""

@@ -7,7 +7,7 @@ import logging
 
 import grpc
 
-from engine.compat import Fingerprint, first_mismatch
+from common.fingerprint import Fingerprint, first_mismatch
 from engine.kv_transfer import KVPoll, TransferError
 from engine.kv_transfer.endpoint import Endpoint
 from engine.kv_transfer.wire import layout_from_proto, layout_to_proto

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
-from pdserve.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 from router.chat import render as render_chat
 from router.contract import Dispatcher, DispatchError, GenerationJob, ModelCard
 from router.errors import APIError, bad_request, from_dispatch_error, from_validation_error, install_handlers

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.tokenizer import ChatTemplateError, Tokenizer
+from common.tokenizer import ChatTemplateError, Tokenizer
 from router.errors import bad_request
 from router.messages import template_messages
 

@@ -12,35 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    """What the router asks a node for (mirrors the scheduler API's SamplingParams)."""
-
-    max_new_tokens: int
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    seed: int | None = None
-    logprobs: bool = False
-    top_logprobs: int = 0
-    skip_special_tokens: bool = True  # the nodes detokenize only to find stop strings
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+from common.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
 class GenerationJob:
     request_id: str
     input_ids: tuple[int, ...]
-    sampling: SamplingSpec
+    sampling: SamplingParams
     stream: bool = True
 
 

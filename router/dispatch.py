@@ -24,12 +24,12 @@ import grpc
 from prometheus_client import CollectorRegistry
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
+from common.sampling import SamplingParams
 from router.contract import (
     DispatchError,
     FinishEvent,
     GenerationJob,
     ModelCard,
-    SamplingSpec,
     TokenEvent,
 )
 from router.blame import LegFailed, prefill_failure, rpc_failure, stage_timeout
@@ -304,7 +304,7 @@ class PDDispatcher:
         """One tiny real request (one token) through a pair, so readiness needs no user traffic."""
         self._last_probe = time.monotonic()
         job = GenerationJob(f"probe-{uuid.uuid4().hex[:16]}", self.probe_input_ids,
-                            SamplingSpec(max_new_tokens=1, temperature=0.0))
+                            SamplingParams(max_new_tokens=1, temperature=0.0))
         try:
             async with asyncio.timeout(self.timeouts.probe_s):
                 async for _ in self.generate(job):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import uvicorn
 
-from pdserve.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 from router.app import create_app
 from router.breaker import CircuitBreaker
 from router.dispatch import PDDispatcher, StageTimeouts

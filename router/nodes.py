@@ -22,7 +22,8 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
 from router.breaker import CircuitBreaker
-from router.contract import GenerationJob, ModelCard, SamplingSpec, TokenEvent
+from common.sampling import SamplingParams
+from router.contract import GenerationJob, ModelCard, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ def _model_card(info: pb.GetModelInfoResponse) -> ModelCard:
 
 def build_request(job: GenerationJob, request_id: str, room: int, prefill: NodeState | None) -> pb.GenerateRequest:
     """The GenerateRequest both legs get (SMG sends them identical)."""
-    s: SamplingSpec = job.sampling
+    s: SamplingParams = job.sampling
     sp = pb.SamplingParams(
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
         frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,

@@ -19,7 +19,8 @@ from typing import Any, Literal
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from router.contract import GenerationJob, ModelCard, SamplingSpec
+from common.sampling import SamplingParams
+from router.contract import GenerationJob, ModelCard
 from router.errors import APIError, bad_request
 from router.extensions import ChatExtensions, SamplingExtensions
 
@@ -90,9 +91,9 @@ class _Sampling(SamplingExtensions):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_spec(self, max_new_tokens: int, choice: int, top_logprobs: int | None) -> SamplingSpec:
+    def sampling_spec(self, max_new_tokens: int, choice: int, top_logprobs: int | None) -> SamplingParams:
         """The node-side sampling of choice `choice`; `top_logprobs` None means no logprobs."""
-        return SamplingSpec(
+        return SamplingParams(
             max_new_tokens=max_new_tokens, min_new_tokens=self.min_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from pdserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from common.detokenize import TextAssembler
+from common.tokenizer import Tokenizer
 from router.contract import FinishEvent, TokenEvent
 from router.protocol import Shapes, usage
 
@@ -58,8 +59,7 @@ class ChoiceText:
                  end_ids: frozenset[int] = frozenset(), logprobs: bool = False,
                  options: TextOptions = TextOptions()) -> None:
         self._tok = tokenizer
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=options.skip_special_tokens)
-        self._matcher = StopStringMatcher(stop) if stop else None
+        self._text = TextAssembler(tokenizer, stop, prompt_ids, options.min_tokens, options.skip_special_tokens)
         self._end_ids = end_ids
         self._want_logprobs = logprobs
         self._opt = options
@@ -90,13 +90,10 @@ class ChoiceText:
                 delta.logprobs.append(entry)
                 self.logprobs.append(entry)
             if tid in self._end_ids:
-                continue
-            piece = self._detok.feed(tid)
-            if self._matcher is None:
-                delta.text += piece
+                self._text.skip()
                 continue
             # no stop string may end in the text of the first min_tokens tokens
-            safe, hit = self._matcher.feed(piece, can_stop=self.tokens > self._opt.min_tokens)
+            safe, hit = self._text.feed([tid])
             delta.text += safe + (self._kept_stop() if hit else "")
             if hit:
                 self.finish_reason = "stop"
@@ -108,15 +105,14 @@ class ChoiceText:
         """The node finished: release held-back text, cut at any stop string, settle the reason."""
         if self.finished:
             return Delta()
-        out = self._detok.flush()
+        out, hit = self._text.flush()
         reason = event.finish_reason
-        if self._matcher is not None:
-            out, hit = self._matcher.feed(out, can_stop=self.tokens > self._opt.min_tokens)
+        if self._text.has_stops:
             if hit:
                 reason = "stop"
                 out += self._kept_stop()
             else:
-                held = self._matcher.flush()
+                held = self._text.release()
                 if isinstance(event.matched_stop, str):
                     # The node saw its stop string start inside the text we were holding back (its
                     # detokenization may differ at the edge): never show text from there on.
@@ -131,8 +127,7 @@ class ChoiceText:
 
     def _kept_stop(self) -> str:
         """The stop string that was hit, when the client asked to keep it (include_stop_str_in_output)."""
-        assert self._matcher is not None
-        return (self._matcher.matched or "") if self._opt.include_stop_str else ""
+        return (self._text.matched or "") if self._opt.include_stop_str else ""
 
     def _logprob(self, tid: int, event: TokenEvent, k: int, offset: int) -> TokenLogprob:
         top = event.top_logprobs[k] if k < len(event.top_logprobs) else ()

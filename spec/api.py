@@ -22,12 +22,12 @@ from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.spec_stats import SpecStats
-from spec.accept import accepted_rows, emit_device, host_output, step_output, verify_window
+from spec.verify_step import accepted_rows, emit_device, host_output, step_output, verify_window
 from spec.config import MAX_WINDOW, SpecConfig, SpecConfigError
 from spec.draft_input import BonusDraftInput, DisaggHandoffError, bonus_draft_input, check_prebuilt, seed_prebuilt
 from spec.registry import CustomSpecAlgo, SpeculativeAlgorithm, SpecRegistryError, register
 from spec.tree import DraftTree, chain_tree
-from spec.verify import VerifyResult
+from spec.rejection import VerifyResult
 from spec.windows import emitted_window, last_accepted_rows, shifted_tokens
 
 __all__ = [

@@ -5,7 +5,7 @@ colocated server holds after prefill: both KV pools, the bonus token, the top-k 
 next prediction and the draft hidden state (decoded by EagleHandoffCodec into `Req.handoff`).
 Rebuilding the draft input from those makes the first decode iteration indistinguishable from
 colocated serving, so acceptance matches too. Verification needs no draft probabilities
-(spec/verify.py proposes drafts as point masses), which is why only the top-k ids and
+(spec/rejection.py proposes drafts as point masses), which is why only the top-k ids and
 probabilities travel, not a distribution.
 """
 

@@ -25,9 +25,9 @@ from engine.core import ForwardMode, Req
 from engine.future_map import FutureMap, RelayPayload
 from engine.sampler import plain_argmax_ok as graphable
 from engine.step_graphs import StepGraphs
-from spec.accept import accepted_rows
+from spec.verify_step import accepted_rows
 from spec.eagle_steps import StepState
-from spec.verify import chain_greedy
+from spec.rejection import chain_greedy
 from spec.windows import emitted_window, last_accepted_rows
 
 if TYPE_CHECKING:

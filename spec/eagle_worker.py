@@ -7,7 +7,7 @@ publishes its length and stashes its bonus token, top-k and draft hidden state i
 row of its slot: exactly what a PD decode node seeds from the handoff.
 
 Decode: resolve lengths and draft input from the batch's FutureMap rows -> draft a tree ->
-TARGET_VERIFY over W rows -> accept (spec.verify) -> `on_publish` the new lengths -> move the
+TARGET_VERIFY over W rows -> accept (spec.rejection) -> `on_publish` the new lengths -> move the
 accepted rows' target KV to the front of the window (trees only) -> draft-extend over a
 constant-width window (accepted rows first) -> stash the head's state at the last accepted row.
 `seq_len` grows by accept_len = correct drafts + 1; the new bonus token has no KV. Between
@@ -41,14 +41,14 @@ from engine.kv_cache import KVPool
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.spec_stats import SpecStats
-from spec.accept import accepted_rows, emit_device, host_output, verify_window
+from spec.verify_step import accepted_rows, emit_device, host_output, verify_window
 from spec.config import SpecConfig
 from spec.draft_input import EagleDraftInput, EagleReqState, EagleVerifyInput
 from spec.eagle_draft import DraftPicker, HeadPicker, build_draft_tree
 from spec.eagle_handoff import EagleHandoffCodec
 from spec.eagle_iteration import EagleIterationGraphs
 from spec.eagle_steps import StepState, StepStates
-from spec.verify import VerifyResult
+from spec.rejection import VerifyResult
 from spec.windows import emitted_window, last_accepted_rows, shifted_tokens
 
 if TYPE_CHECKING:

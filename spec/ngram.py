@@ -3,7 +3,7 @@
 No draft model: the drafts of a request come from its own prompt + output. The longest suffix
 of length n in [ngram_max .. ngram_min] that occurred earlier is looked up (most recent earlier
 occurrence wins) and the tokens that followed it are proposed. They form a chain
-[bonus, d1 .. d_k] that the target checks in one TARGET_VERIFY forward; spec.verify accepts
+[bonus, d1 .. d_k] that the target checks in one TARGET_VERIFY forward; spec.rejection accepts
 them exactly as it accepts EAGLE's chain drafts, so greedy output equals plain greedy output
 and sampled output keeps the target's distribution.
 
@@ -23,7 +23,7 @@ from engine.future_map import BatchRelay, DraftInput, FutureMap
 from engine.handoff import HandoffCodec, NoPayloadCodec
 from engine.kv_cache import KVPool
 from engine.spec_stats import SpecStats
-from spec.accept import step_output, verify_window
+from spec.verify_step import step_output, verify_window
 from spec.config import MAX_WINDOW, SpecConfig, SpecConfigError
 from spec.draft_input import BonusDraftInput, bonus_draft_input
 from spec.registry import CustomSpecAlgo

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.core import Batch
-from spec.verify import VerifyResult
+from spec.rejection import VerifyResult
 
 
 def shifted_tokens(batch: Batch) -> list[int]:

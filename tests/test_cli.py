@@ -16,7 +16,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.tiny_model import write_tiny_model
+    from fixtures.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("cli") / "tiny", seed=3)
 
@@ -104,7 +104,7 @@ def test_module_help_runs_and_import_stays_torch_free() -> None:
 
 @pytest.fixture(scope="module")
 def eagle_head(model_dir: Path) -> Path:
-    from engine.tiny_eagle import write_tiny_eagle_head
+    from fixtures.tiny_eagle import write_tiny_eagle_head
 
     # A random head: its drafts are almost always rejected, so nearly every verify falls back
     # to the target's own token, the path where an off-by-one would show in the text.
@@ -183,3 +183,42 @@ def test_spec_flags_without_algorithm_are_refused(model_dir: Path) -> None:
     # Ignoring them silently would let a user believe speculation ran.
     res = _greedy(model_dir, "--speculative-num-steps", "2")
     _assert_clean_error(res, "--speculative-num-steps", "--speculative-algorithm")
+
+
+def test_flags_take_sglang_aliases_and_pdserve_env_vars(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every flag comes from a config field: SGLang's names work, and PDSERVE_<FLAG> sets it."""
+    from common.config import DecodeRole, EngineOptions, PrefillRole, SpeculativeOptions
+    from pdserve import node_cli
+
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(node_cli, "_run", lambda role, engine, spec, *rest: seen.update(
+        role=role, engine=engine, spec=spec, rest=rest))
+    monkeypatch.setenv("PDSERVE_SPECULATIVE_NGRAM_MAX", "7")
+    res = CliRunner().invoke(app, ["prefill", "--model-path", "/m", "--served-model-name", "pycoder",
+                                   "--max-running-requests", "5", "--disaggregation-bootstrap-port", "9001",
+                                   "--disaggregation-transfer-backend", "fake", "--speculative-algorithm", "NGRAM"],
+                             catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    engine, spec = seen["engine"], seen["spec"]
+    assert isinstance(engine, EngineOptions) and isinstance(spec, SpeculativeOptions)
+    assert (str(engine.model), engine.served_model_name, engine.max_running) == ("/m", "pycoder", 5)
+    assert (spec.algorithm, spec.ngram_max) == ("NGRAM", 7)
+    role = seen["role"]
+    assert (role.bootstrap_port, role.transport) == (9001, "fake")
+    assert PrefillRole().bootstrap_port == 8998 and DecodeRole().port == 30002
+
+
+def test_api_keys_come_from_a_comma_separated_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PDSERVE_API_KEY=key1,key2 (the chart's Secret) gives the router both keys; --api-key wins."""
+    import router.main
+
+    seen: list[object] = []
+
+    async def fake_run_router(cfg: object) -> None:
+        seen.append(cfg)
+
+    monkeypatch.setattr(router.main, "run_router", fake_run_router)
+    monkeypatch.setenv("PDSERVE_API_KEY", "key1, key2")
+    assert CliRunner().invoke(app, ["router"], catch_exceptions=False).exit_code == 0
+    assert CliRunner().invoke(app, ["router", "--api-key", "k3"], catch_exceptions=False).exit_code == 0
+    assert [c.api_keys for c in seen] == [frozenset({"key1", "key2"}), frozenset({"k3"})]

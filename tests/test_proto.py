@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import pytest
 
-from engine.compat import Fingerprint, first_mismatch
+from common.fingerprint import Fingerprint, first_mismatch
 from pdserve.v1 import kv_control_pb2 as pb
 from pdserve.v1 import kv_control_pb2_grpc as pb_grpc
 

@@ -18,11 +18,11 @@ import pytest
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the string annotations here
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pdserve.bench.client import EndpointConfig, make_client, request_body, send
-from pdserve.bench.cli import BenchOptions, run_bench
-from pdserve.bench.dataset import CHARS_PER_TOKEN, BenchRequest, cut_prompt, random_requests, sample_lengths
-from pdserve.bench.metrics import RequestRecord, meets_slo, parse_slo, percentile, summarize
-from pdserve.bench.sweep import LoadPoint, arrival_times, parse_loads, run_point
+from loadgen.client import EndpointConfig, make_client, request_body, send
+from loadgen.runner import BenchOptions, run_bench
+from loadgen.dataset import CHARS_PER_TOKEN, BenchRequest, cut_prompt, random_requests, sample_lengths
+from loadgen.metrics import RequestRecord, meets_slo, parse_slo, percentile, summarize
+from loadgen.sweep import LoadPoint, arrival_times, parse_loads, run_point
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -289,7 +289,7 @@ def test_run_bench_end_to_end_on_fake_server(fake_server: str, tmp_path: Path) -
 def test_cli_imports_stay_light() -> None:
     import subprocess
 
-    code = ("import sys, pdserve.bench.cli; "
+    code = ("import sys, loadgen.runner; "
             "print(sorted(m for m in ('torch', 'engine', 'httpx', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stderr

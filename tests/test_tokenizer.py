@@ -10,7 +10,8 @@ from typing import Any, Sequence
 
 import pytest
 
-from pdserve.tokenizer import (ChatTemplateError, IncrementalDetokenizer, StopStringMatcher, Tokenizer,
+from common.detokenize import IncrementalDetokenizer, StopStringMatcher
+from common.tokenizer import (ChatTemplateError, Tokenizer,
                                TokenizerFileNotFoundError)
 
 TEXTS = [
@@ -308,7 +309,7 @@ def test_stop_matcher_ignores_matches_ending_in_protected_text(seed: int) -> Non
 
 
 def test_text_assembler_min_tokens(tiny_llama_dir: Path) -> None:
-    from engine.text_output import TextAssembler
+    from common.detokenize import TextAssembler
 
     tok = Tokenizer.from_dir(tiny_llama_dir)
     ids = tok.encode("ab ab ab ab", add_special_tokens=False)
@@ -350,7 +351,7 @@ def test_tiny_models_load_in_transformers(fixture: str, request: pytest.FixtureR
 def test_tiny_model_weights(tiny_qwen3_dir: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    from engine.tiny_model import write_tiny_model
+    from fixtures.tiny_model import write_tiny_model
 
     index = json.loads((tiny_qwen3_dir / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))

@@ -1,4 +1,4 @@
-"""pdserve.train: a toy pair trains, saves, loads in the engine (EAGLE on = off), reproducibly."""
+"""trainer: a toy pair trains, saves, loads in the engine (EAGLE on = off), reproducibly."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import torch
 
 from engine.core import SamplingParams
 from engine.engine import Engine, EngineConfig
-from pdserve.tokenizer import Tokenizer
-from pdserve.train.corpus import is_heldout, load_corpus, source_files
-from pdserve.train.main import PRESETS, train_pair
-from pdserve.train.save import save_weights
+from common.tokenizer import Tokenizer
+from trainer.corpus import is_heldout, load_corpus, source_files
+from trainer.main import PRESETS, train_pair
+from trainer.save import save_weights
 from spec.config import SpecConfig
 from spec.registry import bind
 
@@ -68,8 +68,8 @@ def test_tokenizer_has_specials_and_chat_template(pair: tuple[Path, dict]) -> No
 def test_target_matches_transformers(pair: tuple[Path, dict]) -> None:
     out, _ = pair
     transformers = pytest.importorskip("transformers")
-    from pdserve.train.layers import LlamaShape
-    from pdserve.train.target import TrainLlama
+    from trainer.layers import LlamaShape
+    from trainer.target import TrainLlama
     from safetensors.torch import load_file
 
     cfg = json.loads((out / "target" / "config.json").read_text())
@@ -113,8 +113,8 @@ def test_sharded_weights_load(tmp_path: Path) -> None:
 
 
 def test_full_preset_fits_the_size_budget() -> None:
-    from pdserve.train.eagle_head import build_head
-    from pdserve.train.target import build_target
+    from trainer.eagle_head import build_head
+    from trainer.target import build_target
 
     p = PRESETS["full"]
     target = build_target(p.shape, 0, torch.device("cpu"))

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import write_report
-from pdserve.bench.cli import BenchOptions, run_bench
+from loadgen.runner import BenchOptions, run_bench
 from pdserve.models import BUILTIN_TARGET
 from pdserve.up import Deployment, UpConfig
 

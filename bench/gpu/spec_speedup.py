@@ -34,7 +34,7 @@ from bench.gpu.llama8b import LLAMA_8B, build_engine_model, shape_config
 from bench.gpu.synthetic import PICKER, OraclePicker, SyntheticEagle3, widen_margins
 from engine.core import SamplingParams
 from engine.engine import Engine
-from engine.tiny_eagle import write_tiny_eagle_head
+from fixtures.tiny_eagle import write_tiny_eagle_head
 from spec.config import SpecConfig
 from spec.registry import bind
 

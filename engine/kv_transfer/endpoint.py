@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.compat import Fingerprint, build_fingerprint
+from common.fingerprint import Fingerprint, build_fingerprint
 from engine.kv_transfer import HandoffRows, KVTransport, create_transport
 
 if TYPE_CHECKING:

@@ -1,1 +1,1 @@
-"""The router-facing gRPC service every node serves: SGLang's scheduler API (smg-grpc-proto)."""
+"""The node runtime every role shares: run_node, SGLang's scheduler API (smg-grpc-proto), health, metrics."""

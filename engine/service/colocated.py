@@ -8,9 +8,10 @@ from typing import Any, AsyncIterator
 import grpc
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
+from engine.loop import EngineLoop
 from engine.service import convert
+from engine.service.node import RoleParts
 from engine.service.stream import RequestStream
-from engine.serving import EngineLoop
 
 log = logging.getLogger(__name__)
 
@@ -45,18 +46,13 @@ class ColocatedHandler:
         return None
 
 
-async def run_colocated(opts: Any, host: str, port: int, metrics_port: int | None = None) -> None:
-    """`pdserve serve`: load, serve the scheduler API, stop cleanly on SIGINT/SIGTERM."""
-    from engine.service.server import (metrics_suffix, node_info, scheduler_service, serve_until,
-                                       start_server, stop_on_signals)
-    from engine.service.servicer import SchedulerServicer
-    from engine.serving import EngineLoop
+class ColocatedRole:
+    """`pdserve serve`: the Generate handler runs prompt and decode itself; nothing beside the API."""
 
-    stop = stop_on_signals()
-    engine, _ = opts.build()
-    loop = EngineLoop(engine).start()
-    servicer = SchedulerServicer(node_info(engine, "null"), loop, ColocatedHandler(loop))
-    server, bound = await start_server([scheduler_service(servicer)], host, port, watch=servicer.health)
-    log.info("colocated node serving %s on %s:%d", engine.config.model, host, bound)
-    print(f"READY scheduler={host}:{bound}{metrics_suffix(engine, 'colocated', host, metrics_port)}", flush=True)
-    await serve_until(stop, [server], on_stop=loop.stop)
+    name = "colocated"
+
+    def attach(self, loop: EngineLoop, binding: Any) -> RoleParts:
+        return RoleParts(ColocatedHandler(loop), info_role="null", on_stop=[loop.stop])
+
+    async def start(self, host: str, health: Any) -> tuple[list[grpc.aio.Server], str]:
+        return [], ""

@@ -15,7 +15,7 @@ from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 from engine.core import InvalidRequest
 from engine.service.health import HealthWatch, leaked_capacity
 from engine.service.stream import RequestFailed
-from engine.serving import EngineLoop
+from engine.loop import EngineLoop
 
 log = logging.getLogger(__name__)
 # trailing metadata naming the role at fault; router/blame.py reads the same key (it cannot import this)

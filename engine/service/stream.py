@@ -14,8 +14,8 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from engine.core import FinishReason, Req
 from engine.scheduler import RequestUpdate
 from engine.service import convert
-from engine.text_output import TextAssembler
-from pdserve.tokenizer import Tokenizer
+from common.detokenize import TextAssembler
+from common.tokenizer import Tokenizer
 
 
 class Aborter(Protocol):

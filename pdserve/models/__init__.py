@@ -9,7 +9,7 @@ from pathlib import Path
 
 MODELS_DIR = Path(__file__).resolve().parent
 # Which directories form the pair, which algorithm the head was trained for, and its draft length
-# (pdserve/train, bench/RESULTS.md): data, so no code here names an algorithm.
+# (trainer, bench/RESULTS.md): data, so no code here names an algorithm.
 PAIR = json.loads((MODELS_DIR / "pair.json").read_text())
 BUILTIN_TARGET = MODELS_DIR / PAIR["target"]  # the directory name is the model id the router serves
 BUILTIN_DRAFT = MODELS_DIR / PAIR["draft"]

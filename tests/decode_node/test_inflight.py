@@ -8,7 +8,7 @@ import asyncio
 import torch
 
 from decode_node.inflight import InFlight, Stage
-from decode_node.receiver import CompletionWaiter
+from decode_node.completion import CompletionWaiter
 from engine.core import Req, SamplingParams
 from engine.kv_transfer import HandoffRows
 

@@ -23,7 +23,7 @@ import httpx
 import yaml
 
 from tests.deploy.promkit import RULE_FILES
-from tests.pd.pdkit import request, stub
+from fixtures.pdkit import request, stub
 from tests.router.fake_nodes import Behaviour, FakeNode
 
 PROMPTS = ["def fibonacci(n):", "import os\n\ndef walk(", "class Stack:\n    def push(self, item):",

@@ -17,7 +17,7 @@ import pytest
 from engine.kv_transfer import nixl_available
 from tests.deploy.livekit import FlakyDecode, Prometheus, drive, get_json, orphan_decode, wait_http_ok
 from tests.deploy.promkit import REPO, binary, dashboard_queries, recording_rules
-from tests.procs import Node
+from fixtures.procs import Node
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")
 

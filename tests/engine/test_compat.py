@@ -1,4 +1,4 @@
-"""engine.compat: the model hash, the fingerprint's field-naming mismatch and the pairing token."""
+"""common.fingerprint: the model hash, the fingerprint's field-naming mismatch and the pairing token."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.compat import (SAMPLE_BYTES, SAMPLE_COUNT, Fingerprint, build_fingerprint, first_mismatch,
+from common.fingerprint import (SAMPLE_BYTES, SAMPLE_COUNT, Fingerprint, build_fingerprint, first_mismatch,
                            model_hash, pairing_protocol)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.tiny_model import write_tiny_model
+    from fixtures.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("compat") / "tiny", seed=0)
 
@@ -51,7 +51,7 @@ def test_same_directory_same_hash(model_dir: Path, tmp_path: Path) -> None:
 
 
 def test_same_seed_rewritten_same_hash(model_dir: Path, tmp_path: Path) -> None:
-    from engine.tiny_model import write_tiny_model
+    from fixtures.tiny_model import write_tiny_model
 
     assert model_hash(write_tiny_model(tmp_path / "again", seed=0)) == model_hash(model_dir)
     assert model_hash(write_tiny_model(tmp_path / "other", seed=1)) != model_hash(model_dir)
@@ -105,7 +105,7 @@ def test_missing_or_corrupt_model_is_an_error(tmp_path: Path) -> None:
 
 
 def test_build_fingerprint(model_dir: Path, tmp_path: Path) -> None:
-    from engine.tiny_model import write_tiny_model
+    from fixtures.tiny_model import write_tiny_model
 
     draft = write_tiny_model(tmp_path / "draft", seed=3, num_layers=1)
     fp = _fingerprint(model_dir, dtype="torch.bfloat16", draft_model_dir=draft)

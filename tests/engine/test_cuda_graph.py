@@ -19,7 +19,7 @@ from engine.draft_loader import load_draft_model
 from engine.engine import Engine, EngineConfig
 from engine.kv_cache import KVPool
 from engine.model_runner import ModelRunner
-from engine.tiny_eagle import write_tiny_eagle_head
+from fixtures.tiny_eagle import write_tiny_eagle_head
 
 D, V, E = ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND
 

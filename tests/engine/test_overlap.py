@@ -8,8 +8,8 @@ import torch
 
 from engine.core import SamplingParams
 from engine.engine import Engine, EngineConfig
-from engine.tiny_eagle import write_tiny_eagle_head
-from engine.tiny_model import write_tiny_model
+from fixtures.tiny_eagle import write_tiny_eagle_head
+from fixtures.tiny_model import write_tiny_model
 from spec.config import SpecConfig
 from spec.registry import bind
 

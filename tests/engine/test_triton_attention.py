@@ -196,7 +196,7 @@ def test_engine_greedy_equals_torch(tiny_llama_dir) -> None:
 def test_eagle_tree_greedy_equals_torch(tmp_path, tiny_llama_dir) -> None:
     """Draft steps (DECODE, k tokens, tree mask), tree verify and draft-extend end to end."""
     from engine.engine import Engine, EngineConfig
-    from engine.tiny_eagle import write_tiny_eagle_head
+    from fixtures.tiny_eagle import write_tiny_eagle_head
     from spec.config import SpecConfig
     from spec.registry import bind
 

@@ -10,7 +10,7 @@ import pytest
 
 from engine.core import ForwardMode, SamplingParams
 from engine.engine import Engine, EngineConfig
-from engine.tiny_model import write_tiny_model
+from fixtures.tiny_model import write_tiny_model
 from spec.config import SpecConfig
 from spec.registry import ENTRY_POINT_GROUP, SpeculativeAlgorithm, bind
 from spec.testing import check_algorithm

@@ -9,10 +9,10 @@ import math
 import pytest
 
 from engine.kv_transfer import nixl_available
-from engine.tiny_eagle import write_tiny_eagle_head
-from tests.pd.pdkit import pd_generate, request, start_pair, stub, wait_idle
+from fixtures.tiny_eagle import write_tiny_eagle_head
+from fixtures.pdkit import pd_generate, request, start_pair, stub, wait_idle
 from tests.pd.test_pd_metrics import scrape
-from tests.procs import Node
+from fixtures.procs import Node
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")
 CHUNK, PAGE = 8, 4

@@ -9,10 +9,10 @@ import pytest
 import importlib.util
 
 from engine.kv_transfer import nixl_available
-from engine.tiny_eagle import write_tiny_eagle_head
-from engine.tiny_model import write_tiny_model
-from tests.pd.pdkit import pd_generate, request, start_pair, stub, wait_idle
-from tests.procs import Node
+from fixtures.tiny_eagle import write_tiny_eagle_head
+from fixtures.tiny_model import write_tiny_model
+from fixtures.pdkit import pd_generate, request, start_pair, stub, wait_idle
+from fixtures.procs import Node
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")
 PROMPTS = [[5, 17, 42, 7, 99, 3, 11, 250], [300] * 5, list(range(100, 121)), [8, 1]]

@@ -12,8 +12,8 @@ import pytest
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 from engine.kv_transfer import nixl_available
-from tests.pd.pdkit import free_port, pd_generate, request, start_pair, stub, wait_idle
-from tests.procs import Node
+from fixtures.pdkit import free_port, pd_generate, request, start_pair, stub, wait_idle
+from fixtures.procs import Node
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")
 IDS = [5, 17, 42, 7, 99, 3, 11, 250]

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.kv_transfer import nixl_available
-from tests.pd.pdkit import pd_generate, request, start_pair, stub, wait_idle
+from fixtures.pdkit import pd_generate, request, start_pair, stub, wait_idle
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")
 

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 from engine.kv_transfer import nixl_available
-from tests.pd.pdkit import free_port, start_pair, stub, wait_idle
+from fixtures.pdkit import free_port, start_pair, stub, wait_idle
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("smg") is None, reason="smg (the SMG gateway) is not installed"),

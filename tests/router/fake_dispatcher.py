@@ -19,7 +19,7 @@ from typing import AsyncIterator, Callable, Iterator
 import uvicorn
 from fastapi import FastAPI
 
-from pdserve.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 from router.contract import DispatchError, FinishEvent, GenerationJob, ModelCard, TokenEvent
 
 

@@ -16,7 +16,8 @@ from google.protobuf import struct_pb2
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pbg
 
-from router.contract import FinishEvent, GenerationJob, SamplingSpec, TokenEvent
+from common.sampling import SamplingParams
+from router.contract import FinishEvent, GenerationJob, TokenEvent
 from router.dispatch import PDDispatcher, StageTimeouts
 from router.nodes import NodeRegistry, NodeSpec
 from router.policy import make_policy
@@ -158,7 +159,7 @@ def run(coro: Awaitable[Any], timeout: float = 30.0) -> Any:
 
 
 def job(rid: str = "req-1", ids: tuple[int, ...] = (5, 6, 7, 8), **sampling: Any) -> GenerationJob:
-    return GenerationJob(rid, ids, SamplingSpec(**{"max_new_tokens": 3, **sampling}))
+    return GenerationJob(rid, ids, SamplingParams(**{"max_new_tokens": 3, **sampling}))
 
 
 def dispatcher(registry: Any, decode: str = "least_load", prefill: str = "round_robin",

@@ -1,5 +1,5 @@
 """A real PD stack on loopback for end-to-end router tests: one prefill node, N decode nodes and
-the router in front of them, all as `pdserve` processes (tests.procs.Node). Bounded waits only;
+the router in front of them, all as `pdserve` processes (fixtures.procs.Node). Bounded waits only;
 `kill()` ends every process the stack ever started."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from tests.pd.pdkit import stub, wait_idle
-from tests.procs import Node
+from fixtures.pdkit import stub, wait_idle
+from fixtures.procs import Node
 
 NODE_ARGS = ("--page-size", "4")
 

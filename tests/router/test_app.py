@@ -15,7 +15,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from pdserve.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 from router.app import create_app
 from router.contract import DispatchError, GenerationJob
 from tests.router.fake_dispatcher import FakeDispatcher, Script, server, sse_lines, wait_for

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.kv_transfer import nixl_available
 from router.breaker import BreakerState
-from tests.procs import Node
+from fixtures.procs import Node
 from tests.router.stack import Stack, start_stack
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")

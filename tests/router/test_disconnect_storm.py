@@ -14,7 +14,7 @@ import pytest
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 from engine.kv_transfer import nixl_available
-from tests.pd.pdkit import stub, wait_idle
+from fixtures.pdkit import stub, wait_idle
 from tests.router.stack import start_stack
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")

@@ -12,7 +12,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from pdserve.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 from tests.router.fake_dispatcher import Script, server, wait_for
 from tests.router.test_app import MODEL, make
 

@@ -349,7 +349,7 @@ def test_dispatch_against_real_prefill_and_decode(tiny_llama_dir: Any) -> None:
 
     if not nixl_available():
         pytest.skip("nixl-cu13 is not installed")
-    from tests.pd.pdkit import pd_generate, request, start_pair, stub
+    from fixtures.pdkit import pd_generate, request, start_pair, stub
 
     ids = (5, 17, 42, 7, 99, 3, 11, 250)
     prefill, decode = start_pair(str(tiny_llama_dir))

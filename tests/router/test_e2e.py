@@ -24,8 +24,8 @@ import pytest
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 from engine.kv_transfer import nixl_available
-from pdserve.tokenizer import Tokenizer
-from tests.pd.pdkit import stub, wait_idle
+from common.tokenizer import Tokenizer
+from fixtures.pdkit import stub, wait_idle
 from tests.router.stack import Stack, decode_node, start_stack, wait_status
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")

@@ -12,7 +12,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from pdserve.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 from router.extensions import _REFUSED_CHAT, _REFUSED_SAMPLING
 from router.nodes import build_request
 from tests.router.fake_dispatcher import Script, server, sse_lines

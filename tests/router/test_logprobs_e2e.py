@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 from engine.kv_transfer import nixl_available
-from tests.procs import Node
+from fixtures.procs import Node
 from tests.router.stack import start_stack, wait_status
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")

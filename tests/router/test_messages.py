@@ -10,7 +10,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from pdserve.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 from tests.router.fake_dispatcher import server
 from tests.router.test_app import MODEL, check_error, make
 

@@ -9,7 +9,7 @@ from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
 from engine.core import SamplingParams
 from engine.engine import Engine, EngineConfig
-from tests.procs import Node
+from fixtures.procs import Node
 
 PROMPT = [5, 17, 42, 7, 99, 3]
 
@@ -101,3 +101,17 @@ def test_cancelled_stream_frees_its_pages(stub):
 def test_sigterm_stops_cleanly(tiny_llama_dir):
     n = Node(["serve", "--model", str(tiny_llama_dir), "--port", "0"]).wait_ready()
     assert n.stop() == 0
+
+
+def test_sglang_flag_names_and_env_vars_configure_a_node(tiny_llama_dir):
+    """--served-model-name sets GetModelInfo.served_model_name; PDSERVE_<FLAG> sets a flag."""
+    n = Node(["serve", "--model-path", str(tiny_llama_dir), "--port", "0", "--served-model-name", "tiny-served"],
+             env={"PDSERVE_MAX_RUNNING": "7", "PDSERVE_PAGE_SIZE": "4"}).wait_ready()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{n.ports['scheduler']}") as channel:
+            stub = pb_grpc.SglangSchedulerStub(channel)
+            assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).served_model_name == "tiny-served"
+            args = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).server_args
+            assert (args["max_running_requests"], args["page_size"]) == (7, 4)
+    finally:
+        n.kill()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.tiny_eagle import write_tiny_eagle_head
-from engine.tiny_model import write_tiny_model
+from fixtures.tiny_eagle import write_tiny_eagle_head
+from fixtures.tiny_model import write_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import spec.registry as registry
-from engine.tiny_eagle import write_tiny_eagle_head
+from fixtures.tiny_eagle import write_tiny_eagle_head
 from spec.config import SpecConfig
 from spec.ngram import NgramAlgo
 from spec.registry import register_class

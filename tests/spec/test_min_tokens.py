@@ -11,7 +11,7 @@ import torch
 from engine.core import FinishReason, Req, SamplingParams
 from engine.engine import Engine, EngineConfig
 from engine.sampler import Sampler
-from spec.accept import verify_window
+from spec.verify_step import verify_window
 from spec.config import SpecConfig
 from spec.registry import bind
 from spec.tree import DraftTree, child_links

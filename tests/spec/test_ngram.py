@@ -10,7 +10,7 @@ import torch
 
 from engine.core import Batch, FinishReason, ForwardMode, Req, SamplingParams
 from engine.engine import Engine, EngineConfig
-from engine.tiny_model import write_tiny_model
+from fixtures.tiny_model import write_tiny_model
 from spec.config import SpecConfig, SpecConfigError
 from engine.future_map import FutureMap
 from spec.draft_input import BonusDraftInput

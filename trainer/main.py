@@ -1,9 +1,7 @@
-"""train_pair: corpus -> tokenizer -> target -> EAGLE head -> HF dirs + metrics, and its CLI."""
+"""train_pair: corpus -> tokenizer -> target -> EAGLE head -> HF dirs + metrics; `run` for `pdserve train`."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -11,17 +9,18 @@ from typing import Any, Callable
 
 import torch
 
-from pdserve.train.corpus import load_corpus
-from pdserve.train.data import encode_stream
-from pdserve.train.eagle_head import build_head, head_agreement, train_head
-from pdserve.train.eagle_head import hf_tensors as head_tensors
-from pdserve.train.evaluate import heldout_prompts, measure_acceptance
-from pdserve.train.layers import LlamaShape
-from pdserve.train.loop import Schedule
-from pdserve.train.save import file_sizes, save_head, save_target, write_json
-from pdserve.train.target import build_target, train_target
-from pdserve.train.target import hf_tensors as target_tensors
-from pdserve.train.tokenizer import save_tokenizer, special_ids, train_tokenizer
+from trainer.corpus import load_corpus
+from trainer.data import encode_stream
+from trainer.eagle_head import build_head, head_agreement, train_head
+from trainer.eagle_head import hf_tensors as head_tensors
+from trainer.evaluate import heldout_prompts, measure_acceptance
+from trainer.layers import LlamaShape
+from trainer.loop import Schedule
+from trainer.options import TrainOptions
+from trainer.save import file_sizes, save_head, save_target, write_json
+from trainer.target import build_target, train_target
+from trainer.target import hf_tensors as target_tensors
+from trainer.tokenizer import save_tokenizer, special_ids, train_tokenizer
 
 MAX_PAIR_BYTES = 25_000_000
 
@@ -169,39 +168,16 @@ def _metrics(out: Path, seed: int, dev: torch.device, p: Preset, shape: LlamaSha
     }
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(prog="python -m pdserve.train", description=__doc__)
-    ap.add_argument("--out", type=Path, required=True,
-                    help="output directory (target/, eagle/, train_meta.json)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    ap.add_argument("--preset", choices=sorted(PRESETS), default=None, help="model size (default: full)")
-    ap.add_argument("--tiny", action="store_true", help="same as --preset tiny")
-    ap.add_argument("--target-steps", type=int)
-    ap.add_argument("--head-steps", type=int)
-    ap.add_argument("--batch-size", type=int, help="target windows per step")
-    ap.add_argument("--head-batch-size", type=int)
-    ap.add_argument("--target-lr", type=float)
-    ap.add_argument("--head-lr", type=float)
-    ap.add_argument("--vocab-size", type=int)
-    ap.add_argument("--ttt-steps", type=int, default=4, help="chained draft steps trained per batch")
-    ap.add_argument("--eval-prompts", type=int,
-                    help="held-out prompts for the acceptance measurement (0: skip)")
-    ap.add_argument("--eval-every", type=int, default=0, help="held-out loss every N target steps (0: off)")
-    ap.add_argument("--eval-dtype", default="float32", help="engine dtype of the acceptance run")
-    ap.add_argument("--no-progress", action="store_true")
-    a = ap.parse_args(argv)
-    metrics = train_pair(a.out, seed=a.seed, device=a.device, preset=a.preset, tiny=a.tiny,
-                         target_steps=a.target_steps, head_steps=a.head_steps, batch_size=a.batch_size,
-                         head_batch_size=a.head_batch_size, target_lr=a.target_lr,
-                         head_lr=a.head_lr, vocab_size=a.vocab_size,
-                         ttt_steps=a.ttt_steps, eval_prompts=a.eval_prompts, eval_every=a.eval_every,
-                         eval_dtype=a.eval_dtype, progress=not a.no_progress)
-    print(json.dumps(_summary(metrics), indent=2))
-    return metrics
+def run(opts: TrainOptions) -> dict[str, Any]:
+    """`pdserve train`: train_pair with the command's options; returns the metrics."""
+    return train_pair(opts.out, seed=opts.seed, device=opts.device, preset=opts.preset, tiny=opts.tiny,
+                      target_steps=opts.target_steps, head_steps=opts.head_steps, batch_size=opts.batch_size,
+                      head_batch_size=opts.head_batch_size, target_lr=opts.target_lr, head_lr=opts.head_lr,
+                      vocab_size=opts.vocab_size, ttt_steps=opts.ttt_steps, eval_prompts=opts.eval_prompts,
+                      eval_every=opts.eval_every, eval_dtype=opts.eval_dtype, progress=opts.progress)
 
 
-def _summary(m: dict[str, Any]) -> dict[str, Any]:
+def summary(m: dict[str, Any]) -> dict[str, Any]:
     """The headline numbers (the full metrics are in train_meta.json)."""
     acc = m.get("acceptance", {})
     return {"target_heldout_loss": m["target"]["heldout_loss"],

@@ -10,7 +10,7 @@ import pytest
 
 from engine.core import FinishReason, SamplingParams
 from engine.engine import Engine, EngineConfig
-from engine.serving import EngineLoop, ThreadedIO
+from engine.loop import EngineLoop, ThreadedIO
 
 TIMEOUT = 20.0
 

@@ -8,7 +8,20 @@ from typing import Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from engine.tiny_model import ASSISTANT, BOS, CHAT_TEMPLATE, EOS, SYSTEM, USER
+# The chat format of the built-in pair (the test fixtures' tiny models share it).
+BOS, EOS, USER, ASSISTANT, SYSTEM = "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"
+# The template carries its own BOS (as Llama 3's does; empty for the Qwen style), so callers
+# tokenize a rendered chat with add_special_tokens=False; unknown roles fail loudly.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unsupported role: ' + message['role']) }}"
+    "{% endif %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
 
 PAD = "<|pad|>"
 # Specials take ids 0..5 (bos, eos, pad first), then the 256 byte tokens, then merges.
@@ -32,7 +45,7 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int) -> Tokenizer:
 
 
 def save_tokenizer(tok: Tokenizer, out: Path, model_max_length: int) -> None:
-    """Files that pdserve.tokenizer.Tokenizer and transformers' AutoTokenizer both load."""
+    """Files that common.tokenizer.Tokenizer and transformers' AutoTokenizer both load."""
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     added = {str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False,

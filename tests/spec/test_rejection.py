@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from spec.tree import ancestor_mask, chain_tree, tree_from_candidates
-from spec.verify import verify_greedy, verify_sampled
+from spec.rejection import verify_greedy, verify_sampled
 
 # chi-square critical value for df=5 at p=0.999 (so a correct sampler fails 1 in 1000 runs;
 # seeds below are fixed, so the test is deterministic)
@@ -115,7 +115,7 @@ def test_second_token_is_distributed_as_the_target_given_the_first():
 
 
 def test_chain_fast_path_equals_the_walk():
-    from spec.verify import _walk
+    from spec.rejection import _walk
 
     gen = torch.Generator().manual_seed(0)
     for _ in range(200):

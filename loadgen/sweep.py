@@ -14,9 +14,9 @@ from typing import Any, Callable
 
 import httpx
 
-from pdserve.bench.client import Clock, EndpointConfig, make_client, send, served_model
-from pdserve.bench.dataset import BenchRequest
-from pdserve.bench.metrics import RequestRecord, summarize
+from loadgen.client import Clock, EndpointConfig, make_client, send, served_model
+from loadgen.dataset import BenchRequest
+from loadgen.metrics import RequestRecord, summarize
 
 MAX_POOL = 1024  # an unbounded rate would otherwise open one connection per request
 

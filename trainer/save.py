@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from pdserve.train.layers import LlamaShape, hf_llama_config
+from trainer.layers import LlamaShape, hf_llama_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 MAX_FILE_BYTES = 15_000_000  # per saved file

@@ -14,8 +14,8 @@ from typing import Any, Callable
 
 import httpx
 
-from pdserve.bench.dataset import BenchRequest
-from pdserve.bench.metrics import RequestRecord
+from loadgen.dataset import BenchRequest
+from loadgen.metrics import RequestRecord
 
 Clock = Callable[[], float]
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}

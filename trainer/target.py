@@ -9,9 +9,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine.layers.norm import RMSNorm
-from pdserve.train.data import heldout_windows, sample_windows
-from pdserve.train.layers import DecoderLayer, LlamaShape, init_weights, rope_tables
-from pdserve.train.loop import Schedule, autocast, train_loop
+from trainer.data import heldout_windows, sample_windows
+from trainer.layers import DecoderLayer, LlamaShape, init_weights, rope_tables
+from trainer.loop import Schedule, autocast, train_loop
 
 
 class _Backbone(nn.Module):

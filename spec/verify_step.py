@@ -9,7 +9,7 @@ from engine.h2d import to_device
 from engine.sampler import Sampler
 from engine.spec_stats import SpecStats
 from spec.tree import DraftTree
-from spec.verify import VerifyResult, verify_greedy, verify_sampled
+from spec.rejection import VerifyResult, verify_greedy, verify_sampled
 
 
 def verify_window(sampler: Sampler, reqs: list[Req], tree: DraftTree, logits: torch.Tensor,

@@ -19,10 +19,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pdserve.train.data import heldout_windows, sample_windows
-from pdserve.train.layers import DecoderLayer, LlamaShape, init_weights, rope_tables
-from pdserve.train.loop import Schedule, autocast, train_loop
-from pdserve.train.target import TrainLlama
+from trainer.data import heldout_windows, sample_windows
+from trainer.layers import DecoderLayer, LlamaShape, init_weights, rope_tables
+from trainer.loop import Schedule, autocast, train_loop
+from trainer.target import TrainLlama
 
 
 class TrainEagleHead(nn.Module):

@@ -1,0 +1,1 @@
+"""Torch-free code the router and the nodes share: tokenizer, detokenizing, sampling schema, fingerprint, config."""

@@ -1,0 +1,222 @@
+"""Configuration schemas, one frozen dataclass per concern: engine, speculative decoding, node roles, router.
+
+Each field is one command-line flag (pdserve/flags.py generates them, with the field's help) and
+one environment variable, PDSERVE_<FLAG_NAME> (--max-running -> PDSERVE_MAX_RUNNING). `aliases`
+are SGLang's names for the same setting. Torch-free: the router's flags come from here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+ENV_PREFIX = "PDSERVE_"
+PANEL_SPEC = "Speculative decoding"
+PANEL_EAGLE = "Speculative decoding: EAGLE"
+PANEL_NGRAM = "Speculative decoding: n-gram"
+PANEL_FAST = "GPU fast path"
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a config field appears on the command line."""
+
+    help: str
+    aliases: tuple[str, ...] = ()  # extra long names (SGLang's) or a short one ("-p")
+    panel: str | None = None  # the --help section
+    negatable: bool = True  # booleans: --x/--no-x (False: --x only)
+    separator: str | None = None  # repeatable flags: what splits the env var's values (None: whitespace)
+
+
+def opt(default: Any, help: str, *, aliases: tuple[str, ...] = (), panel: str | None = None,
+        negatable: bool = True, separator: str | None = None) -> Any:
+    """A config field that is also a flag; `default=...` makes the flag required."""
+    meta = {"flag": Flag(help, aliases, panel, negatable, separator)}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta) if default is not ... else field(metadata=meta)
+
+
+def flag_of(f: dataclasses.Field[Any]) -> Flag:
+    return f.metadata.get("flag") or Flag(help="")
+
+
+_MODEL_HELP = "HF-format model directory (default: the built-in Python-code pair, with EAGLE on)."
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """What a node's engine loads and how it batches (every role's engine flags)."""
+
+    model: Optional[Path] = opt(None, _MODEL_HELP, aliases=("--model-path",))
+    served_model_name: Optional[str] = opt(
+        None, "Model id the node reports to the router (default: the model directory's name).")
+    dtype: Optional[str] = opt(None, "float32, bfloat16 or float16.")
+    device: str = opt("cpu", "torch device, e.g. cpu or cuda:0.")
+    page_size: int = opt(16, "Tokens per KV cache page.")
+    max_total_tokens: int = opt(16384, "KV cache capacity in tokens.")
+    max_running: int = opt(64, "Most requests in flight.", aliases=("--max-running-requests",))
+    chunked_prefill_size: int = opt(2048, "Prefill token budget per step (chunked prefill).")
+    attention_backend: str = opt("auto", "Attention backend: auto (triton on GPUs, torch on CPU), torch or "
+                                 "triton.", panel=PANEL_FAST)
+    overlap: Optional[bool] = opt(None, "Overlap scheduling (default: on for GPUs, off on CPU).",
+                                  panel=PANEL_FAST)
+    cuda_graph_max_bs: Optional[int] = opt(None, "Largest batch served from CUDA graphs; 0 disables (default: "
+                                           "min(max-running, 64) on GPUs).", panel=PANEL_FAST)
+    future_map_debug: bool = opt(False, "FutureMap debug mode: poison consumed rows and check every read.",
+                                 panel=PANEL_FAST)
+
+    def fast_path(self) -> dict[str, Any]:
+        """EngineConfig fields of the GPU fast path: Triton attention, overlap and CUDA graphs by
+        default on GPUs; the CPU keeps the torch reference path (nothing to overlap or capture)."""
+        gpu = self.device.startswith("cuda")
+        backend = self.attention_backend if self.attention_backend != "auto" else (
+            "triton" if gpu else "torch")
+        graphs = self.cuda_graph_max_bs if self.cuda_graph_max_bs is not None else (
+            min(self.max_running, 64) if gpu else 0)
+        return {"attention_backend": backend, "overlap": gpu if self.overlap is None else self.overlap,
+                "cuda_graph_max_bs": graphs, "future_map_debug": self.future_map_debug}
+
+
+@dataclass(frozen=True)
+class SpeculativeOptions:
+    """The --speculative-* flags; unset (None) ones take spec.config.SpecConfig's defaults."""
+
+    algorithm: Optional[str] = opt(
+        None, "NONE, EAGLE, EAGLE3 or a registered plugin such as NGRAM (case-insensitive; default: EAGLE "
+        "with the built-in pair, else NONE).", panel=PANEL_SPEC)
+    num_steps: Optional[int] = opt(None, "Draft steps per verify (default 3).", panel=PANEL_SPEC)
+    num_draft_tokens: Optional[int] = opt(
+        None, "Tokens per verify, root included (default: num_steps + 1 for a chain, more for a tree).",
+        panel=PANEL_SPEC)
+    adaptive: bool = opt(False, "Adapt the draft steps to the batch size and the acceptance seen (EAGLE "
+                         "chains).", panel=PANEL_SPEC)
+    adaptive_config: Optional[Path] = opt(
+        None, "JSON of candidate steps per batch-size range (default: the built-in one; spec/adaptive).",
+        panel=PANEL_SPEC)
+    draft_model_path: Optional[Path] = opt(None, "Draft head directory (HF format), needed by EAGLE and "
+                                           "EAGLE3.", panel=PANEL_EAGLE)
+    eagle_topk: Optional[int] = opt(None, "Branches per draft step; 1 is a chain, more is a tree (default 1).",
+                                    panel=PANEL_EAGLE)
+    ngram_min: Optional[int] = opt(None, "NGRAM: shortest suffix to look up (default 1).", panel=PANEL_NGRAM)
+    ngram_max: Optional[int] = opt(None, "NGRAM: longest suffix to look up (default 4).", panel=PANEL_NGRAM)
+
+    def given(self) -> dict[str, Any]:
+        """The options set on the command line (algorithm aside), as SpecConfig fields."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "algorithm"}
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in out.items()
+                if v is not None and v is not False}
+
+    def argv(self) -> list[str]:
+        """These options as flags again (`pdserve up` hands them to its nodes)."""
+        args: list[str] = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            name = "--speculative-" + f.name.replace("_", "-")
+            if value is True:
+                args.append(name)
+            elif value is not None and value is not False:
+                args += [name, str(value)]
+        return args
+
+
+@dataclass(frozen=True)
+class ServeRole:
+    """`pdserve serve`: a colocated node (prompt and decode in one process)."""
+
+    host: str = opt("127.0.0.1", "Address to bind.")
+    port: int = opt(30000, "Scheduler API (gRPC) port.")
+    metrics_port: Optional[int] = opt(None, "Serve Prometheus /metrics on this port (0: any free).")
+
+
+@dataclass(frozen=True)
+class PrefillRole:
+    """`pdserve prefill`: runs prompts and writes their KV to decode nodes."""
+
+    host: str = opt("127.0.0.1", "Address to bind.")
+    port: int = opt(30001, "Scheduler API (gRPC) port.")
+    bootstrap_port: int = opt(8998, "KV control port decode nodes connect to.",
+                              aliases=("--disaggregation-bootstrap-port",))
+    kv_transport: str = opt("nixl", "KV transfer backend (nixl).", aliases=("--disaggregation-transfer-backend",))
+    bootstrap_timeout: float = opt(30.0, "Seconds to wait for a destination.")
+    transfer_timeout: float = opt(30.0, "Seconds a KV write may take.")
+    metrics_port: Optional[int] = opt(None, "Serve Prometheus /metrics on this port (0: any free).")
+
+
+@dataclass(frozen=True)
+class DecodeRole:
+    """`pdserve decode`: receives KV from prefill nodes and generates."""
+
+    host: str = opt("127.0.0.1", "Address to bind.")
+    port: int = opt(30002, "Scheduler API (gRPC) port.")
+    kv_transport: str = opt("nixl", "KV transfer backend (nixl).", aliases=("--disaggregation-transfer-backend",))
+    waiting_timeout: float = opt(60.0, "Seconds to wait for a prefill's KV.")
+    connect_attempts: int = opt(8, "Handshake attempts per prefill.")
+    connect_timeout: float = opt(30.0, "Total seconds to reach a prefill.")
+    heartbeat_interval: float = opt(2.0, "Seconds between prefill health checks.")
+    metrics_port: Optional[int] = opt(None, "Serve Prometheus /metrics on this port (0: any free).")
+
+
+@dataclass(frozen=True)
+class RouterOptions:
+    """`pdserve router`: the OpenAI API in front of prefill/decode (and colocated) nodes."""
+
+    host: str = opt("127.0.0.1", "Address to bind.")
+    port: int = opt(8000, "HTTP port of the OpenAI API.")
+    prefill: list[str] = opt([], "Prefill node HOST:PORT,BOOTSTRAP_PORT (repeatable).")
+    decode: list[str] = opt([], "Decode node HOST:PORT (repeatable).")
+    colocated: list[str] = opt([], "Colocated node HOST:PORT, used when no PD pair is available (repeatable).")
+    prefill_policy: str = opt("prefix_aware", "round_robin, least_load or prefix_aware.")
+    decode_policy: str = opt("least_load", "round_robin or least_load.")
+    served_model: Optional[str] = opt(None, "Model id clients send (default: the nodes').",
+                                      aliases=("--served-model-name",))
+    api_key: list[str] = opt([], "Accepted API key (repeatable; PDSERVE_API_KEY takes key1,key2).",
+                             separator=",")
+    max_queue: int = opt(256, "Most requests in flight before 503.")
+    prefill_dns: list[str] = opt([], "Headless service NAME:PORT,BOOTSTRAP_PORT whose addresses are prefill "
+                                 "nodes.")
+    decode_dns: list[str] = opt([], "Headless service NAME:PORT whose addresses are decode nodes.")
+    first_token_timeout: float = opt(90.0, "Seconds from sending a request to its first decode message "
+                                     "(prefill + transfer).")
+    inter_token_timeout: float = opt(60.0, "Seconds between two decode messages.")
+    prefill_timeout: float = opt(60.0, "Seconds for a whole prefill leg.")
+    refresh_interval: float = opt(2.0, "Seconds between node health/load refreshes.")
+    breaker_failures: int = opt(3, "Consecutive failures that open a node's circuit breaker.")
+    breaker_cooldown: float = opt(10.0, "Seconds an open breaker waits before letting one request probe the "
+                                  "node.")
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    """`pdserve up`: a local deployment of router and nodes."""
+
+    model: Optional[Path] = opt(None, _MODEL_HELP, aliases=("--model-path",))
+    host: str = opt("127.0.0.1", "Address to bind.")
+    port: int = opt(8000, "Router HTTP port (OpenAI API).")
+    prefill: int = opt(1, "Number of prefill nodes.")
+    decode: int = opt(1, "Number of decode nodes.")
+    colocated: int = opt(0, "Run this many colocated nodes instead of prefill/decode (the PD baseline).")
+    device: str = opt("auto", "auto (GPUs when present), cpu or cuda.")
+    verbose: bool = opt(False, "Echo the nodes' logs.", negatable=False)
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """`pdserve generate`: prompts, sampling and the in-process engine's settings."""
+
+    prompt: list[str] = opt(..., "Prompt text; repeat for a batch (one prompt streams).", aliases=("-p",))
+    model: Optional[Path] = opt(None, "HF-format model directory (default: the built-in Python-code pair, "
+                                "EAGLE on).", aliases=("--model-path",))
+    max_new_tokens: int = opt(64, "Tokens to generate per prompt.")
+    temperature: float = opt(1.0, "0 means greedy.")
+    top_p: float = opt(1.0, "Nucleus sampling mass, in (0, 1].")
+    top_k: int = opt(-1, "Keep the k most likely tokens; -1 is off.")
+    min_p: float = opt(0.0, "Drop tokens below min_p * max prob.")
+    seed: Optional[int] = opt(None, "Seed for reproducible sampling.")
+    stop: list[str] = opt([], "Stop string (repeatable); the output ends before it.")
+    dtype: Optional[str] = opt(None, "float32, bfloat16 or float16 (default: the checkpoint's).")
+    device: str = opt("cpu", "torch device, e.g. cpu or cuda.")
+    page_size: int = opt(16, "Tokens per KV cache page.")
+    chat: bool = opt(False, "Wrap each prompt as a user message with the chat template.", negatable=False)

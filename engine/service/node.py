@@ -1,0 +1,71 @@
+"""The node runtime: one `run_node` starts a colocated, prefill or decode node around its role."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Protocol
+
+import grpc
+
+from engine.engine import Engine
+from engine.loop import EngineLoop
+from engine.service.server import (metrics_suffix, node_info, scheduler_service, serve_until, start_server,
+                                   stop_on_signals)
+from engine.service.servicer import SchedulerServicer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RoleParts:
+    """What a role adds to the shared runtime once the engine loop runs."""
+
+    handler: Any  # the Generate handler the scheduler servicer calls (see servicer.Handler)
+    info_role: str  # GetModelInfo's role: "prefill", "decode" or "null" (colocated)
+    pairing_protocol: str | None = None
+    describe: str = ""  # for the start-up log line (the speculative setup)
+    metrics_source: Any = None  # what /metrics reads the role's PD gauges from (its handler), if any
+    # after the servers stop, in order; stopping the engine loop is one of them
+    on_stop: list[Callable[[], None]] = field(default_factory=list)
+    after: list[Callable[[], Awaitable[None]]] = field(default_factory=list)  # awaited last
+
+
+class NodeRole(Protocol):
+    """One role (colocated, prefill, decode): its handler, and the servers and tasks beside the API."""
+
+    name: str  # the metrics label and the log's name: "colocated", "prefill" or "decode"
+
+    def attach(self, loop: EngineLoop, binding: Any) -> RoleParts:
+        """Build the role's handler over the running engine loop (`binding`: the algorithm's)."""
+        ...
+
+    async def start(self, host: str, health: Any) -> tuple[list[grpc.aio.Server], str]:
+        """Start the role's own servers and tasks; returns them and the READY line's extra fields."""
+        ...
+
+
+async def run_node(role: NodeRole, build: Callable[[], tuple[Engine, Any]], host: str, port: int,
+                   metrics_port: int | None = None, served_model_name: str | None = None) -> None:
+    """Load (`build` returns the engine and its algorithm binding), serve the scheduler API and the
+    role's servers, print the READY line, and stop cleanly on SIGINT/SIGTERM."""
+    stop = stop_on_signals()  # before the slow load, so no signal is missed
+    engine, binding = build()
+    loop = EngineLoop(engine).start()
+    parts = role.attach(loop, binding)
+    info = node_info(engine, parts.info_role, served_model_name, pairing_protocol=parts.pairing_protocol)
+    servicer = SchedulerServicer(info, loop, parts.handler)
+    api, api_port = await start_server([scheduler_service(servicer)], host, port, watch=servicer.health)
+    servers, extra = await role.start(host, servicer.health)
+    log.info("%s node serving %s on %s:%d%s%s", role.name, engine.config.model, host, api_port, extra,
+             f" ({parts.describe})" if parts.describe else "")
+    metrics = metrics_suffix(engine, role.name, host, metrics_port, parts.metrics_source)
+    print(f"READY scheduler={host}:{api_port}{extra}{metrics}", flush=True)
+
+    def shutdown() -> None:
+        for step in parts.on_stop or [loop.stop]:
+            step()
+
+    await serve_until(stop, [api, *servers], on_stop=shutdown)
+    for close in parts.after:
+        await close()

@@ -1,0 +1,58 @@
+"""The prefill role: its Generate handler, and the KV control channel decode nodes connect to."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+
+from common.fingerprint import pairing_protocol
+from engine.disagg import DisaggEngine
+from engine.kv_transfer.endpoint import build_endpoint
+from engine.loop import EngineLoop
+from engine.service.node import RoleParts
+from engine.service.server import start_server
+from pdserve.v1 import kv_control_pb2_grpc as kpb_grpc
+from prefill_node.control import KVControlServicer
+from prefill_node.handler import PrefillHandler, PrefillTimeouts
+from prefill_node.rooms import RoomTable
+
+
+class PrefillRole:
+    """Runs prompts and writes their KV to decode nodes; serves KVControl on `bootstrap_port`."""
+
+    name = "prefill"
+
+    def __init__(self, bootstrap_port: int, transport: str, timeouts: PrefillTimeouts) -> None:
+        self.bootstrap_port, self.transport, self.timeouts = bootstrap_port, transport, timeouts
+        self._janitor: asyncio.Task[None] | None = None
+
+    def attach(self, loop: EngineLoop, binding: Any) -> RoleParts:
+        engine = loop.engine
+        pd = DisaggEngine.over(loop)
+        self.endpoint = build_endpoint(pd, kind=self.transport, role="prefill",
+                                       rows=2 * engine.config.max_running + 1, spec_algorithm=binding.name,
+                                       draft_model_dir=binding.config.draft_model_path)
+        self.rooms = RoomTable(orphan_ttl_s=self.timeouts.bootstrap_s)
+        handler = PrefillHandler(pd, self.endpoint, self.rooms, self.timeouts)
+        return RoleParts(handler, info_role="prefill", pairing_protocol=pairing_protocol(self.endpoint.fingerprint),
+                         describe=binding.describe(), metrics_source=handler,
+                         on_stop=[self._stop_janitor, loop.stop, self.endpoint.transport.close])
+
+    async def start(self, host: str, health: Any) -> tuple[list[grpc.aio.Server], str]:
+        control = (kpb_grpc.add_KVControlServicer_to_server, KVControlServicer(self.endpoint, self.rooms),
+                   "pdserve.v1.KVControl")
+        boot, boot_port = await start_server([control], host, self.bootstrap_port, watch=health)
+        self._janitor = asyncio.create_task(_expire_orphans(self.rooms))
+        return [boot], f" bootstrap={host}:{boot_port}"
+
+    def _stop_janitor(self) -> None:
+        if self._janitor is not None:
+            self._janitor.cancel()
+
+
+async def _expire_orphans(rooms: RoomTable) -> None:
+    while True:
+        await asyncio.sleep(1.0)
+        rooms.expire_orphans()
