@@ -35,8 +35,8 @@ from typing import Any
 from bench.common import write_report
 from bench.gpu import kv_bandwidth
 from bench.serving_matrix import scrape_accept_len
-from engine.tiny_eagle import write_tiny_eagle_head
-from engine.tiny_model import write_tiny_model
+from fixtures.tiny_eagle import write_tiny_eagle_head
+from fixtures.tiny_model import write_tiny_model
 from pdserve.up import Deployment, UpConfig
 
 CHUNK = 2048
