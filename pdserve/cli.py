@@ -26,10 +26,11 @@ app = typer.Typer(
     help="Prefill/decode disaggregated LLM serving with speculative decoding.",
     no_args_is_help=True,
     add_completion=False,
-    # Errors we expect are reported as one line by `pdserve.errors.fail`; anything else is a bug and keeps
-    # the plain traceback (rich's boxed traceback hides the frames a bug report needs).
+    # Errors we expect are reported as one line by `pdserve.errors.fail`; anything else is a bug
+    # and keeps the plain traceback (rich's boxed traceback hides the frames a bug report needs).
     pretty_exceptions_enable=False,
 )
+
 
 @app.callback(invoke_without_command=True)
 def _root(
