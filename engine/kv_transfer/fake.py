@@ -62,7 +62,6 @@ class FakeTransport:
         self._lock = threading.Lock()
         self._closed = False
         self.fail_mode: str | None = None
-        self.writes: list[tuple[int, int, bool]] = []  # (room, pages, final) per posted write, for tests
         with _REGISTRY_LOCK:
             if name in _REGISTRY:
                 raise ValueError(f"a fake agent named {name!r} already exists")
@@ -115,7 +114,6 @@ class FakeTransport:
             dst_idx = torch.tensor(req.dst_pages, dtype=torch.int64)
             for s, d in zip(self._slabs, target._slabs):
                 d[dst_idx.to(d.device)] = s[src_idx.to(s.device)].to(d.device)
-        self.writes.append((req.room, len(req.src_pages), req.is_final))
         if req.src_aux_row is None or req.dst_aux_row is None:  # partial: pages only, no notification
             return FakeXfer(req.room, req.peer, KVPoll.SUCCESS)
         _check("source aux row", [req.src_aux_row], self._aux.num_rows)
