@@ -152,6 +152,14 @@ class _LocalIO:
         self._wake.clear()
 
 
+def bind_thread_to_device(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device. Triton launches, new streams and
+    graph captures go to the current device, not to their tensors': a node on cuda:1 that skipped
+    this would run its kernels on GPU 0, reading GPU 1's memory over the peer link."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 class Engine:
     """Generate for a batch of prompts (text or token ids), all at once or streaming."""
 
@@ -160,6 +168,7 @@ class Engine:
         started = time.perf_counter()
         self.config = config
         self.device = torch.device(config.device)
+        bind_thread_to_device(self.device)
         model, self.model_config = load_model(config.model, config.dtype, self.device)
         self.dtype = next(model.parameters()).dtype
         mc = self.model_config

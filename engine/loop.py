@@ -10,6 +10,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from engine.core import Req
+from engine.engine import Engine, bind_thread_to_device
 from engine.scheduler import RequestUpdate
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ def _reason(upd: RequestUpdate) -> str:
 class EngineLoop:
     """The scheduler thread of a serving process."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Engine) -> None:
         if not isinstance(engine.io, ThreadedIO):
             raise TypeError("EngineLoop needs an Engine built with io=ThreadedIO()")
         self.engine = engine
@@ -139,6 +140,7 @@ class EngineLoop:
         return self.io.call(fn)
 
     def _run(self) -> None:
+        bind_thread_to_device(self.engine.device)  # the current device is per thread
         sched = self.engine.scheduler
         while not self._stop.is_set():
             try:
