@@ -6,6 +6,7 @@ import asyncio
 import logging
 
 from engine.kv_transfer import KVTransport, parse_tag
+from engine.kv_transfer.waiting import poll_soon
 
 log = logging.getLogger(__name__)
 
@@ -52,21 +53,23 @@ class CompletionWaiter:
 
     async def run(self) -> None:
         while True:
-            for _, msg in self.transport.drain_notifications():
-                try:
-                    kind, room, reason = parse_tag(msg)
-                except ValueError:
-                    log.warning("ignoring an unknown notification %r", msg[:64])
-                    continue
-                entry = self._waiting.get(room)
-                if entry is not None and not entry[1].done():
-                    entry[1].set_result((kind, reason))
-            # poll fast while something is in flight; otherwise sleep until a room is expected
+            # poll fast (off the loop, sub-millisecond) while something is in flight; otherwise
+            # drain once and sleep until a room is expected
             if self._waiting:
-                await asyncio.sleep(0.001)
-            else:
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), 0.05)
-                except asyncio.TimeoutError:
-                    pass
+                self._deliver(await poll_soon(self.transport.drain_notifications))
+                continue
+            self._deliver(self.transport.drain_notifications())
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), 0.05)
+            except asyncio.TimeoutError:
+                pass
+
+    def _deliver(self, notifications: list[tuple[str, bytes]]) -> None:
+        for _, msg in notifications:
+            try:
+                kind, room, reason = parse_tag(msg)
+            except ValueError:
+                log.warning("ignoring an unknown notification %r", msg[:64])
+                continue
+            self.resolve(room, kind, reason)

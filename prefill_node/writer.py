@@ -21,6 +21,7 @@ import time
 from typing import Callable
 
 from engine.kv_transfer import KVPoll, KVTransport, TransferError, TransferRequest
+from engine.kv_transfer.waiting import wait_settled
 from engine.scheduler.kv_progress import KVProgress
 from prefill_node.rooms import Room
 
@@ -135,10 +136,7 @@ class RoomWriter:
         t = self.transport
         while self._posted:
             handle, deadline = self._posted[0]
-            state = t.poll(handle)
-            if state is KVPoll.TRANSFERRING and time.monotonic() < deadline:
-                await asyncio.sleep(0.001)
-                continue
+            state = await wait_settled(lambda: t.poll(handle), deadline)
             if state is KVPoll.FAILED and self._error is None:
                 self._error = WriteFailed(f"KV write failed: {t.last_error(handle) or 'unknown reason'}",
                                           "transfer_error")
