@@ -1,5 +1,6 @@
 """KV + handoff-row write bandwidth from one GPU to another through pdserve's NIXL transport, next
-to raw NIXL (one descriptor of the same bytes) between the same GPUs, on the Llama-3.1-8B KV shape
+to raw NIXL (the same bytes between two flat buffers, at the best of a few descriptor counts)
+between the same GPUs, on the Llama-3.1-8B KV shape
 (32 layers, 8 KV heads, head dim 128, bf16: 128 KiB per token; 16-token pages).
 
 The receiving side runs in a child process (as a decode node would), so the copy crosses
@@ -20,6 +21,7 @@ import torch
 LAYERS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 TOKENS = (1024, 8192)
 REPEATS = 5
+RAW_SPLITS = (1, 4, 16, 64)
 BYTES_PER_TOKEN = 2 * LAYERS * KV_HEADS * HEAD_DIM * 2
 ROW_PAYLOAD = 4096  # about an EAGLE handoff row of an 8B model (top-k + a 4096-wide hidden state)
 
@@ -79,10 +81,18 @@ def _time_ours(transport: Any, peer: str, tokens: int, scattered: bool) -> float
     return statistics.median(times[1:])  # the first pays connection set-up
 
 
-def _time_raw(raw: Any, peer: str, flat: torch.Tensor, remote: tuple[int, int], nbytes: int) -> float:
-    local = raw.get_xfer_descs(np.array([[flat.data_ptr(), nbytes, max(flat.get_device(), 0)]], dtype=np.uint64),
-                               _mem(flat))
-    far = raw.get_xfer_descs(np.array([[remote[0], nbytes, remote[1]]], dtype=np.uint64), _mem(flat))
+def _time_raw(raw: Any, peer: str, flat: torch.Tensor, remote: tuple[int, int], nbytes: int,
+              splits: int) -> float:
+    """One NIXL WRITE of `nbytes` from one flat buffer to another, cut into `splits` equal
+    descriptors (UCX spreads descriptors over several CUDA streams: more can be faster)."""
+    step = nbytes // splits
+    offs = np.arange(splits, dtype=np.uint64) * np.uint64(step)
+    dev = max(flat.get_device(), 0)
+    rows = lambda base: np.stack([base + offs, np.full(splits, step, np.uint64),  # noqa: E731
+                                  np.full(splits, dev, np.uint64)], axis=1)
+    local = raw.get_xfer_descs(rows(np.uint64(flat.data_ptr())), _mem(flat))
+    far = raw.get_xfer_descs(np.stack([np.uint64(remote[0]) + offs, np.full(splits, step, np.uint64),
+                                       np.full(splits, remote[1], np.uint64)], axis=1), _mem(flat))
     times = []
     for _ in range(REPEATS + 1):
         h = raw.initialize_xfer("WRITE", local, far, peer, b"")
@@ -101,6 +111,8 @@ def measure(src: str, dst: str, tokens_list: tuple[int, ...] = TOKENS) -> dict[s
     proc = ctx.Process(target=_receiver, args=(child, dst, max(tokens_list)), daemon=True)
     proc.start()
     try:
+        if not parent.poll(300):  # bounded: a receiver that died at start-up must not hang the run
+            raise RuntimeError(f"the receiving process did not start (exit code {proc.exitcode})")
         md, layout, raw_md, raddr, rdev = parent.recv()
         transport, keep, raw, flat = _endpoint("send", src, max(tokens_list))
         peer = transport.add_peer(md, layout)
@@ -111,12 +123,15 @@ def measure(src: str, dst: str, tokens_list: tuple[int, ...] = TOKENS) -> dict[s
             nbytes = tokens * BYTES_PER_TOKEN
             total = nbytes + keep[1].row_bytes
             ours, scattered = _time_ours(transport, peer, tokens, False), _time_ours(transport, peer, tokens, True)
-            raw_s = _time_raw(raw, raw_peer, flat, (raddr, rdev), nbytes)
+            # raw NIXL at its best: the fastest of a few descriptor counts for the same bytes
+            raw_by_split = {n: _time_raw(raw, raw_peer, flat, (raddr, rdev), nbytes, n) for n in RAW_SPLITS}
+            raw_s = min(raw_by_split.values())
             out[str(tokens)] = {
                 "kv_bytes": nbytes, "kv_plus_row_bytes": total,
                 "ours_s": ours, "ours_gb_s": total / ours / 1e9,
                 "ours_scattered_pages_s": scattered, "ours_scattered_pages_gb_s": total / scattered / 1e9,
                 "raw_nixl_s": raw_s, "raw_nixl_gb_s": nbytes / raw_s / 1e9,
+                "raw_nixl_gb_s_by_descriptors": {str(n): nbytes / t / 1e9 for n, t in raw_by_split.items()},
                 "ratio_vs_raw": (total / ours) / (nbytes / raw_s),
                 "ratio_vs_raw_scattered_pages": (total / scattered) / (nbytes / raw_s)}
             print(f"{tokens} tokens: ours {out[str(tokens)]['ours_gb_s']:.1f} GB/s (scattered pages "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -79,6 +80,38 @@ def ttft_ms(url: str, tokens: int) -> float:
     return statistics.median(complete(url, prompt(tokens, 100 + i), 1)[1] for i in range(5)) * 1e3
 
 
+# Where PD's time to first token goes: the router's stages and the prefill's write timings.
+STAGE_SERIES = ("pdserve_router_ttft_stage_seconds", "pdserve_kv_transfer_seconds",
+                "pdserve_kv_handoff_tail_seconds")
+
+
+def scrape_sums(dep: Deployment) -> dict[str, tuple[float, float]]:
+    """{series{labels}: (sum, count)} of the stage histograms over the router and every node."""
+    out: dict[str, tuple[float, float]] = {}
+    for child in dep.children:
+        port = child.ports.get("metrics") or (child.ports.get("http") if child.name == "router" else None)
+        if port is None:
+            continue
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        for m in re.finditer(r"^(\w+)_(sum|count)(\{[^}]*\})? ([0-9.eE+-]+)$", text, re.M):
+            if m.group(1) in STAGE_SERIES:
+                key = f"{child.name}:{m.group(1)}{m.group(3) or ''}"
+                s, c = out.get(key, (0.0, 0.0))
+                out[key] = (s + float(m.group(4)), c) if m.group(2) == "sum" else (s, c + float(m.group(4)))
+    return out
+
+
+def stage_means_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Mean milliseconds per observation of each series between two scrapes."""
+    means = {}
+    for key, (s, c) in after.items():
+        s0, c0 = before.get(key, (0.0, 0.0))
+        if c > c0:
+            means[key] = (s - s0) / (c - c0) * 1e3
+    return means
+
+
 def serve(target: Path, head: Path, colocated: int, device: str = "cuda") -> Deployment:
     args = (*NODE_ARGS, "--speculative-draft-model-path", str(head))
     return Deployment(UpConfig(str(target), port=0, device=device, colocated=colocated, node_args=args,
@@ -89,8 +122,12 @@ def run_deployment(dep: Deployment, name: str, tokens: tuple[int, ...] = kv_band
     url = dep.start(lambda msg: print(f"[{name}] {msg}", file=sys.stderr, flush=True))
     texts = [complete(url, prompt(n, seed), 32)[0] for n, seed in FIXED_SET]
     accept = scrape_accept_len(dep)
-    ttft = {str(t): ttft_ms(url, t) for t in tokens}
-    return {"texts": texts, "accept_len": accept, "ttft_ms": ttft}
+    ttft, stages = {}, {}
+    for t in tokens:
+        before = scrape_sums(dep)
+        ttft[str(t)] = ttft_ms(url, t)
+        stages[str(t)] = stage_means_ms(before, scrape_sums(dep))
+    return {"texts": texts, "accept_len": accept, "ttft_ms": ttft, "ttft_stages_ms": stages}
 
 
 def main() -> int:
@@ -117,7 +154,8 @@ def main() -> int:
         ttft[str(t)] = {"pd_ms": runs["pd"]["ttft_ms"][str(t)], "colocated_ms": runs["colocated"]["ttft_ms"][str(t)],
                         "diff_ms": diff, "full_transfer_ms": b["ours_s"] * 1e3,
                         "chunk_transfer_ms": b["ours_s"] * 1e3 * min(1.0, CHUNK / t),
-                        "within_transfer_plus_2ms": diff <= b["ours_s"] * 1e3 + 2.0}
+                        "within_transfer_plus_2ms": diff <= b["ours_s"] * 1e3 + 2.0,
+                        "pd_stages_ms": runs["pd"]["ttft_stages_ms"][str(t)]}
     report = {
         "device": torch.cuda.get_device_name(), "topology": topology, "gpus": gpus,
         "command": "python -m bench.gpu.pd_two_gpu OUT", "chunked_prefill_size": CHUNK,
