@@ -1,11 +1,14 @@
-"""Prefill Generate: wait for the decode's destination, run the prompt, write KV + handoff row, answer.
+"""Prefill Generate: run the prompt while the decode's destination arrives, write KV + handoff
+row, answer.
 
-Decode-driven: the prompt is computed only once the decode node has reserved pages and a handoff
-row for this room (that is the system's backpressure), bounded by the bootstrap deadline. With
-chunked prefill, each finished chunk's pages are written while the next chunk runs (see
-prefill_node/writer.py), so the final write carries only the last chunk's pages and the row. The
-request's KV stays held after its first token until every write ends, then returns to the pool
-whatever happened.
+Decode-driven writes: nothing is written before the decode node has reserved pages and a handoff
+row for this room and sent them (bounded by the bootstrap deadline). The prompt itself starts at
+once, so the decode's reservation overlaps the forward instead of adding to the time to first
+token; a prompt whose destination is late holds its KV on this node meanwhile, and this node's
+own KV capacity is the backpressure. With chunked prefill, each finished chunk's pages are written
+while the next chunk runs (see prefill_node/writer.py), so the final write carries only the last
+chunk's pages and the row. The request's KV stays held after its first token until every write
+ends, then returns to the pool whatever happened.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class PrefillTimeouts:
     bootstrap_s: float = 30.0  # Generate -> destination from the decode node
-    compute_s: float = 300.0  # destination -> first token
+    compute_s: float = 300.0  # Generate -> first token
     transfer_s: float = 30.0  # write posted -> completed
 
 
@@ -66,8 +69,8 @@ class PrefillHandler:
         room.deadline = time.monotonic() + self.timeouts.bootstrap_s
         writer = RoomWriter(self.endpoint.transport, room, self.timeouts.transfer_s, self.send_chunks)
         try:
-            await self._wait_destination(room)
             first = await self._compute(req, room, writer)
+            await self._wait_destination(room)  # usually here long before the prompt is done
             await self._transfer(req, room, writer)
         except (RequestFailed, WriteFailed, TransferError, HandoffError, asyncio.TimeoutError) as e:
             reason = str(e) or type(e).__name__
@@ -101,7 +104,8 @@ class PrefillHandler:
                                 f"{self.timeouts.bootstrap_s:.0f} s", "bootstrap_timeout") from None
         if room.state is KVPoll.FAILED:
             raise RequestFailed(room.reason, "aborted")
-        room.state = KVPoll.WAITING_FOR_INPUT
+        if room.state is KVPoll.BOOTSTRAPPING:  # chunk writes may already be TRANSFERRING
+            room.state = KVPoll.WAITING_FOR_INPUT
 
     async def _compute(self, req: Req, room: Room, writer: RoomWriter) -> int:
         """Run the prompt; pages of finished chunks go to the decode meanwhile (`writer`)."""
@@ -115,10 +119,19 @@ class PrefillHandler:
                 aio.call_soon_threadsafe(lambda: done.done() or done.set_result(upd))
 
         self.pd.submit(req, on_update)  # an abort (client or decode) finishes it as ABORT
-        upd = await asyncio.wait_for(done, self.timeouts.compute_s)
+        watch = asyncio.ensure_future(self._abort_on_room_failure(req, room))
+        try:
+            upd = await asyncio.wait_for(done, self.timeouts.compute_s)
+        finally:
+            watch.cancel()
         if upd.finish_reason is FinishReason.ABORT or room.state is KVPoll.FAILED:
             raise RequestFailed(room.reason or upd.finish_detail or "aborted", "aborted")
         return req.output_ids[0]
+
+    async def _abort_on_room_failure(self, req: Req, room: Room) -> None:
+        """A room that fails while its prompt runs (the decode aborted it) stops the forward."""
+        await room.failed.wait()
+        self.pd.abort(req.rid, room.reason)
 
     async def _transfer(self, req: Req, room: Room, writer: RoomWriter) -> None:
         """The pages not sent with a chunk + the handoff row, once every chunk write ended. An

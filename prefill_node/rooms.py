@@ -29,12 +29,15 @@ class Room:
     deadline: float = 0.0  # monotonic; owned by the prefill while BOOTSTRAPPING/TRANSFERRING
     reason: str = ""
     arrived: asyncio.Event = field(default_factory=asyncio.Event)  # destination or failure
+    failed: asyncio.Event = field(default_factory=asyncio.Event)
     created: float = field(default_factory=time.monotonic)
 
     def fail(self, reason: str) -> None:
         """Failed is sticky; a finished transfer stays a success."""
         if self.state not in (KVPoll.SUCCESS, KVPoll.FAILED):
             self.state, self.reason = KVPoll.FAILED, reason
+        if self.state is KVPoll.FAILED:
+            self.failed.set()
         self.arrived.set()
 
     def tell_decode(self, transport: KVTransport, reason: str) -> None:

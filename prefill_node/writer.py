@@ -71,8 +71,20 @@ class RoomWriter:
         while not self._closing:
             await self._wake.wait()
             self._wake.clear()
-            while self._pending and not self._closing:
+            while self._pending and not self._closing and self.room.state is not KVPoll.FAILED:
+                if self.room.destination is None and not self._pending[0].restarted:
+                    await self._until_destination_or_wake()  # the prompt started before it came
+                    continue
                 await self._apply(self._pending.pop(0))
+
+    async def _until_destination_or_wake(self) -> None:
+        waits = [asyncio.ensure_future(e.wait()) for e in (self.room.arrived, self._wake)]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        self._wake.clear()
 
     async def _apply(self, progress: KVProgress) -> None:
         if progress.restarted:  # retracted: what was sent is void, and nothing may overtake it

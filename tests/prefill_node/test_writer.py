@@ -73,6 +73,30 @@ def test_chunks_go_ahead_and_the_final_write_carries_the_rest() -> None:
     assert t.released == [1, 2, 3]
 
 
+def test_chunks_done_before_the_destination_leave_when_it_arrives() -> None:
+    """The prompt starts before the decode's destination: finished chunks wait for it, then go
+    in one write; a room that never gets one sends nothing and its writer still settles."""
+    async def run() -> tuple[ScriptedTransport, int, int]:
+        t = ScriptedTransport()
+        room = _room()
+        dest, room.destination, room.state = room.destination, None, KVPoll.BOOTSTRAPPING
+        writer = RoomWriter(t, room, 5.0, per_chunk=True)  # type: ignore[arg-type]
+        await _feed(writer, _progress((7, 8)), _progress((7, 8, 9, 10)))
+        assert t.writes == []
+        room.destination = dest
+        room.arrived.set()
+        await asyncio.sleep(0.05)
+        sent = await writer.settle_chunks()
+        lonely = RoomWriter(t, Room(2), 5.0, per_chunk=True)  # type: ignore[arg-type]
+        await _feed(lonely, _progress((1, 2)))
+        return t, sent, await lonely.settle_chunks()
+
+    t, sent, lonely_sent = asyncio.run(run())
+    assert sent == 4 and lonely_sent == 0
+    assert [w[:2] for w in t.writes] == [([7, 8, 9, 10], [100, 101, 102, 103])] or \
+        [w[:2] for w in t.writes] == [([7, 8], [100, 101]), ([9, 10], [102, 103])]
+
+
 def test_a_retraction_voids_what_was_sent() -> None:
     async def run() -> int:
         writer = RoomWriter(ScriptedTransport(), _room(), 5.0, per_chunk=True)  # type: ignore[arg-type]
