@@ -11,8 +11,10 @@ Reports (OUT/pd_two_gpu_<gpu>.json):
   raw NIXL GPU0 -> GPU1 in the same run (bench/gpu/kv_bandwidth.py); goal: ratio >= 0.8;
 * outputs: a fixed greedy request set through the router, PD texts == colocated texts;
 * acceptance: the decode node's mean accepted length == the colocated node's;
-* TTFT: PD minus colocated time to first token (1-token requests, median of 5) for both prompt
-  lengths, against the full KV's transfer time + 2 ms; chunked prefill (2K-token chunks) sends
+* TTFT: PD minus colocated time to first token (1-token requests, both deployments up at once
+  and asked in turn, median of the paired differences over 9 rounds) for both prompt lengths,
+  against the full KV's transfer time + 2 ms, with PD's time split by stage from the router's and
+  the nodes' histograms; chunked prefill (2K-token chunks) sends
   each chunk's pages while the next one runs, so the handoff adds about one chunk's transfer.
 
 With one GPU the same runs put both nodes on it (NIXL within VRAM), and the report says
@@ -44,6 +46,7 @@ CHUNK = 2048
 NODE_ARGS = ("--page-size", str(kv_bandwidth.PAGE), "--max-total-tokens", "40000", "--chunked-prefill-size",
              str(CHUNK), "--max-running", "16", "--metrics-port", "0", "--speculative-algorithm", "EAGLE",
              "--speculative-num-steps", "3")
+ROUNDS = 9
 FIXED_SET = [(n, seed) for n, seed in ((24, 1), (100, 2), (300, 3), (700, 4), (1500, 5), (3000, 6))]
 
 
@@ -74,10 +77,16 @@ def _model(url: str) -> str:
         return json.load(r)["data"][0]["id"]
 
 
-def ttft_ms(url: str, tokens: int) -> float:
-    """One-token requests: the whole latency is the time to the first token (median of 5)."""
-    complete(url, prompt(tokens, 99), 1)  # warm the shapes of this length
-    return statistics.median(complete(url, prompt(tokens, 100 + i), 1)[1] for i in range(5)) * 1e3
+def ttft_pairs_ms(urls: dict[str, str], tokens: int) -> dict[str, list[float]]:
+    """One-token requests (the whole latency is the time to the first token), alternating between
+    the deployments so that drift of the machine hits both alike: ROUNDS latencies each."""
+    for url in urls.values():
+        complete(url, prompt(tokens, 99), 1)  # warm the shapes of this length
+    out: dict[str, list[float]] = {name: [] for name in urls}
+    for i in range(ROUNDS):
+        for name, url in urls.items():
+            out[name].append(complete(url, prompt(tokens, 100 + i), 1)[1] * 1e3)
+    return out
 
 
 # Where PD's time to first token goes: the router's stages and the prefill's write timings.
@@ -118,16 +127,24 @@ def serve(target: Path, head: Path, colocated: int, device: str = "cuda") -> Dep
                                start_timeout_s=300, isolate_gpus=False))
 
 
-def run_deployment(dep: Deployment, name: str, tokens: tuple[int, ...] = kv_bandwidth.TOKENS) -> dict[str, Any]:
-    url = dep.start(lambda msg: print(f"[{name}] {msg}", file=sys.stderr, flush=True))
-    texts = [complete(url, prompt(n, seed), 32)[0] for n, seed in FIXED_SET]
-    accept = scrape_accept_len(dep)
-    ttft, stages = {}, {}
-    for t in tokens:
-        before = scrape_sums(dep)
-        ttft[str(t)] = ttft_ms(url, t)
-        stages[str(t)] = stage_means_ms(before, scrape_sums(dep))
-    return {"texts": texts, "accept_len": accept, "ttft_ms": ttft, "ttft_stages_ms": stages}
+def run_fixed_set(url: str, dep: Deployment) -> dict[str, Any]:
+    return {"texts": [complete(url, prompt(n, seed), 32)[0] for n, seed in FIXED_SET],
+            "accept_len": scrape_accept_len(dep)}
+
+
+def measure_ttft(urls: dict[str, str], pd: Deployment, bandwidth: dict[str, Any]) -> dict[str, Any]:
+    ttft = {}
+    for t in kv_bandwidth.TOKENS:
+        before = scrape_sums(pd)
+        lat = ttft_pairs_ms(urls, t)
+        stages = stage_means_ms(before, scrape_sums(pd))
+        diff = statistics.median(a - b for a, b in zip(lat["pd"], lat["colocated"]))
+        full = bandwidth[str(t)]["ours_s"] * 1e3
+        ttft[str(t)] = {"pd_ms": statistics.median(lat["pd"]), "colocated_ms": statistics.median(lat["colocated"]),
+                        "diff_ms": diff, "full_transfer_ms": full, "chunk_transfer_ms": full * min(1.0, CHUNK / t),
+                        "within_transfer_plus_2ms": diff <= full + 2.0, "pd_stages_ms": stages,
+                        "samples_ms": lat}
+    return ttft
 
 
 def main() -> int:
@@ -141,21 +158,15 @@ def main() -> int:
     runs: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         target, head = write_models(Path(tmp))
-        for name, colocated in (("pd", 0), ("colocated", 1)):
-            dep = serve(target, head, colocated)
-            try:
-                runs[name] = run_deployment(dep, name)
-            finally:
+        deps = {"pd": serve(target, head, 0), "colocated": serve(target, head, 1)}
+        try:
+            urls = {name: dep.start(lambda msg, n=name: print(f"[{n}] {msg}", file=sys.stderr, flush=True))
+                    for name, dep in deps.items()}
+            runs = {name: run_fixed_set(urls[name], dep) for name, dep in deps.items()}
+            ttft = measure_ttft(urls, deps["pd"], bandwidth)
+        finally:
+            for dep in deps.values():
                 dep.stop()
-    ttft = {}
-    for t in kv_bandwidth.TOKENS:
-        b = bandwidth[str(t)]
-        diff = runs["pd"]["ttft_ms"][str(t)] - runs["colocated"]["ttft_ms"][str(t)]
-        ttft[str(t)] = {"pd_ms": runs["pd"]["ttft_ms"][str(t)], "colocated_ms": runs["colocated"]["ttft_ms"][str(t)],
-                        "diff_ms": diff, "full_transfer_ms": b["ours_s"] * 1e3,
-                        "chunk_transfer_ms": b["ours_s"] * 1e3 * min(1.0, CHUNK / t),
-                        "within_transfer_plus_2ms": diff <= b["ours_s"] * 1e3 + 2.0,
-                        "pd_stages_ms": runs["pd"]["ttft_stages_ms"][str(t)]}
     report = {
         "device": torch.cuda.get_device_name(), "topology": topology, "gpus": gpus,
         "command": "python -m bench.gpu.pd_two_gpu OUT", "chunked_prefill_size": CHUNK,

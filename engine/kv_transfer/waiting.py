@@ -14,7 +14,7 @@ from typing import Callable, TypeVar
 
 from engine.kv_transfer.base import KVPoll
 
-POLL_S = 50e-6
+POLL_S = 100e-6
 SLICE_S = 0.002
 T = TypeVar("T")
 
