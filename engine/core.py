@@ -70,6 +70,7 @@ class Req:
     num_retractions: int = 0
     solo: int = 0  # steps left to run alone (a batch it was in failed: find out whether it is the cause)
     queued_at: float = 0.0  # time.monotonic() when it (re)entered the waiting queue
+    admitted_at: float = 0.0  # time.monotonic() of its first admission to a batch
     spec_state: Any = None  # opaque per-request state owned by a speculative worker
     handoff: Any = None  # PD decode: the algorithm's handoff state, decoded by its codec
     # PD prefill: keep KV pages and speculative state after finishing, until the transfer ends

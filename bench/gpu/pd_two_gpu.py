@@ -91,7 +91,7 @@ def ttft_pairs_ms(urls: dict[str, str], tokens: int) -> dict[str, list[float]]:
 
 # Where PD's time to first token goes: the router's stages and the prefill's write timings.
 STAGE_SERIES = ("pdserve_router_ttft_stage_seconds", "pdserve_kv_transfer_seconds",
-                "pdserve_kv_handoff_tail_seconds")
+                "pdserve_kv_handoff_tail_seconds", "pdserve_node_queue_time_seconds", "pdserve_node_prompt_seconds")
 
 
 def scrape_sums(dep: Deployment) -> dict[str, tuple[float, float]]:
@@ -132,17 +132,17 @@ def run_fixed_set(url: str, dep: Deployment) -> dict[str, Any]:
             "accept_len": scrape_accept_len(dep)}
 
 
-def measure_ttft(urls: dict[str, str], pd: Deployment, bandwidth: dict[str, Any]) -> dict[str, Any]:
+def measure_ttft(urls: dict[str, str], deps: dict[str, Deployment], bandwidth: dict[str, Any]) -> dict[str, Any]:
     ttft = {}
     for t in kv_bandwidth.TOKENS:
-        before = scrape_sums(pd)
+        before = {name: scrape_sums(dep) for name, dep in deps.items()}
         lat = ttft_pairs_ms(urls, t)
-        stages = stage_means_ms(before, scrape_sums(pd))
+        stages = {name: stage_means_ms(before[name], scrape_sums(dep)) for name, dep in deps.items()}
         diff = statistics.median(a - b for a, b in zip(lat["pd"], lat["colocated"]))
         full = bandwidth[str(t)]["ours_s"] * 1e3
         ttft[str(t)] = {"pd_ms": statistics.median(lat["pd"]), "colocated_ms": statistics.median(lat["colocated"]),
                         "diff_ms": diff, "full_transfer_ms": full, "chunk_transfer_ms": full * min(1.0, CHUNK / t),
-                        "within_transfer_plus_2ms": diff <= full + 2.0, "pd_stages_ms": stages,
+                        "within_transfer_plus_2ms": diff <= full + 2.0, "stages_ms": stages,
                         "samples_ms": lat}
     return ttft
 
@@ -163,7 +163,7 @@ def main() -> int:
             urls = {name: dep.start(lambda msg, n=name: print(f"[{n}] {msg}", file=sys.stderr, flush=True))
                     for name, dep in deps.items()}
             runs = {name: run_fixed_set(urls[name], dep) for name, dep in deps.items()}
-            ttft = measure_ttft(urls, deps["pd"], bandwidth)
+            ttft = measure_ttft(urls, deps, bandwidth)
         finally:
             for dep in deps.values():
                 dep.stop()

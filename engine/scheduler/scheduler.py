@@ -84,6 +84,7 @@ class Scheduler:
         self.stats = {"steps": 0, "retractions": 0, "decode_tokens": 0, "prefill_tokens": 0,
                       "discarded": 0, "overlap_syncs": 0, "failed_steps": 0}
         self.queue_time = DurationHistogram()  # waiting -> admitted, per admission (node metrics)
+        self.prompt_time = DurationHistogram()  # first admission -> first token (node metrics)
 
     def _init_overlap(self, algorithm: EngineAlgorithm, overlap: bool, debug: bool) -> FutureMap:
         """The relay every launch reads its unknown-on-the-host inputs from, built by the algorithm
@@ -242,7 +243,9 @@ class Scheduler:
         return updates
 
     def _on_admit(self, req: Req) -> None:
-        self.queue_time.observe(time.monotonic() - req.queued_at)
+        now = time.monotonic()
+        self.queue_time.observe(now - req.queued_at)
+        req.admitted_at = req.admitted_at or now
         self.executor.on_admit(req)
 
     def _on_retract(self, req: Req) -> None:
@@ -308,6 +311,8 @@ class Scheduler:
             if batch.mode is ForwardMode.EXTEND:
                 req.seq_len += n
                 self.stats["prefill_tokens"] += n
+                if new and not req.output_ids:  # the prompt's last chunk: its first token
+                    self.prompt_time.observe(time.monotonic() - req.admitted_at)
             else:
                 req.seq_len += len(new)
                 self.stats["decode_tokens"] += len(new)

@@ -62,6 +62,8 @@ class EngineCollector(Collector):
         yield from self._pd_queues()
         yield _histogram("pdserve_node_queue_time_seconds", "Waiting queue -> admitted to a batch, "
                          "per admission (a retracted request waits again)", role, eng.scheduler.queue_time)
+        yield _histogram("pdserve_node_prompt_seconds", "First admission -> first token: the prompt's "
+                         "forward passes, every chunk, and the first sample", role, eng.scheduler.prompt_time)
         yield _counter("pdserve_node_retractions", "Running requests sent back to the queue because "
                        "the KV cache ran out", role, eng.scheduler.stats["retractions"])
         finished = CounterMetricFamily("pdserve_node_finished_requests", "Requests that ended, by "

@@ -80,6 +80,8 @@ def test_retraction_keeps_greedy_output_and_returns_every_page(hf_dir):
     assert [o.output_ids for o in outs] == want
     assert small.kv.all_free
     small.kv.check()
+    # one prompt time per request, however many chunks and retractions it took
+    assert small.scheduler.prompt_time.snapshot()[0][-1][1] == len(prompts)
 
 
 def test_aborts_and_stops_at_random_moments_free_all_pages(hf_dir):

@@ -20,8 +20,10 @@ def _engine(executor: Any) -> Any:
         hist.observe(s)
     kv = SimpleNamespace(allocator=SimpleNamespace(num_used=3, total=12), page_size=16,
                          cfg=SimpleNamespace(max_reqs=8), num_free_slots=6)
+    prompt = DurationHistogram((0.01, 0.1, 1.0))
+    prompt.observe(0.02)
     sched = SimpleNamespace(policy=SimpleNamespace(running=[1, 2], waiting=[3]), queue_time=hist,
-                            stats={"retractions": 4})
+                            prompt_time=prompt, stats={"retractions": 4})
     io = SimpleNamespace(finished_counts=lambda: {"stop": 5, "abort": 2})
     return SimpleNamespace(scheduler=sched, kv=kv, io=io, executor=executor, load_seconds=1.5)
 
@@ -38,6 +40,7 @@ def test_queue_time_histogram_counts_and_state_gauges() -> None:
     v = lambda name, **labels: reg.get_sample_value(name, {"role": "colocated", **labels})  # noqa: E731
     assert [v("pdserve_node_queue_time_seconds_bucket", le=le) for le in ("0.01", "0.1", "1.0", "+Inf")] == [1, 3, 3, 4]
     assert v("pdserve_node_queue_time_seconds_count") == 4 and abs(v("pdserve_node_queue_time_seconds_sum") - 3.105) < 1e-9
+    assert v("pdserve_node_prompt_seconds_count") == 1 and v("pdserve_node_prompt_seconds_bucket", le="0.1") == 1
     assert v("pdserve_kv_cache_usage_ratio") == 0.25
     assert v("pdserve_node_request_slots_used") == 2 and v("pdserve_node_request_slots_capacity") == 8
     assert v("pdserve_node_retractions_total") == 4 and v("pdserve_model_load_seconds") == 1.5
