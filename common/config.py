@@ -142,6 +142,8 @@ class PrefillRole:
     kv_transport: str = opt("nixl", "KV transfer backend (nixl).", aliases=("--disaggregation-transfer-backend",))
     bootstrap_timeout: float = opt(30.0, "Seconds to wait for a destination.")
     transfer_timeout: float = opt(30.0, "Seconds a KV write may take.")
+    kv_send_chunks: bool = opt(True, "With chunked prefill, write each finished chunk's KV while the "
+                               "next chunk runs (off: one write once the whole prompt is done).")
     metrics_port: Optional[int] = opt(None, "Serve Prometheus /metrics on this port (0: any free).")
 
 

@@ -52,8 +52,8 @@ def register(app: typer.Typer) -> None:
         from prefill_node.role import PrefillRole as Prefill
 
         timeouts = PrefillTimeouts(bootstrap_s=role.bootstrap_timeout, transfer_s=role.transfer_timeout)
-        _run(Prefill(role.bootstrap_port, role.kv_transport, timeouts), engine, spec, role.host, role.port,
-             role.metrics_port)
+        _run(Prefill(role.bootstrap_port, role.kv_transport, timeouts, role.kv_send_chunks), engine, spec,
+             role.host, role.port, role.metrics_port)
 
     @app.command()
     @with_options(role=DecodeRole, engine=EngineOptions, spec=SpeculativeOptions)

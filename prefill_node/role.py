@@ -24,8 +24,10 @@ class PrefillRole:
 
     name = "prefill"
 
-    def __init__(self, bootstrap_port: int, transport: str, timeouts: PrefillTimeouts) -> None:
+    def __init__(self, bootstrap_port: int, transport: str, timeouts: PrefillTimeouts,
+                 send_chunks: bool = True) -> None:
         self.bootstrap_port, self.transport, self.timeouts = bootstrap_port, transport, timeouts
+        self.send_chunks = send_chunks
         self._janitor: asyncio.Task[None] | None = None
 
     def attach(self, loop: EngineLoop, binding: Any) -> RoleParts:
@@ -35,7 +37,7 @@ class PrefillRole:
                                        rows=2 * engine.config.max_running + 1, spec_algorithm=binding.name,
                                        draft_model_dir=binding.config.draft_model_path)
         self.rooms = RoomTable(orphan_ttl_s=self.timeouts.bootstrap_s)
-        handler = PrefillHandler(pd, self.endpoint, self.rooms, self.timeouts)
+        handler = PrefillHandler(pd, self.endpoint, self.rooms, self.timeouts, self.send_chunks)
         return RoleParts(handler, info_role="prefill", pairing_protocol=pairing_protocol(self.endpoint.fingerprint),
                          describe=binding.describe(), metrics_source=handler,
                          on_stop=[self._stop_janitor, loop.stop, self.endpoint.transport.close])

@@ -194,6 +194,7 @@ def test_flags_take_sglang_aliases_and_pdserve_env_vars(monkeypatch: pytest.Monk
     monkeypatch.setattr(node_cli, "_run", lambda role, engine, spec, *rest: seen.update(
         role=role, engine=engine, spec=spec, rest=rest))
     monkeypatch.setenv("PDSERVE_SPECULATIVE_NGRAM_MAX", "7")
+    monkeypatch.setenv("PDSERVE_KV_SEND_CHUNKS", "false")
     res = CliRunner().invoke(app, ["prefill", "--model-path", "/m", "--served-model-name", "pycoder",
                                    "--max-running-requests", "5", "--disaggregation-bootstrap-port", "9001",
                                    "--disaggregation-transfer-backend", "fake", "--speculative-algorithm", "NGRAM"],
@@ -204,7 +205,7 @@ def test_flags_take_sglang_aliases_and_pdserve_env_vars(monkeypatch: pytest.Monk
     assert (str(engine.model), engine.served_model_name, engine.max_running) == ("/m", "pycoder", 5)
     assert (spec.algorithm, spec.ngram_max) == ("NGRAM", 7)
     role = seen["role"]
-    assert (role.bootstrap_port, role.transport) == (9001, "fake")
+    assert (role.bootstrap_port, role.transport, role.send_chunks) == (9001, "fake", False)
     assert PrefillRole().bootstrap_port == 8998 and DecodeRole().port == 30002
 
 

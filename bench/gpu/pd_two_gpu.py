@@ -25,6 +25,7 @@ NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1).
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import statistics
@@ -34,6 +35,7 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from bench.common import write_report
 from bench.gpu import kv_bandwidth
@@ -133,18 +135,34 @@ def run_fixed_set(url: str, dep: Deployment) -> dict[str, Any]:
 
 
 def measure_ttft(urls: dict[str, str], deps: dict[str, Deployment], bandwidth: dict[str, Any]) -> dict[str, Any]:
-    ttft = {}
+    """Per prompt length: each PD variant against colocated (paired rounds), and every
+    deployment's stages."""
+    ttft: dict[str, Any] = {}
     for t in kv_bandwidth.TOKENS:
         before = {name: scrape_sums(dep) for name, dep in deps.items()}
         lat = ttft_pairs_ms(urls, t)
-        stages = {name: stage_means_ms(before[name], scrape_sums(dep)) for name, dep in deps.items()}
-        diff = statistics.median(a - b for a, b in zip(lat["pd"], lat["colocated"]))
         full = bandwidth[str(t)]["ours_s"] * 1e3
-        ttft[str(t)] = {"pd_ms": statistics.median(lat["pd"]), "colocated_ms": statistics.median(lat["colocated"]),
-                        "diff_ms": diff, "full_transfer_ms": full, "chunk_transfer_ms": full * min(1.0, CHUNK / t),
-                        "within_transfer_plus_2ms": diff <= full + 2.0, "stages_ms": stages,
-                        "samples_ms": lat}
+        row: dict[str, Any] = {"colocated_ms": statistics.median(lat["colocated"]), "full_transfer_ms": full,
+                               "chunk_transfer_ms": full * min(1.0, CHUNK / t)}
+        for name in (n for n in deps if n != "colocated"):
+            diff = statistics.median(a - b for a, b in zip(lat[name], lat["colocated"]))
+            row[name] = {"ms": statistics.median(lat[name]), "diff_ms": diff,
+                         "within_transfer_plus_2ms": diff <= full + 2.0}
+        row["stages_ms"] = {name: stage_means_ms(before[name], scrape_sums(dep)) for name, dep in deps.items()}
+        row["samples_ms"] = lat
+        ttft[str(t)] = row
     return ttft
+
+
+def start_all(deps: dict[str, Deployment]) -> dict[str, str]:
+    urls = {}
+    for name, dep in deps.items():
+        # the whole-prompt variant: its prefill node sends no chunk (the env var reaches only the
+        # prefill's flag; the decode has no such option)
+        env = {"PDSERVE_KV_SEND_CHUNKS": "false"} if name == "pd_whole_prompt_write" else {}
+        with mock.patch.dict(os.environ, env):
+            urls[name] = dep.start(lambda msg, n=name: print(f"[{n}] {msg}", file=sys.stderr, flush=True))
+    return urls
 
 
 def main() -> int:
@@ -158,10 +176,10 @@ def main() -> int:
     runs: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         target, head = write_models(Path(tmp))
-        deps = {"pd": serve(target, head, 0), "colocated": serve(target, head, 1)}
+        deps = {"pd": serve(target, head, 0), "pd_whole_prompt_write": serve(target, head, 0),
+                "colocated": serve(target, head, 1)}
         try:
-            urls = {name: dep.start(lambda msg, n=name: print(f"[{n}] {msg}", file=sys.stderr, flush=True))
-                    for name, dep in deps.items()}
+            urls = start_all(deps)
             runs = {name: run_fixed_set(urls[name], dep) for name, dep in deps.items()}
             ttft = measure_ttft(urls, deps, bandwidth)
         finally:
@@ -172,15 +190,16 @@ def main() -> int:
         "command": "python -m bench.gpu.pd_two_gpu OUT", "chunked_prefill_size": CHUNK,
         "bandwidth": bandwidth,
         "bandwidth_goal_met": all(b["ratio_vs_raw"] >= 0.8 for b in bandwidth.values()),
-        "pd_equals_colocated": runs["pd"]["texts"] == runs["colocated"]["texts"],
-        "accept_len": {"pd": runs["pd"]["accept_len"], "colocated": runs["colocated"]["accept_len"]},
-        "acceptance_equal": runs["pd"]["accept_len"] == runs["colocated"]["accept_len"],
+        "pd_equals_colocated": all(r["texts"] == runs["colocated"]["texts"] for r in runs.values()),
+        "accept_len": {name: r["accept_len"] for name, r in runs.items()},
+        "acceptance_equal": len({r["accept_len"] for r in runs.values()}) == 1,
         "ttft": ttft, "texts": {k: v["texts"] for k, v in runs.items()},
     }
     gpu = report["device"].split()[1].lower() if " " in report["device"] else "gpu"
     write_report(out / f"pd_two_gpu_{gpu}.json", report)
-    print(json.dumps({k: report[k] for k in ("topology", "bandwidth_goal_met", "pd_equals_colocated",
-                                             "accept_len", "ttft")}, indent=1))
+    brief = {t: {k: v for k, v in row.items() if k != "samples_ms"} for t, row in ttft.items()}
+    print(json.dumps({**{k: report[k] for k in ("topology", "bandwidth_goal_met", "pd_equals_colocated",
+                                                "accept_len")}, "ttft": brief}, indent=1))
     return 0 if report["pd_equals_colocated"] and report["acceptance_equal"] else 1
 
 
