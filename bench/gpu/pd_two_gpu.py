@@ -12,7 +12,7 @@ Reports (OUT/pd_two_gpu_<gpu>.json):
 * outputs: a fixed greedy request set through the router, PD texts == colocated texts;
 * acceptance: the decode node's mean accepted length == the colocated node's;
 * TTFT: PD minus colocated time to first token (1-token requests, both deployments up at once
-  and asked in turn, median of the paired differences over 9 rounds) for both prompt lengths,
+  and asked in turn, median of the paired differences over 11 rounds after 3 warm-up requests) for both prompt lengths,
   against the full KV's transfer time + 2 ms, with PD's time split by stage from the router's and
   the nodes' histograms; chunked prefill (2K-token chunks) sends
   each chunk's pages while the next one runs, so the handoff adds about one chunk's transfer.
@@ -48,7 +48,7 @@ CHUNK = 2048
 NODE_ARGS = ("--page-size", str(kv_bandwidth.PAGE), "--max-total-tokens", "40000", "--chunked-prefill-size",
              str(CHUNK), "--max-running", "16", "--metrics-port", "0", "--speculative-algorithm", "EAGLE",
              "--speculative-num-steps", "3")
-ROUNDS = 9
+ROUNDS, WARMUP = 11, 3
 FIXED_SET = [(n, seed) for n, seed in ((24, 1), (100, 2), (300, 3), (700, 4), (1500, 5), (3000, 6))]
 
 
@@ -83,7 +83,8 @@ def ttft_pairs_ms(urls: dict[str, str], tokens: int) -> dict[str, list[float]]:
     """One-token requests (the whole latency is the time to the first token), alternating between
     the deployments so that drift of the machine hits both alike: ROUNDS latencies each."""
     for url in urls.values():
-        complete(url, prompt(tokens, 99), 1)  # warm the shapes of this length
+        for i in range(WARMUP):  # warm the shapes (kernels, allocator) of this length
+            complete(url, prompt(tokens, 90 + i), 1)
     out: dict[str, list[float]] = {name: [] for name in urls}
     for i in range(ROUNDS):
         for name, url in urls.items():
