@@ -69,9 +69,9 @@ class PrefillHandler:
         room.deadline = time.monotonic() + self.timeouts.bootstrap_s
         writer = RoomWriter(self.endpoint.transport, room, self.timeouts.transfer_s, self.send_chunks)
         try:
-            first = await self._compute(req, room, writer)
+            first, held = await self._compute(req, room, writer)
             await self._wait_destination(room)  # usually here long before the prompt is done
-            await self._transfer(req, room, writer)
+            await self._transfer(req, room, writer, held)
         except (RequestFailed, WriteFailed, TransferError, HandoffError, asyncio.TimeoutError) as e:
             reason = str(e) or type(e).__name__
             room.fail(reason)
@@ -107,8 +107,9 @@ class PrefillHandler:
         if room.state is KVPoll.BOOTSTRAPPING:  # chunk writes may already be TRANSFERRING
             room.state = KVPoll.WAITING_FOR_INPUT
 
-    async def _compute(self, req: Req, room: Room, writer: RoomWriter) -> int:
-        """Run the prompt; pages of finished chunks go to the decode meanwhile (`writer`)."""
+    async def _compute(self, req: Req, room: Room, writer: RoomWriter) -> tuple[int, list[int] | None]:
+        """Run the prompt; pages of finished chunks go to the decode meanwhile (`writer`).
+        Returns the first token and the request's pages (as the finishing update reported them)."""
         aio = asyncio.get_running_loop()
         done: asyncio.Future[RequestUpdate] = aio.create_future()
 
@@ -126,14 +127,14 @@ class PrefillHandler:
             watch.cancel()
         if upd.finish_reason is FinishReason.ABORT or room.state is KVPoll.FAILED:
             raise RequestFailed(room.reason or upd.finish_detail or "aborted", "aborted")
-        return req.output_ids[0]
+        return req.output_ids[0], list(upd.held_pages) if upd.held_pages is not None else None
 
     async def _abort_on_room_failure(self, req: Req, room: Room) -> None:
         """A room that fails while its prompt runs (the decode aborted it) stops the forward."""
         await room.failed.wait()
         self.pd.abort(req.rid, room.reason)
 
-    async def _transfer(self, req: Req, room: Room, writer: RoomWriter) -> None:
+    async def _transfer(self, req: Req, room: Room, writer: RoomWriter, held: list[int] | None) -> None:
         """The pages not sent with a chunk + the handoff row, once every chunk write ended. An
         abort meanwhile does not cut a posted write short: released in flight, it might still
         land later in pages the decode has handed to someone else."""
@@ -141,7 +142,7 @@ class PrefillHandler:
         dest = room.destination
         assert dest is not None
         pd, rows = self.pd, self.endpoint.rows
-        pages = await asyncio.wrap_future(pd.page_list(req))
+        pages = held if held is not None else await asyncio.wrap_future(pd.page_list(req))
         need = pd.pages_for(req.seq_len)
         if len(dest.pages) != need or dest.num_tokens != req.seq_len:
             raise RequestFailed(f"destination holds {len(dest.pages)} pages for {dest.num_tokens} tokens; "

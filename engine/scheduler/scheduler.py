@@ -48,6 +48,7 @@ class RequestUpdate:
     prompt_tokens: int = 0
     accepted_drafts: int | None = None
     kv_progress: KVProgress | None = None  # hold_kv requests: pages final after a prompt chunk
+    held_pages: tuple[int, ...] | None = None  # a hold_kv request that finished: all its pages
 
 
 class SchedulerIO(Protocol):
@@ -367,7 +368,10 @@ class Scheduler:
             self._release(req)
         req.state = ReqState.FINISHED
         self.reqs.pop(req.rid, None)
-        return self._final_update(req)
+        upd = self._final_update(req)
+        if req.hold_kv and req.slot and req.finish_reason is not FinishReason.ABORT:
+            upd.held_pages = tuple(self.kv.page_list(req))  # whoever ships them needs no round trip
+        return upd
 
     def release_kv(self, req: Req) -> None:
         """Return a request's pages and slot (also for held requests once their transfer ends);
