@@ -54,7 +54,7 @@ class EngineOptions:
     served_model_name: Optional[str] = opt(
         None, "Model id the node reports to the router (default: the model directory's name).")
     dtype: Optional[str] = opt(None, "float32, bfloat16 or float16.")
-    device: str = opt("cpu", "torch device, e.g. cpu or cuda:0.")
+    device: str = opt("auto", "torch device: auto (cuda:0 when a GPU is present, else cpu), cpu or cuda:N.")
     page_size: int = opt(16, "Tokens per KV cache page.")
     max_total_tokens: int = opt(16384, "KV cache capacity in tokens.")
     max_running: int = opt(64, "Most requests in flight.", aliases=("--max-running-requests",))
@@ -71,6 +71,8 @@ class EngineOptions:
     def fast_path(self) -> dict[str, Any]:
         """EngineConfig fields of the GPU fast path: Triton attention, overlap and CUDA graphs by
         default on GPUs; the CPU keeps the torch reference path (nothing to overlap or capture)."""
+        if self.device == "auto":  # the choice depends on the device: pdserve/build.py resolves it first
+            raise ValueError("device 'auto' must be resolved to cpu or cuda:N before choosing the fast path")
         gpu = self.device.startswith("cuda")
         backend = self.attention_backend if self.attention_backend != "auto" else (
             "triton" if gpu else "torch")
