@@ -43,6 +43,13 @@ def flag_of(f: dataclasses.Field[Any]) -> Flag:
     return f.metadata.get("flag") or Flag(help="")
 
 
+# Share of a GPU's memory that weights + KV cache may fill (SGLang's --mem-fraction-static); the
+# rest is left for activations, CUDA graphs and the allocator's slack. A little below SGLang's usual
+# ~0.88: graphs here are captured per speculative step count as well as per batch size (adaptive
+# steps keep several sets), and under overlap scheduling two batches' activations are alive at once.
+# On an 80 GB card 0.85 leaves 12 GB, far more than a 2048-token prefill chunk of an 8B model needs.
+DEFAULT_MEM_FRACTION_STATIC = 0.85
+
 _MODEL_HELP = "HF-format model directory (default: the built-in Python-code pair, with EAGLE on)."
 
 
@@ -56,7 +63,12 @@ class EngineOptions:
     dtype: Optional[str] = opt(None, "float32, bfloat16 or float16.")
     device: str = opt("auto", "torch device: auto (cuda:0 when a GPU is present, else cpu), cpu or cuda:N.")
     page_size: int = opt(16, "Tokens per KV cache page.")
-    max_total_tokens: int = opt(16384, "KV cache capacity in tokens.")
+    max_total_tokens: Optional[int] = opt(
+        None, "KV cache capacity in tokens (default: what --mem-fraction-static leaves on a GPU; 16384 on a CPU, "
+        "where a share of host memory means nothing).")
+    mem_fraction_static: float = opt(
+        DEFAULT_MEM_FRACTION_STATIC, "Share of the GPU's total memory for weights + KV cache, in (0, 1]; the rest "
+        "is left for activations and CUDA graphs. Sizes the KV cache when --max-total-tokens is not given.")
     max_running: int = opt(64, "Most requests in flight.", aliases=("--max-running-requests",))
     chunked_prefill_size: int = opt(2048, "Prefill token budget per step (chunked prefill).")
     attention_backend: str = opt("auto", "Attention backend: auto (triton on GPUs, torch on CPU), torch or "

@@ -130,6 +130,7 @@ def build_node(engine: EngineOptions, spec: SpeculativeOptions) -> tuple["Engine
         **spec.given(), "draft_model_path": choice.draft_model_path, "num_steps": choice.num_steps}))
     cfg = EngineConfig(model=str(choice.model), dtype=choice.dtype, device=engine.device,
                        page_size=engine.page_size, max_total_tokens=engine.max_total_tokens,
+                       mem_fraction_static=engine.mem_fraction_static,
                        max_running=engine.max_running, chunked_prefill_size=engine.chunked_prefill_size,
                        **engine.fast_path())
     return Engine(cfg, algorithm=binding, io=ThreadedIO()), binding
