@@ -50,6 +50,7 @@ def flag_of(f: dataclasses.Field[Any]) -> Flag:
 # On an 80 GB card 0.85 leaves 12 GB, far more than a 2048-token prefill chunk of an 8B model needs.
 DEFAULT_MEM_FRACTION_STATIC = 0.85
 
+_HOST_HELP = "Address to bind (0.0.0.0: every interface, as a pod needs)."
 _MODEL_HELP = "HF-format model directory (default: the built-in Python-code pair, with EAGLE on)."
 
 
@@ -140,7 +141,7 @@ class SpeculativeOptions:
 class ServeRole:
     """`pdserve serve`: a colocated node (prompt and decode in one process)."""
 
-    host: str = opt("127.0.0.1", "Address to bind.")
+    host: str = opt("127.0.0.1", _HOST_HELP)
     port: int = opt(30000, "Scheduler API (gRPC) port.")
     metrics_port: Optional[int] = opt(None, "Serve Prometheus /metrics on this port (0: any free).")
 
@@ -149,7 +150,7 @@ class ServeRole:
 class PrefillRole:
     """`pdserve prefill`: runs prompts and writes their KV to decode nodes."""
 
-    host: str = opt("127.0.0.1", "Address to bind.")
+    host: str = opt("127.0.0.1", _HOST_HELP)
     port: int = opt(30001, "Scheduler API (gRPC) port.")
     bootstrap_port: int = opt(8998, "KV control port decode nodes connect to.",
                               aliases=("--disaggregation-bootstrap-port",))
@@ -163,7 +164,7 @@ class PrefillRole:
 class DecodeRole:
     """`pdserve decode`: receives KV from prefill nodes and generates."""
 
-    host: str = opt("127.0.0.1", "Address to bind.")
+    host: str = opt("127.0.0.1", _HOST_HELP)
     port: int = opt(30002, "Scheduler API (gRPC) port.")
     kv_transport: str = opt("nixl", "KV transfer backend (nixl).", aliases=("--disaggregation-transfer-backend",))
     waiting_timeout: float = opt(60.0, "Seconds to wait for a prefill's KV.")
@@ -177,7 +178,7 @@ class DecodeRole:
 class RouterOptions:
     """`pdserve router`: the OpenAI API in front of prefill/decode (and colocated) nodes."""
 
-    host: str = opt("127.0.0.1", "Address to bind.")
+    host: str = opt("127.0.0.1", _HOST_HELP)
     port: int = opt(8000, "HTTP port of the OpenAI API.")
     prefill: list[str] = opt([], "Prefill node HOST:PORT,BOOTSTRAP_PORT (repeatable).")
     decode: list[str] = opt([], "Decode node HOST:PORT (repeatable).")
@@ -186,6 +187,10 @@ class RouterOptions:
     decode_policy: str = opt("least_load", "round_robin or least_load.")
     served_model: Optional[str] = opt(None, "Model id clients send (default: the nodes').",
                                       aliases=("--served-model-name",))
+    tokenizer: Optional[Path] = opt(None, "Tokenizer directory (tokenizer.json and its side files; default: the "
+                                    "model directory the nodes report).", aliases=("--tokenizer-path",))
+    chat_template: Optional[str] = opt(None, "Chat template used instead of the tokenizer's: a Jinja file, or the "
+                                       "template itself inline (anything holding {{ or {%).")
     api_key: list[str] = opt([], "Accepted API key (repeatable; PDSERVE_API_KEY takes key1,key2).",
                              separator=",")
     max_queue: int = opt(256, "Most requests in flight before 503.")
@@ -207,7 +212,7 @@ class UpOptions:
     """`pdserve up`: a local deployment of router and nodes."""
 
     model: Optional[Path] = opt(None, _MODEL_HELP, aliases=("--model-path",))
-    host: str = opt("127.0.0.1", "Address to bind.")
+    host: str = opt("127.0.0.1", _HOST_HELP)
     port: int = opt(8000, "Router HTTP port (OpenAI API).")
     prefill: int = opt(1, "Number of prefill nodes.")
     decode: int = opt(1, "Number of decode nodes.")

@@ -117,6 +117,7 @@ def register(app: typer.Typer) -> None:
                 timeouts=StageTimeouts(prefill_s=o.prefill_timeout, first_token_s=o.first_token_timeout,
                                        inter_token_s=o.inter_token_timeout),
                 refresh_s=o.refresh_interval, breaker_failures=o.breaker_failures,
-                breaker_cooldown_s=o.breaker_cooldown)))
+                breaker_cooldown_s=o.breaker_cooldown, tokenizer=str(o.tokenizer) if o.tokenizer else None,
+                chat_template=o.chat_template)))
         except (RuntimeError, ValueError, OSError) as e:
             fail(e)
