@@ -1,4 +1,4 @@
-"""Configuration schemas, one frozen dataclass per concern: engine, speculative decoding, node roles, router.
+"""Configuration schemas, one frozen dataclass per concern: engine, speculation, roles, router, logging.
 
 Each field is one command-line flag (pdserve/flags.py generates them, with the field's help) and
 one environment variable, PDSERVE_<FLAG_NAME> (--max-running -> PDSERVE_MAX_RUNNING). `aliases`
@@ -205,6 +205,15 @@ class RouterOptions:
     breaker_failures: int = opt(3, "Consecutive failures that open a node's circuit breaker.")
     breaker_cooldown: float = opt(10.0, "Seconds an open breaker waits before letting one request probe the "
                                   "node.")
+
+
+@dataclass(frozen=True)
+class LogOptions:
+    """Logging of the long-running processes (nodes and router), on stderr."""
+
+    log_level: str = opt("info", "debug, info, warning or error.")
+    log_format: str = opt("text", "text, or json: one object per line with time, level, logger, message and the "
+                          "request_id of the request the line concerns.")
 
 
 @dataclass(frozen=True)

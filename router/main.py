@@ -71,8 +71,9 @@ async def run_router(cfg: RouterConfig) -> None:
         app = create_app(dispatcher, tokenizer, served_model=cfg.served_model or card.name,
                          api_keys=set(cfg.api_keys), max_queue=cfg.max_queue,
                          metrics_registry=dispatcher.metrics_registry)
+        # log_config=None: uvicorn's own lines go through the process's handler (--log-format)
         server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
-                                               lifespan="off"))
+                                               log_config=None, lifespan="off"))
         serving = asyncio.create_task(server.serve())
         while not server.started and not serving.done():
             await asyncio.sleep(0.05)
