@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.contract import DispatchError
-from router.request_id import request_id_of
+from router.request_id import HEADER, request_id_of
 
 # OpenAI uses "invalid_request_error" for every 4xx it raises itself (401 and 404 included); 429 and
 # 5xx get their own types so clients and dashboards can tell "fix the request" from "retry later".
@@ -116,5 +116,5 @@ def install_handlers(app: FastAPI) -> None:
         # Never leak a traceback to clients; the server log (uvicorn) still records it.
         response = APIError(500, f"internal error: {type(exc).__name__}", code="internal_error").response()
         # This handler runs outside every middleware, so the request id middleware cannot add its header.
-        response.headers["X-Request-Id"] = request_id_of(request)
+        response.headers[HEADER] = request_id_of(request)
         return response

@@ -18,6 +18,7 @@ from common.logs import bind_request_id, unbind_request_id
 log = logging.getLogger(__name__)
 
 HEADER = "X-Request-Id"
+_KEY = HEADER.lower().encode()  # as ASGI spells header names
 MAX_LEN = 128
 
 
@@ -44,12 +45,12 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         rid = self._from_client(scope) or uuid.uuid4().hex
-        node_rid = rid if not any(_clashes(rid, other) for other in self.in_flight) else f"{rid}-{uuid.uuid4().hex[:8]}"
+        node_rid = self._unique(rid)
         scope.setdefault("state", {}).update(request_id=rid, node_request_id=node_rid)
 
         async def echoing_send(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+                message["headers"] = [*message.get("headers", []), (_KEY, rid.encode())]
                 log.debug("%s %s -> %d", scope.get("method"), scope.get("path"), message["status"])
             await send(message)
 
@@ -61,10 +62,14 @@ class RequestIdMiddleware:
             unbind_request_id(token)
             self.in_flight.discard(node_rid)
 
+    def _unique(self, rid: str) -> str:
+        """`rid`, with a random tail when it would share node-side ids with a request in flight."""
+        return rid if not any(_clashes(rid, other) for other in self.in_flight) else f"{rid}-{uuid.uuid4().hex[:8]}"
+
     @staticmethod
     def _from_client(scope: Any) -> str | None:
         for name, value in scope.get("headers", []):
-            if name == b"x-request-id":
+            if name == _KEY:
                 text = value.decode("latin-1")
                 if valid(text):
                     return text
