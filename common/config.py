@@ -1,4 +1,4 @@
-"""Configuration schemas, one frozen dataclass per concern: engine, speculative decoding, node roles, router.
+"""Configuration schemas, one frozen dataclass per concern: engine, speculation, roles, router, logging.
 
 Each field is one command-line flag (pdserve/flags.py generates them, with the field's help) and
 one environment variable, PDSERVE_<FLAG_NAME> (--max-running -> PDSERVE_MAX_RUNNING). `aliases`
@@ -43,6 +43,14 @@ def flag_of(f: dataclasses.Field[Any]) -> Flag:
     return f.metadata.get("flag") or Flag(help="")
 
 
+# Share of a GPU's memory that weights + KV cache may fill (SGLang's --mem-fraction-static); the
+# rest is left for activations, CUDA graphs and the allocator's slack. A little below SGLang's usual
+# ~0.88: graphs here are captured per speculative step count as well as per batch size (adaptive
+# steps keep several sets), and under overlap scheduling two batches' activations are alive at once.
+# On an 80 GB card 0.85 leaves 12 GB, far more than a 2048-token prefill chunk of an 8B model needs.
+DEFAULT_MEM_FRACTION_STATIC = 0.85
+
+_HOST_HELP = "Address to bind (0.0.0.0: every interface, as a pod needs)."
 _MODEL_HELP = "HF-format model directory (default: the built-in Python-code pair, with EAGLE on)."
 
 
@@ -54,9 +62,14 @@ class EngineOptions:
     served_model_name: Optional[str] = opt(
         None, "Model id the node reports to the router (default: the model directory's name).")
     dtype: Optional[str] = opt(None, "float32, bfloat16 or float16.")
-    device: str = opt("cpu", "torch device, e.g. cpu or cuda:0.")
+    device: str = opt("auto", "torch device: auto (cuda:0 when a GPU is present, else cpu), cpu or cuda:N.")
     page_size: int = opt(16, "Tokens per KV cache page.")
-    max_total_tokens: int = opt(16384, "KV cache capacity in tokens.")
+    max_total_tokens: Optional[int] = opt(
+        None, "KV cache capacity in tokens (default: what --mem-fraction-static leaves on a GPU; 16384 on a CPU, "
+        "where a share of host memory means nothing).")
+    mem_fraction_static: float = opt(
+        DEFAULT_MEM_FRACTION_STATIC, "Share of the GPU's total memory for weights + KV cache, in (0, 1]; the rest "
+        "is left for activations and CUDA graphs. Sizes the KV cache when --max-total-tokens is not given.")
     max_running: int = opt(64, "Most requests in flight.", aliases=("--max-running-requests",))
     chunked_prefill_size: int = opt(2048, "Prefill token budget per step (chunked prefill).")
     attention_backend: str = opt("auto", "Attention backend: auto (triton on GPUs, torch on CPU), torch or "
@@ -71,6 +84,8 @@ class EngineOptions:
     def fast_path(self) -> dict[str, Any]:
         """EngineConfig fields of the GPU fast path: Triton attention, overlap and CUDA graphs by
         default on GPUs; the CPU keeps the torch reference path (nothing to overlap or capture)."""
+        if self.device == "auto":  # the choice depends on the device: pdserve/build.py resolves it first
+            raise ValueError("device 'auto' must be resolved to cpu or cuda:N before choosing the fast path")
         gpu = self.device.startswith("cuda")
         backend = self.attention_backend if self.attention_backend != "auto" else (
             "triton" if gpu else "torch")
@@ -126,7 +141,7 @@ class SpeculativeOptions:
 class ServeRole:
     """`pdserve serve`: a colocated node (prompt and decode in one process)."""
 
-    host: str = opt("127.0.0.1", "Address to bind.")
+    host: str = opt("127.0.0.1", _HOST_HELP)
     port: int = opt(30000, "Scheduler API (gRPC) port.")
     metrics_port: Optional[int] = opt(None, "Serve Prometheus /metrics on this port (0: any free).")
 
@@ -135,7 +150,7 @@ class ServeRole:
 class PrefillRole:
     """`pdserve prefill`: runs prompts and writes their KV to decode nodes."""
 
-    host: str = opt("127.0.0.1", "Address to bind.")
+    host: str = opt("127.0.0.1", _HOST_HELP)
     port: int = opt(30001, "Scheduler API (gRPC) port.")
     bootstrap_port: int = opt(8998, "KV control port decode nodes connect to.",
                               aliases=("--disaggregation-bootstrap-port",))
@@ -151,7 +166,7 @@ class PrefillRole:
 class DecodeRole:
     """`pdserve decode`: receives KV from prefill nodes and generates."""
 
-    host: str = opt("127.0.0.1", "Address to bind.")
+    host: str = opt("127.0.0.1", _HOST_HELP)
     port: int = opt(30002, "Scheduler API (gRPC) port.")
     kv_transport: str = opt("nixl", "KV transfer backend (nixl).", aliases=("--disaggregation-transfer-backend",))
     waiting_timeout: float = opt(60.0, "Seconds to wait for a prefill's KV.")
@@ -165,7 +180,7 @@ class DecodeRole:
 class RouterOptions:
     """`pdserve router`: the OpenAI API in front of prefill/decode (and colocated) nodes."""
 
-    host: str = opt("127.0.0.1", "Address to bind.")
+    host: str = opt("127.0.0.1", _HOST_HELP)
     port: int = opt(8000, "HTTP port of the OpenAI API.")
     prefill: list[str] = opt([], "Prefill node HOST:PORT,BOOTSTRAP_PORT (repeatable).")
     decode: list[str] = opt([], "Decode node HOST:PORT (repeatable).")
@@ -174,6 +189,10 @@ class RouterOptions:
     decode_policy: str = opt("least_load", "round_robin or least_load.")
     served_model: Optional[str] = opt(None, "Model id clients send (default: the nodes').",
                                       aliases=("--served-model-name",))
+    tokenizer: Optional[Path] = opt(None, "Tokenizer directory (tokenizer.json and its side files; default: the "
+                                    "model directory the nodes report).", aliases=("--tokenizer-path",))
+    chat_template: Optional[str] = opt(None, "Chat template used instead of the tokenizer's: a Jinja file, or the "
+                                       "template itself inline (anything holding {{ or {%).")
     api_key: list[str] = opt([], "Accepted API key (repeatable; PDSERVE_API_KEY takes key1,key2).",
                              separator=",")
     max_queue: int = opt(256, "Most requests in flight before 503.")
@@ -191,11 +210,20 @@ class RouterOptions:
 
 
 @dataclass(frozen=True)
+class LogOptions:
+    """Logging of the long-running processes (nodes and router), on stderr."""
+
+    log_level: str = opt("info", "debug, info, warning or error.")
+    log_format: str = opt("text", "text, or json: one object per line with time, level, logger, message and the "
+                          "request_id of the request the line concerns.")
+
+
+@dataclass(frozen=True)
 class UpOptions:
     """`pdserve up`: a local deployment of router and nodes."""
 
     model: Optional[Path] = opt(None, _MODEL_HELP, aliases=("--model-path",))
-    host: str = opt("127.0.0.1", "Address to bind.")
+    host: str = opt("127.0.0.1", _HOST_HELP)
     port: int = opt(8000, "Router HTTP port (OpenAI API).")
     prefill: int = opt(1, "Number of prefill nodes.")
     decode: int = opt(1, "Number of decode nodes.")

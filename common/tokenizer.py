@@ -113,6 +113,11 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self._chat_templates)
 
+    def set_chat_template(self, source: str) -> None:
+        """Replace the tokenizer's chat templates (every name) with `source`, compiled now."""
+        self._compiled = {"default": compile_chat_template(source, "--chat-template")}
+        self._chat_templates = {"default": source}
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
@@ -160,11 +165,30 @@ class Tokenizer:
             raise ChatTemplateError(f"no chat template named {name!r}; available: "
                                     f"{', '.join(sorted(self._chat_templates))}")
         if name not in self._compiled:
-            try:
-                self._compiled[name] = _jinja_env().from_string(self._chat_templates[name])
-            except jinja2.TemplateError as e:
-                raise ChatTemplateError(f"{self._name_or_path}: chat template {name!r} does not compile: {e}") from e
+            self._compiled[name] = compile_chat_template(self._chat_templates[name],
+                                                         f"{self._name_or_path}: template {name!r}")
         return self._compiled[name]
+
+
+def load_chat_template(value: str) -> str:
+    """A --chat-template value as template text: inline when it holds a Jinja tag, else a file's
+    contents; compiled here, so a missing or broken template fails at start-up."""
+    source = value
+    if "{{" not in value and "{%" not in value:
+        path = Path(value)
+        if not path.is_file():
+            raise ChatTemplateError(f"--chat-template {value!r}: no such file (an inline template holds {{{{ or {{%)")
+        source = path.read_text(encoding="utf-8")
+    compile_chat_template(source, f"--chat-template {value if source is not value else 'inline template'}")
+    return source
+
+
+def compile_chat_template(source: str, origin: str) -> jinja2.Template:
+    """The template compiled in the chat environment; ChatTemplateError naming `origin` if it does not."""
+    try:
+        return _jinja_env().from_string(source)
+    except jinja2.TemplateError as e:
+        raise ChatTemplateError(f"{origin}: chat template does not compile: {e}") from e
 
 
 def _jinja_env() -> ImmutableSandboxedEnvironment:

@@ -18,6 +18,7 @@ from tenacity import (AsyncRetrying, RetryError, retry_if_exception, stop_after_
                       stop_after_delay, wait_exponential_jitter)
 
 from common.fingerprint import Fingerprint, first_mismatch
+from common.logs import context_without_request
 from engine.kv_transfer.endpoint import Endpoint
 from engine.kv_transfer.wire import layout_from_proto, layout_to_proto
 from engine.service.metrics import BOOTSTRAP_ATTEMPTS
@@ -71,7 +72,9 @@ class PeerManager:
             return peer
         task = self._connecting.get(address)
         if task is None:  # one handshake per address, however many requests wait for it
-            task = self._connecting[address] = asyncio.create_task(self._connect(address))
+            # the handshake and the heartbeats it starts serve every request, not the one that came first
+            task = self._connecting[address] = asyncio.create_task(self._connect(address),
+                                                                   context=context_without_request())
             task.add_done_callback(lambda _: self._connecting.pop(address, None))
         return await asyncio.shield(task)
 

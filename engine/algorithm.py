@@ -34,6 +34,10 @@ class EngineAlgorithm(Protocol):
     def describe(self) -> dict[str, Any]:
         """Settings to log and report (name, steps, widths ...)."""
 
+    def draft_model_dir(self) -> str | None:
+        """The draft model that keeps its own KV over the target's pages (None: none), so the KV
+        cache can be sized for both before the draft loads."""
+
 
 class PlainDecoding:
     """The engine's own default: the target alone, no drafts (spec/ supplies everything else)."""
@@ -51,3 +55,6 @@ class PlainDecoding:
 
     def describe(self) -> dict[str, Any]:
         return {"algorithm": self.name}
+
+    def draft_model_dir(self) -> str | None:
+        return None

@@ -110,10 +110,6 @@ class ModelConfig:
         except (TypeError, ValueError) as e:
             raise ModelLoadError(f"{source}: malformed field ({e})") from e
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
 
 def _rope_scaling(raw: dict[str, Any]) -> dict[str, Any] | None:
     """Rope scaling from either the classic `rope_scaling` or the newer `rope_parameters` key."""

@@ -18,12 +18,14 @@ from engine.attention import create_attention_backend
 from engine.config import ModelConfig, parse_dtype
 from engine.core import FinishReason, InvalidRequest, Req, SamplingParams, as_token_list
 from engine.executor import Executor, check_executor, maybe_enable_cuda_graphs
+from engine.kv_budget import check_fraction, draft_footprint, kv_bytes_per_token, size_kv_cache
 from engine.kv_cache import MAX_DECODE_WINDOW, KVCacheConfig, KVCacheManager, KVPool
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import BatchPolicy, PolicyConfig, RequestUpdate, Scheduler
 from engine.scheduler.scheduler import SchedulerIO
+from common.config import DEFAULT_MEM_FRACTION_STATIC
 from common.detokenize import TextAssembler
 from common.tokenizer import Tokenizer
 
@@ -36,7 +38,11 @@ class EngineConfig:
     dtype: str | None = None  # default: the checkpoint's torch_dtype
     device: str = "cpu"
     page_size: int = 16
-    max_total_tokens: int = 16384  # KV capacity in tokens (rounded down to whole pages)
+    # KV capacity in tokens (rounded down to whole pages). None: sized from mem_fraction_static on
+    # GPUs (engine/kv_budget.py), kv_budget.CPU_KV_TOKENS on a CPU. A fixed default here keeps
+    # scripts and tests that hold several engines in one process from each claiming the device.
+    max_total_tokens: int | None = 16384
+    mem_fraction_static: float = DEFAULT_MEM_FRACTION_STATIC  # share of the device for weights + KV
     max_running: int = 64
     chunked_prefill_size: int = 2048
     max_context_len: int | None = None  # default: the model's max_position_embeddings
@@ -57,8 +63,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_total_tokens", "max_running", "chunked_prefill_size"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_fraction(self.mem_fraction_static)
         check_device(self.device)
 
 
@@ -173,7 +180,8 @@ class Engine:
         self.dtype = next(model.parameters()).dtype
         mc = self.model_config
         self.max_context_len = config.max_context_len or mc.max_position_embeddings
-        num_pages = max(2, config.max_total_tokens // config.page_size + 1)  # +1: page 0 reserved
+        self.algorithm: EngineAlgorithm = algorithm or PlainDecoding()
+        num_pages = max(2, self._kv_tokens(mc) // config.page_size + 1)  # +1: page 0 reserved
         # the table is wider than the context: a decode step may write a speculative window
         # past the last position before the length check stops the request
         # (two windows: under overlap a request's next window is reserved on the host's upper
@@ -187,7 +195,6 @@ class Engine:
                              self.device)
         sampler = Sampler(mc.vocab_size, config.max_running, self.device, mc.eos_token_ids)
         self.parts = EngineParts(config, mc, runner, self.kv, sampler, self.device, self.dtype)
-        self.algorithm: EngineAlgorithm = algorithm or PlainDecoding()
         self.executor = check_executor(self.algorithm.create_worker(self.parts), self.algorithm.name)
         maybe_enable_cuda_graphs(runner, config.cuda_graph_max_bs, config.cuda_graph_padded_eager)
         if self.executor.kv_tokens_per_decode() > MAX_DECODE_WINDOW:
@@ -205,6 +212,17 @@ class Engine:
         self._ids = itertools.count()
         self._texts: dict[str, TextAssembler] = {}
         self.load_seconds = time.perf_counter() - started  # weights, KV pool, graphs (node metrics)
+
+    def _kv_tokens(self, mc: ModelConfig) -> int:
+        """The configured KV capacity, or what the device memory left by the weights holds for the
+        target's KV and a draft's (the draft loads later, so its weights are counted up front)."""
+        if self.config.max_total_tokens is not None:
+            return self.config.max_total_tokens
+        size = self.dtype.itemsize
+        draft_per_token, draft_weights = draft_footprint(self.algorithm.draft_model_dir(), size)
+        per_token = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, size) + draft_per_token
+        return size_kv_cache(self.device, self.config.mem_fraction_static, self.config.page_size, per_token,
+                             draft_weights)
 
     # ---- requests ----
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,

@@ -5,6 +5,7 @@ Imported only inside commands (it reaches torch through the engine).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -104,12 +105,24 @@ def build_engine(config: EngineConfig, binding: AlgorithmBinding) -> Engine:
         return Engine(config, algorithm=binding)
 
 
+def resolve_device(device: str) -> str:
+    """`auto`: the first GPU when torch sees one, else the CPU (what `pdserve up` picks per node);
+    any other name is kept as given (check_device judges it)."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
 def build_node(engine: EngineOptions, spec: SpeculativeOptions) -> tuple["Engine", Any]:
     """Load the engine for a node (threaded scheduler IO); returns (engine, algorithm binding)."""
     from engine.engine import Engine, EngineConfig, check_device
     from engine.loop import ThreadedIO
     from pdserve.models import resolve
 
+    # Once, here: the model defaults, the fast path and the engine all read the resolved name.
+    engine = dataclasses.replace(engine, device=resolve_device(engine.device))
     check_device(engine.device)
     choice = resolve(engine.model, algorithm=spec.algorithm, draft_model_path=spec.draft_model_path,
                      num_steps=spec.num_steps, dtype=engine.dtype, device=engine.device, adaptive=spec.adaptive)
@@ -117,6 +130,7 @@ def build_node(engine: EngineOptions, spec: SpeculativeOptions) -> tuple["Engine
         **spec.given(), "draft_model_path": choice.draft_model_path, "num_steps": choice.num_steps}))
     cfg = EngineConfig(model=str(choice.model), dtype=choice.dtype, device=engine.device,
                        page_size=engine.page_size, max_total_tokens=engine.max_total_tokens,
+                       mem_fraction_static=engine.mem_fraction_static,
                        max_running=engine.max_running, chunked_prefill_size=engine.chunked_prefill_size,
                        **engine.fast_path())
     return Engine(cfg, algorithm=binding, io=ThreadedIO()), binding

@@ -5,20 +5,26 @@ Torch-free at import like the rest of the CLI; each command imports its role laz
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import typer
 
-from common.config import (DecodeRole, EngineOptions, PrefillRole, RouterOptions, ServeRole, SpeculativeOptions,
-                           UpOptions)
+from common.config import (DecodeRole, EngineOptions, LogOptions, PrefillRole, RouterOptions, ServeRole,
+                           SpeculativeOptions, UpOptions)
 from pdserve.errors import fail
 from pdserve.flags import with_options
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+def _setup_logging(log: LogOptions) -> None:
+    from common.logs import setup_logging
+
+    try:
+        setup_logging(log.log_level, log.log_format)
+    except ValueError as e:
+        fail(e)
 
 
-def _run(role: Any, engine: EngineOptions, spec: SpeculativeOptions, host: str, port: int,
+def _run(role: Any, engine: EngineOptions, spec: SpeculativeOptions, log: LogOptions, host: str, port: int,
          metrics_port: int | None) -> None:
     """Run a node through engine.service.node.run_node; expected failures are one line and exit 2."""
     import asyncio
@@ -27,7 +33,7 @@ def _run(role: Any, engine: EngineOptions, spec: SpeculativeOptions, host: str, 
     from engine.service.node import run_node
     from pdserve.build import build_node
 
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    _setup_logging(log)
     try:
         asyncio.run(run_node(role, lambda: build_node(engine, spec), host, port, metrics_port,
                              served_model_name=engine.served_model_name))
@@ -37,27 +43,27 @@ def _run(role: Any, engine: EngineOptions, spec: SpeculativeOptions, host: str, 
 
 def register(app: typer.Typer) -> None:
     @app.command()
-    @with_options(role=ServeRole, engine=EngineOptions, spec=SpeculativeOptions)
-    def serve(role: ServeRole, engine: EngineOptions, spec: SpeculativeOptions) -> None:
+    @with_options(role=ServeRole, engine=EngineOptions, spec=SpeculativeOptions, log=LogOptions)
+    def serve(role: ServeRole, engine: EngineOptions, spec: SpeculativeOptions, log: LogOptions) -> None:
         """Colocated node: prompt and decode in one process (the PD baseline)."""
         from engine.service.colocated import ColocatedRole
 
-        _run(ColocatedRole(), engine, spec, role.host, role.port, role.metrics_port)
+        _run(ColocatedRole(), engine, spec, log, role.host, role.port, role.metrics_port)
 
     @app.command()
-    @with_options(role=PrefillRole, engine=EngineOptions, spec=SpeculativeOptions)
-    def prefill(role: PrefillRole, engine: EngineOptions, spec: SpeculativeOptions) -> None:
+    @with_options(role=PrefillRole, engine=EngineOptions, spec=SpeculativeOptions, log=LogOptions)
+    def prefill(role: PrefillRole, engine: EngineOptions, spec: SpeculativeOptions, log: LogOptions) -> None:
         """Prefill node: runs prompts (target, then the draft) and writes KV to decode nodes."""
         from prefill_node.handler import PrefillTimeouts
         from prefill_node.role import PrefillRole as Prefill
 
         timeouts = PrefillTimeouts(bootstrap_s=role.bootstrap_timeout, transfer_s=role.transfer_timeout)
-        _run(Prefill(role.bootstrap_port, role.kv_transport, timeouts, role.kv_send_chunks), engine, spec,
+        _run(Prefill(role.bootstrap_port, role.kv_transport, timeouts, role.kv_send_chunks), engine, spec, log,
              role.host, role.port, role.metrics_port)
 
     @app.command()
-    @with_options(role=DecodeRole, engine=EngineOptions, spec=SpeculativeOptions)
-    def decode(role: DecodeRole, engine: EngineOptions, spec: SpeculativeOptions) -> None:
+    @with_options(role=DecodeRole, engine=EngineOptions, spec=SpeculativeOptions, log=LogOptions)
+    def decode(role: DecodeRole, engine: EngineOptions, spec: SpeculativeOptions, log: LogOptions) -> None:
         """Decode node: receives KV from prefill nodes and generates."""
         from decode_node.handler import DecodeTimeouts
         from decode_node.peers import PeerPolicy
@@ -66,7 +72,7 @@ def register(app: typer.Typer) -> None:
         policy = PeerPolicy(connect_attempts=role.connect_attempts, connect_total_s=role.connect_timeout,
                             heartbeat_s=role.heartbeat_interval)
         _run(Decode(role.kv_transport, DecodeTimeouts(waiting_s=role.waiting_timeout), policy), engine, spec,
-             role.host, role.port, role.metrics_port)
+             log, role.host, role.port, role.metrics_port)
 
     @app.command()
     @with_options(opts=UpOptions, spec=SpeculativeOptions)
@@ -100,15 +106,15 @@ def register(app: typer.Typer) -> None:
             dep.stop()
 
     @app.command()
-    @with_options(o=RouterOptions)
-    def router(o: RouterOptions) -> None:
+    @with_options(o=RouterOptions, log=LogOptions)
+    def router(o: RouterOptions, log: LogOptions) -> None:
         """The OpenAI-compatible router in front of prefill/decode (and colocated) nodes."""
         import asyncio
 
         from router.dispatch import StageTimeouts
         from router.main import RouterConfig, run_router
 
-        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+        _setup_logging(log)
         try:  # not _run: that one knows engine errors, and the router must not import the engine
             asyncio.run(run_router(RouterConfig(
                 o.host, o.port, tuple(o.prefill), tuple(o.decode), tuple(o.colocated), o.prefill_policy,
@@ -117,6 +123,7 @@ def register(app: typer.Typer) -> None:
                 timeouts=StageTimeouts(prefill_s=o.prefill_timeout, first_token_s=o.first_token_timeout,
                                        inter_token_s=o.inter_token_timeout),
                 refresh_s=o.refresh_interval, breaker_failures=o.breaker_failures,
-                breaker_cooldown_s=o.breaker_cooldown)))
+                breaker_cooldown_s=o.breaker_cooldown, tokenizer=str(o.tokenizer) if o.tokenizer else None,
+                chat_template=o.chat_template)))
         except (RuntimeError, ValueError, OSError) as e:
             fail(e)

@@ -34,6 +34,7 @@ from router.errors import APIError, bad_request, from_dispatch_error, from_valid
 from router.metrics import ResponseCounter, RouterMetrics
 from router.protocol import (ChatCompletionRequest, CompletionRequest, Shapes, build_jobs, check_bias_ids,
                              check_ids, check_min_tokens, context_budget, read_body, response_ids, truncate)
+from router.request_id import RequestIdMiddleware
 from router.serving import Serving, SSEResponse, until_disconnect
 from router.text import ChoiceText, RequestOutput, TextOptions
 
@@ -55,6 +56,7 @@ def create_app(dispatcher: Dispatcher, tokenizer: Tokenizer, *, served_model: st
     app.state.metrics = metrics
     install_handlers(app)
     app.add_middleware(ResponseCounter, metrics=metrics)
+    app.add_middleware(RequestIdMiddleware)  # outermost: its header is on every response it sees
     keys = [k.encode() for k in api_keys]
     created_at = int(time.time())
     in_flight = 0
@@ -172,7 +174,7 @@ def create_app(dispatcher: Dispatcher, tokenizer: Tokenizer, *, served_model: st
         if not prompts or len(prompts) > MAX_PROMPTS:
             raise bad_request(f"'prompt' must hold 1 to {MAX_PROMPTS} prompts.", param="prompt",
                               code="empty_prompt" if not prompts else "invalid_value")
-        rid, job_rid = response_ids("cmpl", req.client_request_id())
+        rid, job_rid = response_ids("cmpl", req.client_request_id(), request)
         top = req.logprobs  # None: no logprobs; 0..5: the chosen token's plus that many alternatives
         jobs: list[GenerationJob] = []
         echoes: list[str] = []
@@ -201,7 +203,7 @@ def create_app(dispatcher: Dispatcher, tokenizer: Tokenizer, *, served_model: st
         # the template renders its own BOS: nothing is added unless the client asks (vLLM's default)
         ids = prompt_ids(text, req, card, "messages", bool(req.add_special_tokens))
         max_new = budget(len(ids), req, req.max_new_tokens(), None, card, "messages")
-        rid, job_rid = response_ids("chatcmpl", req.client_request_id())
+        rid, job_rid = response_ids("chatcmpl", req.client_request_id(), request)
         top = (req.top_logprobs or 0) if req.logprobs else None
         jobs = build_jobs(job_rid, req.n, 0, ids, req, max_new, top)
         out = RequestOutput(Shapes(True, rid, served_model, req.include_usage()),

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.contract import DispatchError
+from router.request_id import HEADER, request_id_of
 
 # OpenAI uses "invalid_request_error" for every 4xx it raises itself (401 and 404 included); 429 and
 # 5xx get their own types so clients and dashboards can tell "fix the request" from "retry later".
@@ -111,6 +112,9 @@ def install_handlers(app: FastAPI) -> None:
         return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         # Never leak a traceback to clients; the server log (uvicorn) still records it.
-        return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error").response()
+        response = APIError(500, f"internal error: {type(exc).__name__}", code="internal_error").response()
+        # This handler runs outside every middleware, so the request id middleware cannot add its header.
+        response.headers[HEADER] = request_id_of(request)
+        return response

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import uvicorn
 
-from common.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer, load_chat_template
 from router.app import create_app
 from router.breaker import CircuitBreaker
 from router.dispatch import PDDispatcher, StageTimeouts
@@ -40,6 +40,8 @@ class RouterConfig:
     refresh_s: float = 2.0  # node health/load refresh period
     breaker_failures: int = 3  # consecutive failures that open a node's breaker
     breaker_cooldown_s: float = 10.0  # open -> half-open
+    tokenizer: str | None = None  # tokenizer directory; None: the model directory the nodes report
+    chat_template: str | None = None  # a template file or inline template replacing the tokenizer's
 
 
 async def run_router(cfg: RouterConfig) -> None:
@@ -51,6 +53,9 @@ async def run_router(cfg: RouterConfig) -> None:
         [DnsSource.parse("decode", t) for t in cfg.decode_dns]
     if not (cfg.prefill or cfg.decode or cfg.colocated or dns):
         raise ValueError("no nodes: give --prefill/--decode (or --colocated), or their --*-dns forms")
+    # Both fail before any waiting for nodes: a bad path or template is a start-up error.
+    template = load_chat_template(cfg.chat_template) if cfg.chat_template else None
+    own_tokenizer = Tokenizer.from_dir(cfg.tokenizer) if cfg.tokenizer else None
     breaker = functools.partial(CircuitBreaker, cfg.breaker_failures, cfg.breaker_cooldown_s)
     registry = NodeRegistry(parse_node_lists(list(cfg.prefill), list(cfg.decode), list(cfg.colocated)),
                             dns=dns, refresh_s=cfg.refresh_s, breaker=breaker)
@@ -60,12 +65,15 @@ async def run_router(cfg: RouterConfig) -> None:
     await registry.start()
     try:
         card = await _wait_model(registry, cfg.model_wait_s, stop)
-        tokenizer = Tokenizer.from_dir(card.tokenizer_path)
+        tokenizer = own_tokenizer or Tokenizer.from_dir(card.tokenizer_path)
+        if template is not None:
+            tokenizer.set_chat_template(template)
         app = create_app(dispatcher, tokenizer, served_model=cfg.served_model or card.name,
                          api_keys=set(cfg.api_keys), max_queue=cfg.max_queue,
                          metrics_registry=dispatcher.metrics_registry)
+        # log_config=None: uvicorn's own lines go through the process's handler (--log-format)
         server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
-                                               lifespan="off"))
+                                               log_config=None, lifespan="off"))
         serving = asyncio.create_task(server.serve())
         while not server.started and not serving.done():
             await asyncio.sleep(0.05)

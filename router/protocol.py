@@ -13,7 +13,6 @@ honoured, which change nothing here, and which are refused and why).
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, Literal
 
 from fastapi import Request
@@ -23,6 +22,7 @@ from common.sampling import SamplingParams
 from router.contract import GenerationJob, ModelCard
 from router.errors import APIError, bad_request
 from router.extensions import ChatExtensions, SamplingExtensions
+from router.request_id import node_request_id_of, request_id_of
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
@@ -275,11 +275,11 @@ def truncate(ids: list[int], keep: int | None, card: ModelCard) -> list[int]:
     return ids[-k:] if k < len(ids) else ids
 
 
-def response_ids(prefix: str, client_id: str | None) -> tuple[str, str]:
-    """(the response's id, the base of its node-side request ids). A client's request_id names the
-    response (as vLLM does); node-side ids stay unique even when a client reuses its ids."""
-    own = f"{prefix}-{uuid.uuid4().hex}"
-    return (f"{prefix}-{client_id}" if client_id else own), own
+def response_ids(prefix: str, client_id: str | None, request: Request) -> tuple[str, str]:
+    """(the response's id, the base of its node-side request ids). A body request_id names the
+    response (as vLLM does), else the request's id (X-Request-Id); node-side ids stay unique among
+    the requests in flight even when a client reuses its ids (router/request_id.py)."""
+    return f"{prefix}-{client_id or request_id_of(request)}", node_request_id_of(request)
 
 
 def build_jobs(rid: str, total: int, start: int, ids: list[int], req: Any, max_new: int,

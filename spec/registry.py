@@ -308,6 +308,9 @@ class AlgorithmBinding:
         return self.algorithm.create_future_map(max_running_requests, chunked_prefill_size, context_len,
                                                 device, debug=debug)
 
+    def draft_model_dir(self) -> str | None:
+        return self.config.draft_model_path if self.algorithm.has_draft_kv() else None
+
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"algorithm": self.name}
         if self.algorithm.is_speculative():

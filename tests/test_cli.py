@@ -223,3 +223,11 @@ def test_api_keys_come_from_a_comma_separated_env_var(monkeypatch: pytest.Monkey
     assert CliRunner().invoke(app, ["router"], catch_exceptions=False).exit_code == 0
     assert CliRunner().invoke(app, ["router", "--api-key", "k3"], catch_exceptions=False).exit_code == 0
     assert [c.api_keys for c in seen] == [frozenset({"key1", "key2"}), frozenset({"k3"})]
+
+
+@pytest.mark.parametrize("command", ["serve", "prefill", "decode", "router"])
+@pytest.mark.parametrize("flag, value", [("--log-level", "loud"), ("--log-format", "xml")])
+def test_bad_log_settings_are_clean_errors(command: str, flag: str, value: str) -> None:
+    """Refused before anything loads or binds, naming the flag."""
+    res = CliRunner().invoke(app, [command, flag, value])
+    _assert_clean_error(res, flag, value)

@@ -12,6 +12,7 @@ from google.protobuf import struct_pb2
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
+from common.logs import bind_request_id
 from engine.core import InvalidRequest
 from engine.service.health import HealthWatch, leaked_capacity
 from engine.service.stream import RequestFailed
@@ -62,12 +63,21 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        # Not reset at the end: this call's task (and the tasks it starts) is all the id covers.
+        bind_request_id(request.request_id)
+        log.debug("generate: %d prompt tokens, at most %d new", len(request.tokenized.input_ids),
+                  request.sampling_params.max_new_tokens)
         try:
             async for resp in self.handler.generate(request, context):
+                if resp.HasField("complete"):
+                    log.debug("complete: %s after %d tokens", resp.complete.finish_reason,
+                              resp.complete.completion_tokens)
                 yield resp
         except InvalidRequest as e:
+            log.info("refused: %s", e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RequestFailed as e:
+            log.warning("failed: %s", e)
             blame = ((BLAME_KEY, e.blame),) if e.blame else ()
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e), trailing_metadata=blame)
 

@@ -68,3 +68,14 @@ def flag(args: list[str], name: str) -> list[str]:
         elif a == name and i + 1 < len(args):
             vals.append(args[i + 1])
     return vals
+
+
+def cli_params(args: list[str]) -> dict[str, Any]:
+    """What the real `pdserve` command line makes of a container's args (a flag it does not have,
+    or a value of the wrong type, raises click's UsageError)."""
+    import typer.main
+
+    from pdserve.cli import app
+
+    command = typer.main.get_command(app).commands[args[0]]  # type: ignore[attr-defined]
+    return command.make_context(args[0], list(args[1:])).params

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tests.deploy.chartkit import GPU_VALUES, KUBE_VERSION, NAMESPACE, RELEASE, by_kind, containers, flag, named, objects
-from tests.deploy.chartkit import values_file
+from tests.deploy.chartkit import cli_params, values_file
 
 BASE = f"{RELEASE}-pdserve"
 GROUPS = ("prefill", "decode")
@@ -185,6 +185,19 @@ def test_nodes_get_the_flags_model_volume_and_rdma_settings() -> None:
         assert limits["nvidia.com/gpu"] == 1 and limits["rdma/rdma_shared_device_a"] == 1
         shm = volumes["shm"]["emptyDir"]
         assert shm["medium"] == "Memory" and shm["sizeLimit"] == gpu["node"]["shmSizeLimit"]
+
+
+def test_every_process_takes_the_flags_the_chart_gives_it(objs: list[dict[str, Any]]) -> None:
+    from common.logs import FORMATS, LEVELS
+
+    for component, workload in _workloads(objs).items():
+        c = next(containers(workload))
+        params = cli_params(c["args"])
+        assert params["host"] == "0.0.0.0", component
+        assert params["log_level"] in LEVELS and params["log_format"] in FORMATS
+        if component != "router":
+            assert params["device"] == "auto" and 0 < params["mem_fraction_static"] <= 1
+            assert params["max_total_tokens"] is None  # sized from the memory fraction
 
 
 def test_default_values_use_the_built_in_pair_without_rdma() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.deploy.chartkit import flag
+from tests.deploy.chartkit import cli_params, flag
 from tests.deploy.promkit import REPO
 
 DEPLOY = REPO / "deploy"
@@ -81,6 +81,8 @@ def test_compose_wires_router_to_the_node_services() -> None:
         assert flag(node, "--host") == ["0.0.0.0"] and flag(node, "--metrics-port") == ["29100"]
         assert flag(node, "--served-model-name") == flag(router, "--served-model")
     assert not any("api-key" in a for a in router), "API keys come from the environment (.env)"
+    for command in (prefill, decode, router):
+        cli_params(command)  # the real CLI takes every flag compose gives it
     for name in ("prefill", "decode", "router"):
         assert svc[name]["read_only"] is True and svc[name]["cap_drop"] == ["ALL"]
     prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())

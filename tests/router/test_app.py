@@ -358,7 +358,7 @@ def test_shedding(tok: Tokenizer) -> None:
 
 
 def test_models_health_ready_metrics(tok: Tokenizer) -> None:
-    app, fake = make(tok, lambda job: Script(disaggregated=job.request_id.startswith("cmpl")))
+    app, fake = make(tok, lambda job: Script(disaggregated=job.stream))
     other, _ = make(tok)  # a second app in the same process: registries must not collide
     client = TestClient(app)
     models = client.get("/v1/models").json()

@@ -157,3 +157,23 @@ def test_heads_that_do_not_fit_the_target_are_refused(tmp_path, target):
         spec_engine(target, tmp_path / "big3b", "EAGLE3", 3, 1)
     with pytest.raises(ModelLoadError, match="unsupported architecture"):
         spec_engine(target, head, "EAGLE3", 3, 1)  # an EAGLE-1 head where EAGLE-3 is expected
+
+
+def test_unset_kv_capacity_is_sized_for_target_and_draft(pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no --max-total-tokens the cache is sized for both models' KV per token, and the head's
+    weights (loaded after the cache) count as used."""
+    import engine.engine as engine_mod
+    from engine.config import ModelConfig
+    from engine.kv_budget import draft_footprint, kv_bytes_per_token
+
+    target, head = pair
+    seen: list[tuple] = []
+    monkeypatch.setattr(engine_mod, "size_kv_cache", lambda *args: seen.append(args) or 64)
+    eng = spec_engine(target, head, "EAGLE", 3, 1, 4, max_total_tokens=None, mem_fraction_static=0.5)
+    tc = ModelConfig.from_dir(target)
+    size = eng.dtype.itemsize
+    draft_per_token, draft_weights = draft_footprint(str(head), size)
+    assert draft_per_token > 0 and draft_weights > 0
+    per_token = kv_bytes_per_token(tc.num_layers, tc.num_kv_heads, tc.head_dim, size) + draft_per_token
+    assert seen == [(eng.device, 0.5, eng.config.page_size, per_token, draft_weights)]
+    assert eng.kv.allocator.total * eng.kv.page_size == 64

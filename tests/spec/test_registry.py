@@ -157,3 +157,9 @@ def test_bind_needs_a_draft_path_for_eagle():
     with pytest.raises(SpecRegistryError, match="unknown speculative algorithm"):
         bind(SpecConfig("medusa"))
     assert callable(bind(SpecConfig("ngram")).create_worker)  # n-gram needs no draft model
+
+
+def test_draft_model_dir_names_only_a_draft_that_keeps_kv(tmp_path):
+    """What the engine sizes the KV cache for besides the target (engine/kv_budget.py)."""
+    assert bind(SpecConfig("EAGLE", str(tmp_path), 3, 1)).draft_model_dir() == str(tmp_path)
+    assert bind(SpecConfig("NONE")).draft_model_dir() is None

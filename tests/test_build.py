@@ -1,0 +1,45 @@
+"""pdserve/build.py: the node's engine built from its flags (device resolution, fast path)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.config import EngineOptions, SpeculativeOptions
+from pdserve import build
+
+
+def test_nodes_default_to_auto() -> None:
+    assert EngineOptions().device == "auto"
+
+
+@pytest.mark.parametrize("gpu, want", [(True, "cuda:0"), (False, "cpu")])
+def test_auto_is_the_first_gpu_when_present(monkeypatch: pytest.MonkeyPatch, gpu: bool, want: str) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    assert build.resolve_device("auto") == want
+
+
+@pytest.mark.parametrize("name", ["cpu", "cuda", "cuda:1"])
+def test_explicit_devices_are_kept(name: str) -> None:
+    assert build.resolve_device(name) == name
+
+
+def test_fast_path_refuses_an_unresolved_device() -> None:
+    with pytest.raises(ValueError, match="auto"):
+        EngineOptions().fast_path()
+
+
+def test_a_node_built_with_auto_runs_on_what_auto_resolves_to(tiny_llama_dir: Path) -> None:
+    """No GPU here: auto is the CPU, and so are the fast-path choices (torch attention, no overlap,
+    no graphs) and the default KV capacity."""
+    import torch
+
+    engine, _ = build.build_node(EngineOptions(model=tiny_llama_dir, page_size=4), SpeculativeOptions())
+    want = "cuda:0" if torch.cuda.is_available() else "cpu"
+    assert engine.config.device == want and engine.device == torch.device(want)
+    if want == "cpu":
+        cfg = engine.config
+        assert (cfg.attention_backend, cfg.overlap, cfg.cuda_graph_max_bs) == ("torch", False, 0)
