@@ -6,6 +6,7 @@ Imported only inside commands (it reaches torch through the engine).
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -115,6 +116,16 @@ def resolve_device(device: str) -> str:
     return "cuda:0" if torch.cuda.is_available() else "cpu"
 
 
+def limit_cpu_threads(device: str) -> None:
+    """A GPU node's CPU tensors are a few small rows: one intra-op thread, unless OMP_NUM_THREADS
+    says otherwise. Torch's default (a thread per core, spinning after each op) lets the nodes of
+    one host steal each other's cores and makes their host-bound launch paths jittery."""
+    if device.startswith("cuda") and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def build_node(engine: EngineOptions, spec: SpeculativeOptions) -> tuple["Engine", Any]:
     """Load the engine for a node (threaded scheduler IO); returns (engine, algorithm binding)."""
     from engine.engine import Engine, EngineConfig, check_device
@@ -124,6 +135,7 @@ def build_node(engine: EngineOptions, spec: SpeculativeOptions) -> tuple["Engine
     # Once, here: the model defaults, the fast path and the engine all read the resolved name.
     engine = dataclasses.replace(engine, device=resolve_device(engine.device))
     check_device(engine.device)
+    limit_cpu_threads(engine.device)
     choice = resolve(engine.model, algorithm=spec.algorithm, draft_model_path=spec.draft_model_path,
                      num_steps=spec.num_steps, dtype=engine.dtype, device=engine.device, adaptive=spec.adaptive)
     binding = bind_algorithm(spec_config(choice.algorithm, **{

@@ -43,3 +43,22 @@ def test_a_node_built_with_auto_runs_on_what_auto_resolves_to(tiny_llama_dir: Pa
     if want == "cpu":
         cfg = engine.config
         assert (cfg.attention_backend, cfg.overlap, cfg.cuda_graph_max_bs) == ("torch", False, 0)
+
+
+def test_gpu_nodes_keep_one_cpu_thread_unless_told(monkeypatch):
+    import torch
+
+    from pdserve.build import limit_cpu_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        limit_cpu_threads("cuda:0")
+        assert torch.get_num_threads() == before
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        limit_cpu_threads("cpu")
+        assert torch.get_num_threads() == before
+        limit_cpu_threads("cuda:1")
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
