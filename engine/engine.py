@@ -162,9 +162,10 @@ class _LocalIO:
 def bind_thread_to_device(device: torch.device) -> None:
     """Make `device` the calling thread's current CUDA device. Triton launches, new streams and
     graph captures go to the current device, not to their tensors': a node on cuda:1 that skipped
-    this would run its kernels on GPU 0, reading GPU 1's memory over the peer link."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    this would run its kernels on GPU 0, reading GPU 1's memory over the peer link. A bare "cuda"
+    means the current device already."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device.index)
 
 
 class Engine:

@@ -21,6 +21,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Callable
 
+from common.config import DEFAULT_MEM_FRACTION_STATIC
+
 
 @dataclass
 class Child:
@@ -86,10 +88,14 @@ class Deployment:
         deadline = time.monotonic() + cfg.start_timeout_s
         model = ["--model", cfg.model] if cfg.model else []
         common = [*model, "--host", cfg.host, "--port", "0", *cfg.node_args]
-        nodes = self._spawn_colocated(common) if cfg.colocated else self._spawn_pd(common)
-        for n in nodes:
-            progress(f"loading {n.name}")
-            self._wait_ready(n, deadline)
+        plans = self._colocated_plans(common) if cfg.colocated else self._pd_plans(common)
+        nodes = []
+        for wave in _waves(plans, sizes_kv_itself=_sizes_kv_itself(cfg.node_args)):
+            started = [self._spawn(name, args, dev) for name, args, dev in wave]
+            for n in started:
+                progress(f"loading {n.name}")
+                self._wait_ready(n, deadline)
+            nodes += started
         router_args = ["router", "--host", cfg.host, "--port", str(cfg.port)]
         for n in nodes:
             if n.name.startswith("prefill"):
@@ -106,23 +112,21 @@ class Deployment:
         _wait_http_ok(f"{url}/ready", deadline, router)
         return url
 
-    def _spawn_colocated(self, common: list[str]) -> list[Child]:
+    def _colocated_plans(self, common: list[str]) -> list[NodePlan]:
         devices = _devices(self.cfg.device, self.cfg.colocated)
-        return [self._spawn(f"colocated-{i}", ["serve", *common, "--device", self._local(dev)], dev)
+        return [(f"colocated-{i}", ["serve", *common, "--device", self._local(dev)], dev)
                 for i, dev in enumerate(devices)]
 
-    def _spawn_pd(self, common: list[str]) -> list[Child]:
+    def _pd_plans(self, common: list[str]) -> list[NodePlan]:
         cfg = self.cfg
         devices = _devices(cfg.device, cfg.prefill + cfg.decode)
-        nodes = []
-        for i in range(cfg.prefill):
-            dev = devices[i]
-            nodes.append(self._spawn(f"prefill-{i}", ["prefill", *common, "--bootstrap-port", "0",
-                                                      "--device", self._local(dev)], dev))
+        plans: list[NodePlan] = [(f"prefill-{i}", ["prefill", *common, "--bootstrap-port", "0",
+                                                   "--device", self._local(devices[i])], devices[i])
+                                 for i in range(cfg.prefill)]
         for i in range(cfg.decode):
             dev = devices[cfg.prefill + i]
-            nodes.append(self._spawn(f"decode-{i}", ["decode", *common, "--device", self._local(dev)], dev))
-        return nodes
+            plans.append((f"decode-{i}", ["decode", *common, "--device", self._local(dev)], dev))
+        return plans
 
     def _local(self, device: str) -> str:
         """The node's --device: cuda:0 of its one visible GPU, or the real index when all are visible."""
@@ -147,6 +151,36 @@ class Deployment:
                 if c.proc.poll() is not None:
                     return c.name
         return None
+
+
+NodePlan = tuple[str, list[str], str]  # (name, CLI args, device)
+
+
+def _sizes_kv_itself(node_args: tuple[str, ...]) -> bool:
+    """Did the operator size the KV cache (then nodes sharing a GPU are theirs to budget)?"""
+    return any(a.split("=", 1)[0] in ("--max-total-tokens", "--mem-fraction-static") for a in node_args)
+
+
+def _waves(plans: list[NodePlan], sizes_kv_itself: bool) -> list[list[NodePlan]]:
+    """Start order: wave j holds the j-th node of every GPU, so nodes on different GPUs load at
+    once and nodes sharing one load one after another (CPU nodes all load at once). A node sizes its KV cache from the memory
+    left free when it starts (weights + KV may fill --mem-fraction-static of the GPU's total), so
+    the j-th of k nodes on a GPU gets the cumulative share (j+1)/k of the default: each ends up
+    with about 1/k of it, and none of them races another for the same free memory."""
+    by_device: dict[str, list[NodePlan]] = {}
+    for plan in plans:
+        by_device.setdefault(plan[2], []).append(plan)
+    waves: list[list[NodePlan]] = []
+    for dev, group in by_device.items():
+        k, gpu = len(group), dev.startswith("cuda")
+        for j, (name, args, _) in enumerate(group):
+            if k > 1 and gpu and not sizes_kv_itself:
+                args = [*args, "--mem-fraction-static", f"{DEFAULT_MEM_FRACTION_STATIC * (j + 1) / k:.4f}"]
+            wave = j if gpu else 0  # CPU nodes keep a fixed KV size: they all load at once
+            while len(waves) <= wave:
+                waves.append([])
+            waves[wave].append((name, args, dev))
+    return waves
 
 
 def _devices(device: str, count: int) -> list[str]:

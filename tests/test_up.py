@@ -135,3 +135,22 @@ def test_up_serves_and_ctrl_c_stops_every_child(tiny_llama_dir: Path, tmp_path: 
             if _running(pid, cmdline):
                 os.killpg(pid, signal.SIGKILL)
         stderr.close()
+
+
+def test_nodes_sharing_a_gpu_load_in_turn_with_cumulative_memory_shares() -> None:
+    """Two nodes on cuda:0 and one on cuda:1: cuda:0's second node starts after its first, with
+    twice its share of the default fraction; CPU nodes all start at once; an operator's own KV
+    sizing is left alone."""
+    from common.config import DEFAULT_MEM_FRACTION_STATIC as F
+    from pdserve.up import _sizes_kv_itself, _waves
+
+    plans = [("prefill-0", ["prefill"], "cuda:0"), ("decode-0", ["decode"], "cuda:0"), ("decode-1", ["decode"], "cuda:1")]
+    waves = _waves(plans, sizes_kv_itself=False)
+    assert [[name for name, _, _ in w] for w in waves] == [["prefill-0", "decode-1"], ["decode-0"]]
+    shares = {name: args[-1] for w in waves for name, args, _ in w if "--mem-fraction-static" in args}
+    assert shares == {"prefill-0": f"{F / 2:.4f}", "decode-0": f"{F:.4f}"}
+    assert _waves(plans, sizes_kv_itself=True)[1] == [("decode-0", ["decode"], "cuda:0")]
+    cpu = [(n, a, "cpu") for n, a, _ in plans]
+    assert _waves(cpu, sizes_kv_itself=False) == [cpu]
+    assert _sizes_kv_itself(("--max-total-tokens", "4096")) and _sizes_kv_itself(("--mem-fraction-static=0.5",))
+    assert not _sizes_kv_itself(("--page-size", "16"))

@@ -84,3 +84,17 @@ def test_a_failing_step_fails_its_request_and_the_loop_goes_on(loop):
     # nothing escaped to the loop, which would have failed everything in flight
     assert len(tokens) == 3 and eng.scheduler.stats["failed_steps"] == 1 and loop.steps_failed == 0
     assert loop.call(lambda: eng.kv.all_free).result(TIMEOUT)
+
+
+def test_engine_threads_bind_an_indexed_gpu_only(monkeypatch):
+    """cuda:N becomes the thread's current device; bare "cuda" (the current one) and the CPU
+    leave it alone (torch refuses set_device without an index)."""
+    import torch
+
+    from engine.engine import bind_thread_to_device
+
+    calls: list[int] = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    for name in ("cpu", "cuda", "cuda:1"):
+        bind_thread_to_device(torch.device(name))
+    assert calls == [1]
