@@ -16,6 +16,8 @@ Reports (OUT/pd_two_gpu_<gpu>.json):
   against the full KV's transfer time + 2 ms, with PD's time split by stage from the router's and
   the nodes' histograms; chunked prefill (2K-token chunks) sends
   each chunk's pages while the next one runs, so the handoff adds about one chunk's transfer.
+  A second PD deployment writes each prompt's KV in one write at the end (--no-kv-send-chunks),
+  to show what chunk pipelining changes.
 
 With one GPU the same runs put both nodes on it (NIXL within VRAM), and the report says
 "one GPU". Run: `python -m bench.gpu.pd_two_gpu OUT` (keep NVLink multicast off:
@@ -81,14 +83,16 @@ def _model(url: str) -> str:
 
 def ttft_pairs_ms(urls: dict[str, str], tokens: int) -> dict[str, list[float]]:
     """One-token requests (the whole latency is the time to the first token), alternating between
-    the deployments so that drift of the machine hits both alike: ROUNDS latencies each."""
+    the deployments, each round starting with the next one, so that drift of the machine and the
+    position in a round hit all alike: ROUNDS latencies each."""
     for url in urls.values():
         for i in range(WARMUP):  # warm the shapes (kernels, allocator) of this length
             complete(url, prompt(tokens, 90 + i), 1)
     out: dict[str, list[float]] = {name: [] for name in urls}
+    names = list(urls)
     for i in range(ROUNDS):
-        for name, url in urls.items():
-            out[name].append(complete(url, prompt(tokens, 100 + i), 1)[1] * 1e3)
+        for name in names[i % len(names):] + names[:i % len(names)]:  # each goes first in turn
+            out[name].append(complete(urls[name], prompt(tokens, 100 + i), 1)[1] * 1e3)
     return out
 
 
