@@ -17,7 +17,8 @@ import torch
 from engine.core import Batch, ForwardMode, Req, SamplingParams, StepOutput
 from engine.future_map import DraftInput
 from engine.handoff import HandoffCodec, HandoffHeader, decode_row, encode_row
-from engine.kv_cache import KVPool, OutOfPages
+from engine.kv_cache import KVPool
+from engine.page_allocator import OutOfPages
 from engine.scheduler import RequestUpdate
 from engine.loop import EngineLoop, UpdateCallback
 from common.tokenizer import Tokenizer

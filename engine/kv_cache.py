@@ -1,4 +1,4 @@
-"""Paged KV cache: page allocator, request table, and page-major KV pools.
+"""Paged KV cache: request table and KV pools over the page allocator's ids.
 
 Layout: one tensor per pool shaped (layers, 2, pages, page_size, kv_heads, head_dim), so each
 (layer, k|v, page) is one contiguous region: one descriptor for a NIXL transfer. Token slot
@@ -15,56 +15,11 @@ import torch
 
 from engine.core import Req
 from engine.h2d import to_device
+from engine.page_allocator import OutOfPages, PageAllocator
 
 
 # Tokens one decode step may write beyond seq_len (a speculative verify window).
 MAX_DECODE_WINDOW = 64
-
-
-class OutOfPages(RuntimeError):
-    """The page pool cannot satisfy an allocation; the scheduler retracts or waits."""
-
-
-class PageAllocator:
-    """Free list of page ids 1..num_pages-1 with accounting you can assert on."""
-
-    def __init__(self, num_pages: int) -> None:
-        if num_pages < 2:
-            raise ValueError("the KV pool needs at least 2 pages (page 0 is reserved)")
-        self.num_pages = num_pages
-        self._free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() hands out low ids first
-        self._used: set[int] = set()
-
-    @property
-    def total(self) -> int:
-        return self.num_pages - 1
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return len(self._used)
-
-    def alloc(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfPages(f"need {n} pages, {len(self._free)} free")
-        pages = [self._free.pop() for _ in range(n)]
-        self._used.update(pages)
-        return pages
-
-    def free(self, pages: list[int]) -> None:
-        for p in pages:
-            if p not in self._used:
-                raise RuntimeError(f"double free or foreign page {p}")
-            self._used.remove(p)
-        self._free.extend(reversed(pages))
-
-    def check(self) -> None:
-        """Invariant: every page is either free or used, never both, never lost."""
-        assert self.num_free + self.num_used == self.total, (self.num_free, self.num_used, self.total)
-        assert not self._used.intersection(self._free)
 
 
 class KVPool:

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from engine.core import Batch, ForwardMode, Req, ReqState
-from engine.kv_cache import KVCacheManager, OutOfPages
+from engine.kv_cache import KVCacheManager
+from engine.page_allocator import OutOfPages
 
 ReqHook = Callable[[Req], None]
 
