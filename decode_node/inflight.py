@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from decode_node.completion import CompletionWaiter
-from engine.core import Req
+from engine.core import InvalidRequest, Req
 from engine.disagg import DisaggEngine
 from engine.kv_transfer import HandoffRows
 
@@ -67,6 +67,8 @@ class InFlight:
 
     def begin(self, req: Req, room: int) -> DecodeRequest:
         self._expire_tombstones()
+        if req.rid in self.live or self.pd.in_flight(req.rid):
+            raise InvalidRequest(f"request id {req.rid!r} is already in flight on this node")
         dr = DecodeRequest(req, room)
         tomb = self._tombstones.pop(req.rid, None)
         if tomb is not None:

@@ -101,6 +101,10 @@ class DisaggEngine:
     def subscribe(self, rid: str, on_update: UpdateCallback) -> None:
         self._need_loop().io.subscribe(rid, on_update)
 
+    def in_flight(self, rid: str) -> bool:
+        """Is a request with this id live in the engine (submitted or adopted, not finished)?"""
+        return self._need_loop().io.in_flight(rid)
+
     def abort(self, rid: str, reason: str = "aborted") -> None:
         self._need_loop().abort(rid, reason)
 

@@ -9,7 +9,7 @@ from collections import Counter, deque
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from engine.core import Req
+from engine.core import InvalidRequest, Req
 from engine.engine import Engine, bind_thread_to_device
 from engine.scheduler import RequestUpdate
 
@@ -35,13 +35,24 @@ class ThreadedIO:
 
     def submit(self, req: Req, on_update: UpdateCallback) -> None:
         with self._lock:
-            self._subscribers[req.rid] = on_update
+            self._claim(req.rid, on_update)
             self._new.append(req)
         self._wake.set()
 
     def subscribe(self, rid: str, on_update: UpdateCallback) -> None:
         with self._lock:
-            self._subscribers[rid] = on_update
+            self._claim(rid, on_update)
+
+    def in_flight(self, rid: str) -> bool:
+        with self._lock:
+            return rid in self._subscribers
+
+    def _claim(self, rid: str, on_update: UpdateCallback) -> None:
+        # Ids key the updates, aborts and the scheduler's table: a second live request with the
+        # same id would take the first one's updates and aborts. Refused, the first keeps going.
+        if rid in self._subscribers:
+            raise InvalidRequest(f"request id {rid!r} is already in flight on this node")
+        self._subscribers[rid] = on_update
 
     def abort(self, rid: str, reason: str = "aborted") -> None:
         with self._lock:

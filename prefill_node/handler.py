@@ -51,6 +51,7 @@ class PrefillHandler:
                  timeouts: PrefillTimeouts, send_chunks: bool = True) -> None:
         self.pd, self.endpoint, self.rooms, self.timeouts = pd, endpoint, rooms, timeouts
         self.send_chunks = send_chunks  # chunked prefill: each chunk's pages leave as it finishes
+        self._live_ids: set[str] = set()
 
     async def generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -62,9 +63,14 @@ class PrefillHandler:
                                                   min_new_tokens=min(1, params.min_new_tokens)),
                               request.request_id or None)
         req.hold_kv = True
+        # Ids key the engine's updates and aborts: a second request with a live id (computing or
+        # still writing its KV) is refused before it can touch the first one.
+        if req.rid in self._live_ids:
+            raise InvalidRequest(f"request id {req.rid!r} is already in flight on this node")
         room = self.rooms.get_or_create(request.disaggregated_params.bootstrap_room)
         if room.request_id:
             raise InvalidRequest(f"bootstrap_room {room.room} is already in use")
+        self._live_ids.add(req.rid)
         room.request_id = req.rid
         room.deadline = time.monotonic() + self.timeouts.bootstrap_s
         writer = RoomWriter(self.endpoint.transport, room, self.timeouts.transfer_s, self.send_chunks)
@@ -81,6 +87,7 @@ class PrefillHandler:
             room.fail("prefill request cancelled")
             raise
         finally:
+            self._live_ids.discard(req.rid)
             pd.abort(req.rid, "prefill ended")  # no-op once finished
             # pages back, and a failed room's decode told, once no write of the room is in flight
             writer.after_writes(lambda: self._end_room(req, room))

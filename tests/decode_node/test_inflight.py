@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 
 from decode_node.inflight import InFlight, Stage
@@ -23,6 +24,9 @@ class FakePD:
 
     def abort(self, rid: str, reason: str = "aborted") -> None:
         self.aborted.append(rid)
+
+    def in_flight(self, rid: str) -> bool:
+        return rid == "in-engine"
 
 
 def _setup(quarantine_s: float = 5.0) -> tuple[InFlight, FakePD, HandoffRows, CompletionWaiter]:
@@ -92,3 +96,15 @@ def test_an_abort_before_the_generate_ends_it_on_arrival() -> None:
         assert late.aborted.is_set()
 
     asyncio.run(run())
+
+
+def test_a_request_id_already_live_is_refused_and_the_first_keeps_going() -> None:
+    from engine.core import InvalidRequest
+
+    pending, _, _, _ = _setup()
+    first = pending.begin(_req("dup"), 1)
+    with pytest.raises(InvalidRequest, match="already in flight"):
+        pending.begin(_req("dup"), 2)
+    with pytest.raises(InvalidRequest, match="already in flight"):
+        pending.begin(_req("in-engine"), 3)  # adopted by the engine, no longer in `live`
+    assert pending.live["dup"] is first and not first.aborted.is_set()

@@ -98,3 +98,25 @@ def test_engine_threads_bind_an_indexed_gpu_only(monkeypatch):
     for name in ("cpu", "cuda", "cuda:1"):
         bind_thread_to_device(torch.device(name))
     assert calls == [1]
+
+
+def test_a_second_live_request_with_the_same_id_is_refused(loop):
+    """Ids key updates and aborts: a duplicate is refused at once, the first is untouched, and the
+    id is free again once the first finished."""
+    from engine.core import InvalidRequest
+
+    eng = loop.engine
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    q: queue.Queue = queue.Queue()
+    loop.submit(eng.make_request([1, 2, 3], params, "same"), q.put)
+    with pytest.raises(InvalidRequest, match="already in flight"):
+        loop.submit(eng.make_request([4, 5, 6], params, "same"), lambda upd: None)
+    tokens = []
+    while True:
+        upd = q.get(timeout=TIMEOUT)
+        tokens += upd.tokens
+        if upd.finished:
+            break
+    assert len(tokens) == 40 and upd.finish_reason is FinishReason.LENGTH
+    again, _ = _collect(loop, eng.make_request([1, 2, 3], SamplingParams(max_new_tokens=3, temperature=0.0), "same"))
+    assert len(again) == 3
