@@ -75,8 +75,8 @@ def register(app: typer.Typer) -> None:
              log, role.host, role.port, role.metrics_port)
 
     @app.command()
-    @with_options(opts=UpOptions, spec=SpeculativeOptions)
-    def up(opts: UpOptions, spec: SpeculativeOptions) -> None:
+    @with_options(opts=UpOptions, spec=SpeculativeOptions, log=LogOptions)
+    def up(opts: UpOptions, spec: SpeculativeOptions, log: LogOptions) -> None:
         """A local deployment: router + prefill + decode nodes on 127.0.0.1; Ctrl-C stops all."""
         import signal
         import threading
@@ -86,7 +86,8 @@ def register(app: typer.Typer) -> None:
         from pdserve.up import Deployment, UpConfig, example_curl, served_model
 
         cfg = UpConfig(str(opts.model) if opts.model else None, opts.host, opts.port, opts.prefill, opts.decode,
-                       opts.device, tuple(spec.argv()), opts.verbose, colocated=opts.colocated)
+                       opts.device, tuple(spec.argv()), opts.verbose, colocated=opts.colocated,
+                       log_args=("--log-level", log.log_level, "--log-format", log.log_format))
         dep, stop = Deployment(cfg), threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())

@@ -59,6 +59,7 @@ class UpConfig:
     # Each node sees only its own GPU (CUDA_VISIBLE_DEVICES). Off: every node sees every GPU and
     # gets `--device cuda:N`, which NIXL needs for GPU-to-GPU copies over NVLink (CUDA IPC).
     isolate_gpus: bool = True
+    log_args: tuple[str, ...] = ()  # --log-level/--log-format for every child, router included
 
 
 class Deployment:
@@ -87,7 +88,7 @@ class Deployment:
         cfg = self.cfg
         deadline = time.monotonic() + cfg.start_timeout_s
         model = ["--model", cfg.model] if cfg.model else []
-        common = [*model, "--host", cfg.host, "--port", "0", *cfg.node_args]
+        common = [*model, "--host", cfg.host, "--port", "0", *cfg.node_args, *cfg.log_args]
         plans = self._colocated_plans(common) if cfg.colocated else self._pd_plans(common)
         nodes = []
         for wave in _waves(plans, sizes_kv_itself=_sizes_kv_itself(cfg.node_args)):
@@ -96,7 +97,7 @@ class Deployment:
                 progress(f"loading {n.name}")
                 self._wait_ready(n, deadline)
             nodes += started
-        router_args = ["router", "--host", cfg.host, "--port", str(cfg.port)]
+        router_args = ["router", "--host", cfg.host, "--port", str(cfg.port), *cfg.log_args]
         for n in nodes:
             if n.name.startswith("prefill"):
                 router_args += ["--prefill", f"{cfg.host}:{n.ports['scheduler']},{n.ports['bootstrap']}"]

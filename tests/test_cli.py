@@ -231,3 +231,25 @@ def test_bad_log_settings_are_clean_errors(command: str, flag: str, value: str) 
     """Refused before anything loads or binds, naming the flag."""
     res = CliRunner().invoke(app, [command, flag, value])
     _assert_clean_error(res, flag, value)
+
+
+def test_up_passes_the_log_options_to_every_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pdserve up --log-format json` gives nodes and router the same logging flags."""
+    import pdserve.up as up
+
+    seen: dict[str, object] = {}
+
+    class FakeDeployment:
+        def __init__(self, cfg: object) -> None:
+            seen["cfg"] = cfg
+
+        def start(self, progress: object) -> str:
+            raise RuntimeError("stop here")
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(up, "Deployment", FakeDeployment)
+    res = CliRunner().invoke(app, ["up", "--log-format", "json", "--log-level", "debug"])
+    assert res.exit_code == 1 and "stop here" in res.output
+    assert seen["cfg"].log_args == ("--log-level", "debug", "--log-format", "json")  # type: ignore[attr-defined]
