@@ -193,8 +193,9 @@ class FutureMap:
         self.new_seq_lens_buf[idx] = new_seq_lens.to(self.device, torch.int64, non_blocking=True)
         self._publish_ready.record()
 
-    def stash(self, indices: torch.Tensor, payload: RelayPayload) -> None:
-        """Write the payload rows; call after the forward, on the forward stream."""
+    def stash(self, indices: torch.Tensor, payload: RelayPayload, *, keep_topk: bool = False) -> None:
+        """Write the payload rows; call after the forward, on the forward stream. `keep_topk`:
+        the rows keep their top-k (the payload has none: a forward that deferred computing it)."""
         if indices.numel() == 0:
             return
         self._check_rows("bonus_tokens", payload.bonus_tokens, indices)
@@ -203,7 +204,7 @@ class FutureMap:
                                                               non_blocking=True)
         # Which extras travel is decided by the algorithm (need_*), not by the payload's shape:
         # a map that does not need them ignores them, one that does refuses a payload without.
-        if self.need_topk:
+        if self.need_topk and not keep_topk:
             if payload.topk_p is None or payload.topk_index is None:
                 raise FutureMapError("this FutureMap relays top-k but the payload has none")
             self.topk_p_buf = self._store("topk_p", self.topk_p_buf, idx, payload.topk_p, indices)
@@ -237,17 +238,18 @@ class FutureMap:
         if self.need_hidden and self.hidden_states_buf is None:
             self.hidden_states_buf = self._full((self.num_rows, hidden_size), 0, hidden_dtype)
 
-    def resolve_seq_lens(self, indices: torch.Tensor, *, wait: bool = True) -> torch.Tensor:
+    def resolve_seq_lens(self, indices: torch.Tensor, *, wait: bool = True, consume: bool = True) -> torch.Tensor:
         """Device tensor of the rows' published lengths, ordered after ``publish_ready``
-        (`wait=False` inside a captured graph: the caller waits before the replay)."""
+        (`wait=False` inside a captured graph: the caller waits before the replay; `consume=False`:
+        a look that leaves the rows for the forward that reads them, in debug mode too)."""
         idx = self._idx(indices)
         if wait:
             self._wait_published()
         seq_lens = self.new_seq_lens_buf[idx]  # advanced indexing copies: safe to poison after
-        self._guard(self.new_seq_lens_buf, seq_lens, idx, "new_seq_lens", minimum=1)
+        self._guard(self.new_seq_lens_buf, seq_lens, idx, "new_seq_lens", minimum=1, consume=consume)
         return seq_lens
 
-    def resolve(self, indices: torch.Tensor, *, wait: bool = True) -> RelayPayload:
+    def resolve(self, indices: torch.Tensor, *, wait: bool = True, consume: bool = True) -> RelayPayload:
         """Gather the stashed payload rows on the device."""
         idx = self._idx(indices)
         if wait:
@@ -263,7 +265,7 @@ class FutureMap:
                 raise FutureMapError("resolve of hidden states before any stash carried them")
             hidden = self.hidden_states_buf[idx]
         # The token row stands for the whole stash: stash writes all fields together.
-        self._guard(self.output_tokens_buf, tokens, idx, "output_tokens", minimum=0)
+        self._guard(self.output_tokens_buf, tokens, idx, "output_tokens", minimum=0, consume=consume)
         return RelayPayload(tokens, topk_p, topk_index, hidden)
 
     def invalidate(self, indices: torch.Tensor) -> None:
@@ -319,7 +321,7 @@ class FutureMap:
             self._publish_ready.wait()
 
     def _guard(self, buf: torch.Tensor, values: torch.Tensor, idx: torch.Tensor, name: str,
-               minimum: int) -> None:
+               minimum: int, consume: bool = True) -> None:
         """Fail a read of a sentinel row (never written, released or, in debug, consumed).
         Row 0 is exempt: padding reads it freely."""
         if values.numel() == 0:
@@ -333,7 +335,7 @@ class FutureMap:
         else:
             # No host sync on an accelerator: the failure surfaces at the next synchronize.
             torch._assert_async(ok, msg)
-        if self.debug:  # consume once: a second read without a new write fails too
+        if self.debug and consume:  # consume once: a second read without a new write fails too
             buf[idx] = torch.where(idx == 0, 0, _SENTINEL).to(buf.dtype)
 
 
@@ -352,14 +354,22 @@ class BatchRelay:
         """The batch's new committed lengths are final (called between verify and draft-extend)."""
         self.future_map.publish(self.indices, new_seq_lens)
 
-    def stash(self, payload: RelayPayload) -> None:
-        self.future_map.stash(self.indices, payload)
+    def stash(self, payload: RelayPayload, *, keep_topk: bool = False) -> None:
+        if keep_topk:
+            self.future_map.stash(self.indices, payload, keep_topk=True)
+        else:  # the plain call: a plugin's FutureMap may override stash(indices, payload)
+            self.future_map.stash(self.indices, payload)
 
     def resolve_seq_lens(self) -> torch.Tensor:
         return self.future_map.resolve_seq_lens(self.indices)
 
     def resolve(self) -> RelayPayload:
         return self.future_map.resolve(self.indices)
+
+    def peek(self) -> tuple[torch.Tensor, RelayPayload]:
+        """(lengths, payload) as the next forward will read them, leaving the rows to it."""
+        fm = self.future_map
+        return fm.resolve_seq_lens(self.indices, consume=False), fm.resolve(self.indices, consume=False)
 
     def seed(self, seq_lens: torch.Tensor, payload: RelayPayload) -> None:
         """Rows of requests that did not come from a forward (PD decode prebuilt requests):

@@ -64,10 +64,13 @@ def chain_iteration(worker: "EagleWorker", state: StepState, slots: torch.Tensor
     ctx = draft.window_context(state.widths.draft_mode, slots, seq, wd)
     g = draft.forward_direct(emitted_window(vr, wd).reshape(-1), ctx, features=feats_t[flat])
     g_last = g[last_accepted_rows(vr, wd)]
-    p, topk = picker.guess(head, g_last, 1, slots, seq + vr.accept_lens + 1)
     keep = real.unsqueeze(1)
-    fm.stash(slots, RelayPayload(torch.where(real, vr.bonus, 0), torch.where(keep, p, 0),
-                                 torch.where(keep, topk, 0), torch.where(keep, g_last, 0)))
+    bonus, g_last = torch.where(real, vr.bonus, 0), torch.where(keep, g_last, 0)
+    if worker.defers_guess(state):  # the next drafting iteration computes the top-k
+        fm.stash(slots, RelayPayload(bonus, None, None, g_last), keep_topk=True)
+        return vr.accept_lens, vr.emitted
+    p, topk = picker.guess(head, g_last, 1, slots, seq + vr.accept_lens + 1)
+    fm.stash(slots, RelayPayload(bonus, torch.where(keep, p, 0), torch.where(keep, topk, 0), g_last))
     return vr.accept_lens, vr.emitted
 
 

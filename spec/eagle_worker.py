@@ -73,6 +73,13 @@ class EagleWorker:
         self.picker: DraftPicker = HeadPicker()
         self.iteration: EagleIterationGraphs | None = None  # whole-iteration graphs (capture_cuda_graphs)
         self._future_map: FutureMap | None = None
+        # A 0-step iteration stashes no top-k: only a drafting iteration reads it, and the head's
+        # lm_head + top-k over the vocabulary is most of the draft's cost there. The first drafting
+        # iteration after it computes it from the stashed hidden state (`_settle_guesses`). Set
+        # before the graphs are captured: the 0-step graphs are built with or without the guess.
+        self.defer_guess = True
+        self._guessless: set[str] = set()  # requests whose row holds no top-k
+        self.guesses_recomputed = 0  # rows given their top-k late (after 0-step iterations)
 
     @classmethod
     def create(cls, parts: EngineParts, config: SpecConfig, fmt: str,
@@ -153,6 +160,7 @@ class EagleWorker:
 
     def on_release(self, req: Req) -> None:
         req.spec_state = None
+        self._guessless.discard(req.rid)
 
     def extra_kv_pools(self) -> list[KVPool]:
         """PD: the draft KV moves with the target's, by the same page ids."""
@@ -223,12 +231,14 @@ class EagleWorker:
         p, topk_idx = self.picker.guess(self.draft.model, g_last, self.cfg.eagle_topk, done.indices,
                                         to_device(ends, dev) + 1)
         done.stash(RelayPayload(out["tokens"], p, topk_idx, g_last))
+        self._guessless.difference_update(r.rid for r in sampling)
         _keep_handoff(sampling, p, topk_idx, g_last)
         return EaglePending(batch, HostCopy(out))
 
     # ---- decode ----
     def _decode(self, batch: Batch, relay: BatchRelay) -> EaglePending:
         reqs, state = batch.reqs, self.states.active  # chosen when the batch was formed
+        self._settle_guesses(reqs, relay, state)
         if self.iteration is not None:
             out = self.iteration.run(reqs, relay.indices, state)
             if out is not None:
@@ -255,6 +265,27 @@ class EagleWorker:
         self._draft_extend(state, slots, seq, bound, vr, self.features(hidden, aux), relay)
         return EaglePending(batch, HostCopy(emit_device(self.sampler, reqs, vr, logits, rows)), state)
 
+    def defers_guess(self, state: StepState) -> bool:
+        return self.defer_guess and state.steps == 0
+
+    def _settle_guesses(self, reqs: list[Req], relay: BatchRelay, state: StepState) -> None:
+        """Before a drafting iteration, the rows a 0-step iteration left without a top-k get it
+        from their stashed hidden state: the same top-k that iteration would have stashed (same
+        hidden state, same positions), so acceptance is unchanged."""
+        rids = [r.rid for r in reqs]
+        if self.defers_guess(state):
+            self._guessless.update(rids)
+            return
+        stale = [rid in self._guessless for rid in rids]
+        if not any(stale):
+            return
+        rows = relay.select(stale)
+        seq, r = rows.peek()
+        p, topk_idx = self.picker.guess(self.draft.model, r.hidden_states, self.cfg.eagle_topk, rows.indices, seq + 1)
+        rows.stash(RelayPayload(r.bonus_tokens, p, topk_idx, r.hidden_states))
+        self._guessless.difference_update(rids)
+        self.guesses_recomputed += len(rows)
+
     def _compact_target_kv(self, slots: list[int], seq: torch.Tensor, rows: torch.Tensor,
                            accept_lens: torch.Tensor) -> None:
         """Tree verify wrote KV in tree order; move the accepted path's KV to [L, L + accept_len)."""
@@ -279,6 +310,9 @@ class EagleWorker:
         ctx = self.draft.make_context(state.widths.draft_mode, slots, bound, [wd] * bs, device_prefix=seq)
         g = self.draft.forward(emitted_window(vr, wd).reshape(-1), ctx, features=feats[flat_rows])
         g_last = g[last_accepted_rows(vr, wd)]
+        if self.defers_guess(state):
+            relay.stash(RelayPayload(vr.bonus, None, None, g_last), keep_topk=True)
+            return
         p, topk_idx = self.picker.guess(self.draft.model, g_last, self.cfg.eagle_topk, relay.indices,
                                         seq + vr.accept_lens + 1)
         relay.stash(RelayPayload(vr.bonus, p, topk_idx, g_last))

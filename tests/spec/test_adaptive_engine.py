@@ -67,6 +67,26 @@ def test_switching_under_a_live_batch_keeps_greedy_output(pair, config_path, ove
     assert eng.kv.all_free and eng.scheduler.future_map.rows_free()
 
 
+@pytest.mark.parametrize("overlap,graphs", [(False, False), (True, True)])
+def test_deferring_the_guess_of_0_step_iterations_changes_no_acceptance(pair, config_path, overlap, graphs) -> None:
+    """0-step iterations stash no top-k; the drafting iteration after them computes it from the
+    stashed hidden state. Output, accepted drafts and the acceptance histogram equal computing it
+    every iteration."""
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    kw = {"cuda_graph_max_bs": 8, "cuda_graph_padded_eager": True} if graphs else {}
+    runs = []
+    for defer in (False, True):
+        eng = _engine(pair, config_path, overlap=overlap, future_map_debug=True, **kw)
+        eng.executor.defer_guess = defer
+        out = _staggered(eng, params)
+        stats = eng.executor.spec_stats()
+        runs.append((out, stats.accepted_drafts, dict(stats.accept_len_hist), eng.executor.guesses_recomputed))
+        assert eng.kv.all_free and eng.scheduler.future_map.rows_free()
+    assert runs[0][:3] == runs[1][:3]
+    assert runs[0][3] == 0 and runs[1][3] > 0  # 0-step iterations were followed by drafting ones
+    assert runs[0][1] > 0  # drafts were accepted, so a wrong top-k would have shown
+
+
 def test_graphs_exist_per_step_count_only_for_their_batch_sizes_and_switches_capture_nothing(pair, config_path):
     eng = _engine(pair, config_path, cuda_graph_max_bs=8, cuda_graph_padded_eager=True)
     worker = eng.executor
