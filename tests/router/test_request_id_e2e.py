@@ -34,12 +34,15 @@ def json_lines(node: Node) -> list[dict[str, Any]]:
     return [json.loads(line) for line in list(node.lines) if line.startswith("{")]
 
 
-def wait_for_lines(node: Node, request_id: str, timeout: float = 10.0) -> list[dict[str, Any]]:
-    """The node's log lines about `request_id` (or its retries), once there are some."""
+def wait_for_lines(node: Node, request_id: str, timeout: float = 10.0,
+                   until: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """The node's log lines about `request_id` (or its retries), once there are some and one
+    starts with each prefix in `until` (a process's output reaches us a little after the reply)."""
     deadline = time.monotonic() + timeout
     while True:
         found = [x for x in json_lines(node) if x.get("request_id", "").split("-retry")[0] == request_id]
-        if found or time.monotonic() > deadline:
+        done = found and all(any(x["message"].startswith(u) for x in found) for u in until)
+        if done or time.monotonic() > deadline:
             return found
         time.sleep(0.1)
 
@@ -55,11 +58,12 @@ def test_a_client_id_reaches_both_nodes_logs(stack: Stack, stream: bool) -> None
     r = completion(stack, {"X-Request-Id": rid}, stream)
     assert r.status_code == 200 and r.headers["x-request-id"] == rid
     for node in (stack.prefill, stack.decodes[0]):
-        lines = wait_for_lines(node, rid)
+        lines = wait_for_lines(node, rid, until=("generate:", "complete:"))
         assert any(x["message"].startswith("generate:") for x in lines), json_lines(node)[-5:]
         assert any(x["message"].startswith("complete:") for x in lines)
         assert all({"time", "level", "logger", "message"} <= set(x) for x in lines)
-    assert any(x["message"].startswith("POST /v1/completions -> 200") for x in wait_for_lines(stack.router, rid))
+    router_lines = wait_for_lines(stack.router, rid, until=("POST /v1/completions -> 200",))
+    assert any(x["message"].startswith("POST /v1/completions -> 200") for x in router_lines)
 
 
 def test_without_a_client_id_the_router_makes_one_and_the_nodes_log_it(stack: Stack) -> None:
