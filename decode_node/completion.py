@@ -6,7 +6,7 @@ import asyncio
 import logging
 
 from engine.kv_transfer import KVTransport, parse_tag
-from engine.kv_transfer.waiting import poll_soon
+from engine.kv_transfer.waiting import POLL_S, poll_interval, poll_soon
 
 log = logging.getLogger(__name__)
 
@@ -19,6 +19,7 @@ class CompletionWaiter:
         self.transport = transport
         self._waiting: dict[int, tuple[str, asyncio.Future]] = {}  # room -> (peer agent, future)
         self._wake = asyncio.Event()  # a new room: stop the idle sleep and poll at once
+        self._every = poll_interval(transport) if transport is not None else POLL_S
 
     def expect(self, room: int, peer: str) -> asyncio.Future:
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -56,7 +57,7 @@ class CompletionWaiter:
             # poll fast (off the loop, sub-millisecond) while something is in flight; otherwise
             # drain once and sleep until a room is expected
             if self._waiting:
-                self._deliver(await poll_soon(self.transport.drain_notifications))
+                self._deliver(await poll_soon(self.transport.drain_notifications, self._every))
                 continue
             self._deliver(self.transport.drain_notifications())
             self._wake.clear()

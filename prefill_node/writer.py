@@ -21,7 +21,7 @@ import time
 from typing import Callable
 
 from engine.kv_transfer import KVPoll, KVTransport, TransferError, TransferRequest
-from engine.kv_transfer.waiting import wait_settled
+from engine.kv_transfer.waiting import poll_interval, wait_settled
 from engine.scheduler.kv_progress import KVProgress
 from prefill_node.rooms import Room
 
@@ -75,7 +75,18 @@ class RoomWriter:
                 if self.room.destination is None and not self._pending[0].restarted:
                     await self._until_destination_or_wake()  # the prompt started before it came
                     continue
-                await self._apply(self._pending.pop(0))
+                await self._apply(self._next_progress())
+
+    def _next_progress(self) -> KVProgress:
+        """The oldest pending progress, or, when several chunks finished meanwhile, the newest
+        of the run before any retraction: its fence covers the earlier chunks, so one write
+        carries them all."""
+        n = next((i for i, p in enumerate(self._pending) if p.restarted), len(self._pending))
+        if n <= 1:
+            return self._pending.pop(0)
+        newest = self._pending[n - 1]
+        del self._pending[:n]
+        return newest
 
     async def _until_destination_or_wake(self) -> None:
         waits = [asyncio.ensure_future(e.wait()) for e in (self.room.arrived, self._wake)]
@@ -148,7 +159,7 @@ class RoomWriter:
         t = self.transport
         while self._posted:
             handle, deadline = self._posted[0]
-            state = await wait_settled(lambda: t.poll(handle), deadline)
+            state = await wait_settled(lambda: t.poll(handle), deadline, poll_interval(t))
             if state is KVPoll.FAILED and self._error is None:
                 self._error = WriteFailed(f"KV write failed: {t.last_error(handle) or 'unknown reason'}",
                                           "transfer_error")

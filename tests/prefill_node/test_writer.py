@@ -4,6 +4,7 @@ write; a retraction starts over; a failed chunk fails the room; cleanup waits fo
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -39,6 +40,9 @@ class ScriptedTransport:
 
     def last_error(self, handle: int) -> str:
         return "scripted failure"
+
+    def layout(self) -> SimpleNamespace:
+        return SimpleNamespace(mem_type="DRAM")
 
 
 def _progress(pages: tuple[int, ...]) -> KVProgress:
@@ -95,6 +99,22 @@ def test_chunks_done_before_the_destination_leave_when_it_arrives() -> None:
     assert sent == 4 and lonely_sent == 0
     assert [w[:2] for w in t.writes] == [([7, 8, 9, 10], [100, 101, 102, 103])] or \
         [w[:2] for w in t.writes] == [([7, 8], [100, 101]), ([9, 10], [102, 103])]
+
+
+def test_chunks_that_finished_meanwhile_go_in_one_write() -> None:
+    """The writer fell behind three chunks: the newest fence covers them all, one write."""
+    async def run() -> ScriptedTransport:
+        t = ScriptedTransport()
+        writer = RoomWriter(t, _room(), 5.0, per_chunk=True)  # type: ignore[arg-type]
+        loop = asyncio.get_running_loop()
+        for pages in ((7, 8), (7, 8, 9, 10), (7, 8, 9, 10, 11, 12)):
+            writer.offer(_progress(pages), loop)
+        await asyncio.sleep(0.05)
+        assert await writer.settle_chunks() == 6
+        return t
+
+    t = asyncio.run(run())
+    assert t.writes == [([7, 8, 9, 10, 11, 12], [100, 101, 102, 103, 104, 105], False)]
 
 
 def test_a_retraction_voids_what_was_sent() -> None:
