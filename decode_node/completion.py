@@ -6,7 +6,7 @@ import asyncio
 import logging
 
 from engine.kv_transfer import KVTransport, parse_tag
-from engine.kv_transfer.waiting import POLL_S, poll_interval, poll_soon
+from engine.kv_transfer.waiting import poll_interval, poll_soon
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +19,7 @@ class CompletionWaiter:
         self.transport = transport
         self._waiting: dict[int, tuple[str, asyncio.Future]] = {}  # room -> (peer agent, future)
         self._wake = asyncio.Event()  # a new room: stop the idle sleep and poll at once
-        self._every = poll_interval(transport) if transport is not None else POLL_S
+        self._every = poll_interval(transport)
 
     def expect(self, room: int, peer: str) -> asyncio.Future:
         fut: asyncio.Future = asyncio.get_running_loop().create_future()

@@ -103,9 +103,12 @@ class PrefillHandler:
             room.tell_decode(self.endpoint.transport, room.reason)
 
     async def _wait_destination(self, room: Room) -> None:
+        # Checked first: after a prompt longer than the bootstrap deadline a destination that came
+        # in time is still good, and wait_for with no time left would refuse even a set event.
         left = room.deadline - time.monotonic()
         try:
-            await asyncio.wait_for(room.arrived.wait(), max(left, 0.0))
+            if not room.arrived.is_set():
+                await asyncio.wait_for(room.arrived.wait(), max(left, 0.0))
         except asyncio.TimeoutError:
             raise RequestFailed(f"no destination from the decode node within "
                                 f"{self.timeouts.bootstrap_s:.0f} s", "bootstrap_timeout") from None

@@ -281,7 +281,8 @@ class EagleWorker:
             return
         rows = relay.select(stale)
         seq, r = rows.peek()
-        p, topk_idx = self.picker.guess(self.draft.model, r.hidden_states, self.cfg.eagle_topk, rows.indices, seq + 1)
+        p, topk_idx = self.picker.guess(self.draft.model, r.hidden_states, self.cfg.eagle_topk, rows.indices,
+                                        seq + 1)
         rows.stash(RelayPayload(r.bonus_tokens, p, topk_idx, r.hidden_states))
         self._guessless.difference_update(rids)
         self.guesses_recomputed += len(rows)

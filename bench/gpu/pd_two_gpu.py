@@ -11,11 +11,11 @@ Reports (OUT/pd_two_gpu_<gpu>.json):
   raw NIXL GPU0 -> GPU1 in the same run (bench/gpu/kv_bandwidth.py); goal: ratio >= 0.8;
 * outputs: a fixed greedy request set through the router, PD texts == colocated texts;
 * acceptance: the decode node's mean accepted length == the colocated node's;
-* TTFT: PD minus colocated time to first token (1-token requests, both deployments up at once
-  and asked in turn, median of the paired differences over 11 rounds after 3 warm-up requests) for both prompt lengths,
-  against the full KV's transfer time + 2 ms, with PD's time split by stage from the router's and
-  the nodes' histograms; chunked prefill (2K-token chunks) sends
-  each chunk's pages while the next one runs, so the handoff adds about one chunk's transfer.
+* TTFT: PD minus colocated time to first token (1-token requests, all deployments up at once and
+  asked in turn, median of the paired differences over 11 rounds after 3 warm-up requests) for
+  both prompt lengths, against the full KV's transfer time + 2 ms, with each deployment's time
+  split by stage from the router's and the nodes' histograms; chunked prefill (2K-token chunks)
+  sends each chunk's pages while the next one runs, so the handoff adds about one chunk's transfer.
   A second PD deployment writes each prompt's KV in one write at the end (--no-kv-send-chunks),
   to show what chunk pipelining changes.
 

@@ -4,6 +4,7 @@ pages a write may still land in wait for the write's outcome; early aborts leave
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,7 +31,8 @@ class FakePD:
 
 
 def _setup(quarantine_s: float = 5.0) -> tuple[InFlight, FakePD, HandoffRows, CompletionWaiter]:
-    pd, rows, waiter = FakePD(), HandoffRows(16, 4), CompletionWaiter(transport=None)  # type: ignore[arg-type]
+    host_memory = SimpleNamespace(layout=lambda: SimpleNamespace(mem_type="DRAM"))
+    pd, rows, waiter = FakePD(), HandoffRows(16, 4), CompletionWaiter(host_memory)  # type: ignore[arg-type]
     return InFlight(pd, rows, waiter, quarantine_s), pd, rows, waiter  # type: ignore[arg-type]
 
 

@@ -59,3 +59,26 @@ def test_abort_before_any_destination_has_no_one_to_tell() -> None:
     servicer, rooms, transport = _servicer()
     _abort(servicer, 9)
     assert rooms.get(9).state is KVPoll.FAILED and transport.sent == []
+
+
+def test_a_destination_that_came_in_time_outlives_a_long_prompt() -> None:
+    """The prompt runs while the destination arrives: a prompt that ends after the bootstrap
+    deadline still finds the destination that came before it; with none, it fails at once."""
+    import time
+
+    import pytest
+
+    from engine.service.stream import RequestFailed
+    from prefill_node.handler import PrefillHandler, PrefillTimeouts
+
+    rooms = RoomTable(orphan_ttl_s=5.0)
+    handler = PrefillHandler(None, None, rooms, PrefillTimeouts())  # type: ignore[arg-type]
+    came = rooms.get_or_create(11)
+    came.destination, came.deadline = Destination("decode-a", [1], 0, 4), time.monotonic() - 1.0
+    came.arrived.set()
+    asyncio.run(handler._wait_destination(came))
+    assert came.state is KVPoll.WAITING_FOR_INPUT
+    late = rooms.get_or_create(12)
+    late.deadline = time.monotonic() - 1.0
+    with pytest.raises(RequestFailed, match="no destination"):
+        asyncio.run(handler._wait_destination(late))
