@@ -193,9 +193,11 @@ class FutureMap:
         self.new_seq_lens_buf[idx] = new_seq_lens.to(self.device, torch.int64, non_blocking=True)
         self._publish_ready.record()
 
-    def stash(self, indices: torch.Tensor, payload: RelayPayload, *, keep_topk: bool = False) -> None:
-        """Write the payload rows; call after the forward, on the forward stream. `keep_topk`:
-        the rows keep their top-k (the payload has none: a forward that deferred computing it)."""
+    def stash(self, indices: torch.Tensor, payload: RelayPayload, *, keep_topk: bool = False,
+              keep_hidden: bool = False) -> None:
+        """Write the payload rows; call after the forward, on the forward stream. `keep_topk` /
+        `keep_hidden`: the rows keep their top-k / hidden state (the payload has none: a forward
+        that deferred computing them)."""
         if indices.numel() == 0:
             return
         self._check_rows("bonus_tokens", payload.bonus_tokens, indices)
@@ -210,11 +212,17 @@ class FutureMap:
             self.topk_p_buf = self._store("topk_p", self.topk_p_buf, idx, payload.topk_p, indices)
             self.topk_index_buf = self._store("topk_index", self.topk_index_buf, idx,
                                               payload.topk_index, indices)
-        if self.need_hidden:
+        if self.need_hidden and not keep_hidden:
             if payload.hidden_states is None:
                 raise FutureMapError("this FutureMap relays hidden states but the payload has none")
-            self.hidden_states_buf = self._store("hidden_states", self.hidden_states_buf, idx,
-                                                 payload.hidden_states, indices)
+            self.stash_hidden(indices, payload.hidden_states)
+
+    def stash_hidden(self, indices: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Write the hidden-state rows alone (a draft that caught up after deferring them)."""
+        if not self.need_hidden or indices.numel() == 0:
+            return
+        self.hidden_states_buf = self._store("hidden_states", self.hidden_states_buf, self._idx(indices),
+                                             hidden, indices)
 
     # ----------------------------------------------------------------- reads
 

@@ -120,17 +120,20 @@ class ModelRunner:
         return ctx
 
     def window_context(self, mode: ForwardMode, slots: torch.Tensor, prefix: torch.Tensor, width: int, *,
-                       tree_mask: torch.Tensor | None = None,
+                       tree_mask: torch.Tensor | None = None, writes: torch.Tensor | None = None,
                        aux_hidden_layers: tuple[int, ...] = ()) -> ForwardContext:
         """Every request writes `width` tokens after its `prefix` (device tensors, one per row):
         built by device ops of fixed shapes alone, so a captured graph can build it. Rows of
-        slot 0 are padding (their writes land on page 0)."""
+        slot 0 are padding (their writes land on page 0), and so are rows where `writes`
+        (bs * width bools) is false: their queries run, but the KV they would overwrite stays."""
         self.check_mode(mode)
         dev, bs = slots.device, int(slots.shape[0])
         table = self.kv.req_to_token
         kv_index = (prefix.unsqueeze(1) + torch.arange(width, device=dev)).reshape(-1)
         slot_rows = slots.repeat_interleave(width)
         out_cache_loc = table[slot_rows, kv_index.clamp(max=table.shape[1] - 1)]
+        if writes is not None:
+            out_cache_loc = torch.where(writes, out_cache_loc, 0)
         # the host knows lengths exactly only off the GPU; captured graphs size kernels by the table
         seq_cpu = (prefix + width).tolist() if dev.type == "cpu" else [int(table.shape[1])] * bs
         return ForwardContext(

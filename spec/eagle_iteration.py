@@ -24,7 +24,7 @@ import torch
 from engine.core import ForwardMode, Req
 from engine.future_map import FutureMap, RelayPayload
 from engine.sampler import plain_argmax_ok as graphable
-from engine.step_graphs import StepGraphs
+from engine.step_graphs import StepGraph, StepGraphs
 from spec.verify_step import accepted_rows
 from spec.eagle_steps import StepState
 from spec.rejection import chain_greedy
@@ -59,6 +59,11 @@ def chain_iteration(worker: "EagleWorker", state: StepState, slots: torch.Tensor
     vr = chain_greedy(window, picks)
     fm.publish(slots, torch.where(real, seq + vr.accept_lens, 0), record=False)
     feats_t = worker.features(hidden, aux)
+    if worker.pushes_backlog(state):  # the head catches up later, over many such iterations
+        assert worker.backlog is not None
+        worker.backlog.push(slots, seq, feats_t, vr.bonus)
+        fm.stash(slots, RelayPayload(torch.where(real, vr.bonus, 0)), keep_topk=True, keep_hidden=True)
+        return vr.accept_lens, vr.emitted
     bs = slots.shape[0]
     flat = (accepted_rows(vr, wd) + torch.arange(bs, device=slots.device).unsqueeze(1) * w).reshape(-1)
     ctx = draft.window_context(state.widths.draft_mode, slots, seq, wd)
@@ -112,13 +117,20 @@ class EagleIterationGraphs:
                 body = (lambda st, sl: lambda: chain_iteration(self.worker, st, sl))(state, slots)
                 self.graphs.add((bs, state.steps), {"slots": slots}, body)
 
-    def run(self, reqs: list[Req], slots: torch.Tensor, state: StepState) -> dict[str, torch.Tensor] | None:
-        """The iteration's (accept_lens, emitted) rows of `reqs` through its graph, or None when
-        this batch is not eligible (the caller runs the eager path)."""
+    def _entry(self, reqs: list[Req], state: StepState) -> StepGraph | None:
         if not (state.is_chain and graphable(reqs)):
             return None
         bs = self.padded(len(reqs))
-        entry = self.graphs.get((bs, state.steps)) if bs is not None else None
+        return self.graphs.get((bs, state.steps)) if bs is not None else None
+
+    def runs(self, reqs: list[Req], state: StepState) -> bool:
+        """`run` takes this batch (else the caller runs the eager path)."""
+        return self._entry(reqs, state) is not None
+
+    def run(self, reqs: list[Req], slots: torch.Tensor, state: StepState) -> dict[str, torch.Tensor] | None:
+        """The iteration's (accept_lens, emitted) rows of `reqs` through its graph, or None when
+        this batch is not eligible (the caller runs the eager path)."""
+        entry = self._entry(reqs, state)
         if entry is None:
             return None
         fm = self.worker.future_map

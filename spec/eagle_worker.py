@@ -43,6 +43,7 @@ from engine.sampler import Sampler
 from engine.spec_stats import SpecStats
 from spec.verify_step import accepted_rows, emit_device, host_output, verify_window
 from spec.config import SpecConfig
+from spec.draft_catch_up import DraftBacklog
 from spec.draft_input import EagleDraftInput, EagleReqState, EagleVerifyInput
 from spec.eagle_draft import DraftPicker, HeadPicker, build_draft_tree
 from spec.eagle_handoff import EagleHandoffCodec
@@ -80,6 +81,10 @@ class EagleWorker:
         self.defer_guess = True
         self._guessless: set[str] = set()  # requests whose row holds no top-k
         self.guesses_recomputed = 0  # rows given their top-k late (after 0-step iterations)
+        # 0-step iteration graphs skip the head entirely and leave it a backlog, drained in bulk
+        # (spec/draft_catch_up.py). Needs the deferred guess and the iteration graphs.
+        self.batch_catch_up = True
+        self.backlog: DraftBacklog | None = None
 
     @classmethod
     def create(cls, parts: EngineParts, config: SpecConfig, fmt: str,
@@ -148,6 +153,11 @@ class EagleWorker:
         self.draft.freeze_graphs()
         if graphs is not None and self.cfg.eagle_topk == 1:  # chains: one graph per iteration
             self.iteration = EagleIterationGraphs(self, list(graphs.batch_sizes), capture=graphs.use_graphs)
+            self.future_map.reserve_extras(topk=1, hidden_size=self.draft.model.config.hidden_size,
+                                           hidden_dtype=dtype)
+            if self.batch_catch_up and self.defer_guess and 0 in self.states.states:
+                self.backlog = DraftBacklog(self, self.states.states[0].widths.draft_mode, feat_width, dtype,
+                                            list(graphs.batch_sizes), capture=graphs.use_graphs)
             self.iteration.prepare(list(self.states.states.values()), self.future_map,
                                    self.draft.model.config.hidden_size, dtype)
 
@@ -157,10 +167,18 @@ class EagleWorker:
 
     def adopt_prebuilt(self, reqs: list[Req], draft_input: DraftInput, relay: BatchRelay) -> None:
         seed_prebuilt_rows(reqs, draft_input, relay)
+        self._fresh_draft_state(reqs)
 
     def on_release(self, req: Req) -> None:
         req.spec_state = None
-        self._guessless.discard(req.rid)
+        self._fresh_draft_state([req])
+
+    def _fresh_draft_state(self, reqs: list[Req]) -> None:
+        """The request's FutureMap row holds a complete draft state (or it left)."""
+        for req in reqs:
+            self._guessless.discard(req.rid)
+            if self.backlog is not None:
+                self.backlog.forget(req.rid)
 
     def extra_kv_pools(self) -> list[KVPool]:
         """PD: the draft KV moves with the target's, by the same page ids."""
@@ -231,17 +249,20 @@ class EagleWorker:
         p, topk_idx = self.picker.guess(self.draft.model, g_last, self.cfg.eagle_topk, done.indices,
                                         to_device(ends, dev) + 1)
         done.stash(RelayPayload(out["tokens"], p, topk_idx, g_last))
-        self._guessless.difference_update(r.rid for r in sampling)
+        self._fresh_draft_state(sampling)
         _keep_handoff(sampling, p, topk_idx, g_last)
         return EaglePending(batch, HostCopy(out))
 
     # ---- decode ----
     def _decode(self, batch: Batch, relay: BatchRelay) -> EaglePending:
         reqs, state = batch.reqs, self.states.active  # chosen when the batch was formed
+        leaves_backlog = self._catch_up(reqs, relay, state)
         self._settle_guesses(reqs, relay, state)
         if self.iteration is not None:
             out = self.iteration.run(reqs, relay.indices, state)
             if out is not None:
+                if leaves_backlog:
+                    self.backlog.note_pushed([r.rid for r in reqs])
                 return EaglePending(batch, HostCopy(out), state)
         bs, w = len(reqs), state.widths.verify
         slots, bound = [r.slot for r in reqs], batch.prefix_lens
@@ -267,6 +288,22 @@ class EagleWorker:
 
     def defers_guess(self, state: StepState) -> bool:
         return self.defer_guess and state.steps == 0
+
+    def pushes_backlog(self, state: StepState) -> bool:
+        """Iteration graphs of this state skip the head and leave it a backlog. (Set the flags
+        before capture; CPU tests flip them after, as padded-eager bodies read them every run.)"""
+        return self.backlog is not None and self.batch_catch_up and self.defer_guess and state.steps == 0
+
+    def _catch_up(self, reqs: list[Req], relay: BatchRelay, state: StepState) -> bool:
+        """Drain the draft's backlog where this iteration needs it: before it drafts or runs
+        eagerly, or when a ring is full. True if the iteration adds to the backlog."""
+        if self.backlog is None:
+            return False
+        rids = [r.rid for r in reqs]
+        pushes = self.pushes_backlog(state) and self.iteration is not None and self.iteration.runs(reqs, state)
+        if not pushes or self.backlog.full(rids):
+            self.backlog.catch_up(rids, relay.indices)
+        return pushes
 
     def _settle_guesses(self, reqs: list[Req], relay: BatchRelay, state: StepState) -> None:
         """Before a drafting iteration, the rows a 0-step iteration left without a top-k get it

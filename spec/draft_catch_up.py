@@ -1,0 +1,118 @@
+"""The draft's backlog under 0-step iterations: the target runs alone, the head catches up in bulk.
+
+A 0-step iteration (adaptive steps chose plain decoding) needs nothing from the draft, but the
+draft's KV and hidden state must be current when drafting resumes. Running the head's
+draft-extend every iteration for that costs a small target a large share of its step (the head
+is a full decoder layer plus launches). Instead the iteration graph writes what the draft-extend
+would have read - the target's feature at position L and the token that followed it - into a
+per-request ring at L mod depth, and one draft-extend over the whole backlog (`catch_up`) runs
+before the request drafts again, or when its ring is full. The head's weights are read once for
+up to `depth` tokens, so the draft's share of a 0-step iteration drops by about that factor.
+
+The host knows each request's backlog exactly (a 0-step iteration advances a request by one
+token), so nothing is synchronized: counts travel into the catch-up graph as an input. The
+catch-up window is right-aligned at the current length, [max(L - depth, 0), +depth); rows outside
+the backlog still run their queries but write no KV (`window_context(writes=...)`), so the draft
+KV before the backlog is left as it was and the backlog rows read it through the page table.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.core import ForwardMode
+from engine.h2d import to_device
+from engine.step_graphs import StepGraphs
+
+if TYPE_CHECKING:
+    from spec.eagle_worker import EagleWorker
+
+DEFAULT_DEPTH = 16
+
+
+class DraftBacklog:
+    """Per-request rings of (target feature, next token) and the catch-up that drains them."""
+
+    def __init__(self, worker: "EagleWorker", mode: ForwardMode, feat_width: int, dtype: torch.dtype,
+                 batch_sizes: list[int], *, capture: bool, depth: int | None = None) -> None:
+        depth = DEFAULT_DEPTH if depth is None else depth
+        if depth < 1:
+            raise ValueError(f"backlog depth must be >= 1, got {depth}")
+        self.worker, self.mode, self.depth = worker, mode, depth
+        rows, dev = worker.future_map.num_rows, worker.target.device
+        self.feats = torch.zeros(rows, depth, feat_width, dtype=dtype, device=dev)
+        self.tokens = torch.zeros(rows, depth, dtype=torch.int64, device=dev)
+        self.pending: dict[str, int] = {}  # rid -> tokens whose draft KV is not written yet
+        self.pushed = 0  # tokens left to the draft by 0-step iterations
+        self.catch_ups = 0  # requests caught up (counted per request)
+        self.graphs = StepGraphs(batch_sizes, capture=capture)
+        for bs in reversed(self.graphs.batch_sizes):
+            inputs = {"slots": torch.zeros(bs, dtype=torch.int64, device=dev),
+                      "counts": torch.zeros(bs, dtype=torch.int64, device=dev)}
+            body = (lambda i: lambda: self._catch_up(i["slots"], i["counts"]))(inputs)
+            self.graphs.add(bs, inputs, body)
+
+    # ---- inside the 0-step iteration graph ----
+    def push(self, slots: torch.Tensor, seq: torch.Tensor, feats: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """Row i: the target's feature at position seq[i] and the token that followed it."""
+        at = seq % self.depth
+        self.feats[slots, at] = feats.to(self.feats.dtype)
+        self.tokens[slots, at] = next_tokens
+
+    # ---- host bookkeeping ----
+    def note_pushed(self, rids: list[str]) -> None:
+        self.pushed += len(rids)
+        for rid in rids:
+            self.pending[rid] = self.pending.get(rid, 0) + 1
+
+    def full(self, rids: list[str]) -> bool:
+        return any(self.pending.get(rid, 0) >= self.depth for rid in rids)
+
+    def forget(self, rid: str) -> None:
+        """A request left, or its draft state was rebuilt (prefill, PD adoption)."""
+        self.pending.pop(rid, None)
+
+    # ---- the catch-up ----
+    def catch_up(self, rids: list[str], slots: torch.Tensor) -> int:
+        """Draft-extend over the backlog of every request of `rids` (at `slots`) that has one;
+        returns how many did. Their hidden-state rows are then current; their top-k is not
+        (the worker computes it before drafting)."""
+        counts = [self.pending.pop(rid, 0) for rid in rids]
+        keep = [i for i, c in enumerate(counts) if c > 0]
+        if not keep:
+            return 0
+        sel = slots if len(keep) == len(rids) else slots[to_device(keep, slots.device)]
+        n = to_device([counts[i] for i in keep], slots.device)
+        fm = self.worker.future_map
+        fm.wait_published()  # the lengths the last iteration published, from any stream
+        bs = self.graphs.padded(len(keep))
+        if bs is None:
+            self._catch_up(sel, n)
+        else:
+            self.graphs.run(self.graphs.get(bs), len(keep), {"slots": sel, "counts": n})
+        self.catch_ups += len(keep)
+        return len(keep)
+
+    def _catch_up(self, slots: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor]:
+        """Fixed-shape device ops (slots padded with 0, whose count is 0)."""
+        worker, depth = self.worker, self.depth
+        fm, draft = worker.future_map, worker.draft
+        seq = fm.resolve_seq_lens(slots, wait=False, consume=False)
+        prefix = (seq - depth).clamp(min=0)
+        pos = prefix.unsqueeze(1) + torch.arange(depth, device=slots.device)  # (bs, depth)
+        writes = (pos >= (seq - counts).unsqueeze(1)) & (pos < seq.unsqueeze(1))
+        at = pos % depth
+        rows = slots.unsqueeze(1)
+        feats = self.feats[rows, at].reshape(-1, self.feats.shape[-1])
+        ctx = draft.window_context(self.mode, slots, prefix, depth, writes=writes.reshape(-1))
+        g = draft.forward_direct(self.tokens[rows, at].reshape(-1), ctx, features=feats)
+        bs = slots.shape[0]
+        last = torch.arange(bs, device=slots.device) * depth + (seq - 1 - prefix).clamp(min=0)
+        g_last = torch.where((counts > 0).unsqueeze(1), g[last], 0)  # padding keeps row 0 zero
+        fm.stash_hidden(slots, g_last)
+        return (g_last,)
+
+
+__all__ = ["DEFAULT_DEPTH", "DraftBacklog"]
