@@ -257,18 +257,20 @@ class FutureMap:
         self._guard(self.new_seq_lens_buf, seq_lens, idx, "new_seq_lens", minimum=1, consume=consume)
         return seq_lens
 
-    def resolve(self, indices: torch.Tensor, *, wait: bool = True, consume: bool = True) -> RelayPayload:
-        """Gather the stashed payload rows on the device."""
+    def resolve(self, indices: torch.Tensor, *, wait: bool = True, consume: bool = True,
+                extras: bool = True) -> RelayPayload:
+        """Gather the stashed payload rows on the device (`extras=False`: the tokens alone, for a
+        forward that drafts nothing)."""
         idx = self._idx(indices)
         if wait:
             self._wait_published()
         tokens = self.output_tokens_buf[idx]
         topk_p = topk_index = hidden = None
-        if self.need_topk and idx.numel() > 0:
+        if self.need_topk and extras and idx.numel() > 0:
             if self.topk_p_buf is None or self.topk_index_buf is None:
                 raise FutureMapError("resolve of top-k before any stash carried it")
             topk_p, topk_index = self.topk_p_buf[idx], self.topk_index_buf[idx]
-        if self.need_hidden and idx.numel() > 0:
+        if self.need_hidden and extras and idx.numel() > 0:
             if self.hidden_states_buf is None:
                 raise FutureMapError("resolve of hidden states before any stash carried them")
             hidden = self.hidden_states_buf[idx]

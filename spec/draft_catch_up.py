@@ -14,6 +14,10 @@ token), so nothing is synchronized: counts travel into the catch-up graph as an 
 catch-up window is right-aligned at the current length, [max(L - depth, 0), +depth); rows outside
 the backlog still run their queries but write no KV (`window_context(writes=...)`), so the draft
 KV before the backlog is left as it was and the backlog rows read it through the page table.
+
+The catch-up also scores what the draft would have done: its first draft after each backlog
+token against the token the target produced. Adaptive steps at 0 learn from that whether
+drafting would pay (`StepSlot.observe_shadow`) instead of probing blind.
 """
 
 from __future__ import annotations
@@ -75,27 +79,28 @@ class DraftBacklog:
         self.pending.pop(rid, None)
 
     # ---- the catch-up ----
-    def catch_up(self, rids: list[str], slots: torch.Tensor) -> int:
-        """Draft-extend over the backlog of every request of `rids` (at `slots`) that has one;
-        returns how many did. Their hidden-state rows are then current; their top-k is not
-        (the worker computes it before drafting)."""
+    def catch_up(self, rids: list[str], slots: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """Draft-extend over the backlog of every request of `rids` (at `slots`) that has one.
+        Their hidden-state rows are then current; their top-k is not (the worker computes it
+        before drafting). Returns, on the device, per request caught up (in `rids` order), the
+        first drafts it scored against the backlog's tokens ("hits" of "samples"), or None."""
         counts = [self.pending.pop(rid, 0) for rid in rids]
         keep = [i for i, c in enumerate(counts) if c > 0]
         if not keep:
-            return 0
+            return None
         sel = slots if len(keep) == len(rids) else slots[to_device(keep, slots.device)]
         n = to_device([counts[i] for i in keep], slots.device)
         fm = self.worker.future_map
         fm.wait_published()  # the lengths the last iteration published, from any stream
         bs = self.graphs.padded(len(keep))
         if bs is None:
-            self._catch_up(sel, n)
+            hits, samples = self._catch_up(sel, n)
         else:
-            self.graphs.run(self.graphs.get(bs), len(keep), {"slots": sel, "counts": n})
+            hits, samples = self.graphs.run(self.graphs.get(bs), len(keep), {"slots": sel, "counts": n})
         self.catch_ups += len(keep)
-        return len(keep)
+        return {"hits": hits.clone(), "samples": samples.clone()}  # the graph's outputs get reused
 
-    def _catch_up(self, slots: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor]:
+    def _catch_up(self, slots: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Fixed-shape device ops (slots padded with 0, whose count is 0)."""
         worker, depth = self.worker, self.depth
         fm, draft = worker.future_map, worker.draft
@@ -106,13 +111,27 @@ class DraftBacklog:
         at = pos % depth
         rows = slots.unsqueeze(1)
         feats = self.feats[rows, at].reshape(-1, self.feats.shape[-1])
+        tokens = self.tokens[rows, at]
         ctx = draft.window_context(self.mode, slots, prefix, depth, writes=writes.reshape(-1))
-        g = draft.forward_direct(self.tokens[rows, at].reshape(-1), ctx, features=feats)
+        g = draft.forward_direct(tokens.reshape(-1), ctx, features=feats)
         bs = slots.shape[0]
         last = torch.arange(bs, device=slots.device) * depth + (seq - 1 - prefix).clamp(min=0)
         g_last = torch.where((counts > 0).unsqueeze(1), g[last], 0)  # padding keeps row 0 zero
         fm.stash_hidden(slots, g_last)
-        return (g_last,)
+        return self._first_draft_hits(g, slots, pos, tokens, writes)
+
+    def _first_draft_hits(self, g: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
+                          tokens: torch.Tensor, writes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first draft a drafting iteration would have made after each backlog row but the
+        last (the one from that row's hidden state, as `guess` picks it) against the token the
+        target then produced (the next row's): per request, (hits, samples)."""
+        worker, depth = self.worker, self.depth
+        flat_slots = slots.repeat_interleave(depth)
+        _, first = worker.picker.guess(worker.draft.model, g, 1, flat_slots, (pos + 2).reshape(-1))
+        first = first[:, 0].view(-1, depth)
+        scored = writes[:, :-1] & writes[:, 1:]
+        hits = ((first[:, :-1] == tokens[:, 1:]) & scored).sum(1)
+        return hits, scored.sum(1)
 
 
 __all__ = ["DEFAULT_DEPTH", "DraftBacklog"]

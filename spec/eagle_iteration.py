@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 def chain_iteration(worker: "EagleWorker", state: StepState, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One iteration for the requests at `slots` (padded with 0); returns (accept_lens, emitted).
     The eager path's ops (EagleWorker._decode) on device-built contexts, for chains."""
+    if worker.pushes_backlog(state):
+        return target_only_iteration(worker, slots)
     fm, picker = worker.future_map, worker.picker
     target, draft, head = worker.target, worker.draft, worker.draft.model
     real = slots != 0
@@ -59,11 +61,6 @@ def chain_iteration(worker: "EagleWorker", state: StepState, slots: torch.Tensor
     vr = chain_greedy(window, picks)
     fm.publish(slots, torch.where(real, seq + vr.accept_lens, 0), record=False)
     feats_t = worker.features(hidden, aux)
-    if worker.pushes_backlog(state):  # the head catches up later, over many such iterations
-        assert worker.backlog is not None
-        worker.backlog.push(slots, seq, feats_t, vr.bonus)
-        fm.stash(slots, RelayPayload(torch.where(real, vr.bonus, 0)), keep_topk=True, keep_hidden=True)
-        return vr.accept_lens, vr.emitted
     bs = slots.shape[0]
     flat = (accepted_rows(vr, wd) + torch.arange(bs, device=slots.device).unsqueeze(1) * w).reshape(-1)
     ctx = draft.window_context(state.widths.draft_mode, slots, seq, wd)
@@ -77,6 +74,24 @@ def chain_iteration(worker: "EagleWorker", state: StepState, slots: torch.Tensor
     p, topk = picker.guess(head, g_last, 1, slots, seq + vr.accept_lens + 1)
     fm.stash(slots, RelayPayload(bonus, torch.where(keep, p, 0), torch.where(keep, topk, 0), g_last))
     return vr.accept_lens, vr.emitted
+
+
+def target_only_iteration(worker: "EagleWorker", slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 0-step iteration whose draft catches up later: a plain greedy decode step (the same
+    ops as the plain engine's) that also publishes the new lengths and leaves the head its
+    input (the target's feature, the token that followed) in the backlog ring."""
+    fm, target, backlog = worker.future_map, worker.target, worker.backlog
+    assert backlog is not None
+    real = slots != 0
+    seq = fm.resolve_seq_lens(slots, wait=False)
+    ids = fm.resolve(slots, wait=False, extras=False).bonus_tokens
+    ctx = target.window_context(ForwardMode.DECODE, slots, seq, 1, aux_hidden_layers=worker.aux_layers)
+    hidden, aux = target.forward_direct(ids, ctx)
+    tokens = target.model.compute_logits(hidden).argmax(-1)
+    fm.publish(slots, torch.where(real, seq + 1, 0), record=False)
+    backlog.push(slots, seq, worker.features(hidden, aux), tokens)
+    fm.stash(slots, RelayPayload(torch.where(real, tokens, 0)), keep_topk=True, keep_hidden=True)
+    return torch.ones_like(seq), tokens.unsqueeze(1)
 
 
 class EagleIterationGraphs:

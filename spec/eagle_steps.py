@@ -119,6 +119,11 @@ class StepStates:
         if self.policy is not None:
             self.policy.on_verify_complete(batch_size, accepted)
 
+    def shadow_feedback(self, batch_size: int, first_draft_hits: list[float]) -> None:
+        """What a 0-step batch's drafts would have scored (spec/draft_catch_up.py)."""
+        if self.policy is not None:
+            self.policy.on_shadow_acceptance(batch_size, first_draft_hits)
+
     def snapshot(self) -> dict[str, Any] | None:
         if self.policy is None:
             return None

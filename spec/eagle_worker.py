@@ -61,6 +61,7 @@ class EaglePending:
     batch: Batch
     copy: HostCopy | None  # None: no request sampled (non-final prefill chunks only)
     state: StepState | None = None  # decode: the step count it ran with
+    shadow: HostCopy | None = None  # 0 steps: the draft's catch-up scored its would-be drafts
 
 
 class EagleWorker:
@@ -213,6 +214,10 @@ class EagleWorker:
             return scatter_to_batch(sampled_output(pending.copy.wait()), batch.sample)
         assert pending.state is not None
         out = host_output(self.stats, pending.copy.wait(), pending.state.widths.drafts)
+        if pending.shadow is not None:
+            scored = pending.shadow.wait()
+            self.states.shadow_feedback(len(batch.reqs), [h / n for h, n in zip(
+                scored["hits"].tolist(), scored["samples"].tolist()) if n > 0])
         self.states.feedback(len(batch.reqs), out.accepted_drafts or [])
         return out
 
@@ -256,14 +261,16 @@ class EagleWorker:
     # ---- decode ----
     def _decode(self, batch: Batch, relay: BatchRelay) -> EaglePending:
         reqs, state = batch.reqs, self.states.active  # chosen when the batch was formed
-        leaves_backlog = self._catch_up(reqs, relay, state)
+        leaves_backlog, scored = self._catch_up(reqs, relay, state)
+        shadow = HostCopy(scored) if scored is not None and state.steps == 0 else None
         self._settle_guesses(reqs, relay, state)
         if self.iteration is not None:
             out = self.iteration.run(reqs, relay.indices, state)
             if out is not None:
                 if leaves_backlog:
+                    assert self.backlog is not None
                     self.backlog.note_pushed([r.rid for r in reqs])
-                return EaglePending(batch, HostCopy(out), state)
+                return EaglePending(batch, HostCopy(out), state, shadow)
         bs, w = len(reqs), state.widths.verify
         slots, bound = [r.slot for r in reqs], batch.prefix_lens
         seq = relay.resolve_seq_lens()  # exact lengths, on the device only
@@ -284,7 +291,7 @@ class EagleWorker:
         if not tree.is_chain:
             self._compact_target_kv(slots, seq, rows, vr.accept_lens)
         self._draft_extend(state, slots, seq, bound, vr, self.features(hidden, aux), relay)
-        return EaglePending(batch, HostCopy(emit_device(self.sampler, reqs, vr, logits, rows)), state)
+        return EaglePending(batch, HostCopy(emit_device(self.sampler, reqs, vr, logits, rows)), state, shadow)
 
     def defers_guess(self, state: StepState) -> bool:
         return self.defer_guess and state.steps == 0
@@ -294,16 +301,19 @@ class EagleWorker:
         before capture; CPU tests flip them after, as padded-eager bodies read them every run.)"""
         return self.backlog is not None and self.batch_catch_up and self.defer_guess and state.steps == 0
 
-    def _catch_up(self, reqs: list[Req], relay: BatchRelay, state: StepState) -> bool:
+    def _catch_up(self, reqs: list[Req], relay: BatchRelay,
+                  state: StepState) -> tuple[bool, dict[str, torch.Tensor] | None]:
         """Drain the draft's backlog where this iteration needs it: before it drafts or runs
-        eagerly, or when a ring is full. True if the iteration adds to the backlog."""
+        eagerly, or when a ring is full. Returns (whether the iteration adds to the backlog,
+        the catch-up's first-draft scores if one ran)."""
         if self.backlog is None:
-            return False
+            return False, None
         rids = [r.rid for r in reqs]
         pushes = self.pushes_backlog(state) and self.iteration is not None and self.iteration.runs(reqs, state)
+        scored = None
         if not pushes or self.backlog.full(rids):
-            self.backlog.catch_up(rids, relay.indices)
-        return pushes
+            scored = self.backlog.catch_up(rids, relay.indices)
+        return pushes, scored
 
     def _settle_guesses(self, reqs: list[Req], relay: BatchRelay, state: StepState) -> None:
         """Before a drafting iteration, the rows a 0-step iteration left without a top-k get it

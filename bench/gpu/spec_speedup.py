@@ -7,10 +7,14 @@ costs what a real one does, verification is real, and p sets the accepted length
 shape and batch size: plain decode throughput, then per p and per configuration the decode
 throughput, the realized accepted length, and whether the output equals plain decoding. The ideal
 speedup is accepted length x plain step time / iteration time. Adaptive steps start each point
-from a fresh controller; they are timed on a second pass of the same traffic (the controller's
-steady state), the first pass is reported too (`adaptive_cold_tok_s`).
+from a fresh controller; they are timed on a second pass of the same traffic, the first pass is
+reported too (`adaptive_cold_tok_s`), and a sixth (`adaptive_settled_tok_s`: by then a controller
+that keeps failing upshift probes has backed off further). At p = 0 a configuration pinned at 0
+steps (`zero_steps_tok_s`: the target alone, the draft only catching up) is what adaptive steps
+can reach at best there.
 
-Run on the GPU machine: `python -m bench.gpu.spec_speedup llama-8b OUT` (and llama-1b); writes
+Run on the GPU machine: `python -m bench.gpu.spec_speedup llama-8b OUT` (and llama-1b; `batches=1,8`
+limits the batch sizes); writes
 OUT/spec_speedup_<gpu>_<model>.json ({"device", "points": [...]}, the layout of
 bench/results/spec_speedup_<gpu>.json) and a plot.
 """
@@ -49,6 +53,10 @@ MODELS = {"llama-8b": LLAMA_8B, "llama-1b": LLAMA_1B, "tiny": TINY}
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 P_VALUES = (0.0, 0.7, 0.9)  # 0.9: about 3.2 tokens per verify with 3 steps (realized, reported)
 FIXED = (1, 3, 5, 7)
+# every batch size pinned at 0 steps (the draft only catches up): what adaptive steps cost at best
+# on traffic whose drafts are never accepted (the 128 slot is never used: it only holds step 1)
+ZERO_ONLY = {"1": {"candidate_steps": [0]}, "128": {"candidate_steps": [1]}}
+ADAPTIVE_PASSES = 6  # adaptive: pass 1 cold, pass 2 reported as before, the last one settled
 PROMPT_LEN, NEW_TOKENS = 256, 96
 MAX_RUNNING = 64
 
@@ -90,10 +98,12 @@ def timed_decode(eng: Engine, prompts: list[list[int]]) -> dict[str, Any]:
             "accept_len": accept}
 
 
-def engine_for(model: torch.nn.Module, cfg: Any, head: Path | None, steps: int | None) -> Engine:
+def engine_for(model: torch.nn.Module, cfg: Any, head: Path | None, steps: int | None,
+               adaptive_config: str | None = None) -> Engine:
     binding = None
     if head is not None:
-        spec = SpecConfig("SYNTHETIC", str(head), steps or 3, 1, adaptive=steps is None)
+        adaptive = steps is None or adaptive_config is not None
+        spec = SpecConfig("SYNTHETIC", str(head), steps or 3, 1, adaptive=adaptive, adaptive_config=adaptive_config)
         binding = bind(spec)
     total = MAX_RUNNING * (PROMPT_LEN + NEW_TOKENS + 96)
     return make_engine(model, cfg, overlap=True, graphs=MAX_RUNNING, max_running=MAX_RUNNING,
@@ -118,14 +128,14 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def sweep(name: str, out_dir: Path) -> dict[str, Any]:
+def sweep(name: str, out_dir: Path, batches: tuple[int, ...]) -> dict[str, Any]:
     raw, cfg = shape_config(MODELS[name])
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    batches = BATCHES if dev.type == "cuda" else (1, 4)
     model = build_engine_model(cfg, dev)
     widen_margins(model)
     tmp = Path(tempfile.mkdtemp())
     (tmp / "config.json").write_text(json.dumps(raw))
+    (tmp / "zero.json").write_text(json.dumps(ZERO_ONLY))
     head = write_tiny_eagle_head(tmp / "head", tmp, "eagle3", draft_vocab_size=min(32000, cfg.vocab_size // 2),
                                  intermediate_size=cfg.intermediate_size)
     registry.register_class("SYNTHETIC", SyntheticEagle3)
@@ -141,24 +151,30 @@ def sweep(name: str, out_dir: Path) -> dict[str, Any]:
     del eng
     release_memory()
     runs: dict[str, dict[tuple[int, float], dict[str, Any]]] = {}
-    for label, steps in [*((str(s), s) for s in FIXED), ("adaptive", None)]:
-        eng = engine_for(model, cfg, head, steps)
+    labels = [*((str(s), s, None) for s in FIXED), ("0", 1, str(tmp / "zero.json")), ("adaptive", None, None)]
+    for label, steps, adaptive_config in labels:
+        eng = engine_for(model, cfg, head, steps, adaptive_config)
         runs[label] = {}
         for bs in batches:
             ps = prompts_for(bs, cfg.vocab_size)
-            for p in P_VALUES:
+            for p in P_VALUES if label != "0" else (0.0,):
                 picker.set_p(p)
-                cold = None
-                if steps is None:  # from the initial steps, then the controller's steady state
+                cold = settled = None
+                if label == "adaptive":  # from the initial steps, then the controller's steady state
                     fresh_controller(eng)
                     cold = timed_decode(eng, ps)["tok_s"]
                 r = timed_decode(eng, ps)
-                r["cold_tok_s"] = cold
+                if label == "adaptive":  # the same traffic on: the upshift probes' backoff grows
+                    for _ in range(ADAPTIVE_PASSES - 3):
+                        timed_decode(eng, ps)
+                    settled = timed_decode(eng, ps)["tok_s"]
+                r["cold_tok_s"], r["settled_tok_s"] = cold, settled
                 r["exact"] = sum(a == b for a, b in zip(r.pop("outputs"), plain[bs]["outputs"])) / bs
                 runs[label][(bs, p)] = r
                 print(f"{name} {label} bs {bs} p {p}: {r['tok_s']:.0f} tok/s ({r['tok_s'] / plain[bs]['tok_s']:.2f}x), "
                       f"accept {r['accept_len']:.2f}, exact {r['exact']:.2f}, iteration {r['step_ms']:.2f} ms"
-                      + (f", cold {cold:.0f} tok/s" if cold else ""), flush=True)
+                      + (f", cold {cold:.0f} tok/s, settled {settled:.0f} tok/s ({settled / plain[bs]['tok_s']:.2f}x)"
+                         if cold and settled else ""), flush=True)
         del eng
         release_memory()
         write_report(out_dir / f"spec_speedup_{name}_partial.json",
@@ -180,9 +196,11 @@ def sweep(name: str, out_dir: Path) -> dict[str, Any]:
                 "fixed_ideal_speedup": {str(s): v for s, v in ideal.items()},
                 "adaptive_tok_s": runs["adaptive"][(bs, p)]["tok_s"],
                 "adaptive_cold_tok_s": runs["adaptive"][(bs, p)]["cold_tok_s"],
+                "adaptive_settled_tok_s": runs["adaptive"][(bs, p)]["settled_tok_s"],
+                "zero_steps_tok_s": runs["0"][(bs, 0.0)]["tok_s"] if p == 0.0 else None,
                 "adaptive_iteration_ms": runs["adaptive"][(bs, p)]["step_ms"],
                 "adaptive_accept_len": runs["adaptive"][(bs, p)]["accept_len"],
-                "exact_fraction": min(r[(bs, p)]["exact"] for r in runs.values()),
+                "exact_fraction": min(r[(bs, p)]["exact"] for r in runs.values() if (bs, p) in r),
             })
     device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     gpu = device.split()[1].lower() if " " in device else device
@@ -207,11 +225,13 @@ def merge_reports(out_dir: Path, gpu: str) -> Path:
 
 def main() -> int:
     names = [a for a in sys.argv[1:] if a in MODELS] or list(MODELS)
-    rest = [a for a in sys.argv[1:] if a not in MODELS]
+    sizes = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("batches=")]
+    rest = [a for a in sys.argv[1:] if a not in MODELS and not a.startswith("batches=")]
+    batches = tuple(int(b) for b in sizes[0].split(",")) if sizes else None
     out = Path(rest[0]) if rest else Path("bench/results")
     gpu = ""
     for name in names:
-        report = sweep(name, out)
+        report = sweep(name, out, batches or (BATCHES if torch.cuda.is_available() else (1, 4)))
         gpu = report["device"].split()[1].lower() if " " in report["device"] else report["device"]
     print("wrote", merge_reports(out, gpu))
     return 0

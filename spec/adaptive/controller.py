@@ -21,6 +21,11 @@ class AdaptivePolicy(Protocol):
         """Feedback of an iteration that ran with `batch_size`; True if a step count changed."""
         ...
 
+    def on_shadow_acceptance(self, batch_size: int, first_draft_hits: Sequence[float]) -> None:
+        """At steps 0: per request, the share of first drafts that would have been accepted (a
+        draft catching up over tokens decoded without it)."""
+        ...
+
     def candidate_steps(self) -> tuple[int, ...]:
         """Every step count that may be returned, sorted: each needs a runtime state."""
         ...
@@ -111,6 +116,9 @@ class AdaptiveSteps:
     def on_verify_complete(self, batch_size: int, accepted_drafts: Sequence[int]) -> bool:
         return self._slots[self.slot_index_for(batch_size)].update(accepted_drafts)
 
+    def on_shadow_acceptance(self, batch_size: int, first_draft_hits: Sequence[float]) -> None:
+        self._slots[self.slot_index_for(batch_size)].observe_shadow(first_draft_hits)
+
     def candidate_steps(self) -> tuple[int, ...]:
         return self.config.candidate_steps()
 
@@ -120,9 +128,9 @@ class AdaptiveSteps:
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Per slot: its batch-size range (of padded sizes; upper None = unbounded), steps, EMA,
-        switches, batches seen and failed upshifts."""
+        switches, batches seen, failed upshifts and shadow reports taken at steps 0."""
         uppers = [b - 1 for b in self._bounds[1:]] + [None]
         return [{"lower_bound": lo, "upper_bound": hi, "current_steps": slot.current_steps,
                  "ema": slot.ema, "switches": slot.switches, "batches": slot.batches,
-                 "failed_upshifts": slot.failed_upshifts}
+                 "failed_upshifts": slot.failed_upshifts, "shadow_reports": slot.shadow_reports}
                 for lo, hi, slot in zip(self._bounds, uppers, self._slots)]

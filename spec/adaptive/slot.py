@@ -11,6 +11,10 @@ from spec.adaptive.config import (DEFAULT_CONFIRM_DECISIONS, DEFAULT_EMA_ALPHA, 
                                   SlotConfig)
 
 
+SHADOW_UPSHIFT = 0.5  # steps 0 -> 1 when at least this share of first drafts would be accepted
+SHADOW_FRESH = 64  # batches after the last shadow report during which steps-0 decisions follow it
+
+
 class StepSlot:
     """Chooses the step count of one batch-size range from the drafts its requests accept.
 
@@ -26,6 +30,12 @@ class StepSlot:
     - Decisions happen only after `warmup_batches` batches, then every `update_interval` batches.
     - At steps 0 a decision probes the next candidate up: acceptance can only be measured by
       drafting. A negative EMA (never measured) is reseeded to target - 1.
+    - Unless the draft reports what it would have done (`observe_shadow`, ours): a draft that
+      catches up over tokens decoded without it can check its first draft against each of them.
+      Those hit rates move the EMA at steps 0 too (it then estimates accepted drafts at one step),
+      and while they keep coming (the last one at most SHADOW_FRESH batches old) a steps-0
+      decision upshifts only if the EMA > SHADOW_UPSHIFT + up_hysteresis, instead of probing
+      blind: traffic whose drafts would fail costs no failed probes.
     - Otherwise it walks down while ema <= drop(p) for the next lower candidate p, where
       drop(p) = (0.5 if p == 0 else p - 0.5) + down_hysteresis; several levels at once if need be.
     - Only if it did not move down: one candidate up if ema > steps - 0.5 + up_hysteresis. An EMA
@@ -94,6 +104,8 @@ class StepSlot:
         self._pending_up: tuple[int, int] | None = None  # (from level, batch) of an upshift on probation
         self._failures: dict[int, int] = {}  # level -> consecutive failed upshifts from it
         self._blocked_until: dict[int, int] = {}  # level -> first batch an upshift from it may happen
+        self._shadow_at: int | None = None  # batch count at the last shadow report
+        self._shadow_reports = 0
 
     @classmethod
     def from_config(cls, config: AdaptiveConfig, slot: SlotConfig,
@@ -121,12 +133,27 @@ class StepSlot:
         return self._batches
 
     @property
+    def shadow_reports(self) -> int:
+        return self._shadow_reports
+
+    @property
     def failed_upshifts(self) -> int:
         return self._failed_upshifts
 
     def upshift_blocked_until(self, level: int) -> int:
         """The first batch count at which an upshift from `level` may happen (0: never blocked)."""
         return self._blocked_until.get(level, 0)
+
+    def observe_shadow(self, first_draft_hits: Sequence[float]) -> None:
+        """At steps 0: per request, the share of first drafts the draft would have had accepted
+        over tokens decoded without it. Moves the EMA; not a batch, and never switches by itself."""
+        n = len(first_draft_hits)
+        if self._steps != 0 or n == 0:
+            return
+        mean = float(sum(first_draft_hits)) / n
+        self._ema = mean if self._ema < 0 else (1.0 - self._alpha) * self._ema + self._alpha * mean
+        self._shadow_at = self._batches
+        self._shadow_reports += 1
 
     def update(self, accepted_drafts: Sequence[int]) -> bool:
         """Feed one batch's correct drafts per request (a list of ints; pass `tensor.tolist()`,
@@ -163,6 +190,8 @@ class StepSlot:
         i = cands.index(steps)
         if steps == 0:
             probe = i + 1 < len(cands) and self._may_upshift(0)
+            if probe and self._shadow_at is not None and self._batches - self._shadow_at <= SHADOW_FRESH:
+                probe = self._ema > SHADOW_UPSHIFT + self.cfg.up_hysteresis
             return cands[i + 1] if probe else 0
         j = i
         while j > 0 and self._ema <= self._drop_threshold(cands[j - 1]):

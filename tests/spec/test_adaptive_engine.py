@@ -169,6 +169,9 @@ def test_0_step_iterations_leave_the_head_a_backlog_that_changes_nothing(pair, c
         assert eng.kv.all_free and eng.scheduler.future_map.rows_free() and not backlog.pending
         if ring:  # the head ran once per catch-up, not once per 0-step iteration
             assert 0 < backlog.catch_ups < backlog.pushed
+            # full rings at 0 steps reported the drafts' would-be acceptance to the plain slot
+            reports = {s["lower_bound"]: s["shadow_reports"] for s in eng.executor.adaptive_snapshot()["slots"]}
+            assert reports[4] > 0 and reports[1] == reports[2] == 0
         else:
             assert backlog.pushed == 0
     assert runs[0] == runs[1]

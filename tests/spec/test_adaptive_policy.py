@@ -10,6 +10,7 @@ import pytest
 
 from spec.adaptive import (AdaptiveConfig, AdaptiveConfigError, AdaptivePolicy, AdaptiveSteps,
                            SlotConfig, StepSlot)
+from spec.adaptive.slot import SHADOW_FRESH, SHADOW_UPSHIFT
 
 Feed = Callable[[int, int], Sequence[int]]  # (batch number from 1, current steps) -> accepted drafts
 
@@ -202,6 +203,36 @@ def test_probing_from_zero_backs_off_when_it_keeps_failing() -> None:
                       (590, 1), (615, 0), (1135, 1), (1160, 0)]
     assert slot.failed_upshifts == 5
     assert slot.upshift_blocked_until(0) == 1160 + 1024  # capped at upshift_backoff_max
+
+
+def test_shadow_acceptance_at_zero_replaces_blind_probes() -> None:
+    """At steps 0 the draft's catch-up reports how often its first draft would have been accepted:
+    while those reports keep coming, no blind probe; they move the EMA, and enough of them above
+    SHADOW_UPSHIFT (+ up_hysteresis) step up. When they stop, blind probing resumes."""
+    slot = StepSlot(SlotConfig((0, 1, 3), down_hysteresis=0.0), initial_steps=3)  # default settings
+    switches = []
+    for n in range(1, 401):
+        if slot.current_steps == 0 and n % 16 == 0:
+            slot.observe_shadow([0.0, 0.1])  # a catch-up every 16 batches: drafts would fail
+        if slot.update([0] * 2):
+            switches.append((n, slot.current_steps))
+    assert switches == [(20, 0)] and slot.failed_upshifts == 0  # the blind rule probed at 45
+    assert 0 <= slot.ema < SHADOW_UPSHIFT
+    for _ in range(30):  # the traffic turned: 90% of first drafts would be accepted
+        slot.observe_shadow([0.9])
+    assert slot.ema > SHADOW_UPSHIFT
+    ups = [slot.update([1] * 2 if slot.current_steps else [0] * 2) for _ in range(10)]
+    assert any(ups) and slot.current_steps == 1  # up at the next confirmed decisions
+    assert slot.ema > SHADOW_UPSHIFT  # the shadow estimate carried into the measured EMA
+    # Reports stop (no catch-up, e.g. an eager batch): after SHADOW_FRESH batches it probes blind.
+    quiet = StepSlot(SlotConfig((0, 1)), initial_steps=0, **EXACT)
+    quiet.observe_shadow([0.0])
+    assert [quiet.update([0]) for _ in range(SHADOW_FRESH)] == [False] * SHADOW_FRESH
+    assert quiet.update([0]) and quiet.current_steps == 1
+    # Shadow reports at steps > 0 are ignored: real verifies measure there.
+    busy = StepSlot(SlotConfig((0, 1)), initial_steps=1, **EXACT)
+    busy.observe_shadow([1.0])
+    assert busy.ema == 0.0
 
 
 @pytest.mark.parametrize("coeff,start,drafts,expected", [
@@ -469,7 +500,7 @@ def test_feedback_reaches_the_slot_the_batch_size_maps_to() -> None:
     assert [(s["lower_bound"], s["upper_bound"]) for s in snap] == [(1, 7), (8, 31), (32, 63), (64, None)]
     assert snap[0] == {"lower_bound": 1, "upper_bound": 7, "current_steps": 3,
                        "ema": pytest.approx(6 * 0.8 ** 20), "switches": 1, "batches": 20,
-                       "failed_upshifts": 0}
+                       "failed_upshifts": 0, "shadow_reports": 0}
     assert [s["batches"] for s in snap] == [20, 0, 0, 0]
     assert [s["ema"] for s in snap[1:]] == [6.0, 4.0, 4.0]
 
@@ -477,7 +508,7 @@ def test_feedback_reaches_the_slot_the_batch_size_maps_to() -> None:
 def test_policies_satisfy_the_protocol() -> None:
     assert isinstance(AdaptiveSteps(AdaptiveConfig.default(), 3), AdaptivePolicy)
     declared = {name for name in vars(AdaptivePolicy) if not name.startswith("_")}
-    assert declared == {"steps_for_batch", "on_verify_complete", "candidate_steps",
+    assert declared == {"steps_for_batch", "on_verify_complete", "on_shadow_acceptance", "candidate_steps",
                         "graph_batch_sizes_for_step", "set_graph_batch_sizes", "snapshot",
                         "total_switches"}
 
@@ -489,6 +520,9 @@ def test_policies_satisfy_the_protocol() -> None:
 
         def on_verify_complete(self, batch_size: int, accepted_drafts: Sequence[int]) -> bool:
             return False
+
+        def on_shadow_acceptance(self, batch_size: int, first_draft_hits: Sequence[float]) -> None:
+            pass
 
         def candidate_steps(self) -> tuple[int, ...]:
             return (3,)
