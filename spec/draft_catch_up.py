@@ -123,12 +123,12 @@ class DraftBacklog:
     def _first_draft_hits(self, g: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
                           tokens: torch.Tensor, writes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The first draft a drafting iteration would have made after each backlog row but the
-        last (the one from that row's hidden state, as `guess` picks it) against the token the
-        target then produced (the next row's): per request, (hits, samples)."""
+        last (the top-1 of that row's hidden state) against the token the target then produced
+        (the next row's): per request, (hits, samples)."""
         worker, depth = self.worker, self.depth
         flat_slots = slots.repeat_interleave(depth)
-        _, first = worker.picker.guess(worker.draft.model, g, 1, flat_slots, (pos + 2).reshape(-1))
-        first = first[:, 0].view(-1, depth)
+        # `pick` is `guess`'s top-1 without the softmax (pickers agree on it: tested)
+        first = worker.picker.pick(worker.draft.model, g, flat_slots, (pos + 2).reshape(-1)).view(-1, depth)
         scored = writes[:, :-1] & writes[:, 1:]
         hits = ((first[:, :-1] == tokens[:, 1:]) & scored).sum(1)
         return hits, scored.sum(1)

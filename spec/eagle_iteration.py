@@ -99,6 +99,7 @@ class EagleIterationGraphs:
 
     def __init__(self, worker: "EagleWorker", batch_sizes: list[int], capture: bool) -> None:
         self.worker = worker
+        self._checked: tuple[list[Req], StepState, StepGraph | None] | None = None  # runs() -> run()
         # the warm-up wrote into padding rows only (all slots 0): row 0 back to zero
         self.graphs = StepGraphs(batch_sizes, capture=capture, after_warmup=lambda: worker.future_map.invalidate(
             torch.zeros(1, dtype=torch.int64)))
@@ -139,13 +140,18 @@ class EagleIterationGraphs:
         return self.graphs.get((bs, state.steps)) if bs is not None else None
 
     def runs(self, reqs: list[Req], state: StepState) -> bool:
-        """`run` takes this batch (else the caller runs the eager path)."""
-        return self._entry(reqs, state) is not None
+        """`run` takes this batch (else the caller runs the eager path). The answer is kept for
+        the `run` of the same batch that follows: the per-request check is done once."""
+        entry = self._entry(reqs, state)
+        self._checked = (reqs, state, entry)
+        return entry is not None
 
     def run(self, reqs: list[Req], slots: torch.Tensor, state: StepState) -> dict[str, torch.Tensor] | None:
         """The iteration's (accept_lens, emitted) rows of `reqs` through its graph, or None when
         this batch is not eligible (the caller runs the eager path)."""
-        entry = self._entry(reqs, state)
+        checked, self._checked = self._checked, None
+        hit = checked is not None and checked[0] is reqs and checked[1] is state
+        entry = checked[2] if hit else self._entry(reqs, state)
         if entry is None:
             return None
         fm = self.worker.future_map

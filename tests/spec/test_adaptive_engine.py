@@ -176,3 +176,13 @@ def test_0_step_iterations_leave_the_head_a_backlog_that_changes_nothing(pair, c
             assert backlog.pushed == 0
     assert runs[0] == runs[1]
     assert runs[0][1] > 0
+
+
+def test_the_shadow_scores_use_the_first_draft_a_drafting_iteration_would_make(pair, config_path) -> None:
+    """The catch-up scores `pick` (top-1 without the softmax); drafting takes `guess`'s top-1."""
+    eng = _engine(pair, config_path, cuda_graph_max_bs=8, cuda_graph_padded_eager=True)
+    worker = eng.executor
+    g = torch.randn(6, worker.draft.model.config.hidden_size)
+    slots, pos = torch.arange(6), torch.arange(6) + 10
+    _, top = worker.picker.guess(worker.draft.model, g, 1, slots, pos)
+    assert torch.equal(worker.picker.pick(worker.draft.model, g, slots, pos), top[:, 0])
