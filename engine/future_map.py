@@ -28,92 +28,20 @@ immediate), so a read of a row that was never published fails instead of decodin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
 
+from engine.device_event import DeviceEvent, make_event
 from engine.h2d import to_device
 
-__all__ = [
-    "BatchRelay", "DeviceEvent", "DraftInput", "FutureMap", "FutureMapError", "RelayPayload",
-    "make_event", "plain_future_map",
-]
+__all__ = ["BatchRelay", "DraftInput", "FutureMap", "FutureMapError", "RelayPayload", "plain_future_map"]
 
 _SENTINEL = -1
 
 
 class FutureMapError(RuntimeError):
     """A relay row was misused: read before being written, read twice (debug), or bad input."""
-
-
-# --------------------------------------------------------------------------- events
-
-
-class DeviceEvent(Protocol):
-    """The slice of a stream event FutureMap needs; the same on every backend."""
-
-    def record(self) -> None: ...
-
-    def wait(self) -> None: ...
-
-    def query(self) -> bool: ...
-
-    def synchronize(self) -> None: ...
-
-
-class CompletedEvent:
-    """CPU stand-in: CPU ops run synchronously, so any recorded point is already reached."""
-
-    def record(self) -> None:
-        pass
-
-    def wait(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-
-class StreamEvent:
-    """A backend event recorded on / waited from the *current* stream of one device.
-
-    Built from the generic ``torch.Event`` when this torch has it, else from the device module's
-    ``Event``. The stream is passed explicitly: the event's device may not be the current device.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._module = torch.get_device_module(device)
-        if hasattr(torch, "Event"):
-            self._event: Any = torch.Event(device=device)
-        else:  # older torch: the per-backend class
-            self._event = self._module.Event()
-
-    def _stream(self) -> Any:
-        return self._module.current_stream(self.device)
-
-    def record(self) -> None:
-        self._event.record(self._stream())
-
-    def wait(self) -> None:
-        self._event.wait(self._stream())
-
-    def query(self) -> bool:
-        return bool(self._event.query())
-
-    def synchronize(self) -> None:
-        self._event.synchronize()
-
-
-def make_event(device: torch.device | str) -> DeviceEvent:
-    """A completed event on CPU, a real stream event on an accelerator."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        return CompletedEvent()
-    return StreamEvent(device)
 
 
 # --------------------------------------------------------------------------- payload

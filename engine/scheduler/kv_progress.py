@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.core import Batch, ForwardMode
-from engine.future_map import DeviceEvent, make_event
+from engine.device_event import DeviceEvent, make_event
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ from engine.core import Batch, FinishReason, ForwardMode, Req, ReqState, StepOut
 from engine.executor import Executor
 from engine.future_map import DraftInput, FutureMap
 from engine.kv_cache import KVCacheManager
-from engine.future_map import DeviceEvent
+from engine.device_event import DeviceEvent
 from engine.scheduler.kv_progress import KVProgress, needs_fence, record_fence
 from engine.scheduler.policy import BatchPolicy
 from engine.scheduler.stats import DurationHistogram

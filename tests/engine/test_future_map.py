@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import engine.future_map as future_map_module
-from engine.future_map import BatchRelay, CompletedEvent, FutureMap, FutureMapError, RelayPayload
+from engine.device_event import CompletedEvent
+from engine.future_map import BatchRelay, FutureMap, FutureMapError, RelayPayload
 
 DEVICES = [
     "cpu",

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.future_map import make_event
+from engine.device_event import make_event
 from engine.kv_transfer import KVPoll
 from engine.scheduler.kv_progress import KVProgress
 from prefill_node.rooms import Destination, Room

@@ -1,0 +1,77 @@
+"""Stream events with one interface on every backend: a real event on an accelerator, an
+already-completed stand-in on the CPU (whose ops run synchronously)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["CompletedEvent", "DeviceEvent", "StreamEvent", "make_event"]
+
+
+class DeviceEvent(Protocol):
+    """The slice of a stream event the FutureMap and KV fences need; the same on every backend."""
+
+    def record(self) -> None: ...
+
+    def wait(self) -> None: ...
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+class CompletedEvent:
+    """CPU stand-in: CPU ops run synchronously, so any recorded point is already reached."""
+
+    def record(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class StreamEvent:
+    """A backend event recorded on / waited from the *current* stream of one device.
+
+    Built from the generic ``torch.Event`` when this torch has it, else from the device module's
+    ``Event``. The stream is passed explicitly: the event's device may not be the current device.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._module = torch.get_device_module(device)
+        if hasattr(torch, "Event"):
+            self._event: Any = torch.Event(device=device)
+        else:  # older torch: the per-backend class
+            self._event = self._module.Event()
+
+    def _stream(self) -> Any:
+        return self._module.current_stream(self.device)
+
+    def record(self) -> None:
+        self._event.record(self._stream())
+
+    def wait(self) -> None:
+        self._event.wait(self._stream())
+
+    def query(self) -> bool:
+        return bool(self._event.query())
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
+
+
+def make_event(device: torch.device | str) -> DeviceEvent:
+    """A completed event on CPU, a real stream event on an accelerator."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return CompletedEvent()
+    return StreamEvent(device)
