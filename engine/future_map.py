@@ -44,6 +44,10 @@ class FutureMapError(RuntimeError):
     """A relay row was misused: read before being written, read twice (debug), or bad input."""
 
 
+def _unwritten(name: str) -> str:
+    return f"FutureMap: {name} row read before being written (never published, or released)"
+
+
 # --------------------------------------------------------------------------- payload
 
 
@@ -206,6 +210,15 @@ class FutureMap:
         self._guard(self.output_tokens_buf, tokens, idx, "output_tokens", minimum=0, consume=consume)
         return RelayPayload(tokens, topk_p, topk_index, hidden)
 
+    def check_resolved(self, ok: torch.Tensor, name: str) -> None:
+        """Fail unless `ok` (a device bool: no row read held the sentinel). No host sync on an
+        accelerator: the failure surfaces at the next synchronize."""
+        if self.device.type == "cpu":
+            if not bool(ok):
+                raise FutureMapError(_unwritten(name))
+            return
+        torch._assert_async(ok, _unwritten(name))
+
     def invalidate(self, indices: torch.Tensor) -> None:
         """A request slot went back to its pool: reset its rows to the sentinel, so whoever gets
         the slot next fails its first read unless it publishes and stashes first."""
@@ -265,14 +278,10 @@ class FutureMap:
         if values.numel() == 0:
             return
         ok = ((values >= minimum) | (idx == 0)).all()
-        msg = f"FutureMap: {name} row read before being written (never published, or released)"
-        if self.device.type == "cpu":
-            if not bool(ok):
-                bad = idx[(values < minimum) & (idx != 0)].tolist()
-                raise FutureMapError(f"{msg} (rows {bad})")
-        else:
-            # No host sync on an accelerator: the failure surfaces at the next synchronize.
-            torch._assert_async(ok, msg)
+        if self.device.type == "cpu" and not bool(ok):
+            bad = idx[(values < minimum) & (idx != 0)].tolist()
+            raise FutureMapError(f"{_unwritten(name)} (rows {bad})")
+        self.check_resolved(ok, name)
         if self.debug and consume:  # consume once: a second read without a new write fails too
             buf[idx] = torch.where(idx == 0, 0, _SENTINEL).to(buf.dtype)
 

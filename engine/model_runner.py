@@ -37,6 +37,7 @@ class ModelRunner:
         # positions past the model's table only occur in steps whose results are discarded (a
         # request that finished while the next step was in flight): clamp them, never index out
         self.max_position = int(model.config.max_position_embeddings) - 1 if model is not None else None
+        self._constants: dict[tuple[str, int, int], torch.Tensor] = {}
 
     def check_mode(self, mode: ForwardMode) -> None:
         if mode is ForwardMode.TARGET_VERIFY and self._target_verify is not True:
@@ -127,21 +128,48 @@ class ModelRunner:
         slot 0 are padding (their writes land on page 0), and so are rows where `writes`
         (bs * width bools) is false: their queries run, but the KV they would overwrite stays."""
         self.check_mode(mode)
-        dev, bs = slots.device, int(slots.shape[0])
         table = self.kv.req_to_token
-        kv_index = (prefix.unsqueeze(1) + torch.arange(width, device=dev)).reshape(-1)
-        slot_rows = slots.repeat_interleave(width)
+        kv_index = (prefix.unsqueeze(1) + self._constant("arange", width, width)).reshape(-1)
+        slot_rows = slots.repeat_interleave(width) if width > 1 else slots
         out_cache_loc = table[slot_rows, kv_index.clamp(max=table.shape[1] - 1)]
         if writes is not None:
             out_cache_loc = torch.where(writes, out_cache_loc, 0)
+        return self.device_context(mode, slots, self._positions(kv_index), out_cache_loc, prefix + width, width,
+                                   tree_mask=tree_mask, aux_hidden_layers=aux_hidden_layers)
+
+    def device_context(self, mode: ForwardMode, slots: torch.Tensor, positions: torch.Tensor,
+                       out_cache_loc: torch.Tensor, seq_lens: torch.Tensor, width: int, *,
+                       tree_mask: torch.Tensor | None = None,
+                       aux_hidden_layers: tuple[int, ...] = ()) -> ForwardContext:
+        """The context of `width` tokens per request from device tensors already computed."""
+        bs = int(slots.shape[0])
         # the host knows lengths exactly only off the GPU; captured graphs size kernels by the table
-        seq_cpu = (prefix + width).tolist() if dev.type == "cpu" else [int(table.shape[1])] * bs
+        seq_cpu = seq_lens.tolist() if slots.device.type == "cpu" else [int(self.kv.req_to_token.shape[1])] * bs
         return ForwardContext(
-            mode=mode, positions=self._positions(kv_index), out_cache_loc=out_cache_loc, req_slots=slots,
-            seq_lens=prefix + width, extend_lens=torch.full((bs,), width, dtype=torch.int64, device=dev),
-            qo_indptr=torch.arange(bs + 1, dtype=torch.int64, device=dev) * width, req_to_token=table,
-            kv_pool=self.pool, attn_backend=self.attn_backend, seq_lens_cpu=seq_cpu,
-            extend_lens_cpu=[width] * bs, tree_mask=tree_mask, aux_hidden_layers=aux_hidden_layers)
+            mode=mode, positions=positions, out_cache_loc=out_cache_loc, req_slots=slots, seq_lens=seq_lens,
+            extend_lens=self._constant("full", bs, width), qo_indptr=self._constant("indptr", bs, width),
+            req_to_token=self.kv.req_to_token, kv_pool=self.pool, attn_backend=self.attn_backend,
+            seq_lens_cpu=seq_cpu, extend_lens_cpu=[width] * bs, tree_mask=tree_mask,
+            aux_hidden_layers=aux_hidden_layers)
+
+    def _constant(self, kind: str, bs: int, width: int) -> torch.Tensor:
+        """arange(width), full(bs, width) or arange(bs + 1) * width as int64 on the device, made
+        once: inside a captured graph each would otherwise be a kernel per replay. Never made
+        while capturing (a captured fill runs only at replay), readers never write them."""
+        key = (kind, bs, width)
+        cached = self._constants.get(key)
+        if cached is not None:
+            return cached
+        dev = self.device
+        if kind == "arange":
+            t = torch.arange(width, dtype=torch.int64, device=dev)
+        elif kind == "full":
+            t = torch.full((bs,), width, dtype=torch.int64, device=dev)
+        else:
+            t = torch.arange(bs + 1, dtype=torch.int64, device=dev) * width
+        if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            self._constants[key] = t
+        return t
 
     def forward_direct(self, input_ids: torch.Tensor, ctx: ForwardContext, **model_inputs: Any) -> Any:
         """The model on this context now, never through a per-forward graph (for bodies that are

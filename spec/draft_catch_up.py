@@ -15,8 +15,8 @@ catch-up window is right-aligned at the current length, [max(L - depth, 0), +dep
 the backlog still run their queries but write no KV (`window_context(writes=...)`), so the draft
 KV before the backlog is left as it was and the backlog rows read it through the page table.
 
-The catch-up also scores what the draft would have done: its first draft after each backlog
-token against the token the target produced. Adaptive steps at 0 learn from that whether
+The catch-up also scores what the draft would have done: its first draft after each of the newest
+backlog tokens against the token the target produced. Adaptive steps at 0 learn from that whether
 drafting would pay (`StepSlot.observe_shadow`) instead of probing blind.
 """
 
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from spec.eagle_worker import EagleWorker
 
 DEFAULT_DEPTH = 16
+SCORED_ROWS = 8  # the newest backlog rows each catch-up scores
 
 
 class DraftBacklog:
@@ -57,13 +58,6 @@ class DraftBacklog:
                       "counts": torch.zeros(bs, dtype=torch.int64, device=dev)}
             body = (lambda i: lambda: self._catch_up(i["slots"], i["counts"]))(inputs)
             self.graphs.add(bs, inputs, body)
-
-    # ---- inside the 0-step iteration graph ----
-    def push(self, slots: torch.Tensor, seq: torch.Tensor, feats: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        """Row i: the target's feature at position seq[i] and the token that followed it."""
-        at = seq % self.depth
-        self.feats[slots, at] = feats.to(self.feats.dtype)
-        self.tokens[slots, at] = next_tokens
 
     # ---- host bookkeeping ----
     def note_pushed(self, rids: list[str]) -> None:
@@ -122,13 +116,19 @@ class DraftBacklog:
 
     def _first_draft_hits(self, g: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
                           tokens: torch.Tensor, writes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first draft a drafting iteration would have made after each backlog row but the
-        last (the top-1 of that row's hidden state) against the token the target then produced
-        (the next row's): per request, (hits, samples)."""
+        """The first draft a drafting iteration would have made after each of the window's last
+        SCORED_ROWS backlog rows but the last (the top-1 of that row's hidden state) against the
+        token the target then produced (the next row's): per request, (hits, samples). Only the
+        newest rows are scored: the head's logits over every row cost a third of a catch-up at
+        large batch sizes, and a few samples per request and catch-up steer the policy as well."""
         worker, depth = self.worker, self.depth
-        flat_slots = slots.repeat_interleave(depth)
+        rows = min(SCORED_ROWS, depth)
+        bs = slots.shape[0]
+        tail = g.view(bs, depth, -1)[:, depth - rows:].reshape(bs * rows, -1)
+        pos, tokens, writes = pos[:, depth - rows:], tokens[:, depth - rows:], writes[:, depth - rows:]
         # `pick` is `guess`'s top-1 without the softmax (pickers agree on it: tested)
-        first = worker.picker.pick(worker.draft.model, g, flat_slots, (pos + 2).reshape(-1)).view(-1, depth)
+        first = worker.picker.pick(worker.draft.model, tail, slots.repeat_interleave(rows),
+                                   (pos + 2).reshape(-1)).view(bs, rows)
         scored = writes[:, :-1] & writes[:, 1:]
         hits = ((first[:, :-1] == tokens[:, 1:]) & scored).sum(1)
         return hits, scored.sum(1)

@@ -23,6 +23,7 @@ import torch
 
 from engine.core import ForwardMode, Req
 from engine.future_map import FutureMap, RelayPayload
+from engine.relay_step import commit_decode, resolve_decode
 from engine.sampler import plain_argmax_ok as graphable
 from engine.step_graphs import StepGraph, StepGraphs
 from spec.verify_step import accepted_rows
@@ -79,19 +80,16 @@ def chain_iteration(worker: "EagleWorker", state: StepState, slots: torch.Tensor
 def target_only_iteration(worker: "EagleWorker", slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A 0-step iteration whose draft catches up later: a plain greedy decode step (the same
     ops as the plain engine's) that also publishes the new lengths and leaves the head its
-    input (the target's feature, the token that followed) in the backlog ring."""
-    fm, target, backlog = worker.future_map, worker.target, worker.backlog
+    input (the target's feature, the token that followed) in the backlog ring. The relay reads
+    and writes around the forward are one fused kernel each on CUDA (engine/relay_step.py)."""
+    target, backlog = worker.target, worker.backlog
     assert backlog is not None
-    real = slots != 0
-    seq = fm.resolve_seq_lens(slots, wait=False)
-    ids = fm.resolve(slots, wait=False, extras=False).bonus_tokens
-    ctx = target.window_context(ForwardMode.DECODE, slots, seq, 1, aux_hidden_layers=worker.aux_layers)
+    prefix, ids, ctx = resolve_decode(worker.future_map, target, slots, aux_hidden_layers=worker.aux_layers)
     hidden, aux = target.forward_direct(ids, ctx)
     tokens = target.model.compute_logits(hidden).argmax(-1)
-    fm.publish(slots, torch.where(real, seq + 1, 0), record=False)
-    backlog.push(slots, seq, worker.features(hidden, aux), tokens)
-    fm.stash(slots, RelayPayload(torch.where(real, tokens, 0)), keep_topk=True, keep_hidden=True)
-    return torch.ones_like(seq), tokens.unsqueeze(1)
+    commit_decode(worker.future_map, slots, prefix, tokens, backlog.tokens, backlog.feats,
+                  aux if worker.aux_layers else [hidden])
+    return ctx.extend_lens, tokens.unsqueeze(1)  # one token each: extend_lens is that constant
 
 
 class EagleIterationGraphs:
@@ -148,7 +146,9 @@ class EagleIterationGraphs:
 
     def run(self, reqs: list[Req], slots: torch.Tensor, state: StepState) -> dict[str, torch.Tensor] | None:
         """The iteration's (accept_lens, emitted) rows of `reqs` through its graph, or None when
-        this batch is not eligible (the caller runs the eager path)."""
+        this batch is not eligible (the caller runs the eager path). They are views of the
+        graph's outputs: the caller copies them out (HostCopy, in stream order) before the next
+        replay, so no device-side clone is needed."""
         checked, self._checked = self._checked, None
         hit = checked is not None and checked[0] is reqs and checked[1] is state
         entry = checked[2] if hit else self._entry(reqs, state)
@@ -158,4 +158,4 @@ class EagleIterationGraphs:
         fm.wait_published()  # the previous iteration's publish, from any stream
         accept, emitted = self.graphs.run(entry, len(reqs), {"slots": slots})
         fm.mark_published()
-        return {"accept_lens": accept.clone(), "emitted": emitted.clone()}
+        return {"accept_lens": accept, "emitted": emitted}

@@ -73,3 +73,8 @@ def gemv_for(x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
     """The GEMV module when x @ weight^T is skinny enough for it (a few rows), else None."""
     ops = _module_for("gemv", x, (weight,))
     return ops if ops is not None and ops.supports(x, weight) else None
+
+
+def relay_kernels_for(t: torch.Tensor) -> ModuleType | None:
+    """The fused relay kernels of a captured decode step (relay_kernels.py), else None."""
+    return _module_for("relay_kernels", t, ())

@@ -79,10 +79,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding,
-                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+                ctx: ForwardContext, capture: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (output, residual) with the residual add deferred to the next norm
-        (each add runs inside the following norm's fused kernel on CUDA)."""
+        (each add runs inside the following norm's fused kernel on CUDA). `capture` gets the
+        layer's input state (x + residual), which that fused kernel computes anyway."""
         h, residual = add_norm(self.input_layernorm, x, residual)
+        if capture is not None:
+            capture.append(residual)
         h = self.self_attn(h, rotary, ctx)
         h, residual = add_norm(self.post_attention_layernorm, h, residual)
         return self.mlp(h), residual
@@ -102,12 +105,11 @@ class LlamaModel(nn.Module):
         """Returns the final normed hidden states and the inputs of `ctx.aux_hidden_layers`."""
         x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         residual: torch.Tensor | None = None
-        captured: dict[int, torch.Tensor] = {}
+        captured: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
-            if i in ctx.aux_hidden_layers:
-                captured[i] = x if residual is None else x + residual
-            x, residual = layer(x, residual, self.rotary, ctx)
-        return add_norm(self.norm, x, residual)[0], [captured[i] for i in ctx.aux_hidden_layers]
+            x, residual = layer(x, residual, self.rotary, ctx, captured if i in ctx.aux_hidden_layers else None)
+        by_layer = dict(zip(sorted(ctx.aux_hidden_layers), captured))
+        return add_norm(self.norm, x, residual)[0], [by_layer[i] for i in ctx.aux_hidden_layers]
 
 
 class LlamaForCausalLM(nn.Module):
