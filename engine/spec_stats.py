@@ -27,6 +27,15 @@ class SpecStats:
         self.proposed_drafts += per_req * len(accept_lens)
         self.accept_len_hist.update(accept_lens)
 
+    def record_uniform(self, accept_len: int, n: int, drafts_per_req: int | None = None) -> None:
+        """`record([accept_len] * n, drafts_per_req)` without building the list."""
+        if n <= 0:
+            return
+        self.verifies += n
+        self.accepted_drafts += (accept_len - 1) * n
+        self.proposed_drafts += (self.max_drafts if drafts_per_req is None else drafts_per_req) * n
+        self.accept_len_hist[accept_len] += n
+
     @property
     def mean_accept_len(self) -> float:
         """Tokens emitted per request per target forward (correct drafts + the bonus)."""

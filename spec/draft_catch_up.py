@@ -50,6 +50,7 @@ class DraftBacklog:
         self.feats = torch.zeros(rows, depth, feat_width, dtype=dtype, device=dev)
         self.tokens = torch.zeros(rows, depth, dtype=torch.int64, device=dev)
         self.pending: dict[str, int] = {}  # rid -> tokens whose draft KV is not written yet
+        self._full: set[str] = set()  # rids whose pending count reached depth
         self.pushed = 0  # tokens left to the draft by 0-step iterations
         self.catch_ups = 0  # requests caught up (counted per request)
         self.graphs = StepGraphs(batch_sizes, capture=capture)
@@ -62,15 +63,21 @@ class DraftBacklog:
     # ---- host bookkeeping ----
     def note_pushed(self, rids: list[str]) -> None:
         self.pushed += len(rids)
+        pending, depth = self.pending, self.depth
         for rid in rids:
-            self.pending[rid] = self.pending.get(rid, 0) + 1
+            n = pending[rid] = pending.get(rid, 0) + 1
+            if n >= depth:
+                self._full.add(rid)
 
     def full(self, rids: list[str]) -> bool:
-        return any(self.pending.get(rid, 0) >= self.depth for rid in rids)
+        """Some request of `rids` has a full ring (checked every 0-step iteration: the common
+        answer, no full ring at all, costs no per-request work)."""
+        return bool(self._full) and not self._full.isdisjoint(rids)
 
     def forget(self, rid: str) -> None:
         """A request left, or its draft state was rebuilt (prefill, PD adoption)."""
         self.pending.pop(rid, None)
+        self._full.discard(rid)
 
     # ---- the catch-up ----
     def catch_up(self, rids: list[str], slots: torch.Tensor) -> dict[str, torch.Tensor] | None:
@@ -79,6 +86,7 @@ class DraftBacklog:
         before drafting). Returns, on the device, per request caught up (in `rids` order), the
         first drafts it scored against the backlog's tokens ("hits" of "samples"), or None."""
         counts = [self.pending.pop(rid, 0) for rid in rids]
+        self._full.difference_update(rids)
         keep = [i for i, c in enumerate(counts) if c > 0]
         if not keep:
             return None

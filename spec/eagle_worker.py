@@ -261,15 +261,17 @@ class EagleWorker:
     # ---- decode ----
     def _decode(self, batch: Batch, relay: BatchRelay) -> EaglePending:
         reqs, state = batch.reqs, self.states.active  # chosen when the batch was formed
-        leaves_backlog, scored = self._catch_up(reqs, relay, state)
+        rids = [r.rid for r in reqs]
+        leaves_backlog, scored = self._catch_up(reqs, rids, relay, state)
         shadow = HostCopy(scored) if scored is not None and state.steps == 0 else None
-        self._settle_guesses(reqs, relay, state)
+        self._settle_guesses(rids, relay, state)
         if self.iteration is not None:
             out = self.iteration.run(reqs, relay.indices, state)
             if out is not None:
                 if leaves_backlog:
                     assert self.backlog is not None
-                    self.backlog.note_pushed([r.rid for r in reqs])
+                    self.backlog.note_pushed(rids)
+                    del out["accept_lens"]  # one token each: the host knows (host_output)
                 return EaglePending(batch, HostCopy(out), state, shadow)
         bs, w = len(reqs), state.widths.verify
         slots, bound = [r.slot for r in reqs], batch.prefix_lens
@@ -301,25 +303,23 @@ class EagleWorker:
         before capture; CPU tests flip them after, as padded-eager bodies read them every run.)"""
         return self.backlog is not None and self.batch_catch_up and self.defer_guess and state.steps == 0
 
-    def _catch_up(self, reqs: list[Req], relay: BatchRelay,
+    def _catch_up(self, reqs: list[Req], rids: list[str], relay: BatchRelay,
                   state: StepState) -> tuple[bool, dict[str, torch.Tensor] | None]:
         """Drain the draft's backlog where this iteration needs it: before it drafts or runs
         eagerly, or when a ring is full. Returns (whether the iteration adds to the backlog,
         the catch-up's first-draft scores if one ran)."""
         if self.backlog is None:
             return False, None
-        rids = [r.rid for r in reqs]
         pushes = self.pushes_backlog(state) and self.iteration is not None and self.iteration.runs(reqs, state)
         scored = None
         if not pushes or self.backlog.full(rids):
             scored = self.backlog.catch_up(rids, relay.indices)
         return pushes, scored
 
-    def _settle_guesses(self, reqs: list[Req], relay: BatchRelay, state: StepState) -> None:
+    def _settle_guesses(self, rids: list[str], relay: BatchRelay, state: StepState) -> None:
         """Before a drafting iteration, the rows a 0-step iteration left without a top-k get it
         from their stashed hidden state: the same top-k that iteration would have stashed (same
         hidden state, same positions), so acceptance is unchanged."""
-        rids = [r.rid for r in reqs]
         if self.defers_guess(state):
             self._guessless.update(rids)
             return

@@ -65,7 +65,12 @@ def emit_device(sampler: Sampler, reqs: list[Req], vr: VerifyResult, logits: tor
 
 def host_output(stats: SpecStats, host: dict[str, torch.Tensor], drafts: int | None = None) -> StepOutput:
     """The host half, once the copies of `emit_device`'s tensors arrived; `drafts`: drafts per
-    request along the longest path of this step (default: the stats' configured maximum)."""
+    request along the longest path of this step (default: the stats' configured maximum).
+    Without "accept_lens", every request emitted one token (a 0-step iteration)."""
+    if "accept_lens" not in host:
+        tokens = host["emitted"].tolist()
+        stats.record_uniform(1, len(tokens), drafts)
+        return StepOutput(tokens=tokens, accepted_drafts=[0] * len(tokens))
     accept = host["accept_lens"].tolist()
     stats.record(accept, drafts)
     out = StepOutput(tokens=[e[:a] for e, a in zip(host["emitted"].tolist(), accept)],

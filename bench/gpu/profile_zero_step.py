@@ -5,11 +5,13 @@ batch size, the plain engine and an EAGLE engine pinned at 0 steps (the target a
 catching up every 16 tokens) decode the same prompts under the profiler. Per decode step: wall
 time, host time inside `Engine.step`, GPU kernel time, GPU busy time (union of kernel intervals), kernel count, and the kernels
 by name, so the difference between the two is itemized (catch-up kernels are averaged over the
-steps they serve). Writes OUT/profile_zero_step_<model>.json.
+steps they serve); with `host`, also a cProfile of the host side of each decode phase. Writes
+OUT/profile_zero_step_<model>.json.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import tempfile
@@ -30,6 +32,9 @@ from engine.core import SamplingParams
 from engine.engine import Engine
 from fixtures.tiny_eagle import write_tiny_eagle_head
 
+HOST = False  # `host` on the command line: also a cProfile of each decode phase
+FREEZE = False  # `freeze`: gc.freeze() after each engine is built
+
 
 def _busy(spans: list[tuple[float, float]]) -> float:
     spans.sort()
@@ -40,6 +45,27 @@ def _busy(spans: list[tuple[float, float]]) -> float:
         else:
             cur_e = max(cur_e, e)
     return busy + cur_e - cur_s
+
+
+class GcTimer:
+    """Time spent in the garbage collector, by generation (gc.callbacks)."""
+
+    def __init__(self) -> None:
+        self.seconds, self.runs, self._t0 = 0.0, [0, 0, 0], 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+            self.runs[info["generation"]] += 1
+
+    def __enter__(self) -> "GcTimer":
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
 
 
 def profiled_decode(eng: Engine, prompts: list[list[int]]) -> dict[str, Any]:
@@ -53,7 +79,7 @@ def profiled_decode(eng: Engine, prompts: list[list[int]]) -> dict[str, Any]:
         first.update(d.rid for d in eng.step() if d.token_ids)
     torch.cuda.synchronize()
     steps, host = 0, 0.0
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof, GcTimer() as gct:
         t0 = time.perf_counter()
         while not eng.idle:
             h0 = time.perf_counter()
@@ -72,10 +98,69 @@ def profiled_decode(eng: Engine, prompts: list[list[int]]) -> dict[str, Any]:
         spans.append((ev.time_range.start, ev.time_range.end))
     top = sorted(per_name.items(), key=lambda kv: -kv[1][0])
     return {"steps": steps, "wall_us_per_step": wall / steps * 1e6, "host_us_per_step": host / steps * 1e6,
+            "gc_us_per_step": gct.seconds / steps * 1e6, "gc_runs": gct.runs,
             "kernel_us_per_step": sum(t for t, _ in per_name.values()),
             "kernels_per_step": sum(c for _, c in per_name.values()),
             "busy_us_per_step": _busy(spans) / steps if spans else 0.0,
             "kernels": {n[:100]: [round(t, 2), round(c, 2)] for n, (t, c) in top}}
+
+
+def host_profile(eng: Engine, prompts: list[list[int]], top: int = 45) -> list[str]:
+    """cProfile of the decode phase (prefill unprofiled): where the host's time per step goes."""
+    import cProfile
+    import io
+    import pstats
+
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    rids = {eng.add_request(p, params) for p in prompts}
+    first: set[str] = set()
+    while len(first) < len(rids):
+        first.update(d.rid for d in eng.step() if d.token_ids)
+    prof = cProfile.Profile()
+    prof.enable()
+    while not eng.idle:
+        eng.step()
+    prof.disable()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return buf.getvalue().splitlines()
+
+
+def timed_parts(eng: Engine, prompts: list[list[int]]) -> dict[str, float]:
+    """Host microseconds per decode step inside the scheduler's parts and the executor's calls
+    (perf_counter around each: no profiler overhead), the wait for the device included in collect."""
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    rids = {eng.add_request(p, params) for p in prompts}
+    first: set[str] = set()
+    while len(first) < len(rids):
+        first.update(d.rid for d in eng.step() if d.token_ids)
+    sched, ex = eng.scheduler, eng.executor
+    spent: dict[str, float] = defaultdict(float)
+    patched = {"launch": (ex, ex.launch), "collect": (ex, ex.collect), "next_batch": (sched.policy, sched.policy.next_batch),
+               "complete": (sched, sched._complete), "ingest": (sched, sched._ingest)}
+
+    def timed(name: str, fn: Any) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] += time.perf_counter() - t0
+        return call
+    for name, (obj, fn) in patched.items():
+        setattr(obj, name, timed(name, fn))
+    steps, t0 = 0, time.perf_counter()
+    try:
+        while not eng.idle:
+            eng.step()
+            steps += 1
+    finally:
+        for name, (obj, _) in patched.items():
+            delattr(obj, name)
+    spent["total"] = time.perf_counter() - t0
+    return {k: round(v / steps * 1e6, 1) for k, v in spent.items()}
 
 
 def diff(plain: dict[str, Any], zero: dict[str, Any]) -> list[dict[str, Any]]:
@@ -91,9 +176,11 @@ def diff(plain: dict[str, Any], zero: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def main() -> int:
+    global HOST, FREEZE
+    HOST, FREEZE = "host" in sys.argv[1:], "freeze" in sys.argv[1:]
     names = [a for a in sys.argv[1:] if a in MODELS] or ["llama-1b"]
     sizes = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("batches=")]
-    rest = [a for a in sys.argv[1:] if a not in MODELS and not a.startswith("batches=")]
+    rest = [a for a in sys.argv[1:] if a not in MODELS and a not in ("host", "freeze") and not a.startswith("batches=")]
     batches = tuple(int(b) for b in sizes[0].split(",")) if sizes else (1, 8, 64)
     out = Path(rest[0]) if rest else Path("bench/results")
     for name in names:
@@ -113,14 +200,22 @@ def main() -> int:
         for label in results:
             eng = engine_for(model, cfg, head if label == "zero" else None, 1 if label == "zero" else None,
                              str(tmp / "zero.json") if label == "zero" else None)
+            if FREEZE:  # what a long-running node does after start-up: never rescan its objects
+                gc.collect()
+                gc.freeze()
             for bs in batches:
                 ps = prompts_for(bs, cfg.vocab_size)
                 warm = timed_decode(eng, ps)  # warm-up pass (and the oracle's table for the draft)
                 for p, o in zip(ps, warm["outputs"]):
                     picker.sequences.setdefault(tuple(p), p + o)
                 results[label][bs] = r = profiled_decode(eng, ps)
-                print(name, label, bs, {k: round(v, 1) for k, v in r.items() if k != "kernels"}, flush=True)
+                if HOST:
+                    r["host_profile"] = host_profile(eng, ps)
+                    r["host_parts_us"] = timed_parts(eng, ps)
+                    print(name, label, bs, "host us per step:", r["host_parts_us"], flush=True)
+                print(name, label, bs, {k: round(v, 1) for k, v in r.items() if not isinstance(v, (dict, list))}, flush=True)
             del eng
+            gc.unfreeze()
             release_memory()
         for bs in batches:
             p, z = results["plain"][bs], results["zero"][bs]

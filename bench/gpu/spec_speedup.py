@@ -5,10 +5,11 @@ The draft is a random EAGLE-3 head (draft vocabulary 32000) whose choices an ora
 the target's own next token with probability p (bench/gpu/synthetic.py): every draft forward
 costs what a real one does, verification is real, and p sets the accepted length. For each model
 shape and batch size: plain decode throughput, then per p and per configuration the decode
-throughput, the realized accepted length, and whether the output equals plain decoding. The ideal
-speedup is accepted length x plain step time / iteration time. Adaptive steps start each point
-from a fresh controller; they are timed on a second pass of the same traffic, the first pass is
-reported too (`adaptive_cold_tok_s`), and a sixth (`adaptive_settled_tok_s`: by then a controller
+throughput (the best of two passes), the realized accepted length, and whether the output of
+every pass equals plain decoding. The ideal speedup is accepted length x plain step time /
+iteration time. Adaptive steps start each point from a fresh controller; they are timed on the
+second and third passes of the same traffic, the first pass is reported too
+(`adaptive_cold_tok_s`), and the fifth and sixth (`adaptive_settled_tok_s`: by then a controller
 that keeps failing upshift probes has backed off further). At p = 0 a configuration pinned at 0
 steps (`zero_steps_tok_s`: the target alone, the draft only catching up) is what adaptive steps
 can reach at best there.
@@ -56,7 +57,11 @@ FIXED = (1, 3, 5, 7)
 # every batch size pinned at 0 steps (the draft only catches up): what adaptive steps cost at best
 # on traffic whose drafts are never accepted (the 128 slot is never used: it only holds step 1)
 ZERO_ONLY = {"1": {"candidate_steps": [0]}, "128": {"candidate_steps": [1]}}
-ADAPTIVE_PASSES = 6  # adaptive: pass 1 cold, pass 2 reported as before, the last one settled
+ADAPTIVE_PASSES = 6  # adaptive: pass 1 cold, passes 2-3 reported, 5-6 settled
+# Every figure is the best of REPEATS passes of the same traffic: on a small target both plain and
+# speculative decoding are host-bound at batch >= 8, and the host's speed drifts between passes
+# by up to 10%, more than the differences measured
+REPEATS = 2
 PROMPT_LEN, NEW_TOKENS = 256, 96
 MAX_RUNNING = 64
 
@@ -144,7 +149,7 @@ def sweep(name: str, out_dir: Path, batches: tuple[int, ...]) -> dict[str, Any]:
     plain: dict[int, dict[str, Any]] = {}
     for bs in batches:
         ps = prompts_for(bs, cfg.vocab_size)
-        plain[bs] = timed_decode(eng, ps)
+        plain[bs] = max((timed_decode(eng, ps) for _ in range(REPEATS)), key=lambda x: x["tok_s"])
         for p, o in zip(ps, plain[bs]["outputs"]):
             picker.sequences[tuple(p)] = p + o
         print(f"{name} plain bs {bs}: {plain[bs]['tok_s']:.0f} tok/s, step {plain[bs]['step_ms']:.2f} ms", flush=True)
@@ -163,13 +168,17 @@ def sweep(name: str, out_dir: Path, batches: tuple[int, ...]) -> dict[str, Any]:
                 if label == "adaptive":  # from the initial steps, then the controller's steady state
                     fresh_controller(eng)
                     cold = timed_decode(eng, ps)["tok_s"]
-                r = timed_decode(eng, ps)
+                passes = [timed_decode(eng, ps) for _ in range(REPEATS)]
+                r = max(passes, key=lambda x: x["tok_s"])
                 if label == "adaptive":  # the same traffic on: the upshift probes' backoff grows
-                    for _ in range(ADAPTIVE_PASSES - 3):
+                    for _ in range(ADAPTIVE_PASSES - 1 - 2 * REPEATS):
                         timed_decode(eng, ps)
-                    settled = timed_decode(eng, ps)["tok_s"]
+                    late = [timed_decode(eng, ps) for _ in range(REPEATS)]
+                    settled = max(x["tok_s"] for x in late)
+                    passes += late
                 r["cold_tok_s"], r["settled_tok_s"] = cold, settled
-                r["exact"] = sum(a == b for a, b in zip(r.pop("outputs"), plain[bs]["outputs"])) / bs
+                r["exact"] = min(sum(a == b for a, b in zip(x["outputs"], plain[bs]["outputs"])) / bs for x in passes)
+                r.pop("outputs")
                 runs[label][(bs, p)] = r
                 print(f"{name} {label} bs {bs} p {p}: {r['tok_s']:.0f} tok/s ({r['tok_s'] / plain[bs]['tok_s']:.2f}x), "
                       f"accept {r['accept_len']:.2f}, exact {r['exact']:.2f}, iteration {r['step_ms']:.2f} ms"

@@ -127,3 +127,16 @@ def test_chain_fast_path_equals_the_walk():
         walk = _walk(tree, lambda cur: torch.gather(target, 1, cur.unsqueeze(1)).squeeze(1), None, None, None)
         for field in ("accept_lens", "path", "emitted", "bonus"):
             assert torch.equal(getattr(fast, field), getattr(walk, field)), field
+
+
+def test_host_output_of_a_one_token_iteration_equals_the_general_form():
+    """A 0-step iteration copies only its tokens: the host half fills in accept lengths of 1."""
+    from engine.spec_stats import SpecStats
+    from spec.verify_step import host_output
+
+    emitted = torch.tensor([[7], [3], [11]])
+    general, short = SpecStats(max_drafts=3), SpecStats(max_drafts=3)
+    a = host_output(general, {"accept_lens": torch.ones(3, dtype=torch.int64), "emitted": emitted}, 0)
+    b = host_output(short, {"emitted": emitted}, 0)
+    assert (a.tokens, a.accepted_drafts) == (b.tokens, b.accepted_drafts) == ([[7], [3], [11]], [0, 0, 0])
+    assert general == short
