@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from spec.eagle_worker import EagleWorker
 
 DEFAULT_DEPTH = 16
-SCORED_ROWS = 8  # the newest backlog rows each catch-up scores
+SCORED_ROWS = 4  # the newest backlog rows each catch-up scores (3 first drafts per request)
 
 
 class DraftBacklog:

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, NoReturn
 
-# The built-in default, in the form a user writes. Set from the H100 sweep of
-# bench/gpu/spec_speedup.py (Llama-8B and -1B shapes, batch 1-64; bench/RESULTS.md): a verify
-# window stays memory-bound up to batch 64 there, so chains of 3-5 drafts pay at every batch size
-# when drafts are accepted; 7 only below batch 32. Hysteresis -0.45 both ways: a level is left
+# The built-in default, in the form a user writes. Set from the H100 and H200 sweeps of
+# bench/gpu/spec_speedup.py (Llama-8B and -1B shapes, batch 1-64; bench/RESULTS.md): chains of
+# 3-5 drafts pay when drafts are accepted, 7 only below batch 32, and from batch 64 on 5 loses
+# to 3 on both shapes and both GPUs (3-8%: the 6-token verify window is no longer free). Hysteresis -0.45 both ways: a level is left
 # upwards once its chain's last half-draft is mostly accepted (SGLang's 0 waits for a chain used
 # up, which stays at 3 steps where 5 pays), and downwards (to plain decoding too) once the EMA
 # is near zero. Plain decoding (0) is a candidate everywhere: traffic whose drafts are rarely
@@ -22,7 +22,7 @@ DEFAULT_ADAPTIVE_CONFIG: dict[str, Any] = {
     "1": {"candidate_steps": [0, 1, 3, 5, 7]},
     "8": {"candidate_steps": [0, 1, 3, 5, 7]},
     "32": {"candidate_steps": [0, 1, 3, 5]},
-    "64": {"candidate_steps": [0, 1, 3, 5]},
+    "64": {"candidate_steps": [0, 1, 3]},
 }
 DEFAULT_EMA_ALPHA = 0.2
 DEFAULT_WARMUP_BATCHES = 10

@@ -26,7 +26,7 @@ def test_default_config() -> None:
     assert slots[1] == SlotConfig((0, 1, 3, 5, 7), **both)
     assert slots[8] == SlotConfig((0, 1, 3, 5, 7), **both)
     assert slots[32] == SlotConfig((0, 1, 3, 5), **both)
-    assert slots[64] == SlotConfig((0, 1, 3, 5), **both)
+    assert slots[64] == SlotConfig((0, 1, 3), **both)
     assert all(s.ceiling_coeff == 0.0 for s in slots.values())
     assert (cfg.ema_alpha, cfg.warmup_batches, cfg.update_interval) == (0.2, 10, 5)
     assert (cfg.min_dwell, cfg.upshift_backoff, cfg.upshift_backoff_max) == (16, 64, 1024)
