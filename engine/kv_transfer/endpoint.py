@@ -28,7 +28,9 @@ class Endpoint:
 def build_endpoint(pd: "DisaggEngine", *, kind: str, role: str, rows: int, spec_algorithm: str,
                    draft_model_dir: str | None) -> Endpoint:
     pools = pd.kv_pools()
-    handoff = HandoffRows(pd.handoff_bytes, rows, device="cpu")  # rows live in host memory
+    # Rows live where the KV lives: in VRAM a request's row joins its pages' transfer; in host
+    # memory beside VRAM KV it would be a second transfer, posted after the first completes.
+    handoff = HandoffRows(pd.handoff_bytes, rows, device=pools[0].buffer.device if pools else "cpu")
     name = f"pdserve-{role}-{uuid.uuid4().hex[:12]}"
     transport = create_transport(kind, name, pools, handoff)
     cfg = pd.config

@@ -1,7 +1,8 @@
 """Handoff rows: one fixed-size row of bytes per in-flight PD request, moved next to its KV pages.
 
 One contiguous uint8 tensor of rows is registered with the transport, so a request's row moves as
-ONE descriptor with its pages. The transport knows nothing of what a row holds beyond the room
+ONE descriptor with its pages; nodes keep it where their KV lives, so on GPUs the row travels in
+the same NIXL transfer as the pages (one stage, one completion notification). The transport knows nothing of what a row holds beyond the room
 echo at its start: the prefill node writes the row (room echo + payload bytes, see
 engine/handoff.py) and the decode node reads it only after the completion notification AND
 `room_of(row) == its echo`, which catches a row never written, written for another request, or
@@ -68,6 +69,7 @@ class HandoffRows:
             raise RuntimeError(f"double free or foreign handoff row {row}")
         self._used.remove(row)
         self.tensor[row].zero_()  # a stale row must never pass the decode-side echo check
+        self._settle()  # before a peer can be told to write into it again
         self._free.append(row)
 
     def check(self) -> None:
@@ -94,6 +96,13 @@ class HandoffRows:
         dst.zero_()
         dst[:data.numel()].copy_(data)
         self._room[row] = int(room_echo)
+        self._settle()
+
+    def _settle(self) -> None:
+        """Rows in VRAM: the writes above are stream-ordered, and the transport reads the row
+        from its own streams; wait until they landed."""
+        if self.tensor.is_cuda:
+            torch.cuda.current_stream(self.tensor.device).synchronize()
 
     def read(self, row: int) -> tuple[int, torch.Tensor]:
         """Decode side: (room echo, a copy of the payload), so the row can be freed right after."""
