@@ -23,7 +23,7 @@ TIMEOUT_S = 10.0
 
 REGION = {"addr": 0x7F00_0000_1000, "item_bytes": 4096, "count": 128, "device_id": 1}
 LAYOUT = {"kv": [REGION, dict(REGION, addr=0x7F00_0010_0000)], "aux": dict(REGION, count=64),
-          "mem_type": "VRAM"}
+          "mem_type": "VRAM", "aux_mem_type": "VRAM"}
 FINGERPRINT = {"model_hash": "ab" * 32, "dtype": "bfloat16", "page_size": 16, "kv_layout": "nhd",
                "spec_algorithm": "EAGLE3", "draft_model_hash": "cd" * 32, "aux_row_bytes": 8192,
                "version": "0.1.0"}
@@ -81,6 +81,18 @@ def test_fingerprint_proto_round_trip() -> None:
     fp = Fingerprint(**FINGERPRINT)
     assert fp.to_proto() == pb.Fingerprint(**FINGERPRINT)
     assert Fingerprint.from_proto(pb.Fingerprint.FromString(fp.to_proto().SerializeToString())) == fp
+
+
+def test_memory_layout_round_trip_keeps_the_aux_memory_kind() -> None:
+    """A VRAM aux buffer must reach the peer as VRAM: its descriptors name that memory kind."""
+    from engine.kv_transfer.base import MemoryLayout, Region
+    from engine.kv_transfer.wire import layout_from_proto, layout_to_proto
+
+    layout = MemoryLayout((Region(4096, 256, 8, 1),), Region(8192, 64, 4, 1), "VRAM", "VRAM")
+    wire = pb.MemoryLayout.FromString(layout_to_proto(layout).SerializeToString())
+    assert layout_from_proto(wire) == layout
+    wire.ClearField("aux_mem_type")  # a node from before the field: host rows
+    assert layout_from_proto(wire).aux_mem_type == "DRAM"
 
 
 class _Prefill(pb_grpc.KVControlServicer):

@@ -34,7 +34,7 @@ def _endpoint(name: str, device: str, max_tokens: int) -> tuple[Any, Any, Any, t
     from engine.kv_transfer import HandoffRows, create_transport
 
     pool = KVPool(LAYERS, max_tokens // PAGE + 2, PAGE, KV_HEADS, HEAD_DIM, torch.bfloat16, device)
-    rows = HandoffRows(ROW_PAYLOAD, 4, device=device)  # where a node keeps them: beside its KV
+    rows = HandoffRows(ROW_PAYLOAD, 4, device="cpu")  # where a node keeps them (engine/kv_transfer/endpoint.py)
     transport = create_transport("nixl", f"bw-{name}", [pool], rows)
     flat = torch.empty(max_tokens * BYTES_PER_TOKEN, dtype=torch.uint8, device=device)
     raw = nixl_agent(f"raw-{name}", nixl_agent_config(backends=["UCX"]))

@@ -28,9 +28,11 @@ class Endpoint:
 def build_endpoint(pd: "DisaggEngine", *, kind: str, role: str, rows: int, spec_algorithm: str,
                    draft_model_dir: str | None) -> Endpoint:
     pools = pd.kv_pools()
-    # Rows live where the KV lives: in VRAM a request's row joins its pages' transfer; in host
-    # memory beside VRAM KV it would be a second transfer, posted after the first completes.
-    handoff = HandoffRows(pd.handoff_bytes, rows, device=pools[0].buffer.device if pools else "cpu")
+    # Rows live in host memory: beside VRAM KV their write is a second NIXL stage, posted when
+    # the pages' stage completes. Rows in VRAM would ride in the pages' transfer (the transport
+    # and the control plane's layout carry that, tests/engine/test_kv_transfer.py), but serving
+    # nodes keep host rows until a two-node GPU run has shown the VRAM path end to end.
+    handoff = HandoffRows(pd.handoff_bytes, rows, device="cpu")
     name = f"pdserve-{role}-{uuid.uuid4().hex[:12]}"
     transport = create_transport(kind, name, pools, handoff)
     cfg = pd.config

@@ -1,8 +1,8 @@
 """Handoff rows: one fixed-size row of bytes per in-flight PD request, moved next to its KV pages.
 
 One contiguous uint8 tensor of rows is registered with the transport, so a request's row moves as
-ONE descriptor with its pages; nodes keep it where their KV lives, so on GPUs the row travels in
-the same NIXL transfer as the pages (one stage, one completion notification). The transport knows nothing of what a row holds beyond the room
+ONE descriptor with its pages (in the same NIXL transfer when it lives in the KV's memory kind,
+else as a second stage after them). The transport knows nothing of what a row holds beyond the room
 echo at its start: the prefill node writes the row (room echo + payload bytes, see
 engine/handoff.py) and the decode node reads it only after the completion notification AND
 `room_of(row) == its echo`, which catches a row never written, written for another request, or

@@ -19,14 +19,16 @@ class Region(_message.Message):
     def __init__(self, addr: _Optional[int] = ..., item_bytes: _Optional[int] = ..., count: _Optional[int] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class MemoryLayout(_message.Message):
-    __slots__ = ("kv", "aux", "mem_type")
+    __slots__ = ("kv", "aux", "mem_type", "aux_mem_type")
     KV_FIELD_NUMBER: _ClassVar[int]
     AUX_FIELD_NUMBER: _ClassVar[int]
     MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    AUX_MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
     kv: _containers.RepeatedCompositeFieldContainer[Region]
     aux: Region
     mem_type: str
-    def __init__(self, kv: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., aux: _Optional[_Union[Region, _Mapping]] = ..., mem_type: _Optional[str] = ...) -> None: ...
+    aux_mem_type: str
+    def __init__(self, kv: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., aux: _Optional[_Union[Region, _Mapping]] = ..., mem_type: _Optional[str] = ..., aux_mem_type: _Optional[str] = ...) -> None: ...
 
 class Fingerprint(_message.Message):
     __slots__ = ("model_hash", "dtype", "page_size", "kv_layout", "spec_algorithm", "draft_model_hash", "aux_row_bytes", "version")

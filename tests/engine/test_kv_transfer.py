@@ -27,6 +27,7 @@ from engine.kv_cache import KVPool
 from engine.kv_transfer import (HandoffRows, KVPoll, MemoryLayout, Region, TransferError,
                                 TransferRequest, coalesce_runs, create_transport, failure_tag,
                                 kv_regions, nixl_available, page_descs, parse_tag, run_descs)
+from engine.kv_transfer.wire import layout_from_proto, layout_to_proto
 
 ROOT = Path(__file__).resolve().parents[2]
 HAVE_NIXL = nixl_available()
@@ -46,7 +47,7 @@ BIG = {"pools": [[1, 1025, 16, 8, 128, "bfloat16"]], "aux": [0, 4], "seed": 11}
 def make_pools(spec: dict[str, Any], fill: bool) -> list[KVPool]:
     pools = []
     for i, (layers, pages, page_size, heads, head_dim, dt) in enumerate(spec["pools"]):
-        pool = KVPool(layers, pages, page_size, heads, head_dim, DTYPES[dt], "cpu")
+        pool = KVPool(layers, pages, page_size, heads, head_dim, DTYPES[dt], spec.get("device", "cpu"))
         if fill:
             g = torch.Generator().manual_seed(spec["seed"] + i)
             pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=g).to(DTYPES[dt]))
@@ -58,7 +59,7 @@ def make_pools(spec: dict[str, Any], fill: bool) -> list[KVPool]:
 
 def make_aux(spec: dict[str, Any]) -> HandoffRows:
     payload_bytes, rows = spec["aux"]
-    return HandoffRows(payload_bytes, rows)
+    return HandoffRows(payload_bytes, rows, device=spec.get("device", "cpu"))  # beside the KV, as nodes do
 
 
 def expected_payload(spec: dict[str, Any], room: int) -> torch.Tensor:
@@ -93,7 +94,7 @@ def verify(spec: dict[str, Any], pools: list[KVPool], aux: HandoffRows, cmd: dic
     echo, payload = aux.read(cmd["dst_row"])
     if (echo, aux.room_of(cmd["dst_row"])) != (cmd["room"], cmd["room"]):
         return f"row echo {echo} != room {cmd['room']}"
-    if not torch.equal(payload, expected_payload(spec, cmd["room"])):
+    if not torch.equal(payload.cpu(), expected_payload(spec, cmd["room"])):
         return "row payload differs"
     return None
 
@@ -292,9 +293,32 @@ def nixl_pair(base: dict[str, Any], tag: str) -> Iterator[tuple[Any, Child, list
     child = Child(spec)
     try:
         with NixlTransport(f"{tag}-writer-{os.getpid()}", pools, aux) as t:
-            yield t, child, pools, aux, t.add_peer(child.metadata, child.layout)
+            # the layout crosses the control plane's wire form, as between nodes
+            layout = layout_from_proto(layout_to_proto(child.layout))
+            yield t, child, pools, aux, t.add_peer(child.metadata, layout)
     finally:
         child.kill()
+
+
+@needs_nixl
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_nixl_vram_pages_and_row_in_one_transfer() -> None:
+    """KV and handoff rows in VRAM on both sides (as GPU nodes keep them): one write moves a
+    request's pages and its row, in one stage, with one completion notification."""
+    with nixl_pair(dict(SMALL, device="cuda:0"), "vram") as (t, child, _, aux, peer):
+        assert child.layout.aux_mem_type == "VRAM" and t.layout().aux_mem_type == "VRAM"
+        for room, src, dst, dst_row in [(11, [3, 4, 5, 9], [7, 8, 2, 10], 3), (12, [1], [6], 4)]:
+            row, info = write_aux_row(SMALL, aux, room)
+            child.send(op="expect", kind="done", room=room, verify=True, src_pages=src, dst_pages=dst,
+                       dst_row=dst_row, **info)
+            h = t.write(TransferRequest(room, peer, src, dst, row, dst_row))
+            assert len(h.stages) == 1
+            assert wait_done(t, h) == KVPoll.SUCCESS, t.last_error(h)
+            t.release(h)
+            reply = child.recv()
+            assert reply["ok"], reply["error"]
+            aux.free(row)
 
 
 @needs_nixl
