@@ -30,15 +30,10 @@ from engine.layers import gemv as gemv_mod
 VARIANTS = {"cublas": (0, "0"), "gemv": (gemv_mod.MAX_ROWS, "0"), "gemv_pdl": (gemv_mod.MAX_ROWS, "1")}
 
 
-def kernel_table(fn: Any, steps: int) -> dict[str, Any]:
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+def cuda_kernel_stats(prof: Any, steps: int) -> tuple[dict[str, list[float]], float, float]:
+    """From a finished torch profiler: per kernel name [us per step, launches per step], the GPU's
+    busy time per step (the union of kernel intervals) and the span from first to last kernel."""
+    per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     spans = []
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA:
@@ -46,6 +41,8 @@ def kernel_table(fn: Any, steps: int) -> dict[str, Any]:
         per_name[ev.name][0] += ev.device_time / steps
         per_name[ev.name][1] += 1 / steps
         spans.append((ev.time_range.start, ev.time_range.end))
+    if not spans:
+        return dict(per_name), 0.0, 0.0
     spans.sort()
     busy, cur_s, cur_e = 0.0, *spans[0]
     for s, e in spans[1:]:
@@ -54,10 +51,22 @@ def kernel_table(fn: Any, steps: int) -> dict[str, Any]:
         else:
             cur_e = max(cur_e, e)
     busy += cur_e - cur_s
+    return dict(per_name), busy / steps, (spans[-1][1] - spans[0][0]) / steps
+
+
+def kernel_table(fn: Any, steps: int) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    per_name, busy, span = cuda_kernel_stats(prof, steps)
     top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:25]
     return {"kernels_per_step": sum(c for _, c in per_name.values()),
             "kernel_us_per_step": sum(t for t, _ in per_name.values()),
-            "busy_us_per_step": busy / steps, "span_us_per_step": (spans[-1][1] - spans[0][0]) / steps,
+            "busy_us_per_step": busy, "span_us_per_step": span,
             "top": [{"name": n[:90], "us": round(t, 1), "count": round(c, 1)} for n, (t, c) in top]}
 
 

@@ -12,9 +12,7 @@ OUT/profile_zero_step_<model>.json.
 from __future__ import annotations
 
 import gc
-import json
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -22,29 +20,15 @@ from typing import Any
 
 import torch
 
-import spec.registry as registry
 from bench.common import write_report
-from bench.gpu.llama8b import build_engine_model, shape_config
-from bench.gpu.spec_speedup import (MAX_RUNNING, MODELS, NEW_TOKENS, PROMPT_LEN, ZERO_ONLY, engine_for,
-                                    prompts_for, release_memory, timed_decode)
-from bench.gpu.synthetic import PICKER, OraclePicker, SyntheticEagle3, widen_margins
+from bench.gpu.profile_step import cuda_kernel_stats
+from bench.gpu.spec_speedup import (MODELS, NEW_TOKENS, engine_for, prompts_for, release_memory,
+                                    synthetic_setup, timed_decode)
 from engine.core import SamplingParams
 from engine.engine import Engine
-from fixtures.tiny_eagle import write_tiny_eagle_head
 
 HOST = False  # `host` on the command line: also a cProfile of each decode phase
 FREEZE = False  # `freeze`: gc.freeze() after each engine is built
-
-
-def _busy(spans: list[tuple[float, float]]) -> float:
-    spans.sort()
-    busy, (cur_s, cur_e) = 0.0, spans[0]
-    for s, e in spans[1:]:
-        if s > cur_e:
-            busy, cur_s, cur_e = busy + cur_e - cur_s, s, e
-        else:
-            cur_e = max(cur_e, e)
-    return busy + cur_e - cur_s
 
 
 class GcTimer:
@@ -88,20 +72,13 @@ def profiled_decode(eng: Engine, prompts: list[list[int]]) -> dict[str, Any]:
             steps += 1
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    spans = []
-    for ev in prof.events():
-        if ev.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        per_name[ev.name][0] += ev.device_time / steps
-        per_name[ev.name][1] += 1 / steps
-        spans.append((ev.time_range.start, ev.time_range.end))
+    per_name, busy, _ = cuda_kernel_stats(prof, steps)
     top = sorted(per_name.items(), key=lambda kv: -kv[1][0])
     return {"steps": steps, "wall_us_per_step": wall / steps * 1e6, "host_us_per_step": host / steps * 1e6,
             "gc_us_per_step": gct.seconds / steps * 1e6, "gc_runs": gct.runs,
             "kernel_us_per_step": sum(t for t, _ in per_name.values()),
             "kernels_per_step": sum(c for _, c in per_name.values()),
-            "busy_us_per_step": _busy(spans) / steps if spans else 0.0,
+            "busy_us_per_step": busy,
             "kernels": {n[:100]: [round(t, 2), round(c, 2)] for n, (t, c) in top}}
 
 
@@ -184,22 +161,12 @@ def main() -> int:
     batches = tuple(int(b) for b in sizes[0].split(",")) if sizes else (1, 8, 64)
     out = Path(rest[0]) if rest else Path("bench/results")
     for name in names:
-        raw, cfg = shape_config(MODELS[name])
-        dev = torch.device("cuda")
-        model = build_engine_model(cfg, dev)
-        widen_margins(model)
-        tmp = Path(tempfile.mkdtemp())
-        (tmp / "config.json").write_text(json.dumps(raw))
-        (tmp / "zero.json").write_text(json.dumps(ZERO_ONLY))
-        head = write_tiny_eagle_head(tmp / "head", tmp, "eagle3", draft_vocab_size=min(32000, cfg.vocab_size // 2),
-                                     intermediate_size=cfg.intermediate_size)
-        registry.register_class("SYNTHETIC", SyntheticEagle3)
-        picker = PICKER["current"] = OraclePicker(MAX_RUNNING, PROMPT_LEN + NEW_TOKENS + 96, cfg.vocab_size, dev)
+        cfg, model, head, zero_config, picker = synthetic_setup(name)
         report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "model": name, "points": []}
         results: dict[str, dict[int, Any]] = {"plain": {}, "zero": {}}
         for label in results:
             eng = engine_for(model, cfg, head if label == "zero" else None, 1 if label == "zero" else None,
-                             str(tmp / "zero.json") if label == "zero" else None)
+                             zero_config if label == "zero" else None)
             if FREEZE:  # what a long-running node does after start-up: never rescan its objects
                 gc.collect()
                 gc.freeze()

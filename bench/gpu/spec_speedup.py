@@ -133,7 +133,9 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def sweep(name: str, out_dir: Path, batches: tuple[int, ...]) -> dict[str, Any]:
+def synthetic_setup(name: str) -> tuple[Any, torch.nn.Module, Path, str, OraclePicker]:
+    """(config, target model, synthetic head dir, pinned-at-0 adaptive config path, oracle picker)
+    for a model shape: random weights with widened margins, registered as SYNTHETIC."""
     raw, cfg = shape_config(MODELS[name])
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_engine_model(cfg, dev)
@@ -145,6 +147,12 @@ def sweep(name: str, out_dir: Path, batches: tuple[int, ...]) -> dict[str, Any]:
                                  intermediate_size=cfg.intermediate_size)
     registry.register_class("SYNTHETIC", SyntheticEagle3)
     picker = PICKER["current"] = OraclePicker(MAX_RUNNING, PROMPT_LEN + NEW_TOKENS + 96, cfg.vocab_size, dev)
+    return cfg, model, head, str(tmp / "zero.json"), picker
+
+
+def sweep(name: str, out_dir: Path, batches: tuple[int, ...]) -> dict[str, Any]:
+    cfg, model, head, zero_config, picker = synthetic_setup(name)
+    dev = next(model.parameters()).device
     eng = engine_for(model, cfg, None, None)
     plain: dict[int, dict[str, Any]] = {}
     for bs in batches:
@@ -156,7 +164,7 @@ def sweep(name: str, out_dir: Path, batches: tuple[int, ...]) -> dict[str, Any]:
     del eng
     release_memory()
     runs: dict[str, dict[tuple[int, float], dict[str, Any]]] = {}
-    labels = [*((str(s), s, None) for s in FIXED), ("0", 1, str(tmp / "zero.json")), ("adaptive", None, None)]
+    labels = [*((str(s), s, None) for s in FIXED), ("0", 1, zero_config), ("adaptive", None, None)]
     for label, steps, adaptive_config in labels:
         eng = engine_for(model, cfg, head, steps, adaptive_config)
         runs[label] = {}

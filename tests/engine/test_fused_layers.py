@@ -16,6 +16,7 @@ if not torch.cuda.is_available():  # must precede the kernels' import: jit picks
 
 from engine.layers.activation import silu_and_mul  # noqa: E402
 from engine.layers.dispatch import fused_ops, kernels_for  # noqa: E402
+from tests.engine.fused_paths import both_paths  # noqa: E402
 from engine.layers.norm import RMSNorm  # noqa: E402
 from engine.layers.rotary import RotaryEmbedding  # noqa: E402
 
@@ -36,17 +37,6 @@ def _exact(dtype: torch.dtype) -> dict[str, float]:
     return dict(atol=0, rtol=0) if dtype == torch.float32 or DEV == "cuda" else _tol(dtype)
 
 
-def _both(fn):
-    """fn() with the torch path, then with the Triton path forced on (inference mode, as served:
-    with autograd recording, dispatch keeps parameters' ops in torch)."""
-    with torch.inference_mode():
-        with fused_ops("off"):
-            ref = fn()
-        with fused_ops("on"):
-            got = fn()
-    return ref, got
-
-
 def _norm(dim: int, dtype: torch.dtype, eps: float = 1e-6) -> RMSNorm:
     norm = RMSNorm(dim, eps).to(DEV, dtype)
     with torch.no_grad():
@@ -61,10 +51,10 @@ def test_rmsnorm_and_fused_residual_add(dtype: torch.dtype, dim: int) -> None:
     norm = _norm(dim, dtype)
     x = torch.randn(5, dim, device=DEV).to(dtype)
     res = torch.randn(5, dim, device=DEV).to(dtype)
-    ref, got = _both(lambda: norm(x))
+    ref, got = both_paths(lambda: norm(x))
     assert got.dtype == ref.dtype and got.shape == ref.shape
     torch.testing.assert_close(got, ref, **_tol(dtype))
-    (ref_out, ref_res), (got_out, got_res) = _both(lambda: norm.forward_add(x, res))
+    (ref_out, ref_res), (got_out, got_res) = both_paths(lambda: norm.forward_add(x, res))
     torch.testing.assert_close(got_res, ref_res, **_exact(dtype))  # one add, same rounding
     torch.testing.assert_close(got_out, ref_out, **_tol(dtype))
 
@@ -78,7 +68,7 @@ def test_qwen3_head_norm_on_strided_view(dtype: torch.dtype) -> None:
     qkv = torch.randn(4, (heads + 2) * head_dim, device=DEV).to(dtype)
     q = qkv[:, :heads * head_dim].view(4, heads, head_dim)
     assert not q.is_contiguous()
-    ref, got = _both(lambda: norm(q))
+    ref, got = both_paths(lambda: norm(q))
     assert got.shape == (4, heads, head_dim)
     torch.testing.assert_close(got, ref, **_tol(dtype))
 
@@ -86,7 +76,7 @@ def test_qwen3_head_norm_on_strided_view(dtype: torch.dtype) -> None:
 def test_empty_batch_and_cpu_default_is_torch() -> None:
     norm = _norm(48, torch.float32)
     empty = torch.empty(0, 48, device=DEV)
-    ref, got = _both(lambda: norm.forward_add(empty, empty))
+    ref, got = both_paths(lambda: norm.forward_add(empty, empty))
     assert got[0].shape == (0, 48) and got[1].shape == (0, 48)
     if DEV == "cpu":
         assert kernels_for(torch.ones(1)) is None  # auto mode: CPU never takes the Triton path
@@ -116,7 +106,7 @@ def test_rotary_q_and_k(dtype: torch.dtype, head_dim: int, inplace: bool) -> Non
     pos = torch.tensor([0, 3, 17, 63, 5], device=DEV)
     q0 = torch.randn(5, 4, head_dim, device=DEV).to(dtype)
     k0 = torch.randn(5, 2, head_dim, device=DEV).to(dtype)
-    ref, got = _both(lambda: rope(pos, q0.clone(), k0.clone(), inplace=inplace))
+    ref, got = both_paths(lambda: rope(pos, q0.clone(), k0.clone(), inplace=inplace))
     for r, g in zip(ref, got):
         assert g.shape == r.shape and g.dtype == r.dtype
         torch.testing.assert_close(g, r, **_tol(dtype))
@@ -136,7 +126,7 @@ def test_rotary_llama3_scaling_on_strided_views() -> None:
     q = qkv[:, :128].view(3, 4, 32)
     k = qkv[:, 128:192].view(3, 2, 32)
     pos = torch.tensor([1, 40, 2], device=DEV)
-    ref, got = _both(lambda: rope(pos, q, k))
+    ref, got = both_paths(lambda: rope(pos, q, k))
     for r, g in zip(ref, got):
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
 
@@ -147,10 +137,10 @@ def test_silu_and_mul_separate_and_fused(dtype: torch.dtype, width: int) -> None
     torch.manual_seed(width)
     gate = (3 * torch.randn(6, width, device=DEV)).to(dtype)
     up = torch.randn(6, width, device=DEV).to(dtype)
-    ref, got = _both(lambda: silu_and_mul(gate, up))
+    ref, got = both_paths(lambda: silu_and_mul(gate, up))
     torch.testing.assert_close(got, ref, **_tol(dtype))
     gate_up = torch.cat((gate, up), dim=-1)
-    ref2, got2 = _both(lambda: silu_and_mul(gate_up))
+    ref2, got2 = both_paths(lambda: silu_and_mul(gate_up))
     torch.testing.assert_close(got2, ref, **_tol(dtype))
     torch.testing.assert_close(ref2, ref, **_tol(dtype))  # torch: strided silu rounds its own way
 
@@ -216,7 +206,7 @@ def test_model_logits_with_fused_ops_equal_torch(fixture: str, request: pytest.F
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     model_dir = request.getfixturevalue(fixture)
     calls = _count_kernel_calls(monkeypatch)
-    ref, got = _both(lambda: _prefill_and_decode_logits(model_dir))
+    ref, got = both_paths(lambda: _prefill_and_decode_logits(model_dir))
     # per forward and layer: 2 fused add+norms (+ q/k norms for Qwen3), 1 rotary, 1 silu*mul
     assert calls["rotary"] == calls["silu_and_mul"] == 2 * 2
     assert calls["rmsnorm"] == 2 * (2 * (4 if fixture == "tiny_qwen3_dir" else 2) + 1)
@@ -266,7 +256,7 @@ def test_gpu_llama8b_sizes_bf16(tokens: int) -> None:
     norm, head_norm = _norm(4096, bf16, 1e-5), _norm(128, bf16)
     x = torch.randn(tokens, 4096, device=DEV, dtype=bf16)
     res = torch.randn(tokens, 4096, device=DEV, dtype=bf16)
-    (ref_out, ref_res), (got_out, got_res) = _both(lambda: norm.forward_add(x, res))
+    (ref_out, ref_res), (got_out, got_res) = both_paths(lambda: norm.forward_add(x, res))
     torch.testing.assert_close(got_res, ref_res, atol=0, rtol=0)
     torch.testing.assert_close(got_out, ref_out, **_tol(bf16))
     rope = RotaryEmbedding(128, 8192, 500000.0, {"factor": 8.0, "low_freq_factor": 1.0,
@@ -274,12 +264,12 @@ def test_gpu_llama8b_sizes_bf16(tokens: int) -> None:
     pos = torch.randint(0, 8192, (tokens,), device=DEV)
     qkv = torch.randn(tokens, 48 * 128, device=DEV, dtype=bf16)
     q, k = qkv[:, :4096].view(tokens, 32, 128), qkv[:, 4096:5120].view(tokens, 8, 128)
-    for r, g in zip(*_both(lambda: rope(pos, q, k))):
+    for r, g in zip(*both_paths(lambda: rope(pos, q, k))):
         torch.testing.assert_close(g, r, **_tol(bf16))
-    ref, got = _both(lambda: head_norm(q))
+    ref, got = both_paths(lambda: head_norm(q))
     torch.testing.assert_close(got, ref, **_tol(bf16))
     gate_up = torch.randn(tokens, 2 * 14336, device=DEV, dtype=bf16)
-    ref, got = _both(lambda: silu_and_mul(gate_up))
+    ref, got = both_paths(lambda: silu_and_mul(gate_up))
     torch.testing.assert_close(got, ref, **_tol(bf16))
 
 

@@ -20,6 +20,7 @@ from engine.kv_cache import KVCacheConfig, KVCacheManager, KVPool  # noqa: E402
 from engine.layers.dispatch import fused_ops  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
 from engine.relay_step import commit_decode, resolve_decode  # noqa: E402
+from tests.engine.fused_paths import both_paths  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -43,15 +44,6 @@ def _setup(seed: int = 0) -> tuple[FutureMap, ModelRunner]:
     return fm, runner
 
 
-def _both(fn):
-    with torch.inference_mode():
-        with fused_ops("off"):
-            ref = fn()
-        with fused_ops("on"):
-            got = fn()
-    return ref, got
-
-
 @pytest.mark.parametrize("slots", [[3, 1, 7], [5, 0, 0, 2], [8]])
 def test_resolve_decode_equals_reference(slots: list[int]) -> None:
     def run():
@@ -59,7 +51,7 @@ def test_resolve_decode_equals_reference(slots: list[int]) -> None:
         s = torch.tensor(slots, device=DEV)
         prefix, ids, ctx = resolve_decode(fm, runner, s, aux_hidden_layers=(0, 2))
         return prefix, ids, ctx
-    (p0, i0, c0), (p1, i1, c1) = _both(run)
+    (p0, i0, c0), (p1, i1, c1) = both_paths(run)
     assert torch.equal(p0, p1) and torch.equal(i0, i1)
     for name in ("positions", "out_cache_loc", "req_slots", "seq_lens", "extend_lens", "qo_indptr"):
         assert torch.equal(getattr(c0, name), getattr(c1, name)), name
@@ -89,7 +81,7 @@ def test_commit_decode_equals_reference(parts: int) -> None:
         ring_feats = torch.zeros(ROWS + 1, DEPTH, 24, dtype=torch.bfloat16, device=DEV)
         commit_decode(fm, slots, prefix, tokens, ring_tokens, ring_feats, sources)
         return fm.new_seq_lens_buf.clone(), fm.output_tokens_buf.clone(), ring_tokens[1:], ring_feats[1:]
-    ref, got = _both(run)
+    ref, got = both_paths(run)
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
     lens, toks, ring_tokens, _ = got
