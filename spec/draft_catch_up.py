@@ -11,9 +11,11 @@ up to `depth` tokens, so the draft's share of a 0-step iteration drops by about 
 
 The host knows each request's backlog exactly (a 0-step iteration advances a request by one
 token), so nothing is synchronized: counts travel into the catch-up graph as an input. The
-catch-up window is right-aligned at the current length, [max(L - depth, 0), +depth); rows outside
-the backlog still run their queries but write no KV (`window_context(writes=...)`), so the draft
-KV before the backlog is left as it was and the backlog rows read it through the page table.
+catch-up covers [max(L - depth, 0), L) in two fixed-width windows: all but the newest FULL_ROWS
+positions only get the head's cache entries (its k/v projections: what later positions attend
+to), the newest run the whole head, whose last hidden state seeds the next draft. Rows outside
+the backlog run but write no KV (`window_context(writes=...)`), so the draft KV before the
+backlog is left as it was and the backlog rows read it through the page table.
 
 The catch-up also scores what the draft would have done: its first draft after each of the newest
 backlog tokens against the token the target produced. Adaptive steps at 0 learn from that whether
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
     from spec.eagle_worker import EagleWorker
 
 DEFAULT_DEPTH = 16
-SCORED_ROWS = 4  # the newest backlog rows each catch-up scores (3 first drafts per request)
+FULL_ROWS = 4  # the newest backlog rows the whole head runs on (and scores: 3 first drafts)
 
 
 class DraftBacklog:
@@ -103,40 +105,51 @@ class DraftBacklog:
         return {"hits": hits.clone(), "samples": samples.clone()}  # the graph's outputs get reused
 
     def _catch_up(self, slots: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fixed-shape device ops (slots padded with 0, whose count is 0)."""
+        """Fixed-shape device ops (slots padded with 0, whose count is 0). The newest FULL_ROWS
+        positions run the whole head (their hidden states seed the next draft and are scored);
+        the backlog before them only needs the head's cache entries (`write_kv`: its k/v
+        projections, no attention or MLP, about a third of the head's work per row)."""
         worker, depth = self.worker, self.depth
         fm, draft = worker.future_map, worker.draft
         seq = fm.resolve_seq_lens(slots, wait=False, consume=False)
-        prefix = (seq - depth).clamp(min=0)
-        pos = prefix.unsqueeze(1) + torch.arange(depth, device=slots.device)  # (bs, depth)
-        writes = (pos >= (seq - counts).unsqueeze(1)) & (pos < seq.unsqueeze(1))
-        at = pos % depth
-        rows = slots.unsqueeze(1)
-        feats = self.feats[rows, at].reshape(-1, self.feats.shape[-1])
-        tokens = self.tokens[rows, at]
-        ctx = draft.window_context(self.mode, slots, prefix, depth, writes=writes.reshape(-1))
+        first = (seq - counts).unsqueeze(1)  # the backlog is [seq - count, seq)
+        full = min(FULL_ROWS, depth)
+        tail = (seq - full).clamp(min=0)  # the whole head runs on [tail, tail + full)
+        if depth > full:
+            head = (seq - depth).clamp(min=0)
+            pos = head.unsqueeze(1) + torch.arange(depth - full, device=slots.device)
+            writes = (pos >= first) & (pos < tail.unsqueeze(1))
+            tokens, feats = self._ring(slots, pos)
+            ctx = draft.window_context(self.mode, slots, head, depth - full, writes=writes.reshape(-1))
+            draft.model.write_kv(tokens.reshape(-1), ctx, features=feats)
+        pos = tail.unsqueeze(1) + torch.arange(full, device=slots.device)
+        writes = (pos >= first) & (pos < seq.unsqueeze(1))
+        tokens, feats = self._ring(slots, pos)
+        ctx = draft.window_context(self.mode, slots, tail, full, writes=writes.reshape(-1))
         g = draft.forward_direct(tokens.reshape(-1), ctx, features=feats)
         bs = slots.shape[0]
-        last = torch.arange(bs, device=slots.device) * depth + (seq - 1 - prefix).clamp(min=0)
+        last = torch.arange(bs, device=slots.device) * full + (seq - 1 - tail).clamp(min=0)
         g_last = torch.where((counts > 0).unsqueeze(1), g[last], 0)  # padding keeps row 0 zero
         fm.stash_hidden(slots, g_last)
         return self._first_draft_hits(g, slots, pos, tokens, writes)
 
+    def _ring(self, slots: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens (bs, w), features (bs * w, F)) the ring holds for positions `pos` (bs, w)."""
+        rows, at = slots.unsqueeze(1), pos % self.depth
+        return self.tokens[rows, at], self.feats[rows, at].reshape(-1, self.feats.shape[-1])
+
     def _first_draft_hits(self, g: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
                           tokens: torch.Tensor, writes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first draft a drafting iteration would have made after each of the window's last
-        SCORED_ROWS backlog rows but the last (the top-1 of that row's hidden state) against the
-        token the target then produced (the next row's): per request, (hits, samples). Only the
-        newest rows are scored: the head's logits over every row cost a third of a catch-up at
+        """The first draft a drafting iteration would have made after each of the newest backlog
+        rows but the last (the top-1 of that row's hidden state `g`) against the token the target
+        then produced (the next row's): per request, (hits, samples). Only the rows the whole
+        head ran on are scored: the head's logits over every row cost a third of a catch-up at
         large batch sizes, and a few samples per request and catch-up steer the policy as well."""
-        worker, depth = self.worker, self.depth
-        rows = min(SCORED_ROWS, depth)
-        bs = slots.shape[0]
-        tail = g.view(bs, depth, -1)[:, depth - rows:].reshape(bs * rows, -1)
-        pos, tokens, writes = pos[:, depth - rows:], tokens[:, depth - rows:], writes[:, depth - rows:]
+        worker = self.worker
+        bs, width = pos.shape
         # `pick` is `guess`'s top-1 without the softmax (pickers agree on it: tested)
-        first = worker.picker.pick(worker.draft.model, tail, slots.repeat_interleave(rows),
-                                   (pos + 2).reshape(-1)).view(bs, rows)
+        first = worker.picker.pick(worker.draft.model, g, slots.repeat_interleave(width),
+                                   (pos + 2).reshape(-1)).view(bs, width)
         scored = writes[:, :-1] & writes[:, 1:]
         hits = ((first[:, :-1] == tokens[:, 1:]) & scored).sum(1)
         return hits, scored.sum(1)

@@ -28,6 +28,11 @@ class AttentionBackend(ABC):
                 scale: float, ctx: "ForwardContext") -> torch.Tensor:
         """q: (tokens, heads, dim); k, v: (tokens, kv_heads, dim). Returns (tokens, heads, dim)."""
 
+    def store(self, k: torch.Tensor, v: torch.Tensor, layer_id: int, ctx: "ForwardContext") -> None:
+        """Write k, v (tokens, kv_heads, dim) at ctx.out_cache_loc without attending (a forward
+        that only fills the cache); needs no prepare()."""
+        ctx.kv_pool.store(layer_id, ctx.out_cache_loc, k, v)
+
 
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
 # built-in backends register themselves when their module is imported; imported on first use so

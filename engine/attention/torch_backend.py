@@ -65,7 +65,7 @@ class TorchAttention(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 scale: float, ctx: "ForwardContext") -> torch.Tensor:
         pool = ctx.kv_pool
-        pool.store(layer_id, ctx.out_cache_loc, k, v)
+        self.store(k, v, layer_id, ctx)
         meta: _Meta = ctx.attn_metadata
         keys = pool.k(layer_id)[meta.kv_slots].to(q.dtype)  # (bs, max_kv, kvh, d)
         vals = pool.v(layer_id)[meta.kv_slots].to(q.dtype)

@@ -94,6 +94,9 @@ class TritonAttention(AttentionBackend):
             tree = ctx.tree_mask.contiguous().view(torch.uint8)
         ctx.attn_metadata = _Meta(max_extend, tree)
 
+    def store(self, k: torch.Tensor, v: torch.Tensor, layer_id: int, ctx: "ForwardContext") -> None:
+        store_kv(k, v, ctx.kv_pool.k(layer_id), ctx.kv_pool.v(layer_id), ctx.out_cache_loc)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 scale: float, ctx: "ForwardContext") -> torch.Tensor:
         pool = ctx.kv_pool

@@ -59,10 +59,16 @@ class EagleHead(_DraftHead):
 
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, features: torch.Tensor) -> torch.Tensor:
-        inputs = torch.cat((self._embed(input_ids), features.to(self.fc.weight.dtype)), dim=-1)
-        x = apply_linear(self.fc, inputs)
-        out, residual = self.layers[0](x, None, self.rotary, ctx)
+        out, residual = self.layers[0](self._fc(input_ids, features), None, self.rotary, ctx)
         return out + residual
+
+    def write_kv(self, input_ids: torch.Tensor, ctx: ForwardContext, features: torch.Tensor) -> None:
+        """The head's cache entries for these tokens, without attention or MLP."""
+        self.layers[0].write_kv(self._fc(input_ids, features), self.rotary, ctx)
+
+    def _fc(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        inputs = torch.cat((self._embed(input_ids), features.to(self.fc.weight.dtype)), dim=-1)
+        return apply_linear(self.fc, inputs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._target[0].compute_logits(hidden)
@@ -82,9 +88,14 @@ class Eagle3DecoderLayer(nn.Module):
 
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding,
                 ctx: ForwardContext) -> torch.Tensor:
-        x = torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)
-        h = self.self_attn(x, rotary, ctx) + hidden
+        h = self.self_attn(self._attn_input(emb, hidden), rotary, ctx) + hidden
         return self.mlp(self.post_attention_layernorm(h)) + h
+
+    def write_kv(self, emb: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext) -> None:
+        self.self_attn.write_kv(self._attn_input(emb, hidden), rotary, ctx)
+
+    def _attn_input(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)
 
 
 class Eagle3Head(_DraftHead):
@@ -111,10 +122,18 @@ class Eagle3Head(_DraftHead):
 
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, features: torch.Tensor) -> torch.Tensor:
+        hidden = self._hidden(features)
+        return self.midlayer(self._embed(input_ids).to(hidden.dtype), hidden, self.rotary, ctx)
+
+    def write_kv(self, input_ids: torch.Tensor, ctx: ForwardContext, features: torch.Tensor) -> None:
+        """The head's cache entries for these tokens, without attention or MLP."""
+        hidden = self._hidden(features)
+        self.midlayer.write_kv(self._embed(input_ids).to(hidden.dtype), hidden, self.rotary, ctx)
+
+    def _hidden(self, features: torch.Tensor) -> torch.Tensor:
         features = features.to(self.fc.weight.dtype)
         # target features arrive 3x wide; the head's own outputs (later draft steps) are not
-        hidden = apply_linear(self.fc, features) if features.shape[-1] == self.fc.in_features else features
-        return self.midlayer(self._embed(input_ids).to(hidden.dtype), hidden, self.rotary, ctx)
+        return apply_linear(self.fc, features) if features.shape[-1] == self.fc.in_features else features
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return apply_linear(self.lm_head, self.norm(hidden)).float()

@@ -38,7 +38,8 @@ class LlamaAttention(nn.Module):
         """q/k/v as one GEMM from now on (call after loading; parameter names stay)."""
         self._qkv = MergedLinear([self.q_proj, self.k_proj, self.v_proj])
 
-    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext) -> torch.Tensor:
+    def _qkv_rotated(self, x: torch.Tensor, rotary: RotaryEmbedding,
+                     ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = x.shape[0]
         q, k, v = project(self._qkv, [self.q_proj, self.k_proj, self.v_proj], x)
         q = q.view(n, self.num_heads, self.head_dim)
@@ -47,8 +48,18 @@ class LlamaAttention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(ctx.positions, q, k)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext) -> torch.Tensor:
+        q, k, v = self._qkv_rotated(x, rotary, ctx)
         out = ctx.attn_backend.forward(q, k, v, self.layer_id, self.scale, ctx)
-        return apply_linear(self.o_proj, out.reshape(n, -1))
+        return apply_linear(self.o_proj, out.reshape(x.shape[0], -1))
+
+    def write_kv(self, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext) -> None:
+        """Only this layer's cache entries for `x`: the same projections and rotation as
+        `forward` (so the same K/V), no attention, no output projection."""
+        _, k, v = self._qkv_rotated(x, rotary, ctx)
+        ctx.attn_backend.store(k, v, self.layer_id, ctx)
 
 
 class LlamaMLP(nn.Module):
@@ -89,6 +100,10 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(h, rotary, ctx)
         h, residual = add_norm(self.post_attention_layernorm, h, residual)
         return self.mlp(h), residual
+
+    def write_kv(self, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext) -> None:
+        """The cache entries `forward(x, None, ...)` would write, and nothing else."""
+        self.self_attn.write_kv(add_norm(self.input_layernorm, x, None)[0], rotary, ctx)
 
 
 class LlamaModel(nn.Module):
