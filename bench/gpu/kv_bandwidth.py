@@ -26,7 +26,7 @@ BYTES_PER_TOKEN = 2 * LAYERS * KV_HEADS * HEAD_DIM * 2
 ROW_PAYLOAD = 4096  # about an EAGLE handoff row of an 8B model (top-k + a 4096-wide hidden state)
 
 
-def _endpoint(name: str, device: str, max_tokens: int) -> tuple[Any, Any, Any, torch.Tensor]:
+def _endpoint(name: str, device: str, max_tokens: int, rows_device: str) -> tuple[Any, Any, Any, torch.Tensor]:
     """Our transport over an 8B-shaped pool, plus a raw NIXL agent over one flat buffer."""
     from nixl_cu13._api import nixl_agent, nixl_agent_config
 
@@ -34,7 +34,8 @@ def _endpoint(name: str, device: str, max_tokens: int) -> tuple[Any, Any, Any, t
     from engine.kv_transfer import HandoffRows, create_transport
 
     pool = KVPool(LAYERS, max_tokens // PAGE + 2, PAGE, KV_HEADS, HEAD_DIM, torch.bfloat16, device)
-    rows = HandoffRows(ROW_PAYLOAD, 4, device="cpu")  # where a node keeps them (engine/kv_transfer/endpoint.py)
+    # "cpu": where a node keeps them (engine/kv_transfer/endpoint.py); "kv": beside the KV
+    rows = HandoffRows(ROW_PAYLOAD, 4, device=device if rows_device == "kv" else rows_device)
     transport = create_transport("nixl", f"bw-{name}", [pool], rows)
     flat = torch.empty(max_tokens * BYTES_PER_TOKEN, dtype=torch.uint8, device=device)
     raw = nixl_agent(f"raw-{name}", nixl_agent_config(backends=["UCX"]))
@@ -46,8 +47,8 @@ def _mem(t: torch.Tensor) -> str:
     return "VRAM" if t.is_cuda else "DRAM"
 
 
-def _receiver(conn: Any, device: str, max_tokens: int) -> None:
-    transport, keep, raw, flat = _endpoint("recv", device, max_tokens)
+def _receiver(conn: Any, device: str, max_tokens: int, rows_device: str) -> None:
+    transport, keep, raw, flat = _endpoint("recv", device, max_tokens, rows_device)
     conn.send((transport.metadata(), transport.layout(), bytes(raw.get_agent_metadata()), flat.data_ptr(),
                max(flat.get_device(), 0)))
     while not conn.poll(0.0005):  # a receiver drives its agents' progress, as a decode node does
@@ -105,16 +106,18 @@ def _time_raw(raw: Any, peer: str, flat: torch.Tensor, remote: tuple[int, int], 
     return statistics.median(times[1:])
 
 
-def measure(src: str, dst: str, tokens_list: tuple[int, ...] = TOKENS) -> dict[str, Any]:
+def measure(src: str, dst: str, tokens_list: tuple[int, ...] = TOKENS, rows_device: str = "cpu") -> dict[str, Any]:
+    """Per prompt length, our write's and raw NIXL's GB/s; `rows_device` "kv" puts the handoff
+    rows beside the KV (one NIXL stage per write) instead of in host memory as nodes do."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver, args=(child, dst, max(tokens_list)), daemon=True)
+    proc = ctx.Process(target=_receiver, args=(child, dst, max(tokens_list), rows_device), daemon=True)
     proc.start()
     try:
         if not parent.poll(300):  # bounded: a receiver that died at start-up must not hang the run
             raise RuntimeError(f"the receiving process did not start (exit code {proc.exitcode})")
         md, layout, raw_md, raddr, rdev = parent.recv()
-        transport, keep, raw, flat = _endpoint("send", src, max(tokens_list))
+        transport, keep, raw, flat = _endpoint("send", src, max(tokens_list), rows_device)
         peer = transport.add_peer(md, layout)
         raw_peer = raw.add_remote_agent(raw_md)
         raw_peer = raw_peer.decode() if isinstance(raw_peer, bytes) else raw_peer

@@ -8,7 +8,8 @@ features) decodes in both deployments.
 
 Reports (OUT/pd_two_gpu_<gpu>.json):
 * bandwidth: KV + handoff row per request for 1K and 8K-token prompts through the transport, and
-  raw NIXL GPU0 -> GPU1 in the same run (bench/gpu/kv_bandwidth.py); goal: ratio >= 0.8;
+  raw NIXL GPU0 -> GPU1 in the same run (bench/gpu/kv_bandwidth.py); goal: ratio >= 0.8; also
+  with the rows in VRAM beside the KV (`bandwidth_vram_rows`: one NIXL stage per write);
 * outputs: a fixed greedy request set through the router, PD texts == colocated texts;
 * acceptance: the decode node's mean accepted length == the colocated node's;
 * TTFT: PD minus colocated time to first token (1-token requests, all deployments up at once and
@@ -196,6 +197,7 @@ def main() -> int:
     topology = "two GPUs" if gpus >= 2 else "one GPU"
     src, dst = "cuda:0", "cuda:1" if gpus >= 2 else "cuda:0"
     bandwidth = kv_bandwidth.measure(src, dst)
+    bandwidth_vram_rows = kv_bandwidth.measure(src, dst, rows_device="kv")  # not what nodes do yet
     runs: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         target, head = write_models(Path(tmp))
@@ -213,6 +215,7 @@ def main() -> int:
         "command": "python -m bench.gpu.pd_two_gpu OUT", "chunked_prefill_size": CHUNK,
         "bandwidth": bandwidth,
         "bandwidth_goal_met": all(b["ratio_vs_raw"] >= 0.8 for b in bandwidth.values()),
+        "bandwidth_vram_rows": bandwidth_vram_rows,
         "pd_equals_colocated": all(r["texts"] == runs["colocated"]["texts"] for r in runs.values()),
         "accept_len": {name: r["accept_len"] for name, r in runs.items()},
         "acceptance_equal": len({r["accept_len"] for r in runs.values()}) == 1,
