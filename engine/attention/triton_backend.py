@@ -101,7 +101,7 @@ class TritonAttention(AttentionBackend):
                 scale: float, ctx: "ForwardContext") -> torch.Tensor:
         pool = ctx.kv_pool
         k_cache, v_cache = pool.k(layer_id), pool.v(layer_id)
-        store_kv(k, v, k_cache, v_cache, ctx.out_cache_loc)
+        self.store(k, v, layer_id, ctx)
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = torch.empty_like(q)
         if ctx.num_tokens == 0:
