@@ -35,7 +35,7 @@ from engine.step_graphs import StepGraphs
 if TYPE_CHECKING:
     from spec.eagle_worker import EagleWorker
 
-DEFAULT_DEPTH = 16
+DEFAULT_DEPTH = 32  # the head's weights are read once per 32 tokens (a ring row: 32 features)
 FULL_ROWS = 4  # the newest backlog rows the whole head runs on (and scores: 3 first drafts)
 
 
@@ -51,8 +51,14 @@ class DraftBacklog:
         rows, dev = worker.future_map.num_rows, worker.target.device
         self.feats = torch.zeros(rows, depth, feat_width, dtype=dtype, device=dev)
         self.tokens = torch.zeros(rows, depth, dtype=torch.int64, device=dev)
-        self.pending: dict[str, int] = {}  # rid -> tokens whose draft KV is not written yet
-        self._full: set[str] = set()  # rids whose pending count reached depth
+        # rid -> tokens whose draft KV is not written yet, but for the current run: consecutive
+        # 0-step iterations of one unchanged batch add one token to each of its requests, which
+        # the run's length records without a per-request update (at large batches the per-rid
+        # loop was a visible share of a host-bound 0-step iteration)
+        self.pending: dict[str, int] = {}
+        self._run: list[str] = []
+        self._run_len = 0
+        self._run_max = 0  # the largest folded count among the run's requests
         self.pushed = 0  # tokens left to the draft by 0-step iterations
         self.catch_ups = 0  # requests caught up (counted per request)
         self.graphs = StepGraphs(batch_sizes, capture=capture)
@@ -64,22 +70,35 @@ class DraftBacklog:
 
     # ---- host bookkeeping ----
     def note_pushed(self, rids: list[str]) -> None:
+        """A 0-step iteration of `rids` left each of them one more token (`rids` is not mutated
+        afterwards: the run keeps it to compare the next batch with)."""
         self.pushed += len(rids)
-        pending, depth = self.pending, self.depth
-        for rid in rids:
-            n = pending[rid] = pending.get(rid, 0) + 1
-            if n >= depth:
-                self._full.add(rid)
+        if rids != self._run:
+            self._fold()
+            self._run, self._run_max = rids, max((self.pending.get(r, 0) for r in rids), default=0)
+        self._run_len += 1
 
     def full(self, rids: list[str]) -> bool:
-        """Some request of `rids` has a full ring (checked every 0-step iteration: the common
-        answer, no full ring at all, costs no per-request work)."""
-        return bool(self._full) and not self._full.isdisjoint(rids)
+        """Some request of `rids` has a full ring (checked every 0-step iteration: within a run
+        of one batch the answer costs no per-request work)."""
+        if self._run and rids == self._run:
+            return self._run_max + self._run_len >= self.depth
+        self._fold()
+        pending, depth = self.pending, self.depth
+        return any(pending.get(r, 0) >= depth for r in rids)
 
     def forget(self, rid: str) -> None:
         """A request left, or its draft state was rebuilt (prefill, PD adoption)."""
+        self._fold()
         self.pending.pop(rid, None)
-        self._full.discard(rid)
+
+    def _fold(self) -> None:
+        """Move the current run's tokens into the per-request counts."""
+        if self._run_len:
+            pending, n = self.pending, self._run_len
+            for rid in self._run:
+                pending[rid] = pending.get(rid, 0) + n
+        self._run, self._run_len = [], 0
 
     # ---- the catch-up ----
     def catch_up(self, rids: list[str], slots: torch.Tensor) -> dict[str, torch.Tensor] | None:
@@ -87,8 +106,8 @@ class DraftBacklog:
         Their hidden-state rows are then current; their top-k is not (the worker computes it
         before drafting). Returns, on the device, per request caught up (in `rids` order), the
         first drafts it scored against the backlog's tokens ("hits" of "samples"), or None."""
+        self._fold()
         counts = [self.pending.pop(rid, 0) for rid in rids]
-        self._full.difference_update(rids)
         keep = [i for i, c in enumerate(counts) if c > 0]
         if not keep:
             return None
