@@ -146,6 +146,11 @@ class ServeRole:
     metrics_port: Optional[int] = opt(None, "Serve Prometheus /metrics on this port (0: any free).")
 
 
+_ROWS_HELP = ("Where the handoff rows (first token, draft state) live: kv (beside the KV cache; in GPU "
+              "memory a request's row rides in its pages' NIXL transfer) or host (host memory: a second "
+              "transfer stage after the pages).")
+
+
 @dataclass(frozen=True)
 class PrefillRole:
     """`pdserve prefill`: runs prompts and writes their KV to decode nodes."""
@@ -157,6 +162,7 @@ class PrefillRole:
     kv_transport: str = opt("nixl", "KV transfer backend (nixl).", aliases=("--disaggregation-transfer-backend",))
     bootstrap_timeout: float = opt(30.0, "Seconds to wait for a destination.")
     transfer_timeout: float = opt(30.0, "Seconds a KV write may take.")
+    kv_handoff_rows: str = opt("kv", _ROWS_HELP)
     kv_send_chunks: bool = opt(True, "With chunked prefill, write each finished chunk's KV while the "
                                "next chunk runs (off: one write once the whole prompt is done).")
     metrics_port: Optional[int] = opt(None, "Serve Prometheus /metrics on this port (0: any free).")
@@ -169,6 +175,7 @@ class DecodeRole:
     host: str = opt("127.0.0.1", _HOST_HELP)
     port: int = opt(30002, "Scheduler API (gRPC) port.")
     kv_transport: str = opt("nixl", "KV transfer backend (nixl).", aliases=("--disaggregation-transfer-backend",))
+    kv_handoff_rows: str = opt("kv", _ROWS_HELP)
     waiting_timeout: float = opt(60.0, "Seconds to wait for a prefill's KV.")
     connect_attempts: int = opt(8, "Handshake attempts per prefill.")
     connect_timeout: float = opt(30.0, "Total seconds to reach a prefill.")

@@ -22,15 +22,16 @@ class DecodeRole:
 
     name = "decode"
 
-    def __init__(self, transport: str, timeouts: DecodeTimeouts, policy: PeerPolicy) -> None:
-        self.transport, self.timeouts, self.policy = transport, timeouts, policy
+    def __init__(self, transport: str, timeouts: DecodeTimeouts, policy: PeerPolicy, rows_at: str = "kv") -> None:
+        self.transport, self.timeouts, self.policy, self.rows_at = transport, timeouts, policy, rows_at
         self._pump: asyncio.Task[None] | None = None
 
     def attach(self, loop: EngineLoop, binding: Any) -> RoleParts:
         engine = loop.engine
         pd = DisaggEngine.over(loop)
         endpoint = build_endpoint(pd, kind=self.transport, role="decode", rows=2 * engine.config.max_running + 1,
-                                  spec_algorithm=binding.name, draft_model_dir=binding.config.draft_model_path)
+                                  spec_algorithm=binding.name, draft_model_dir=binding.config.draft_model_path,
+                                  rows_at=self.rows_at)
         self.waiter = CompletionWaiter(endpoint.transport)
         peers = PeerManager(endpoint, self.policy, on_dead=self.waiter.fail_peer)
         handler = DecodeHandler(pd, endpoint, peers, self.waiter, binding, self.timeouts)

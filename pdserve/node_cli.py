@@ -58,8 +58,8 @@ def register(app: typer.Typer) -> None:
         from prefill_node.role import PrefillRole as Prefill
 
         timeouts = PrefillTimeouts(bootstrap_s=role.bootstrap_timeout, transfer_s=role.transfer_timeout)
-        _run(Prefill(role.bootstrap_port, role.kv_transport, timeouts, role.kv_send_chunks), engine, spec, log,
-             role.host, role.port, role.metrics_port)
+        _run(Prefill(role.bootstrap_port, role.kv_transport, timeouts, role.kv_send_chunks, role.kv_handoff_rows),
+             engine, spec, log, role.host, role.port, role.metrics_port)
 
     @app.command()
     @with_options(role=DecodeRole, engine=EngineOptions, spec=SpeculativeOptions, log=LogOptions)
@@ -71,8 +71,8 @@ def register(app: typer.Typer) -> None:
 
         policy = PeerPolicy(connect_attempts=role.connect_attempts, connect_total_s=role.connect_timeout,
                             heartbeat_s=role.heartbeat_interval)
-        _run(Decode(role.kv_transport, DecodeTimeouts(waiting_s=role.waiting_timeout), policy), engine, spec,
-             log, role.host, role.port, role.metrics_port)
+        _run(Decode(role.kv_transport, DecodeTimeouts(waiting_s=role.waiting_timeout), policy, role.kv_handoff_rows),
+             engine, spec, log, role.host, role.port, role.metrics_port)
 
     @app.command()
     @with_options(opts=UpOptions, spec=SpeculativeOptions, log=LogOptions)

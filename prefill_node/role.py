@@ -25,9 +25,9 @@ class PrefillRole:
     name = "prefill"
 
     def __init__(self, bootstrap_port: int, transport: str, timeouts: PrefillTimeouts,
-                 send_chunks: bool = True) -> None:
+                 send_chunks: bool = True, rows_at: str = "kv") -> None:
         self.bootstrap_port, self.transport, self.timeouts = bootstrap_port, transport, timeouts
-        self.send_chunks = send_chunks
+        self.send_chunks, self.rows_at = send_chunks, rows_at
         self._janitor: asyncio.Task[None] | None = None
 
     def attach(self, loop: EngineLoop, binding: Any) -> RoleParts:
@@ -35,7 +35,7 @@ class PrefillRole:
         pd = DisaggEngine.over(loop)
         self.endpoint = build_endpoint(pd, kind=self.transport, role="prefill",
                                        rows=2 * engine.config.max_running + 1, spec_algorithm=binding.name,
-                                       draft_model_dir=binding.config.draft_model_path)
+                                       draft_model_dir=binding.config.draft_model_path, rows_at=self.rows_at)
         self.rooms = RoomTable(orphan_ttl_s=self.timeouts.bootstrap_s)
         handler = PrefillHandler(pd, self.endpoint, self.rooms, self.timeouts, self.send_chunks)
         return RoleParts(handler, info_role="prefill", pairing_protocol=pairing_protocol(self.endpoint.fingerprint),

@@ -8,23 +8,26 @@ features) decodes in both deployments.
 
 Reports (OUT/pd_two_gpu_<gpu>.json):
 * bandwidth: KV + handoff row per request for 1K and 8K-token prompts through the transport, and
-  raw NIXL GPU0 -> GPU1 in the same run (bench/gpu/kv_bandwidth.py); goal: ratio >= 0.8; also
-  with the rows in VRAM beside the KV (`bandwidth_vram_rows`: one NIXL stage per write);
+  raw NIXL GPU0 -> GPU1 in the same run (bench/gpu/kv_bandwidth.py); goal: ratio >= 0.8;
 * outputs: a fixed greedy request set through the router, PD texts == colocated texts;
 * acceptance: the decode node's mean accepted length == the colocated node's;
-* TTFT: PD minus colocated time to first token (1-token requests, all deployments up at once and
-  asked in turn, median of the paired differences over 21 rounds after 3 warm-up requests) for
-  both prompt lengths, against the full KV's transfer time + 2 ms, with each deployment's time
-  split by stage from the router's and the nodes' histograms, and the same difference with each
-  deployment's own prompt forward (its node's histogram, same requests) taken out
-  (`diff_beyond_forward_ms`: the forward of one prompt differs between node processes sharing
-  GPU 0 by more than the transfer takes); chunked prefill (2K-token chunks)
-  sends each chunk's pages while the next one runs, so the handoff adds about one chunk's transfer.
-  A second PD deployment writes each prompt's KV in one write at the end (--no-kv-send-chunks),
+* TTFT: PD minus colocated time to first token (1-token requests, 21 per prompt length after 3
+  warm-ups, medians) for both prompt lengths, against the full KV's transfer time + 2 ms. The
+  deployments run one at a time, each alone on the GPUs (three node processes sharing GPU 0
+  made one prompt's forward differ between them by more than the transfer takes). Each
+  deployment's time is split by stage from the router's and the nodes' histograms, and the
+  difference is also given with each deployment's own prompt forward taken out
+  (`diff_beyond_forward_ms`: what the handoff adds). Chunked prefill (2K-token chunks) sends each
+  chunk's pages while the next one runs, so the handoff adds about one chunk's transfer. A
+  second PD deployment writes each prompt's KV in one write at the end (--no-kv-send-chunks),
   to show what chunk pipelining changes.
 
+Handoff rows live beside the KV as nodes keep them by default (`rows=host` as an argument: in
+host memory, `--kv-handoff-rows host`); the bandwidth probe uses the same placement and also
+reports the other one.
+
 With one GPU the same runs put both nodes on it (NIXL within VRAM), and the report says
-"one GPU". Run: `python -m bench.gpu.pd_two_gpu OUT` (keep NVLink multicast off:
+"one GPU". Run: `python -m bench.gpu.pd_two_gpu OUT [rows=kv|host]` (keep NVLink multicast off:
 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1).
 """
 
@@ -92,16 +95,9 @@ def warm_up(urls: dict[str, str], tokens: int) -> None:
             complete(url, prompt(tokens, 90 + i), 1)
 
 
-def ttft_pairs_ms(urls: dict[str, str], tokens: int) -> dict[str, list[float]]:
-    """One-token requests (the whole latency is the time to the first token), alternating between
-    the deployments, each round starting with the next one, so that drift of the machine and the
-    position in a round hit all alike: ROUNDS latencies each."""
-    out: dict[str, list[float]] = {name: [] for name in urls}
-    names = list(urls)
-    for i in range(ROUNDS):
-        for name in names[i % len(names):] + names[:i % len(names)]:  # each goes first in turn
-            out[name].append(complete(urls[name], prompt(tokens, 100 + i), 1)[1] * 1e3)
-    return out
+def ttft_samples_ms(url: str, tokens: int) -> list[float]:
+    """ROUNDS one-token requests (the whole latency is the time to the first token)."""
+    return [complete(url, prompt(tokens, 100 + i), 1)[1] * 1e3 for i in range(ROUNDS)]
 
 
 # Where PD's time to first token goes: the router's stages and the prefill's write timings.
@@ -142,80 +138,79 @@ def serve(target: Path, head: Path, colocated: int, device: str = "cuda") -> Dep
                                start_timeout_s=300, isolate_gpus=False))
 
 
-def run_fixed_set(url: str, dep: Deployment) -> dict[str, Any]:
-    return {"texts": [complete(url, prompt(n, seed), 32)[0] for n, seed in FIXED_SET],
-            "accept_len": scrape_accept_len(dep)}
-
-
-def measure_ttft(urls: dict[str, str], deps: dict[str, Deployment], bandwidth: dict[str, Any]) -> dict[str, Any]:
-    """Per prompt length: each PD variant against colocated (paired rounds), and every
-    deployment's stages."""
-    ttft: dict[str, Any] = {}
-    for t in kv_bandwidth.TOKENS:
-        warm_up(urls, t)
-        before = {name: scrape_sums(dep) for name, dep in deps.items()}
-        lat = ttft_pairs_ms(urls, t)
-        full = bandwidth[str(t)]["ours_s"] * 1e3
-        stages = {name: stage_means_ms(before[name], scrape_sums(dep)) for name, dep in deps.items()}
-        forward = {name: next((v for k, v in st.items() if "pdserve_node_prompt_seconds" in k), 0.0)
-                   for name, st in stages.items()}
-        row: dict[str, Any] = {"colocated_ms": statistics.median(lat["colocated"]), "full_transfer_ms": full,
-                               "chunk_transfer_ms": full * min(1.0, CHUNK / t)}
-        for name in (n for n in deps if n != "colocated"):
-            diff = statistics.median(a - b for a, b in zip(lat[name], lat["colocated"]))
-            # the same difference with each deployment's own prompt forward taken out: what the
-            # handoff adds, free of the forward's spread between node processes on one GPU
-            beyond = (statistics.fmean(lat[name]) - forward[name]) - (statistics.fmean(lat["colocated"])
-                                                                      - forward["colocated"])
-            row[name] = {"ms": statistics.median(lat[name]), "diff_ms": diff,
-                         "within_transfer_plus_2ms": diff <= full + 2.0,
-                         "prompt_forward_ms": forward[name], "colocated_prompt_forward_ms": forward["colocated"],
-                         "diff_beyond_forward_ms": beyond,
-                         "beyond_forward_within_transfer_plus_2ms": beyond <= full + 2.0}
-        row["stages_ms"] = stages
-        row["samples_ms"] = lat
-        ttft[str(t)] = row
-    return ttft
-
-
-def start_all(deps: dict[str, Deployment]) -> dict[str, str]:
-    urls = {}
-    for name, dep in deps.items():
-        # the whole-prompt variant: its prefill node sends no chunk (the env var reaches only the
-        # prefill's flag; the decode has no such option)
-        env = {"PDSERVE_KV_SEND_CHUNKS": "false"} if name == "pd_whole_prompt_write" else {}
+def measure_deployment(name: str, dep: Deployment, rows: str) -> dict[str, Any]:
+    """Start one deployment alone, run the fixed set, then per prompt length the TTFT samples and
+    the stage means over exactly those requests; stop it."""
+    # the whole-prompt variant: its prefill node sends no chunk (env vars reach only the nodes
+    # that have the flag: the prefill's, and the rows' place on prefill and decode)
+    env = {"PDSERVE_KV_HANDOFF_ROWS": rows}
+    if name == "pd_whole_prompt_write":
+        env["PDSERVE_KV_SEND_CHUNKS"] = "false"
+    try:
         with mock.patch.dict(os.environ, env):
-            urls[name] = dep.start(lambda msg, n=name: print(f"[{n}] {msg}", file=sys.stderr, flush=True))
-    return urls
+            url = dep.start(lambda msg: print(f"[{name}] {msg}", file=sys.stderr, flush=True))
+        out: dict[str, Any] = {"texts": [complete(url, prompt(n, seed), 32)[0] for n, seed in FIXED_SET],
+                               "accept_len": scrape_accept_len(dep), "ttft": {}}
+        for t in kv_bandwidth.TOKENS:
+            for i in range(WARMUP):  # the shapes of this length: kernels, allocator
+                complete(url, prompt(t, 90 + i), 1)
+            before = scrape_sums(dep)
+            samples = ttft_samples_ms(url, t)
+            stages = stage_means_ms(before, scrape_sums(dep))
+            forward = next((v for k, v in stages.items() if "pdserve_node_prompt_seconds" in k), 0.0)
+            out["ttft"][str(t)] = {"ms": statistics.median(samples), "prompt_forward_ms": forward,
+                                   "stages_ms": stages, "samples_ms": samples}
+        return out
+    finally:
+        dep.stop()
+
+
+def ttft_report(runs: dict[str, dict[str, Any]], bandwidth: dict[str, Any]) -> dict[str, Any]:
+    """Per prompt length: each PD variant's median TTFT against colocated's, and the same
+    difference net of each deployment's own prompt forward, against the transfer + 2 ms."""
+    ttft: dict[str, Any] = {}
+    for t in (str(n) for n in kv_bandwidth.TOKENS):
+        col = runs["colocated"]["ttft"][t]
+        full = bandwidth[t]["ours_s"] * 1e3
+        row: dict[str, Any] = {"colocated_ms": col["ms"], "colocated_prompt_forward_ms": col["prompt_forward_ms"],
+                               "full_transfer_ms": full, "chunk_transfer_ms": full * min(1.0, CHUNK / int(t))}
+        for name in (n for n in runs if n != "colocated"):
+            pd = runs[name]["ttft"][t]
+            diff = pd["ms"] - col["ms"]
+            beyond = (pd["ms"] - pd["prompt_forward_ms"]) - (col["ms"] - col["prompt_forward_ms"])
+            row[name] = {"ms": pd["ms"], "diff_ms": diff, "within_transfer_plus_2ms": diff <= full + 2.0,
+                         "prompt_forward_ms": pd["prompt_forward_ms"], "diff_beyond_forward_ms": beyond,
+                         "beyond_forward_within_transfer_plus_2ms": beyond <= full + 2.0}
+        row["stages_ms"] = {name: r["ttft"][t]["stages_ms"] for name, r in runs.items()}
+        row["samples_ms"] = {name: r["ttft"][t]["samples_ms"] for name, r in runs.items()}
+        ttft[t] = row
+    return ttft
 
 
 def main() -> int:
     import torch
 
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results")
+    args = sys.argv[1:]
+    rows = next((a.split("=", 1)[1] for a in args if a.startswith("rows=")), "kv")
+    rest = [a for a in args if not a.startswith("rows=")]
+    out = Path(rest[0] if rest else "bench/results")
     gpus = torch.cuda.device_count()
     topology = "two GPUs" if gpus >= 2 else "one GPU"
     src, dst = "cuda:0", "cuda:1" if gpus >= 2 else "cuda:0"
-    bandwidth = kv_bandwidth.measure(src, dst)
-    bandwidth_vram_rows = kv_bandwidth.measure(src, dst, rows_device="kv")  # not what nodes do yet
-    runs: dict[str, Any] = {}
+    bandwidth = kv_bandwidth.measure(src, dst, rows_device="kv" if rows == "kv" else "cpu")
+    other_rows = kv_bandwidth.measure(src, dst, rows_device="cpu" if rows == "kv" else "kv")
     with tempfile.TemporaryDirectory() as tmp:
         target, head = write_models(Path(tmp))
-        deps = {"pd": serve(target, head, 0), "pd_whole_prompt_write": serve(target, head, 0),
-                "colocated": serve(target, head, 1)}
-        try:
-            urls = start_all(deps)
-            runs = {name: run_fixed_set(urls[name], dep) for name, dep in deps.items()}
-            ttft = measure_ttft(urls, deps, bandwidth)
-        finally:
-            for dep in deps.values():
-                dep.stop()
+        runs = {name: measure_deployment(name, serve(target, head, colocated), rows)
+                for name, colocated in (("colocated", 1), ("pd", 0), ("pd_whole_prompt_write", 0))}
+    ttft = ttft_report(runs, bandwidth)
     report = {
         "device": torch.cuda.get_device_name(), "topology": topology, "gpus": gpus,
-        "command": "python -m bench.gpu.pd_two_gpu OUT", "chunked_prefill_size": CHUNK,
+        "command": "python -m bench.gpu.pd_two_gpu OUT" + ("" if rows == "kv" else f" rows={rows}"),
+        "chunked_prefill_size": CHUNK, "handoff_rows": rows,
         "bandwidth": bandwidth,
         "bandwidth_goal_met": all(b["ratio_vs_raw"] >= 0.8 for b in bandwidth.values()),
-        "bandwidth_vram_rows": bandwidth_vram_rows,
+        "bandwidth_other_rows": other_rows,
         "pd_equals_colocated": all(r["texts"] == runs["colocated"]["texts"] for r in runs.values()),
         "accept_len": {name: r["accept_len"] for name, r in runs.items()},
         "acceptance_equal": len({r["accept_len"] for r in runs.values()}) == 1,
@@ -223,7 +218,7 @@ def main() -> int:
     }
     gpu = report["device"].split()[1].lower() if " " in report["device"] else "gpu"
     write_report(out / f"pd_two_gpu_{gpu}.json", report)
-    brief = {t: {k: v for k, v in row.items() if k != "samples_ms"} for t, row in ttft.items()}
+    brief = {t: {k: v for k, v in row.items() if k not in ("samples_ms", "stages_ms")} for t, row in ttft.items()}
     print(json.dumps({**{k: report[k] for k in ("topology", "bandwidth_goal_met", "pd_equals_colocated",
                                                 "accept_len")}, "ttft": brief}, indent=1))
     return 0 if report["pd_equals_colocated"] and report["acceptance_equal"] else 1

@@ -25,14 +25,19 @@ class Endpoint:
     fingerprint: Fingerprint
 
 
+ROWS_PLACES = ("kv", "host")
+
+
 def build_endpoint(pd: "DisaggEngine", *, kind: str, role: str, rows: int, spec_algorithm: str,
-                   draft_model_dir: str | None) -> Endpoint:
+                   draft_model_dir: str | None, rows_at: str = "kv") -> Endpoint:
+    """`rows_at`: "kv" keeps the handoff rows on the KV pools' device, so on GPUs a request's row
+    rides in its pages' NIXL transfer (one stage); "host" keeps them in host memory, whose write
+    is a second stage posted when the pages' stage completes. Peers may differ: each side's
+    layout tells the other its rows' memory kind."""
+    if rows_at not in ROWS_PLACES:
+        raise ValueError(f"--kv-handoff-rows must be one of {', '.join(ROWS_PLACES)}, got {rows_at!r}")
     pools = pd.kv_pools()
-    # Rows live in host memory: beside VRAM KV their write is a second NIXL stage, posted when
-    # the pages' stage completes. Rows in VRAM would ride in the pages' transfer (the transport
-    # and the control plane's layout carry that, tests/engine/test_kv_transfer.py), but serving
-    # nodes keep host rows until a two-node GPU run has shown the VRAM path end to end.
-    handoff = HandoffRows(pd.handoff_bytes, rows, device="cpu")
+    handoff = HandoffRows(pd.handoff_bytes, rows, device=pools[0].buffer.device if rows_at == "kv" else "cpu")
     name = f"pdserve-{role}-{uuid.uuid4().hex[:12]}"
     transport = create_transport(kind, name, pools, handoff)
     cfg = pd.config

@@ -30,7 +30,10 @@ def _prefill(model, boot_port, *extra):
 
 def test_decode_started_first_connects_when_the_prefill_comes_up(tiny_llama_dir):
     boot = free_port()
-    decode = _decode(tiny_llama_dir, "--connect-attempts", "30", "--connect-timeout", "60")
+    # host rows on the decode, rows beside the KV on the prefill: each side's layout names its
+    # rows' memory kind, so the two need not agree
+    decode = _decode(tiny_llama_dir, "--connect-attempts", "30", "--connect-timeout", "60",
+                     "--kv-handoff-rows", "host")
     prefill = None
     try:
         d = stub(decode.ports["scheduler"])
@@ -177,3 +180,18 @@ def test_random_aborts_of_many_requests_leave_both_pools_free(tiny_llama_dir):
     finally:
         prefill.kill()
         decode.kill()
+
+
+def test_bad_handoff_rows_place_is_a_clean_error(tiny_llama_dir):
+    import subprocess
+    import sys
+
+    from fixtures.procs import REPO
+
+    res = subprocess.run([sys.executable, "-m", "pdserve.cli", "decode", "--model", str(tiny_llama_dir),
+                          "--port", "0", "--kv-handoff-rows", "gpu"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2
+    assert "--kv-handoff-rows must be one of kv, host, got 'gpu'" in res.stderr
+    assert "Traceback" not in res.stderr
+
