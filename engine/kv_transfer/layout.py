@@ -1,9 +1,10 @@
 """Registered-memory layout of KV pools and the descriptor lists a page transfer needs.
 
-A KVPool buffer is (layers, 2, pages, page_size, kv_heads, head_dim), so every (layer, k|v) slab
-is a contiguous array of equal pages: one Region per (pool, layer, k|v), in pool order, then
-layer, then k before v. Both sides list their regions in this order, which is what lets a page
-id on one side be matched item for item with a page id on the other.
+A KVPool buffer is page-major, (pages, layers, 2, page_size, kv_heads, head_dim): one page (every
+layer's K and V) is contiguous, so each pool is ONE Region whose items are whole pages
+(`pool.page_bytes`), in pool order. Both sides list their regions in this order with equal item
+sizes (MemoryLayout.compatible_with), which is what lets a page id on one side be matched item
+for item with a page id on the other, and a run of consecutive pages be one byte range.
 
 Descriptors are plain (addr, len, device_id) rows (numpy uint64, N x 3) - never pickled NIXL
 objects - so they are safe to build from data that came over the network.
@@ -19,26 +20,22 @@ import torch
 from engine.kv_cache import KVPool
 from engine.kv_transfer.base import Region
 
-
 def tensor_mem_type(t: torch.Tensor) -> str:
     """NIXL memory kind of a torch tensor: VRAM on CUDA, DRAM otherwise."""
     return "VRAM" if t.is_cuda else "DRAM"
 
 
 def kv_regions(pools: Sequence[KVPool]) -> tuple[Region, ...]:
+    """One Region per pool, in pool order: `num_pages` items of one whole page each."""
     regions: list[Region] = []
     for pool in pools:
         buf = pool.buffer
         if not buf.is_contiguous():
             raise ValueError("a KV pool buffer must be contiguous to be registered")
         dev = max(buf.get_device(), 0)  # CPU tensors report -1; NIXL wants 0 for DRAM
-        pages = buf.shape[2]
-        for layer in range(buf.shape[0]):
-            for kv in (0, 1):
-                slab = buf[layer, kv]
-                assert slab.numel() * slab.element_size() == pages * pool.page_bytes
-                regions.append(Region(addr=slab.data_ptr(), item_bytes=pool.page_bytes,
-                                      count=pages, device_id=dev))
+        assert buf.numel() * buf.element_size() == pool.num_pages * pool.page_bytes
+        regions.append(Region(addr=buf.data_ptr(), item_bytes=pool.page_bytes,
+                              count=pool.num_pages, device_id=dev))
     return tuple(regions)
 
 

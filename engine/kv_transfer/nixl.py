@@ -1,8 +1,8 @@
 """NIXL implementation of KVTransport: one agent per node, UCX by default.
 
 Registration: every KV pool buffer (VRAM for CUDA tensors, DRAM for CPU tensors) and the aux
-buffer. A write of one request is a single NIXL WRITE of all its (region, page-run) descriptors
-plus its aux row, tagged with `completion_tag(room)`: NIXL delivers that tag to the peer only
+buffer. A write of one request is a single NIXL WRITE of all its (pool, page-run) descriptors
+(pages are page-major, so a run is one byte range per pool) plus its aux row, tagged with `completion_tag(room)`: NIXL delivers that tag to the peer only
 after the data has landed, so the tag is the decode side's "pages are valid" signal. When the
 KV and the aux row live in different memory kinds (GPU KV, host aux rows) one descriptor list
 cannot hold both, so the KV goes first untagged and the tagged aux write is posted only after it
