@@ -20,6 +20,11 @@ import torch
 from engine.kv_cache import KVPool
 from engine.kv_transfer.base import Region
 
+# Largest descriptor a run is cut into: UCX moves one descriptor on one CUDA stream, so a 1 GiB
+# run as one descriptor is slower than as 128 pieces of 8 MiB spread over its streams.
+MAX_DESC_BYTES = 8 << 20
+
+
 def tensor_mem_type(t: torch.Tensor) -> str:
     """NIXL memory kind of a torch tensor: VRAM on CUDA, DRAM otherwise."""
     return "VRAM" if t.is_cuda else "DRAM"
@@ -64,18 +69,47 @@ def coalesce_runs(src_pages: Sequence[int], dst_pages: Sequence[int]
     return src[starts], dst[starts], lengths
 
 
-def run_descs(regions: Sequence[Region], starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """N x 3 uint64 (addr, len, dev) for every region and run, region-major (same order as
-    `page_descs` when all runs have length 1)."""
+def _pieces(starts: np.ndarray, lengths: np.ndarray, per_piece: int) -> tuple[np.ndarray, np.ndarray]:
+    """Runs cut into pieces of at most `per_piece` items, in run order: (piece starts, lengths)."""
+    n = -(-lengths // per_piece)  # pieces per run
+    run = np.repeat(np.arange(lengths.size), n)
+    k = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)  # piece index within its run
+    return starts[run] + k * per_piece, np.minimum(per_piece, lengths[run] - k * per_piece)
+
+
+def run_descs(regions: Sequence[Region], starts: np.ndarray, lengths: np.ndarray,
+              max_bytes: int | None = None) -> np.ndarray:
+    """N x 3 uint64 (addr, len, dev) for every region and run, region-major, each run cut into
+    pieces of at most `max_bytes` (default MAX_DESC_BYTES; whole items, at least one item per
+    piece). Same order as `page_descs` when all runs have length 1. The cut depends only on the
+    run lengths and each region's item size, which both sides share, so their lists pair up
+    descriptor for descriptor.
+    """
+    max_bytes = MAX_DESC_BYTES if max_bytes is None else max_bytes  # read late: tests shrink it
+    starts = np.asarray(starts, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
     if not regions or starts.size == 0:
         return np.zeros((0, 3), dtype=np.uint64)
-    addr = np.array([r.addr for r in regions], dtype=np.uint64)[:, None]
-    item = np.array([r.item_bytes for r in regions], dtype=np.uint64)[:, None]
-    dev = np.array([r.device_id for r in regions], dtype=np.uint64)[:, None]
-    st = starts.astype(np.uint64)[None, :]
-    ln = lengths.astype(np.uint64)[None, :]
-    out = np.empty((len(regions), starts.size, 3), dtype=np.uint64)
-    out[..., 0] = addr + st * item
-    out[..., 1] = ln * item
-    out[..., 2] = dev
-    return out.reshape(-1, 3)
+    parts = []
+    for r in regions:
+        st, ln = _pieces(starts, lengths, max(1, max_bytes // r.item_bytes))
+        out = np.empty((st.size, 3), dtype=np.uint64)
+        out[:, 0] = np.uint64(r.addr) + st.astype(np.uint64) * np.uint64(r.item_bytes)
+        out[:, 1] = ln.astype(np.uint64) * np.uint64(r.item_bytes)
+        out[:, 2] = r.device_id
+        parts.append(out)
+    return np.concatenate(parts)
+
+
+def paired_run_descs(src_regions: Sequence[Region], dst_regions: Sequence[Region],
+                     src_starts: np.ndarray, dst_starts: np.ndarray, lengths: np.ndarray,
+                     max_bytes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Source and destination descriptor lists of the same runs; ValueError unless they pair up
+    (equal counts and equal lengths, descriptor by descriptor): a NIXL WRITE copies the i-th
+    source descriptor to the i-th destination one."""
+    src = run_descs(src_regions, src_starts, lengths, max_bytes)
+    dst = run_descs(dst_regions, dst_starts, lengths, max_bytes)
+    if src.shape != dst.shape or not np.array_equal(src[:, 1], dst[:, 1]):
+        raise ValueError(f"source and destination descriptors do not pair up ({len(src)} vs "
+                         f"{len(dst)}; region item sizes differ?)")
+    return src, dst

@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 import torch
 
+import engine.kv_transfer.layout as kv_layout
 from engine.kv_cache import KVPool
-from engine.kv_transfer import (HandoffRows, KVPoll, TransferError, TransferRequest, failure_tag,
-                                nixl_available)
+from engine.kv_transfer import (HandoffRows, KVPoll, TransferError, TransferRequest, coalesce_runs,
+                                failure_tag, nixl_available, paired_run_descs)
 from engine.kv_transfer.wire import layout_from_proto, layout_to_proto
 from tests.engine.kv_transfer_kit import (BIG, DEADLINE_S, SMALL, Child, expected_payload, make_aux,
                                           make_pools, wait_done, write_aux_row)
@@ -68,7 +69,8 @@ def test_nixl_refuses_incompatible_layout() -> None:
         assert len(kv) == 2  # one region per pool
         kv[1] = dataclasses.replace(kv[1], item_bytes=kv[1].item_bytes * 2)
         # a node on the per-layer layout registered one region per (pool, layer, k|v)
-        per_layer = tuple(dataclasses.replace(r, item_bytes=r.item_bytes // 4) for r in lay.kv for _ in range(4))
+        per_layer = tuple(dataclasses.replace(r, item_bytes=r.item_bytes // 4)
+                          for r in lay.kv for _ in range(4))
         for bad, what in [(dataclasses.replace(lay, aux=dataclasses.replace(lay.aux, item_bytes=128)), "aux row size"),
                           (dataclasses.replace(lay, kv=lay.kv[:-1]), "number of KV regions"),
                           (dataclasses.replace(lay, kv=per_layer), "number of KV regions"),
@@ -108,6 +110,25 @@ def test_nixl_two_process_write() -> None:
         aux.check()
 
 
+def test_nixl_split_runs_copy_exactly_the_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs cut into many pieces (a small MAX_DESC_BYTES: 1 KiB pages go one per piece, 512 B
+    pages two per piece) still land byte for byte on exactly the destination pages."""
+    monkeypatch.setattr(kv_layout, "MAX_DESC_BYTES", 1500)
+    with nixl_pair(SMALL, "pieces") as (t, child, _, aux, peer):
+        src, dst = [1, 2, 3, 4, 5, 6, 9], [3, 4, 5, 6, 7, 8, 11]  # runs of 6 and 1 pages
+        s0, d0, n = coalesce_runs(src, dst)
+        local, remote = paired_run_descs(t.layout().kv, child.layout.kv, s0, d0, n)
+        assert len(local) == (6 + 1) + (3 + 1)  # pool 0: 7 pieces; pool 1: 3 + 1
+        row = write_aux_row(SMALL, aux, 77)
+        child.send(op="expect", kind="done", room=77, verify=True, src_pages=src, dst_pages=dst, dst_row=2)
+        h = t.write(TransferRequest(77, peer, src, dst, row, 2))
+        assert wait_done(t, h) == KVPoll.SUCCESS, t.last_error(h)
+        assert h.nbytes == int(local[:, 1].sum()) + aux.row_bytes
+        t.release(h)
+        reply = child.recv()
+        assert reply["ok"], reply["error"]
+
+
 def test_nixl_dead_peer_fails_fast_and_restarted_peer_reconnects() -> None:
     with nixl_pair(SMALL, "doomed") as (t, child, _, aux, peer):
         row = write_aux_row(SMALL, aux, 55)
@@ -136,7 +157,8 @@ def test_nixl_dead_peer_fails_fast_and_restarted_peer_reconnects() -> None:
 
 
 def test_nixl_64mib_bandwidth() -> None:
-    """Informative: prints the one-off bandwidth of a 64 MiB write (run with -s to see it)."""
+    """Informative: prints the one-off bandwidth of a 64 MiB write (run with -s to see it). The
+    contiguous run goes as 8 descriptors of MAX_DESC_BYTES; the scattered one as 1024 pages."""
     with nixl_pair(BIG, "bw") as (t, child, _, aux, peer):
         pages = list(range(1, 1025))
         for room, dst, label in [(1, pages, "contiguous"), (2, pages[::-1], "scattered 64 KiB")]:
