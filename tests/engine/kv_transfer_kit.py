@@ -146,7 +146,9 @@ class Child:
     receive can time out."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
-        env = dict(os.environ, PYTHONPATH=str(ROOT), NIXL_LOG_LEVEL="WARN")
+        # the repo first, then whatever path the parent was given (wheels installed with --target)
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        env = dict(os.environ, PYTHONPATH=path, NIXL_LOG_LEVEL="WARN")
         self.proc = subprocess.Popen([sys.executable, __file__, json.dumps(spec)], cwd=ROOT, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.lines: queue.Queue[str] = queue.Queue()
