@@ -1,7 +1,6 @@
 """How scattered a decode node's PD destination pages get under serving churn: runs of
-consecutive pages per new prompt (each run costs at least one NIXL descriptor per pool; under the
-per-layer KV layout this was measured with, one per layer and K|V), for the run-aware page
-allocator against a LIFO free list, on one simulated workload.
+consecutive pages per new prompt (each run costs one NIXL descriptor per layer and K|V), for the
+run-aware page allocator against a LIFO free list, on one simulated workload.
 
 The workload: a decode node with a pool of 8K pages (about half held at any time); 48 requests
 run at once; each arrives with a 1K-token prompt (64 pages of 16 tokens), reserves its prompt
@@ -21,8 +20,7 @@ from typing import Protocol
 from engine.page_allocator import PageAllocator
 
 POOLS, PROMPT_PAGES, PAGE_TOKENS, RUNNING, ARRIVALS = (8192,), 64, 16, 48, 3000
-# Llama-3.1-8B on the per-layer layout results/page_runs.json was measured with: 32 layers x (K, V)
-DESCRIPTORS_PER_RUN = 64
+DESCRIPTORS_PER_RUN = 64  # Llama-3.1-8B: 32 layers x (K, V)
 
 
 class Allocator(Protocol):

@@ -5,7 +5,7 @@ Run: `python -m bench.pd_cpu [--quick] [--out PATH]`.
    owning the destination pool (random page ids), which stamps the completion notification with
    CLOCK_MONOTONIC (shared by both processes). In turn with each write, the same pages go to the
    same ids of a local pool in-process: "memcpy" (numpy indexing over page-sized void items = one
-   memcpy per page, every layer's K and V) and torch `index_copy_`. Done with NIXL's progress thread on (as
+   memcpy per (layer, k|v, page)) and torch `index_copy_`. Done with NIXL's progress thread on (as
    shipped: it busy-polls a core per agent) and then off (a live agent cannot be paused).
 2. End to end: `serve` and two `prefill` + `decode` pairs (progress thread as shipped / off via a
    sitecustomize) on the tiny demo model; streaming greedy Generate requests one at a time, the
@@ -48,13 +48,12 @@ from engine.kv_transfer import (
     TransferRequest,
     coalesce_runs,
     parse_tag,
-    run_descs,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "pd_cpu.json"
 # KV of a Llama-3.2-1B-sized model: 16 layers, 8 KV heads, head_dim 64, fp16, 16-token pages
-# = 512 KiB per page (16 layers x K, V x 16 KiB), 32 KiB of KV per token.
+# = 16 KiB per (layer, k|v, page), 32 KiB of KV per token.
 POOL_SHAPE: dict[str, int] = {"layers": 16, "page_size": 16, "kv_heads": 8, "head_dim": 64}
 FULL_TOKENS, QUICK_TOKENS, FULL_REPS, QUICK_REPS = (512, 2048, 8192), (512, 2048), 15, 3
 E2E_LENS, E2E_NEW, E2E_FULL_REPS, E2E_QUICK_REPS = (64, 512), 8, 21, 3
@@ -85,9 +84,10 @@ def _pool(shape: dict[str, int], pages: int, value: float) -> KVPool:
 
 
 def _pages_np(pool: KVPool) -> np.ndarray:
-    """(pages,) numpy view whose items are whole pages (void): indexing = memcpy."""
-    return pool.buffer.view(torch.uint8).numpy().reshape(pool.num_pages, pool.page_bytes).view(
-        np.dtype((np.void, pool.page_bytes))).reshape(pool.num_pages)
+    """(layers * 2, pages) numpy view whose items are whole pages (void): indexing = memcpy."""
+    rows, pages = pool.buffer.shape[0] * 2, pool.buffer.shape[2]
+    return pool.buffer.view(torch.uint8).numpy().reshape(rows, pages, pool.page_bytes).view(
+        np.dtype((np.void, pool.page_bytes))).reshape(rows, pages)
 
 
 def reader_main(spec: dict[str, Any]) -> None:
@@ -117,7 +117,7 @@ def reader_main(spec: dict[str, Any]) -> None:
         for room in [r for r in seen if r in expect]:
             (at, kind), cmd = seen.pop(room), expect.pop(room)
             ok = kind == "done" and aux.room_of(cmd["row"]) == room and all(
-                bool((buf[d] == cmd["stamp"]).all()) for d in cmd["check"])
+                bool((buf[:, :, d] == cmd["stamp"]).all()) for d in cmd["check"])
             print("@@ " + json.dumps({"room": room, "t": at, "ok": ok}), flush=True)
         time.sleep(POLL_S)
     t.close()
@@ -176,22 +176,22 @@ def bench_transfer(tokens: tuple[int, ...], reps: int, shape: dict[str, int], pr
             peer = t.add_peer(reader.metadata, reader.layout)
             for n_tok in tokens:
                 n = n_tok // ps
-                src_pages, regions = list(range(1, n + 1)), t.layout().kv
+                src_pages, regions = list(range(1, n + 1)), len(t.layout().kv)
                 r: dict[str, Any] = {k: [] for k in ("handoff_s", "post_s", "memcpy_s", "index_copy_s")}
                 for rep in range(reps + 1):  # rep 0: untimed warm-up
                     dst_pages, order = rng.sample(range(1, pages), n), ("nixl", "memcpy", "index_copy")
                     for which in order[rep % 3:] + order[:rep % 3]:  # rotate who goes first
                         start = time.perf_counter()
                         if which == "memcpy":
-                            local_np[np.array(dst_pages)] = src_np[1:n + 1]
+                            local_np[:, np.array(dst_pages)] = src_np[:, 1:n + 1]
                         elif which == "index_copy":
-                            local.buffer.index_copy_(0, torch.tensor(dst_pages), src.buffer[1:n + 1])
+                            local.buffer.index_copy_(2, torch.tensor(dst_pages), src.buffer[:, :, 1:n + 1])
                         if which != "nixl":
                             r[f"{which}_s"].append(time.perf_counter() - start)
                             continue
                         room += 1
                         stamp, row = float(room % 2000), 1 + room % 7  # stamp: exact in fp16
-                        src.buffer[[src_pages[0], src_pages[-1]]] = stamp
+                        src.buffer[:, :, [src_pages[0], src_pages[-1]]] = stamp
                         aux.write(1, room, torch.zeros(256, dtype=torch.uint8))
                         reader.send(room=room, row=row, stamp=stamp, check=[dst_pages[0], dst_pages[-1]])
                         t0 = time.monotonic()  # the data moves inside write(): UCX cma copies synchronously
@@ -205,11 +205,10 @@ def bench_transfer(tokens: tuple[int, ...], reps: int, shape: dict[str, int], pr
                             raise RuntimeError(f"room {room}: {st.name}, reader said {reply}")
                         r["handoff_s"].append(reply["t"] - t0)
                 r = {k: v[1:] for k, v in r.items()}  # drop the warm-up
-                kv_bytes = n * sum(reg.item_bytes for reg in regions)
-                s0, _, lens = coalesce_runs(src_pages, dst_pages)
+                kv_bytes = n * regions * src.page_bytes
                 gbs = {k: kv_bytes / statistics.median(r[f"{k}_s"]) / 1e9 for k in ("handoff", "memcpy", "index_copy")}
-                rows.append({"prog_thread": prog, "tokens": n_tok, "pages": n, "regions": len(regions),
-                             "kv_bytes": kv_bytes, "descriptors": len(run_descs(regions, s0, lens)) + 1,
+                rows.append({"prog_thread": prog, "tokens": n_tok, "pages": n, "regions": regions, "kv_bytes": kv_bytes,
+                             "descriptors": len(coalesce_runs(src_pages, dst_pages)[2]) * regions + 1,
                              "nixl_gb_s": gbs["handoff"], "memcpy_gb_s": gbs["memcpy"], "index_copy_gb_s":
                              gbs["index_copy"], "ratio": gbs["handoff"] / gbs["memcpy"], **r,
                              **{f"{k}_p{q}_ms": 1e3 * float(np.percentile(r[f"{k}_s"], q))

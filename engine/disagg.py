@@ -79,7 +79,7 @@ class DisaggEngine:
     @property
     def kv_bytes_per_page(self) -> int:
         """Bytes one page moves across every pool, layer and K/V."""
-        return sum(p.page_bytes for p in self.kv_pools())  # page_bytes: all layers' K and V
+        return sum(p.page_bytes * p.num_layers * 2 for p in self.kv_pools())
 
     def pages_for(self, num_tokens: int) -> int:
         return self._engine.kv.pages_for(num_tokens)

@@ -1,12 +1,10 @@
 """Paged KV cache: request table and KV pools over the page allocator's ids.
 
-Layout: one tensor per pool shaped (pages, layers, 2, page_size, kv_heads, head_dim), page-major
-across layers: all layers' K and V of one page are contiguous, so a run of consecutive pages is
-one contiguous byte range per pool (one NIXL descriptor, not one per layer and K|V). Attention
-reads a layer through the strided view `k(layer)` / `v(layer)`, (pages, page_size, kv_heads,
-head_dim). Token slot `s` lives in page `s // page_size` at offset `s % page_size`. Page 0 is never
-handed out: padded entries (graph padding, request row 0) point at it and may scribble there
-harmlessly. A draft model's pool uses the same page ids, so one page list addresses both pools.
+Layout: one tensor per pool shaped (layers, 2, pages, page_size, kv_heads, head_dim), so each
+(layer, k|v, page) is one contiguous region: one descriptor for a NIXL transfer. Token slot
+`s` lives in page `s // page_size` at offset `s % page_size`. Page 0 is never handed out: padded
+entries (graph padding, request row 0) point at it and may scribble there harmlessly.
+A draft model's pool uses the same page ids, so one page list addresses both pools.
 """
 
 from __future__ import annotations
@@ -22,10 +20,6 @@ from engine.page_allocator import OutOfPages, PageAllocator
 
 # Tokens one decode step may write beyond seq_len (a speculative verify window).
 MAX_DECODE_WINDOW = 64
-# Name of this buffer layout in the PD fingerprint. Nodes before it sent "page-major" for the
-# per-layer layout (layers, 2, pages, ...); a new name makes such a pair refuse to handshake
-# instead of writing one layout's bytes into the other.
-KV_LAYOUT = "page-major-across-layers"
 
 
 class KVPool:
@@ -35,32 +29,24 @@ class KVPool:
                  head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
         self.num_layers, self.page_size = num_layers, page_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.buffer = torch.zeros(num_pages, num_layers, 2, page_size, num_kv_heads, head_dim,
+        self.buffer = torch.zeros(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim,
                                   dtype=dtype, device=device)
 
-    @property
-    def num_pages(self) -> int:
-        return self.buffer.shape[0]
-
     def k(self, layer: int) -> torch.Tensor:
-        """Keys of a layer, a strided view (no copy): (pages, page_size, kv_heads, head_dim)."""
-        return self.buffer[:, layer, 0]
+        """Keys of a layer viewed per token slot: (pages * page_size, kv_heads, head_dim)."""
+        return self.buffer[layer, 0].view(-1, self.num_kv_heads, self.head_dim)
 
     def v(self, layer: int) -> torch.Tensor:
-        """Values of a layer, a strided view (no copy): (pages, page_size, kv_heads, head_dim)."""
-        return self.buffer[:, layer, 1]
+        return self.buffer[layer, 1].view(-1, self.num_kv_heads, self.head_dim)
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write k, v (tokens, kv_heads, head_dim) at token slots `loc` of `layer`."""
-        page, off = loc // self.page_size, loc % self.page_size
-        self.k(layer)[page, off] = k.to(self.buffer.dtype)
-        self.v(layer)[page, off] = v.to(self.buffer.dtype)
+        self.k(layer)[loc] = k.to(self.buffer.dtype)
+        self.v(layer)[loc] = v.to(self.buffer.dtype)
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one whole page: every layer's K and V of `page_size` token slots."""
-        return (self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim
-                * self.buffer.element_size())
+        """Bytes of one (layer, k|v, page) region."""
+        return self.page_size * self.num_kv_heads * self.head_dim * self.buffer.element_size()
 
 
 @dataclass(frozen=True)

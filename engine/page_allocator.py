@@ -1,13 +1,12 @@
 """KV page allocator that keeps free pages as sorted runs and hands out contiguous runs.
 
-Page ids are opaque to attention, but not to KV transfer: a PD write needs a descriptor per
-(pool, run of consecutive pages) on BOTH sides (a run is one byte range in the page-major pool),
-and posting a descriptor costs about as much as moving a 2 MiB page over NVLink. A LIFO free
-list scatters a request's pages as soon as decode growth has interleaved requests (on two H100s,
-on the earlier per-layer layout, scattered pages moved at 8 GB/s against 330 GB/s for one run).
-So: free pages live as merged runs sorted by address; an allocation takes the lowest run that
-holds it whole (first fit), else the longest runs first; frees merge back. Single pages (decode
-growth) come from the lowest run, which keeps the high runs long.
+Page ids are opaque to attention, but not to KV transfer: a PD write needs one descriptor per
+(layer, K|V, run of consecutive pages) on BOTH sides, and posting a descriptor costs about as
+much as moving a 2 MiB page over NVLink. A LIFO free list scatters a request's pages as soon as
+decode growth has interleaved requests (on two H100s, scattered pages move at 8 GB/s against
+330 GB/s for one run). So: free pages live as merged runs sorted by address; an allocation takes
+the lowest run that holds it whole (first fit), else the longest runs first; frees merge back.
+Single pages (decode growth) come from the lowest run, which keeps the high runs long.
 """
 
 from __future__ import annotations

@@ -343,10 +343,10 @@ class EagleWorker:
         # rows that stay in place copy onto themselves: a fixed-shape gather/scatter (no mask
         # indexing, so no host sync); the clone covers sources and targets that overlap
         src = table[slot_t, seq.unsqueeze(1) + rows].reshape(-1)
-        dst = table[slot_t, seq.unsqueeze(1) + torch.where(j < accept_lens.unsqueeze(1), j, rows)].reshape(-1)
-        # page-major pool: a slot's K and V of every layer sit at buffer[slot // P, :, :, slot % P]
-        buf, ps = self.target.pool.buffer, self.target.pool.page_size
-        buf[dst // ps, :, :, dst % ps] = buf[src // ps, :, :, src % ps].clone()
+        dst = table[slot_t, seq.unsqueeze(1) + torch.where(j < accept_lens.unsqueeze(1), j, rows)]
+        pool = self.target.pool
+        flat = pool.buffer.view(pool.num_layers, 2, -1, pool.num_kv_heads, pool.head_dim)
+        flat[:, :, dst.reshape(-1)] = flat[:, :, src].clone()
 
     def _draft_extend(self, state: StepState, slots: list[int], seq: torch.Tensor, bound: list[int],
                       vr: VerifyResult, feats: torch.Tensor, relay: BatchRelay) -> None:

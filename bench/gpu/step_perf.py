@@ -12,6 +12,7 @@ from bench.gpu.llama8b import matmul_params
 from bench.gpu.rig import Rig, decode_step_fn, step_context
 from engine.config import ModelConfig
 from engine.core import ForwardMode
+from engine.kv_budget import kv_bytes_per_token
 
 
 def graph_counters(rig: Rig) -> dict[str, Any]:
@@ -25,7 +26,7 @@ def decode_roofline(rig: Rig, cfg: ModelConfig, bw: float, weight_bytes: int, bs
     """Decode step time vs (weight bytes + KV bytes read) / copy bandwidth."""
     ids, ctx = step_context(rig, ForwardMode.DECODE, bs, context)
     secs = time_cuda(decode_step_fn(rig, ids, ctx), iters)
-    kv_bytes = bs * context * cfg.kv_bytes_per_token * 2  # bf16 K and V of every layer
+    kv_bytes = bs * context * kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 2)  # bf16 K+V
     ideal = (weight_bytes + kv_bytes) / bw
     return {"batch": bs, "context": context, "step_ms": secs * 1e3, "roofline_ms": ideal * 1e3,
             "fraction_of_roofline": ideal / secs, "tokens_per_s": bs / secs,

@@ -67,10 +67,8 @@ class TorchAttention(AttentionBackend):
         pool = ctx.kv_pool
         self.store(k, v, layer_id, ctx)
         meta: _Meta = ctx.attn_metadata
-        # slot s is page s // P, offset s % P of the layer's (pages, P, kvh, d) view
-        page, off = meta.kv_slots // pool.page_size, meta.kv_slots % pool.page_size
-        keys = pool.k(layer_id)[page, off].to(q.dtype)  # (bs, max_kv, kvh, d)
-        vals = pool.v(layer_id)[page, off].to(q.dtype)
+        keys = pool.k(layer_id)[meta.kv_slots].to(q.dtype)  # (bs, max_kv, kvh, d)
+        vals = pool.v(layer_id)[meta.kv_slots].to(q.dtype)
         qp = q[meta.q_gather]  # (bs, max_q, h, d)
         out = F.scaled_dot_product_attention(
             qp.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),

@@ -107,7 +107,7 @@ class TritonAttention(AttentionBackend):
         if ctx.num_tokens == 0:
             return out
         meta: _Meta = ctx.attn_metadata
-        kv_heads = k_cache.shape[2]  # (pages, page_size, kv_heads, head_dim)
+        kv_heads = k_cache.shape[1]
         rows = meta.max_extend * (q.shape[1] // kv_heads)
         if rows <= self.split_max_rows:
             cfg = split_config(rows, ctx.batch_size, kv_heads, ctx.req_to_token.shape[1], q.device,

@@ -14,14 +14,13 @@ from engine.kv_transfer.rows import HandoffRows, row_bytes_for
 from engine.kv_transfer.base import (KVPoll, KVTransport, MemoryLayout, Region, TransferError,
                                      TransferRequest, completion_tag, failure_tag, parse_tag)
 from engine.kv_transfer.fake import FakeTransport
-from engine.kv_transfer.layout import (MAX_DESC_BYTES, coalesce_runs, kv_regions, page_descs,
-                                       paired_run_descs, run_descs)
+from engine.kv_transfer.layout import coalesce_runs, kv_regions, page_descs, run_descs
 
 __all__ = [
-    "MAX_DESC_BYTES", "FakeTransport", "HandoffRows", "KVPoll", "KVTransport",
+    "FakeTransport", "HandoffRows", "KVPoll", "KVTransport",
     "MemoryLayout", "Region", "TransferError", "TransferRequest", "coalesce_runs",
     "completion_tag", "create_transport", "failure_tag", "kv_regions", "nixl_available",
-    "page_descs", "paired_run_descs", "parse_tag", "row_bytes_for", "run_descs",
+    "page_descs", "parse_tag", "row_bytes_for", "run_descs",
 ]
 
 

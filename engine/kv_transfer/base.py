@@ -42,8 +42,8 @@ class Region:
 
 @dataclass(frozen=True)
 class MemoryLayout:
-    """What one side registered: KV regions (one per pool, items = whole pages across layers) in a
-    fixed order both sides agree on, and the aux region (items = rows). `mem_type` (of the KV regions)
+    """What one side registered: KV regions (one per (pool, layer, k|v), items = pages) in a fixed
+    order both sides agree on, and the aux region (items = rows). `mem_type` (of the KV regions)
     and `aux_mem_type` are DRAM or VRAM (serving nodes keep aux rows in host memory today)."""
 
     kv: tuple[Region, ...]

@@ -8,12 +8,10 @@ which the fingerprint refuses at handshake).
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common.fingerprint import Fingerprint, build_fingerprint
-from engine.kv_cache import KV_LAYOUT, KVPool
 from engine.kv_transfer import HandoffRows, KVTransport, create_transport
 
 if TYPE_CHECKING:
@@ -43,17 +41,12 @@ def build_endpoint(pd: "DisaggEngine", *, kind: str, role: str, rows: int, spec_
     name = f"pdserve-{role}-{uuid.uuid4().hex[:12]}"
     transport = create_transport(kind, name, pools, handoff)
     cfg = pd.config
-    fp = build_fingerprint(cfg.model, str(pd.dtype).removeprefix("torch."), cfg.page_size,
-                           kv_layout_name(pools), spec_algorithm.upper(), draft_model_dir,
-                           handoff.row_bytes)
-    return Endpoint(transport, handoff, fp)
-
-
-def kv_layout_name(pools: Sequence[KVPool]) -> str:
-    """The fingerprint's kv_layout: the buffer layout's name, then each pool's shape and dtype."""
-    return f"{KV_LAYOUT};" + ";".join(
+    kv_layout = "page-major;" + ";".join(
         f"{p.num_layers}x2x{p.num_kv_heads}x{p.head_dim}:{str(p.buffer.dtype).removeprefix('torch.')}"
         for p in pools)
+    fp = build_fingerprint(cfg.model, str(pd.dtype).removeprefix("torch."), cfg.page_size, kv_layout,
+                           spec_algorithm.upper(), draft_model_dir, handoff.row_bytes)
+    return Endpoint(transport, handoff, fp)
 
 
 def room_echo(room: int) -> int:

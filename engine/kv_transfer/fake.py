@@ -1,7 +1,7 @@
 """In-process stand-in for NixlTransport, for unit tests of prefill/decode node logic ONLY.
 
 Agents find each other through a module-level registry keyed by name; `metadata()` is just the
-name. `write` copies the pages (byte for byte, pool by pool, exactly like a NIXL WRITE over
+name. `write` copies the pages (byte for byte, region by region, exactly like a NIXL WRITE over
 the same layout) and the aux row with torch right away, then queues the completion tag on the
 target. `fail_mode` injects the failures node logic must survive. Never used in production paths.
 """
@@ -35,9 +35,14 @@ class FakeXfer:
 
 
 def _slabs(pools: Sequence[KVPool]) -> list[torch.Tensor]:
-    """(pages, page_bytes) uint8 views, one per pool in kv_regions order, so copies are byte-exact
-    (a page-major page holds every layer's K and V)."""
-    return [p.buffer.view(torch.uint8).reshape(p.num_pages, p.page_bytes) for p in pools]
+    """(pages, page_bytes) uint8 views in kv_regions order, so copies are byte-exact."""
+    out = []
+    for p in pools:
+        for layer in range(p.buffer.shape[0]):
+            for kv in (0, 1):
+                slab = p.buffer[layer, kv]
+                out.append(slab.view(torch.uint8).reshape(slab.shape[0], -1))
+    return out
 
 
 class FakeTransport:

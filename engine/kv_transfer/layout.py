@@ -1,10 +1,9 @@
 """Registered-memory layout of KV pools and the descriptor lists a page transfer needs.
 
-A KVPool buffer is page-major, (pages, layers, 2, page_size, kv_heads, head_dim): one page (every
-layer's K and V) is contiguous, so each pool is ONE Region whose items are whole pages
-(`pool.page_bytes`), in pool order. Both sides list their regions in this order with equal item
-sizes (MemoryLayout.compatible_with), which is what lets a page id on one side be matched item
-for item with a page id on the other, and a run of consecutive pages be one byte range.
+A KVPool buffer is (layers, 2, pages, page_size, kv_heads, head_dim), so every (layer, k|v) slab
+is a contiguous array of equal pages: one Region per (pool, layer, k|v), in pool order, then
+layer, then k before v. Both sides list their regions in this order, which is what lets a page
+id on one side be matched item for item with a page id on the other.
 
 Descriptors are plain (addr, len, device_id) rows (numpy uint64, N x 3) - never pickled NIXL
 objects - so they are safe to build from data that came over the network.
@@ -20,10 +19,6 @@ import torch
 from engine.kv_cache import KVPool
 from engine.kv_transfer.base import Region
 
-# Largest descriptor a run is cut into: UCX moves one descriptor on one CUDA stream, so a 1 GiB
-# run as one descriptor is slower than as 128 pieces of 8 MiB spread over its streams.
-MAX_DESC_BYTES = 8 << 20
-
 
 def tensor_mem_type(t: torch.Tensor) -> str:
     """NIXL memory kind of a torch tensor: VRAM on CUDA, DRAM otherwise."""
@@ -31,16 +26,19 @@ def tensor_mem_type(t: torch.Tensor) -> str:
 
 
 def kv_regions(pools: Sequence[KVPool]) -> tuple[Region, ...]:
-    """One Region per pool, in pool order: `num_pages` items of one whole page each."""
     regions: list[Region] = []
     for pool in pools:
         buf = pool.buffer
         if not buf.is_contiguous():
             raise ValueError("a KV pool buffer must be contiguous to be registered")
         dev = max(buf.get_device(), 0)  # CPU tensors report -1; NIXL wants 0 for DRAM
-        assert buf.numel() * buf.element_size() == pool.num_pages * pool.page_bytes
-        regions.append(Region(addr=buf.data_ptr(), item_bytes=pool.page_bytes,
-                              count=pool.num_pages, device_id=dev))
+        pages = buf.shape[2]
+        for layer in range(buf.shape[0]):
+            for kv in (0, 1):
+                slab = buf[layer, kv]
+                assert slab.numel() * slab.element_size() == pages * pool.page_bytes
+                regions.append(Region(addr=slab.data_ptr(), item_bytes=pool.page_bytes,
+                                      count=pages, device_id=dev))
     return tuple(regions)
 
 
@@ -69,47 +67,18 @@ def coalesce_runs(src_pages: Sequence[int], dst_pages: Sequence[int]
     return src[starts], dst[starts], lengths
 
 
-def _pieces(starts: np.ndarray, lengths: np.ndarray, per_piece: int) -> tuple[np.ndarray, np.ndarray]:
-    """Runs cut into pieces of at most `per_piece` items, in run order: (piece starts, lengths)."""
-    n = -(-lengths // per_piece)  # pieces per run
-    run = np.repeat(np.arange(lengths.size), n)
-    k = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)  # piece index within its run
-    return starts[run] + k * per_piece, np.minimum(per_piece, lengths[run] - k * per_piece)
-
-
-def run_descs(regions: Sequence[Region], starts: np.ndarray, lengths: np.ndarray,
-              max_bytes: int | None = None) -> np.ndarray:
-    """N x 3 uint64 (addr, len, dev) for every region and run, region-major, each run cut into
-    pieces of at most `max_bytes` (default MAX_DESC_BYTES; whole items, at least one item per
-    piece). Same order as `page_descs` when all runs have length 1. The cut depends only on the
-    run lengths and each region's item size, which both sides share, so their lists pair up
-    descriptor for descriptor.
-    """
-    max_bytes = MAX_DESC_BYTES if max_bytes is None else max_bytes  # read late: tests shrink it
-    starts = np.asarray(starts, dtype=np.int64)
-    lengths = np.asarray(lengths, dtype=np.int64)
+def run_descs(regions: Sequence[Region], starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """N x 3 uint64 (addr, len, dev) for every region and run, region-major (same order as
+    `page_descs` when all runs have length 1)."""
     if not regions or starts.size == 0:
         return np.zeros((0, 3), dtype=np.uint64)
-    parts = []
-    for r in regions:
-        st, ln = _pieces(starts, lengths, max(1, max_bytes // r.item_bytes))
-        out = np.empty((st.size, 3), dtype=np.uint64)
-        out[:, 0] = np.uint64(r.addr) + st.astype(np.uint64) * np.uint64(r.item_bytes)
-        out[:, 1] = ln.astype(np.uint64) * np.uint64(r.item_bytes)
-        out[:, 2] = r.device_id
-        parts.append(out)
-    return np.concatenate(parts)
-
-
-def paired_run_descs(src_regions: Sequence[Region], dst_regions: Sequence[Region],
-                     src_starts: np.ndarray, dst_starts: np.ndarray, lengths: np.ndarray,
-                     max_bytes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Source and destination descriptor lists of the same runs; ValueError unless they pair up
-    (equal counts and equal lengths, descriptor by descriptor): a NIXL WRITE copies the i-th
-    source descriptor to the i-th destination one."""
-    src = run_descs(src_regions, src_starts, lengths, max_bytes)
-    dst = run_descs(dst_regions, dst_starts, lengths, max_bytes)
-    if src.shape != dst.shape or not np.array_equal(src[:, 1], dst[:, 1]):
-        raise ValueError(f"source and destination descriptors do not pair up ({len(src)} vs "
-                         f"{len(dst)}; region item sizes differ?)")
-    return src, dst
+    addr = np.array([r.addr for r in regions], dtype=np.uint64)[:, None]
+    item = np.array([r.item_bytes for r in regions], dtype=np.uint64)[:, None]
+    dev = np.array([r.device_id for r in regions], dtype=np.uint64)[:, None]
+    st = starts.astype(np.uint64)[None, :]
+    ln = lengths.astype(np.uint64)[None, :]
+    out = np.empty((len(regions), starts.size, 3), dtype=np.uint64)
+    out[..., 0] = addr + st * item
+    out[..., 1] = ln * item
+    out[..., 2] = dev
+    return out.reshape(-1, 3)

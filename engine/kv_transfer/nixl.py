@@ -1,13 +1,12 @@
 """NIXL implementation of KVTransport: one agent per node, UCX by default.
 
 Registration: every KV pool buffer (VRAM for CUDA tensors, DRAM for CPU tensors) and the aux
-buffer. A write of one request is a single NIXL WRITE of all its (pool, page-run) descriptors
-(pages are page-major, so a run is one byte range per pool, cut into pieces of at most
-MAX_DESC_BYTES) plus its aux row, tagged with `completion_tag(room)`: NIXL delivers that tag to
-the peer only after the data has landed, so the tag is the decode side's "pages are valid"
-signal. When the KV and the aux row live in different memory kinds (GPU KV, host aux rows) one
-descriptor list cannot hold both, so the KV goes first untagged and the tagged aux write is
-posted only after it completed - the tag still implies everything landed.
+buffer. A write of one request is a single NIXL WRITE of all its (region, page-run) descriptors
+plus its aux row, tagged with `completion_tag(room)`: NIXL delivers that tag to the peer only
+after the data has landed, so the tag is the decode side's "pages are valid" signal. When the
+KV and the aux row live in different memory kinds (GPU KV, host aux rows) one descriptor list
+cannot hold both, so the KV goes first untagged and the tagged aux write is posted only after it
+completed - the tag still implies everything landed.
 
 Safety: descriptors are rebuilt from plain (addr, len, dev) numbers in the peer's MemoryLayout;
 nothing received from the network is ever unpickled (NIXL's serialized descs are pickles).
@@ -35,7 +34,7 @@ from engine.kv_cache import KVPool
 from engine.kv_transfer.rows import HandoffRows
 from engine.kv_transfer.base import (KVPoll, MemoryLayout, TransferError,
                                      TransferRequest, completion_tag)
-from engine.kv_transfer.layout import coalesce_runs, kv_regions, paired_run_descs, tensor_mem_type
+from engine.kv_transfer.layout import coalesce_runs, kv_regions, run_descs, tensor_mem_type
 
 log = logging.getLogger(__name__)
 _MEM_TYPES = ("DRAM", "VRAM")
@@ -186,12 +185,13 @@ class NixlTransport:
                 self._check_items("destination aux row", [req.dst_aux_row], peer.aux.count)
             try:
                 src_start, dst_start, lengths = coalesce_runs(req.src_pages, req.dst_pages)
-                kv_local, kv_remote = paired_run_descs(me.kv, peer.kv, src_start, dst_start, lengths)
             except ValueError as e:
                 raise TransferError(f"room {req.room}: {e}") from e
             parts = []  # (local rows, local kind, remote rows, remote kind)
+            kv_local = run_descs(me.kv, src_start, lengths)
             if kv_local.size:
-                parts.append((kv_local, me.mem_type, kv_remote, peer.mem_type))
+                parts.append((kv_local, me.mem_type, run_descs(peer.kv, dst_start, lengths),
+                              peer.mem_type))
             if req.src_aux_row is not None and req.dst_aux_row is not None:
                 parts.append((self._aux_desc(me, req.src_aux_row), me.aux_mem_type,
                               self._aux_desc(peer, req.dst_aux_row), peer.aux_mem_type))

@@ -54,8 +54,8 @@ class Setup:
 
 def copy_pool(pool: KVPool) -> KVPool:
     b = pool.buffer
-    out = KVPool(pool.num_layers, pool.num_pages, pool.page_size, pool.num_kv_heads, pool.head_dim,
-                 b.dtype, b.device)
+    out = KVPool(b.shape[0], b.shape[2], pool.page_size, pool.num_kv_heads, pool.head_dim, b.dtype,
+                 b.device)
     out.buffer.copy_(b)
     return out
 

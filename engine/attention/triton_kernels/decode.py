@@ -24,12 +24,12 @@ from engine.pdl import pdl_launch, pdl_sync
 @triton.jit
 def _split_kernel(q_ptr, k_cache, v_cache, mid_o, mid_lse, req_to_token, req_slots, seq_lens,
                   extend_lens, qo_indptr, tree_ptr, tree_width, scale_log2, stride_qt, stride_qh,
-                  stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_rt,
-                  stride_mt, stride_mh, stride_ms, stride_lt, stride_lh, stride_tb, stride_tq,
-                  PAGE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, HAS_TREE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  DOT_FP32: tl.constexpr, USE_PDL: tl.constexpr):
+                  stride_kt, stride_kh, stride_vt, stride_vh, stride_rt, stride_mt, stride_mh,
+                  stride_ms, stride_lt, stride_lh, stride_tb, stride_tq,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  HAS_TREE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+                  USE_PDL: tl.constexpr):
     pdl_sync(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -69,9 +69,8 @@ def _split_kernel(q_ptr, k_cache, v_cache, mid_o, mid_lse, req_to_token, req_slo
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     m_i, l_i, acc = attend_range(
         q, m_i, l_i, acc, k_cache, v_cache, row, kvh, start, full_end, end, qpos, tok, row_ok,
-        seq_len, tree_ptr, tree_width, req_to_token, stride_rt, stride_kp, stride_kt, stride_kh,
-        stride_vp, stride_vt, stride_vh, stride_tq, scale_log2, d, d_ok, PAGE, BLOCK_N, HAS_TREE,
-        DOT_PRECISION)
+        seq_len, tree_ptr, tree_width, req_to_token, stride_rt, stride_kt, stride_kh, stride_vt,
+        stride_vh, stride_tq, scale_log2, d, d_ok, BLOCK_N, HAS_TREE, DOT_PRECISION)
 
     # a split that saw no visible key (a short request) reports lse = -inf: zero weight
     has = l_i > 0
@@ -116,11 +115,10 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        extend_lens: torch.Tensor, qo_indptr: torch.Tensor,
                        tree_mask: torch.Tensor | None, scale: float, cfg: SplitConfig,
                        out: torch.Tensor) -> torch.Tensor:
-    """q, out: (tokens, heads, dim) packed by request; caches: one layer's views of the pool,
-    (pages, page_size, kv_heads, dim), any page/token strides; tree_mask: (bs, >=max_extend, W)
-    uint8 or None (causal)."""
+    """q, out: (tokens, heads, dim) packed by request; caches: (slots, kv_heads, dim);
+    tree_mask: (bs, >=max_extend, W) uint8 or None (causal)."""
     num_tokens, num_heads, head_dim = q.shape
-    bs, page_size, kv_heads = seq_lens.shape[0], k_cache.shape[1], k_cache.shape[2]
+    bs, kv_heads = seq_lens.shape[0], k_cache.shape[1]
     splits = cfg.num_splits
     # scratch shaped only by static values: the CUDA graph's memory pool can own it
     mid_o = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
@@ -131,12 +129,12 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     _split_kernel[(bs, kv_heads, splits)](
         q, k_cache, v_cache, mid_o, mid_lse, req_to_token, req_slots, seq_lens, extend_lens,
         qo_indptr, tree, tree_mask.shape[2] if has_tree else 0, scale * 1.4426950408889634,
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1),
+        mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         tree.stride(0) if has_tree else 0, tree.stride(1) if has_tree else 0,
-        PAGE=page_size, GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=splits, HAS_TREE=has_tree,
+        GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, NUM_SPLITS=splits, HAS_TREE=has_tree,
         DOT_PRECISION=dot_precision(q.dtype), DOT_FP32=dot_in_fp32(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(q))
     _merge_kernel[(num_tokens, num_heads)](

@@ -24,11 +24,10 @@ from engine.attention.triton_kernels.tile import attend_range
 @triton.jit
 def _extend_kernel(q_ptr, o_ptr, k_cache, v_cache, req_to_token, req_slots, seq_lens, extend_lens,
                    qo_indptr, tree_ptr, tree_width, scale_log2, stride_qt, stride_qh, stride_ot,
-                   stride_oh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                   stride_rt, stride_tb, stride_tq, PAGE: tl.constexpr, GROUP: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, HAS_TREE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   DOT_FP32: tl.constexpr):
+                   stride_oh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt, stride_tb,
+                   stride_tq, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_TREE: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     # the last query blocks see the most keys under causality: launch them first (shorter tail)
@@ -71,9 +70,8 @@ def _extend_kernel(q_ptr, o_ptr, k_cache, v_cache, req_to_token, req_slots, seq_
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     m_i, l_i, acc = attend_range(
         q, m_i, l_i, acc, k_cache, v_cache, row, kvh, 0, full_end, kv_end, qpos, tok, row_ok,
-        seq_len, tree_ptr, tree_width, req_to_token, stride_rt, stride_kp, stride_kt, stride_kh,
-        stride_vp, stride_vt, stride_vh, stride_tq, scale_log2, d, d_ok, PAGE, BLOCK_N, HAS_TREE,
-        DOT_PRECISION)
+        seq_len, tree_ptr, tree_width, req_to_token, stride_rt, stride_kt, stride_kh, stride_vt,
+        stride_vh, stride_tq, scale_log2, d, d_ok, BLOCK_N, HAS_TREE, DOT_PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -93,14 +91,13 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      extend_lens: torch.Tensor, qo_indptr: torch.Tensor, max_extend: int,
                      tree_mask: torch.Tensor | None, scale: float, cfg: ExtendConfig,
                      out: torch.Tensor) -> torch.Tensor:
-    """q, out: (tokens, heads, dim) packed by request; caches: one layer's views of the pool,
-    (pages, page_size, kv_heads, dim); tree_mask: (bs, >=max_extend, W) uint8.
+    """q, out: (tokens, heads, dim) packed by request; tree_mask: (bs, >=max_extend, W) uint8.
 
     `max_extend` (a host value, an upper bound of extend_lens) sizes the grid.
     """
     bs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
-    page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    kv_heads = k_cache.shape[1]
     group = num_heads // kv_heads
     has_tree = tree_mask is not None
     tree = tree_mask if has_tree else q  # any pointer: never read without a tree
@@ -109,8 +106,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _extend_kernel[grid](
         q, out, k_cache, v_cache, req_to_token, req_slots, seq_lens, extend_lens, qo_indptr,
         tree, tree_width, scale * 1.4426950408889634, q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], req_to_token.stride(0),
-        tree.stride(0) if has_tree else 0, tree.stride(1) if has_tree else 0, PAGE=page_size,
+        out.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        req_to_token.stride(0), tree.stride(0) if has_tree else 0, tree.stride(1) if has_tree else 0,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_TREE=has_tree,
         DOT_PRECISION=dot_precision(q.dtype), DOT_FP32=dot_in_fp32(q.dtype),

@@ -12,24 +12,21 @@ from engine.pdl import pdl_launch, pdl_sync
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, loc_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_cp, stride_ct, stride_ch, stride_vcp, stride_vct, stride_vch,
-                     PAGE: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     stride_ct, stride_ch, stride_vct, stride_vch,
+                     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_sync(USE_PDL)
     tok = tl.program_id(0)
-    # int64: a page id times the page stride (every layer's K and V) can pass 2**31 elements
-    loc = tl.load(loc_ptr + tok).to(tl.int64)
-    page = loc // PAGE
-    off = loc % PAGE
+    loc = tl.load(loc_ptr + tok)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     mask = (h[:, None] < NUM_HEADS) & (d[None, :] < HEAD_DIM)
     k = tl.load(k_ptr + tok * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(v_ptr + tok * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
     # the pool may hold another dtype than the activations: cast on store
-    tl.store(k_cache + page * stride_cp + off * stride_ct + h[:, None] * stride_ch + d[None, :],
+    tl.store(k_cache + loc * stride_ct + h[:, None] * stride_ch + d[None, :],
              k.to(k_cache.dtype.element_ty), mask=mask)
-    tl.store(v_cache + page * stride_vcp + off * stride_vct + h[:, None] * stride_vch + d[None, :],
+    tl.store(v_cache + loc * stride_vct + h[:, None] * stride_vch + d[None, :],
              v.to(v_cache.dtype.element_ty), mask=mask)
 
 
@@ -39,8 +36,7 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              loc: torch.Tensor) -> None:
-    """k, v: (tokens, kv_heads, dim); caches: one layer's views of the pool, (pages, page_size,
-    kv_heads, dim); loc: (tokens,) token slots (slot s: page s // page_size, offset s % page_size)."""
+    """k, v: (tokens, kv_heads, dim); caches: (slots, kv_heads, dim); loc: (tokens,) slots."""
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -48,7 +44,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     _store_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, loc,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        *k_cache.stride()[:3], *v_cache.stride()[:3],
-        PAGE=k_cache.shape[1], NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
         **pdl_launch(k))

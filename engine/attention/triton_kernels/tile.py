@@ -1,10 +1,8 @@
 """Online softmax over tiles of paged keys, shared by the split-K and extend kernels.
 
 Rows are (query token, query head) pairs of one kv head; keys are read through the request
-table from a layer's strided view of the page-major pool, (pages, PAGE, kv_heads, dim): slot `s`
-is at (s // PAGE) * stride_page + (s % PAGE) * stride_tok. MASKED applies causality, the tree
-window and the key range; unmasked tiles are those every row may fully see, which skips the mask
-arithmetic on most of a long context.
+table. MASKED applies causality, the tree window and the key range; unmasked tiles are those
+every row may fully see, which skips the mask arithmetic on most of a long context.
 `attend_range` walks a key range as unmasked tiles up to `full_end`, then masked ones.
 """
 
@@ -14,20 +12,17 @@ import triton.language as tl
 
 @triton.jit
 def attend_tile(q, m_i, l_i, acc, k_cache, v_cache, row, kvh, n0, kv_end, qpos, tok, row_ok,
-                seq_len, tree_ptr, tree_width, req_to_token, stride_rt, stride_kp, stride_kt,
-                stride_kh, stride_vp, stride_vt, stride_vh, stride_tq, scale_log2, d, d_ok,
-                PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                HAS_TREE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                seq_len, tree_ptr, tree_width, req_to_token, stride_rt, stride_kt, stride_kh,
+                stride_vt, stride_vh, stride_tq, scale_log2, d, d_ok,
+                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_TREE: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
     pos = n0 + tl.arange(0, BLOCK_N)
     n_ok = pos < kv_end
-    # int64: a page id times the page stride (every layer's K and V) can pass 2**31 elements
-    slot = tl.load(req_to_token + row * stride_rt + pos, mask=n_ok, other=0).to(tl.int64)
-    page = slot // PAGE
-    off = slot % PAGE
+    slot = tl.load(req_to_token + row * stride_rt + pos, mask=n_ok, other=0)
     kv_mask = n_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_cache + (page * stride_kp + off * stride_kt)[:, None] + kvh * stride_kh + d[None, :],
+    k = tl.load(k_cache + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :],
                 mask=kv_mask, other=0.0).to(q.dtype)
-    v = tl.load(v_cache + (page * stride_vp + off * stride_vt)[:, None] + kvh * stride_vh + d[None, :],
+    v = tl.load(v_cache + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :],
                 mask=kv_mask, other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
@@ -53,21 +48,18 @@ def attend_tile(q, m_i, l_i, acc, k_cache, v_cache, row, kvh, n0, kv_end, qpos, 
 
 @triton.jit
 def attend_range(q, m_i, l_i, acc, k_cache, v_cache, row, kvh, start, full_end, kv_end, qpos,
-                 tok, row_ok, seq_len, tree_ptr, tree_width, req_to_token, stride_rt, stride_kp,
-                 stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_tq, scale_log2, d,
-                 d_ok, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_TREE: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+                 tok, row_ok, seq_len, tree_ptr, tree_width, req_to_token, stride_rt, stride_kt,
+                 stride_kh, stride_vt, stride_vh, stride_tq, scale_log2, d, d_ok,
+                 BLOCK_N: tl.constexpr, HAS_TREE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Keys [start, kv_end): tiles before `full_end` (tile-aligned) skip the mask."""
     for n0 in range(start, full_end, BLOCK_N):
         m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, k_cache, v_cache, row, kvh, n0, kv_end, qpos, tok, row_ok, seq_len,
-            tree_ptr, tree_width, req_to_token, stride_rt, stride_kp, stride_kt, stride_kh,
-            stride_vp, stride_vt, stride_vh, stride_tq, scale_log2, d, d_ok, PAGE, BLOCK_N, False,
-            HAS_TREE, DOT_PRECISION)
+            tree_ptr, tree_width, req_to_token, stride_rt, stride_kt, stride_kh, stride_vt,
+            stride_vh, stride_tq, scale_log2, d, d_ok, BLOCK_N, False, HAS_TREE, DOT_PRECISION)
     for n0 in range(full_end, kv_end, BLOCK_N):
         m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, k_cache, v_cache, row, kvh, n0, kv_end, qpos, tok, row_ok, seq_len,
-            tree_ptr, tree_width, req_to_token, stride_rt, stride_kp, stride_kt, stride_kh,
-            stride_vp, stride_vt, stride_vh, stride_tq, scale_log2, d, d_ok, PAGE, BLOCK_N, True,
-            HAS_TREE, DOT_PRECISION)
+            tree_ptr, tree_width, req_to_token, stride_rt, stride_kt, stride_kh, stride_vt,
+            stride_vh, stride_tq, scale_log2, d, d_ok, BLOCK_N, True, HAS_TREE, DOT_PRECISION)
     return m_i, l_i, acc
