@@ -34,7 +34,8 @@ def _endpoint(name: str, device: str, max_tokens: int, rows_device: str) -> tupl
     from engine.kv_transfer import HandoffRows, create_transport
 
     pool = KVPool(LAYERS, max_tokens // PAGE + 2, PAGE, KV_HEADS, HEAD_DIM, torch.bfloat16, device)
-    # "cpu": where a node keeps them (engine/kv_transfer/endpoint.py); "kv": beside the KV
+    # "kv": beside the KV, where nodes keep them by default (engine/kv_transfer/endpoint.py);
+    # "cpu": in host memory (--kv-handoff-rows host), a second stage
     rows = HandoffRows(ROW_PAYLOAD, 4, device=device if rows_device == "kv" else rows_device)
     transport = create_transport("nixl", f"bw-{name}", [pool], rows)
     flat = torch.empty(max_tokens * BYTES_PER_TOKEN, dtype=torch.uint8, device=device)
@@ -108,7 +109,7 @@ def _time_raw(raw: Any, peer: str, flat: torch.Tensor, remote: tuple[int, int], 
 
 def measure(src: str, dst: str, tokens_list: tuple[int, ...] = TOKENS, rows_device: str = "cpu") -> dict[str, Any]:
     """Per prompt length, our write's and raw NIXL's GB/s; `rows_device` "kv" puts the handoff
-    rows beside the KV (one NIXL stage per write) instead of in host memory as nodes do."""
+    rows beside the KV (one NIXL stage per write, as nodes do by default), "cpu" in host memory."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_receiver, args=(child, dst, max(tokens_list), rows_device), daemon=True)
