@@ -12,8 +12,9 @@ Reports (OUT/pd_two_gpu_<gpu>.json):
 * outputs: a fixed greedy request set through the router, PD texts == colocated texts;
 * acceptance: the decode node's mean accepted length == the colocated node's;
 * TTFT: PD minus colocated time to first token (1-token requests, 21 per prompt length after 3
-  warm-ups, medians) for both prompt lengths, against the full KV's transfer time + 2 ms. The
-  deployments run one at a time, each alone on the GPUs (three node processes sharing GPU 0
+  warm-ups, medians over two passes) for both prompt lengths, against the full KV's transfer
+  time + 2 ms. The deployments run one at a time, each alone on the GPUs and each twice in turn
+  (three node processes sharing GPU 0
   made one prompt's forward differ between them by more than the transfer takes). Each
   deployment's time is split by stage from the router's and the nodes' histograms, and the
   difference is also given with each deployment's own prompt forward taken out
@@ -58,6 +59,8 @@ NODE_ARGS = ("--page-size", str(kv_bandwidth.PAGE), "--max-total-tokens", "40000
              str(CHUNK), "--max-running", "16", "--metrics-port", "0", "--speculative-algorithm", "EAGLE",
              "--speculative-num-steps", "3")
 ROUNDS, WARMUP = 21, 3
+PASSES = 2  # each deployment started this many times, in turn with the others
+DEPLOYMENTS = (("colocated", 1), ("pd", 0), ("pd_whole_prompt_write", 0))  # (name, colocated nodes)
 FIXED_SET = [(n, seed) for n, seed in ((24, 1), (100, 2), (300, 3), (700, 4), (1500, 5), (3000, 6))]
 
 
@@ -165,6 +168,23 @@ def measure_deployment(name: str, dep: Deployment, rows: str) -> dict[str, Any]:
         dep.stop()
 
 
+def pooled(passes: list[dict[str, Any]]) -> dict[str, Any]:
+    """One deployment's passes as one: texts and acceptance must agree between passes (else the
+    first pass's are kept and the mismatch shows in `texts_equal_between_passes`), TTFT samples
+    pooled, stage means averaged."""
+    first = passes[0]
+    out: dict[str, Any] = {"texts": first["texts"], "accept_len": first["accept_len"], "ttft": {},
+                           "texts_equal_between_passes": all(p["texts"] == first["texts"] for p in passes)}
+    for t in first["ttft"]:
+        rows = [p["ttft"][t] for p in passes]
+        samples = [x for r in rows for x in r["samples_ms"]]
+        stages = {k: statistics.fmean(r["stages_ms"].get(k, 0.0) for r in rows) for k in rows[0]["stages_ms"]}
+        out["ttft"][t] = {"ms": statistics.median(samples), "samples_ms": samples, "stages_ms": stages,
+                          "prompt_forward_ms": statistics.fmean(r["prompt_forward_ms"] for r in rows),
+                          "pass_medians_ms": [r["ms"] for r in rows]}
+    return out
+
+
 def ttft_report(runs: dict[str, dict[str, Any]], bandwidth: dict[str, Any]) -> dict[str, Any]:
     """Per prompt length: each PD variant's median TTFT against colocated's, and the same
     difference net of each deployment's own prompt forward, against the transfer + 2 ms."""
@@ -201,8 +221,11 @@ def main() -> int:
     other_rows = kv_bandwidth.measure(src, dst, rows_device="cpu" if rows == "kv" else "kv")
     with tempfile.TemporaryDirectory() as tmp:
         target, head = write_models(Path(tmp))
-        runs = {name: measure_deployment(name, serve(target, head, colocated), rows)
-                for name, colocated in (("colocated", 1), ("pd", 0), ("pd_whole_prompt_write", 0))}
+        passes: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in DEPLOYMENTS}
+        for _ in range(PASSES):  # whole passes in turn: a node process's own speed averages out
+            for name, colocated in DEPLOYMENTS:
+                passes[name].append(measure_deployment(name, serve(target, head, colocated), rows))
+        runs = {name: pooled(p) for name, p in passes.items()}
     ttft = ttft_report(runs, bandwidth)
     report = {
         "device": torch.cuda.get_device_name(), "topology": topology, "gpus": gpus,
@@ -214,6 +237,7 @@ def main() -> int:
         "pd_equals_colocated": all(r["texts"] == runs["colocated"]["texts"] for r in runs.values()),
         "accept_len": {name: r["accept_len"] for name, r in runs.items()},
         "acceptance_equal": len({r["accept_len"] for r in runs.values()}) == 1,
+        "texts_equal_between_passes": all(r["texts_equal_between_passes"] for r in runs.values()),
         "ttft": ttft, "texts": {k: v["texts"] for k, v in runs.items()},
     }
     gpu = report["device"].split()[1].lower() if " " in report["device"] else "gpu"
