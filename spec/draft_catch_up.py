@@ -89,7 +89,8 @@ class DraftBacklog:
 
     def forget(self, rid: str) -> None:
         """A request left, or its draft state was rebuilt (prefill, PD adoption)."""
-        self._fold()
+        if self._run_len and rid in self._run:  # others' counts need no fold: arrivals stay cheap
+            self._fold()
         self.pending.pop(rid, None)
 
     def _fold(self) -> None:
