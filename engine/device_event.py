@@ -42,25 +42,40 @@ class StreamEvent:
     """A backend event recorded on / waited from the *current* stream of one device.
 
     Built from the generic ``torch.Event`` when this torch has it, else from the device module's
-    ``Event``. The stream is passed explicitly: the event's device may not be the current device.
+    ``Event``. With no stream argument the event takes the current stream of the thread's current
+    device in C++; that is only right when the current device is the event's, so otherwise the
+    stream is looked up and passed explicitly. (The lookup builds a Python stream object: a few
+    microseconds, several times per decode iteration, on the host's critical path.)
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._module = torch.get_device_module(device)
+        self._index = device.index if device.index is not None else self._module.current_device()
         if hasattr(torch, "Event"):
             self._event: Any = torch.Event(device=device)
         else:  # older torch: the per-backend class
             self._event = self._module.Event()
 
-    def _stream(self) -> Any:
+    def _foreign_stream(self) -> Any:
+        """The event device's current stream when the thread's current device is another one."""
+        if self._module.current_device() == self._index:
+            return None
         return self._module.current_stream(self.device)
 
     def record(self) -> None:
-        self._event.record(self._stream())
+        stream = self._foreign_stream()
+        if stream is None:
+            self._event.record()
+        else:
+            self._event.record(stream)
 
     def wait(self) -> None:
-        self._event.wait(self._stream())
+        stream = self._foreign_stream()
+        if stream is None:
+            self._event.wait()
+        else:
+            self._event.wait(stream)
 
     def query(self) -> bool:
         return bool(self._event.query())
