@@ -128,6 +128,10 @@ class BatchPolicy:
     def decode_needs_retraction(self) -> bool:
         """Would the next decode batch run out of pages? (The overlap scheduler then collects
         the batch in flight first: its finished requests' pages are what retraction lacks.)"""
+        # O(1) first: no request can need more than its window's pages plus one partial page
+        free = self.kv.allocator.num_free
+        if len(self.running) * (self.kv.pages_for(self.kv_tokens_per_decode) + 1) <= free:
+            return False
         if any(r.needs_extend for r in self.running):
             return False
         need = sum(max(0, self.kv.pages_for(r.sched_len + self.kv_tokens_per_decode) - r.num_pages)
@@ -152,8 +156,13 @@ class BatchPolicy:
             if want == window:
                 break
             window, i = want, 0
+            page, limit = self.kv.page_size, self.kv.cfg.max_context_len
             while i < len(decoding):
                 req = decoding[i]
+                need = req.sched_len + window
+                if need <= req.num_pages * page and need <= limit:  # already covered: most steps
+                    i += 1
+                    continue
                 try:
                     self.kv.reserve(req, req.sched_len + window)
                     i += 1

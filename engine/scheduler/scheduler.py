@@ -297,32 +297,38 @@ class Scheduler:
 
     # ---- output ----
     def _complete(self, batch: Batch, out: StepOutput, fence: DeviceEvent | None = None) -> list[RequestUpdate]:
-        updates = []
-        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
-            self._unmark(batch, i)
-            if req.finished or req.epoch != batch.epochs[i]:
+        updates, decoded = [], 0
+        # _unmark inlined: this loop runs once per request per step on the host's critical path
+        extend = batch.mode is ForwardMode.EXTEND
+        for i, (req, n, s, epoch) in enumerate(zip(batch.reqs, batch.extend_lens, batch.sample, batch.epochs)):
+            req.inflight -= 1
+            req.inflight_len -= n if extend else batch.window
+            req.inflight_samples -= int(s)
+            if req.finished or req.epoch != epoch:
                 # aborted, finished by an earlier batch, or retracted while this one ran
                 self.stats["discarded"] += 1
                 if req.release_pending and not req.inflight:
                     self._release(req)
                 continue
             new = out.tokens[i]
-            req.solo = max(0, req.solo - 1)  # one more step it ran without failing
+            if req.solo:
+                req.solo -= 1  # one more step it ran without failing
             # KV of the computed window is committed; under speculation len(new) = accepted + 1
-            if batch.mode is ForwardMode.EXTEND:
+            if extend:
                 req.seq_len += n
                 self.stats["prefill_tokens"] += n
                 if new and not req.output_ids:  # the prompt's last chunk: its first token
                     self.prompt_time.observe(time.monotonic() - req.admitted_at)
             else:
                 req.seq_len += len(new)
-                self.stats["decode_tokens"] += len(new)
+                decoded += len(new)
             upd = self._append(req, new, out, i)
             if upd is not None:
                 updates.append(upd)
             elif fence is not None and req.hold_kv and not batch.sample[i]:
                 full = self.kv.page_list(req)[:req.seq_len // self.kv.page_size]
                 updates.append(RequestUpdate(req.rid, [], kv_progress=KVProgress(tuple(full), fence)))
+        self.stats["decode_tokens"] += decoded
         return updates
 
     def _append(self, req: Req, new: list[int], out: StepOutput, i: int) -> RequestUpdate | None:
