@@ -12,7 +12,10 @@ second and third passes of the same traffic, the first pass is reported too
 (`adaptive_cold_tok_s`), and the fifth and sixth (`adaptive_settled_tok_s`: by then a controller
 that keeps failing upshift probes has backed off further). At p = 0 a configuration pinned at 0
 steps (`zero_steps_tok_s`: the target alone, the draft only catching up) is what adaptive steps
-can reach at best there.
+can reach at best there. At p = 0, where speculation can at best tie plain decoding, the 0-step and
+adaptive passes also alternate with passes of the plain engine, kept alive for that
+(`paired_plain_tok_s`: the best of the plain passes in the same minutes), so a drift of the
+host's speed between the start of the sweep and these passes does not decide the comparison.
 
 Run on the GPU machine: `python -m bench.gpu.spec_speedup llama-8b OUT` (and llama-1b; `batches=1,8`
 limits the batch sizes); writes
@@ -103,6 +106,18 @@ def timed_decode(eng: Engine, prompts: list[list[int]]) -> dict[str, Any]:
             "accept_len": accept}
 
 
+def paired_passes(eng: Engine, plain_eng: Engine, prompts: list[list[int]],
+                  n: int) -> tuple[list[dict[str, Any]], float]:
+    """n passes of `eng`, each between two passes of the plain engine on the same prompts:
+    (the passes of `eng`, the best plain throughput of the window)."""
+    plain = [timed_decode(plain_eng, prompts)["tok_s"]]
+    passes = []
+    for _ in range(n):
+        passes.append(timed_decode(eng, prompts))
+        plain.append(timed_decode(plain_eng, prompts)["tok_s"])
+    return passes, max(plain)
+
+
 def engine_for(model: torch.nn.Module, cfg: Any, head: Path | None, steps: int | None,
                adaptive_config: str | None = None) -> Engine:
     binding = None
@@ -161,8 +176,7 @@ def sweep(name: str, out_dir: Path, batches: tuple[int, ...]) -> dict[str, Any]:
         for p, o in zip(ps, plain[bs]["outputs"]):
             picker.sequences[tuple(p)] = p + o
         print(f"{name} plain bs {bs}: {plain[bs]['tok_s']:.0f} tok/s, step {plain[bs]['step_ms']:.2f} ms", flush=True)
-    del eng
-    release_memory()
+    plain_eng = eng  # kept for the p = 0 passes that alternate with plain ones
     runs: dict[str, dict[tuple[int, float], dict[str, Any]]] = {}
     labels = [*((str(s), s, None) for s in FIXED), ("0", 1, zero_config), ("adaptive", None, None)]
     for label, steps, adaptive_config in labels:
@@ -176,7 +190,11 @@ def sweep(name: str, out_dir: Path, batches: tuple[int, ...]) -> dict[str, Any]:
                 if label == "adaptive":  # from the initial steps, then the controller's steady state
                     fresh_controller(eng)
                     cold = timed_decode(eng, ps)["tok_s"]
-                passes = [timed_decode(eng, ps) for _ in range(REPEATS)]
+                paired_plain = None
+                if p == 0.0 and label in ("0", "adaptive"):
+                    passes, paired_plain = paired_passes(eng, plain_eng, ps, REPEATS)
+                else:
+                    passes = [timed_decode(eng, ps) for _ in range(REPEATS)]
                 r = max(passes, key=lambda x: x["tok_s"])
                 if label == "adaptive":  # the same traffic on: the upshift probes' backoff grows
                     for _ in range(ADAPTIVE_PASSES - 1 - 2 * REPEATS):
@@ -184,14 +202,16 @@ def sweep(name: str, out_dir: Path, batches: tuple[int, ...]) -> dict[str, Any]:
                     late = [timed_decode(eng, ps) for _ in range(REPEATS)]
                     settled = max(x["tok_s"] for x in late)
                     passes += late
-                r["cold_tok_s"], r["settled_tok_s"] = cold, settled
+                r["cold_tok_s"], r["settled_tok_s"], r["paired_plain_tok_s"] = cold, settled, paired_plain
                 r["exact"] = min(sum(a == b for a, b in zip(x["outputs"], plain[bs]["outputs"])) / bs for x in passes)
                 r.pop("outputs")
                 runs[label][(bs, p)] = r
                 print(f"{name} {label} bs {bs} p {p}: {r['tok_s']:.0f} tok/s ({r['tok_s'] / plain[bs]['tok_s']:.2f}x), "
                       f"accept {r['accept_len']:.2f}, exact {r['exact']:.2f}, iteration {r['step_ms']:.2f} ms"
                       + (f", cold {cold:.0f} tok/s, settled {settled:.0f} tok/s ({settled / plain[bs]['tok_s']:.2f}x)"
-                         if cold and settled else ""), flush=True)
+                         if cold and settled else "")
+                      + (f", paired plain {paired_plain:.0f} tok/s ({r['tok_s'] / paired_plain:.3f}x)"
+                         if paired_plain else ""), flush=True)
         del eng
         release_memory()
         write_report(out_dir / f"spec_speedup_{name}_partial.json",
@@ -215,10 +235,14 @@ def sweep(name: str, out_dir: Path, batches: tuple[int, ...]) -> dict[str, Any]:
                 "adaptive_cold_tok_s": runs["adaptive"][(bs, p)]["cold_tok_s"],
                 "adaptive_settled_tok_s": runs["adaptive"][(bs, p)]["settled_tok_s"],
                 "zero_steps_tok_s": runs["0"][(bs, 0.0)]["tok_s"] if p == 0.0 else None,
+                "zero_steps_paired_plain_tok_s": runs["0"][(bs, 0.0)]["paired_plain_tok_s"] if p == 0.0 else None,
+                "adaptive_paired_plain_tok_s": runs["adaptive"][(bs, p)]["paired_plain_tok_s"],
                 "adaptive_iteration_ms": runs["adaptive"][(bs, p)]["step_ms"],
                 "adaptive_accept_len": runs["adaptive"][(bs, p)]["accept_len"],
                 "exact_fraction": min(r[(bs, p)]["exact"] for r in runs.values() if (bs, p) in r),
             })
+    del plain_eng
+    release_memory()
     device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     gpu = device.split()[1].lower() if " " in device else device
     report = {"device": device, "torch": torch.__version__, "points": points,
