@@ -2,7 +2,7 @@
 
 `python -m bench.gpu.profile_zero_step llama-1b OUT` (GPU machine; `batches=1,8,64`): for each
 batch size, the plain engine and an EAGLE engine pinned at 0 steps (the target alone, the draft
-catching up every 16 tokens) decode the same prompts under the profiler. Per decode step: wall
+catching up when its ring is full) decode the same prompts under the profiler. Per decode step: wall
 time, host time inside `Engine.step`, GPU kernel time, GPU busy time (union of kernel intervals), kernel count, and the kernels
 by name, so the difference between the two is itemized (catch-up kernels are averaged over the
 steps they serve); with `host`, also a cProfile of the host side of each decode phase. Writes
@@ -28,7 +28,6 @@ from engine.core import SamplingParams
 from engine.engine import Engine
 
 HOST = False  # `host` on the command line: also a cProfile of each decode phase
-FREEZE = False  # `freeze`: gc.freeze() after each engine is built
 
 
 class GcTimer:
@@ -153,11 +152,11 @@ def diff(plain: dict[str, Any], zero: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def main() -> int:
-    global HOST, FREEZE
-    HOST, FREEZE = "host" in sys.argv[1:], "freeze" in sys.argv[1:]
+    global HOST
+    HOST = "host" in sys.argv[1:]
     names = [a for a in sys.argv[1:] if a in MODELS] or ["llama-1b"]
     sizes = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("batches=")]
-    rest = [a for a in sys.argv[1:] if a not in MODELS and a not in ("host", "freeze") and not a.startswith("batches=")]
+    rest = [a for a in sys.argv[1:] if a not in MODELS and a != "host" and not a.startswith("batches=")]
     batches = tuple(int(b) for b in sizes[0].split(",")) if sizes else (1, 8, 64)
     out = Path(rest[0]) if rest else Path("bench/results")
     for name in names:
@@ -167,9 +166,6 @@ def main() -> int:
         for label in results:
             eng = engine_for(model, cfg, head if label == "zero" else None, 1 if label == "zero" else None,
                              zero_config if label == "zero" else None)
-            if FREEZE:  # what a long-running node does after start-up: never rescan its objects
-                gc.collect()
-                gc.freeze()
             for bs in batches:
                 ps = prompts_for(bs, cfg.vocab_size)
                 warm = timed_decode(eng, ps)  # warm-up pass (and the oracle's table for the draft)
@@ -182,7 +178,6 @@ def main() -> int:
                     print(name, label, bs, "host us per step:", r["host_parts_us"], flush=True)
                 print(name, label, bs, {k: round(v, 1) for k, v in r.items() if not isinstance(v, (dict, list))}, flush=True)
             del eng
-            gc.unfreeze()
             release_memory()
         for bs in batches:
             p, z = results["plain"][bs], results["zero"][bs]

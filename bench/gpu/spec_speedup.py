@@ -108,12 +108,13 @@ def timed_decode(eng: Engine, prompts: list[list[int]]) -> dict[str, Any]:
 
 def paired_passes(eng: Engine, plain_eng: Engine, prompts: list[list[int]],
                   n: int) -> tuple[list[dict[str, Any]], float]:
-    """n passes of `eng`, each between two passes of the plain engine on the same prompts:
-    (the passes of `eng`, the best plain throughput of the window)."""
-    plain = [timed_decode(plain_eng, prompts)["tok_s"]]
-    passes = []
-    for _ in range(n):
-        passes.append(timed_decode(eng, prompts))
+    """n passes of `eng` and n of the plain engine on the same prompts, in the order plain, eng,
+    eng, plain (repeated): as many of each, and a linear drift of the host's speed weighs on both
+    alike. Returns (the passes of `eng`, the best plain throughput of the window)."""
+    plain, passes = [], []
+    for _ in range(-(-n // 2)):
+        plain.append(timed_decode(plain_eng, prompts)["tok_s"])
+        passes += [timed_decode(eng, prompts) for _ in range(2)]
         plain.append(timed_decode(plain_eng, prompts)["tok_s"])
     return passes, max(plain)
 
@@ -126,10 +127,12 @@ def engine_for(model: torch.nn.Module, cfg: Any, head: Path | None, steps: int |
         spec = SpecConfig("SYNTHETIC", str(head), steps or 3, 1, adaptive=adaptive, adaptive_config=adaptive_config)
         binding = bind(spec)
     total = MAX_RUNNING * (PROMPT_LEN + NEW_TOKENS + 96)
-    return make_engine(model, cfg, overlap=True, graphs=MAX_RUNNING, max_running=MAX_RUNNING,
-                       max_total_tokens=total, algorithm=binding,
-                       backend="triton" if torch.cuda.is_available() else "torch",
-                       cuda_graph_padded_eager=not torch.cuda.is_available())
+    eng = make_engine(model, cfg, overlap=True, graphs=MAX_RUNNING, max_running=MAX_RUNNING,
+                      max_total_tokens=total, algorithm=binding,
+                      backend="triton" if torch.cuda.is_available() else "torch",
+                      cuda_graph_padded_eager=not torch.cuda.is_available())
+    freeze_engine_objects()
+    return eng
 
 
 def fresh_controller(eng: Engine) -> None:
@@ -141,8 +144,16 @@ def fresh_controller(eng: Engine) -> None:
     states.policy = states.policy.restarted()
 
 
+def freeze_engine_objects() -> None:
+    """As a node does once its engine is built (engine/service/node.py): the engine's objects
+    leave the collector's generations, so full collections stay cheap during the passes."""
+    gc.collect()
+    gc.freeze()
+
+
 def release_memory() -> None:
     """After the caller dropped its engine: two 8B engines' graphs and KV do not fit together."""
+    gc.unfreeze()  # frozen objects are never collected: the dropped engine must be
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

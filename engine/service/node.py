@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol
@@ -51,6 +52,11 @@ async def run_node(role: NodeRole, build: Callable[[], tuple[Engine, Any]], host
     role's servers, print the READY line, and stop cleanly on SIGINT/SIGTERM."""
     stop = stop_on_signals()  # before the slow load, so no signal is missed
     engine, binding = build()
+    # The weights' modules, graphs and buffers live as long as the process: out of every later
+    # collection, so the scheduler thread's per-step allocations trigger only cheap young ones
+    # (a full collection over the engine's objects is milliseconds on the decode path).
+    gc.collect()
+    gc.freeze()
     loop = EngineLoop(engine).start()
     parts = role.attach(loop, binding)
     info = node_info(engine, parts.info_role, served_model_name, pairing_protocol=parts.pairing_protocol)
