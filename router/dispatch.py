@@ -1,12 +1,16 @@
 """PDDispatcher: the router's node side (router.contract.Dispatcher).
 
 One job = one or more attempts. An attempt picks a (prefill, decode) pair, invents a random
-int32 bootstrap room and sends the same GenerateRequest to both legs at once. The decode stream
-is what the client sees; the prefill leg runs in the background and its failure ends the decode
-leg. Before the first event an attempt that fails is retried with backoff on a new pair (the
-failing node excluded) and a new room; after it, a failure ends the job. Closing the iterator
-sends Abort to both legs. With no PD pair, a colocated node (if any) serves the job alone. Which
-node a failure is charged to is router/blame.py's decision.
+int32 bootstrap room and sends the same GenerateRequest to both legs at once. The client sees the
+decode stream; the prefill leg runs in the background and its failure ends the decode leg. The
+prefill answers with the first token once its KV write to the decode completed: unless logprobs
+are asked for (the prefill's answer carries none), that token goes to the client at once when the
+decode has not sent it yet, and the decode's copy is skipped (router/relay.py). Before the first
+event an attempt that fails is retried with backoff on a new pair (the failing node excluded) and
+a new room; after it, a failure ends the job, so a decode that fails after the prefill's token
+went out ends the job with an error. Closing the iterator sends Abort to both legs. With no PD
+pair, a colocated node (if any) serves the job alone. Which node a failure is charged to is
+router/blame.py's decision.
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ from router.contract import (
 )
 from router.blame import LegFailed, prefill_failure, rpc_failure, stage_timeout
 from router.metrics import DispatchMetrics
-from router.nodes import NodeRegistry, NodeState, build_request, token_event
+from router.nodes import NodeRegistry, NodeState, build_request
 from router.policy import Policy, pair_available, select_colocated, select_pair
+from router.relay import TokenRelay
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +50,7 @@ MAX_ROOM = 2**31 - 1  # SMG's gRPC rooms are int32; 0 is avoided (it reads as "u
 @dataclass(frozen=True)
 class StageTimeouts:
     prefill_s: float = 60.0  # the whole prefill leg: queue, forward, KV write
-    first_token_s: float = 90.0  # request sent -> first decode message (prefill + transfer)
+    first_token_s: float = 90.0  # request sent -> first decode message (prefill + transfer + adoption)
     inter_token_s: float = 60.0  # between two decode messages
     abort_s: float = 2.0  # the Abort RPCs sent on cancel or failure
     probe_s: float = 60.0  # one whole readiness probe
@@ -60,6 +65,12 @@ class _Attempt:
         self.d, self.job, self.prefill, self.decode, self.rid = d, job, prefill, decode, request_id
         self.room = secrets.randbelow(MAX_ROOM) + 1
         req = build_request(job, request_id, self.room, prefill)
+        # The prefill's answer carries no logprobs: with logprobs asked for, the decode's copy of
+        # the first token (which has them) is the one the client gets.
+        self.relay_first = prefill is not None and not (job.sampling.logprobs or job.sampling.top_logprobs)
+        self.first_token: int | None = None  # the prefill's token, once its leg succeeded
+        self.first_from_prefill = False  # the client's first token came from the prefill's answer
+        self._next: asyncio.Future[pb.GenerateResponse] | None = None  # the decode read in flight
         assert decode.stub is not None
         self.call = decode.stub.Generate(req)  # no deadline: a stream may be long; stage timeouts bound it
         self.prefill_task: asyncio.Task[LegFailed | None] | None = None
@@ -73,12 +84,15 @@ class _Attempt:
         self.prefill_done_at: float | None = None
 
     async def _prefill_leg(self, req: pb.GenerateRequest) -> LegFailed | None:
-        """Drains the prefill stream; returns (rather than raises) its failure, read by `_read`."""
+        """Drains the prefill stream, keeping the first token of its GenerateComplete; returns
+        (rather than raises) its failure, read by `_read`."""
         assert self.prefill is not None and self.prefill.stub is not None
         self.prefill.inflight += 1  # here, not at creation: a task cancelled unstarted runs no finally
+        first: int | None = None
         try:
-            async for _ in self.prefill.stub.Generate(req, timeout=self.d.timeouts.prefill_s):
-                pass
+            async for msg in self.prefill.stub.Generate(req, timeout=self.d.timeouts.prefill_s):
+                if msg.HasField("complete") and msg.complete.output_ids:
+                    first = msg.complete.output_ids[0]
         except grpc.aio.AioRpcError as e:
             return rpc_failure(e, "prefill", self.prefill, self.decode)
         except Exception as e:  # anything else still ends this attempt, not the router
@@ -86,36 +100,45 @@ class _Attempt:
                               (self.prefill,), "prefill_failed")
         finally:
             self.prefill.inflight -= 1
-        self.prefill_done_at = time.monotonic()
+        # Only a stream that ended well gives its token: its KV write to the decode is complete.
+        self.prefill_done_at, self.first_token = time.monotonic(), first
         return None
 
     def observe_first_token(self, job_started: float) -> None:
+        """TTFT stages of this attempt (router/metrics.py says what each one holds)."""
         now, stage = time.monotonic(), self.d.metrics.ttft_stage
         stage.labels("queue").observe(self.started_at - job_started)
+        if self.prefill is not None:
+            self.d.metrics.first_token_source.labels("prefill" if self.first_from_prefill else "decode").inc()
         if self.prefill_done_at is None:  # colocated, or the decode beat the prefill's answer
             stage.labels("prefill").observe(now - self.started_at)
             return
         stage.labels("prefill").observe(self.prefill_done_at - self.started_at)
+        # ~0 when the router relayed the prefill's own token (no wait on the decode)
         stage.labels("first_decode").observe(max(0.0, now - self.prefill_done_at))
 
     async def events(self) -> AsyncIterator[TokenEvent | FinishEvent]:
-        streamed, first = 0, True
+        t, relay, loop = self.d.timeouts, TokenRelay(self.rid), asyncio.get_running_loop()
+        # The decode's first message is due first_token_s after the request, whichever leg gave
+        # the client its first token; each later one inter_token_s after the one before.
+        first_by, spoke = loop.time() + t.first_token_s, False
         while True:
-            msg = await self._read(self.d.timeouts.first_token_s if first else self.d.timeouts.inter_token_s)
-            first = False
+            budget = t.inter_token_s if spoke else t.first_token_s
+            deadline = loop.time() + budget if spoke else first_by
+            msg = await self._read(deadline, budget, self.relay_first and relay.sent == 0)
+            if msg is None:  # the prefill answered before the decode streamed a token
+                assert self.first_token is not None
+                self.first_from_prefill = True
+                yield relay.prefill_token(self.first_token)
+                continue
+            spoke = True
             if msg.HasField("chunk"):
-                c = msg.chunk
-                if c.token_ids:
-                    streamed += len(c.token_ids)
-                    yield token_event(list(c.token_ids), c.output_logprobs if c.HasField("output_logprobs") else None)
+                if (event := relay.chunk(msg.chunk)) is not None:
+                    yield event
                 continue
             done = msg.complete
-            if len(done.output_ids) > streamed:  # a worker that did not stream (or not all of it)
-                lp = done.output_logprobs if done.HasField("output_logprobs") else None
-                if lp is not None and lp.token_logprobs:
-                    lp = pb.OutputLogProbs(token_logprobs=lp.token_logprobs[streamed:],
-                                           token_ids=lp.token_ids[streamed:], top_logprobs=lp.top_logprobs[streamed:])
-                yield token_event(list(done.output_ids[streamed:]), lp)
+            if (event := relay.complete(done)) is not None:  # a worker that did not stream (or not all of it)
+                yield event
             matched = (done.matched_token_id if done.HasField("matched_token_id")
                        else done.matched_stop_str if done.HasField("matched_stop_str") else None)
             self.finished = True
@@ -123,29 +146,41 @@ class _Attempt:
                               done.completion_tokens or len(done.output_ids), matched, self.prefill is not None)
             return
 
-    async def _read(self, timeout: float) -> pb.GenerateResponse:
-        """The next decode message, watching the prefill leg meanwhile; raises LegFailed."""
-        read = asyncio.ensure_future(self.call.read())
-        waiting: set[asyncio.Future] = {read}
-        if self.prefill_task is not None and not self.prefill_task.done():
-            waiting.add(self.prefill_task)
-        deadline = asyncio.get_running_loop().time() + timeout
+    async def _read(self, deadline: float, budget_s: float, relay_first: bool) -> pb.GenerateResponse | None:
+        """The next decode message by `deadline` (loop time), watching the prefill leg meanwhile;
+        or None when `relay_first` and the prefill answered with its token first. Raises LegFailed."""
+        if self._next is None:
+            self._next = asyncio.ensure_future(self.call.read())
+        read, loop = self._next, asyncio.get_running_loop()
         try:
             while True:
-                left = deadline - asyncio.get_running_loop().time()
-                done, _ = await asyncio.wait(waiting, timeout=max(left, 0.0), return_when=asyncio.FIRST_COMPLETED)
+                if relay_first and self.first_token is not None:
+                    return None  # the read stays pending for the next call: cancelling it ends the RPC
+                pt = self.prefill_task
+                waiting: set[asyncio.Future] = {read} if pt is None or pt.done() else {read, pt}
+                done, _ = await asyncio.wait(waiting, timeout=max(deadline - loop.time(), 0.0),
+                                             return_when=asyncio.FIRST_COMPLETED)
                 if read in done:
+                    self._next = None
                     return await self._message(read)
                 if not done:
-                    pt = self.prefill_task
                     raise await stage_timeout(self.prefill, self.decode, pt is not None and not pt.done(),
-                                              timeout, self.d.timeouts.health_s)
-                waiting.discard(self.prefill_task)  # type: ignore[arg-type]
-                if (failure := self.prefill_task.result()) is not None:  # type: ignore[union-attr]
+                                              budget_s, self.d.timeouts.health_s)
+                if (failure := pt.result()) is not None:  # type: ignore[union-attr]
                     raise await self._attribute(failure)
-        finally:
-            if not read.done():
-                read.cancel()  # cancels the decode RPC too; the attempt is over either way
+        except BaseException:
+            self._drop_read()  # the attempt is over either way
+            raise
+
+    def _drop_read(self) -> None:
+        """Let go of the decode read in flight; cancelling it cancels the decode RPC too."""
+        read, self._next = self._next, None
+        if read is None:
+            return
+        if not read.done():
+            read.cancel()
+        elif not read.cancelled():
+            read.exception()  # marks an error as seen: asyncio would log it as never retrieved
 
     async def _message(self, read: asyncio.Future) -> pb.GenerateResponse:
         try:
@@ -167,6 +202,7 @@ class _Attempt:
         """End the attempt: on failure or cancel stop both legs and Abort them; give verdicts."""
         self.decode.inflight -= 1
         if not self.finished:
+            self._drop_read()  # pending when the job ended right after the prefill's token
             self.call.cancel()
             if self.prefill_task is not None:
                 self.prefill_task.cancel()

@@ -127,10 +127,18 @@ class DispatchMetrics:
                              ["node", "role"], registry=registry)
         # TTFT by stage. "prefill" ends when the prefill answers, which it does once its KV write
         # completed, so it holds the node's queue, the prompt forward and the transfer (the nodes'
-        # pdserve_kv_transfer_seconds breaks the transfer out); "first_decode" is the decode's
-        # commit + first step; "queue" is the router's own pair selection, retries and backoff.
-        self.ttft_stage = Histogram("pdserve_router_ttft_stage_seconds", "Time to first token by stage",
+        # pdserve_kv_transfer_seconds breaks the transfer out); "first_decode" runs from that answer
+        # to the first token: the decode's commit + first step when the decode's message brought
+        # it, ~0 when the router relayed the token of the prefill's answer (no logprobs asked for),
+        # so the stages still add up to the TTFT; "queue" is the router's own pair selection,
+        # retries and backoff. first_token_source tells the two cases apart.
+        self.ttft_stage = Histogram("pdserve_router_ttft_stage_seconds", "Time to first token by stage "
+                                    "(first_decode is ~0 when the prefill's answer gave the first token)",
                                     ["stage"], buckets=_STAGE_BUCKETS, registry=registry)
+        self.first_token_source = Counter("pdserve_router_first_token_source", "PD attempts by the leg "
+                                          "whose message gave the client its first token (prefill: its "
+                                          "answer, relayed before the decode streamed)", ["source"],
+                                          registry=registry)
 
         self.ready = Gauge("pdserve_router_ready", "1 while /ready answers 200: a compatible pair (or "
                            "colocated node) is usable and a handoff succeeded lately", registry=registry)

@@ -1,7 +1,8 @@
-"""Fake in-process SglangScheduler nodes for router tests: a prefill that completes with one token,
-a decode (or colocated node) that streams scripted tokens, with switches for failures and hangs.
-Every RPC is recorded (Generate requests, Aborts, streams the client cancelled). Also the small
-async helpers the dispatch tests share (run, job, dispatcher, collect, until)."""
+"""Fake in-process SglangScheduler nodes for router tests: a prefill that completes with one token
+once its decode took the room, a decode (or colocated node) that streams scripted tokens, with
+switches for failures and hangs. Every RPC is recorded (Generate requests, Aborts, streams the
+client cancelled). Also the small async helpers the dispatch tests share (run, job, dispatcher,
+collect, until)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,14 @@ from router.policy import make_policy
 
 MODES = {"prefill": "prefill", "decode": "decode", "colocated": "null"}
 HANG_S = 3600.0  # "forever": servers are stopped (which cancels the RPC) long before
+# Bootstrap rooms a fake decode has taken (in a real pair: reserved KV and sent its destination).
+# A fake prefill answers only once its room is here, as a real one writes KV only to a decode that
+# reserved it; so a decode failing (or hanging) before its first token fails before the handoff.
+_TAKEN: dict[int, asyncio.Event] = {}
+
+
+def _room(room: int) -> asyncio.Event:
+    return _TAKEN.setdefault(room, asyncio.Event())
 
 
 @dataclass
@@ -39,6 +48,8 @@ class Behaviour:
     healthy: bool = True
     silent: bool = False  # HealthCheck never answers (a stopped process)
     blame: str | None = None  # a failure names this role at fault (trailing metadata, as nodes do)
+    hold_first: asyncio.Event | None = None  # the first message waits for this (a prefill's: after its handoff)
+    chunks: bool = True  # a decode streams chunks; False: only its GenerateComplete, with every token
     running: int = 0
     waiting: int = 0
 
@@ -84,10 +95,17 @@ class FakeNode(pbg.SglangSchedulerServicer):
                 await context.abort(b.status, f"fake {self.role} failed before its first token",
                                     trailing_metadata=(("pdserve-blame", b.blame),) if b.blame else ())
             if self.role == "prefill":
+                await self._handoff(request.disaggregated_params.bootstrap_room)
+                if b.hold_first is not None:
+                    await b.hold_first.wait()
                 yield pb.GenerateResponse(request_id=rid, complete=pb.GenerateComplete(
                     output_ids=tokens[:1], finish_reason="length", prompt_tokens=n_prompt, completion_tokens=1))
                 return
-            for i, t in enumerate(tokens):
+            if request.HasField("disaggregated_params"):
+                _room(request.disaggregated_params.bootstrap_room).set()
+            if b.hold_first is not None:
+                await b.hold_first.wait()
+            for i, t in enumerate(tokens if b.chunks else ()):
                 if b.fail_after == i:
                     await context.abort(b.status, f"fake {self.role} failed mid-stream")
                 if b.hang_after == i:
@@ -103,6 +121,13 @@ class FakeNode(pbg.SglangSchedulerServicer):
         except asyncio.CancelledError:
             self.cancelled.append(rid)
             raise
+
+    async def _handoff(self, room: int) -> None:
+        """The prefill's "KV write": done once its decode took the room."""
+        try:
+            await _room(room).wait()
+        finally:
+            _TAKEN.pop(room, None)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         self.aborts.append(request.request_id)

@@ -165,6 +165,8 @@ def test_hanging_decode_times_out_and_is_retried() -> None:
         hung = FakeNode("decode", Behaviour(hang_before_first=True))
         good = FakeNode("decode", Behaviour(running=5))
         async with cluster(p, hung, good) as reg:
+            # a stopped decode: silent to health checks too, and its prefill never gets to write
+            hung.b.silent = True
             timeouts = StageTimeouts(prefill_s=5, first_token_s=0.5, inter_token_s=5, abort_s=2)
             events = await collect(dispatcher(reg, timeouts=timeouts), job())
             assert isinstance(events[-1], FinishEvent) and len(good.requests) == 1

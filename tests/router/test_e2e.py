@@ -270,6 +270,11 @@ def test_metrics_split_ttft_by_stage_and_label_disaggregation(stack: Stack) -> N
     counts = {s.labels["stage"]: s.value for s in families["pdserve_router_ttft_stage_seconds"].samples
               if s.name.endswith("_count")}
     assert counts["queue"] > 0 and counts["prefill"] == counts["queue"] and counts["first_decode"] > 0
+    # the real prefill's answer carries the first token, and the router relays it before the
+    # decode (which must still notice the write and adopt the request) streams it
+    sources = {s.labels["source"]: s.value for s in families["pdserve_router_first_token_source"].samples
+               if s.name.endswith("_total")}
+    assert sources.get("prefill", 0) > 0 and sum(sources.values()) == counts["queue"]
     e2e = [s for s in families["pdserve_router_e2e_request_latency_seconds"].samples
            if s.name.endswith("_count") and s.value > 0]
     assert e2e and all(s.labels["disaggregated"] == "true" for s in e2e)
