@@ -11,6 +11,10 @@ computed only its own pages are left for the final write. Ordering rules:
 * after a retraction (an empty progress) the writer lets posted writes end and starts over;
 * whatever ends the room, its pages are freed and the decode is told only once no write of the
   room is in flight any more (`after_writes`), so no write lands in pages handed to someone else.
+
+Latency: a chunk write is polled to its end as soon as it is posted (the polls also drive the
+transport's progress), so the prompt's end finds nothing left to settle; the final write is posted
+and polled in one poller-thread round trip, at the fast cadence the decode's notification waits on.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import Future
 from typing import Callable
 
 from engine.kv_transfer import KVPoll, KVTransport, TransferError, TransferRequest
-from engine.kv_transfer.waiting import poll_interval, wait_settled
+from engine.kv_transfer.waiting import poll_interval, post_and_wait, wait_settled
 from engine.scheduler.kv_progress import KVProgress
 from prefill_node.rooms import Room
 
@@ -45,7 +50,8 @@ class RoomWriter:
         self._pending: list[KVProgress] = []
         self._wake = asyncio.Event()
         self._closing = False
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task | None = None  # sends chunks and ends their writes
+        self._posting: set[Future] = set()  # posts still running in a poller thread
         self._error: WriteFailed | None = None
         self._on_idle: list[Callable[[], None]] = []
         self._drainer: asyncio.Task | None = None
@@ -76,6 +82,7 @@ class RoomWriter:
                     await self._until_destination_or_wake()  # the prompt started before it came
                     continue
                 await self._apply(self._next_progress())
+            await self._end_posted()  # while the prompt runs, not after it
 
     def _next_progress(self) -> KVProgress:
         """The oldest pending progress, or, when several chunks finished meanwhile, the newest
@@ -111,14 +118,39 @@ class RoomWriter:
         end = len(progress.pages)
         room.state = KVPoll.TRANSFERRING  # a write into its pages is posted from here on
         try:
-            handle = await asyncio.to_thread(self.transport.write, TransferRequest(
-                room.room, dest.peer, list(progress.pages[self.sent:]), dest.pages[self.sent:end], None, None))
+            await self._post(TransferRequest(room.room, dest.peer, list(progress.pages[self.sent:]),
+                                             dest.pages[self.sent:end], None, None), urgent=False)
         except TransferError as e:
             self._error = WriteFailed(f"KV chunk write failed: {e}", "transfer_error")
             return
-        self._posted.append((handle, time.monotonic() + self.timeout_s))
         self.partial_writes += 1
         self.sent = end
+
+    def _post(self, request: TransferRequest, urgent: bool) -> asyncio.Future:
+        """Post a write and poll it for one slice, in one poller-thread round trip; the future
+        holds (handle, state). The handle is recorded as posted in the same loop callback that
+        resolves the future, also when the caller was cancelled meanwhile: a write that may land
+        is always waited for before its pages or row are reused."""
+        deadline = time.monotonic() + self.timeout_s
+        posting = post_and_wait(lambda: self.transport.write(request), self.transport.poll,
+                                poll_interval(self.transport, urgent))
+        self._posting.add(posting)
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future = loop.create_future()
+        posting.add_done_callback(lambda f: loop.call_soon_threadsafe(self._posted_one, f, result, deadline))
+        return result
+
+    def _posted_one(self, posting: Future, result: asyncio.Future, deadline: float) -> None:
+        self._posting.discard(posting)
+        error = posting.exception()
+        if error is None:
+            self._posted.append((posting.result()[0], deadline))
+        if result.cancelled():  # the caller went away; a failed post already has nothing to wait for
+            return
+        if error is None:
+            result.set_result(posting.result())
+        else:
+            result.set_exception(error)
 
     async def settle_chunks(self) -> int:
         """The prompt is computed: stop sending chunks, wait until every partial write ended,
@@ -127,9 +159,9 @@ class RoomWriter:
         self._pending.clear()
         self._closing = True
         self._wake.set()
-        if self._task is not None:
-            await self._task
-        await self._end_posted()
+        if self._task is not None:  # shielded: cancelling this caller must not orphan a post
+            await asyncio.shield(self._task)
+        await self._end_posted(urgent=True)
         if restart:
             self.sent = 0
         if self._error is not None:
@@ -142,24 +174,26 @@ class RoomWriter:
         wait for it to end; raises WriteFailed."""
         dest, room = self.room.destination, self.room
         assert dest is not None
-        # posting may copy synchronously (CPU); keep the event loop serving meanwhile
+        # posting may copy synchronously (CPU): off the event loop. A caller that goes away
+        # meanwhile still leaves the handle for after_writes to wait on (`_post`).
         try:
-            handle = await asyncio.to_thread(self.transport.write, TransferRequest(
-                room.room, dest.peer, src_pages, dst_pages, src_row, dst_row))
+            await self._post(TransferRequest(room.room, dest.peer, src_pages, dst_pages, src_row, dst_row),
+                             urgent=True)
         except TransferError as e:
             raise WriteFailed(f"KV write failed: {e}", "transfer_error") from None
-        self._posted.append((handle, time.monotonic() + self.timeout_s))
-        await self._end_posted()
+        await self._end_posted(urgent=True)
         if self._error is not None:
             raise self._error
 
     # ---- ending ----
-    async def _end_posted(self) -> None:
-        """Poll every posted write until it ends or passes its deadline, then release it."""
+    async def _end_posted(self, urgent: bool = False) -> None:
+        """Poll every posted write until it ends or passes its deadline, then release it.
+        `urgent`: the first token waits on these writes (poll at the fast cadence)."""
         t = self.transport
+        every = poll_interval(t, urgent)
         while self._posted:
             handle, deadline = self._posted[0]
-            state = await wait_settled(lambda: t.poll(handle), deadline, poll_interval(t))
+            state = await wait_settled(lambda: t.poll(handle), deadline, every)
             if state is KVPoll.FAILED and self._error is None:
                 self._error = WriteFailed(f"KV write failed: {t.last_error(handle) or 'unknown reason'}",
                                           "transfer_error")
@@ -168,7 +202,8 @@ class RoomWriter:
                                           "transfer_timeout")
             t.release(handle)
             self._posted.pop(0)
-        self._run_idle_callbacks()
+        if not self._posting:  # else the drainer runs them once that post is recorded and ended
+            self._run_idle_callbacks()
 
     def after_writes(self, callback: Callable[[], None]) -> None:
         """Run `callback` once no write of the room is in flight (now, if none is): stops chunk
@@ -177,14 +212,21 @@ class RoomWriter:
         self._pending.clear()
         self._wake.set()
         self._on_idle.append(callback)
-        if not self._posted and (self._task is None or self._task.done()):
+        if not self._posted and not self._busy():
             self._run_idle_callbacks()
-        elif self._drainer is None:
+        elif self._drainer is None or self._drainer.done():
             self._drainer = asyncio.ensure_future(self._drain_in_background())
 
+    def _busy(self) -> bool:
+        """May a posted write still be added: a post running, or the chunk task?"""
+        return bool(self._posting) or (self._task is not None and not self._task.done())
+
     async def _drain_in_background(self) -> None:
-        if self._task is not None:
-            await self._task
+        while self._busy():  # a post is recorded (`_posted_one`) before this wait returns
+            task = [self._task] if self._task is not None and not self._task.done() else []
+            await asyncio.wait([*(asyncio.wrap_future(p) for p in self._posting), *task])
+        if self._task is not None and not self._task.cancelled():
+            self._task.exception()  # retrieved: its error already failed the request
         await self._end_posted()
 
     def _run_idle_callbacks(self) -> None:

@@ -118,7 +118,10 @@ class FakeTransport:
             return FakeXfer(req.room, req.peer, KVPoll.SUCCESS)
         _check("source aux row", [req.src_aux_row], self._aux.num_rows)
         _check("destination aux row", [req.dst_aux_row], target._aux.num_rows)
-        target._aux.tensor[req.dst_aux_row] = self._aux.tensor[req.src_aux_row].to(target._aux.tensor.device)
+        dst = target._aux.tensor
+        dst[req.dst_aux_row] = self._aux.tensor[req.src_aux_row].to(dst.device)
+        if dst.is_cuda:  # landed before the notification, as NIXL's are (rows are read on another stream)
+            torch.cuda.current_stream(dst.device).synchronize()
         target._deliver(self._name, completion_tag(req.room))
         return FakeXfer(req.room, req.peer, KVPoll.SUCCESS)
 

@@ -8,6 +8,11 @@ engine/handoff.py) and the decode node reads it only after the completion notifi
 `room_of(row) == its echo`, which catches a row never written, written for another request, or
 left over from an earlier one. Freeing a row zeroes it, echo included.
 
+A row is written and read whole, in one copy. Rows in VRAM are copied on a stream of their own:
+on the compute stream every handoff would wait for the forwards queued on it (another request's
+prompt chunk on a prefill node, the running batch's steps on a decode node). Nothing on the
+compute stream touches rows, and every access waits for its copy, so no ordering is lost.
+
 Byte layout of a row:
 
     0   room      int64 (0 = empty)
@@ -17,7 +22,9 @@ Byte layout of a row:
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
+from collections.abc import Iterator
 
 import torch
 
@@ -47,6 +54,7 @@ class HandoffRows:
         # (a bug elsewhere) has the longest possible time to be caught by the room echo.
         self._free: deque[int] = deque(range(1, num_rows))
         self._used: set[int] = set()
+        self._stream = torch.cuda.Stream(self.tensor.device) if self.tensor.is_cuda else None
 
     # ---- allocation ----
     @property
@@ -68,8 +76,9 @@ class HandoffRows:
         if row not in self._used:
             raise RuntimeError(f"double free or foreign handoff row {row}")
         self._used.remove(row)
-        self.tensor[row].zero_()  # a stale row must never pass the decode-side echo check
-        self._settle()  # before a peer can be told to write into it again
+        with self._own_stream():
+            self.tensor[row].zero_()  # a stale row must never pass the decode-side echo check
+            self._settle()  # before a peer can be told to write into it again
         self._free.append(row)
 
     def check(self) -> None:
@@ -84,7 +93,8 @@ class HandoffRows:
             raise IndexError(f"handoff row {row} out of range 1..{self.num_rows - 1}")
 
     def write(self, row: int, room_echo: int, payload: torch.Tensor) -> None:
-        """Prefill side: `payload` (uint8, at most payload_bytes) then the echo, last."""
+        """Prefill side: the echo and `payload` (uint8, at most payload_bytes; the rest zeroed),
+        assembled on the host and copied into the row at once."""
         self._check_row(row)
         if not 0 < room_echo < 2**63:
             raise ValueError(f"room echo must be in 1..2**63-1 (0 means empty), got {room_echo}")
@@ -92,26 +102,43 @@ class HandoffRows:
         if data.dtype != torch.uint8 or data.numel() > self.payload_bytes:
             raise ValueError(f"payload of {data.numel()} {data.dtype} elements does not fit "
                              f"{self.payload_bytes} bytes")
-        dst = self.tensor[row, PAYLOAD_OFFSET:]
-        dst.zero_()
-        dst[:data.numel()].copy_(data)
-        self._room[row] = int(room_echo)
-        self._settle()
+        host = torch.zeros(self.row_bytes, dtype=torch.uint8)
+        host[0:PAYLOAD_OFFSET].view(torch.int64)[0] = int(room_echo)
+        host[PAYLOAD_OFFSET:PAYLOAD_OFFSET + data.numel()].copy_(data)
+        with self._own_stream():
+            self.tensor[row].copy_(host)
+            self._settle()
+
+    @contextlib.contextmanager
+    def _own_stream(self) -> Iterator[None]:
+        if self._stream is None:
+            yield
+            return
+        with torch.cuda.stream(self._stream):
+            yield
 
     def _settle(self) -> None:
-        """Rows in VRAM: the writes above are stream-ordered, and the transport reads the row
-        from its own streams; wait until they landed."""
-        if self.tensor.is_cuda:
-            torch.cuda.current_stream(self.tensor.device).synchronize()
+        """Rows in VRAM: copies are stream-ordered, and the transport reads the row from its
+        own streams; wait until they landed."""
+        if self._stream is not None:
+            self._stream.synchronize()
 
     def read(self, row: int) -> tuple[int, torch.Tensor]:
-        """Decode side: (room echo, a copy of the payload), so the row can be freed right after."""
-        self._check_row(row)
-        return int(self._room[row]), self.tensor[row, PAYLOAD_OFFSET:PAYLOAD_OFFSET + self.payload_bytes].clone()
+        """Decode side: (room echo, a host copy of the payload), so the row can be freed right
+        after. One copy of the whole row: the echo and payload come from the same bytes."""
+        host = self._host_row(row)
+        return int(host[0:PAYLOAD_OFFSET].view(torch.int64)[0]), \
+            host[PAYLOAD_OFFSET:PAYLOAD_OFFSET + self.payload_bytes].clone()
 
     def room_of(self, row: int) -> int:
         self._check_row(row)
-        return int(self._room[row])
+        with self._own_stream():
+            return int(self._room[row])
+
+    def _host_row(self, row: int) -> torch.Tensor:
+        self._check_row(row)
+        with self._own_stream():
+            return self.tensor[row].cpu()  # a blocking copy: done when it returns
 
     def region(self) -> Region:
         dev = self.tensor.get_device()

@@ -32,6 +32,20 @@ def test_rows_round_trip(payload_bytes: int) -> None:
     assert not bool(short[payload_bytes // 2:].any())  # a short payload is zero-padded
 
 
+def test_rows_rewrite_clears_the_longer_payload_before_it() -> None:
+    """A row is written whole: a shorter payload leaves no byte of the previous one behind, and a
+    read is a host copy that later writes do not change."""
+    buf = HandoffRows(100, 3)
+    row = buf.alloc()
+    buf.write(row, 5, torch.full((100,), 7, dtype=torch.uint8))
+    before = buf.read(row)[1]
+    buf.write(row, 6, torch.full((10,), 3, dtype=torch.uint8))
+    echo, after = buf.read(row)
+    assert echo == 6 and after.device.type == "cpu"
+    assert torch.equal(after[:10], torch.full((10,), 3, dtype=torch.uint8)) and not bool(after[10:].any())
+    assert bool((before == 7).all())  # the earlier read is a copy
+
+
 def test_rows_accounting_and_stale_rows() -> None:
     buf = HandoffRows(16, 4)
     rows = [buf.alloc() for _ in range(3)]
@@ -103,3 +117,68 @@ def test_fake_transport_moves_pages_and_aux() -> None:
     finally:
         a.close()
         b.close()
+
+
+# ---- waiting on transfers -----------------------------------------------------------------------
+
+def test_a_settled_transfer_costs_no_thread_round_trip() -> None:
+    import asyncio
+    import threading
+    import time
+
+    from engine.kv_transfer.waiting import wait_settled
+
+    threads: list[str] = []
+
+    def poll() -> KVPoll:
+        threads.append(threading.current_thread().name)
+        return KVPoll.SUCCESS
+
+    state = asyncio.run(wait_settled(poll, time.monotonic() + 1.0))
+    assert state is KVPoll.SUCCESS and threads == ["MainThread"]
+
+
+def test_post_and_wait_posts_and_polls_in_one_poller_thread() -> None:
+    """One round trip: the post and its polls run in the same poller thread; a post that
+    raises hands its exception to the awaiter."""
+    import asyncio
+    import sys
+    import threading
+
+    from engine.kv_transfer.waiting import TIMER_SLACK_NS, post_and_wait
+
+    seen: list[str] = []
+    polls = iter([KVPoll.TRANSFERRING, KVPoll.TRANSFERRING, KVPoll.SUCCESS])
+
+    def post() -> str:
+        seen.append(threading.current_thread().name)
+        return "handle"
+
+    def poll(handle: str) -> KVPoll:
+        seen.append(threading.current_thread().name)
+        return next(polls)
+
+    def broken() -> str:
+        raise TransferError("refused")
+
+    async def run() -> tuple[tuple[str, KVPoll], int]:
+        result = await asyncio.wrap_future(post_and_wait(post, poll, 1e-5))
+        with pytest.raises(TransferError, match="refused"):
+            await asyncio.wrap_future(post_and_wait(broken, poll))
+        slack = await asyncio.wrap_future(post_and_wait(_timer_slack, lambda h: KVPoll.SUCCESS))
+        return result, slack[0]
+
+    result, slack = asyncio.run(run())
+    assert result == ("handle", KVPoll.SUCCESS)
+    assert len(seen) == 4 and len(set(seen)) == 1 and seen[0].startswith("pdserve-kv-poll")
+    if sys.platform.startswith("linux"):
+        assert slack == TIMER_SLACK_NS  # poller threads sleep as long as asked
+
+
+def _timer_slack() -> int:
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return -1
+    return int(ctypes.CDLL(None).prctl(30, 0, 0, 0, 0))  # PR_GET_TIMERSLACK

@@ -159,3 +159,59 @@ def test_cleanup_waits_for_writes_in_flight() -> None:
         return events
 
     assert asyncio.run(run()) == ["asked", "cleanup after 1 released"]
+
+
+class SlowPostTransport(ScriptedTransport):
+    """Posting takes `post_s` (a large write's descriptors on the CPU); writes end as scripted."""
+
+    def __init__(self, post_s: float, polls: int = 2) -> None:
+        super().__init__(polls)
+        self.post_s = post_s
+
+    def write(self, req) -> int:
+        import time
+
+        time.sleep(self.post_s)
+        return super().write(req)
+
+
+def test_chunk_writes_end_while_the_prompt_runs() -> None:
+    """A chunk write is polled to its end right after it is posted, so the prompt's end finds
+    nothing left to wait for."""
+    async def run() -> tuple[list[int], int]:
+        t = ScriptedTransport(polls=3)
+        writer = RoomWriter(t, _room(), 5.0, per_chunk=True)  # type: ignore[arg-type]
+        await _feed(writer, _progress((7, 8)))
+        await asyncio.sleep(0.05)  # the next chunk computes
+        released_before_the_end = list(t.released)
+        return released_before_the_end, await writer.settle_chunks()
+
+    released, sent = asyncio.run(run())
+    assert released == [1] and sent == 2
+
+
+@pytest.mark.parametrize("stage", ["chunk", "final"])
+def test_a_caller_cancelled_while_a_write_is_posted_still_waits_for_it(stage: str) -> None:
+    """The request goes away while a write is being posted: the write may land, so cleanup
+    (pages and row back to their pools) runs only after the write was polled to its end."""
+    async def run() -> list[str]:
+        t, events = SlowPostTransport(post_s=0.05), []
+        writer = RoomWriter(t, _room(), 5.0, per_chunk=True)  # type: ignore[arg-type]
+        if stage == "chunk":
+            writer.offer(_progress((7, 8)), asyncio.get_running_loop())
+            await asyncio.sleep(0.01)  # the chunk write is being posted
+            caller = asyncio.ensure_future(writer.settle_chunks())
+        else:
+            caller = asyncio.ensure_future(writer.write_final([7, 8], [100, 101], 1, 3))
+        await asyncio.sleep(0.01)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        writer.after_writes(lambda: events.append(f"cleanup after {len(t.writes)} posted, {len(t.released)} released"))
+        for _ in range(200):
+            if events:
+                break
+            await asyncio.sleep(0.005)
+        return events
+
+    assert asyncio.run(run()) == ["cleanup after 1 posted, 1 released"]
