@@ -29,3 +29,16 @@ def test_stage_means_are_per_observation_between_scrapes():
     before = {"router:x{stage=\"prefill\"}": (1.0, 4.0), "decode-0:y": (2.0, 1.0)}
     after = {"router:x{stage=\"prefill\"}": (1.5, 6.0), "decode-0:y": (2.0, 1.0), "prefill-0:z": (0.003, 1.0)}
     assert stage_means_ms(before, after) == {"router:x{stage=\"prefill\"}": 250.0, "prefill-0:z": 3.0}
+
+
+def test_router_ttft_sum_reads_every_endpoint_of_the_real_metric():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from bench.gpu.pd_two_gpu import ttft_sum
+    from router.metrics import RouterMetrics
+
+    metrics = RouterMetrics(CollectorRegistry(auto_describe=True))
+    metrics.observe_tokens("completions", 1, 0.0, True, 0.25)
+    metrics.observe_tokens("chat", 1, 0.0, True, 0.5)
+    metrics.observe_tokens("chat", 2, 0.1, False, 0.7)  # not a first token
+    assert ttft_sum(generate_latest(metrics.registry).decode()) == pytest.approx(0.75)

@@ -11,9 +11,11 @@ Reports (OUT/pd_two_gpu_<gpu>.json):
   raw NIXL GPU0 -> GPU1 in the same run (bench/gpu/kv_bandwidth.py); goal: ratio >= 0.8;
 * outputs: a fixed greedy request set through the router, PD texts == colocated texts;
 * acceptance: the decode node's mean accepted length == the colocated node's;
-* TTFT: PD minus colocated time to first token (1-token requests, 21 per prompt length after 3
-  warm-ups, medians over two passes) for both prompt lengths, against the full KV's transfer
-  time + 2 ms. The deployments run one at a time, each alone on the GPUs and each twice in turn
+* TTFT: PD minus colocated time to first token (1-token requests one at a time, 21 per prompt
+  length after 3 warm-ups, medians over two passes; each request's TTFT is the change of the
+  router's TTFT sum across it, so a first token that reaches the client before the request ends
+  counts then; `e2e_*`: the whole request at the client) for both prompt lengths, against the
+  full KV's transfer time + 2 ms. The deployments run one at a time, each alone on the GPUs and each twice in turn
   (three node processes sharing GPU 0
   made one prompt's forward differ between them by more than the transfer takes). Each
   deployment's time is split by stage from the router's and the nodes' histograms, and the
@@ -98,9 +100,31 @@ def warm_up(urls: dict[str, str], tokens: int) -> None:
             complete(url, prompt(tokens, 90 + i), 1)
 
 
-def ttft_samples_ms(url: str, tokens: int) -> list[float]:
-    """ROUNDS one-token requests (the whole latency is the time to the first token)."""
-    return [complete(url, prompt(tokens, 100 + i), 1)[1] * 1e3 for i in range(ROUNDS)]
+ROUTER_TTFT = re.compile(r"^pdserve_router_time_to_first_token_seconds_sum\{[^}]*\} ([0-9.eE+-]+)$", re.M)
+
+
+def ttft_sum(metrics_text: str) -> float:
+    """The router's summed time to first token (request arrival -> first token to the client),
+    over its endpoints, from its /metrics text."""
+    return sum(float(v) for v in ROUTER_TTFT.findall(metrics_text))
+
+
+def router_ttft_sum(url: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        return ttft_sum(r.read().decode())
+
+
+def ttft_samples_ms(url: str, tokens: int) -> tuple[list[float], list[float]]:
+    """ROUNDS one-token requests, one at a time: (each one's time to first token as the router
+    saw it, from the change of its TTFT sum across the request; each one's whole latency at the
+    client). The first token may reach the client before the request ends (a PD router relays the
+    prefill's token before the decode node adopted the request)."""
+    ttft, e2e = [], []
+    for i in range(ROUNDS):
+        before = router_ttft_sum(url)
+        e2e.append(complete(url, prompt(tokens, 100 + i), 1)[1] * 1e3)
+        ttft.append((router_ttft_sum(url) - before) * 1e3)
+    return ttft, e2e
 
 
 # Where PD's time to first token goes: the router's stages and the prefill's write timings.
@@ -158,11 +182,11 @@ def measure_deployment(name: str, dep: Deployment, rows: str) -> dict[str, Any]:
             for i in range(WARMUP):  # the shapes of this length: kernels, allocator
                 complete(url, prompt(t, 90 + i), 1)
             before = scrape_sums(dep)
-            samples = ttft_samples_ms(url, t)
+            samples, e2e = ttft_samples_ms(url, t)
             stages = stage_means_ms(before, scrape_sums(dep))
             forward = next((v for k, v in stages.items() if "pdserve_node_prompt_seconds" in k), 0.0)
             out["ttft"][str(t)] = {"ms": statistics.median(samples), "prompt_forward_ms": forward,
-                                   "stages_ms": stages, "samples_ms": samples}
+                                   "stages_ms": stages, "samples_ms": samples, "e2e_samples_ms": e2e}
         return out
     finally:
         dep.stop()
@@ -178,8 +202,10 @@ def pooled(passes: list[dict[str, Any]]) -> dict[str, Any]:
     for t in first["ttft"]:
         rows = [p["ttft"][t] for p in passes]
         samples = [x for r in rows for x in r["samples_ms"]]
+        e2e = [x for r in rows for x in r["e2e_samples_ms"]]
         stages = {k: statistics.fmean(r["stages_ms"].get(k, 0.0) for r in rows) for k in rows[0]["stages_ms"]}
         out["ttft"][t] = {"ms": statistics.median(samples), "samples_ms": samples, "stages_ms": stages,
+                          "e2e_ms": statistics.median(e2e), "e2e_samples_ms": e2e,
                           "prompt_forward_ms": statistics.fmean(r["prompt_forward_ms"] for r in rows),
                           "pass_medians_ms": [r["ms"] for r in rows]}
     return out
@@ -199,6 +225,7 @@ def ttft_report(runs: dict[str, dict[str, Any]], bandwidth: dict[str, Any]) -> d
             diff = pd["ms"] - col["ms"]
             beyond = (pd["ms"] - pd["prompt_forward_ms"]) - (col["ms"] - col["prompt_forward_ms"])
             row[name] = {"ms": pd["ms"], "diff_ms": diff, "within_transfer_plus_2ms": diff <= full + 2.0,
+                         "e2e_diff_ms": pd["e2e_ms"] - col["e2e_ms"],
                          "prompt_forward_ms": pd["prompt_forward_ms"], "diff_beyond_forward_ms": beyond,
                          "beyond_forward_within_transfer_plus_2ms": beyond <= full + 2.0}
         row["stages_ms"] = {name: r["ttft"][t]["stages_ms"] for name, r in runs.items()}
