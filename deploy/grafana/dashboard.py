@@ -52,7 +52,8 @@ ROWS: list[tuple[str, list[Panel]]] = [
     ]),
     ("Latency", [
         Panel("TTFT by stage (p50)", "s", "Router stages: queue (pair selection, retries), prefill (node "
-              "queue + prompt + KV write, until the prefill answers), first decode (commit + first step). "
+              "queue + prompt + KV write, until the prefill answers), first decode (decode commit + first step; ~0 when "
+              "the router relayed the prefill's own first token). "
               "The KV write alone and the prefill node's queue time come from the nodes.",
               [(_q(0.5, "pdserve_router_ttft_stage_seconds", "le, stage"), "{{stage}}"),
                (_q(0.5, "pdserve_kv_transfer_seconds", match='{role="prefill"}'), "transfer (KV write)"),
