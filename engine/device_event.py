@@ -48,14 +48,14 @@ class StreamEvent:
     microseconds, several times per decode iteration, on the host's critical path.)
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, blocking: bool = False) -> None:
         self.device = device
         self._module = torch.get_device_module(device)
         self._index = device.index if device.index is not None else self._module.current_device()
         if hasattr(torch, "Event"):
-            self._event: Any = torch.Event(device=device)
+            self._event: Any = torch.Event(device=device, blocking=blocking)
         else:  # older torch: the per-backend class
-            self._event = self._module.Event()
+            self._event = self._module.Event(blocking=blocking)
 
     def _foreign_stream(self) -> Any:
         """The event device's current stream when the thread's current device is another one."""
@@ -84,9 +84,12 @@ class StreamEvent:
         self._event.synchronize()
 
 
-def make_event(device: torch.device | str) -> DeviceEvent:
-    """A completed event on CPU, a real stream event on an accelerator."""
+def make_event(device: torch.device | str, blocking: bool = False) -> DeviceEvent:
+    """A completed event on CPU, a real stream event on an accelerator. `blocking`: a thread in
+    `synchronize()` sleeps until the event is reached instead of spinning, for events another
+    thread waits on while the launching thread keeps launching (a spinning wait competes with the
+    launches for the driver)."""
     device = torch.device(device)
     if device.type == "cpu":
         return CompletedEvent()
-    return StreamEvent(device)
+    return StreamEvent(device, blocking)

@@ -31,7 +31,9 @@ def needs_fence(batch: Batch) -> bool:
 
 
 def record_fence(device: torch.device) -> DeviceEvent:
-    """A point on the launching stream after the batch's forwards (already reached on CPU)."""
-    event = make_event(device)
+    """A point on the launching stream after the batch's forwards (already reached on CPU).
+    Blocking: the prefill's writer waits on it from another thread while the scheduler launches
+    the next chunk."""
+    event = make_event(device, blocking=True)
     event.record()
     return event

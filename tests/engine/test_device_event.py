@@ -47,3 +47,21 @@ def test_an_event_of_the_second_gpu_works_while_the_first_is_current():
     ev.wait()
     ev.synchronize()
     assert ev.query() and x[0].item() == 3.0
+
+
+@gpu
+@needs_cuda
+def test_a_blocking_event_is_waited_on_from_another_thread():
+    import threading
+
+    dev = torch.device("cuda", 0)
+    x = torch.zeros(1 << 22, device=dev)
+    for _ in range(20):
+        x.add_(1.0)
+    ev = make_event(dev, blocking=True)
+    ev.record()
+    waiter = threading.Thread(target=ev.synchronize)
+    waiter.start()
+    waiter.join(30)
+    assert not waiter.is_alive() and ev.query()
+    assert x[0].item() == 20.0
