@@ -15,6 +15,8 @@ computed only its own pages are left for the final write. Ordering rules:
 Latency: a chunk write is polled to its end as soon as it is posted (the polls also drive the
 transport's progress), so the prompt's end finds nothing left to settle; the final write is posted
 and polled in one poller-thread round trip, at the fast cadence the decode's notification waits on.
+Chunk writes are polled gently (CHUNK_POLL_S) while the prompt runs: nothing waits on them yet,
+and every poll is a driver call beside the scheduler thread's kernel launches.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from engine.scheduler.kv_progress import KVProgress
 from prefill_node.rooms import Room
 
 log = logging.getLogger(__name__)
+CHUNK_POLL_S = 1e-3  # chunk writes in flight while the prompt still runs; settling polls urgently
 
 
 class WriteFailed(RuntimeError):
@@ -132,8 +135,8 @@ class RoomWriter:
         resolves the future, also when the caller was cancelled meanwhile: a write that may land
         is always waited for before its pages or row are reused."""
         deadline = time.monotonic() + self.timeout_s
-        posting = post_and_wait(lambda: self.transport.write(request), self.transport.poll,
-                                poll_interval(self.transport, urgent))
+        every = poll_interval(self.transport, True) if urgent else max(poll_interval(self.transport), CHUNK_POLL_S)
+        posting = post_and_wait(lambda: self.transport.write(request), self.transport.poll, every)
         self._posting.add(posting)
         loop = asyncio.get_running_loop()
         result: asyncio.Future = loop.create_future()
@@ -190,7 +193,7 @@ class RoomWriter:
         """Poll every posted write until it ends or passes its deadline, then release it.
         `urgent`: the first token waits on these writes (poll at the fast cadence)."""
         t = self.transport
-        every = poll_interval(t, urgent)
+        every = poll_interval(t, True) if urgent else max(poll_interval(t), CHUNK_POLL_S)
         while self._posted:
             handle, deadline = self._posted[0]
             state = await wait_settled(lambda: t.poll(handle), deadline, every)
