@@ -30,7 +30,7 @@ from engine.kv_transfer import KVPoll, TransferError
 from engine.kv_transfer.endpoint import Endpoint, room_echo
 from engine.scheduler import RequestUpdate
 from engine.service import convert
-from engine.service.metrics import (KV_HANDOFF_TAIL_SECONDS, KV_TRANSFER_BYTES, KV_TRANSFER_FAILURES,
+from engine.service.metrics import (KV_HANDOFF_STAGE_SECONDS, KV_HANDOFF_TAIL_SECONDS, KV_TRANSFER_BYTES, KV_TRANSFER_FAILURES,
                                     KV_TRANSFER_SECONDS, KV_WRITE_PAGES, KV_WRITES)
 from engine.service.stream import RequestFailed
 from prefill_node.rooms import Room, RoomTable
@@ -127,6 +127,7 @@ class PrefillHandler:
             if upd.kv_progress is not None:
                 writer.offer(upd.kv_progress, aio)
             if upd.finished:
+                room.finished_at = time.perf_counter()
                 aio.call_soon_threadsafe(lambda: done.done() or done.set_result(upd))
 
         self.pd.submit(req, on_update)  # an abort (client or decode) finishes it as ABORT
@@ -149,6 +150,9 @@ class PrefillHandler:
         abort meanwhile does not cut a posted write short: released in flight, it might still
         land later in pages the decode has handed to someone else."""
         computed = time.perf_counter()
+        stage = KV_HANDOFF_STAGE_SECONDS.labels
+        if room.finished_at is not None:
+            stage("handover").observe(computed - room.finished_at)
         dest = room.destination
         assert dest is not None
         pd, rows = self.pd, self.endpoint.rows
@@ -157,8 +161,13 @@ class PrefillHandler:
         if len(dest.pages) != need or dest.num_tokens != req.seq_len:
             raise RequestFailed(f"destination holds {len(dest.pages)} pages for {dest.num_tokens} tokens; "
                                 f"the prompt needs {need} pages for {req.seq_len} tokens", "bad_destination")
+        t = time.perf_counter()
         payload = pd.encode_handoff(req)
+        encoded = time.perf_counter()
         sent = await writer.settle_chunks()
+        settled = time.perf_counter()
+        stage("encode").observe(encoded - t)
+        stage("settle").observe(settled - encoded)
         row = rows.alloc()
         if row is None:
             raise RequestFailed("no free handoff row on the prefill node", "no_aux_row")
@@ -168,6 +177,7 @@ class PrefillHandler:
                 raise RequestFailed(room.reason, "aborted")
             room.state = KVPoll.TRANSFERRING
             posted = time.perf_counter()
+            stage("row").observe(posted - settled)
             await writer.write_final(pages[sent:need], dest.pages[sent:need], row, dest.aux_row)
             if room.state is KVPoll.FAILED:
                 raise RequestFailed(room.reason, "aborted")

@@ -31,6 +31,7 @@ class Room:
     arrived: asyncio.Event = field(default_factory=asyncio.Event)  # destination or failure
     failed: asyncio.Event = field(default_factory=asyncio.Event)
     created: float = field(default_factory=time.monotonic)
+    finished_at: float | None = None  # perf_counter when the engine finished the prompt (metrics)
 
     def fail(self, reason: str) -> None:
         """Failed is sticky; a finished transfer stays a success."""

@@ -129,7 +129,8 @@ def ttft_samples_ms(url: str, tokens: int) -> tuple[list[float], list[float]]:
 
 # Where PD's time to first token goes: the router's stages and the prefill's write timings.
 STAGE_SERIES = ("pdserve_router_ttft_stage_seconds", "pdserve_kv_transfer_seconds",
-                "pdserve_kv_handoff_tail_seconds", "pdserve_node_queue_time_seconds", "pdserve_node_prompt_seconds")
+                "pdserve_kv_handoff_tail_seconds", "pdserve_kv_handoff_stage_seconds",
+                "pdserve_node_queue_time_seconds", "pdserve_node_prompt_seconds")
 
 
 def scrape_sums(dep: Deployment) -> dict[str, tuple[float, float]]:

@@ -24,6 +24,12 @@ KV_TRANSFER_SECONDS = Histogram("pdserve_kv_transfer_seconds", "Prefill: write p
 KV_HANDOFF_TAIL_SECONDS = Histogram("pdserve_kv_handoff_tail_seconds", "Prefill: last prompt chunk "
                                     "computed -> final KV write completed (what the handoff adds to TTFT)",
                                     buckets=_LATENCY_BUCKETS)
+KV_HANDOFF_STAGE_SECONDS = Histogram("pdserve_kv_handoff_stage_seconds", "Prefill: the handoff tail "
+                                     "by stage: handover (engine's finishing update -> the handler), "
+                                     "encode (handoff row payload), settle (chunk writes ended), row "
+                                     "(row written); the final write itself is pdserve_kv_transfer_seconds",
+                                     ["stage"],
+                                     buckets=_LATENCY_BUCKETS)
 KV_WRITES = Counter("pdserve_kv_writes", "KV writes posted to decode nodes: chunk (pages of a prompt "
                     "chunk, sent while the prompt still runs) or final (remaining pages + handoff row)",
                     ["kind"])
