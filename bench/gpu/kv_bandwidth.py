@@ -5,7 +5,10 @@ between the same GPUs, on the Llama-3.1-8B KV shape
 
 The receiving side runs in a child process (as a decode node would), so the copy crosses
 processes exactly as in serving: CUDA IPC over NVLink between two GPUs, or within one GPU.
-`measure(src, dst)` returns, per prompt length, the transport's and raw NIXL's GB/s and ratio.
+`measure(src, dst)` returns, per prompt length, the transport's and raw NIXL's GB/s and ratio:
+medians of rounds that time every variant once in turn (the transport's write with and without the
+handoff row, to scattered pages, raw NIXL at several descriptor counts, raw NIXL built and
+notified per write), so no variant is timed only while the link or the GPUs are cold.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 
 LAYERS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 TOKENS = (1024, 8192)
-REPEATS = 5
+ROUNDS = 12  # each variant timed this many times, interleaved with the others
 RAW_SPLITS = (1, 4, 16, 64)
 BYTES_PER_TOKEN = 2 * LAYERS * KV_HEADS * HEAD_DIM * 2
 ROW_PAYLOAD = 4096  # about an EAGLE handoff row of an 8B model (top-k + a 4096-wide hidden state)
@@ -67,47 +70,60 @@ def _wait(poll: Any, done: Any) -> None:
         time.sleep(0)
 
 
-def _time_ours(transport: Any, peer: str, tokens: int, scattered: bool) -> float:
+def _once_ours(transport: Any, peer: str, room: int, pages: list[int], dst: list[int], row: bool,
+               posts: list[float] | None = None) -> float:
+    """One write through the transport, posted and polled to its end on this thread: the KV
+    pages, and with `row` the handoff row (the final write of a request, which notifies).
+    `posts` collects how long `write` itself took (building and posting the request)."""
     from engine.kv_transfer import KVPoll, TransferRequest
 
-    pages = list(range(1, tokens // PAGE + 1))
-    dst = list(np.random.default_rng(0).permutation(pages)) if scattered else pages
-    times = []
-    for i in range(REPEATS + 1):
-        t0 = time.perf_counter()
-        h = transport.write(TransferRequest(i, peer, pages, [int(p) for p in dst], 1, 1))
-        _wait(lambda: transport.poll(h), lambda s: s is not KVPoll.TRANSFERRING)
-        times.append(time.perf_counter() - t0)
-        assert transport.poll(h) is KVPoll.SUCCESS, transport.last_error(h)
-        transport.release(h)
-    return statistics.median(times[1:])  # the first pays connection set-up
+    t0 = time.perf_counter()
+    h = transport.write(TransferRequest(room, peer, pages, dst, 1 if row else None, 1 if row else None))
+    if posts is not None:
+        posts.append(time.perf_counter() - t0)
+    _wait(lambda: transport.poll(h), lambda s: s is not KVPoll.TRANSFERRING)
+    took = time.perf_counter() - t0
+    assert transport.poll(h) is KVPoll.SUCCESS, transport.last_error(h)
+    transport.release(h)
+    return took
 
 
-def _time_raw(raw: Any, peer: str, flat: torch.Tensor, remote: tuple[int, int], nbytes: int,
-              splits: int, one_off: bool = False) -> float:
-    """One NIXL WRITE of `nbytes` from one flat buffer to another, cut into `splits` equal
-    descriptors (UCX spreads descriptors over several CUDA streams: more can be faster).
-    `one_off`: timed as a KV write must run, from building the request to completion, with a
-    notification for the receiver (a KV write is never the same request twice)."""
+def _raw_descs(raw: Any, flat: torch.Tensor, remote: tuple[int, int], nbytes: int, splits: int) -> tuple[Any, Any]:
+    """`nbytes` of one flat buffer and of the peer's, cut into `splits` equal descriptors (UCX
+    spreads descriptors over several CUDA streams: more can be faster)."""
     step = nbytes // splits
     offs = np.arange(splits, dtype=np.uint64) * np.uint64(step)
     dev = max(flat.get_device(), 0)
-    rows = lambda base: np.stack([base + offs, np.full(splits, step, np.uint64),  # noqa: E731
-                                  np.full(splits, dev, np.uint64)], axis=1)
-    local = raw.get_xfer_descs(rows(np.uint64(flat.data_ptr())), _mem(flat))
-    far = raw.get_xfer_descs(np.stack([np.uint64(remote[0]) + offs, np.full(splits, step, np.uint64),
-                                       np.full(splits, remote[1], np.uint64)], axis=1), _mem(flat))
-    times = []
-    for _ in range(REPEATS + 1):
-        t_setup = time.perf_counter()
-        h = raw.initialize_xfer("WRITE", local, far, peer, b"done" if one_off else b"")
-        t0 = t_setup if one_off else time.perf_counter()
-        st = raw.transfer(h)
-        if st != "DONE":
-            _wait(lambda: raw.check_xfer_state(h), lambda s: s != "PROC")
-        times.append(time.perf_counter() - t0)
-        h.release()
-    return statistics.median(times[1:])
+    rows = lambda base, d: np.stack([base + offs, np.full(splits, step, np.uint64),  # noqa: E731
+                                     np.full(splits, d, np.uint64)], axis=1)
+    return (raw.get_xfer_descs(rows(np.uint64(flat.data_ptr()), dev), _mem(flat)),
+            raw.get_xfer_descs(rows(np.uint64(remote[0]), remote[1]), _mem(flat)))
+
+
+def _once_raw(raw: Any, peer: str, descs: tuple[Any, Any], one_off: bool) -> float:
+    """One raw NIXL WRITE. `one_off`: timed as a KV write must run, from building the request to
+    completion, with a notification for the receiver (a KV write is never the same request twice);
+    otherwise the request is built before the clock starts and notifies no one."""
+    t_setup = time.perf_counter()
+    h = raw.initialize_xfer("WRITE", descs[0], descs[1], peer, b"done" if one_off else b"")
+    t0 = t_setup if one_off else time.perf_counter()
+    if raw.transfer(h) != "DONE":
+        _wait(lambda: raw.check_xfer_state(h), lambda s: s != "PROC")
+    took = time.perf_counter() - t0
+    h.release()
+    return took
+
+
+def _interleaved(variants: dict[str, Any]) -> dict[str, float]:
+    """Median seconds of each variant over ROUNDS rounds that run every variant once, in turn
+    (so a drift of the link's or the GPUs' speed weighs on all alike); round 0 is a warm-up."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for r in range(ROUNDS + 1):
+        for name, once in variants.items():
+            took = once(r)
+            if r:
+                times[name].append(took)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def measure(src: str, dst: str, tokens_list: tuple[int, ...] = TOKENS, rows_device: str = "cpu") -> dict[str, Any]:
@@ -129,14 +145,27 @@ def measure(src: str, dst: str, tokens_list: tuple[int, ...] = TOKENS, rows_devi
         for tokens in tokens_list:
             nbytes = tokens * BYTES_PER_TOKEN
             total = nbytes + keep[1].row_bytes
-            ours, scattered = _time_ours(transport, peer, tokens, False), _time_ours(transport, peer, tokens, True)
-            # raw NIXL at its best: the fastest of a few descriptor counts for the same bytes
-            raw_by_split = {n: _time_raw(raw, raw_peer, flat, (raddr, rdev), nbytes, n) for n in RAW_SPLITS}
+            pages = list(range(1, tokens // PAGE + 1))
+            shuffled = [int(x) for x in np.random.default_rng(0).permutation(pages)]
+            descs = {n: _raw_descs(raw, flat, (raddr, rdev), nbytes, n) for n in RAW_SPLITS}
+            posts: list[float] = []
+            t = _interleaved({
+                "ours": lambda r: _once_ours(transport, peer, 2 * r + 1, pages, pages, True, posts),
+                "ours_kv_only": lambda r: _once_ours(transport, peer, 2 * r + 2, pages, pages, False),
+                "scattered": lambda r: _once_ours(transport, peer, 1000 + r, pages, shuffled, True),
+                # raw NIXL at its best: the fastest of a few descriptor counts for the same bytes
+                **{f"raw{n}": (lambda d: lambda r: _once_raw(raw, raw_peer, d, False))(descs[n]) for n in RAW_SPLITS},
+                **{f"one_off{n}": (lambda d: lambda r: _once_raw(raw, raw_peer, d, True))(descs[n]) for n in (1, 64)},
+            })
+            ours, scattered = t["ours"], t["scattered"]
+            raw_by_split = {n: t[f"raw{n}"] for n in RAW_SPLITS}
             raw_s = min(raw_by_split.values())
-            one_off = {n: _time_raw(raw, raw_peer, flat, (raddr, rdev), nbytes, n, one_off=True) for n in (1, 64)}
+            one_off = {n: t[f"one_off{n}"] for n in (1, 64)}
             out[str(tokens)] = {
                 "kv_bytes": nbytes, "kv_plus_row_bytes": total,
                 "ours_s": ours, "ours_gb_s": total / ours / 1e9,
+                "ours_kv_only_gb_s": nbytes / t["ours_kv_only"] / 1e9,
+                "ours_post_s": statistics.median(posts[1:]),  # building + posting the request
                 "ours_scattered_pages_s": scattered, "ours_scattered_pages_gb_s": total / scattered / 1e9,
                 "raw_nixl_s": raw_s, "raw_nixl_gb_s": nbytes / raw_s / 1e9,
                 "raw_nixl_gb_s_by_descriptors": {str(n): nbytes / t / 1e9 for n, t in raw_by_split.items()},
