@@ -12,11 +12,12 @@ computed only its own pages are left for the final write. Ordering rules:
 * whatever ends the room, its pages are freed and the decode is told only once no write of the
   room is in flight any more (`after_writes`), so no write lands in pages handed to someone else.
 
-Latency: a chunk write is polled to its end as soon as it is posted (the polls also drive the
-transport's progress), so the prompt's end finds nothing left to settle; the final write is posted
-and polled in one poller-thread round trip, at the fast cadence the decode's notification waits on.
-Chunk writes are polled gently (CHUNK_POLL_S) while the prompt runs: nothing waits on them yet,
-and every poll is a driver call beside the scheduler thread's kernel launches.
+Latency: chunk writes are polled while the prompt runs (the polls also drive the transport's
+progress), so the prompt's end usually finds nothing left to settle. Nothing waits on them yet and
+every poll is a driver call beside the scheduler thread's kernel launches, so a chunk is posted
+without polling on and then polled on the loop every CHUNK_POLL_S (a poll does not block) until the
+next chunk's progress or the prompt's end, which takes over at once. The final write is posted and
+polled in one poller-thread round trip, at the fast cadence the decode's notification waits on.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from concurrent.futures import Future
 from typing import Callable
 
 from engine.kv_transfer import KVPoll, KVTransport, TransferError, TransferRequest
-from engine.kv_transfer.waiting import poll_interval, post_and_wait, wait_settled
+from engine.kv_transfer.waiting import SLICE_S, poll_interval, post_and_wait, wait_settled
 from engine.scheduler.kv_progress import KVProgress
 from prefill_node.rooms import Room
 
@@ -78,14 +79,34 @@ class RoomWriter:
 
     async def _run(self) -> None:
         while not self._closing:
-            await self._wake.wait()
+            await self._until_wake_ending_chunks()
             self._wake.clear()
             while self._pending and not self._closing and self.room.state is not KVPoll.FAILED:
                 if self.room.destination is None and not self._pending[0].restarted:
                     await self._until_destination_or_wake()  # the prompt started before it came
                     continue
                 await self._apply(self._next_progress())
-            await self._end_posted()  # while the prompt runs, not after it
+
+    async def _until_wake_ending_chunks(self) -> None:
+        """Until new progress or the prompt's end: end posted chunk writes meanwhile, polled on
+        the loop every CHUNK_POLL_S."""
+        while not self._wake.is_set():
+            self._retire_ended()
+            try:
+                await asyncio.wait_for(self._wake.wait(), CHUNK_POLL_S if self._posted else None)
+            except asyncio.TimeoutError:
+                pass
+
+    def _retire_ended(self) -> None:
+        """Release the posted writes that ended (or passed their deadline), with one poll each."""
+        t, still = self.transport, []
+        for handle, deadline in self._posted:
+            state = t.poll(handle)
+            if state is KVPoll.TRANSFERRING and time.monotonic() < deadline:
+                still.append((handle, deadline))
+            else:
+                self._retire(handle, state)
+        self._posted = still
 
     def _next_progress(self) -> KVProgress:
         """The oldest pending progress, or, when several chunks finished meanwhile, the newest
@@ -120,7 +141,7 @@ class RoomWriter:
             return
         end = len(progress.pages)
         room.state = KVPoll.TRANSFERRING  # a write into its pages is posted from here on
-        try:
+        try:  # posted and polled once: _until_wake_ending_chunks ends it
             await self._post(TransferRequest(room.room, dest.peer, list(progress.pages[self.sent:]),
                                              dest.pages[self.sent:end], None, None), urgent=False)
         except TransferError as e:
@@ -135,8 +156,9 @@ class RoomWriter:
         resolves the future, also when the caller was cancelled meanwhile: a write that may land
         is always waited for before its pages or row are reused."""
         deadline = time.monotonic() + self.timeout_s
-        every = poll_interval(self.transport, True) if urgent else max(poll_interval(self.transport), CHUNK_POLL_S)
-        posting = post_and_wait(lambda: self.transport.write(request), self.transport.poll, every)
+        every = poll_interval(self.transport, True)
+        posting = post_and_wait(lambda: self.transport.write(request), self.transport.poll, every,
+                                SLICE_S if urgent else 0.0)
         self._posting.add(posting)
         loop = asyncio.get_running_loop()
         result: asyncio.Future = loop.create_future()
@@ -197,16 +219,21 @@ class RoomWriter:
         while self._posted:
             handle, deadline = self._posted[0]
             state = await wait_settled(lambda: t.poll(handle), deadline, every)
-            if state is KVPoll.FAILED and self._error is None:
-                self._error = WriteFailed(f"KV write failed: {t.last_error(handle) or 'unknown reason'}",
-                                          "transfer_error")
-            elif state is KVPoll.TRANSFERRING and self._error is None:
-                self._error = WriteFailed(f"KV write did not finish within {self.timeout_s:.0f} s",
-                                          "transfer_timeout")
-            t.release(handle)
+            self._retire(handle, state)
             self._posted.pop(0)
         if not self._posting:  # else the drainer runs them once that post is recorded and ended
             self._run_idle_callbacks()
+
+    def _retire(self, handle: object, state: KVPoll) -> None:
+        """A posted write that ended (or ran out of time): note its failure, release it."""
+        t = self.transport
+        if state is KVPoll.FAILED and self._error is None:
+            self._error = WriteFailed(f"KV write failed: {t.last_error(handle) or 'unknown reason'}",
+                                      "transfer_error")
+        elif state is KVPoll.TRANSFERRING and self._error is None:
+            self._error = WriteFailed(f"KV write did not finish within {self.timeout_s:.0f} s",
+                                      "transfer_timeout")
+        t.release(handle)
 
     def after_writes(self, callback: Callable[[], None]) -> None:
         """Run `callback` once no write of the room is in flight (now, if none is): stops chunk

@@ -52,14 +52,15 @@ async def wait_settled(poll: Callable[[], KVPoll], deadline: float, every: float
 
 
 def post_and_wait(post: Callable[[], H], poll: Callable[[H], KVPoll],
-                  every: float = POLL_S) -> Future[tuple[H, KVPoll]]:
+                  every: float = POLL_S, slice_s: float = SLICE_S) -> Future[tuple[H, KVPoll]]:
     """Post a transfer and poll it for one slice, both in one poller thread, submitted now: a
     transfer that ends within the slice costs one thread round trip in all. The (concurrent)
     future holds (handle, state), or the exception of `post`; a caller that stops waiting cannot
-    cancel a post already running, so its callbacks still see the handle."""
+    cancel a post already running, so its callbacks still see the handle. `slice_s` 0: post and
+    poll once (for a write nothing waits on yet)."""
     def run() -> tuple[H, KVPoll]:
         handle = post()
-        return handle, _spin(lambda: poll(handle), settled, every)
+        return handle, _spin(lambda: poll(handle), settled, every, slice_s)
 
     return _POLLERS.submit(run)
 
@@ -73,8 +74,8 @@ def _in_poller(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
     return asyncio.get_running_loop().run_in_executor(_POLLERS, fn, *args)
 
 
-def _spin(fetch: Callable[[], T], ready: Callable[[T], bool], every: float) -> T:
-    end = time.monotonic() + max(SLICE_S, every)
+def _spin(fetch: Callable[[], T], ready: Callable[[T], bool], every: float, slice_s: float = SLICE_S) -> T:
+    end = time.monotonic() + slice_s
     while True:
         value = fetch()
         if ready(value) or time.monotonic() >= end:

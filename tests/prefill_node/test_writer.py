@@ -190,6 +190,27 @@ def test_chunk_writes_end_while_the_prompt_runs() -> None:
     assert released == [1] and sent == 2
 
 
+def test_the_prompts_end_takes_over_a_chunk_write_still_in_flight_at_once() -> None:
+    """Chunk writes are polled gently while the prompt runs; settling does not wait for that
+    cadence (it polls the write itself, fast), nor does a write still in flight get lost."""
+    import time
+
+    async def run() -> tuple[float, int, list[int]]:
+        t = ScriptedTransport(polls=10**6)  # never ends while the prompt runs
+        writer = RoomWriter(t, _room(), 5.0, per_chunk=True)  # type: ignore[arg-type]
+        await _feed(writer, _progress((7, 8)))
+        await asyncio.sleep(0.02)
+        assert t.released == [] and writer.posted
+        t.left[1] = 3  # it lands now: three more polls
+        t0 = time.perf_counter()
+        sent = await writer.settle_chunks()
+        return time.perf_counter() - t0, sent, list(t.released)
+
+    took, sent, released = asyncio.run(run())
+    assert sent == 2 and released == [1]
+    assert took < 0.5  # bounded by the fast polls, not by a poll slice of the gentle cadence
+
+
 @pytest.mark.parametrize("stage", ["chunk", "final"])
 def test_a_caller_cancelled_while_a_write_is_posted_still_waits_for_it(stage: str) -> None:
     """The request goes away while a write is being posted: the write may land, so cleanup
