@@ -67,7 +67,6 @@ class SchedulerIO(Protocol):
 class _Launched:
     batch: Batch
     handle: Any
-    fence: DeviceEvent | None = None
 
 
 class Scheduler:
@@ -182,10 +181,21 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - isolated below: only its cause fails
             self._abandon(batch)
             return self._isolate(batch, e) + self._collect_inflight()
-        fence = record_fence(device) if needs_fence(batch) else None  # before the next launch
+        if needs_fence(batch):  # before the next launch
+            # Published now, not when the batch is collected: that happens only after the next
+            # chunk's launch, which on a launch-bound prompt is about when that chunk is done,
+            # so the last chunk's pages would leave only as the prompt ends.
+            self.io.publish(self._launch_progress(batch, record_fence(device)))
         updates = self._collect_inflight()
-        self._inflight = _Launched(batch, handle, fence)
+        self._inflight = _Launched(batch, handle)
         return updates
+
+    def _launch_progress(self, batch: Batch, fence: DeviceEvent) -> list[RequestUpdate]:
+        """A prompt chunk was launched: the pages its requests' launched chunks fill hold final
+        KV once `fence` is reached (a failure or retraction meanwhile publishes a restart)."""
+        ps = self.kv.page_size
+        return [RequestUpdate(r.rid, [], kv_progress=KVProgress(tuple(self.kv.page_list(r)[:r.sched_len // ps]), fence))
+                for r, s in zip(batch.reqs, batch.sample) if r.hold_kv and not s]
 
     def _collect_inflight(self) -> list[RequestUpdate]:
         launched, self._inflight = self._inflight, None
@@ -196,7 +206,7 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - isolated below: only its cause fails
             self._abandon(launched.batch)
             return self._isolate(launched.batch, e)
-        return self._complete(launched.batch, out, launched.fence)
+        return self._complete(launched.batch, out)  # its KV progress went out at launch
 
     def _isolate(self, batch: Batch, err: Exception) -> list[RequestUpdate]:
         """A step failed. A request alone in its batch is the cause: it fails, and only it. In

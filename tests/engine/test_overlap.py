@@ -227,3 +227,33 @@ def test_overlap_with_triton_and_cuda_graphs(models):
         over, _ = run(models, spec, params=GREEDY, overlap=True, **kw)
         assert [a for a, _ in sync] == [b for b, _ in over]
     torch.cuda.synchronize()
+
+
+def test_a_held_prompts_chunk_progress_leaves_when_the_chunk_is_launched(models):
+    """Under overlap a batch is collected only after the next one was launched; a prompt chunk's
+    KV progress (pages final once its fence is reached) goes out at its launch, so the last
+    non-final chunk's pages can leave while the final chunk runs."""
+    eng = make_engine(models, overlap=True)  # 7-token chunks, 4-token pages
+    events: list[tuple[str, object]] = []
+    launch, publish = eng.executor.launch, eng.scheduler.io.publish
+
+    def launched(batch, relay):
+        events.append(("launch", batch.extend_lens[0]))
+        return launch(batch, relay)
+
+    def published(updates):
+        events.extend(("progress", u.kv_progress.pages) for u in updates if u.kv_progress is not None)
+        publish(updates)
+
+    eng.executor.launch, eng.scheduler.io.publish = launched, published
+    held = eng.make_request(list(range(10, 40)), SamplingParams(max_new_tokens=1, temperature=0.0), "held")
+    held.hold_kv = True
+    eng.io.submit(held)
+    while not held.output_ids:
+        eng.step()
+    pages = eng.kv.page_list(held)
+    # 30 tokens in chunks of 7, 7, 7, 7, 2: after each non-final launch, the full pages so far
+    assert events == [("launch", 7), ("progress", tuple(pages[:1])), ("launch", 7), ("progress", tuple(pages[:3])),
+                      ("launch", 7), ("progress", tuple(pages[:5])), ("launch", 7), ("progress", tuple(pages[:7])),
+                      ("launch", 2)]
+    eng.scheduler.release_kv(held)
