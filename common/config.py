@@ -146,6 +146,16 @@ class ServeRole:
     metrics_port: Optional[int] = opt(None, "Serve Prometheus /metrics on this port (0: any free).")
 
 
+ROWS_PLACES = ("kv", "host")  # --kv-handoff-rows
+
+
+def check_rows_place(place: str) -> str:
+    """A --kv-handoff-rows value, or a ValueError naming the flag and the choices."""
+    if place not in ROWS_PLACES:
+        raise ValueError(f"--kv-handoff-rows must be one of {', '.join(ROWS_PLACES)}, got {place!r}")
+    return place
+
+
 _ROWS_HELP = ("Where the handoff rows (first token, draft state) live: kv (beside the KV cache; in GPU "
               "memory a request's row rides in its pages' NIXL transfer) or host (host memory: a second "
               "transfer stage after the pages).")

@@ -10,7 +10,7 @@ from typing import Any
 import typer
 
 from common.config import (DecodeRole, EngineOptions, LogOptions, PrefillRole, RouterOptions, ServeRole,
-                           SpeculativeOptions, UpOptions)
+                           SpeculativeOptions, UpOptions, check_rows_place)
 from pdserve.errors import fail
 from pdserve.flags import with_options
 
@@ -41,6 +41,14 @@ def _run(role: Any, engine: EngineOptions, spec: SpeculativeOptions, log: LogOpt
         fail(e)
 
 
+def _check_before_loading(rows_place: str) -> None:
+    """Flag values the model load would only reach later: one line and exit 2, now."""
+    try:
+        check_rows_place(rows_place)
+    except ValueError as e:
+        fail(e)
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     @with_options(role=ServeRole, engine=EngineOptions, spec=SpeculativeOptions, log=LogOptions)
@@ -54,6 +62,7 @@ def register(app: typer.Typer) -> None:
     @with_options(role=PrefillRole, engine=EngineOptions, spec=SpeculativeOptions, log=LogOptions)
     def prefill(role: PrefillRole, engine: EngineOptions, spec: SpeculativeOptions, log: LogOptions) -> None:
         """Prefill node: runs prompts (target, then the draft) and writes KV to decode nodes."""
+        _check_before_loading(role.kv_handoff_rows)
         from prefill_node.handler import PrefillTimeouts
         from prefill_node.role import PrefillRole as Prefill
 
@@ -65,6 +74,7 @@ def register(app: typer.Typer) -> None:
     @with_options(role=DecodeRole, engine=EngineOptions, spec=SpeculativeOptions, log=LogOptions)
     def decode(role: DecodeRole, engine: EngineOptions, spec: SpeculativeOptions, log: LogOptions) -> None:
         """Decode node: receives KV from prefill nodes and generates."""
+        _check_before_loading(role.kv_handoff_rows)
         from decode_node.handler import DecodeTimeouts
         from decode_node.peers import PeerPolicy
         from decode_node.role import DecodeRole as Decode

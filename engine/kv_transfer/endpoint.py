@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from common.config import check_rows_place
 from common.fingerprint import Fingerprint, build_fingerprint
 from engine.kv_transfer import HandoffRows, KVTransport, create_transport
 
@@ -25,7 +26,6 @@ class Endpoint:
     fingerprint: Fingerprint
 
 
-ROWS_PLACES = ("kv", "host")
 
 
 def build_endpoint(pd: "DisaggEngine", *, kind: str, role: str, rows: int, spec_algorithm: str,
@@ -34,8 +34,7 @@ def build_endpoint(pd: "DisaggEngine", *, kind: str, role: str, rows: int, spec_
     rides in its pages' NIXL transfer (one stage); "host" keeps them in host memory, whose write
     is a second stage posted when the pages' stage completes. Peers may differ: each side's
     layout tells the other its rows' memory kind."""
-    if rows_at not in ROWS_PLACES:
-        raise ValueError(f"--kv-handoff-rows must be one of {', '.join(ROWS_PLACES)}, got {rows_at!r}")
+    check_rows_place(rows_at)
     pools = pd.kv_pools()
     handoff = HandoffRows(pd.handoff_bytes, rows, device=pools[0].buffer.device if rows_at == "kv" else "cpu")
     name = f"pdserve-{role}-{uuid.uuid4().hex[:12]}"

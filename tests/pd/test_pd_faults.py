@@ -194,4 +194,13 @@ def test_bad_handoff_rows_place_is_a_clean_error(tiny_llama_dir):
     assert res.returncode == 2
     assert "--kv-handoff-rows must be one of kv, host, got 'gpu'" in res.stderr
     assert "Traceback" not in res.stderr
+    assert "loaded" not in res.stderr.lower()  # refused before the model loads
+
+
+def test_a_bad_handoff_rows_place_is_refused_by_the_endpoint_too():
+    from common.config import check_rows_place
+
+    assert check_rows_place("host") == "host"
+    with pytest.raises(ValueError, match="--kv-handoff-rows must be one of kv, host, got 'vram'"):
+        check_rows_place("vram")
 
