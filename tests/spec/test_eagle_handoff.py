@@ -26,6 +26,21 @@ def test_round_trip(k: int, hidden: int, dtype: torch.dtype) -> None:
     assert got.hidden.dtype == dtype and torch.equal(got.hidden, st.hidden)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_state_on_the_gpu_is_encoded_to_a_host_row() -> None:
+    """On a GPU the payload is assembled on the device and copied to the host once."""
+    codec = EagleHandoffCodec(4, 4096, torch.bfloat16)
+    dev = torch.device("cuda")
+    st = EagleReqState(torch.rand(4, device=dev), torch.randint(0, 2**40, (4,), device=dev),
+                       torch.randn(4096, device=dev).to(torch.bfloat16))
+    payload = codec.encode(Req("r", [1], SamplingParams(), spec_state=st))
+    assert payload.device.type == "cpu" and payload.numel() == codec.payload_bytes
+    got = codec.decode(payload)
+    assert torch.equal(got.topk_p, st.topk_p.cpu()) and torch.equal(got.topk_index, st.topk_index.cpu())
+    assert torch.equal(got.hidden, st.hidden.cpu())
+
+
 def test_mismatches_are_refused() -> None:
     codec = EagleHandoffCodec(2, 8, torch.float32)
     with pytest.raises(HandoffError, match="without EAGLE draft state"):
