@@ -30,8 +30,8 @@ from engine.kv_transfer import KVPoll, TransferError
 from engine.kv_transfer.endpoint import Endpoint, room_echo
 from engine.scheduler import RequestUpdate
 from engine.service import convert
-from engine.service.metrics import (KV_HANDOFF_STAGE_SECONDS, KV_HANDOFF_TAIL_SECONDS, KV_TRANSFER_BYTES, KV_TRANSFER_FAILURES,
-                                    KV_TRANSFER_SECONDS, KV_WRITE_PAGES, KV_WRITES)
+from engine.service.metrics import (KV_HANDOFF_STAGE_SECONDS, KV_HANDOFF_TAIL_SECONDS, KV_TRANSFER_BYTES,
+                                    KV_TRANSFER_FAILURES, KV_TRANSFER_SECONDS, KV_WRITE_PAGES, KV_WRITES)
 from engine.service.stream import RequestFailed
 from prefill_node.rooms import Room, RoomTable
 from prefill_node.writer import RoomWriter, WriteFailed

@@ -151,8 +151,9 @@ class RoomWriter:
         self.sent = end
 
     def _post(self, request: TransferRequest, urgent: bool) -> asyncio.Future:
-        """Post a write and poll it for one slice, in one poller-thread round trip; the future
-        holds (handle, state). The handle is recorded as posted in the same loop callback that
+        """Post a write in a poller thread and, if `urgent`, poll it there for one slice (a chunk
+        write is polled once; `_until_wake_ending_chunks` ends it); the future holds (handle,
+        state). The handle is recorded as posted in the same loop callback that
         resolves the future, also when the caller was cancelled meanwhile: a write that may land
         is always waited for before its pages or row are reused."""
         deadline = time.monotonic() + self.timeout_s

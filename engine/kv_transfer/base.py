@@ -44,7 +44,8 @@ class Region:
 class MemoryLayout:
     """What one side registered: KV regions (one per (pool, layer, k|v), items = pages) in a fixed
     order both sides agree on, and the aux region (items = rows). `mem_type` (of the KV regions)
-    and `aux_mem_type` are DRAM or VRAM (serving nodes keep aux rows in host memory today)."""
+    and `aux_mem_type` are DRAM or VRAM (rows beside the KV by default, in host memory with
+    `--kv-handoff-rows host`)."""
 
     kv: tuple[Region, ...]
     aux: Region

@@ -26,8 +26,6 @@ class Endpoint:
     fingerprint: Fingerprint
 
 
-
-
 def build_endpoint(pd: "DisaggEngine", *, kind: str, role: str, rows: int, spec_algorithm: str,
                    draft_model_dir: str | None, rows_at: str = "kv") -> Endpoint:
     """`rows_at`: "kv" keeps the handoff rows on the KV pools' device, so on GPUs a request's row

@@ -164,7 +164,7 @@ class BatchPolicy:
                     i += 1
                     continue
                 try:
-                    self.kv.reserve(req, req.sched_len + window)
+                    self.kv.reserve(req, need)
                     i += 1
                 except OutOfPages:  # free the newest request and try again
                     victim = decoding.pop()

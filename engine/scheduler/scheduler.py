@@ -175,7 +175,10 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - isolated below: only its cause fails
                 self._abandon(batch)
                 return self._isolate(batch, e)
-            return self._complete(batch, out, record_fence(device) if needs_fence(batch) else None)
+            updates = self._complete(batch, out)
+            if needs_fence(batch):
+                updates += self._chunk_progress(batch, record_fence(device))
+            return updates
         try:
             handle = self.executor.launch(batch, relay)
         except Exception as e:  # noqa: BLE001 - isolated below: only its cause fails
@@ -185,14 +188,15 @@ class Scheduler:
             # Published now, not when the batch is collected: that happens only after the next
             # chunk's launch, which on a launch-bound prompt is about when that chunk is done,
             # so the last chunk's pages would leave only as the prompt ends.
-            self.io.publish(self._launch_progress(batch, record_fence(device)))
+            self.io.publish(self._chunk_progress(batch, record_fence(device)))
         updates = self._collect_inflight()
         self._inflight = _Launched(batch, handle)
         return updates
 
-    def _launch_progress(self, batch: Batch, fence: DeviceEvent) -> list[RequestUpdate]:
-        """A prompt chunk was launched: the pages its requests' launched chunks fill hold final
-        KV once `fence` is reached (a failure or retraction meanwhile publishes a restart)."""
+    def _chunk_progress(self, batch: Batch, fence: DeviceEvent) -> list[RequestUpdate]:
+        """A prompt chunk was launched (or, without overlap, computed): the pages its requests'
+        launched chunks fill hold final KV once `fence` is reached (a failure or retraction
+        meanwhile publishes a restart)."""
         ps = self.kv.page_size
         return [RequestUpdate(r.rid, [], kv_progress=KVProgress(tuple(self.kv.page_list(r)[:r.sched_len // ps]), fence))
                 for r, s in zip(batch.reqs, batch.sample) if r.hold_kv and not s]
@@ -306,7 +310,7 @@ class Scheduler:
         self.kv.release(req)
 
     # ---- output ----
-    def _complete(self, batch: Batch, out: StepOutput, fence: DeviceEvent | None = None) -> list[RequestUpdate]:
+    def _complete(self, batch: Batch, out: StepOutput) -> list[RequestUpdate]:
         updates, decoded = [], 0
         # _unmark inlined: this loop runs once per request per step on the host's critical path
         extend = batch.mode is ForwardMode.EXTEND
@@ -335,9 +339,6 @@ class Scheduler:
             upd = self._append(req, new, out, i)
             if upd is not None:
                 updates.append(upd)
-            elif fence is not None and req.hold_kv and not batch.sample[i]:
-                full = self.kv.page_list(req)[:req.seq_len // self.kv.page_size]
-                updates.append(RequestUpdate(req.rid, [], kv_progress=KVProgress(tuple(full), fence)))
         self.stats["decode_tokens"] += decoded
         return updates
 
