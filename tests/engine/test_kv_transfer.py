@@ -162,7 +162,8 @@ def test_post_and_wait_posts_and_polls_in_one_poller_thread() -> None:
         raise TransferError("refused")
 
     async def run() -> tuple[tuple[str, KVPoll], int]:
-        result = await asyncio.wrap_future(post_and_wait(post, poll, 1e-5))
+        # a long slice: a loaded machine's sleeps must not end the polling before SUCCESS
+        result = await asyncio.wrap_future(post_and_wait(post, poll, 1e-5, slice_s=30.0))
         with pytest.raises(TransferError, match="refused"):
             await asyncio.wrap_future(post_and_wait(broken, poll))
         slack = await asyncio.wrap_future(post_and_wait(_timer_slack, lambda h: KVPoll.SUCCESS))
