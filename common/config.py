@@ -156,6 +156,19 @@ def check_rows_place(place: str) -> str:
     return place
 
 
+SGL_MODES = ("off", "on", "auto")  # --kv-write-sgl
+
+
+def check_sgl_mode(mode: str) -> str:
+    """A --kv-write-sgl value, or a ValueError naming the flag and the choices."""
+    if mode not in SGL_MODES:
+        raise ValueError(f"--kv-write-sgl must be one of {', '.join(SGL_MODES)}, got {mode!r}")
+    return mode
+
+
+_SGL_HELP = ("Post each KV write as one scatter-gather list (NIXL's UCX SGL offload; on GPUs one batched "
+             "copy instead of one per layer and K|V): on, off, or auto (on where the KV is in GPU memory).")
+
 _ROWS_HELP = ("Where the handoff rows (first token, draft state) live: kv (beside the KV cache; in GPU "
               "memory a request's row rides in its pages' NIXL transfer) or host (host memory: a second "
               "transfer stage after the pages).")
@@ -173,6 +186,7 @@ class PrefillRole:
     bootstrap_timeout: float = opt(30.0, "Seconds to wait for a destination.")
     transfer_timeout: float = opt(30.0, "Seconds a KV write may take.")
     kv_handoff_rows: str = opt("kv", _ROWS_HELP)
+    kv_write_sgl: str = opt("off", _SGL_HELP)
     kv_send_chunks: bool = opt(True, "With chunked prefill, write each finished chunk's KV while the "
                                "next chunk runs (off: one write once the whole prompt is done).")
     metrics_port: Optional[int] = opt(None, "Serve Prometheus /metrics on this port (0: any free).")

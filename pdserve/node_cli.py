@@ -10,7 +10,7 @@ from typing import Any
 import typer
 
 from common.config import (DecodeRole, EngineOptions, LogOptions, PrefillRole, RouterOptions, ServeRole,
-                           SpeculativeOptions, UpOptions, check_rows_place)
+                           SpeculativeOptions, UpOptions, check_rows_place, check_sgl_mode)
 from pdserve.errors import fail
 from pdserve.flags import with_options
 
@@ -41,10 +41,11 @@ def _run(role: Any, engine: EngineOptions, spec: SpeculativeOptions, log: LogOpt
         fail(e)
 
 
-def _check_before_loading(rows_place: str) -> None:
+def _check_before_loading(rows_place: str, sgl_mode: str = "off") -> None:
     """Flag values the model load would only reach later: one line and exit 2, now."""
     try:
         check_rows_place(rows_place)
+        check_sgl_mode(sgl_mode)
     except ValueError as e:
         fail(e)
 
@@ -62,12 +63,13 @@ def register(app: typer.Typer) -> None:
     @with_options(role=PrefillRole, engine=EngineOptions, spec=SpeculativeOptions, log=LogOptions)
     def prefill(role: PrefillRole, engine: EngineOptions, spec: SpeculativeOptions, log: LogOptions) -> None:
         """Prefill node: runs prompts (target, then the draft) and writes KV to decode nodes."""
-        _check_before_loading(role.kv_handoff_rows)
+        _check_before_loading(role.kv_handoff_rows, role.kv_write_sgl)
         from prefill_node.handler import PrefillTimeouts
         from prefill_node.role import PrefillRole as Prefill
 
         timeouts = PrefillTimeouts(bootstrap_s=role.bootstrap_timeout, transfer_s=role.transfer_timeout)
-        _run(Prefill(role.bootstrap_port, role.kv_transport, timeouts, role.kv_send_chunks, role.kv_handoff_rows),
+        _run(Prefill(role.bootstrap_port, role.kv_transport, timeouts, role.kv_send_chunks, role.kv_handoff_rows,
+                     role.kv_write_sgl),
              engine, spec, log, role.host, role.port, role.metrics_port)
 
     @app.command()

@@ -25,9 +25,9 @@ class PrefillRole:
     name = "prefill"
 
     def __init__(self, bootstrap_port: int, transport: str, timeouts: PrefillTimeouts,
-                 send_chunks: bool = True, rows_at: str = "kv") -> None:
+                 send_chunks: bool = True, rows_at: str = "kv", sgl: str = "off") -> None:
         self.bootstrap_port, self.transport, self.timeouts = bootstrap_port, transport, timeouts
-        self.send_chunks, self.rows_at = send_chunks, rows_at
+        self.send_chunks, self.rows_at, self.sgl = send_chunks, rows_at, sgl
         self._janitor: asyncio.Task[None] | None = None
 
     def attach(self, loop: EngineLoop, binding: Any) -> RoleParts:
@@ -35,7 +35,8 @@ class PrefillRole:
         pd = DisaggEngine.over(loop)
         self.endpoint = build_endpoint(pd, kind=self.transport, role="prefill",
                                        rows=2 * engine.config.max_running + 1, spec_algorithm=binding.name,
-                                       draft_model_dir=binding.config.draft_model_path, rows_at=self.rows_at)
+                                       draft_model_dir=binding.config.draft_model_path, rows_at=self.rows_at,
+                                       sgl=self.sgl)
         self.rooms = RoomTable(orphan_ttl_s=self.timeouts.bootstrap_s)
         handler = PrefillHandler(pd, self.endpoint, self.rooms, self.timeouts, self.send_chunks)
         return RoleParts(handler, info_role="prefill", pairing_protocol=pairing_protocol(self.endpoint.fingerprint),

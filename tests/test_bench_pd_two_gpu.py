@@ -1,5 +1,6 @@
 """The transport-vs-raw-NIXL bandwidth probe of the two-GPU PD benchmark runs on CPU (UCX over
-host memory), small: both numbers and their ratio come out (speed itself is judged on the GPU)."""
+host memory), small: both numbers and their ratio come out, for writes posted per descriptor and
+as one scatter-gather list (speed itself is judged on the GPU)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ def test_kv_bandwidth_probe_on_cpu():
         assert row["ours_gb_s"] > 0 and row["raw_nixl_gb_s"] > 0
         assert row["ratio_vs_raw"] > 0
         assert set(row["raw_nixl_gb_s_by_descriptors"]) == {"1", "4", "16", "64"}
-        assert row["raw_nixl_gb_s"] == max(row["raw_nixl_gb_s_by_descriptors"].values())
+        assert set(row["raw_nixl_sgl_gb_s_by_descriptors"]) == {"1", "64"}
+        assert row["raw_nixl_gb_s"] == max(*row["raw_nixl_gb_s_by_descriptors"].values(),
+                                           *row["raw_nixl_sgl_gb_s_by_descriptors"].values())
+        assert row["ours_sgl_gb_s"] > 0 and row["ratio_sgl_vs_raw"] > 0
 
 
 def test_stage_means_are_per_observation_between_scrapes():
@@ -31,14 +35,22 @@ def test_stage_means_are_per_observation_between_scrapes():
     assert stage_means_ms(before, after) == {"router:x{stage=\"prefill\"}": 250.0, "prefill-0:z": 3.0}
 
 
-def test_router_ttft_sum_reads_every_endpoint_of_the_real_metric():
+def test_one_requests_ttft_and_forward_come_from_the_real_metrics_between_two_scrapes():
+    """The router's TTFT (summed over its endpoints, first tokens only) and the node's prompt time
+    of the one request between two scrapes, read from the metrics' real text."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from bench.gpu.pd_two_gpu import ttft_sum
+    from bench.gpu.pd_two_gpu import request_times_ms, stage_sums
     from router.metrics import RouterMetrics
 
+    scrape = lambda text: stage_sums("router", text)  # noqa: E731
     metrics = RouterMetrics(CollectorRegistry(auto_describe=True))
     metrics.observe_tokens("completions", 1, 0.0, True, 0.25)
+    before = scrape(generate_latest(metrics.registry).decode())
     metrics.observe_tokens("chat", 1, 0.0, True, 0.5)
     metrics.observe_tokens("chat", 2, 0.1, False, 0.7)  # not a first token
-    assert ttft_sum(generate_latest(metrics.registry).decode()) == pytest.approx(0.75)
+    after = scrape(generate_latest(metrics.registry).decode())
+    node = 'prefill-0:pdserve_node_prompt_seconds{role="prefill"}'
+    before[node], after[node] = (1.0, 3.0), (1.04, 4.0)
+    ttft, forward = request_times_ms(before, after)
+    assert ttft == pytest.approx(500.0) and forward == pytest.approx(40.0)

@@ -1,14 +1,16 @@
-"""KV + handoff-row write bandwidth from one GPU to another through pdserve's NIXL transport, next
-to raw NIXL (the same bytes between two flat buffers, at the best of a few descriptor counts)
-between the same GPUs, on the Llama-3.1-8B KV shape
-(32 layers, 8 KV heads, head dim 128, bf16: 128 KiB per token; 16-token pages).
+"""KV + handoff-row write bandwidth from one GPU to another through pdserve's NIXL transport,
+next to raw NIXL (the same bytes between two flat buffers, at the best of a few descriptor
+counts, posted a copy per descriptor or as one scatter-gather list) between the same GPUs, on
+the Llama-3.1-8B KV shape (32 layers, 8 KV heads, head dim 128, bf16: 128 KiB per token;
+16-token pages).
 
 The receiving side runs in a child process (as a decode node would), so the copy crosses
 processes exactly as in serving: CUDA IPC over NVLink between two GPUs, or within one GPU.
 `measure(src, dst)` returns, per prompt length, the transport's and raw NIXL's GB/s and ratio:
-medians of rounds that time every variant once in turn (the transport's write with and without the
-handoff row, to scattered pages, raw NIXL at several descriptor counts, raw NIXL built and
-notified per write), so no variant is timed only while the link or the GPUs are cold.
+medians of rounds that time every variant once in turn (the transport's write with and without
+the handoff row, to scattered pages, and posted as one scatter-gather list (--kv-write-sgl on);
+raw NIXL at several descriptor counts, both ways, and built and notified per write), so no
+variant is timed only while the link or the GPUs are cold.
 """
 
 from __future__ import annotations
@@ -25,14 +27,16 @@ LAYERS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 TOKENS = (1024, 8192)
 ROUNDS = 12  # each variant timed this many times, interleaved with the others
 RAW_SPLITS = (1, 4, 16, 64)
+SGL_SPLITS = (1, 64)  # raw NIXL posting its descriptors as one scatter-gather list
+SGL = ("off", "on")  # --kv-write-sgl of the transports compared
 BYTES_PER_TOKEN = 2 * LAYERS * KV_HEADS * HEAD_DIM * 2
 ROW_PAYLOAD = 4096  # about an EAGLE handoff row of an 8B model (top-k + a 4096-wide hidden state)
 
 
-def _endpoint(name: str, device: str, max_tokens: int, rows_device: str) -> tuple[Any, Any, Any, torch.Tensor]:
-    """Our transport over an 8B-shaped pool, plus a raw NIXL agent over one flat buffer."""
-    from nixl_cu13._api import nixl_agent, nixl_agent_config
-
+def _endpoint(name: str, device: str, max_tokens: int, rows_device: str
+              ) -> tuple[dict[str, Any], Any, dict[str, Any], torch.Tensor]:
+    """Our transport over an 8B-shaped pool, plus a raw NIXL agent over one flat buffer, each
+    twice: writes posted a copy per descriptor ("off") and as one scatter-gather list ("on")."""
     from engine.kv_cache import KVPool
     from engine.kv_transfer import HandoffRows, create_transport
 
@@ -40,11 +44,20 @@ def _endpoint(name: str, device: str, max_tokens: int, rows_device: str) -> tupl
     # "kv": beside the KV, where nodes keep them by default (engine/kv_transfer/endpoint.py);
     # "cpu": in host memory (--kv-handoff-rows host), a second stage
     rows = HandoffRows(ROW_PAYLOAD, 4, device=device if rows_device == "kv" else rows_device)
-    transport = create_transport("nixl", f"bw-{name}", [pool], rows)
     flat = torch.empty(max_tokens * BYTES_PER_TOKEN, dtype=torch.uint8, device=device)
-    raw = nixl_agent(f"raw-{name}", nixl_agent_config(backends=["UCX"]))
+    transports = {sgl: create_transport("nixl", f"bw-{name}-sgl-{sgl}", [pool], rows, sgl=sgl) for sgl in SGL}
+    return transports, (pool, rows), {sgl: _raw_agent(f"raw-{name}-sgl-{sgl}", flat, sgl == "on") for sgl in SGL}, flat
+
+
+def _raw_agent(name: str, flat: torch.Tensor, sgl: bool) -> Any:
+    from nixl_cu13._api import nixl_agent, nixl_agent_config
+
+    from engine.kv_transfer.nixl import create_backend
+
+    raw = nixl_agent(name, nixl_agent_config(backends=[]))
+    create_backend(raw, "UCX", {}, sgl)
     raw.register_memory([(flat.data_ptr(), flat.numel(), max(flat.get_device(), 0), "")], _mem(flat))
-    return transport, (pool, rows), raw, flat
+    return raw
 
 
 def _mem(t: torch.Tensor) -> str:
@@ -52,13 +65,15 @@ def _mem(t: torch.Tensor) -> str:
 
 
 def _receiver(conn: Any, device: str, max_tokens: int, rows_device: str) -> None:
-    transport, keep, raw, flat = _endpoint("recv", device, max_tokens, rows_device)
+    transports, keep, raws, flat = _endpoint("recv", device, max_tokens, rows_device)
+    transport, raw = transports["off"], raws["off"]  # how a write is posted is the writer's affair
     conn.send((transport.metadata(), transport.layout(), bytes(raw.get_agent_metadata()), flat.data_ptr(),
                max(flat.get_device(), 0)))
     while not conn.poll(0.0005):  # a receiver drives its agents' progress, as a decode node does
         transport.drain_notifications()
         raw.get_new_notifs()
-    transport.close()
+    for t in transports.values():
+        t.close()
     del keep
 
 
@@ -126,6 +141,38 @@ def _interleaved(variants: dict[str, Any]) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def _as_str(name: str | bytes) -> str:
+    return name.decode() if isinstance(name, bytes) else name
+
+
+def _report(t: dict[str, float], nbytes: int, total: int, posts: list[float]) -> dict[str, Any]:
+    """GB/s and ratios of one prompt length from the variants' median seconds `t`."""
+    raw_by_split = {str(n): t[f"raw{n}"] for n in RAW_SPLITS}
+    raw_sgl = {str(n): t[f"raw_sgl{n}"] for n in SGL_SPLITS}
+    raw_s = min(*raw_by_split.values(), *raw_sgl.values())
+    one_off = {str(n): t[f"one_off{n}"] for n in (1, 64)}
+    ours, sgl, scattered = t["ours"], t["ours_sgl"], t["scattered"]
+    gb_s = lambda n, sec: n / sec / 1e9  # noqa: E731
+    return {
+        "kv_bytes": nbytes, "kv_plus_row_bytes": total,
+        "ours_s": ours, "ours_gb_s": gb_s(total, ours),
+        "ours_kv_only_gb_s": gb_s(nbytes, t["ours_kv_only"]),
+        "ours_post_s": statistics.median(posts[1:]),  # building + posting the request
+        "ours_scattered_pages_s": scattered, "ours_scattered_pages_gb_s": gb_s(total, scattered),
+        # the same writes posted as one scatter-gather list each (--kv-write-sgl on)
+        "ours_sgl_s": sgl, "ours_sgl_gb_s": gb_s(total, sgl),
+        "ours_sgl_scattered_pages_gb_s": gb_s(total, t["scattered_sgl"]),
+        "raw_nixl_s": raw_s, "raw_nixl_gb_s": gb_s(nbytes, raw_s),
+        "raw_nixl_gb_s_by_descriptors": {n: gb_s(nbytes, x) for n, x in raw_by_split.items()},
+        "raw_nixl_sgl_gb_s_by_descriptors": {n: gb_s(nbytes, x) for n, x in raw_sgl.items()},
+        "ratio_vs_raw": gb_s(total, ours) / gb_s(nbytes, raw_s),
+        "ratio_sgl_vs_raw": gb_s(total, sgl) / gb_s(nbytes, raw_s),
+        # raw NIXL timed like a KV write: request built per write, receiver notified
+        "raw_one_off_notified_gb_s_by_descriptors": {n: gb_s(nbytes, x) for n, x in one_off.items()},
+        "ratio_vs_raw_one_off_notified": gb_s(total, ours) / gb_s(nbytes, min(one_off.values())),
+        "ratio_vs_raw_scattered_pages": gb_s(total, scattered) / gb_s(nbytes, raw_s)}
+
+
 def measure(src: str, dst: str, tokens_list: tuple[int, ...] = TOKENS, rows_device: str = "cpu") -> dict[str, Any]:
     """Per prompt length, our write's and raw NIXL's GB/s; `rows_device` "kv" puts the handoff
     rows beside the KV (one NIXL stage per write, as nodes do by default), "cpu" in host memory."""
@@ -137,48 +184,36 @@ def measure(src: str, dst: str, tokens_list: tuple[int, ...] = TOKENS, rows_devi
         if not parent.poll(300):  # bounded: a receiver that died at start-up must not hang the run
             raise RuntimeError(f"the receiving process did not start (exit code {proc.exitcode})")
         md, layout, raw_md, raddr, rdev = parent.recv()
-        transport, keep, raw, flat = _endpoint("send", src, max(tokens_list), rows_device)
-        peer = transport.add_peer(md, layout)
-        raw_peer = raw.add_remote_agent(raw_md)
-        raw_peer = raw_peer.decode() if isinstance(raw_peer, bytes) else raw_peer
+        transports, keep, raws, flat = _endpoint("send", src, max(tokens_list), rows_device)
+        peers = {k: t.add_peer(md, layout) for k, t in transports.items()}
+        raw_peers = {k: _as_str(raw.add_remote_agent(raw_md)) for k, raw in raws.items()}
         out: dict[str, Any] = {}
         for tokens in tokens_list:
             nbytes = tokens * BYTES_PER_TOKEN
-            total = nbytes + keep[1].row_bytes
             pages = list(range(1, tokens // PAGE + 1))
             shuffled = [int(x) for x in np.random.default_rng(0).permutation(pages)]
-            descs = {n: _raw_descs(raw, flat, (raddr, rdev), nbytes, n) for n in RAW_SPLITS}
+            descs = {k: {n: _raw_descs(raw, flat, (raddr, rdev), nbytes, n) for n in RAW_SPLITS} for k, raw in raws.items()}
             posts: list[float] = []
+            ours, sgl = transports["off"], transports["on"]
+            once_raw = lambda k, n, one_off: lambda r: _once_raw(raws[k], raw_peers[k], descs[k][n], one_off)  # noqa: E731
             t = _interleaved({
-                "ours": lambda r: _once_ours(transport, peer, 2 * r + 1, pages, pages, True, posts),
-                "ours_kv_only": lambda r: _once_ours(transport, peer, 2 * r + 2, pages, pages, False),
-                "scattered": lambda r: _once_ours(transport, peer, 1000 + r, pages, shuffled, True),
-                # raw NIXL at its best: the fastest of a few descriptor counts for the same bytes
-                **{f"raw{n}": (lambda d: lambda r: _once_raw(raw, raw_peer, d, False))(descs[n]) for n in RAW_SPLITS},
-                **{f"one_off{n}": (lambda d: lambda r: _once_raw(raw, raw_peer, d, True))(descs[n]) for n in (1, 64)},
+                "ours": lambda r: _once_ours(ours, peers["off"], 2 * r + 1, pages, pages, True, posts),
+                "ours_kv_only": lambda r: _once_ours(ours, peers["off"], 2 * r + 2, pages, pages, False),
+                "scattered": lambda r: _once_ours(ours, peers["off"], 1000 + r, pages, shuffled, True),
+                "ours_sgl": lambda r: _once_ours(sgl, peers["on"], 3000 + r, pages, pages, True),
+                "scattered_sgl": lambda r: _once_ours(sgl, peers["on"], 4000 + r, pages, shuffled, True),
+                # raw NIXL at its best: the fastest of a few descriptor counts and both ways of posting
+                **{f"raw{n}": once_raw("off", n, False) for n in RAW_SPLITS},
+                **{f"raw_sgl{n}": once_raw("on", n, False) for n in SGL_SPLITS},
+                **{f"one_off{n}": once_raw("off", n, True) for n in (1, 64)},
             })
-            ours, scattered = t["ours"], t["scattered"]
-            raw_by_split = {n: t[f"raw{n}"] for n in RAW_SPLITS}
-            raw_s = min(raw_by_split.values())
-            one_off = {n: t[f"one_off{n}"] for n in (1, 64)}
-            out[str(tokens)] = {
-                "kv_bytes": nbytes, "kv_plus_row_bytes": total,
-                "ours_s": ours, "ours_gb_s": total / ours / 1e9,
-                "ours_kv_only_gb_s": nbytes / t["ours_kv_only"] / 1e9,
-                "ours_post_s": statistics.median(posts[1:]),  # building + posting the request
-                "ours_scattered_pages_s": scattered, "ours_scattered_pages_gb_s": total / scattered / 1e9,
-                "raw_nixl_s": raw_s, "raw_nixl_gb_s": nbytes / raw_s / 1e9,
-                "raw_nixl_gb_s_by_descriptors": {str(n): nbytes / t / 1e9 for n, t in raw_by_split.items()},
-                "ratio_vs_raw": (total / ours) / (nbytes / raw_s),
-                # raw NIXL timed like a KV write: request built per write, receiver notified
-                "raw_one_off_notified_gb_s_by_descriptors": {str(n): nbytes / t / 1e9 for n, t in one_off.items()},
-                "ratio_vs_raw_one_off_notified": (total / ours) / (nbytes / min(one_off.values())),
-                "ratio_vs_raw_scattered_pages": (total / scattered) / (nbytes / raw_s)}
-            print(f"{tokens} tokens: ours {out[str(tokens)]['ours_gb_s']:.1f} GB/s (scattered pages "
-                  f"{out[str(tokens)]['ours_scattered_pages_gb_s']:.1f}), raw NIXL "
-                  f"{out[str(tokens)]['raw_nixl_gb_s']:.1f} GB/s, ratio {out[str(tokens)]['ratio_vs_raw']:.2f}",
-                  flush=True)
-        transport.close()
+            out[str(tokens)] = _report(t, nbytes, nbytes + keep[1].row_bytes, posts)
+            row = out[str(tokens)]
+            print(f"{tokens} tokens: ours {row['ours_gb_s']:.1f} GB/s (one SGL {row['ours_sgl_gb_s']:.1f}, scattered "
+                  f"pages {row['ours_scattered_pages_gb_s']:.1f}), raw NIXL {row['raw_nixl_gb_s']:.1f} GB/s, ratio "
+                  f"{row['ratio_vs_raw']:.2f} (SGL {row['ratio_sgl_vs_raw']:.2f})", flush=True)
+        for transport in transports.values():
+            transport.close()
         return out
     finally:
         parent.send("stop")

@@ -15,15 +15,17 @@ Reports (OUT/pd_two_gpu_<gpu>.json):
   length after 3 warm-ups, medians over two passes; each request's TTFT is the change of the
   router's TTFT sum across it, so a first token that reaches the client before the request ends
   counts then; `e2e_*`: the whole request at the client) for both prompt lengths, against the
-  full KV's transfer time + 2 ms. The deployments run one at a time, each alone on the GPUs and each twice in turn
-  (three node processes sharing GPU 0
-  made one prompt's forward differ between them by more than the transfer takes). Each
-  deployment's time is split by stage from the router's and the nodes' histograms, and the
-  difference is also given with each deployment's own prompt forward taken out
-  (`diff_beyond_forward_ms`: what the handoff adds). Chunked prefill (2K-token chunks) sends each
-  chunk's pages while the next one runs, so the handoff adds about one chunk's transfer. A
-  second PD deployment writes each prompt's KV in one write at the end (--no-kv-send-chunks),
-  to show what chunk pipelining changes.
+  full KV's transfer time + 2 ms. The deployments run one at a time, each alone on the GPUs and
+  each twice in turn (three node processes sharing GPU 0 made one prompt's forward differ between
+  them by more than the transfer takes). A single prompt's forward still varies between requests
+  by more than the transfer takes, so each request's own forward (the change of its node's
+  prompt-time sum) is taken out of its TTFT too: `beyond_forward_ms` is the median of those
+  per-request remainders, and `diff_beyond_forward_ms` PD's minus colocated's (what the handoff
+  adds). Each deployment's time is also split by stage from the router's and the nodes'
+  histograms. Chunked prefill (2K-token chunks) sends each chunk's pages while the next one runs,
+  so the handoff adds about one chunk's transfer. Two more PD deployments: one writes each
+  prompt's KV in one write at the end (--no-kv-send-chunks), to show what chunk pipelining
+  changes; one posts every write as one scatter-gather list (--kv-write-sgl on).
 
 Handoff rows live beside the KV as nodes keep them by default (`rows=host` as an argument: in
 host memory, `--kv-handoff-rows host`); the bandwidth probe uses the same placement and also
@@ -62,7 +64,10 @@ NODE_ARGS = ("--page-size", str(kv_bandwidth.PAGE), "--max-total-tokens", "40000
              "--speculative-num-steps", "3")
 ROUNDS, WARMUP = 21, 3
 PASSES = 2  # each deployment started this many times, in turn with the others
-DEPLOYMENTS = (("colocated", 1), ("pd", 0), ("pd_whole_prompt_write", 0))  # (name, colocated nodes)
+DEPLOYMENTS = (("colocated", 1), ("pd", 0), ("pd_whole_prompt_write", 0), ("pd_sgl", 0))  # (name, colocated nodes)
+# flags of the PD variants, as environment variables (they reach only the nodes that have the flag)
+DEPLOYMENT_ENV = {"pd_whole_prompt_write": {"PDSERVE_KV_SEND_CHUNKS": "false"},
+                  "pd_sgl": {"PDSERVE_KV_WRITE_SGL": "on"}}
 FIXED_SET = [(n, seed) for n, seed in ((24, 1), (100, 2), (300, 3), (700, 4), (1500, 5), (3000, 6))]
 
 
@@ -100,35 +105,37 @@ def warm_up(urls: dict[str, str], tokens: int) -> None:
             complete(url, prompt(tokens, 90 + i), 1)
 
 
-ROUTER_TTFT = re.compile(r"^pdserve_router_time_to_first_token_seconds_sum\{[^}]*\} ([0-9.eE+-]+)$", re.M)
-
-
-def ttft_sum(metrics_text: str) -> float:
-    """The router's summed time to first token (request arrival -> first token to the client),
-    over its endpoints, from its /metrics text."""
-    return sum(float(v) for v in ROUTER_TTFT.findall(metrics_text))
-
-
-def router_ttft_sum(url: str) -> float:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-        return ttft_sum(r.read().decode())
-
-
-def ttft_samples_ms(url: str, tokens: int) -> tuple[list[float], list[float]]:
-    """ROUNDS one-token requests, one at a time: (each one's time to first token as the router
-    saw it, from the change of its TTFT sum across the request; each one's whole latency at the
-    client). The first token may reach the client before the request ends (a PD router relays the
-    prefill's token before the decode node adopted the request)."""
-    ttft, e2e = [], []
+def ttft_samples(dep: Deployment, url: str, tokens: int) -> dict[str, list[float]]:
+    """ROUNDS one-token requests, one at a time: each one's time to first token as the router saw
+    it and its prompt forward on the node that ran it (from the change of the router's TTFT sum and
+    the node's prompt-time sum across the request; the first token may reach the client before
+    the request ends: a PD router relays the prefill's token before the decode adopts the request),
+    and its whole latency at the client (ms)."""
+    out: dict[str, list[float]] = {"ttft": [], "forward": [], "e2e": []}
     for i in range(ROUNDS):
-        before = router_ttft_sum(url)
-        e2e.append(complete(url, prompt(tokens, 100 + i), 1)[1] * 1e3)
-        ttft.append((router_ttft_sum(url) - before) * 1e3)
-    return ttft, e2e
+        before = scrape_sums(dep)
+        out["e2e"].append(complete(url, prompt(tokens, 100 + i), 1)[1] * 1e3)
+        ttft, forward = request_times_ms(before, scrape_sums(dep))
+        out["ttft"].append(ttft)
+        out["forward"].append(forward)
+    return out
+
+
+ROUTER_TTFT = "router:pdserve_router_time_to_first_token_seconds"
+PROMPT_TIME = "pdserve_node_prompt_seconds"
+
+
+def request_times_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+                     ) -> tuple[float, float]:
+    """(time to first token at the router over its endpoints, prompt forward on the nodes) between
+    two scrapes around one request."""
+    def delta(match: str) -> float:
+        return sum(s - before.get(k, (0.0, 0.0))[0] for k, (s, _) in after.items() if match in k) * 1e3
+    return delta(ROUTER_TTFT), delta(PROMPT_TIME)
 
 
 # Where PD's time to first token goes: the router's stages and the prefill's write timings.
-STAGE_SERIES = ("pdserve_router_ttft_stage_seconds", "pdserve_kv_transfer_seconds",
+STAGE_SERIES = ("pdserve_router_time_to_first_token_seconds", "pdserve_router_ttft_stage_seconds", "pdserve_kv_transfer_seconds",
                 "pdserve_kv_handoff_tail_seconds", "pdserve_kv_handoff_stage_seconds",
                 "pdserve_node_queue_time_seconds", "pdserve_node_prompt_seconds")
 
@@ -141,12 +148,18 @@ def scrape_sums(dep: Deployment) -> dict[str, tuple[float, float]]:
         if port is None:
             continue
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-            text = r.read().decode()
-        for m in re.finditer(r"^(\w+)_(sum|count)(\{[^}]*\})? ([0-9.eE+-]+)$", text, re.M):
-            if m.group(1) in STAGE_SERIES:
-                key = f"{child.name}:{m.group(1)}{m.group(3) or ''}"
-                s, c = out.get(key, (0.0, 0.0))
-                out[key] = (s + float(m.group(4)), c) if m.group(2) == "sum" else (s, c + float(m.group(4)))
+            out.update(stage_sums(child.name, r.read().decode()))
+    return out
+
+
+def stage_sums(source: str, text: str) -> dict[str, tuple[float, float]]:
+    """{source:series{labels}: (sum, count)} of the stage histograms in one /metrics text."""
+    out: dict[str, tuple[float, float]] = {}
+    for m in re.finditer(r"^(\w+)_(sum|count)(\{[^}]*\})? ([0-9.eE+-]+)$", text, re.M):
+        if m.group(1) in STAGE_SERIES:
+            key = f"{source}:{m.group(1)}{m.group(3) or ''}"
+            s, c = out.get(key, (0.0, 0.0))
+            out[key] = (s + float(m.group(4)), c) if m.group(2) == "sum" else (s, c + float(m.group(4)))
     return out
 
 
@@ -171,9 +184,7 @@ def measure_deployment(name: str, dep: Deployment, rows: str) -> dict[str, Any]:
     the stage means over exactly those requests; stop it."""
     # the whole-prompt variant: its prefill node sends no chunk (env vars reach only the nodes
     # that have the flag: the prefill's, and the rows' place on prefill and decode)
-    env = {"PDSERVE_KV_HANDOFF_ROWS": rows}
-    if name == "pd_whole_prompt_write":
-        env["PDSERVE_KV_SEND_CHUNKS"] = "false"
+    env = {"PDSERVE_KV_HANDOFF_ROWS": rows, **DEPLOYMENT_ENV.get(name, {})}
     try:
         with mock.patch.dict(os.environ, env):
             url = dep.start(lambda msg: print(f"[{name}] {msg}", file=sys.stderr, flush=True))
@@ -183,11 +194,11 @@ def measure_deployment(name: str, dep: Deployment, rows: str) -> dict[str, Any]:
             for i in range(WARMUP):  # the shapes of this length: kernels, allocator
                 complete(url, prompt(t, 90 + i), 1)
             before = scrape_sums(dep)
-            samples, e2e = ttft_samples_ms(url, t)
+            samples = ttft_samples(dep, url, t)
             stages = stage_means_ms(before, scrape_sums(dep))
-            forward = next((v for k, v in stages.items() if "pdserve_node_prompt_seconds" in k), 0.0)
-            out["ttft"][str(t)] = {"ms": statistics.median(samples), "prompt_forward_ms": forward,
-                                   "stages_ms": stages, "samples_ms": samples, "e2e_samples_ms": e2e}
+            out["ttft"][str(t)] = {"ms": statistics.median(samples["ttft"]), "stages_ms": stages,
+                                   "samples_ms": samples["ttft"], "e2e_samples_ms": samples["e2e"],
+                                   "forward_samples_ms": samples["forward"]}
         return out
     finally:
         dep.stop()
@@ -202,12 +213,14 @@ def pooled(passes: list[dict[str, Any]]) -> dict[str, Any]:
                            "texts_equal_between_passes": all(p["texts"] == first["texts"] for p in passes)}
     for t in first["ttft"]:
         rows = [p["ttft"][t] for p in passes]
-        samples = [x for r in rows for x in r["samples_ms"]]
-        e2e = [x for r in rows for x in r["e2e_samples_ms"]]
+        pool = lambda key: [x for r in rows for x in r[key]]  # noqa: E731
+        samples, e2e, forward = pool("samples_ms"), pool("e2e_samples_ms"), pool("forward_samples_ms")
+        beyond = [a - f for a, f in zip(samples, forward)]  # per request: what is not the forward
         stages = {k: statistics.fmean(r["stages_ms"].get(k, 0.0) for r in rows) for k in rows[0]["stages_ms"]}
         out["ttft"][t] = {"ms": statistics.median(samples), "samples_ms": samples, "stages_ms": stages,
                           "e2e_ms": statistics.median(e2e), "e2e_samples_ms": e2e,
-                          "prompt_forward_ms": statistics.fmean(r["prompt_forward_ms"] for r in rows),
+                          "prompt_forward_ms": statistics.median(forward), "forward_samples_ms": forward,
+                          "beyond_forward_ms": statistics.median(beyond),
                           "pass_medians_ms": [r["ms"] for r in rows]}
     return out
 
@@ -220,17 +233,20 @@ def ttft_report(runs: dict[str, dict[str, Any]], bandwidth: dict[str, Any]) -> d
         col = runs["colocated"]["ttft"][t]
         full = bandwidth[t]["ours_s"] * 1e3
         row: dict[str, Any] = {"colocated_ms": col["ms"], "colocated_prompt_forward_ms": col["prompt_forward_ms"],
+                               "colocated_beyond_forward_ms": col["beyond_forward_ms"],
                                "full_transfer_ms": full, "chunk_transfer_ms": full * min(1.0, CHUNK / int(t))}
         for name in (n for n in runs if n != "colocated"):
             pd = runs[name]["ttft"][t]
             diff = pd["ms"] - col["ms"]
-            beyond = (pd["ms"] - pd["prompt_forward_ms"]) - (col["ms"] - col["prompt_forward_ms"])
+            beyond = pd["beyond_forward_ms"] - col["beyond_forward_ms"]
             row[name] = {"ms": pd["ms"], "diff_ms": diff, "within_transfer_plus_2ms": diff <= full + 2.0,
                          "e2e_diff_ms": pd["e2e_ms"] - col["e2e_ms"],
-                         "prompt_forward_ms": pd["prompt_forward_ms"], "diff_beyond_forward_ms": beyond,
+                         "prompt_forward_ms": pd["prompt_forward_ms"], "beyond_forward_ms": pd["beyond_forward_ms"],
+                         "diff_beyond_forward_ms": beyond,
                          "beyond_forward_within_transfer_plus_2ms": beyond <= full + 2.0}
         row["stages_ms"] = {name: r["ttft"][t]["stages_ms"] for name, r in runs.items()}
         row["samples_ms"] = {name: r["ttft"][t]["samples_ms"] for name, r in runs.items()}
+        row["forward_samples_ms"] = {name: r["ttft"][t]["forward_samples_ms"] for name, r in runs.items()}
         ttft[t] = row
     return ttft
 
@@ -261,6 +277,7 @@ def main() -> int:
         "chunked_prefill_size": CHUNK, "handoff_rows": rows,
         "bandwidth": bandwidth,
         "bandwidth_goal_met": all(b["ratio_vs_raw"] >= 0.8 for b in bandwidth.values()),
+        "bandwidth_goal_met_sgl": all(b["ratio_sgl_vs_raw"] >= 0.8 for b in bandwidth.values()),
         "bandwidth_other_rows": other_rows,
         "pd_equals_colocated": all(r["texts"] == runs["colocated"]["texts"] for r in runs.values()),
         "accept_len": {name: r["accept_len"] for name, r in runs.items()},
@@ -270,8 +287,9 @@ def main() -> int:
     }
     gpu = report["device"].split()[1].lower() if " " in report["device"] else "gpu"
     write_report(out / f"pd_two_gpu_{gpu}.json", report)
-    brief = {t: {k: v for k, v in row.items() if k not in ("samples_ms", "stages_ms")} for t, row in ttft.items()}
-    print(json.dumps({**{k: report[k] for k in ("topology", "bandwidth_goal_met", "pd_equals_colocated",
+    brief = {t: {k: v for k, v in row.items() if not k.endswith(("samples_ms", "stages_ms"))} for t, row in ttft.items()}
+    print(json.dumps({**{k: report[k] for k in ("topology", "bandwidth_goal_met", "bandwidth_goal_met_sgl",
+                                                "pd_equals_colocated",
                                                 "accept_len")}, "ttft": brief}, indent=1))
     return 0 if report["pd_equals_colocated"] and report["acceptance_equal"] else 1
 

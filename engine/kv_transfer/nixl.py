@@ -8,6 +8,10 @@ KV and the aux row live in different memory kinds (GPU KV, host aux rows) one de
 cannot hold both, so the KV goes first untagged and the tagged aux write is posted only after it
 completed - the tag still implies everything landed.
 
+Batched writes (`sgl`): NIXL can post a write's descriptors as one UCX scatter-gather list; on
+GPUs UCX then issues one batched copy (cuMemcpyBatchAsync) instead of a copy per descriptor, and
+a short prompt's 65 descriptors (per layer K and V, and the row) cost what one does.
+
 Safety: descriptors are rebuilt from plain (addr, len, dev) numbers in the peer's MemoryLayout;
 nothing received from the network is ever unpickled (NIXL's serialized descs are pickles).
 Failure: a NIXL error while posting raises TransferError; one seen while polling (or a transfer
@@ -30,6 +34,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's Python logger prints I
 
 from nixl_cu13._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t  # noqa: E402
 
+from common.config import check_sgl_mode
 from engine.kv_cache import KVPool
 from engine.kv_transfer.rows import HandoffRows
 from engine.kv_transfer.base import (KVPoll, MemoryLayout, TransferError,
@@ -38,6 +43,8 @@ from engine.kv_transfer.layout import coalesce_runs, kv_regions, run_descs, tens
 
 log = logging.getLogger(__name__)
 _MEM_TYPES = ("DRAM", "VRAM")
+SGL_ENV = "NIXL_UCX_SGL_ENABLE"  # NIXL reads it when a UCX backend is created
+_ENV_LOCK = threading.Lock()  # the environment is the process's: one backend creation at a time
 
 
 @dataclass(eq=False)
@@ -59,6 +66,21 @@ def _err(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def create_backend(agent: Any, backend: str, params: dict[str, str], sgl: bool) -> None:
+    """Create `backend` with NIXL's UCX SGL switch set for this creation only (NIXL takes it
+    from the environment), so the transport's `sgl` decides, not whatever the process inherited."""
+    with _ENV_LOCK:
+        before = os.environ.get(SGL_ENV)
+        os.environ[SGL_ENV] = "1" if sgl else "0"
+        try:
+            agent.create_backend(backend, params)
+        finally:
+            if before is None:
+                os.environ.pop(SGL_ENV, None)
+            else:
+                os.environ[SGL_ENV] = before
+
+
 def _md_agent_name(md: bytes) -> str | None:
     """The agent name inside NIXL metadata ("nixlSerDes|Agent" + u64 length + name), or None
     if the format is not what nixl-cu13 1.5 writes. Only a hint: NIXL still parses the bytes."""
@@ -75,7 +97,7 @@ class NixlTransport:
 
     def __init__(self, name: str, pools: Sequence[KVPool], aux: HandoffRows, backend: str = "UCX",
                  *, backend_params: dict[str, str] | None = None,
-                 xfer_timeout_s: float = 60.0, progress_thread: bool = False) -> None:
+                 xfer_timeout_s: float = 60.0, progress_thread: bool = False, sgl: str = "off") -> None:
         self._name, self._pools, self._aux = name, list(pools), aux
         self._timeout = xfer_timeout_s
         self._lock = threading.Lock()
@@ -95,7 +117,13 @@ class NixlTransport:
         if backend not in self._agent.get_plugin_list():
             raise TransferError(f"NIXL backend {backend!r} is not available "
                                 f"(plugins: {self._agent.get_plugin_list()})")
-        self._agent.create_backend(backend, dict(backend_params or {}))
+        # "auto": batched on GPUs, where a copy per descriptor is what a write costs; host memory
+        # gains nothing from it (UCX copies host memory on the CPU either way)
+        check_sgl_mode(sgl)
+        self.batched = sgl == "on" or (sgl == "auto" and kv_mem == "VRAM")
+        create_backend(self._agent, backend, dict(backend_params or {}), self.batched)
+        log.info("NIXL agent %s: KV in %s, each write posted as %s", name, kv_mem,
+                 "one scatter-gather list (UCX SGL)" if self.batched else "a copy per descriptor")
         self._regs: list[Any] = []
         try:
             for t in [p.buffer for p in self._pools] + [aux.tensor]:

@@ -193,15 +193,17 @@ def write_aux_row(spec: dict[str, Any], aux: HandoffRows, room: int, k: int = 0)
 # ---- real NIXL, two processes ---------------------------------------------------------------
 
 @contextlib.contextmanager
-def nixl_pair(base: dict[str, Any], tag: str) -> Iterator[tuple[Any, Child, list[KVPool], HandoffRows, str]]:
-    """(writer transport here, reader child, writer pools, writer aux, peer name); both torn down."""
+def nixl_pair(base: dict[str, Any], tag: str, **transport_kw: Any
+              ) -> Iterator[tuple[Any, Child, list[KVPool], HandoffRows, str]]:
+    """(writer transport here, reader child, writer pools, writer aux, peer name); both torn down.
+    `transport_kw` go to the writer's NixlTransport."""
     from engine.kv_transfer.nixl import NixlTransport
 
     spec = dict(base, name=f"{tag}-reader-{os.getpid()}")
     pools, aux = make_pools(spec, fill=True), make_aux(spec)
     child = Child(spec)
     try:
-        with NixlTransport(f"{tag}-writer-{os.getpid()}", pools, aux) as t:
+        with NixlTransport(f"{tag}-writer-{os.getpid()}", pools, aux, **transport_kw) as t:
             # the layout crosses the control plane's wire form, as between nodes
             layout = layout_from_proto(layout_to_proto(child.layout))
             yield t, child, pools, aux, t.add_peer(child.metadata, layout)

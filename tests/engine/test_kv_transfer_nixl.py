@@ -19,10 +19,13 @@ from tests.engine.kv_transfer_kit import (BIG, DEADLINE_S, SMALL, Child, expecte
 @needs_nixl
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_nixl_vram_pages_and_row_in_one_transfer() -> None:
+@pytest.mark.parametrize("sgl", ["off", "auto"])
+def test_nixl_vram_pages_and_row_in_one_transfer(sgl: str) -> None:
     """KV and handoff rows in VRAM on both sides (as GPU nodes keep them): one write moves a
-    request's pages and its row, in one stage, with one completion notification."""
-    with nixl_pair(dict(SMALL, device="cuda:0"), "vram") as (t, child, _, aux, peer):
+    request's pages and its row, in one stage, with one completion notification; "auto" posts
+    it as one scatter-gather list (one batched CUDA copy)."""
+    with nixl_pair(dict(SMALL, device="cuda:0"), "vram", sgl=sgl) as (t, child, _, aux, peer):
+        assert t.batched == (sgl == "auto")
         assert child.layout.aux_mem_type == "VRAM" and t.layout().aux_mem_type == "VRAM"
         for room, src, dst, dst_row in [(11, [3, 4, 5, 9], [7, 8, 2, 10], 3), (12, [1], [6], 4)]:
             row, info = write_aux_row(SMALL, aux, room)
@@ -35,6 +38,22 @@ def test_nixl_vram_pages_and_row_in_one_transfer() -> None:
             reply = child.recv()
             assert reply["ok"], reply["error"]
             aux.free(row)
+
+
+@needs_nixl
+def test_nixl_sgl_modes_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """"auto" batches only GPU KV (host memory: off); the mode, not the inherited environment,
+    decides, and the environment is left as it was; a bad mode names the flag."""
+    from engine.kv_transfer.nixl import SGL_ENV, NixlTransport
+
+    monkeypatch.setenv(SGL_ENV, "1")
+    for mode, batched in [("auto", False), ("off", False), ("on", True)]:
+        with NixlTransport(f"sgl-{mode}-{os.getpid()}", make_pools(SMALL, fill=False), make_aux(SMALL),
+                           sgl=mode) as t:
+            assert t.batched is batched
+        assert os.environ[SGL_ENV] == "1"
+    with pytest.raises(ValueError, match="--kv-write-sgl must be one of off, on, auto, got 'yes'"):
+        NixlTransport(f"sgl-bad-{os.getpid()}", make_pools(SMALL, fill=False), make_aux(SMALL), sgl="yes")
 
 
 @needs_nixl
@@ -53,8 +72,12 @@ def test_nixl_refuses_incompatible_layout() -> None:
 
 
 @needs_nixl
-def test_nixl_two_process_write() -> None:
-    with nixl_pair(SMALL, "data") as (t, child, _, aux, peer):
+@pytest.mark.parametrize("sgl", ["off", "on"])
+def test_nixl_two_process_write(sgl: str) -> None:
+    """Every byte lands and exactly one tag per write arrives, with writes posted a copy per
+    descriptor or as one scatter-gather list."""
+    with nixl_pair(SMALL, "data", sgl=sgl) as (t, child, _, aux, peer):
+        assert t.batched == (sgl == "on")
         assert t.add_peer(child.metadata, child.layout) == peer  # idempotent
         # Runs where only one side is consecutive must not be merged (3,4,5 -> 7,8,2).
         cases = [(101, [3, 4, 5, 9], [7, 8, 2, 10], 3, 4, False),

@@ -1,6 +1,7 @@
 """Chunked prefill in PD: each finished chunk's pages leave while the next chunk runs, so the
 final write carries at most the last chunk's pages; output and acceptance still equal colocated
-(real processes, NIXL over UCX), and every page returns to both pools."""
+(real processes, NIXL over UCX, writes posted per descriptor and as scatter-gather lists), and
+every page returns to both pools."""
 
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ def test_chunk_writes_overlap_the_prompt_and_keep_pd_equal_to_colocated(tiny_lla
     if spec:
         extra += ["--speculative-draft-model-path", str(eagle_head)]
     colo = Node(["serve", "--model", str(tiny_llama_dir), "--port", "0", "--page-size", str(PAGE), *extra])
-    prefill, decode = start_pair(str(tiny_llama_dir), "--metrics-port", "0", *extra)
+    # EAGLE's prefill posts its writes as scatter-gather lists (plain's, a copy per descriptor)
+    sgl = ("--kv-write-sgl", "on" if spec else "off")
+    prefill, decode = start_pair(str(tiny_llama_dir), "--metrics-port", "0", *extra, prefill_extra=sgl)
     try:
         colo.wait_ready(120)
         c, p, d = stub(colo.ports["scheduler"]), stub(prefill.ports["scheduler"]), stub(decode.ports["scheduler"])
@@ -56,6 +59,7 @@ def test_chunk_writes_overlap_the_prompt_and_keep_pd_equal_to_colocated(tiny_lla
         # the final write holds no more than one chunk's pages (+1 for a page a chunk boundary splits)
         assert m[("pdserve_kv_write_pages_total", kind("final"))] <= len(PROMPTS) * (CHUNK // PAGE + 1)
         assert m[("pdserve_kv_handoff_tail_seconds_count", ())] == len(PROMPTS)
+        assert ("one scatter-gather list" in "\n".join(prefill.lines)) == bool(spec)
     finally:
         for n in (colo, prefill, decode):
             n.kill()

@@ -197,6 +197,20 @@ def test_bad_handoff_rows_place_is_a_clean_error(tiny_llama_dir):
     assert "loaded" not in res.stderr.lower()  # refused before the model loads
 
 
+def test_bad_kv_write_sgl_is_a_clean_error(tiny_llama_dir):
+    import subprocess
+    import sys
+
+    from fixtures.procs import REPO
+
+    res = subprocess.run([sys.executable, "-m", "pdserve.cli", "prefill", "--model", str(tiny_llama_dir),
+                          "--port", "0", "--kv-write-sgl", "always"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2
+    assert "--kv-write-sgl must be one of off, on, auto, got 'always'" in res.stderr
+    assert "Traceback" not in res.stderr and "loaded" not in res.stderr.lower()
+
+
 def test_a_bad_handoff_rows_place_is_refused_by_the_endpoint_too():
     from common.config import check_rows_place
 
