@@ -24,7 +24,7 @@ from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import BatchPolicy, PolicyConfig, RequestUpdate, Scheduler
-from engine.scheduler.scheduler import SchedulerIO
+from engine.scheduler.updates import SchedulerIO
 from common.config import DEFAULT_MEM_FRACTION_STATIC
 from common.detokenize import TextAssembler
 from common.tokenizer import Tokenizer

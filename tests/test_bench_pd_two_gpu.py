@@ -36,8 +36,8 @@ def test_stage_means_are_per_observation_between_scrapes():
 
 
 def test_one_requests_ttft_and_forward_come_from_the_real_metrics_between_two_scrapes():
-    """The router's TTFT (summed over its endpoints, first tokens only) and the node's prompt time
-    of the one request between two scrapes, read from the metrics' real text."""
+    """The router's TTFT (summed over its endpoints, first tokens only), the node's prompt time and
+    its prompt launches of the one request between two scrapes, the router's from its real text."""
     from prometheus_client import CollectorRegistry, generate_latest
 
     from bench.gpu.pd_two_gpu import request_times_ms, stage_sums
@@ -52,5 +52,8 @@ def test_one_requests_ttft_and_forward_come_from_the_real_metrics_between_two_sc
     after = scrape(generate_latest(metrics.registry).decode())
     node = 'prefill-0:pdserve_node_prompt_seconds{role="prefill"}'
     before[node], after[node] = (1.0, 3.0), (1.04, 4.0)
-    ttft, forward = request_times_ms(before, after)
-    assert ttft == pytest.approx(500.0) and forward == pytest.approx(40.0)
+    for kind, (was, now) in {"prompt": (0.5, 0.53), "decode": (2.0, 2.5)}.items():
+        key = f'prefill-0:pdserve_node_launch_seconds{{role="prefill",kind="{kind}"}}'
+        before[key], after[key] = (was, 1.0), (now, 2.0)
+    times = request_times_ms(before, after)
+    assert times == pytest.approx({"ttft": 500.0, "forward": 40.0, "launch": 30.0})

@@ -107,35 +107,40 @@ def warm_up(urls: dict[str, str], tokens: int) -> None:
 
 def ttft_samples(dep: Deployment, url: str, tokens: int) -> dict[str, list[float]]:
     """ROUNDS one-token requests, one at a time: each one's time to first token as the router saw
-    it and its prompt forward on the node that ran it (from the change of the router's TTFT sum and
-    the node's prompt-time sum across the request; the first token may reach the client before
-    the request ends: a PD router relays the prefill's token before the decode adopts the request),
-    and its whole latency at the client (ms)."""
-    out: dict[str, list[float]] = {"ttft": [], "forward": [], "e2e": []}
+    it, its prompt forward on the node that ran it and the host time that node spent launching the
+    prompt's chunks (from the changes of the router's TTFT sum and the node's prompt-time and
+    launch-time sums across the request; the first token may reach the client before the request
+    ends: a PD router relays the prefill's token before the decode adopts the request), and its
+    whole latency at the client (ms)."""
+    out: dict[str, list[float]] = {"ttft": [], "forward": [], "launch": [], "e2e": []}
     for i in range(ROUNDS):
         before = scrape_sums(dep)
         out["e2e"].append(complete(url, prompt(tokens, 100 + i), 1)[1] * 1e3)
-        ttft, forward = request_times_ms(before, scrape_sums(dep))
-        out["ttft"].append(ttft)
-        out["forward"].append(forward)
+        for key, ms in request_times_ms(before, scrape_sums(dep)).items():
+            out[key].append(ms)
     return out
 
 
-ROUTER_TTFT = "router:pdserve_router_time_to_first_token_seconds"
-PROMPT_TIME = "pdserve_node_prompt_seconds"
+# (series, label) of a request's times: the router's TTFT, the node's prompt time and its prompt
+# chunks' launches
+REQUEST_SERIES = {"ttft": ("router:pdserve_router_time_to_first_token_seconds", ""),
+                  "forward": ("pdserve_node_prompt_seconds", ""),
+                  "launch": ("pdserve_node_launch_seconds", 'kind="prompt"')}
 
 
 def request_times_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
-                     ) -> tuple[float, float]:
-    """(time to first token at the router over its endpoints, prompt forward on the nodes) between
-    two scrapes around one request."""
-    def delta(match: str) -> float:
-        return sum(s - before.get(k, (0.0, 0.0))[0] for k, (s, _) in after.items() if match in k) * 1e3
-    return delta(ROUTER_TTFT), delta(PROMPT_TIME)
+                     ) -> dict[str, float]:
+    """{ttft, forward, launch} (ms) of the one request between two scrapes: each series' sum
+    change, over every key of it that has the label (the router's endpoints, say)."""
+    def delta(series: str, label: str) -> float:
+        keys = [k for k in after if series in k and label in k]
+        return sum(after[k][0] - before.get(k, (0.0, 0.0))[0] for k in keys) * 1e3
+    return {name: delta(*series) for name, series in REQUEST_SERIES.items()}
 
 
 # Where PD's time to first token goes: the router's stages and the prefill's write timings.
-STAGE_SERIES = ("pdserve_router_time_to_first_token_seconds", "pdserve_router_ttft_stage_seconds", "pdserve_kv_transfer_seconds",
+STAGE_SERIES = ("pdserve_router_time_to_first_token_seconds", "pdserve_router_ttft_stage_seconds",
+                "pdserve_node_launch_seconds", "pdserve_kv_transfer_seconds",
                 "pdserve_kv_handoff_tail_seconds", "pdserve_kv_handoff_stage_seconds",
                 "pdserve_node_queue_time_seconds", "pdserve_node_prompt_seconds")
 
@@ -198,7 +203,7 @@ def measure_deployment(name: str, dep: Deployment, rows: str) -> dict[str, Any]:
             stages = stage_means_ms(before, scrape_sums(dep))
             out["ttft"][str(t)] = {"ms": statistics.median(samples["ttft"]), "stages_ms": stages,
                                    "samples_ms": samples["ttft"], "e2e_samples_ms": samples["e2e"],
-                                   "forward_samples_ms": samples["forward"]}
+                                   "forward_samples_ms": samples["forward"], "launch_samples_ms": samples["launch"]}
         return out
     finally:
         dep.stop()
@@ -215,12 +220,15 @@ def pooled(passes: list[dict[str, Any]]) -> dict[str, Any]:
         rows = [p["ttft"][t] for p in passes]
         pool = lambda key: [x for r in rows for x in r[key]]  # noqa: E731
         samples, e2e, forward = pool("samples_ms"), pool("e2e_samples_ms"), pool("forward_samples_ms")
+        launch = pool("launch_samples_ms")
         beyond = [a - f for a, f in zip(samples, forward)]  # per request: what is not the forward
         stages = {k: statistics.fmean(r["stages_ms"].get(k, 0.0) for r in rows) for k in rows[0]["stages_ms"]}
         out["ttft"][t] = {"ms": statistics.median(samples), "samples_ms": samples, "stages_ms": stages,
                           "e2e_ms": statistics.median(e2e), "e2e_samples_ms": e2e,
                           "prompt_forward_ms": statistics.median(forward), "forward_samples_ms": forward,
                           "beyond_forward_ms": statistics.median(beyond),
+                          # host time launching the prompt's chunks: near the forward = launch-bound
+                          "prompt_launch_ms": statistics.median(launch), "launch_samples_ms": launch,
                           "pass_medians_ms": [r["ms"] for r in rows]}
     return out
 
@@ -246,7 +254,9 @@ def ttft_report(runs: dict[str, dict[str, Any]], bandwidth: dict[str, Any]) -> d
                          "beyond_forward_within_transfer_plus_2ms": beyond <= full + 2.0}
         row["stages_ms"] = {name: r["ttft"][t]["stages_ms"] for name, r in runs.items()}
         row["samples_ms"] = {name: r["ttft"][t]["samples_ms"] for name, r in runs.items()}
-        row["forward_samples_ms"] = {name: r["ttft"][t]["forward_samples_ms"] for name, r in runs.items()}
+        for key in ("forward_samples_ms", "launch_samples_ms"):
+            row[key] = {name: r["ttft"][t][key] for name, r in runs.items()}
+        row["prompt_launch_ms"] = {name: r["ttft"][t]["prompt_launch_ms"] for name, r in runs.items()}
         ttft[t] = row
     return ttft
 

@@ -84,6 +84,10 @@ ROWS: list[tuple[str, list[Panel]]] = [
                ("sum by (instance, role, queue) (pdserve_pd_queue_requests)", "{{queue}} {{role}} {{instance}}")]),
         Panel("Node queue time (p90)", "s", "Waiting queue to admission into a batch, per role.",
               [(_q(0.9, "pdserve_node_queue_time_seconds", "le, role"), "{{role}}")]),
+        Panel("Batch launch time (p90)", "s", "Host time to launch one batch on the device, prompt chunks and "
+              "decode steps apart. A prompt chunk whose launch takes about as long as the chunk itself is "
+              "launch-bound: host load (other threads, other processes) then slows prompts.",
+              [(_q(0.9, "pdserve_node_launch_seconds", "le, role, kind"), "{{kind}} {{role}}")]),
         Panel("Finished requests and retractions", "reqps", "Requests ending per finish reason (abort: "
               "cancelled or failed) and running requests sent back to the queue.",
               [(f"sum by (role, reason) (rate(pdserve_node_finished_requests_total[{W}]))", "{{role}} {{reason}}"),

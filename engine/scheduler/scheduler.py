@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -25,42 +25,14 @@ from engine.kv_cache import KVCacheManager
 from engine.device_event import DeviceEvent
 from engine.scheduler.kv_progress import KVProgress, needs_fence, record_fence
 from engine.scheduler.policy import BatchPolicy
-from engine.scheduler.stats import DurationHistogram
+from engine.scheduler.stats import DurationHistogram, LaunchTimes
+from engine.scheduler.updates import RequestUpdate, SchedulerIO
 
 
 log = logging.getLogger(__name__)
 # Steps a member of a failed batch runs alone: its (re)prefill and a decode step, the two places
 # a request-specific failure shows.
 SOLO_STEPS = 2
-
-
-@dataclass(slots=True)
-class RequestUpdate:
-    """New tokens of one request from one step, and whether it ended."""
-
-    rid: str
-    tokens: list[int]
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    finish_detail: str = ""
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    prompt_tokens: int = 0
-    accepted_drafts: int | None = None
-    kv_progress: KVProgress | None = None  # hold_kv requests: pages final after a prompt chunk
-    held_pages: tuple[int, ...] | None = None  # a hold_kv request that finished: all its pages
-
-
-class SchedulerIO(Protocol):
-    """Where requests come from and updates go to (in-process queues, or a node's gRPC servicer)."""
-
-    def poll(self) -> tuple[list[Req], list[str]]:
-        """New requests and ids to abort, since the last call."""
-
-    def publish(self, updates: list[RequestUpdate]) -> None: ...
-
-    def wait_for_work(self, timeout: float) -> None:
-        """Block until something arrives or the timeout passes (only called when idle)."""
 
 
 @dataclass(slots=True)
@@ -85,6 +57,7 @@ class Scheduler:
                       "discarded": 0, "overlap_syncs": 0, "failed_steps": 0}
         self.queue_time = DurationHistogram()  # waiting -> admitted, per admission (node metrics)
         self.prompt_time = DurationHistogram()  # first admission -> first token (node metrics)
+        self.launch_time = LaunchTimes()  # host time per batch launch (node metrics)
 
     def _init_overlap(self, algorithm: EngineAlgorithm, overlap: bool, debug: bool) -> FutureMap:
         """The relay every launch reads its unknown-on-the-host inputs from, built by the algorithm
@@ -169,12 +142,14 @@ class Scheduler:
         self.stats["steps"] += 1
         relay = self.future_map.batch([r.slot for r in batch.reqs])
         device = self.kv.req_to_token.device
+        t0 = time.perf_counter()
         if not self.overlap:
             try:
                 out = self.executor.step(batch, relay)
             except Exception as e:  # noqa: BLE001 - isolated below: only its cause fails
                 self._abandon(batch)
                 return self._isolate(batch, e)
+            self.launch_time.observe(batch.mode, time.perf_counter() - t0)
             updates = self._complete(batch, out)
             if needs_fence(batch):
                 updates += self._chunk_progress(batch, record_fence(device))
@@ -184,6 +159,7 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - isolated below: only its cause fails
             self._abandon(batch)
             return self._isolate(batch, e) + self._collect_inflight()
+        self.launch_time.observe(batch.mode, time.perf_counter() - t0)
         if needs_fence(batch):  # before the next launch
             # Published now, not when the batch is collected: that happens only after the next
             # chunk's launch, which on a launch-bound prompt is about when that chunk is done,

@@ -5,6 +5,11 @@ from __future__ import annotations
 import bisect
 import threading
 
+from engine.core import ForwardMode
+
+# Launching one batch takes tens of microseconds (a graphed decode step) to tens of milliseconds
+# (a long prompt chunk, launched layer by layer).
+LAUNCH_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 # Queue time spans sub-millisecond (idle node) to minutes (a saturated one).
 QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                       60.0, 120.0)
@@ -37,3 +42,18 @@ class DurationHistogram:
             running += n
             out.append((bound, running))
         return out, total
+
+
+class LaunchTimes:
+    """Host seconds the scheduler spends handing one batch to the device (with overlap off: running
+    it), prompt batches and decode batches apart. Beside the prompt's own time they tell a
+    launch-bound prompt (its forward waits on the host, so host load slows it) from a device-bound
+    one."""
+
+    KINDS = ("prompt", "decode")
+
+    def __init__(self) -> None:
+        self.by_kind = {kind: DurationHistogram(LAUNCH_BUCKETS) for kind in self.KINDS}
+
+    def observe(self, mode: ForwardMode, seconds: float) -> None:
+        self.by_kind["prompt" if mode is ForwardMode.EXTEND else "decode"].observe(seconds)

@@ -70,6 +70,13 @@ class EngineCollector(Collector):
                          "per admission (a retracted request waits again)", role, eng.scheduler.queue_time)
         yield _histogram("pdserve_node_prompt_seconds", "First admission -> first token: the prompt's "
                          "forward passes, every chunk, and the first sample", role, eng.scheduler.prompt_time)
+        launches = HistogramMetricFamily("pdserve_node_launch_seconds", "Host time to launch one batch on the "
+                                         "device (overlap off: to run it), by kind: prompt (a chunk) or decode",
+                                         labels=["role", "kind"])
+        for kind, hist in eng.scheduler.launch_time.by_kind.items():
+            buckets, total = hist.snapshot()
+            launches.add_metric([role, kind], [(_le(b), n) for b, n in buckets], total)
+        yield launches
         yield _counter("pdserve_node_retractions", "Running requests sent back to the queue because "
                        "the KV cache ran out", role, eng.scheduler.stats["retractions"])
         finished = CounterMetricFamily("pdserve_node_finished_requests", "Requests that ended, by "

@@ -256,4 +256,7 @@ def test_a_held_prompts_chunk_progress_leaves_when_the_chunk_is_launched(models)
     assert events == [("launch", 7), ("progress", tuple(pages[:1])), ("launch", 7), ("progress", tuple(pages[:3])),
                       ("launch", 7), ("progress", tuple(pages[:5])), ("launch", 7), ("progress", tuple(pages[:7])),
                       ("launch", 2)]
+    # every launch was timed, as a prompt batch (the node's pdserve_node_launch_seconds)
+    prompt_launches, total = eng.scheduler.launch_time.by_kind["prompt"].snapshot()
+    assert prompt_launches[-1][1] == 5 and total > 0
     eng.scheduler.release_kv(held)

@@ -1,5 +1,5 @@
 """The node collector's exposition from engine state, on stand-in objects (no model): histogram
-buckets of the queue time, counters from SpecStats, PD queues, adaptive steps when exposed."""
+buckets of the queue time, launch times by kind, counters from SpecStats, PD queues, adaptive steps when exposed."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
-from engine.scheduler.stats import DurationHistogram
+from engine.core import ForwardMode
+from engine.scheduler.stats import DurationHistogram, LaunchTimes
 from engine.service.metrics import EngineCollector
 from engine.spec_stats import SpecStats
 
@@ -22,8 +23,11 @@ def _engine(executor: Any) -> Any:
                          cfg=SimpleNamespace(max_reqs=8), num_free_slots=6)
     prompt = DurationHistogram((0.01, 0.1, 1.0))
     prompt.observe(0.02)
+    launches = LaunchTimes()
+    for mode, seconds in [(ForwardMode.EXTEND, 0.02), (ForwardMode.DECODE, 0.0002), (ForwardMode.TARGET_VERIFY, 0.0003)]:
+        launches.observe(mode, seconds)
     sched = SimpleNamespace(policy=SimpleNamespace(running=[1, 2], waiting=[3]), queue_time=hist,
-                            prompt_time=prompt, stats={"retractions": 4})
+                            prompt_time=prompt, launch_time=launches, stats={"retractions": 4})
     io = SimpleNamespace(finished_counts=lambda: {"stop": 5, "abort": 2})
     return SimpleNamespace(scheduler=sched, kv=kv, io=io, executor=executor, load_seconds=1.5)
 
@@ -41,6 +45,9 @@ def test_queue_time_histogram_counts_and_state_gauges() -> None:
     assert [v("pdserve_node_queue_time_seconds_bucket", le=le) for le in ("0.01", "0.1", "1.0", "+Inf")] == [1, 3, 3, 4]
     assert v("pdserve_node_queue_time_seconds_count") == 4 and abs(v("pdserve_node_queue_time_seconds_sum") - 3.105) < 1e-9
     assert v("pdserve_node_prompt_seconds_count") == 1 and v("pdserve_node_prompt_seconds_bucket", le="0.1") == 1
+    assert v("pdserve_node_launch_seconds_count", kind="prompt") == 1 and v("pdserve_node_launch_seconds_count", kind="decode") == 2
+    assert v("pdserve_node_launch_seconds_bucket", kind="prompt", le="0.01") == 0
+    assert abs(v("pdserve_node_launch_seconds_sum", kind="decode") - 0.0005) < 1e-12
     assert v("pdserve_kv_cache_usage_ratio") == 0.25
     assert v("pdserve_node_request_slots_used") == 2 and v("pdserve_node_request_slots_capacity") == 8
     assert v("pdserve_node_retractions_total") == 4 and v("pdserve_model_load_seconds") == 1.5
