@@ -182,33 +182,20 @@ def test_random_aborts_of_many_requests_leave_both_pools_free(tiny_llama_dir):
         decode.kill()
 
 
-def test_bad_handoff_rows_place_is_a_clean_error(tiny_llama_dir):
+@pytest.mark.parametrize("role, flag, value, choices", [("decode", "--kv-handoff-rows", "gpu", "kv, host"),
+                                                         ("prefill", "--kv-write-sgl", "always", "off, on, auto")])
+def test_a_bad_kv_flag_value_is_a_clean_error_before_loading(tiny_llama_dir, role, flag, value, choices):
     import subprocess
     import sys
 
     from fixtures.procs import REPO
 
-    res = subprocess.run([sys.executable, "-m", "pdserve.cli", "decode", "--model", str(tiny_llama_dir),
-                          "--port", "0", "--kv-handoff-rows", "gpu"], cwd=REPO, capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run([sys.executable, "-m", "pdserve.cli", role, "--model", str(tiny_llama_dir),
+                          "--port", "0", flag, value], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2
-    assert "--kv-handoff-rows must be one of kv, host, got 'gpu'" in res.stderr
+    assert f"{flag} must be one of {choices}, got '{value}'" in res.stderr
     assert "Traceback" not in res.stderr
     assert "loaded" not in res.stderr.lower()  # refused before the model loads
-
-
-def test_bad_kv_write_sgl_is_a_clean_error(tiny_llama_dir):
-    import subprocess
-    import sys
-
-    from fixtures.procs import REPO
-
-    res = subprocess.run([sys.executable, "-m", "pdserve.cli", "prefill", "--model", str(tiny_llama_dir),
-                          "--port", "0", "--kv-write-sgl", "always"], cwd=REPO, capture_output=True, text=True,
-                         timeout=120)
-    assert res.returncode == 2
-    assert "--kv-write-sgl must be one of off, on, auto, got 'always'" in res.stderr
-    assert "Traceback" not in res.stderr and "loaded" not in res.stderr.lower()
 
 
 def test_a_bad_handoff_rows_place_is_refused_by_the_endpoint_too():
