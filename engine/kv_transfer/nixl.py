@@ -101,6 +101,7 @@ class NixlTransport:
         self._name, self._pools, self._aux = name, list(pools), aux
         self._timeout = xfer_timeout_s
         self._lock = threading.Lock()
+        check_sgl_mode(sgl)  # before the agent exists: nothing to close on a bad mode
         kinds = {tensor_mem_type(p.buffer) for p in self._pools}
         if len(kinds) > 1:
             raise ValueError("all KV pools of one node must live in the same memory kind")
@@ -119,7 +120,6 @@ class NixlTransport:
                                 f"(plugins: {self._agent.get_plugin_list()})")
         # "auto": batched on GPUs, where a copy per descriptor is what a write costs; host memory
         # gains nothing from it (UCX copies host memory on the CPU either way)
-        check_sgl_mode(sgl)
         self.batched = sgl == "on" or (sgl == "auto" and kv_mem == "VRAM")
         create_backend(self._agent, backend, dict(backend_params or {}), self.batched)
         log.info("NIXL agent %s: KV in %s, each write posted as %s", name, kv_mem,
