@@ -9,8 +9,9 @@ cannot hold both, so the KV goes first untagged and the tagged aux write is post
 completed - the tag still implies everything landed.
 
 Batched writes (`sgl`): NIXL can post a write's descriptors as one UCX scatter-gather list; on
-GPUs UCX then issues one batched copy (cuMemcpyBatchAsync) instead of a copy per descriptor, and
-a short prompt's 65 descriptors (per layer K and V, and the row) cost what one does.
+GPUs UCX then issues one batched copy (cuMemcpyBatchAsync) instead of a copy per descriptor, so
+that a short prompt's 65 descriptors (per layer K and V, and the row) should cost about what one
+does. Off by default until a GPU run measures it (bench/gpu/kv_bandwidth.py).
 
 Safety: descriptors are rebuilt from plain (addr, len, dev) numbers in the peer's MemoryLayout;
 nothing received from the network is ever unpickled (NIXL's serialized descs are pickles).
