@@ -187,8 +187,7 @@ def serve(target: Path, head: Path, colocated: int, device: str = "cuda") -> Dep
 def measure_deployment(name: str, dep: Deployment, rows: str) -> dict[str, Any]:
     """Start one deployment alone, run the fixed set, then per prompt length the TTFT samples and
     the stage means over exactly those requests; stop it."""
-    # the whole-prompt variant: its prefill node sends no chunk (env vars reach only the nodes
-    # that have the flag: the prefill's, and the rows' place on prefill and decode)
+    # the rows' place on prefill and decode, and the variant's own prefill flags
     env = {"PDSERVE_KV_HANDOFF_ROWS": rows, **DEPLOYMENT_ENV.get(name, {})}
     try:
         with mock.patch.dict(os.environ, env):
