@@ -20,6 +20,11 @@ from engine.page_allocator import OutOfPages, PageAllocator
 
 # Tokens one decode step may write beyond seq_len (a speculative verify window).
 MAX_DECODE_WINDOW = 64
+# Name of this buffer layout in the PD fingerprint. Historical: nodes have always called these
+# per-layer slabs "page-major" (pages are the unit inside each layer's K|V slab); the
+# page-major-across-layers layout once tried had its own name, so a pair of mixed layouts
+# refuses to handshake instead of writing one layout's bytes into the other.
+KV_LAYOUT = "page-major"
 
 
 class KVPool:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from common.config import check_rows_place
 from common.fingerprint import Fingerprint, build_fingerprint
+from engine.kv_cache import KV_LAYOUT
 from engine.kv_transfer import HandoffRows, KVTransport, create_transport
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ def build_endpoint(pd: "DisaggEngine", *, kind: str, role: str, rows: int, spec_
     name = f"pdserve-{role}-{uuid.uuid4().hex[:12]}"
     transport = create_transport(kind, name, pools, handoff, **({"sgl": sgl} if kind == "nixl" else {}))
     cfg = pd.config
-    kv_layout = "page-major;" + ";".join(
+    kv_layout = f"{KV_LAYOUT};" + ";".join(
         f"{p.num_layers}x2x{p.num_kv_heads}x{p.head_dim}:{str(p.buffer.dtype).removeprefix('torch.')}"
         for p in pools)
     fp = build_fingerprint(cfg.model, str(pd.dtype).removeprefix("torch."), cfg.page_size, kv_layout,

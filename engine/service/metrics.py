@@ -70,13 +70,9 @@ class EngineCollector(Collector):
                          "per admission (a retracted request waits again)", role, eng.scheduler.queue_time)
         yield _histogram("pdserve_node_prompt_seconds", "First admission -> first token: the prompt's "
                          "forward passes, every chunk, and the first sample", role, eng.scheduler.prompt_time)
-        launches = HistogramMetricFamily("pdserve_node_launch_seconds", "Host time to launch one batch on the "
-                                         "device (overlap off: to run it), by kind: prompt (a chunk) or decode",
-                                         labels=["role", "kind"])
-        for kind, hist in eng.scheduler.launch_time.by_kind.items():
-            buckets, total = hist.snapshot()
-            launches.add_metric([role, kind], [(_le(b), n) for b, n in buckets], total)
-        yield launches
+        yield _histograms("pdserve_node_launch_seconds", "Host time to launch one batch on the device "
+                          "(overlap off: to run it), by kind: prompt (a chunk) or decode", role, "kind",
+                          eng.scheduler.launch_time.by_kind)
         yield _counter("pdserve_node_retractions", "Running requests sent back to the queue because "
                        "the KV cache ran out", role, eng.scheduler.stats["retractions"])
         finished = CounterMetricFamily("pdserve_node_finished_requests", "Requests that ended, by "
@@ -154,10 +150,22 @@ def _counter(name: str, doc: str, role: str, value: float) -> CounterMetricFamil
 
 
 def _histogram(name: str, doc: str, role: str, hist: Any) -> HistogramMetricFamily:
-    buckets, total = hist.snapshot()
     h = HistogramMetricFamily(name, doc, labels=["role"])
-    h.add_metric([role], [(_le(b), n) for b, n in buckets], total)
+    _add_snapshot(h, [role], hist)
     return h
+
+
+def _histograms(name: str, doc: str, role: str, label: str, hists: dict[str, Any]) -> HistogramMetricFamily:
+    """One family over several histograms, one per value of `label`."""
+    h = HistogramMetricFamily(name, doc, labels=["role", label])
+    for value, hist in hists.items():
+        _add_snapshot(h, [role, value], hist)
+    return h
+
+
+def _add_snapshot(h: HistogramMetricFamily, labels: list[str], hist: Any) -> None:
+    buckets, total = hist.snapshot()
+    h.add_metric(labels, [(_le(b), n) for b, n in buckets], total)
 
 
 def _le(bound: float) -> str:

@@ -183,11 +183,11 @@ def wait_done(t: Any, h: object, timeout: float = DEADLINE_S) -> KVPoll:
     return st
 
 
-def write_aux_row(spec: dict[str, Any], aux: HandoffRows, room: int, k: int = 0) -> tuple[int, dict[str, Any]]:
+def write_aux_row(spec: dict[str, Any], aux: HandoffRows, room: int) -> int:
     row = aux.alloc()
     assert row is not None
     aux.write(row, room, expected_payload(spec, room))
-    return row, {}
+    return row
 
 
 # ---- real NIXL, two processes ---------------------------------------------------------------

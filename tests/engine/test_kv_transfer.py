@@ -95,8 +95,8 @@ def test_fake_transport_moves_pages_and_aux() -> None:
     try:
         peer = a.add_peer(b.metadata(), b.layout())
         assert b.add_peer(a.metadata(), a.layout()) == "fake-prefill"
-        row, info = write_aux_row(spec, src_aux, 4242, 4)
-        cmd = {"room": 4242, "src_pages": [3, 4, 9], "dst_pages": [7, 8, 2], "dst_row": 5, **info}
+        row = write_aux_row(spec, src_aux, 4242)
+        cmd = {"room": 4242, "src_pages": [3, 4, 9], "dst_pages": [7, 8, 2], "dst_row": 5}
         h = a.write(TransferRequest(4242, peer, cmd["src_pages"], cmd["dst_pages"], row, 5))
         assert a.poll(h) == KVPoll.SUCCESS
         [(sender, msg)] = b.drain_notifications()

@@ -28,9 +28,9 @@ def test_nixl_vram_pages_and_row_in_one_transfer(sgl: str) -> None:
         assert t.batched == (sgl == "auto")
         assert child.layout.aux_mem_type == "VRAM" and t.layout().aux_mem_type == "VRAM"
         for room, src, dst, dst_row in [(11, [3, 4, 5, 9], [7, 8, 2, 10], 3), (12, [1], [6], 4)]:
-            row, info = write_aux_row(SMALL, aux, room)
+            row = write_aux_row(SMALL, aux, room)
             child.send(op="expect", kind="done", room=room, verify=True, src_pages=src, dst_pages=dst,
-                       dst_row=dst_row, **info)
+                       dst_row=dst_row)
             h = t.write(TransferRequest(room, peer, src, dst, row, dst_row))
             assert len(h.stages) == 1
             assert wait_done(t, h) == KVPoll.SUCCESS, t.last_error(h)
@@ -80,14 +80,14 @@ def test_nixl_two_process_write(sgl: str) -> None:
         assert t.batched == (sgl == "on")
         assert t.add_peer(child.metadata, child.layout) == peer  # idempotent
         # Runs where only one side is consecutive must not be merged (3,4,5 -> 7,8,2).
-        cases = [(101, [3, 4, 5, 9], [7, 8, 2, 10], 3, 4, False),
-                 (202, [1, 2], [4, 5], 4, 16, True),   # two-stage path (GPU KV + host aux)
-                 (303, [], [], 5, 1, False)]           # aux row only (full prefix hit)
-        for room, src, dst, dst_row, k, split in cases:
-            row, info = write_aux_row(SMALL, aux, room, k)
+        cases = [(101, [3, 4, 5, 9], [7, 8, 2, 10], 3, False),
+                 (202, [1, 2], [4, 5], 4, True),   # two-stage path (GPU KV + host aux)
+                 (303, [], [], 5, False)]          # aux row only (full prefix hit)
+        for room, src, dst, dst_row, split in cases:
+            row = write_aux_row(SMALL, aux, room)
             t._force_split_aux = split
             child.send(op="expect", kind="done", room=room, verify=True, src_pages=src,
-                       dst_pages=dst, dst_row=dst_row, **info)
+                       dst_pages=dst, dst_row=dst_row)
             h = t.write(TransferRequest(room, peer, src, dst, row, dst_row))
             assert wait_done(t, h) == KVPoll.SUCCESS, t.last_error(h)
             t.release(h)
@@ -109,7 +109,7 @@ def test_nixl_two_process_write(sgl: str) -> None:
 @needs_nixl
 def test_nixl_dead_peer_fails_fast_and_restarted_peer_reconnects() -> None:
     with nixl_pair(SMALL, "doomed") as (t, child, _, aux, peer):
-        row, _ = write_aux_row(SMALL, aux, 55, 2)
+        row = write_aux_row(SMALL, aux, 55)
         h = t.write(TransferRequest(55, peer, [1, 2], [3, 4], row, 1))
         assert wait_done(t, h) == KVPoll.SUCCESS  # the connection is up before the peer dies
         t.release(h)
