@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 # Reinstall only when the dependency list changes.
 STAMP := $(VENV)/.pdserve-installed
 
-.PHONY: venv tools test up bench
+.PHONY: venv tools test test-fast lint up bench
 
 venv: $(STAMP)
 
@@ -36,13 +36,23 @@ $(STAMP): pyproject.toml $(PLUGIN)/pyproject.toml $(wildcard $(PLUGIN)/pdserve_s
 	else \
 		$(VPY) -m pip install torch==2.13.0; \
 	fi
-	$(VPY) -m pip install -e '.[node,router,bench,test,triton,deploy-test]'
+	$(VPY) -m pip install -e '.[node,router,bench,test,lint,triton,deploy-test]'
 	$(VPY) -m pip install --no-deps nixl-cu13==1.5.1 || echo "warning: nixl-cu13 not installed; PD transfer unavailable"
 	$(VPY) -m pip install ./$(PLUGIN)
 	touch $@
 
 test: venv tools
 	TRITON_INTERPRET=1 $(VPY) -m pytest -q -x
+
+# Everything but the tests that start real node processes (marked slow): the edit-test loop.
+test-fast: venv
+	TRITON_INTERPRET=1 $(VPY) -m pytest -q -x -m "not slow"
+
+# ruff (lint + format check) over the whole tree, mypy over the typed surface (pyproject.toml).
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 up: venv
 	$(VENV)/bin/pdserve up

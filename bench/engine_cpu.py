@@ -25,8 +25,9 @@ from engine.engine import Engine, EngineConfig
 from fixtures.tiny_model import write_tiny_model
 
 # Still tiny (3.2M params, 2.9M outside the embeddings) but big enough that matmuls are not free.
-DEFAULT_SHAPE: dict[str, Any] = dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
-                                     intermediate_size=688, max_position_embeddings=2048)
+DEFAULT_SHAPE: dict[str, Any] = dict(
+    hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=688, max_position_embeddings=2048
+)
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "engine_cpu.json"
 
 PREFILL_BATCH, PREFILL_LEN = 8, 256
@@ -63,8 +64,14 @@ def bench_prefill(engine: Engine, vocab: int, repeats: int) -> dict[str, Any]:
     times = _timed(lambda: engine.generate(prompts, params), repeats)
     sec = statistics.median(times)
     tokens = PREFILL_BATCH * PREFILL_LEN
-    return {"batch": PREFILL_BATCH, "prompt_len": PREFILL_LEN, "tokens": tokens,
-            "seconds": sec, "tok_s": tokens / sec, **_spread(times)}
+    return {
+        "batch": PREFILL_BATCH,
+        "prompt_len": PREFILL_LEN,
+        "tokens": tokens,
+        "seconds": sec,
+        "tok_s": tokens / sec,
+        **_spread(times),
+    }
 
 
 def bench_decode(engine: Engine, vocab: int, batch: int, repeats: int) -> dict[str, Any]:
@@ -83,9 +90,17 @@ def bench_decode(engine: Engine, vocab: int, batch: int, repeats: int) -> dict[s
     sec, n_steps = times[i], steps[i]
     tokens = batch * DECODE_NEW
     # Steps include the one prefill step that samples the first token (same as HF's first call).
-    return {"batch": batch, "prompt_len": DECODE_PROMPT_LEN, "new_tokens": DECODE_NEW,
-            "tokens": tokens, "seconds": sec, "tok_s": tokens / sec, "steps": n_steps,
-            "ms_per_step": 1000.0 * sec / n_steps, **_spread(times)}
+    return {
+        "batch": batch,
+        "prompt_len": DECODE_PROMPT_LEN,
+        "new_tokens": DECODE_NEW,
+        "tokens": tokens,
+        "seconds": sec,
+        "tok_s": tokens / sec,
+        "steps": n_steps,
+        "ms_per_step": 1000.0 * sec / n_steps,
+        **_spread(times),
+    }
 
 
 def bench_hf(model_dir: Path, engine: Engine, vocab: int, repeats: int) -> dict[str, Any]:
@@ -99,14 +114,19 @@ def bench_hf(model_dir: Path, engine: Engine, vocab: int, repeats: int) -> dict[
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompt = random_prompts(1, DECODE_PROMPT_LEN, vocab, seed=2 + 1)[0]
     ids = torch.tensor([prompt])
-    kwargs = dict(max_new_tokens=DECODE_NEW, min_new_tokens=DECODE_NEW,  # min: ignore EOS
-                  do_sample=False, use_cache=True, attention_mask=torch.ones_like(ids),
-                  pad_token_id=hf.generation_config.eos_token_id)
+    kwargs = dict(
+        max_new_tokens=DECODE_NEW,
+        min_new_tokens=DECODE_NEW,  # min: ignore EOS
+        do_sample=False,
+        use_cache=True,
+        attention_mask=torch.ones_like(ids),
+        pad_token_id=hf.generation_config.eos_token_id,
+    )
     params = SamplingParams(max_new_tokens=DECODE_NEW, temperature=0.0, ignore_eos=True)
 
     def run_hf() -> list[int]:
         with torch.inference_mode():
-            return hf.generate(ids, **kwargs)[0, len(prompt):].tolist()
+            return hf.generate(ids, **kwargs)[0, len(prompt) :].tolist()
 
     def run_ours() -> list[int]:
         return engine.generate([prompt], params)[0].output_ids
@@ -119,10 +139,17 @@ def bench_hf(model_dir: Path, engine: Engine, vocab: int, repeats: int) -> dict[
     hf_sec, our_sec = statistics.median(hf_times), statistics.median(our_times)
     # Greedy on random weights can flip on near-ties, so a mismatch is reported, not fatal.
     same = next((i for i, (a, b) in enumerate(zip(ours, hf_ids)) if a != b), len(hf_ids))
-    return {"batch": 1, "tokens": DECODE_NEW, "seconds": hf_sec, "tok_s": DECODE_NEW / hf_sec,
-            "ours_seconds": our_sec, "ours_tok_s": DECODE_NEW / our_sec,
-            "ratio": hf_sec / our_sec, "greedy_tokens_matching": same,
-            "transformers": transformers.__version__}
+    return {
+        "batch": 1,
+        "tokens": DECODE_NEW,
+        "seconds": hf_sec,
+        "tok_s": DECODE_NEW / hf_sec,
+        "ours_seconds": our_sec,
+        "ours_tok_s": DECODE_NEW / our_sec,
+        "ratio": hf_sec / our_sec,
+        "greedy_tokens_matching": same,
+        "transformers": transformers.__version__,
+    }
 
 
 def _timed_once(fn: Callable[[], Any]) -> list[float]:
@@ -148,14 +175,26 @@ def run(quick: bool = False, shape: dict[str, Any] | None = None) -> dict[str, A
         results["hf_b1"] = bench_hf(model_dir, engine, vocab, repeats)
     results["ours_over_hf_b1"] = results["hf_b1"]["ratio"]
     env = dict(env, loadavg_after=_loadavg())
-    return {"benchmark": "engine_cpu", "quick": quick, "repeats": repeats, "shape": shape,
-            "params": n_params, "env": env, "results": results}
+    return {
+        "benchmark": "engine_cpu",
+        "quick": quick,
+        "repeats": repeats,
+        "shape": shape,
+        "params": n_params,
+        "env": env,
+        "results": results,
+    }
 
 
 def environment() -> dict[str, Any]:
-    return {"cpu": _cpu_model(), "cores": _nproc(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-            "loadavg_before": _loadavg()}
+    return {
+        "cpu": _cpu_model(),
+        "cores": _nproc(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "loadavg_before": _loadavg(),
+    }
 
 
 def _loadavg() -> list[float]:
@@ -195,13 +234,19 @@ def format_table(report: dict[str, Any]) -> str:
     ]
     for b in DECODE_BATCHES:
         d = r[f"decode_b{b}"]
-        rows.append(f"| decode ({d['prompt_len']}-token prompts, {d['new_tokens']} new, greedy) | "
-                    f"{b} | {d['tokens']} | {d['seconds']:.4f} | {d['tok_s']:,.0f} | "
-                    f"{d['ms_per_step']:.2f} |")
-    rows.append(f"| ours, batch-1 decode, timed alternating with HF | 1 | {hf['tokens']} "
-                f"| {hf['ours_seconds']:.4f} | {hf['ours_tok_s']:,.0f} | - |")
-    rows.append(f"| HF transformers generate (same prompt, greedy, KV cache) | 1 | {hf['tokens']} "
-                f"| {hf['seconds']:.4f} | {hf['tok_s']:,.0f} | - |")
+        rows.append(
+            f"| decode ({d['prompt_len']}-token prompts, {d['new_tokens']} new, greedy) | "
+            f"{b} | {d['tokens']} | {d['seconds']:.4f} | {d['tok_s']:,.0f} | "
+            f"{d['ms_per_step']:.2f} |"
+        )
+    rows.append(
+        f"| ours, batch-1 decode, timed alternating with HF | 1 | {hf['tokens']} "
+        f"| {hf['ours_seconds']:.4f} | {hf['ours_tok_s']:,.0f} | - |"
+    )
+    rows.append(
+        f"| HF transformers generate (same prompt, greedy, KV cache) | 1 | {hf['tokens']} "
+        f"| {hf['seconds']:.4f} | {hf['tok_s']:,.0f} | - |"
+    )
     rows.append(f"| **ours / HF, batch-1 decode** | 1 | | | **{r['ours_over_hf_b1']:.2f}x** | |")
     return "\n".join(rows)
 
@@ -213,14 +258,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     report = run(quick=args.quick)
     env = report["env"]
-    print(f"CPU: {env['cpu']} ({env['cores']} cores, torch {env['torch']}, "
-          f"{env['torch_threads']} threads); model: tiny Llama {report['shape']}, "
-          f"{report['params'] / 1e6:.2f}M params; repeats: {report['repeats']} (median); "
-          f"load average before/after: {env['loadavg_before']} / {env['loadavg_after']}\n")
+    print(
+        f"CPU: {env['cpu']} ({env['cores']} cores, torch {env['torch']}, "
+        f"{env['torch_threads']} threads); model: tiny Llama {report['shape']}, "
+        f"{report['params'] / 1e6:.2f}M params; repeats: {report['repeats']} (median); "
+        f"load average before/after: {env['loadavg_before']} / {env['loadavg_after']}\n"
+    )
     print(format_table(report))
     hf = report["results"]["hf_b1"]
-    print(f"\ngreedy tokens equal to HF before the first difference: "
-          f"{hf['greedy_tokens_matching']}/{DECODE_NEW}")
+    print(f"\ngreedy tokens equal to HF before the first difference: {hf['greedy_tokens_matching']}/{DECODE_NEW}")
     write_report(args.out, report)
     return report
 

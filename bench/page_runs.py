@@ -61,7 +61,7 @@ def simulate(alloc: Allocator, seed: int = 0) -> list[int]:
                 if step % PAGE_TOKENS == 0:
                     pages += alloc.alloc(1)
                 live[i] = (pages, left - 1)
-            for pages, left in [r for r in live if r[1] <= 0]:
+            for pages, _left in [r for r in live if r[1] <= 0]:
                 alloc.free(pages)
             live = [r for r in live if r[1] > 0]
             held.append(sum(len(p) for p, _ in live))
@@ -80,8 +80,12 @@ def main() -> int:
             *r, mean_held = simulate(alloc)
             r = r[RUNNING:]  # after the pool has churned once
             row["mean_pages_held"] = round(mean_held)
-            row[name] = {"mean_runs_per_prompt": round(statistics.mean(r), 2), "p90_runs": sorted(r)[int(0.9 * len(r))],
-                         "max_runs": max(r), "mean_descriptors_8b": round(statistics.mean(r) * DESCRIPTORS_PER_RUN)}
+            row[name] = {
+                "mean_runs_per_prompt": round(statistics.mean(r), 2),
+                "p90_runs": sorted(r)[int(0.9 * len(r))],
+                "max_runs": max(r),
+                "mean_descriptors_8b": round(statistics.mean(r) * DESCRIPTORS_PER_RUN),
+            }
     print(json.dumps(report, indent=1))
     return 0
 

@@ -59,8 +59,10 @@ FULL_TOKENS, QUICK_TOKENS, FULL_REPS, QUICK_REPS = (512, 2048, 8192), (512, 2048
 E2E_LENS, E2E_NEW, E2E_FULL_REPS, E2E_QUICK_REPS = (64, 512), 8, 21, 3
 WAIT_S = 30.0  # bound on every single wait (reader line, transfer, node call)
 POLL_S = 1e-4  # both transfer sides poll this often (the nodes poll every 1 ms)
-NO_PROG_SITE = ("import nixl_cu13._api as a\nd = a.nixl_agent_config.__init__.__defaults__\n"
-                "a.nixl_agent_config.__init__.__defaults__ = (False,) + d[1:]\n")
+NO_PROG_SITE = (
+    "import nixl_cu13._api as a\nd = a.nixl_agent_config.__init__.__defaults__\n"
+    "a.nixl_agent_config.__init__.__defaults__ = (False,) + d[1:]\n"
+)
 
 
 @contextlib.contextmanager
@@ -77,8 +79,7 @@ def progress_thread(on: bool) -> Iterator[None]:
 
 
 def _pool(shape: dict[str, int], pages: int, value: float) -> KVPool:
-    p = KVPool(shape["layers"], pages, shape["page_size"], shape["kv_heads"], shape["head_dim"],
-               torch.float16, "cpu")
+    p = KVPool(shape["layers"], pages, shape["page_size"], shape["kv_heads"], shape["head_dim"], torch.float16, "cpu")
     p.buffer.fill_(value)  # fault every page in: time copies, not first touches
     return p
 
@@ -86,8 +87,13 @@ def _pool(shape: dict[str, int], pages: int, value: float) -> KVPool:
 def _pages_np(pool: KVPool) -> np.ndarray:
     """(layers * 2, pages) numpy view whose items are whole pages (void): indexing = memcpy."""
     rows, pages = pool.buffer.shape[0] * 2, pool.buffer.shape[2]
-    return pool.buffer.view(torch.uint8).numpy().reshape(rows, pages, pool.page_bytes).view(
-        np.dtype((np.void, pool.page_bytes))).reshape(rows, pages)
+    return (
+        pool.buffer.view(torch.uint8)
+        .numpy()
+        .reshape(rows, pages, pool.page_bytes)
+        .view(np.dtype((np.void, pool.page_bytes)))
+        .reshape(rows, pages)
+    )
 
 
 def reader_main(spec: dict[str, Any]) -> None:
@@ -97,8 +103,10 @@ def reader_main(spec: dict[str, Any]) -> None:
     pools, aux = [_pool(spec["shape"], spec["pages"], 0.0)], HandoffRows(256, 8)
     with progress_thread(spec["prog_thread"]):
         t = NixlTransport(spec["name"], pools, aux)
-    print("@@ " + json.dumps({"md": base64.b64encode(t.metadata()).decode(),
-                              "layout": dataclasses.asdict(t.layout())}), flush=True)
+    print(
+        "@@ " + json.dumps({"md": base64.b64encode(t.metadata()).decode(), "layout": dataclasses.asdict(t.layout())}),
+        flush=True,
+    )
     expect: dict[int, dict[str, Any]] = {}
     gone = threading.Event()
 
@@ -116,8 +124,11 @@ def reader_main(spec: dict[str, Any]) -> None:
             seen[room] = (time.monotonic(), kind)
         for room in [r for r in seen if r in expect]:
             (at, kind), cmd = seen.pop(room), expect.pop(room)
-            ok = kind == "done" and aux.room_of(cmd["row"]) == room and all(
-                bool((buf[:, :, d] == cmd["stamp"]).all()) for d in cmd["check"])
+            ok = (
+                kind == "done"
+                and aux.room_of(cmd["row"]) == room
+                and all(bool((buf[:, :, d] == cmd["stamp"]).all()) for d in cmd["check"])
+            )
             print("@@ " + json.dumps({"room": room, "t": at, "ok": ok}), flush=True)
         time.sleep(POLL_S)
     t.close()
@@ -128,19 +139,31 @@ class Reader:
 
     def __init__(self, spec: dict[str, Any]) -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT), NIXL_LOG_LEVEL="WARN")
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.pd_cpu", "--reader", json.dumps(spec)],
-                                     cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.pd_cpu", "--reader", json.dumps(spec)],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.lines: queue.Queue[dict[str, Any]] = queue.Queue()
-        threading.Thread(target=lambda: [self.lines.put(json.loads(x[3:])) for x in self.proc.stdout or ()
-                                         if x.startswith("@@ ")], daemon=True).start()
+        threading.Thread(
+            target=lambda: [self.lines.put(json.loads(x[3:])) for x in self.proc.stdout or () if x.startswith("@@ ")],
+            daemon=True,
+        ).start()
         try:
             hello = self.recv(120.0)
         except BaseException:
             self.close()
             raise
         self.metadata, lay = base64.b64decode(hello["md"]), hello["layout"]
-        self.layout = MemoryLayout(kv=tuple(Region(**r) for r in lay["kv"]), aux=Region(**lay["aux"]),
-                                   mem_type=lay["mem_type"], aux_mem_type=lay["aux_mem_type"])
+        self.layout = MemoryLayout(
+            kv=tuple(Region(**r) for r in lay["kv"]),
+            aux=Region(**lay["aux"]),
+            mem_type=lay["mem_type"],
+            aux_mem_type=lay["aux_mem_type"],
+        )
 
     def send(self, **cmd: Any) -> None:
         assert self.proc.stdin is not None
@@ -167,8 +190,15 @@ def bench_transfer(tokens: tuple[int, ...], reps: int, shape: dict[str, int], pr
     src, local = _pool(shape, pages, 1.0), _pool(shape, pages, 0.0)
     src_np, local_np = _pages_np(src), _pages_np(local)
     aux, rng, room, rows = HandoffRows(256, 8), random.Random(0), 0, []
-    reader = Reader({"name": f"bench-reader-{os.getpid()}-{prog}", "shape": shape, "pages": pages,
-                     "life_s": 900, "prog_thread": prog})
+    reader = Reader(
+        {
+            "name": f"bench-reader-{os.getpid()}-{prog}",
+            "shape": shape,
+            "pages": pages,
+            "life_s": 900,
+            "prog_thread": prog,
+        }
+    )
     try:
         with progress_thread(prog):
             t = NixlTransport(f"bench-writer-{os.getpid()}-{prog}", [src], aux)
@@ -180,12 +210,12 @@ def bench_transfer(tokens: tuple[int, ...], reps: int, shape: dict[str, int], pr
                 r: dict[str, Any] = {k: [] for k in ("handoff_s", "post_s", "memcpy_s", "index_copy_s")}
                 for rep in range(reps + 1):  # rep 0: untimed warm-up
                     dst_pages, order = rng.sample(range(1, pages), n), ("nixl", "memcpy", "index_copy")
-                    for which in order[rep % 3:] + order[:rep % 3]:  # rotate who goes first
+                    for which in order[rep % 3 :] + order[: rep % 3]:  # rotate who goes first
                         start = time.perf_counter()
                         if which == "memcpy":
-                            local_np[:, np.array(dst_pages)] = src_np[:, 1:n + 1]
+                            local_np[:, np.array(dst_pages)] = src_np[:, 1 : n + 1]
                         elif which == "index_copy":
-                            local.buffer.index_copy_(2, torch.tensor(dst_pages), src.buffer[:, :, 1:n + 1])
+                            local.buffer.index_copy_(2, torch.tensor(dst_pages), src.buffer[:, :, 1 : n + 1])
                         if which != "nixl":
                             r[f"{which}_s"].append(time.perf_counter() - start)
                             continue
@@ -207,12 +237,26 @@ def bench_transfer(tokens: tuple[int, ...], reps: int, shape: dict[str, int], pr
                 r = {k: v[1:] for k, v in r.items()}  # drop the warm-up
                 kv_bytes = n * regions * src.page_bytes
                 gbs = {k: kv_bytes / statistics.median(r[f"{k}_s"]) / 1e9 for k in ("handoff", "memcpy", "index_copy")}
-                rows.append({"prog_thread": prog, "tokens": n_tok, "pages": n, "regions": regions, "kv_bytes": kv_bytes,
-                             "descriptors": len(coalesce_runs(src_pages, dst_pages)[2]) * regions + 1,
-                             "nixl_gb_s": gbs["handoff"], "memcpy_gb_s": gbs["memcpy"], "index_copy_gb_s":
-                             gbs["index_copy"], "ratio": gbs["handoff"] / gbs["memcpy"], **r,
-                             **{f"{k}_p{q}_ms": 1e3 * float(np.percentile(r[f"{k}_s"], q))
-                                for k in ("handoff", "post", "memcpy") for q in (50, 90)}})
+                rows.append(
+                    {
+                        "prog_thread": prog,
+                        "tokens": n_tok,
+                        "pages": n,
+                        "regions": regions,
+                        "kv_bytes": kv_bytes,
+                        "descriptors": len(coalesce_runs(src_pages, dst_pages)[2]) * regions + 1,
+                        "nixl_gb_s": gbs["handoff"],
+                        "memcpy_gb_s": gbs["memcpy"],
+                        "index_copy_gb_s": gbs["index_copy"],
+                        "ratio": gbs["handoff"] / gbs["memcpy"],
+                        **r,
+                        **{
+                            f"{k}_p{q}_ms": 1e3 * float(np.percentile(r[f"{k}_s"], q))
+                            for k in ("handoff", "post", "memcpy")
+                            for q in (50, 90)
+                        },
+                    }
+                )
     finally:
         reader.close()
     return rows
@@ -268,9 +312,13 @@ def bench_e2e(lens: tuple[int, ...], reps: int, shape: dict[str, Any]) -> dict[s
         off_env = {"PYTHONPATH": os.pathsep.join([str(Path(tmp) / "site"), str(ROOT)])}
         common = ["--model", str(model), "--port", "0"]
         try:
-            for name, args, env in [("serve", ["serve"], None), ("prefill", ["prefill", "--bootstrap-port", "0"], None),
-                                    ("decode", ["decode"], None), ("decode_off", ["decode"], off_env),
-                                    ("prefill_off", ["prefill", "--bootstrap-port", "0"], off_env)]:
+            for name, args, env in [
+                ("serve", ["serve"], None),
+                ("prefill", ["prefill", "--bootstrap-port", "0"], None),
+                ("decode", ["decode"], None),
+                ("decode_off", ["decode"], off_env),
+                ("prefill_off", ["prefill", "--bootstrap-port", "0"], off_env),
+            ]:
                 nodes[name] = Node([args[0], *common, *args[1:]], env=env)
             for node in nodes.values():
                 node.wait_ready(180)
@@ -282,7 +330,7 @@ def bench_e2e(lens: tuple[int, ...], reps: int, shape: dict[str, Any]) -> dict[s
                 res: dict[str, list] = {m: [] for m in modes}
                 for rep in range(reps + 1):  # rep 0: untimed warm-up at this length
                     ids, order = [rng.randrange(5, 256) for _ in range(k)], list(modes)
-                    runs = {m: timed(m, ids) for m in order[rep % 3:] + order[:rep % 3]}  # rotate
+                    runs = {m: timed(m, ids) for m in order[rep % 3 :] + order[: rep % 3]}  # rotate
                     for m in modes:
                         res[m] += [runs[m]] if rep else []
                 out[str(k)] = _summary(k, res)
@@ -297,8 +345,11 @@ def bench_e2e(lens: tuple[int, ...], reps: int, shape: dict[str, Any]) -> dict[s
 def _summary(k: int, res: dict[str, list]) -> dict[str, Any]:
     """Medians per setup, and PD vs colocated as the median of per-prompt (adjacent) pairs, which
     cancels load that drifts over the run better than a difference of medians."""
-    med = {f"{m}_{x}_ms": 1e3 * statistics.median(r[x] or 0.0 for r in runs)
-           for m, runs in res.items() for x in ("ttft", "prefill_leg")}
+    med = {
+        f"{m}_{x}_ms": 1e3 * statistics.median(r[x] or 0.0 for r in runs)
+        for m, runs in res.items()
+        for x in ("ttft", "prefill_leg")
+    }
     for m in ("pd", "pd_prog_off"):
         pairs = [(a["ttft"], b["ttft"]) for a, b in zip(res[m], res["colocated"])]
         med[f"{m}_minus_colocated_ms"] = 1e3 * statistics.median(a - b for a, b in pairs)
@@ -307,14 +358,25 @@ def _summary(k: int, res: dict[str, list]) -> dict[str, Any]:
     return {"tokens": k, "n": len(same), "equal": sum(same), **med, **res}
 
 
-def run(quick: bool = False, *, e2e: bool = True, transfer_tokens: tuple[int, ...] | None = None,
-        pool_shape: dict[str, int] | None = None, reps: int | None = None,
-        prog_threads: tuple[bool, ...] = (True, False)) -> dict[str, Any]:
+def run(
+    quick: bool = False,
+    *,
+    e2e: bool = True,
+    transfer_tokens: tuple[int, ...] | None = None,
+    pool_shape: dict[str, int] | None = None,
+    reps: int | None = None,
+    prog_threads: tuple[bool, ...] = (True, False),
+) -> dict[str, Any]:
     """Run the measurements and return the results (nothing printed or written)."""
     shape, tokens = dict(pool_shape or POOL_SHAPE), transfer_tokens or (QUICK_TOKENS if quick else FULL_TOKENS)
     reps = reps or (QUICK_REPS if quick else FULL_REPS)
-    report: dict[str, Any] = {"benchmark": "pd_cpu", "quick": quick, "pool_shape": shape, "env": environment(),
-                              "transfer": [r for p in prog_threads for r in bench_transfer(tokens, reps, shape, p)]}
+    report: dict[str, Any] = {
+        "benchmark": "pd_cpu",
+        "quick": quick,
+        "pool_shape": shape,
+        "env": environment(),
+        "transfer": [r for p in prog_threads for r in bench_transfer(tokens, reps, shape, p)],
+    }
     if e2e:
         report["model_shape"] = DEFAULT_SHAPE
         report["e2e"] = bench_e2e(E2E_LENS, E2E_QUICK_REPS if quick else E2E_FULL_REPS, DEFAULT_SHAPE)
@@ -323,25 +385,42 @@ def run(quick: bool = False, *, e2e: bool = True, transfer_tokens: tuple[int, ..
 
 
 def format_tables(report: dict[str, Any]) -> str:
-    lines = [("| request | NIXL progress thread | KV MiB | descriptors | NIXL GB/s | memcpy GB/s | torch index_copy_ "
-              "GB/s | NIXL / memcpy | handoff p50 ms | handoff p90 ms | write() returns p50 ms | memcpy p50 ms |"),
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        (
+            "| request | NIXL progress thread | KV MiB | descriptors | NIXL GB/s | memcpy GB/s | torch index_copy_ "
+            "GB/s | NIXL / memcpy | handoff p50 ms | handoff p90 ms | write() returns p50 ms | memcpy p50 ms |"
+        ),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in report["transfer"]:
-        lines.append(f"| {r['tokens']} tokens ({r['pages']} pages x {r['regions']} regions) | "
-                     f"{'on (as shipped)' if r['prog_thread'] else 'off'} | {r['kv_bytes'] / 2**20:.0f} | "
-                     f"{r['descriptors']:,} | {r['nixl_gb_s']:.2f} | {r['memcpy_gb_s']:.2f} | "
-                     f"{r['index_copy_gb_s']:.2f} | {r['ratio']:.2f}x | {r['handoff_p50_ms']:.1f} | "
-                     f"{r['handoff_p90_ms']:.1f} | {r['post_p50_ms']:.1f} | {r['memcpy_p50_ms']:.1f} |")
+        lines.append(
+            f"| {r['tokens']} tokens ({r['pages']} pages x {r['regions']} regions) | "
+            f"{'on (as shipped)' if r['prog_thread'] else 'off'} | {r['kv_bytes'] / 2**20:.0f} | "
+            f"{r['descriptors']:,} | {r['nixl_gb_s']:.2f} | {r['memcpy_gb_s']:.2f} | "
+            f"{r['index_copy_gb_s']:.2f} | {r['ratio']:.2f}x | {r['handoff_p50_ms']:.1f} | "
+            f"{r['handoff_p90_ms']:.1f} | {r['post_p50_ms']:.1f} | {r['memcpy_p50_ms']:.1f} |"
+        )
     if e := report.get("e2e"):
-        lines += ["", ("| prompt tokens | colocated TTFT ms | PD TTFT ms | PD - colocated ms | PD / colocated "
-                       "| PD, progress thread off: TTFT ms | - colocated ms | / colocated | PD prefill leg done ms "
-                       "(on / off) | greedy tokens equal |"), "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+        lines += [
+            "",
+            (
+                "| prompt tokens | colocated TTFT ms | PD TTFT ms | PD - colocated ms | PD / colocated "
+                "| PD, progress thread off: TTFT ms | - colocated ms | / colocated | PD prefill leg done ms "
+                "(on / off) | greedy tokens equal |"
+            ),
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        ]
         for key, x in e.items():
             label = "first request (PD: incl. handshake)" if key == "first" else f"median of {x['n']}"
-            lines.append(f"| {x['tokens']}, {label} | {x['colocated_ttft_ms']:.1f} | " + " | ".join(
-                f"{x[f'{m}_ttft_ms']:.1f} | {x[f'{m}_minus_colocated_ms']:+.1f} | {x[f'{m}_over_colocated']:.2f}x"
-                for m in ("pd", "pd_prog_off")) + f" | {x['pd_prefill_leg_ms']:.1f} / "
-                f"{x['pd_prog_off_prefill_leg_ms']:.1f} | {x['equal']}/{x['n']} |")
+            lines.append(
+                f"| {x['tokens']}, {label} | {x['colocated_ttft_ms']:.1f} | "
+                + " | ".join(
+                    f"{x[f'{m}_ttft_ms']:.1f} | {x[f'{m}_minus_colocated_ms']:+.1f} | {x[f'{m}_over_colocated']:.2f}x"
+                    for m in ("pd", "pd_prog_off")
+                )
+                + f" | {x['pd_prefill_leg_ms']:.1f} / "
+                f"{x['pd_prog_off_prefill_leg_ms']:.1f} | {x['equal']}/{x['n']} |"
+            )
     return "\n".join(lines)
 
 
@@ -355,8 +434,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         return reader_main(json.loads(args.reader))
     report = run(quick=args.quick)
     env = report["env"]
-    print(f"CPU: {env['cpu']} ({env['cores']} cores, torch {env['torch']}, {env['torch_threads']} threads); KV pool "
-          f"{report['pool_shape']} fp16; load average before/after: {env['loadavg_before']} / {env['loadavg_after']}\n")
+    print(
+        f"CPU: {env['cpu']} ({env['cores']} cores, torch {env['torch']}, {env['torch_threads']} threads); KV pool "
+        f"{report['pool_shape']} fp16; load average before/after: {env['loadavg_before']} / {env['loadavg_after']}\n"
+    )
     print(format_tables(report))
     write_report(args.out, report)
     return report

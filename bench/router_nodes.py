@@ -21,8 +21,10 @@ from smg_grpc_proto import sglang_scheduler_pb2_grpc as pbg
 
 from common.tokenizer import Tokenizer
 
-TEXT = (" The decode phase generates one token at a time, reusing the key and value cache of the"
-        " tokens before; serving systems batch many requests together so the accelerator stays busy.")
+TEXT = (
+    " The decode phase generates one token at a time, reusing the key and value cache of the"
+    " tokens before; serving systems batch many requests together so the accelerator stays busy."
+)
 MODES = {"prefill": "prefill", "decode": "decode"}
 
 
@@ -30,36 +32,54 @@ class InstantNode(pbg.SglangSchedulerServicer):
     def __init__(self, role: str, tokenizer_dir: str, text_ids: list[int], per_chunk: int) -> None:
         self.role, self.tokenizer_dir, self.ids, self.per_chunk = role, tokenizer_dir, text_ids, per_chunk
 
-    async def Generate(self, request: pb.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         rid, n_prompt = request.request_id, len(request.tokenized.input_ids)
         n = request.sampling_params.max_new_tokens or 16
         out = [self.ids[i % len(self.ids)] for i in range(n)]
         if self.role == "prefill":
-            yield pb.GenerateResponse(request_id=rid, complete=pb.GenerateComplete(
-                output_ids=out[:1], finish_reason="length", prompt_tokens=n_prompt, completion_tokens=1))
+            yield pb.GenerateResponse(
+                request_id=rid,
+                complete=pb.GenerateComplete(
+                    output_ids=out[:1], finish_reason="length", prompt_tokens=n_prompt, completion_tokens=1
+                ),
+            )
             return
         for i in range(0, n, self.per_chunk):
-            part = out[i:i + self.per_chunk]
-            yield pb.GenerateResponse(request_id=rid, chunk=pb.GenerateStreamChunk(
-                token_ids=part, prompt_tokens=n_prompt, completion_tokens=i + len(part)))
-        yield pb.GenerateResponse(request_id=rid, complete=pb.GenerateComplete(
-            output_ids=out, finish_reason="length", prompt_tokens=n_prompt, completion_tokens=n))
+            part = out[i : i + self.per_chunk]
+            yield pb.GenerateResponse(
+                request_id=rid,
+                chunk=pb.GenerateStreamChunk(token_ids=part, prompt_tokens=n_prompt, completion_tokens=i + len(part)),
+            )
+        yield pb.GenerateResponse(
+            request_id=rid,
+            complete=pb.GenerateComplete(
+                output_ids=out, finish_reason="length", prompt_tokens=n_prompt, completion_tokens=n
+            ),
+        )
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         return pb.AbortResponse(success=True)
 
-    async def HealthCheck(self, request: pb.HealthCheckRequest,
-                          context: grpc.aio.ServicerContext) -> pb.HealthCheckResponse:
+    async def HealthCheck(
+        self, request: pb.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HealthCheckResponse:
         return pb.HealthCheckResponse(healthy=True, message="ok")
 
-    async def GetModelInfo(self, request: pb.GetModelInfoRequest,
-                           context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
-        return pb.GetModelInfoResponse(served_model_name="bench-model", model_path=self.tokenizer_dir,
-                                       tokenizer_path=self.tokenizer_dir, max_context_length=4096)
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetModelInfoResponse:
+        return pb.GetModelInfoResponse(
+            served_model_name="bench-model",
+            model_path=self.tokenizer_dir,
+            tokenizer_path=self.tokenizer_dir,
+            max_context_length=4096,
+        )
 
-    async def GetServerInfo(self, request: pb.GetServerInfoRequest,
-                            context: grpc.aio.ServicerContext) -> pb.GetServerInfoResponse:
+    async def GetServerInfo(
+        self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetServerInfoResponse:
         args = struct_pb2.Struct()
         args.update({"disaggregation_mode": MODES[self.role]})
         return pb.GetServerInfoResponse(server_args=args, server_type="grpc")

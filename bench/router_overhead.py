@@ -37,8 +37,10 @@ from common.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "bench" / "results" / "router_overhead.json"
-PROMPT = ("A language model predicts the next token of a sequence from the tokens before it. "
-          "Summarise in one sentence why prefill and decode run on different nodes:")
+PROMPT = (
+    "A language model predicts the next token of a sequence from the tokens before it. "
+    "Summarise in one sentence why prefill and decode run on different nodes:"
+)
 MAX_TOKENS, TOKENS_PER_CHUNK = 16, 4
 FULL = {"latency_n": 300, "warmup": 30, "levels": (8, 32, 64), "seconds": 10.0}
 QUICK = {"latency_n": 20, "warmup": 5, "levels": (8,), "seconds": 1.5}
@@ -63,8 +65,14 @@ class Proc:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self.log = log
         with open(log, "w") as f:
-            self.proc = subprocess.Popen([sys.executable, "-m", *args], cwd=REPO, env=env, stdout=f,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", *args],
+                cwd=REPO,
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + timeout
         while not (ready := [ln for ln in log.read_text().splitlines() if ln.startswith("READY")]):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -89,8 +97,13 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def summary_ms(xs: list[float]) -> dict[str, float]:
-    return {"n": len(xs), "p50_ms": 1e3 * statistics.median(xs), "p90_ms": 1e3 * pct(xs, 90),
-            "p99_ms": 1e3 * pct(xs, 99), "mean_ms": 1e3 * statistics.fmean(xs)}
+    return {
+        "n": len(xs),
+        "p50_ms": 1e3 * statistics.median(xs),
+        "p90_ms": 1e3 * pct(xs, 90),
+        "p99_ms": 1e3 * pct(xs, 99),
+        "mean_ms": 1e3 * statistics.fmean(xs),
+    }
 
 
 class Clients:
@@ -98,8 +111,14 @@ class Clients:
 
     def __init__(self, http: str, prefill: str, decode: str, ids: list[int]) -> None:
         self.url, self.ids = f"http://{http}/v1/completions", ids
-        self.body = {"model": "bench-model", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-                     "stream": True, "stream_options": {"include_usage": True}}
+        self.body = {
+            "model": "bench-model",
+            "prompt": PROMPT,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         self.channels = [grpc.aio.insecure_channel(a) for a in (prefill, decode)]
         self.prefill, self.decode = (pbg.SglangSchedulerStub(c) for c in self.channels)
         self.bootstrap_port = 9100
@@ -122,10 +141,16 @@ class Clients:
         """The same generation straight to the nodes: one GenerateRequest to both legs at once."""
         t0 = time.perf_counter()
         req = pb.GenerateRequest(
-            request_id=f"cmpl-{uuid.uuid4().hex}", tokenized=pb.TokenizedInput(input_ids=self.ids), stream=True,
+            request_id=f"cmpl-{uuid.uuid4().hex}",
+            tokenized=pb.TokenizedInput(input_ids=self.ids),
+            stream=True,
             sampling_params=pb.SamplingParams(temperature=0.0, max_new_tokens=MAX_TOKENS, n=1),
-            disaggregated_params=pb.DisaggregatedParams(bootstrap_host="127.0.0.1", bootstrap_port=self.bootstrap_port,
-                                                        bootstrap_room=secrets.randbelow(2**31 - 1) + 1))
+            disaggregated_params=pb.DisaggregatedParams(
+                bootstrap_host="127.0.0.1",
+                bootstrap_port=self.bootstrap_port,
+                bootstrap_room=secrets.randbelow(2**31 - 1) + 1,
+            ),
+        )
 
         async def drain_prefill() -> None:
             async for _ in self.prefill.Generate(req):
@@ -166,12 +191,14 @@ async def bench_latency(c: Clients, n: int, warmup: int) -> dict[str, Any]:
         r, d = res[f"router_{m}"], res[f"direct_{m}"]
         res[f"added_{m}"] = {k: r[k] - d[k] for k in ("p50_ms", "p90_ms", "p99_ms", "mean_ms")}
         res[f"added_{m}"]["paired_p50_ms"] = 1e3 * statistics.median(
-            a - b for a, b in zip(out[f"router_{m}"], out[f"direct_{m}"]))
+            a - b for a, b in zip(out[f"router_{m}"], out[f"direct_{m}"])
+        )
     return res
 
 
-async def bench_throughput(call: Callable[[], Awaitable[tuple[float, float, int]]], concurrency: int,
-                           seconds: float, pids: dict[str, int]) -> dict[str, Any]:
+async def bench_throughput(
+    call: Callable[[], Awaitable[tuple[float, float, int]]], concurrency: int, seconds: float, pids: dict[str, int]
+) -> dict[str, Any]:
     """`concurrency` workers issue requests back to back until `seconds` have passed."""
     e2e: list[float] = []
     tokens, errors = 0, 0
@@ -192,9 +219,16 @@ async def bench_throughput(call: Callable[[], Awaitable[tuple[float, float, int]
     await asyncio.gather(*(worker(t0 + seconds) for _ in range(concurrency)))
     wall = time.perf_counter() - t0
     cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in pids.items()}
-    res = {"concurrency": concurrency, "seconds": wall, "requests": len(e2e), "errors": errors,
-           "req_s": len(e2e) / wall, "tok_s": tokens / wall, "e2e": summary_ms(e2e) if e2e else {},
-           "cpu_pct": {k: 100 * v / wall for k, v in cpu.items()}}
+    res = {
+        "concurrency": concurrency,
+        "seconds": wall,
+        "requests": len(e2e),
+        "errors": errors,
+        "req_s": len(e2e) / wall,
+        "tok_s": tokens / wall,
+        "e2e": summary_ms(e2e) if e2e else {},
+        "cpu_pct": {k: 100 * v / wall for k, v in cpu.items()},
+    }
     res["router_cpu_ms_per_req"] = 1e3 * cpu.get("router", 0.0) / max(1, len(e2e))
     return res
 
@@ -206,8 +240,9 @@ async def measure(c: Clients, cfg: dict[str, Any], pids: dict[str, int]) -> dict
         limits = httpx.Limits(max_connections=level, max_keepalive_connections=level)
         async with httpx.AsyncClient(timeout=60.0, limits=limits) as client:
             await asyncio.gather(*(c.via_router(client) for _ in range(level)))  # open the connections
-            rows.append({"path": "router", **await bench_throughput(lambda: c.via_router(client), level,
-                                                                    cfg["seconds"], pids)})
+            rows.append(
+                {"path": "router", **await bench_throughput(lambda: c.via_router(client), level, cfg["seconds"], pids)}
+            )
         rows.append({"path": "direct", **await bench_throughput(c.direct, level, cfg["seconds"], pids)})
     return {"latency": latency, "throughput": rows}
 
@@ -218,23 +253,43 @@ def run(quick: bool = False, tokens_per_chunk: int = TOKENS_PER_CHUNK) -> dict[s
     from fixtures.tiny_model import write_tiny_model
 
     cfg = dict(QUICK if quick else FULL)
-    env = {"cpu": _cpu_model(), "cores": _nproc(), "python": sys.version.split()[0],
-           "grpcio": grpc.__version__, "httpx": httpx.__version__, "loadavg_before": _loadavg()}
+    env = {
+        "cpu": _cpu_model(),
+        "cores": _nproc(),
+        "python": sys.version.split()[0],
+        "grpcio": grpc.__version__,
+        "httpx": httpx.__version__,
+        "loadavg_before": _loadavg(),
+    }
     with tempfile.TemporaryDirectory(prefix="pdserve-router-bench-") as tmp:
         model = write_tiny_model(Path(tmp) / "tiny", "LlamaForCausalLM", seed=0)
-        nodes = Proc(["bench.router_nodes", "--tokenizer", str(model), "--tokens-per-chunk",
-                      str(tokens_per_chunk)], Path(tmp) / "nodes.log")
+        nodes = Proc(
+            ["bench.router_nodes", "--tokenizer", str(model), "--tokens-per-chunk", str(tokens_per_chunk)],
+            Path(tmp) / "nodes.log",
+        )
         router = None
         try:
-            router = Proc(["pdserve.cli", "router", "--port", "0", "--prefill", f"{nodes.addrs['prefill']},9100",
-                           "--decode", nodes.addrs["decode"]], Path(tmp) / "router.log")
+            router = Proc(
+                [
+                    "pdserve.cli",
+                    "router",
+                    "--port",
+                    "0",
+                    "--prefill",
+                    f"{nodes.addrs['prefill']},9100",
+                    "--decode",
+                    nodes.addrs["decode"],
+                ],
+                Path(tmp) / "router.log",
+            )
             ids = Tokenizer.from_dir(model).encode(PROMPT)
 
             async def go() -> dict[str, Any]:
                 c = Clients(router.addrs["http"], nodes.addrs["prefill"], nodes.addrs["decode"], ids)
                 try:
-                    return await measure(c, cfg, {"router": router.proc.pid, "nodes": nodes.proc.pid,
-                                                  "client": os.getpid()})
+                    return await measure(
+                        c, cfg, {"router": router.proc.pid, "nodes": nodes.proc.pid, "client": os.getpid()}
+                    )
                 finally:
                     await c.close()
 
@@ -244,36 +299,58 @@ def run(quick: bool = False, tokens_per_chunk: int = TOKENS_PER_CHUNK) -> dict[s
                 router.stop()
             nodes.stop()
     env["loadavg_after"] = _loadavg()
-    return {"benchmark": "router_overhead", "quick": quick, "max_tokens": MAX_TOKENS,
-            "tokens_per_chunk": tokens_per_chunk, "prompt_tokens": len(ids), **{k: cfg[k] for k in cfg},
-            "env": env, **results}
+    return {
+        "benchmark": "router_overhead",
+        "quick": quick,
+        "max_tokens": MAX_TOKENS,
+        "tokens_per_chunk": tokens_per_chunk,
+        "prompt_tokens": len(ids),
+        **{k: cfg[k] for k in cfg},
+        "env": env,
+        **results,
+    }
 
 
 def format_tables(report: dict[str, Any]) -> str:
     """Two markdown tables: per-request latency, then throughput per concurrency."""
     lat = report["latency"]
-    rows = ["| sequential streaming request | n | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | e2e p90 ms | e2e p99 ms |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| sequential streaming request | n | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | e2e p90 ms | e2e p99 ms |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     names = {"direct": "direct to the nodes (gRPC, both legs)", "router": "through the router (HTTP + SSE)"}
     for key, name in names.items():
         t, e = lat[f"{key}_ttft"], lat[f"{key}_e2e"]
-        rows.append(f"| {name} | {e['n']} | {t['p50_ms']:.2f} | {t['p99_ms']:.2f} | {e['p50_ms']:.2f} "
-                    f"| {e['p90_ms']:.2f} | {e['p99_ms']:.2f} |")
+        rows.append(
+            f"| {name} | {e['n']} | {t['p50_ms']:.2f} | {t['p99_ms']:.2f} | {e['p50_ms']:.2f} "
+            f"| {e['p90_ms']:.2f} | {e['p99_ms']:.2f} |"
+        )
     t, e = lat["added_ttft"], lat["added_e2e"]
-    rows.append(f"| **router-added** (router - direct) | | **{t['p50_ms']:+.2f}** | {t['p99_ms']:+.2f} "
-                f"| **{e['p50_ms']:+.2f}** | {e['p90_ms']:+.2f} | {e['p99_ms']:+.2f} |")
+    rows.append(
+        f"| **router-added** (router - direct) | | **{t['p50_ms']:+.2f}** | {t['p99_ms']:+.2f} "
+        f"| **{e['p50_ms']:+.2f}** | {e['p90_ms']:+.2f} | {e['p99_ms']:+.2f} |"
+    )
     h = lat["health"]
-    rows.append(f"| (HTTP round trip floor: GET /health) | {h['n']} | | | {h['p50_ms']:.2f} | {h['p90_ms']:.2f} "
-                f"| {h['p99_ms']:.2f} |")
-    rows += ["", ("| path | clients | requests | req/s | tokens/s | e2e p50 ms | e2e p99 ms | router CPU % "
-                  "| router CPU ms/req | nodes CPU % | client CPU % | errors |"),
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows.append(
+        f"| (HTTP round trip floor: GET /health) | {h['n']} | | | {h['p50_ms']:.2f} | {h['p90_ms']:.2f} "
+        f"| {h['p99_ms']:.2f} |"
+    )
+    rows += [
+        "",
+        (
+            "| path | clients | requests | req/s | tokens/s | e2e p50 ms | e2e p99 ms | router CPU % "
+            "| router CPU ms/req | nodes CPU % | client CPU % | errors |"
+        ),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in report["throughput"]:
         cpu, e = r["cpu_pct"], r["e2e"]
-        own = (f"{cpu['router']:.0f} | {r['router_cpu_ms_per_req']:.2f}" if r["path"] == "router" else "- | -")
-        rows.append(f"| {r['path']} | {r['concurrency']} | {r['requests']} | {r['req_s']:,.0f} | {r['tok_s']:,.0f} "
-                    f"| {e.get('p50_ms', 0):.1f} | {e.get('p99_ms', 0):.1f} | {own} | {cpu['nodes']:.0f} "
-                    f"| {cpu['client']:.0f} | {r['errors']} |")
+        own = f"{cpu['router']:.0f} | {r['router_cpu_ms_per_req']:.2f}" if r["path"] == "router" else "- | -"
+        rows.append(
+            f"| {r['path']} | {r['concurrency']} | {r['requests']} | {r['req_s']:,.0f} | {r['tok_s']:,.0f} "
+            f"| {e.get('p50_ms', 0):.1f} | {e.get('p99_ms', 0):.1f} | {own} | {cpu['nodes']:.0f} "
+            f"| {cpu['client']:.0f} | {r['errors']} |"
+        )
     return "\n".join(rows)
 
 
@@ -285,10 +362,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     report = run(quick=args.quick, tokens_per_chunk=args.tokens_per_chunk)
     env = report["env"]
-    print(f"CPU: {env['cpu']} ({env['cores']} cores), Python {env['python']}, grpcio {env['grpcio']}; "
-          f"{MAX_TOKENS} tokens per request in chunks of {report['tokens_per_chunk']}, "
-          f"{report['prompt_tokens']}-token prompt; load average before/after: "
-          f"{env['loadavg_before']} / {env['loadavg_after']}\n")
+    print(
+        f"CPU: {env['cpu']} ({env['cores']} cores), Python {env['python']}, grpcio {env['grpcio']}; "
+        f"{MAX_TOKENS} tokens per request in chunks of {report['tokens_per_chunk']}, "
+        f"{report['prompt_tokens']}-token prompt; load average before/after: "
+        f"{env['loadavg_before']} / {env['loadavg_after']}\n"
+    )
     print(format_tables(report))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

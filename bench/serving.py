@@ -56,8 +56,9 @@ def main(argv: list[str] | None = None, up_timeout_s: float = UP_TIMEOUT_S) -> i
         return _run_bench(argv)
     from pdserve.up import Deployment, UpConfig
 
-    dep = Deployment(UpConfig(str(up_model) if isinstance(up_model, str) else None, port=0,
-                              start_timeout_s=up_timeout_s))
+    dep = Deployment(
+        UpConfig(str(up_model) if isinstance(up_model, str) else None, port=0, start_timeout_s=up_timeout_s)
+    )
     try:
         url = dep.start(lambda msg: print(f"pdserve up: {msg}", file=sys.stderr, flush=True))
         return _run_bench([*argv, "--base-url", url])

@@ -24,8 +24,11 @@ OUT = REPO / "bench" / "results" / "serving_matrix"
 
 # name -> (colocated nodes, speculative algorithm); the built-in pair serves them all
 CONFIGS: dict[str, tuple[int, str]] = {
-    "pd-eagle": (0, "EAGLE"), "pd-plain": (0, "NONE"), "pd-ngram": (0, "NGRAM"),
-    "colocated-eagle": (1, "EAGLE"), "colocated-plain": (1, "NONE"),
+    "pd-eagle": (0, "EAGLE"),
+    "pd-plain": (0, "NONE"),
+    "pd-ngram": (0, "NGRAM"),
+    "colocated-eagle": (1, "EAGLE"),
+    "colocated-plain": (1, "NONE"),
 }
 
 
@@ -45,14 +48,24 @@ def scrape_accept_len(dep: Deployment) -> float | None:
 
 def run_config(name: str, colocated: int, algo: str, args: argparse.Namespace) -> dict[str, Any]:
     node_args = ("--speculative-algorithm", algo, "--metrics-port", "0", "--device", "cpu")
-    dep = Deployment(UpConfig(None, port=0, device="cpu", node_args=node_args, colocated=colocated,
-                              start_timeout_s=300))
+    dep = Deployment(
+        UpConfig(None, port=0, device="cpu", node_args=node_args, colocated=colocated, start_timeout_s=300)
+    )
     try:
         url = dep.start(lambda msg: print(f"[{name}] {msg}", file=sys.stderr, flush=True))
-        opts = BenchOptions(base_url=url, tokenizer=BUILTIN_TARGET, num_prompts=args.num_prompts,
-                            input_len=args.input_len, output_len=args.output_len, range_ratio=0.0,
-                            concurrency=args.concurrency, warmup=2, out=OUT / name,
-                            slo=args.slo, temperature=0.0)
+        opts = BenchOptions(
+            base_url=url,
+            tokenizer=BUILTIN_TARGET,
+            num_prompts=args.num_prompts,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            range_ratio=0.0,
+            concurrency=args.concurrency,
+            warmup=2,
+            out=OUT / name,
+            slo=args.slo,
+            temperature=0.0,
+        )
         report, _ = run_bench(opts, progress=False)
         points = [{"load": pt["load"], "metrics": pt["metrics"]} for pt in report["points"]]
         return {"points": points, "accept_len": scrape_accept_len(dep)}
@@ -61,15 +74,19 @@ def run_config(name: str, colocated: int, algo: str, args: argparse.Namespace) -
 
 
 def table(results: dict[str, Any]) -> str:
-    rows = ["| config | concurrency | output tok/s | TPOT p50 ms | TTFT p50 ms | E2E p50 ms | accept len |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| config | concurrency | output tok/s | TPOT p50 ms | TTFT p50 ms | E2E p50 ms | accept len |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for name, res in results.items():
         for pt in res["points"]:
             m, load = pt["metrics"], pt["load"]
             accept = f"{res['accept_len']:.2f}" if res["accept_len"] else "-"
-            rows.append(f"| {name} | {load['value']} | {m['output_throughput']:.1f} | "
-                        f"{m['tpot_ms']['median']:.1f} | {m['ttft_ms']['median']:.1f} | "
-                        f"{m['e2e_ms']['median']:.1f} | {accept} |")
+            rows.append(
+                f"| {name} | {load['value']} | {m['output_throughput']:.1f} | "
+                f"{m['tpot_ms']['median']:.1f} | {m['ttft_ms']['median']:.1f} | "
+                f"{m['e2e_ms']['median']:.1f} | {accept} |"
+            )
     return "\n".join(rows)
 
 

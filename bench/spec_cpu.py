@@ -46,19 +46,20 @@ SNIPPETS = (
 METHODS: dict[str, tuple[str, str, str | None, int, int, int | None]] = {
     "eagle_chain_repeat": ("EAGLE chain, 3 steps, repeat head", "EAGLE", "repeat", 3, 1, None),
     "eagle_chain_random": ("EAGLE chain, 3 steps, random head", "EAGLE", "random", 3, 1, None),
-    "eagle_tree_repeat": ("EAGLE tree, 3 steps, topk 2, 5 tokens, repeat head", "EAGLE", "repeat",
-                          3, 2, 5),
-    "eagle3_chain_random": ("EAGLE-3 chain, 3 steps, random head, half vocab", "EAGLE3",
-                            "eagle3", 3, 1, None),
+    "eagle_tree_repeat": ("EAGLE tree, 3 steps, topk 2, 5 tokens, repeat head", "EAGLE", "repeat", 3, 2, 5),
+    "eagle3_chain_random": ("EAGLE-3 chain, 3 steps, random head, half vocab", "EAGLE3", "eagle3", 3, 1, None),
     "ngram": ("NGRAM chain, 3 steps, n in 1..4", "NGRAM", None, 3, 1, None),
 }
 
 
 def write_heads(tmp: Path, target: Path, vocab: int) -> dict[str, Path]:
-    return {"repeat": write_tiny_eagle_head(tmp / "eagle-repeat", target, "eagle", mode="repeat"),
-            "random": write_tiny_eagle_head(tmp / "eagle-random", target, "eagle", mode="random"),
-            "eagle3": write_tiny_eagle_head(tmp / "eagle3-random", target, "eagle3", mode="random",
-                                            draft_vocab_size=vocab // 2)}
+    return {
+        "repeat": write_tiny_eagle_head(tmp / "eagle-repeat", target, "eagle", mode="repeat"),
+        "random": write_tiny_eagle_head(tmp / "eagle-random", target, "eagle", mode="random"),
+        "eagle3": write_tiny_eagle_head(
+            tmp / "eagle3-random", target, "eagle3", mode="random", draft_vocab_size=vocab // 2
+        ),
+    }
 
 
 def build_engines(target: Path, heads: dict[str, Path]) -> tuple[dict[str, Engine], list[str]]:
@@ -93,8 +94,7 @@ def _stats_snapshot(engine: Engine) -> tuple[int, int, dict[int, int]] | None:
     return st.verifies, st.accepted_drafts, dict(st.accept_len_hist)
 
 
-def bench_workload(engines: dict[str, Engine], prompts: list[list[int]],
-                   repeats: int) -> dict[str, Any]:
+def bench_workload(engines: dict[str, Engine], prompts: list[list[int]], repeats: int) -> dict[str, Any]:
     """Round-robin over the engines so that load from a neighbour hits every method alike."""
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     times: dict[str, list[float]] = {name: [] for name in engines}
@@ -118,26 +118,34 @@ def bench_workload(engines: dict[str, Engine], prompts: list[list[int]],
     for name, eng in engines.items():
         sec = statistics.median(times[name])
         row: dict[str, Any] = {
-            "tokens": tokens, "seconds": sec, "tok_s": tokens / sec, "speedup": plain_sec / sec,
-            "min_seconds": min(times[name]), "max_over_min": max(times[name]) / min(times[name]),
+            "tokens": tokens,
+            "seconds": sec,
+            "tok_s": tokens / sec,
+            "speedup": plain_sec / sec,
+            "min_seconds": min(times[name]),
+            "max_over_min": max(times[name]) / min(times[name]),
             "steps_per_run": (eng.scheduler.stats["steps"] - before[name][1]) / (repeats + 1),
             "greedy_equals_plain": outputs[name] == outputs["plain"],
-            "tokens_per_forward": 1.0, "acceptance_rate": None}
+            "tokens_per_forward": 1.0,
+            "acceptance_rate": None,
+        }
         snap0, snap1 = before[name][0], _stats_snapshot(eng)
         if snap0 is not None and snap1 is not None:
             verifies, accepted = snap1[0] - snap0[0], snap1[1] - snap0[1]
             max_drafts = eng.executor.stats.max_drafts
             hist = {k: v - snap0[2].get(k, 0) for k, v in sorted(snap1[2].items())}
             # Same definitions as SpecStats, restricted to this workload's runs.
-            row.update(verifies=verifies, accept_len_hist={k: v for k, v in hist.items() if v},
-                       tokens_per_forward=1.0 + accepted / verifies if verifies else 0.0,
-                       acceptance_rate=accepted / (verifies * max_drafts) if verifies else 0.0)
+            row.update(
+                verifies=verifies,
+                accept_len_hist={k: v for k, v in hist.items() if v},
+                tokens_per_forward=1.0 + accepted / verifies if verifies else 0.0,
+                acceptance_rate=accepted / (verifies * max_drafts) if verifies else 0.0,
+            )
         res[name] = row
     return res
 
 
-def run(quick: bool = False, shape: dict[str, Any] | None = None,
-        threads: int | None = 1) -> dict[str, Any]:
+def run(quick: bool = False, shape: dict[str, Any] | None = None, threads: int | None = 1) -> dict[str, Any]:
     """Run every workload and return the results (nothing printed or written)."""
     repeats = QUICK_REPEATS if quick else FULL_REPEATS
     shape = dict(DEFAULT_SHAPE if shape is None else shape)
@@ -160,27 +168,39 @@ def run(quick: bool = False, shape: dict[str, Any] | None = None,
             for set_name, prompts in prompt_sets(plain, vocab).items():
                 for b in BATCHES:
                     results[f"{set_name}_b{b}"] = dict(
-                        prompt_lens=[len(p) for p in prompts[:b]],
-                        methods=bench_workload(engines, prompts[:b], repeats))
+                        prompt_lens=[len(p) for p in prompts[:b]], methods=bench_workload(engines, prompts[:b], repeats)
+                    )
     finally:
         torch.set_num_threads(old_threads)
     env = dict(env, loadavg_after=_loadavg())
-    return {"benchmark": "spec_cpu", "quick": quick, "repeats": repeats, "shape": shape,
-            "params": n_params, "new_tokens": NEW_TOKENS, "env": env,
-            "methods": {"plain": "plain decoding", **{k: v[0] for k, v in METHODS.items()}},
-            "skipped": skipped, "results": results}
+    return {
+        "benchmark": "spec_cpu",
+        "quick": quick,
+        "repeats": repeats,
+        "shape": shape,
+        "params": n_params,
+        "new_tokens": NEW_TOKENS,
+        "env": env,
+        "methods": {"plain": "plain decoding", **{k: v[0] for k, v in METHODS.items()}},
+        "skipped": skipped,
+        "results": results,
+    }
 
 
 def format_table(report: dict[str, Any]) -> str:
-    rows = ["| prompts | batch | method | tokens/forward | acceptance | tok/s | speedup | greedy = plain |",
-            "|---|---:|---|---:|---:|---:|---:|---|"]
+    rows = [
+        "| prompts | batch | method | tokens/forward | acceptance | tok/s | speedup | greedy = plain |",
+        "|---|---:|---|---:|---:|---:|---:|---|",
+    ]
     for key, work in report["results"].items():
         set_name, batch = key.rsplit("_b", 1)
         for name, r in work["methods"].items():
             acc = "-" if r["acceptance_rate"] is None else f"{100 * r['acceptance_rate']:.0f}%"
-            rows.append(f"| {set_name} | {batch} | {report['methods'][name]} | "
-                        f"{r['tokens_per_forward']:.2f} | {acc} | {r['tok_s']:,.0f} | "
-                        f"{r['speedup']:.2f}x | {r['greedy_equals_plain']} |")
+            rows.append(
+                f"| {set_name} | {batch} | {report['methods'][name]} | "
+                f"{r['tokens_per_forward']:.2f} | {acc} | {r['tok_s']:,.0f} | "
+                f"{r['speedup']:.2f}x | {r['greedy_equals_plain']} |"
+            )
     return "\n".join(rows)
 
 
@@ -195,11 +215,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except SpecRegistryError as e:
         raise SystemExit(f"error: {e}") from None
     env = report["env"]
-    print(f"CPU: {env['cpu']} ({env['cores']} cores, torch {env['torch']}, "
-          f"{env['torch_threads']} threads); target: tiny Llama {report['shape']}, "
-          f"{report['params'] / 1e6:.2f}M params; {report['new_tokens']} new tokens, greedy; "
-          f"repeats: {report['repeats']} (median); load average before/after: "
-          f"{env['loadavg_before']} / {env['loadavg_after']}\n")
+    print(
+        f"CPU: {env['cpu']} ({env['cores']} cores, torch {env['torch']}, "
+        f"{env['torch_threads']} threads); target: tiny Llama {report['shape']}, "
+        f"{report['params'] / 1e6:.2f}M params; {report['new_tokens']} new tokens, greedy; "
+        f"repeats: {report['repeats']} (median); load average before/after: "
+        f"{env['loadavg_before']} / {env['loadavg_after']}\n"
+    )
     print(format_table(report))
     if report["skipped"]:
         print(f"\nskipped (algorithm not registered): {', '.join(report['skipped'])}")

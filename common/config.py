@@ -30,8 +30,15 @@ class Flag:
     separator: str | None = None  # repeatable flags: what splits the env var's values (None: whitespace)
 
 
-def opt(default: Any, help: str, *, aliases: tuple[str, ...] = (), panel: str | None = None,
-        negatable: bool = True, separator: str | None = None) -> Any:
+def opt(
+    default: Any,
+    help: str,
+    *,
+    aliases: tuple[str, ...] = (),
+    panel: str | None = None,
+    negatable: bool = True,
+    separator: str | None = None,
+) -> Any:
     """A config field that is also a flag; `default=...` makes the flag required."""
     meta = {"flag": Flag(help, aliases, panel, negatable, separator)}
     if isinstance(default, list):
@@ -60,26 +67,35 @@ class EngineOptions:
 
     model: Optional[Path] = opt(None, _MODEL_HELP, aliases=("--model-path",))
     served_model_name: Optional[str] = opt(
-        None, "Model id the node reports to the router (default: the model directory's name).")
+        None, "Model id the node reports to the router (default: the model directory's name)."
+    )
     dtype: Optional[str] = opt(None, "float32, bfloat16 or float16.")
     device: str = opt("auto", "torch device: auto (cuda:0 when a GPU is present, else cpu), cpu or cuda:N.")
     page_size: int = opt(16, "Tokens per KV cache page.")
     max_total_tokens: Optional[int] = opt(
-        None, "KV cache capacity in tokens (default: what --mem-fraction-static leaves on a GPU; 16384 on a CPU, "
-        "where a share of host memory means nothing).")
+        None,
+        "KV cache capacity in tokens (default: what --mem-fraction-static leaves on a GPU; 16384 on a CPU, "
+        "where a share of host memory means nothing).",
+    )
     mem_fraction_static: float = opt(
-        DEFAULT_MEM_FRACTION_STATIC, "Share of the GPU's total memory for weights + KV cache, in (0, 1]; the rest "
-        "is left for activations and CUDA graphs. Sizes the KV cache when --max-total-tokens is not given.")
+        DEFAULT_MEM_FRACTION_STATIC,
+        "Share of the GPU's total memory for weights + KV cache, in (0, 1]; the rest "
+        "is left for activations and CUDA graphs. Sizes the KV cache when --max-total-tokens is not given.",
+    )
     max_running: int = opt(64, "Most requests in flight.", aliases=("--max-running-requests",))
     chunked_prefill_size: int = opt(2048, "Prefill token budget per step (chunked prefill).")
-    attention_backend: str = opt("auto", "Attention backend: auto (triton on GPUs, torch on CPU), torch or "
-                                 "triton.", panel=PANEL_FAST)
-    overlap: Optional[bool] = opt(None, "Overlap scheduling (default: on for GPUs, off on CPU).",
-                                  panel=PANEL_FAST)
-    cuda_graph_max_bs: Optional[int] = opt(None, "Largest batch served from CUDA graphs; 0 disables (default: "
-                                           "min(max-running, 64) on GPUs).", panel=PANEL_FAST)
-    future_map_debug: bool = opt(False, "FutureMap debug mode: poison consumed rows and check every read.",
-                                 panel=PANEL_FAST)
+    attention_backend: str = opt(
+        "auto", "Attention backend: auto (triton on GPUs, torch on CPU), torch or triton.", panel=PANEL_FAST
+    )
+    overlap: Optional[bool] = opt(None, "Overlap scheduling (default: on for GPUs, off on CPU).", panel=PANEL_FAST)
+    cuda_graph_max_bs: Optional[int] = opt(
+        None,
+        "Largest batch served from CUDA graphs; 0 disables (default: min(max-running, 64) on GPUs).",
+        panel=PANEL_FAST,
+    )
+    future_map_debug: bool = opt(
+        False, "FutureMap debug mode: poison consumed rows and check every read.", panel=PANEL_FAST
+    )
 
     def fast_path(self) -> dict[str, Any]:
         """EngineConfig fields of the GPU fast path: Triton attention, overlap and CUDA graphs by
@@ -87,12 +103,16 @@ class EngineOptions:
         if self.device == "auto":  # the choice depends on the device: pdserve/build.py resolves it first
             raise ValueError("device 'auto' must be resolved to cpu or cuda:N before choosing the fast path")
         gpu = self.device.startswith("cuda")
-        backend = self.attention_backend if self.attention_backend != "auto" else (
-            "triton" if gpu else "torch")
-        graphs = self.cuda_graph_max_bs if self.cuda_graph_max_bs is not None else (
-            min(self.max_running, 64) if gpu else 0)
-        return {"attention_backend": backend, "overlap": gpu if self.overlap is None else self.overlap,
-                "cuda_graph_max_bs": graphs, "future_map_debug": self.future_map_debug}
+        backend = self.attention_backend if self.attention_backend != "auto" else ("triton" if gpu else "torch")
+        graphs = (
+            self.cuda_graph_max_bs if self.cuda_graph_max_bs is not None else (min(self.max_running, 64) if gpu else 0)
+        )
+        return {
+            "attention_backend": backend,
+            "overlap": gpu if self.overlap is None else self.overlap,
+            "cuda_graph_max_bs": graphs,
+            "future_map_debug": self.future_map_debug,
+        }
 
 
 @dataclass(frozen=True)
@@ -100,29 +120,38 @@ class SpeculativeOptions:
     """The --speculative-* flags; unset (None) ones take spec.config.SpecConfig's defaults."""
 
     algorithm: Optional[str] = opt(
-        None, "NONE, EAGLE, EAGLE3 or a registered plugin such as NGRAM (case-insensitive; default: EAGLE "
-        "with the built-in pair, else NONE).", panel=PANEL_SPEC)
+        None,
+        "NONE, EAGLE, EAGLE3 or a registered plugin such as NGRAM (case-insensitive; default: EAGLE "
+        "with the built-in pair, else NONE).",
+        panel=PANEL_SPEC,
+    )
     num_steps: Optional[int] = opt(None, "Draft steps per verify (default 3).", panel=PANEL_SPEC)
     num_draft_tokens: Optional[int] = opt(
-        None, "Tokens per verify, root included (default: num_steps + 1 for a chain, more for a tree).",
-        panel=PANEL_SPEC)
-    adaptive: bool = opt(False, "Adapt the draft steps to the batch size and the acceptance seen (EAGLE "
-                         "chains).", panel=PANEL_SPEC)
+        None,
+        "Tokens per verify, root included (default: num_steps + 1 for a chain, more for a tree).",
+        panel=PANEL_SPEC,
+    )
+    adaptive: bool = opt(
+        False, "Adapt the draft steps to the batch size and the acceptance seen (EAGLE chains).", panel=PANEL_SPEC
+    )
     adaptive_config: Optional[Path] = opt(
-        None, "JSON of candidate steps per batch-size range (default: the built-in one; spec/adaptive).",
-        panel=PANEL_SPEC)
-    draft_model_path: Optional[Path] = opt(None, "Draft head directory (HF format), needed by EAGLE and "
-                                           "EAGLE3.", panel=PANEL_EAGLE)
-    eagle_topk: Optional[int] = opt(None, "Branches per draft step; 1 is a chain, more is a tree (default 1).",
-                                    panel=PANEL_EAGLE)
+        None,
+        "JSON of candidate steps per batch-size range (default: the built-in one; spec/adaptive).",
+        panel=PANEL_SPEC,
+    )
+    draft_model_path: Optional[Path] = opt(
+        None, "Draft head directory (HF format), needed by EAGLE and EAGLE3.", panel=PANEL_EAGLE
+    )
+    eagle_topk: Optional[int] = opt(
+        None, "Branches per draft step; 1 is a chain, more is a tree (default 1).", panel=PANEL_EAGLE
+    )
     ngram_min: Optional[int] = opt(None, "NGRAM: shortest suffix to look up (default 1).", panel=PANEL_NGRAM)
     ngram_max: Optional[int] = opt(None, "NGRAM: longest suffix to look up (default 4).", panel=PANEL_NGRAM)
 
     def given(self) -> dict[str, Any]:
         """The options set on the command line (algorithm aside), as SpecConfig fields."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "algorithm"}
-        return {k: (str(v) if isinstance(v, Path) else v) for k, v in out.items()
-                if v is not None and v is not False}
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in out.items() if v is not None and v is not False}
 
     def argv(self) -> list[str]:
         """These options as flags again (`pdserve up` hands them to its nodes)."""
@@ -166,12 +195,16 @@ def check_sgl_mode(mode: str) -> str:
     return mode
 
 
-_SGL_HELP = ("Post each KV write as one scatter-gather list (NIXL's UCX SGL offload; on GPUs one batched "
-             "copy instead of one per layer and K|V): on, off, or auto (on where the KV is in GPU memory).")
+_SGL_HELP = (
+    "Post each KV write as one scatter-gather list (NIXL's UCX SGL offload; on GPUs one batched "
+    "copy instead of one per layer and K|V): on, off, or auto (on where the KV is in GPU memory)."
+)
 
-_ROWS_HELP = ("Where the handoff rows (first token, draft state) live: kv (beside the KV cache; in GPU "
-              "memory a request's row rides in its pages' NIXL transfer) or host (host memory: a second "
-              "transfer stage after the pages).")
+_ROWS_HELP = (
+    "Where the handoff rows (first token, draft state) live: kv (beside the KV cache; in GPU "
+    "memory a request's row rides in its pages' NIXL transfer) or host (host memory: a second "
+    "transfer stage after the pages)."
+)
 
 
 @dataclass(frozen=True)
@@ -180,15 +213,19 @@ class PrefillRole:
 
     host: str = opt("127.0.0.1", _HOST_HELP)
     port: int = opt(30001, "Scheduler API (gRPC) port.")
-    bootstrap_port: int = opt(8998, "KV control port decode nodes connect to.",
-                              aliases=("--disaggregation-bootstrap-port",))
+    bootstrap_port: int = opt(
+        8998, "KV control port decode nodes connect to.", aliases=("--disaggregation-bootstrap-port",)
+    )
     kv_transport: str = opt("nixl", "KV transfer backend (nixl).", aliases=("--disaggregation-transfer-backend",))
     bootstrap_timeout: float = opt(30.0, "Seconds to wait for a destination.")
     transfer_timeout: float = opt(30.0, "Seconds a KV write may take.")
     kv_handoff_rows: str = opt("kv", _ROWS_HELP)
     kv_write_sgl: str = opt("off", _SGL_HELP)
-    kv_send_chunks: bool = opt(True, "With chunked prefill, write each finished chunk's KV while the "
-                               "next chunk runs (off: one write once the whole prompt is done).")
+    kv_send_chunks: bool = opt(
+        True,
+        "With chunked prefill, write each finished chunk's KV while the "
+        "next chunk runs (off: one write once the whole prompt is done).",
+    )
     metrics_port: Optional[int] = opt(None, "Serve Prometheus /metrics on this port (0: any free).")
 
 
@@ -218,26 +255,31 @@ class RouterOptions:
     colocated: list[str] = opt([], "Colocated node HOST:PORT, used when no PD pair is available (repeatable).")
     prefill_policy: str = opt("prefix_aware", "round_robin, least_load or prefix_aware.")
     decode_policy: str = opt("least_load", "round_robin or least_load.")
-    served_model: Optional[str] = opt(None, "Model id clients send (default: the nodes').",
-                                      aliases=("--served-model-name",))
-    tokenizer: Optional[Path] = opt(None, "Tokenizer directory (tokenizer.json and its side files; default: the "
-                                    "model directory the nodes report).", aliases=("--tokenizer-path",))
-    chat_template: Optional[str] = opt(None, "Chat template used instead of the tokenizer's: a Jinja file, or the "
-                                       "template itself inline (anything holding {{ or {%).")
-    api_key: list[str] = opt([], "Accepted API key (repeatable; PDSERVE_API_KEY takes key1,key2).",
-                             separator=",")
+    served_model: Optional[str] = opt(
+        None, "Model id clients send (default: the nodes').", aliases=("--served-model-name",)
+    )
+    tokenizer: Optional[Path] = opt(
+        None,
+        "Tokenizer directory (tokenizer.json and its side files; default: the model directory the nodes report).",
+        aliases=("--tokenizer-path",),
+    )
+    chat_template: Optional[str] = opt(
+        None,
+        "Chat template used instead of the tokenizer's: a Jinja file, or the "
+        "template itself inline (anything holding {{ or {%).",
+    )
+    api_key: list[str] = opt([], "Accepted API key (repeatable; PDSERVE_API_KEY takes key1,key2).", separator=",")
     max_queue: int = opt(256, "Most requests in flight before 503.")
-    prefill_dns: list[str] = opt([], "Headless service NAME:PORT,BOOTSTRAP_PORT whose addresses are prefill "
-                                 "nodes.")
+    prefill_dns: list[str] = opt([], "Headless service NAME:PORT,BOOTSTRAP_PORT whose addresses are prefill nodes.")
     decode_dns: list[str] = opt([], "Headless service NAME:PORT whose addresses are decode nodes.")
-    first_token_timeout: float = opt(90.0, "Seconds from sending a request to its first decode message "
-                                     "(prefill + transfer).")
+    first_token_timeout: float = opt(
+        90.0, "Seconds from sending a request to its first decode message (prefill + transfer)."
+    )
     inter_token_timeout: float = opt(60.0, "Seconds between two decode messages.")
     prefill_timeout: float = opt(60.0, "Seconds for a whole prefill leg.")
     refresh_interval: float = opt(2.0, "Seconds between node health/load refreshes.")
     breaker_failures: int = opt(3, "Consecutive failures that open a node's circuit breaker.")
-    breaker_cooldown: float = opt(10.0, "Seconds an open breaker waits before letting one request probe the "
-                                  "node.")
+    breaker_cooldown: float = opt(10.0, "Seconds an open breaker waits before letting one request probe the node.")
 
 
 @dataclass(frozen=True)
@@ -245,8 +287,11 @@ class LogOptions:
     """Logging of the long-running processes (nodes and router), on stderr."""
 
     log_level: str = opt("info", "debug, info, warning or error.")
-    log_format: str = opt("text", "text, or json: one object per line with time, level, logger, message and the "
-                          "request_id of the request the line concerns.")
+    log_format: str = opt(
+        "text",
+        "text, or json: one object per line with time, level, logger, message and the "
+        "request_id of the request the line concerns.",
+    )
 
 
 @dataclass(frozen=True)
@@ -268,8 +313,9 @@ class GenerateOptions:
     """`pdserve generate`: prompts, sampling and the in-process engine's settings."""
 
     prompt: list[str] = opt(..., "Prompt text; repeat for a batch (one prompt streams).", aliases=("-p",))
-    model: Optional[Path] = opt(None, "HF-format model directory (default: the built-in Python-code pair, "
-                                "EAGLE on).", aliases=("--model-path",))
+    model: Optional[Path] = opt(
+        None, "HF-format model directory (default: the built-in Python-code pair, EAGLE on).", aliases=("--model-path",)
+    )
     max_new_tokens: int = opt(64, "Tokens to generate per prompt.")
     temperature: float = opt(1.0, "0 means greedy.")
     top_p: float = opt(1.0, "Nucleus sampling mass, in (0, 1].")

@@ -28,11 +28,12 @@ class IncrementalDetokenizer:
     _MAX_UTF8_TOKENS = 4  # a UTF-8 character is at most 4 bytes, hence at most 4 tokens
     _MAX_PENDING = 16  # past this, held-back tokens are undecodable garbage, not a partial character
 
-    def __init__(self, tokenizer: _Decoder, prompt_ids: Sequence[int] = (), *,
-                 skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: _Decoder, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True
+    ) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        self._window: list[int] = list(prompt_ids[-self._CONTEXT_TOKENS:]) if prompt_ids else []
+        self._window: list[int] = list(prompt_ids[-self._CONTEXT_TOKENS :]) if prompt_ids else []
         self._read = len(self._window)  # window[:_read] is emitted context, window[_read:] pending
 
     def feed(self, token_ids: int | Sequence[int]) -> str:
@@ -56,19 +57,22 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(window[:read])
         full = self._decode(window)
         if final or (len(full) > len(prefix_text) and not full.endswith(REPLACEMENT_CHAR)):
-            return self._emit(full[len(prefix_text):], n)
+            return self._emit(full[len(prefix_text) :], n)
         garbage = n - read > self._MAX_PENDING
         if not full.endswith(REPLACEMENT_CHAR):
             # No new text (e.g. skipped special tokens): slide the window once it gets long.
-            return self._emit(full[len(prefix_text):], n) if garbage else ""
+            return self._emit(full[len(prefix_text) :], n) if garbage else ""
         # The tail may be a character still arriving. Emit up to the latest cut that ends on a whole
         # character, so a chunk ending mid-character does not hold back everything before it.
         if not garbage:
             for k in range(n - 1, max(read, n - self._MAX_UTF8_TOKENS), -1):
                 cut_text = self._decode(window[:k])
-                if (len(cut_text) > len(prefix_text) and not cut_text.endswith(REPLACEMENT_CHAR)
-                        and full.startswith(cut_text)):
-                    return self._emit(cut_text[len(prefix_text):], k)
+                if (
+                    len(cut_text) > len(prefix_text)
+                    and not cut_text.endswith(REPLACEMENT_CHAR)
+                    and full.startswith(cut_text)
+                ):
+                    return self._emit(cut_text[len(prefix_text) :], k)
             return ""
         # Long undecodable runs (random models emit those): bytes before n-3 are followed by at least
         # 3 more, enough to settle every UTF-8 sequence, so emitting them (U+FFFD included) matches
@@ -76,8 +80,8 @@ class IncrementalDetokenizer:
         for k in range(n - (self._MAX_UTF8_TOKENS - 1), max(read, n - 2 * self._MAX_UTF8_TOKENS), -1):
             cut_text = self._decode(window[:k])
             if len(cut_text) > len(prefix_text) and full.startswith(cut_text):
-                return self._emit(cut_text[len(prefix_text):], k)
-        return self._emit(full[len(prefix_text):], n)
+                return self._emit(cut_text[len(prefix_text) :], k)
+        return self._emit(full[len(prefix_text) :], n)
 
     def _emit(self, text: str, upto: int) -> str:
         # The just-emitted tokens become the next call's prefix context; older ones are dropped.
@@ -126,9 +130,9 @@ class StopStringMatcher:
             self.stopped, self.matched, self._held = True, hit, ""
             return buf[:hit_at], True
         keep = self._partial_suffix_len(buf)
-        self._held = buf[len(buf) - keep:] if keep else ""
+        self._held = buf[len(buf) - keep :] if keep else ""
         self._floor = max(0, floor - (len(buf) - keep))
-        return buf[:len(buf) - keep], False
+        return buf[: len(buf) - keep], False
 
     def flush(self) -> str:
         """At the end of the stream: the held-back text, which turned out not to be a stop string."""
@@ -154,8 +158,14 @@ class TextAssembler:
     `min_tokens` but show no text (ids that end generation) are counted with `skip`.
     """
 
-    def __init__(self, tokenizer: _Decoder, stop: Sequence[str], prompt_ids: Sequence[int] = (),
-                 min_tokens: int = 0, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: _Decoder,
+        stop: Sequence[str],
+        prompt_ids: Sequence[int] = (),
+        min_tokens: int = 0,
+        skip_special_tokens: bool = True,
+    ) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
         self._stop = StopStringMatcher(stop) if stop else None
         self._min_tokens = min_tokens

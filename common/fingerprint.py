@@ -50,8 +50,7 @@ def _update_field(h: Any, tag: str, data: bytes) -> None:
     h.update(data)
 
 
-def _sample_offsets(start: int, end: int, count: int = SAMPLE_COUNT,
-                    size: int = SAMPLE_BYTES) -> list[tuple[int, int]]:
+def _sample_offsets(start: int, end: int, count: int = SAMPLE_COUNT, size: int = SAMPLE_BYTES) -> list[tuple[int, int]]:
     """(offset, length) reads covering [start, end): whole if small, else `count` spread samples."""
     length = end - start
     if length <= count * size:
@@ -131,13 +130,21 @@ class Fingerprint:
 
 
 def _dtype_name(dtype: object) -> str:
-    """"bfloat16" for "bfloat16", "torch.bfloat16" or torch.bfloat16 (without importing torch)."""
+    """ "bfloat16" for "bfloat16", "torch.bfloat16" or torch.bfloat16 (without importing torch)."""
     return str(dtype).removeprefix("torch.")
 
 
-def build_fingerprint(model_dir: str | os.PathLike[str], dtype: str, page_size: int, kv_layout: str,
-                      spec_algorithm: str, draft_model_dir: str | os.PathLike[str] | None,
-                      aux_row_bytes: int, *, version: str | None = None) -> Fingerprint:
+def build_fingerprint(
+    model_dir: str | os.PathLike[str],
+    dtype: str,
+    page_size: int,
+    kv_layout: str,
+    spec_algorithm: str,
+    draft_model_dir: str | os.PathLike[str] | None,
+    aux_row_bytes: int,
+    *,
+    version: str | None = None,
+) -> Fingerprint:
     """Fingerprint of a node serving `model_dir` (and `draft_model_dir`, if any) this way.
 
     `version` defaults to the installed pdserve distribution's version (pyproject's, the same
@@ -167,8 +174,7 @@ def _show(value: object) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
 
-def first_mismatch(a: Fingerprint, b: Fingerprint, a_name: str = "prefill",
-                   b_name: str = "decode") -> str | None:
+def first_mismatch(a: Fingerprint, b: Fingerprint, a_name: str = "prefill", b_name: str = "decode") -> str | None:
     """None when the fingerprints match, else e.g. "page_size differs: prefill 16, decode 4"."""
     for f in dataclasses.fields(Fingerprint):
         va, vb = getattr(a, f.name), getattr(b, f.name)

@@ -37,27 +37,49 @@ class SamplingParams:
     def check(self) -> None:
         """Raise InvalidRequest naming the first field out of range."""
         _check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1", self.max_new_tokens)
-        _check(0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
-               f"must be in [0, max_new_tokens={self.max_new_tokens}]", self.min_new_tokens)
-        _check(_finite(self.temperature) and self.temperature >= 0.0, "temperature",
-               "must be a finite number >= 0", self.temperature)
+        _check(
+            0 <= self.min_new_tokens <= self.max_new_tokens,
+            "min_new_tokens",
+            f"must be in [0, max_new_tokens={self.max_new_tokens}]",
+            self.min_new_tokens,
+        )
+        _check(
+            _finite(self.temperature) and self.temperature >= 0.0,
+            "temperature",
+            "must be a finite number >= 0",
+            self.temperature,
+        )
         _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]", self.top_p)
         _check(self.top_k == -1 or self.top_k >= 0, "top_k", "must be -1 (off) or >= 0", self.top_k)
         _check(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]", self.min_p)
-        _check(_finite(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
-               "frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
-        _check(_finite(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
-               "presence_penalty", "must be in [-2, 2]", self.presence_penalty)
-        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0.0,
-               "repetition_penalty", "must be > 0", self.repetition_penalty)
+        _check(
+            _finite(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            "must be in [-2, 2]",
+            self.frequency_penalty,
+        )
+        _check(
+            _finite(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            "must be in [-2, 2]",
+            self.presence_penalty,
+        )
+        _check(
+            _finite(self.repetition_penalty) and self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            "must be > 0",
+            self.repetition_penalty,
+        )
         _check(0 <= self.top_logprobs <= 20, "top_logprobs", "must be in [0, 20]", self.top_logprobs)
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2^63)", self.seed)
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0",
-               self.stop_token_ids)
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings",
-               self.stop)
-        _check(all(t >= 0 and _finite(b) and -100.0 <= b <= 100.0 for t, b in self.logit_bias), "logit_bias",
-               "must map token ids >= 0 to biases in [-100, 100]", self.logit_bias)
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0", self.stop_token_ids)
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings", self.stop)
+        _check(
+            all(t >= 0 and _finite(b) and -100.0 <= b <= 100.0 for t, b in self.logit_bias),
+            "logit_bias",
+            "must map token ids >= 0 to biases in [-100, 100]",
+            self.logit_bias,
+        )
 
     @property
     def is_greedy(self) -> bool:
@@ -65,8 +87,7 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 def _finite(x: float) -> bool:

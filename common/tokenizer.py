@@ -40,10 +40,16 @@ class Tokenizer:
     text differ from the final text.
     """
 
-    def __init__(self, backend: tokenizers.Tokenizer, *, name_or_path: str = "",
-                 bos_token: str | None = None, eos_token: str | None = None,
-                 chat_templates: dict[str, str] | None = None,
-                 extra_eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        name_or_path: str = "",
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        chat_templates: dict[str, str] | None = None,
+        extra_eos_token_ids: Sequence[int] = (),
+    ) -> None:
         self._backend = backend
         self._name_or_path = name_or_path
         self.bos_token = bos_token
@@ -54,8 +60,7 @@ class Tokenizer:
         # config.json may still name a bos_token_id.
         self._bos_token_id = backend.token_to_id(bos_token) if bos_token else None
         eos_ids = [backend.token_to_id(eos_token)] if eos_token else []
-        self._eos_token_ids = tuple(dict.fromkeys(
-            i for i in [*eos_ids, *extra_eos_token_ids] if i is not None))
+        self._eos_token_ids = tuple(dict.fromkeys(i for i in [*eos_ids, *extra_eos_token_ids] if i is not None))
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
@@ -67,7 +72,8 @@ class Tokenizer:
         tok_file = root / "tokenizer.json"
         if not tok_file.is_file():
             raise TokenizerFileNotFoundError(
-                f"{tok_file}: missing tokenizer.json (only fast tokenizers in tokenizer.json form are supported)")
+                f"{tok_file}: missing tokenizer.json (only fast tokenizers in tokenizer.json form are supported)"
+            )
         try:
             backend = tokenizers.Tokenizer.from_file(str(tok_file))
         except Exception as e:  # the Rust side raises a bare Exception
@@ -78,14 +84,21 @@ class Tokenizer:
         # Mirror transformers: explicit add_bos/add_eos flags (or no post-processor at all)
         # rebuild the post-processor, overriding what tokenizer.json says.
         if "add_bos_token" in cfg or "add_eos_token" in cfg or backend.post_processor is None:
-            _set_template_processor(backend, bos if cfg.get("add_bos_token") else None,
-                                    eos if cfg.get("add_eos_token") else None)
+            _set_template_processor(
+                backend, bos if cfg.get("add_bos_token") else None, eos if cfg.get("add_eos_token") else None
+            )
 
         extra_eos: list[int] = []
         for side_file in ("generation_config.json", "config.json"):
             extra_eos += _as_id_list(_read_json(root / side_file).get("eos_token_id"))
-        return cls(backend, name_or_path=str(root), bos_token=bos, eos_token=eos,
-                   chat_templates=_load_chat_templates(root, cfg), extra_eos_token_ids=extra_eos)
+        return cls(
+            backend,
+            name_or_path=str(root),
+            bos_token=bos,
+            eos_token=eos,
+            chat_templates=_load_chat_templates(root, cfg),
+            extra_eos_token_ids=extra_eos,
+        )
 
     @property
     def name_or_path(self) -> str:
@@ -130,23 +143,36 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
-                            tools: list[dict[str, Any]] | None = None,
-                            documents: list[dict[str, Any]] | None = None,
-                            template_name: str | None = None, **kwargs: Any) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        template_name: str | None = None,
+        **kwargs: Any,
+    ) -> str:
         """Render `messages` with the model's chat template, with the variables HF templates expect."""
         template = self._template(template_name, has_tools=bool(tools))
         try:
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   tools=tools, documents=documents, bos_token=self.bos_token or "",
-                                   eos_token=self.eos_token or "", **kwargs)
+            return template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                documents=documents,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **kwargs,
+            )
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"{self._name_or_path}: chat template failed: {e}") from e
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    **kwargs: Any) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
         """Render and tokenize a chat; the template supplies any BOS, so none is added here."""
         text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
         return self.encode(text, add_special_tokens=False)
@@ -155,18 +181,21 @@ class Tokenizer:
         if not self._chat_templates:
             raise ChatTemplateError(
                 f"tokenizer {self._name_or_path!r} has no chat template (tokenizer_config.json has no "
-                "chat_template and there is no chat_template.jinja); use a plain completion prompt instead")
+                "chat_template and there is no chat_template.jinja); use a plain completion prompt instead"
+            )
         if name is None:
             # As transformers does: a "tool_use" template wins when tools are given.
             name = "tool_use" if has_tools and "tool_use" in self._chat_templates else "default"
             if name not in self._chat_templates:
                 name = next(iter(self._chat_templates))
         if name not in self._chat_templates:
-            raise ChatTemplateError(f"no chat template named {name!r}; available: "
-                                    f"{', '.join(sorted(self._chat_templates))}")
+            raise ChatTemplateError(
+                f"no chat template named {name!r}; available: {', '.join(sorted(self._chat_templates))}"
+            )
         if name not in self._compiled:
-            self._compiled[name] = compile_chat_template(self._chat_templates[name],
-                                                         f"{self._name_or_path}: template {name!r}")
+            self._compiled[name] = compile_chat_template(
+                self._chat_templates[name], f"{self._name_or_path}: template {name!r}"
+            )
         return self._compiled[name]
 
 
@@ -194,19 +223,22 @@ def compile_chat_template(source: str, origin: str) -> jinja2.Template:
 def _jinja_env() -> ImmutableSandboxedEnvironment:
     """The environment HF chat templates are written for: sandboxed, trimmed blocks, loop controls,
     a non-escaping `tojson`, `raise_exception` and `strftime_now`."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # Jinja's own tojson HTML-escapes (<, >, &, '), which would corrupt tool schemas in prompts.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise_exception(message: str) -> None:
@@ -271,8 +303,7 @@ def _set_template_processor(backend: tokenizers.Tokenizer, bos: str | None, eos:
     e = eos if eos in names else None
     single = f"{f'{b}:0 ' if b else ''}$A:0{f' {e}:0' if e else ''}"
     pair = f"{single}{f' {b}:1' if b else ''} $B:1{f' {e}:1' if e else ''}"
-    backend.post_processor = processors.TemplateProcessing(
-        single=single, pair=pair, special_tokens=specials)
+    backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
 
 def _load_chat_templates(root: Path, cfg: dict[str, Any]) -> dict[str, str]:
@@ -285,6 +316,9 @@ def _load_chat_templates(root: Path, cfg: dict[str, Any]) -> dict[str, str]:
         return {"default": source} if source else {}
     if isinstance(source, list):
         # [{"name": ..., "template": ...}, ...]
-        return {str(t["name"]): str(t["template"]) for t in source
-                if isinstance(t, dict) and t.get("name") and t.get("template")}
+        return {
+            str(t["name"]): str(t["template"])
+            for t in source
+            if isinstance(t, dict) and t.get("name") and t.get("template")
+        }
     return {}

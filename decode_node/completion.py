@@ -45,7 +45,7 @@ class CompletionWaiter:
             entry[1].set_result((kind, reason))
 
     def fail_peer(self, peer: str, reason: str) -> None:
-        for room, (p, fut) in list(self._waiting.items()):
+        for p, fut in list(self._waiting.values()):
             if p == peer and not fut.done():
                 fut.set_result(("fail", reason))
 

@@ -41,14 +41,22 @@ class DecodeTimeouts:
 
 
 class DecodeHandler:
-    def __init__(self, pd: DisaggEngine, endpoint: Endpoint, peers: PeerManager, waiter: CompletionWaiter,
-                 binding: AlgorithmBinding, timeouts: DecodeTimeouts) -> None:
+    def __init__(
+        self,
+        pd: DisaggEngine,
+        endpoint: Endpoint,
+        peers: PeerManager,
+        waiter: CompletionWaiter,
+        binding: AlgorithmBinding,
+        timeouts: DecodeTimeouts,
+    ) -> None:
         self.pd, self.endpoint, self.peers, self.waiter = pd, endpoint, peers, waiter
         self.binding, self.timeouts = binding, timeouts
         self.pending = InFlight(pd, endpoint.rows, waiter, quarantine_s=timeouts.waiting_s)
 
-    async def generate(self, request: pb.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         pd = self.pd
         params = convert.sampling_params(request, pd.max_context_len)
         req = pd.make_request(list(request.tokenized.input_ids), params, request.request_id or None)
@@ -69,8 +77,11 @@ class DecodeHandler:
             kind = _kind(e)
             KV_TRANSFER_FAILURES.labels("decode", kind).inc()
             self._give_up(dr, _reason(e), bootstrap)
-            raise RequestFailed(f"decode could not start room {dr.room}: {_reason(e)}", kind,
-                                blame="prefill" if kind in PREFILL_FAULTS else None) from None
+            raise RequestFailed(
+                f"decode could not start room {dr.room}: {_reason(e)}",
+                kind,
+                blame="prefill" if kind in PREFILL_FAULTS else None,
+            ) from None
         except BaseException:  # cancelled by the client (at any await): free what it holds
             self._give_up(dr, "cancelled", bootstrap)
             raise
@@ -91,8 +102,10 @@ class DecodeHandler:
                 rows.free(dr.row)
                 dr.row = None
             if time.monotonic() > deadline:
-                raise RequestFailed(f"no KV capacity for {len(req.prompt_ids)} prompt tokens within "
-                                    f"{self.timeouts.prealloc_s:.0f} s", "no_capacity")
+                raise RequestFailed(
+                    f"no KV capacity for {len(req.prompt_ids)} prompt tokens within {self.timeouts.prealloc_s:.0f} s",
+                    "no_capacity",
+                )
             try:  # an abort ends the wait at once
                 await asyncio.wait_for(dr.aborted.wait(), 0.01)
             except asyncio.TimeoutError:
@@ -106,10 +119,18 @@ class DecodeHandler:
         done = self.waiter.expect(room, peer.agent)
         dr.stage = Stage.SENT  # from here a write may land in these pages: settle quarantines them
         try:
-            ack = await peer.stub.SendDestination(kpb.DestinationRequest(
-                room=room, request_id=req.rid, decode_agent=self.endpoint.transport.name, pages=pages,
-                aux_row=dr.row, num_tokens=len(req.prompt_ids),
-                deadline_unix_s=time.time() + self.timeouts.waiting_s), timeout=self.peers.policy.rpc_timeout_s)
+            ack = await peer.stub.SendDestination(
+                kpb.DestinationRequest(
+                    room=room,
+                    request_id=req.rid,
+                    decode_agent=self.endpoint.transport.name,
+                    pages=pages,
+                    aux_row=dr.row,
+                    num_tokens=len(req.prompt_ids),
+                    deadline_unix_s=time.time() + self.timeouts.waiting_s,
+                ),
+                timeout=self.peers.policy.rpc_timeout_s,
+            )
             sent = time.perf_counter()
             if not ack.accepted:  # the prefill will never write here: the pages are free at once
                 self.waiter.forget(room)
@@ -117,20 +138,22 @@ class DecodeHandler:
                 raise RequestFailed(f"prefill refused the destination: {ack.error}", "destination_refused")
             abort = asyncio.ensure_future(dr.aborted.wait())
             try:
-                await asyncio.wait({done, abort}, timeout=self.timeouts.waiting_s,
-                                   return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({done, abort}, timeout=self.timeouts.waiting_s, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 abort.cancel()
         except asyncio.TimeoutError:
-            raise RequestFailed(f"no KV from the prefill within {self.timeouts.waiting_s:.0f} s",
-                                "waiting_timeout") from None
+            raise RequestFailed(
+                f"no KV from the prefill within {self.timeouts.waiting_s:.0f} s", "waiting_timeout"
+            ) from None
         _check_aborted(dr)
         if not done.done():
             raise RequestFailed(f"no KV from the prefill within {self.timeouts.waiting_s:.0f} s", "waiting_timeout")
         kind, reason = done.result()
         KV_TRANSFER_SECONDS.labels("decode").observe(time.perf_counter() - sent)
         if kind != "done":
-            raise RequestFailed(f"prefill reported: {reason or kind}", "aborted" if kind == "abort" else "prefill_failed")
+            raise RequestFailed(
+                f"prefill reported: {reason or kind}", "aborted" if kind == "abort" else "prefill_failed"
+            )
         self.waiter.forget(room)
         dr.stage = Stage.COMMITTED  # the write is over: nothing else lands in these pages
         echo, payload = self.endpoint.rows.read(dr.row)
@@ -154,7 +177,8 @@ class DecodeHandler:
         req.output_ids, req.seq_len, req.handoff = [header.first_token], len(req.prompt_ids), state
         try:
             draft_input = self.binding.algorithm.build_disagg_draft_input(
-                self.pd.prebuilt(req), self.binding.config, torch.tensor([header.first_token]), None)
+                self.pd.prebuilt(req), self.binding.config, torch.tensor([header.first_token]), None
+            )
         except (DisaggHandoffError, ValueError) as e:
             raise RequestFailed(f"bad handoff: {e}", "bad_handoff") from None
         self.pd.subscribe(req.rid, stream.on_update)
@@ -186,8 +210,9 @@ class DecodeHandler:
 
     def disaggregation_metrics(self) -> pb.DisaggregationMetrics:
         c = self.pending.counts()
-        return pb.DisaggregationMetrics(mode="decode", decode_prealloc_queue_reqs=c["prealloc"],
-                                        decode_transfer_queue_reqs=c["transfer"])
+        return pb.DisaggregationMetrics(
+            mode="decode", decode_prealloc_queue_reqs=c["prealloc"], decode_transfer_queue_reqs=c["transfer"]
+        )
 
 
 def _check_aborted(dr: DecodeRequest) -> None:

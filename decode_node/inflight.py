@@ -58,8 +58,7 @@ class DecodeRequest:
 class InFlight:
     """Every decode request between Generate and adoption, plus tombstones of early aborts."""
 
-    def __init__(self, pd: DisaggEngine, rows: HandoffRows, waiter: CompletionWaiter,
-                 quarantine_s: float) -> None:
+    def __init__(self, pd: DisaggEngine, rows: HandoffRows, waiter: CompletionWaiter, quarantine_s: float) -> None:
         self.pd, self.rows, self.waiter, self.quarantine_s = pd, rows, waiter, quarantine_s
         self.live: dict[str, DecodeRequest] = {}
         self._tombstones: dict[str, tuple[str, float]] = {}  # rid -> (reason, expiry)
@@ -135,8 +134,11 @@ class InFlight:
 
     def _expire(self, dr: DecodeRequest) -> None:
         if self.quarantined.get(dr.room) is dr:
-            log.warning("room %d: no word from the prefill within %.0f s of an abort; freeing its pages",
-                        dr.room, self.quarantine_s)
+            log.warning(
+                "room %d: no word from the prefill within %.0f s of an abort; freeing its pages",
+                dr.room,
+                self.quarantine_s,
+            )
             self.waiter.resolve(dr.room, "fail", "quarantine deadline")
 
     def _expire_tombstones(self) -> None:

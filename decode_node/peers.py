@@ -14,8 +14,14 @@ from typing import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tenacity import (AsyncRetrying, RetryError, retry_if_exception, stop_after_attempt,
-                      stop_after_delay, wait_exponential_jitter)
+from tenacity import (
+    AsyncRetrying,
+    RetryError,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential_jitter,
+)
 
 from common.fingerprint import Fingerprint, first_mismatch
 from common.logs import context_without_request
@@ -53,8 +59,7 @@ class Peer:
 
 
 class PeerManager:
-    def __init__(self, endpoint: Endpoint, policy: PeerPolicy,
-                 on_dead: Callable[[str, str], None]) -> None:
+    def __init__(self, endpoint: Endpoint, policy: PeerPolicy, on_dead: Callable[[str, str], None]) -> None:
         self.endpoint, self.policy, self.on_dead = endpoint, policy, on_dead
         self._peers: dict[str, Peer] = {}
         self._connecting: dict[str, asyncio.Task] = {}
@@ -73,8 +78,9 @@ class PeerManager:
         task = self._connecting.get(address)
         if task is None:  # one handshake per address, however many requests wait for it
             # the handshake and the heartbeats it starts serve every request, not the one that came first
-            task = self._connecting[address] = asyncio.create_task(self._connect(address),
-                                                                   context=context_without_request())
+            task = self._connecting[address] = asyncio.create_task(
+                self._connect(address), context=context_without_request()
+            )
             task.add_done_callback(lambda _: self._connecting.pop(address, None))
         return await asyncio.shield(task)
 
@@ -82,9 +88,11 @@ class PeerManager:
         p = self.policy
         try:
             async for attempt in AsyncRetrying(
-                    stop=stop_after_attempt(p.connect_attempts) | stop_after_delay(p.connect_total_s),
-                    wait=wait_exponential_jitter(initial=0.1, max=2.0, jitter=0.2),
-                    retry=retry_if_exception(_retryable), reraise=False):
+                stop=stop_after_attempt(p.connect_attempts) | stop_after_delay(p.connect_total_s),
+                wait=wait_exponential_jitter(initial=0.1, max=2.0, jitter=0.2),
+                retry=retry_if_exception(_retryable),
+                reraise=False,
+            ):
                 with attempt:
                     try:
                         peer = await self._handshake(address)
@@ -95,17 +103,22 @@ class PeerManager:
                     return peer
         except RetryError as e:
             cause = e.last_attempt.exception()
-            raise PeerError(f"prefill bootstrap {address} unreachable after "
-                            f"{e.last_attempt.attempt_number} attempts: {_describe(cause)}") from None
+            raise PeerError(
+                f"prefill bootstrap {address} unreachable after "
+                f"{e.last_attempt.attempt_number} attempts: {_describe(cause)}"
+            ) from None
         raise PeerError(f"prefill bootstrap {address}: no attempt made")  # pragma: no cover
 
     async def _handshake(self, address: str) -> Peer:
         ep = self.endpoint
         channel = grpc.aio.insecure_channel(address)
         stub = kpb_grpc.KVControlStub(channel)
-        req = kpb.HandshakeRequest(decode_agent=ep.transport.name, nixl_metadata=ep.transport.metadata(),
-                                   layout=layout_to_proto(ep.transport.layout()),
-                                   fingerprint=ep.fingerprint.to_proto())
+        req = kpb.HandshakeRequest(
+            decode_agent=ep.transport.name,
+            nixl_metadata=ep.transport.metadata(),
+            layout=layout_to_proto(ep.transport.layout()),
+            fingerprint=ep.fingerprint.to_proto(),
+        )
         try:
             resp = await stub.Handshake(req, timeout=self.policy.rpc_timeout_s)
         except grpc.aio.AioRpcError as e:
@@ -133,8 +146,9 @@ class PeerManager:
         while peer.alive:
             await asyncio.sleep(self.policy.heartbeat_s)
             try:
-                r = await health.Check(health_pb2.HealthCheckRequest(service="pdserve.v1.KVControl"),
-                                       timeout=self.policy.rpc_timeout_s)
+                r = await health.Check(
+                    health_pb2.HealthCheckRequest(service="pdserve.v1.KVControl"), timeout=self.policy.rpc_timeout_s
+                )
                 misses = 0 if r.status == health_pb2.HealthCheckResponse.SERVING else misses + 1
             except grpc.aio.AioRpcError:
                 misses += 1

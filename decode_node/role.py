@@ -29,15 +29,27 @@ class DecodeRole:
     def attach(self, loop: EngineLoop, binding: Any) -> RoleParts:
         engine = loop.engine
         pd = DisaggEngine.over(loop)
-        endpoint = build_endpoint(pd, kind=self.transport, role="decode", rows=2 * engine.config.max_running + 1,
-                                  spec_algorithm=binding.name, draft_model_dir=binding.config.draft_model_path,
-                                  rows_at=self.rows_at)
+        endpoint = build_endpoint(
+            pd,
+            kind=self.transport,
+            role="decode",
+            rows=2 * engine.config.max_running + 1,
+            spec_algorithm=binding.name,
+            draft_model_dir=binding.config.draft_model_path,
+            rows_at=self.rows_at,
+        )
         self.waiter = CompletionWaiter(endpoint.transport)
         peers = PeerManager(endpoint, self.policy, on_dead=self.waiter.fail_peer)
         handler = DecodeHandler(pd, endpoint, peers, self.waiter, binding, self.timeouts)
-        return RoleParts(handler, info_role="decode", pairing_protocol=pairing_protocol(endpoint.fingerprint),
-                         describe=binding.describe(), metrics_source=handler,
-                         on_stop=[self._stop_pump, loop.stop, endpoint.transport.close], after=[peers.close])
+        return RoleParts(
+            handler,
+            info_role="decode",
+            pairing_protocol=pairing_protocol(endpoint.fingerprint),
+            describe=binding.describe(),
+            metrics_source=handler,
+            on_stop=[self._stop_pump, loop.stop, endpoint.transport.close],
+            after=[peers.close],
+        )
 
     async def start(self, host: str, health: Any) -> tuple[list[grpc.aio.Server], str]:
         self._pump = asyncio.create_task(self.waiter.run())

@@ -27,8 +27,15 @@ class EngineAlgorithm(Protocol):
     def create_worker(self, parts: "EngineParts") -> "Executor":
         """The executor that runs this algorithm on the loaded target."""
 
-    def create_future_map(self, max_running_requests: int, chunked_prefill_size: int, context_len: int,
-                          device: torch.device | str, *, debug: bool = False) -> FutureMap:
+    def create_future_map(
+        self,
+        max_running_requests: int,
+        chunked_prefill_size: int,
+        context_len: int,
+        device: torch.device | str,
+        *,
+        debug: bool = False,
+    ) -> FutureMap:
         """The overlap relay this algorithm needs (rows per request slot)."""
 
     def describe(self) -> dict[str, Any]:
@@ -49,8 +56,15 @@ class PlainDecoding:
 
         return PlainExecutor(parts.runner, parts.sampler)
 
-    def create_future_map(self, max_running_requests: int, chunked_prefill_size: int, context_len: int,
-                          device: torch.device | str, *, debug: bool = False) -> FutureMap:
+    def create_future_map(
+        self,
+        max_running_requests: int,
+        chunked_prefill_size: int,
+        context_len: int,
+        device: torch.device | str,
+        *,
+        debug: bool = False,
+    ) -> FutureMap:
         return plain_future_map(max_running_requests, chunked_prefill_size, context_len, device, debug=debug)
 
     def describe(self) -> dict[str, Any]:

@@ -11,9 +11,16 @@ import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-           "half": torch.float16, "float": torch.float32}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float": torch.float32,
+}
 
 
 class ModelLoadError(RuntimeError):
@@ -54,8 +61,7 @@ class ModelConfig:
     raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
     @staticmethod
-    def from_dir(model_dir: str | Path,
-                 architectures: tuple[str, ...] = SUPPORTED_ARCHITECTURES) -> "ModelConfig":
+    def from_dir(model_dir: str | Path, architectures: tuple[str, ...] = SUPPORTED_ARCHITECTURES) -> "ModelConfig":
         path = Path(model_dir)
         if not path.is_dir():
             raise ModelLoadError(f"model directory {str(path)!r} does not exist or is not a directory")
@@ -71,13 +77,13 @@ class ModelConfig:
         return ModelConfig.from_hf(raw, source=str(cfg_file), architectures=architectures)
 
     @staticmethod
-    def from_hf(raw: dict[str, Any], source: str = "config.json",
-                architectures: tuple[str, ...] = SUPPORTED_ARCHITECTURES) -> "ModelConfig":
+    def from_hf(
+        raw: dict[str, Any], source: str = "config.json", architectures: tuple[str, ...] = SUPPORTED_ARCHITECTURES
+    ) -> "ModelConfig":
         archs = raw.get("architectures") or []
         arch = archs[0] if archs else ""
         if arch not in architectures:
-            raise ModelLoadError(f"{source}: unsupported architecture {arch!r}; "
-                                 f"supported: {', '.join(architectures)}")
+            raise ModelLoadError(f"{source}: unsupported architecture {arch!r}; supported: {', '.join(architectures)}")
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
@@ -93,8 +99,9 @@ class ModelConfig:
                 num_kv_heads=int(raw.get("num_key_value_heads") or heads),
                 head_dim=int(raw.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(raw.get("rope_theta")
-                                 or (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+                rope_theta=float(
+                    raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+                ),
                 rope_scaling=_rope_scaling(raw),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),

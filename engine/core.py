@@ -90,8 +90,8 @@ class Req:
         if end <= p:
             return self.prompt_ids[start:end]
         if start >= p:
-            return self.output_ids[start - p:end - p]
-        return self.prompt_ids[start:] + self.output_ids[:end - p]
+            return self.output_ids[start - p : end - p]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
 
     @property
     def sched_len(self) -> int:

@@ -129,9 +129,17 @@ def _copy_padded(dst: torch.Tensor, src: torch.Tensor, n: int, fill: int | float
 class CudaGraphRunner:
     """Serves fixed-shape forwards from captured graphs (or padded eager when `capture=False`)."""
 
-    def __init__(self, forward_fn: ForwardFn, device: torch.device, max_bs: int,
-                 batch_sizes: list[int] | None = None, *, capture: bool = True,
-                 max_tokens_per_req: int = 64, max_graphs: int = 512) -> None:
+    def __init__(
+        self,
+        forward_fn: ForwardFn,
+        device: torch.device,
+        max_bs: int,
+        batch_sizes: list[int] | None = None,
+        *,
+        capture: bool = True,
+        max_tokens_per_req: int = 64,
+        max_graphs: int = 512,
+    ) -> None:
         if max_bs < 1:
             raise ValueError(f"max_bs must be >= 1, got {max_bs}")
         sizes = sorted({b for b in (batch_sizes or default_batch_sizes(max_bs)) if 1 <= b <= max_bs})
@@ -162,8 +170,7 @@ class CudaGraphRunner:
         return self.batch_sizes[i] if i < len(self.batch_sizes) else None
 
     # ---- serving ----
-    def run(self, input_ids: torch.Tensor, ctx: ForwardContext,
-            model_inputs: dict[str, Any]) -> Any | None:
+    def run(self, input_ids: torch.Tensor, ctx: ForwardContext, model_inputs: dict[str, Any]) -> Any | None:
         """The forward's output through a graph, or None when the caller must run it eagerly."""
         why = self._unfit(input_ids, ctx, model_inputs)
         key = None if why else self._key(ctx, model_inputs)
@@ -189,8 +196,7 @@ class CudaGraphRunner:
             self.stats.hits += 1
         return _slice_rows(self._replay(entry), ctx.num_tokens)
 
-    def _unfit(self, input_ids: torch.Tensor, ctx: ForwardContext,
-               model_inputs: dict[str, Any]) -> str | None:
+    def _unfit(self, input_ids: torch.Tensor, ctx: ForwardContext, model_inputs: dict[str, Any]) -> str | None:
         """Why this forward cannot use a graph (None when it can). Uses CPU-side facts only."""
         if ctx.mode not in GRAPH_MODES:
             return f"mode {ctx.mode.name}"
@@ -203,8 +209,7 @@ class CudaGraphRunner:
         if n != lens[0] * len(lens) or tuple(input_ids.shape) != (n,):
             return "token count mismatch"
         tm = ctx.tree_mask
-        if tm is not None and (tm.dim() != 3 or tuple(tm.shape[:2]) != (len(lens), lens[0])
-                               or tm.dtype != torch.bool):
+        if tm is not None and (tm.dim() != 3 or tuple(tm.shape[:2]) != (len(lens), lens[0]) or tm.dtype != torch.bool):
             return "unexpected tree mask shape"
         for v in model_inputs.values():
             if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != n:
@@ -220,16 +225,28 @@ class CudaGraphRunner:
         padded = self.padded_batch_size(ctx.batch_size)
         assert padded is not None
         return GraphKey(
-            ctx.mode, tpr, padded, None if ctx.tree_mask is None else int(ctx.tree_mask.shape[2]),
+            ctx.mode,
+            tpr,
+            padded,
+            None if ctx.tree_mask is None else int(ctx.tree_mask.shape[2]),
             tuple(ctx.aux_hidden_layers),
             tuple(sorted((k, tuple(v.shape[1:]), v.dtype) for k, v in model_inputs.items())),
-            (id(ctx.kv_pool), id(ctx.req_to_token), id(ctx.attn_backend)))
+            (id(ctx.kv_pool), id(ctx.req_to_token), id(ctx.attn_backend)),
+        )
 
     # ---- capture ----
-    def precapture(self, mode: ForwardMode, tokens_per_req: int, batch_sizes: list[int] | None,
-                   tree_width: int | None, aux_hidden_layers: tuple[int, ...],
-                   example_inputs: dict[str, torch.Tensor], kv_pool: Any, req_to_token: torch.Tensor,
-                   attn_backend: Any) -> int:
+    def precapture(
+        self,
+        mode: ForwardMode,
+        tokens_per_req: int,
+        batch_sizes: list[int] | None,
+        tree_width: int | None,
+        aux_hidden_layers: tuple[int, ...],
+        example_inputs: dict[str, torch.Tensor],
+        kv_pool: Any,
+        req_to_token: torch.Tensor,
+        attn_backend: Any,
+    ) -> int:
         """Capture graphs whose every row is padding (writes land on page 0); returns how many
         were new. Largest first, so the arena and memory pool are sized once."""
         if mode not in GRAPH_MODES:
@@ -247,8 +264,7 @@ class CudaGraphRunner:
             new += 1
         return new
 
-    def _new_graph(self, key: GraphKey, kv_pool: Any, req_to_token: torch.Tensor,
-                   attn_backend: Any) -> _Graph:
+    def _new_graph(self, key: GraphKey, kv_pool: Any, req_to_token: torch.Tensor, attn_backend: Any) -> _Graph:
         """Static tensors of one graph, every row initialised as padding."""
         tpr, pb, w, dev = key.tokens_per_req, key.batch_size, key.tree_width, self.device
         pn = pb * tpr
@@ -262,19 +278,24 @@ class CudaGraphRunner:
             pad_mask[torch.arange(tpr, device=dev), torch.arange(w - tpr, w, device=dev)] = True
             tree_mask = pad_mask.expand(pb, tpr, w).clone()
         ctx = ForwardContext(
-            mode=key.mode, positions=torch.zeros(pn, dtype=torch.int64, device=dev),
+            mode=key.mode,
+            positions=torch.zeros(pn, dtype=torch.int64, device=dev),
             out_cache_loc=torch.zeros(pn, dtype=torch.int64, device=dev),
             req_slots=torch.zeros(pb, dtype=torch.int64, device=dev),
             seq_lens=torch.full((pb,), pad_seq, dtype=torch.int64, device=dev),
             extend_lens=torch.full((pb,), tpr, dtype=torch.int64, device=dev),
             qo_indptr=torch.arange(pb + 1, dtype=torch.int64, device=dev) * tpr,
-            req_to_token=req_to_token, kv_pool=kv_pool, attn_backend=attn_backend,
+            req_to_token=req_to_token,
+            kv_pool=kv_pool,
+            attn_backend=attn_backend,
             # replays cannot refresh CPU lists: give the backend an upper bound (padded eager
             # overwrites it with the live lengths on every call)
-            seq_lens_cpu=[int(req_to_token.shape[1])] * pb, extend_lens_cpu=[tpr] * pb,
-            tree_mask=tree_mask, aux_hidden_layers=key.aux_hidden_layers)
-        inputs = {name: self._arena.view(name, (pn, *shape), dtype).zero_()
-                  for name, shape, dtype in key.inputs}
+            seq_lens_cpu=[int(req_to_token.shape[1])] * pb,
+            extend_lens_cpu=[tpr] * pb,
+            tree_mask=tree_mask,
+            aux_hidden_layers=key.aux_hidden_layers,
+        )
+        inputs = {name: self._arena.view(name, (pn, *shape), dtype).zero_() for name, shape, dtype in key.inputs}
         entry = _Graph(key, torch.zeros(pn, dtype=torch.int64, device=dev), ctx, inputs, pad_seq, pad_mask)
         self._graphs[key] = entry
         self.stats.captures += 1
@@ -301,8 +322,7 @@ class CudaGraphRunner:
         gc.disable()
         try:
             # thread-local: other threads of a server (I/O, transfers) may use CUDA meanwhile
-            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream,
-                                  capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
                 entry.output = fn()
         finally:
             if gc_was_on:
@@ -311,8 +331,9 @@ class CudaGraphRunner:
         logger.debug("captured CUDA graph %s", entry.key)
 
     # ---- replay ----
-    def _load(self, entry: _Graph, input_ids: torch.Tensor, ctx: ForwardContext,
-              model_inputs: dict[str, torch.Tensor]) -> None:
+    def _load(
+        self, entry: _Graph, input_ids: torch.Tensor, ctx: ForwardContext, model_inputs: dict[str, torch.Tensor]
+    ) -> None:
         """Copy the live batch into the static tensors and reset the padded rows."""
         s, n, b = entry.ctx, ctx.num_tokens, ctx.batch_size
         _copy_padded(entry.input_ids, input_ids, n, 0)

@@ -163,7 +163,7 @@ class DisaggEngine:
     def decode_handoff(self, payload: torch.Tensor) -> tuple[HandoffHeader, Any]:
         """(header, the algorithm's per-request state) of a received row payload."""
         header, rest = decode_row(payload)
-        return header, self.codec.decode(rest[:self.codec.payload_bytes])
+        return header, self.codec.decode(rest[: self.codec.payload_bytes])
 
     @staticmethod
     def prebuilt(req: Req) -> Batch:

@@ -17,7 +17,7 @@ from engine.algorithm import EngineAlgorithm, PlainDecoding
 from engine.attention import create_attention_backend
 from engine.config import ModelConfig, parse_dtype
 from engine.core import FinishReason, InvalidRequest, Req, SamplingParams, as_token_list
-from engine.executor import Executor, check_executor, maybe_enable_cuda_graphs
+from engine.executor import check_executor, maybe_enable_cuda_graphs
 from engine.kv_budget import check_fraction, draft_footprint, kv_bytes_per_token, size_kv_cache
 from engine.kv_cache import MAX_DECODE_WINDOW, KVCacheConfig, KVCacheManager, KVPool
 from engine.loader import load_model
@@ -171,8 +171,9 @@ def bind_thread_to_device(device: torch.device) -> None:
 class Engine:
     """Generate for a batch of prompts (text or token ids), all at once or streaming."""
 
-    def __init__(self, config: EngineConfig, algorithm: EngineAlgorithm | None = None,
-                 io: SchedulerIO | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, algorithm: EngineAlgorithm | None = None, io: SchedulerIO | None = None
+    ) -> None:
         started = time.perf_counter()
         self.config = config
         self.device = torch.device(config.device)
@@ -188,24 +189,32 @@ class Engine:
         # (two windows: under overlap a request's next window is reserved on the host's upper
         # bound, which may still count the window of the batch in flight)
         width = self.max_context_len + 2 * MAX_DECODE_WINDOW + config.page_size
-        self.kv = KVCacheManager(KVCacheConfig(num_pages, config.page_size, config.max_running, width),
-                                 self.device)
-        pool = KVPool(mc.num_layers, num_pages, config.page_size, mc.num_kv_heads, mc.head_dim,
-                      self.dtype, self.device)
-        runner = ModelRunner(model, self.kv, pool, create_attention_backend(config.attention_backend),
-                             self.device)
+        self.kv = KVCacheManager(KVCacheConfig(num_pages, config.page_size, config.max_running, width), self.device)
+        pool = KVPool(mc.num_layers, num_pages, config.page_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        runner = ModelRunner(model, self.kv, pool, create_attention_backend(config.attention_backend), self.device)
         sampler = Sampler(mc.vocab_size, config.max_running, self.device, mc.eos_token_ids)
         self.parts = EngineParts(config, mc, runner, self.kv, sampler, self.device, self.dtype)
         self.executor = check_executor(self.algorithm.create_worker(self.parts), self.algorithm.name)
         maybe_enable_cuda_graphs(runner, config.cuda_graph_max_bs, config.cuda_graph_padded_eager)
         if self.executor.kv_tokens_per_decode() > MAX_DECODE_WINDOW:
             raise ValueError(f"a decode step may not write more than {MAX_DECODE_WINDOW} tokens")
-        policy = BatchPolicy(PolicyConfig(config.max_running, config.chunked_prefill_size,
-                                          max_context_len=self.max_context_len), self.kv, self.executor)
+        policy = BatchPolicy(
+            PolicyConfig(config.max_running, config.chunked_prefill_size, max_context_len=self.max_context_len),
+            self.kv,
+            self.executor,
+        )
         self.io: SchedulerIO = io or _LocalIO()
-        self.scheduler = Scheduler(policy, self.executor, self.io, self.kv, mc.eos_token_ids,
-                                   self.max_context_len, overlap=config.overlap, algorithm=self.algorithm,
-                                   future_map_debug=config.future_map_debug)
+        self.scheduler = Scheduler(
+            policy,
+            self.executor,
+            self.io,
+            self.kv,
+            mc.eos_token_ids,
+            self.max_context_len,
+            overlap=config.overlap,
+            algorithm=self.algorithm,
+            future_map_debug=config.future_map_debug,
+        )
         if config.cuda_graph_max_bs > 0:  # after the scheduler bound the FutureMap graphs read
             self.executor.capture_cuda_graphs()  # at start-up, so first requests do not pay for captures
         self.tokenizer = _maybe_tokenizer(Path(config.model))
@@ -222,22 +231,24 @@ class Engine:
         size = self.dtype.itemsize
         draft_per_token, draft_weights = draft_footprint(self.algorithm.draft_model_dir(), size)
         per_token = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, size) + draft_per_token
-        return size_kv_cache(self.device, self.config.mem_fraction_static, self.config.page_size, per_token,
-                             draft_weights)
+        return size_kv_cache(
+            self.device, self.config.mem_fraction_static, self.config.page_size, per_token, draft_weights
+        )
 
     # ---- requests ----
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    rid: str | None = None) -> str:
+    def add_request(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, rid: str | None = None
+    ) -> str:
         """Queue one prompt; returns its request id. Bad input raises InvalidRequest."""
         return self._submit(prompt, params, rid).rid
 
-    def _submit(self, prompt: str | Sequence[int], params: SamplingParams | None,
-                rid: str | None = None) -> Req:
+    def _submit(self, prompt: str | Sequence[int], params: SamplingParams | None, rid: str | None = None) -> Req:
         params = params or SamplingParams()
         req = self.make_request(self._prompt_ids(prompt), params, rid)
         if self.tokenizer is not None:
-            self._texts[req.rid] = TextAssembler(self.tokenizer, params.stop, req.prompt_ids,
-                                                 params.min_new_tokens, params.skip_special_tokens)
+            self._texts[req.rid] = TextAssembler(
+                self.tokenizer, params.stop, req.prompt_ids, params.min_new_tokens, params.skip_special_tokens
+            )
         self.io.submit(req)
         return req
 
@@ -248,8 +259,7 @@ class Engine:
         if not ids:
             raise InvalidRequest("prompt is empty")
         if len(ids) + 1 > self.max_context_len:
-            raise InvalidRequest(f"prompt has {len(ids)} tokens; the context length is "
-                                 f"{self.max_context_len}")
+            raise InvalidRequest(f"prompt has {len(ids)} tokens; the context length is {self.max_context_len}")
         if params.stop and self.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer; this model directory has none")
         rid = rid or f"req-{next(self._ids)}"
@@ -287,11 +297,19 @@ class Engine:
             if upd.finished or hit_stop:
                 self._texts.pop(upd.rid, None)
         finished = upd.finished or reason is FinishReason.STOP
-        return StreamDelta(upd.rid, upd.tokens, text, finished, reason, upd.finish_detail,
-                           upd.logprobs, upd.top_logprobs, upd.accepted_drafts)
+        return StreamDelta(
+            upd.rid,
+            upd.tokens,
+            text,
+            finished,
+            reason,
+            upd.finish_detail,
+            upd.logprobs,
+            upd.top_logprobs,
+            upd.accepted_drafts,
+        )
 
-    def stream(self, prompt: str | Sequence[int],
-               params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Yield each new piece of one request until it finishes (other requests keep running)."""
         rid = self.add_request(prompt, params)
         while True:
@@ -301,17 +319,19 @@ class Engine:
                     if delta.finished:
                         return
 
-    def generate(self, prompts: Sequence[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[GenerationOutput]:
+    def generate(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[GenerationOutput]:
         """Run all prompts as one continuous batch and return when every one has finished."""
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise InvalidRequest("params must be one SamplingParams or one per prompt")
         reqs = [self._submit(p, sp) for p, sp in zip(prompts, plist)]
         rids = [r.rid for r in reqs]
-        outs = {r.rid: GenerationOutput(r.rid, list(r.prompt_ids), [],
-                                        "" if r.rid in self._texts else None, None) for r in reqs}
+        outs = {
+            r.rid: GenerationOutput(r.rid, list(r.prompt_ids), [], "" if r.rid in self._texts else None, None)
+            for r in reqs
+        }
         pending = set(rids)
         while pending:
             for d in self.step():
@@ -342,5 +362,4 @@ def _maybe_tokenizer(model_dir: Path) -> Tokenizer | None:
     return Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
 
 
-__all__ = ["Engine", "EngineConfig", "EngineParts", "GenerationOutput", "StreamDelta",
-           "parse_dtype"]
+__all__ = ["Engine", "EngineConfig", "EngineParts", "GenerationOutput", "StreamDelta", "parse_dtype"]

@@ -102,8 +102,10 @@ def check_executor(executor: Executor, algorithm: str) -> Executor:
     class, so properties are not evaluated before the scheduler binds their state)."""
     missing = sorted(n for n in _EXECUTOR_HOOKS if not hasattr(type(executor), n))
     if missing:
-        raise TypeError(f"{algorithm}: its worker {type(executor).__name__} does not implement the "
-                        f"Executor protocol (engine/executor.py): missing {missing}")
+        raise TypeError(
+            f"{algorithm}: its worker {type(executor).__name__} does not implement the "
+            f"Executor protocol (engine/executor.py): missing {missing}"
+        )
     return executor
 
 
@@ -119,8 +121,10 @@ class HostCopy:
         self._host = tensors
         dev = next((t.device for t in tensors.values()), torch.device("cpu"))
         if dev.type == "cuda":
-            self._host = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                          for k, t in tensors.items()}
+            self._host = {
+                k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                for k, t in tensors.items()
+            }
             self._event = torch.cuda.Event()
             self._event.record()
         elif dev.type != "cpu":  # other accelerators: a plain (synchronising) copy stays correct
@@ -208,8 +212,11 @@ class PlainExecutor:
         if graphs is None:
             return
         fm, dev = self.future_map, self.runner.device
-        self.step_graphs = StepGraphs(graphs.batch_sizes, capture=graphs.use_graphs,
-                                      after_warmup=lambda: fm.invalidate(torch.zeros(1, dtype=torch.int64)))
+        self.step_graphs = StepGraphs(
+            graphs.batch_sizes,
+            capture=graphs.use_graphs,
+            after_warmup=lambda: fm.invalidate(torch.zeros(1, dtype=torch.int64)),
+        )
         for bs in sorted(graphs.batch_sizes, reverse=True):
             slots, prefix = (torch.zeros(bs, dtype=torch.int64, device=dev) for _ in range(2))
             body = (lambda sl, pr: lambda: greedy_decode_step(self.runner, fm, sl, pr))(slots, prefix)
@@ -247,8 +254,7 @@ class PlainExecutor:
             tokens = self._graphed_decode(batch, relay)
             if tokens is not None:
                 return PlainPending(batch, HostCopy({"tokens": tokens}))
-        ctx = self.runner.make_context(batch.mode, [r.slot for r in reqs], batch.prefix_lens,
-                                       batch.extend_lens)
+        ctx = self.runner.make_context(batch.mode, [r.slot for r in reqs], batch.prefix_lens, batch.extend_lens)
         decode = batch.mode is ForwardMode.DECODE
         ids = relay.resolve().bonus_tokens if decode else build_input_ids(batch, dev)
         hidden, _ = self.runner.forward(ids, ctx)
@@ -280,8 +286,9 @@ class PlainExecutor:
         return scatter_to_batch(sampled, pending.batch.sample)
 
 
-def greedy_decode_step(runner: ModelRunner, future_map: FutureMap, slots: torch.Tensor,
-                       prefix: torch.Tensor) -> tuple[torch.Tensor]:
+def greedy_decode_step(
+    runner: ModelRunner, future_map: FutureMap, slots: torch.Tensor, prefix: torch.Tensor
+) -> tuple[torch.Tensor]:
     """One plain decode step of greedy requests in fixed-shape device ops: last tokens from the
     FutureMap, forward, argmax, stash (padding rows: slot 0, kept at zero)."""
     ids = future_map.resolve(slots, wait=False).bonus_tokens
@@ -299,8 +306,9 @@ def seed_prebuilt_rows(reqs: list[Req], draft_input: DraftInput, relay: BatchRel
     relay.seed(to_device([r.seq_len for r in reqs], relay.indices.device), draft_input.relay_payload())
 
 
-def sample_tokens(sampler: Sampler, logits: torch.Tensor, reqs: list[Req],
-                  positions: list[int]) -> dict[str, torch.Tensor]:
+def sample_tokens(
+    sampler: Sampler, logits: torch.Tensor, reqs: list[Req], positions: list[int]
+) -> dict[str, torch.Tensor]:
     """Sample one token per request on the device; returns what the host will need."""
     sb = sampler.prepare(reqs, positions=positions)
     want_lp = any(r.params.logprobs for r in reqs)
@@ -320,8 +328,7 @@ def sampled_output(host: dict[str, torch.Tensor]) -> StepOutput:
     if "logprobs" in host:
         out.logprobs = [[v] for v in host["logprobs"].tolist()]
     if "top_ids" in host:
-        out.top_logprobs = [[list(zip(i, v))] for i, v in
-                            zip(host["top_ids"].tolist(), host["top_values"].tolist())]
+        out.top_logprobs = [[list(zip(i, v))] for i, v in zip(host["top_ids"].tolist(), host["top_values"].tolist())]
     return out
 
 
@@ -331,10 +338,12 @@ def scatter_to_batch(sampled: StepOutput, mask: list[bool]) -> StepOutput:
         return sampled
     it = iter(range(len(sampled.tokens)))
     idx = [next(it) if m else -1 for m in mask]
-    pick = (lambda xs: [xs[i] if i >= 0 else [] for i in idx])  # noqa: E731
-    return StepOutput(tokens=pick(sampled.tokens),
-                      logprobs=pick(sampled.logprobs) if sampled.logprobs else None,
-                      top_logprobs=pick(sampled.top_logprobs) if sampled.top_logprobs else None)
+    pick = lambda xs: [xs[i] if i >= 0 else [] for i in idx]  # noqa: E731
+    return StepOutput(
+        tokens=pick(sampled.tokens),
+        logprobs=pick(sampled.logprobs) if sampled.logprobs else None,
+        top_logprobs=pick(sampled.top_logprobs) if sampled.top_logprobs else None,
+    )
 
 
 def maybe_enable_cuda_graphs(runner: ModelRunner, max_bs: int, padded_eager: bool = False) -> None:

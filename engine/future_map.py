@@ -76,8 +76,9 @@ class DraftInput(Protocol):
 class FutureMap:
     """Relay buffers with one row per request slot (row 0 = padding)."""
 
-    def __init__(self, num_rows: int, device: torch.device | str, *, need_topk: bool,
-                 need_hidden: bool, debug: bool = False) -> None:
+    def __init__(
+        self, num_rows: int, device: torch.device | str, *, need_topk: bool, need_hidden: bool, debug: bool = False
+    ) -> None:
         if num_rows < 2:
             raise ValueError(f"num_rows must count the padding row and one slot, got {num_rows}")
         self.num_rows = num_rows
@@ -125,8 +126,9 @@ class FutureMap:
         self.new_seq_lens_buf[idx] = new_seq_lens.to(self.device, torch.int64, non_blocking=True)
         self._publish_ready.record()
 
-    def stash(self, indices: torch.Tensor, payload: RelayPayload, *, keep_topk: bool = False,
-              keep_hidden: bool = False) -> None:
+    def stash(
+        self, indices: torch.Tensor, payload: RelayPayload, *, keep_topk: bool = False, keep_hidden: bool = False
+    ) -> None:
         """Write the payload rows; call after the forward, on the forward stream. `keep_topk` /
         `keep_hidden`: the rows keep their top-k / hidden state (the payload has none: a forward
         that deferred computing them)."""
@@ -134,16 +136,14 @@ class FutureMap:
             return
         self._check_rows("bonus_tokens", payload.bonus_tokens, indices)
         idx = self._idx(indices)
-        self.output_tokens_buf[idx] = payload.bonus_tokens.to(self.device, torch.int64,
-                                                              non_blocking=True)
+        self.output_tokens_buf[idx] = payload.bonus_tokens.to(self.device, torch.int64, non_blocking=True)
         # Which extras travel is decided by the algorithm (need_*), not by the payload's shape:
         # a map that does not need them ignores them, one that does refuses a payload without.
         if self.need_topk and not keep_topk:
             if payload.topk_p is None or payload.topk_index is None:
                 raise FutureMapError("this FutureMap relays top-k but the payload has none")
             self.topk_p_buf = self._store("topk_p", self.topk_p_buf, idx, payload.topk_p, indices)
-            self.topk_index_buf = self._store("topk_index", self.topk_index_buf, idx,
-                                              payload.topk_index, indices)
+            self.topk_index_buf = self._store("topk_index", self.topk_index_buf, idx, payload.topk_index, indices)
         if self.need_hidden and not keep_hidden:
             if payload.hidden_states is None:
                 raise FutureMapError("this FutureMap relays hidden states but the payload has none")
@@ -153,8 +153,9 @@ class FutureMap:
         """Write the hidden-state rows alone (a draft that caught up after deferring them)."""
         if not self.need_hidden or indices.numel() == 0:
             return
-        self.hidden_states_buf = self._store("hidden_states", self.hidden_states_buf, self._idx(indices),
-                                             hidden, indices)
+        self.hidden_states_buf = self._store(
+            "hidden_states", self.hidden_states_buf, self._idx(indices), hidden, indices
+        )
 
     # ----------------------------------------------------------------- reads
 
@@ -189,8 +190,9 @@ class FutureMap:
         self._guard(self.new_seq_lens_buf, seq_lens, idx, "new_seq_lens", minimum=1, consume=consume)
         return seq_lens
 
-    def resolve(self, indices: torch.Tensor, *, wait: bool = True, consume: bool = True,
-                extras: bool = True) -> RelayPayload:
+    def resolve(
+        self, indices: torch.Tensor, *, wait: bool = True, consume: bool = True, extras: bool = True
+    ) -> RelayPayload:
         """Gather the stashed payload rows on the device (`extras=False`: the tokens alone, for a
         forward that drafts nothing)."""
         idx = self._idx(indices)
@@ -253,17 +255,18 @@ class FutureMap:
     @staticmethod
     def _check_rows(name: str, values: torch.Tensor, indices: torch.Tensor) -> None:
         if values.dim() == 0 or values.shape[0] != indices.shape[0]:
-            raise FutureMapError(
-                f"{name} has shape {tuple(values.shape)}, expected {indices.shape[0]} rows")
+            raise FutureMapError(f"{name} has shape {tuple(values.shape)}, expected {indices.shape[0]} rows")
 
-    def _store(self, name: str, buf: torch.Tensor | None, idx: torch.Tensor,
-               values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    def _store(
+        self, name: str, buf: torch.Tensor | None, idx: torch.Tensor, values: torch.Tensor, indices: torch.Tensor
+    ) -> torch.Tensor:
         self._check_rows(name, values, indices)
         if buf is None:
             buf = self._full((self.num_rows, *values.shape[1:]), 0, values.dtype)
         elif buf.shape[1:] != values.shape[1:]:
-            raise FutureMapError(f"{name} rows have shape {tuple(values.shape[1:])}, "
-                                 f"buffer holds {tuple(buf.shape[1:])}")
+            raise FutureMapError(
+                f"{name} rows have shape {tuple(values.shape[1:])}, buffer holds {tuple(buf.shape[1:])}"
+            )
         buf[idx] = values.to(self.device, buf.dtype, non_blocking=True)
         return buf
 
@@ -271,8 +274,9 @@ class FutureMap:
         if self._publish_ready is not None:
             self._publish_ready.wait()
 
-    def _guard(self, buf: torch.Tensor, values: torch.Tensor, idx: torch.Tensor, name: str,
-               minimum: int, consume: bool = True) -> None:
+    def _guard(
+        self, buf: torch.Tensor, values: torch.Tensor, idx: torch.Tensor, name: str, minimum: int, consume: bool = True
+    ) -> None:
         """Fail a read of a sentinel row (never written, released or, in debug, consumed).
         Row 0 is exempt: padding reads it freely."""
         if values.numel() == 0:
@@ -333,8 +337,14 @@ class BatchRelay:
         return BatchRelay(self.future_map, self.indices[to_device(keep, self.indices.device)])
 
 
-def plain_future_map(max_running_requests: int, chunked_prefill_size: int, context_len: int,
-                     device: torch.device | str, *, debug: bool = False) -> FutureMap:
+def plain_future_map(
+    max_running_requests: int,
+    chunked_prefill_size: int,
+    context_len: int,
+    device: torch.device | str,
+    *,
+    debug: bool = False,
+) -> FutureMap:
     """The map of decoding without speculation: next input tokens and lengths, nothing else.
     (chunked_prefill_size and context_len are part of the factory signature; rows are per slot.)"""
     return FutureMap(max_running_requests + 1, device, need_topk=False, need_hidden=False, debug=debug)

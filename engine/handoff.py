@@ -77,16 +77,17 @@ class HandoffHeader:
 def encode_row(header: HandoffHeader, payload: torch.Tensor, payload_bytes: int) -> torch.Tensor:
     """One handoff row (uint8, HEADER_BYTES + payload_bytes) on the CPU."""
     if payload.dtype != torch.uint8 or payload.numel() != payload_bytes:
-        raise HandoffError(f"codec payload has {payload.numel()} {payload.dtype} elements, "
-                           f"expected {payload_bytes} uint8")
+        raise HandoffError(
+            f"codec payload has {payload.numel()} {payload.dtype} elements, expected {payload_bytes} uint8"
+        )
     row = torch.zeros(HEADER_BYTES + payload_bytes, dtype=torch.uint8)
     row[0:8].view(torch.int64)[0] = header.first_token
     row[8:12].view(torch.float32)[0] = math.nan if header.logprob is None else header.logprob
     top = header.top_logprobs[:MAX_TOP_LOGPROBS]
     row[12:16].view(torch.int32)[0] = len(top)
     if top:
-        row[16:16 + 8 * len(top)].view(torch.int64).copy_(torch.tensor([t for t, _ in top]))
-        row[176:176 + 4 * len(top)].view(torch.float32).copy_(torch.tensor([v for _, v in top]))
+        row[16 : 16 + 8 * len(top)].view(torch.int64).copy_(torch.tensor([t for t, _ in top]))
+        row[176 : 176 + 4 * len(top)].view(torch.float32).copy_(torch.tensor([v for _, v in top]))
     row[HEADER_BYTES:] = payload.reshape(-1).cpu()
     return row
 
@@ -101,7 +102,7 @@ def decode_row(row: torch.Tensor) -> tuple[HandoffHeader, torch.Tensor]:
     n = int(row[12:16].view(torch.int32)[0])
     if first < 0 or not 0 <= n <= MAX_TOP_LOGPROBS:
         raise HandoffError(f"corrupt handoff header (first token {first}, {n} top logprobs)")
-    ids = row[16:16 + 8 * n].view(torch.int64).tolist()
-    vals = row[176:176 + 4 * n].view(torch.float32).tolist()
+    ids = row[16 : 16 + 8 * n].view(torch.int64).tolist()
+    vals = row[176 : 176 + 4 * n].view(torch.float32).tolist()
     header = HandoffHeader(first, None if math.isnan(lp) else lp, list(zip(ids, vals)))
     return header, row[HEADER_BYTES:].clone()

@@ -36,8 +36,7 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_
     return num_layers * num_kv_heads * head_dim * 2 * dtype_bytes
 
 
-def kv_cache_tokens(total_bytes: int, free_bytes: int, fraction: float, bytes_per_token: int,
-                    page_size: int) -> int:
+def kv_cache_tokens(total_bytes: int, free_bytes: int, fraction: float, bytes_per_token: int, page_size: int) -> int:
     """Tokens of KV cache (whole pages) that fit in what the weights leave of `fraction` of the
     device; page 0 is never handed out, so it is paid for but not counted."""
     check_fraction(fraction)
@@ -50,7 +49,8 @@ def kv_cache_tokens(total_bytes: int, free_bytes: int, fraction: float, bytes_pe
             f"no room for the KV cache: {free_bytes / _GIB:.2f} GiB free after loading the weights, of which "
             f"{(1 - fraction) * total_bytes / _GIB:.2f} GiB stay free for activations (1 - --mem-fraction-static "
             f"{fraction} of {total_bytes / _GIB:.2f} GiB); one page needs {bytes_per_token * page_size} bytes "
-            "(and page 0 is reserved). Raise --mem-fraction-static or give --max-total-tokens")
+            "(and page 0 is reserved). Raise --mem-fraction-static or give --max-total-tokens"
+        )
     return pages * page_size
 
 
@@ -66,15 +66,17 @@ def draft_footprint(model_dir: str | None, dtype_bytes: int) -> tuple[int, int]:
         raw = json.loads(cfg_file.read_text())
         heads = int(raw["num_attention_heads"])
         head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // heads)
-        per_token = kv_bytes_per_token(int(raw["num_hidden_layers"]), int(raw.get("num_key_value_heads") or heads),
-                                       head_dim, dtype_bytes)
+        per_token = kv_bytes_per_token(
+            int(raw["num_hidden_layers"]), int(raw.get("num_key_value_heads") or heads), head_dim, dtype_bytes
+        )
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelLoadError(f"{cfg_file}: cannot size the draft model's KV cache ({e!r})") from e
     return per_token, sum(f.stat().st_size for f in root.glob("*.safetensors"))
 
 
-def size_kv_cache(device: torch.device, fraction: float, page_size: int, bytes_per_token: int,
-                  pending_weight_bytes: int = 0) -> int:
+def size_kv_cache(
+    device: torch.device, fraction: float, page_size: int, bytes_per_token: int, pending_weight_bytes: int = 0
+) -> int:
     """KV capacity in tokens for a device whose target weights are loaded; `pending_weight_bytes`
     will load after the cache is allocated (a draft model) and so count as used already."""
     check_fraction(fraction)
@@ -82,6 +84,11 @@ def size_kv_cache(device: torch.device, fraction: float, page_size: int, bytes_p
         return CPU_KV_TOKENS
     free, total = torch.cuda.mem_get_info(device)
     tokens = kv_cache_tokens(total, free - pending_weight_bytes, fraction, bytes_per_token, page_size)
-    log.info("KV cache: %d tokens (%.2f GiB) from --mem-fraction-static %s of %.1f GiB", tokens,
-             tokens * bytes_per_token / _GIB, fraction, total / _GIB)
+    log.info(
+        "KV cache: %d tokens (%.2f GiB) from --mem-fraction-static %s of %.1f GiB",
+        tokens,
+        tokens * bytes_per_token / _GIB,
+        fraction,
+        total / _GIB,
+    )
     return tokens

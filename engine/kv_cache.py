@@ -30,12 +30,21 @@ KV_LAYOUT = "page-major"
 class KVPool:
     """K and V tensors of one model (target or draft) over the shared page ids."""
 
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
         self.num_layers, self.page_size = num_layers, page_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.buffer = torch.zeros(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim,
-                                  dtype=dtype, device=device)
+        self.buffer = torch.zeros(
+            num_layers, 2, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device
+        )
 
     def k(self, layer: int) -> torch.Tensor:
         """Keys of a layer viewed per token slot: (pages * page_size, kv_heads, head_dim)."""
@@ -73,8 +82,7 @@ class KVCacheManager:
         self.page_size = cfg.page_size
         self.allocator = PageAllocator(cfg.num_pages)
         # row 0 is padding: it stays all-zero so padded lookups hit page 0
-        self.req_to_token = torch.zeros(cfg.max_reqs + 1, cfg.max_context_len, dtype=torch.int64,
-                                        device=device)
+        self.req_to_token = torch.zeros(cfg.max_reqs + 1, cfg.max_context_len, dtype=torch.int64, device=device)
         self._free_slots = list(range(cfg.max_reqs, 0, -1))
         self._pages: dict[int, list[int]] = {}  # slot -> pages in order
 
@@ -112,7 +120,7 @@ class KVCacheManager:
         pages.extend(new)
         req.num_pages = len(pages)
         slots = self._slots_of_pages(new)
-        self.req_to_token[req.slot, start * self.page_size: start * self.page_size + slots.numel()] = slots
+        self.req_to_token[req.slot, start * self.page_size : start * self.page_size + slots.numel()] = slots
 
     def shrink(self, req: Req, num_tokens: int) -> None:
         """Return pages beyond those covering [0, num_tokens) (rejected speculative slots)."""

@@ -46,9 +46,13 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor]]:
             raise ModelLoadError(f"{f}: cannot read safetensors ({e})") from e
 
 
-def load_weights(model: nn.Module, files: list[Path], ignore_prefixes: tuple[str, ...] = (),
-                 rename: dict[str, str] | None = None,
-                 buffers: tuple[str, ...] = ("d2t", "t2d")) -> None:
+def load_weights(
+    model: nn.Module,
+    files: list[Path],
+    ignore_prefixes: tuple[str, ...] = (),
+    rename: dict[str, str] | None = None,
+    buffers: tuple[str, ...] = ("d2t", "t2d"),
+) -> None:
     """Copy checkpoint tensors into `model`; every parameter must be found with its exact shape."""
     params = dict(model.named_parameters())
     tied = getattr(model, "tied_parameter_names", lambda: set())()
@@ -56,28 +60,25 @@ def load_weights(model: nn.Module, files: list[Path], ignore_prefixes: tuple[str
     rename = rename or {}
     for f, name, tensor in iter_tensors(files):
         name = rename.get(name, name)
-        if (name.startswith(ignore_prefixes) or name.endswith("rotary_emb.inv_freq")
-                or name in buffers):
+        if name.startswith(ignore_prefixes) or name.endswith("rotary_emb.inv_freq") or name in buffers:
             continue
         if name not in params:
             if name in tied:
                 continue
-            raise ModelLoadError(f"{f}: unexpected tensor {name!r} (not a parameter of "
-                                 f"{type(model).__name__})")
+            raise ModelLoadError(f"{f}: unexpected tensor {name!r} (not a parameter of {type(model).__name__})")
         p = params[name]
         if tuple(tensor.shape) != tuple(p.shape):
-            raise ModelLoadError(f"{f}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(p.shape)}")
+            raise ModelLoadError(f"{f}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
         with torch.no_grad():
             p.copy_(tensor.to(p.dtype))
         missing.discard(name)
     if missing:
-        raise ModelLoadError(f"{files[0].parent}: missing tensors {sorted(missing)[:8]}"
-                             f"{' ...' if len(missing) > 8 else ''}")
+        raise ModelLoadError(
+            f"{files[0].parent}: missing tensors {sorted(missing)[:8]}{' ...' if len(missing) > 8 else ''}"
+        )
 
 
-def build_empty(cls: Callable[[Any], nn.Module], cfg: Any, dtype: torch.dtype,
-                device: torch.device | str) -> nn.Module:
+def build_empty(cls: Callable[[Any], nn.Module], cfg: Any, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
     """Instantiate without initialising weights (meta device), then materialise on `device`."""
     with torch.device("meta"):
         model = cls(cfg)
@@ -93,8 +94,9 @@ def build_empty(cls: Callable[[Any], nn.Module], cfg: Any, dtype: torch.dtype,
     return model
 
 
-def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = None,
-               device: torch.device | str = "cpu") -> tuple[nn.Module, ModelConfig]:
+def load_model(
+    model_dir: str | Path, dtype: str | torch.dtype | None = None, device: torch.device | str = "cpu"
+) -> tuple[nn.Module, ModelConfig]:
     path = Path(model_dir)
     cfg = ModelConfig.from_dir(path)
     torch_dtype = parse_dtype(dtype or cfg.torch_dtype)

@@ -25,9 +25,16 @@ class ModelRunner:
     and graphs) only when its algorithm says it may (`supports_target_verify_for_draft`); asked
     otherwise, it refuses with an error naming why."""
 
-    def __init__(self, model: nn.Module, kv: KVCacheManager, pool: KVPool,
-                 attn_backend: AttentionBackend, device: torch.device | str, *,
-                 target_verify: bool | str = True) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        kv: KVCacheManager,
+        pool: KVPool,
+        attn_backend: AttentionBackend,
+        device: torch.device | str,
+        *,
+        target_verify: bool | str = True,
+    ) -> None:
         self.model, self.kv, self.pool = model, kv, pool
         self.attn_backend = attn_backend
         self.device = torch.device(device)
@@ -44,16 +51,28 @@ class ModelRunner:
             raise ValueError(f"this model runner cannot run TARGET_VERIFY forwards: {self._target_verify}")
 
     # ---- CUDA graphs ----
-    def enable_cuda_graphs(self, max_bs: int, batch_sizes: list[int] | None = None, *,
-                           capture: bool = True, max_tokens_per_req: int = MAX_DECODE_WINDOW) -> bool:
+    def enable_cuda_graphs(
+        self,
+        max_bs: int,
+        batch_sizes: list[int] | None = None,
+        *,
+        capture: bool = True,
+        max_tokens_per_req: int = MAX_DECODE_WINDOW,
+    ) -> bool:
         """Serve fixed-shape forwards of up to `max_bs` requests from CUDA graphs (see
         engine/cuda_graph.py). `capture=False` runs the same padded static-buffer path eagerly
         (any device or backend: the CPU test path). Returns whether it was enabled."""
         if capture and (why := graph_unsupported_reason(self.device, self.attn_backend)):
             logger.info("CUDA graphs stay off: %s", why)
             return False
-        self.graphs = CudaGraphRunner(self._forward_eager, self.device, max_bs, batch_sizes,
-                                      capture=capture, max_tokens_per_req=max_tokens_per_req)
+        self.graphs = CudaGraphRunner(
+            self._forward_eager,
+            self.device,
+            max_bs,
+            batch_sizes,
+            capture=capture,
+            max_tokens_per_req=max_tokens_per_req,
+        )
         return True
 
     def disable_cuda_graphs(self) -> None:
@@ -65,18 +84,33 @@ class ModelRunner:
             self.graphs.frozen = True
 
     @torch.inference_mode()
-    def capture(self, mode: ForwardMode, tokens_per_req: int, batch_sizes: list[int] | None = None, *,
-                tree_width: int | None = None, aux_hidden_layers: tuple[int, ...] = (),
-                **example_model_inputs: torch.Tensor) -> int:
+    def capture(
+        self,
+        mode: ForwardMode,
+        tokens_per_req: int,
+        batch_sizes: list[int] | None = None,
+        *,
+        tree_width: int | None = None,
+        aux_hidden_layers: tuple[int, ...] = (),
+        **example_model_inputs: torch.Tensor,
+    ) -> int:
         """Pre-capture (at start-up) the graphs of one forward shape so first requests do not pay
         for it. Model inputs are examples: only their trailing shape and dtype matter. Returns
         the number of new graphs (0 when graphs are off)."""
         self.check_mode(mode)
         if self.graphs is None:
             return 0
-        return self.graphs.precapture(mode, tokens_per_req, batch_sizes, tree_width, aux_hidden_layers,
-                                      example_model_inputs, self.pool, self.kv.req_to_token,
-                                      self.attn_backend)
+        return self.graphs.precapture(
+            mode,
+            tokens_per_req,
+            batch_sizes,
+            tree_width,
+            aux_hidden_layers,
+            example_model_inputs,
+            self.pool,
+            self.kv.req_to_token,
+            self.attn_backend,
+        )
 
     def graph_shapes(self) -> list[tuple[ForwardMode, int, int]]:
         """(mode, tokens per request, padded batch size) of the graphs held (none when off)."""
@@ -86,10 +120,18 @@ class ModelRunner:
     def graph_stats(self) -> GraphStats:
         return self.graphs.stats if self.graphs is not None else GraphStats()
 
-    def make_context(self, mode: ForwardMode, slots: list[int], prefix_lens: list[int],
-                     extend_lens: list[int], *, positions: torch.Tensor | None = None,
-                     tree_mask: torch.Tensor | None = None, aux_hidden_layers: tuple[int, ...] = (),
-                     device_prefix: torch.Tensor | None = None) -> ForwardContext:
+    def make_context(
+        self,
+        mode: ForwardMode,
+        slots: list[int],
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        *,
+        positions: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+        aux_hidden_layers: tuple[int, ...] = (),
+        device_prefix: torch.Tensor | None = None,
+    ) -> ForwardContext:
         """Request i writes tokens [prefix_lens[i], prefix_lens[i] + extend_lens[i]) of its row.
 
         `positions` overrides the rotary positions (tree drafts sit at depth, not at slot order);
@@ -105,24 +147,39 @@ class ModelRunner:
         qo_indptr = torch.zeros(len(slots) + 1, dtype=torch.int64, device=dev)
         torch.cumsum(ext, 0, out=qo_indptr[1:])
         num_tokens = sum(extend_lens)
-        row_of_token = torch.repeat_interleave(torch.arange(len(slots), device=dev), ext,
-                                               output_size=num_tokens)
+        row_of_token = torch.repeat_interleave(torch.arange(len(slots), device=dev), ext, output_size=num_tokens)
         offset = torch.arange(num_tokens, device=dev) - qo_indptr[:-1][row_of_token]
         kv_index = prefix[row_of_token] + offset
         out_cache_loc = self.kv.req_to_token[slots_t[row_of_token], kv_index]
         ctx = ForwardContext(
-            mode=mode, positions=self._positions(kv_index if positions is None else positions),
-            out_cache_loc=out_cache_loc, req_slots=slots_t, seq_lens=prefix + ext,
-            extend_lens=ext, qo_indptr=qo_indptr, req_to_token=self.kv.req_to_token,
-            kv_pool=self.pool, attn_backend=self.attn_backend,
+            mode=mode,
+            positions=self._positions(kv_index if positions is None else positions),
+            out_cache_loc=out_cache_loc,
+            req_slots=slots_t,
+            seq_lens=prefix + ext,
+            extend_lens=ext,
+            qo_indptr=qo_indptr,
+            req_to_token=self.kv.req_to_token,
+            kv_pool=self.pool,
+            attn_backend=self.attn_backend,
             seq_lens_cpu=[p + e for p, e in zip(prefix_lens, extend_lens)],
-            extend_lens_cpu=list(extend_lens), tree_mask=tree_mask,
-            aux_hidden_layers=aux_hidden_layers)
+            extend_lens_cpu=list(extend_lens),
+            tree_mask=tree_mask,
+            aux_hidden_layers=aux_hidden_layers,
+        )
         return ctx
 
-    def window_context(self, mode: ForwardMode, slots: torch.Tensor, prefix: torch.Tensor, width: int, *,
-                       tree_mask: torch.Tensor | None = None, writes: torch.Tensor | None = None,
-                       aux_hidden_layers: tuple[int, ...] = ()) -> ForwardContext:
+    def window_context(
+        self,
+        mode: ForwardMode,
+        slots: torch.Tensor,
+        prefix: torch.Tensor,
+        width: int,
+        *,
+        tree_mask: torch.Tensor | None = None,
+        writes: torch.Tensor | None = None,
+        aux_hidden_layers: tuple[int, ...] = (),
+    ) -> ForwardContext:
         """Every request writes `width` tokens after its `prefix` (device tensors, one per row):
         built by device ops of fixed shapes alone, so a captured graph can build it. Rows of
         slot 0 are padding (their writes land on page 0), and so are rows where `writes`
@@ -134,23 +191,49 @@ class ModelRunner:
         out_cache_loc = table[slot_rows, kv_index.clamp(max=table.shape[1] - 1)]
         if writes is not None:
             out_cache_loc = torch.where(writes, out_cache_loc, 0)
-        return self.device_context(mode, slots, self._positions(kv_index), out_cache_loc, prefix + width, width,
-                                   tree_mask=tree_mask, aux_hidden_layers=aux_hidden_layers)
+        return self.device_context(
+            mode,
+            slots,
+            self._positions(kv_index),
+            out_cache_loc,
+            prefix + width,
+            width,
+            tree_mask=tree_mask,
+            aux_hidden_layers=aux_hidden_layers,
+        )
 
-    def device_context(self, mode: ForwardMode, slots: torch.Tensor, positions: torch.Tensor,
-                       out_cache_loc: torch.Tensor, seq_lens: torch.Tensor, width: int, *,
-                       tree_mask: torch.Tensor | None = None,
-                       aux_hidden_layers: tuple[int, ...] = ()) -> ForwardContext:
+    def device_context(
+        self,
+        mode: ForwardMode,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        width: int,
+        *,
+        tree_mask: torch.Tensor | None = None,
+        aux_hidden_layers: tuple[int, ...] = (),
+    ) -> ForwardContext:
         """The context of `width` tokens per request from device tensors already computed."""
         bs = int(slots.shape[0])
         # the host knows lengths exactly only off the GPU; captured graphs size kernels by the table
         seq_cpu = seq_lens.tolist() if slots.device.type == "cpu" else [int(self.kv.req_to_token.shape[1])] * bs
         return ForwardContext(
-            mode=mode, positions=positions, out_cache_loc=out_cache_loc, req_slots=slots, seq_lens=seq_lens,
-            extend_lens=self._constant("full", bs, width), qo_indptr=self._constant("indptr", bs, width),
-            req_to_token=self.kv.req_to_token, kv_pool=self.pool, attn_backend=self.attn_backend,
-            seq_lens_cpu=seq_cpu, extend_lens_cpu=[width] * bs, tree_mask=tree_mask,
-            aux_hidden_layers=aux_hidden_layers)
+            mode=mode,
+            positions=positions,
+            out_cache_loc=out_cache_loc,
+            req_slots=slots,
+            seq_lens=seq_lens,
+            extend_lens=self._constant("full", bs, width),
+            qo_indptr=self._constant("indptr", bs, width),
+            req_to_token=self.kv.req_to_token,
+            kv_pool=self.pool,
+            attn_backend=self.attn_backend,
+            seq_lens_cpu=seq_cpu,
+            extend_lens_cpu=[width] * bs,
+            tree_mask=tree_mask,
+            aux_hidden_layers=aux_hidden_layers,
+        )
 
     def _constant(self, kind: str, bs: int, width: int) -> torch.Tensor:
         """arange(width), full(bs, width) or arange(bs + 1) * width as int64 on the device, made
@@ -189,12 +272,10 @@ class ModelRunner:
                 return out
         return self._forward_eager(input_ids, ctx, model_inputs)
 
-    def _forward_eager(self, input_ids: torch.Tensor, ctx: ForwardContext,
-                       model_inputs: dict[str, Any]) -> Any:
+    def _forward_eager(self, input_ids: torch.Tensor, ctx: ForwardContext, model_inputs: dict[str, Any]) -> Any:
         ctx.attn_backend.prepare(ctx)
         return self.model(input_ids, ctx, **model_inputs)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
-

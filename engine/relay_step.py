@@ -19,8 +19,9 @@ from engine.layers.dispatch import relay_kernels_for
 from engine.model_runner import ModelRunner
 
 
-def resolve_decode(fm: FutureMap, runner: ModelRunner, slots: torch.Tensor, *,
-                   aux_hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+def resolve_decode(
+    fm: FutureMap, runner: ModelRunner, slots: torch.Tensor, *, aux_hidden_layers: tuple[int, ...] = ()
+) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
     """(published lengths, input tokens, DECODE context) of the requests at `slots` (0: padding);
     the caller has waited for the publishes (captured: before the replay)."""
     ops = None if fm.debug else relay_kernels_for(slots)
@@ -31,22 +32,32 @@ def resolve_decode(fm: FutureMap, runner: ModelRunner, slots: torch.Tensor, *,
         return prefix, ids, ctx
     runner.check_mode(ForwardMode.DECODE)
     prefix, ids, positions, loc, seq_lens, ok = ops.resolve_decode(
-        slots, fm.new_seq_lens_buf, fm.output_tokens_buf, runner.kv.req_to_token, runner.max_position)
+        slots, fm.new_seq_lens_buf, fm.output_tokens_buf, runner.kv.req_to_token, runner.max_position
+    )
     fm.check_resolved(ok, "new_seq_lens or output_tokens")
-    ctx = runner.device_context(ForwardMode.DECODE, slots, positions, loc, seq_lens, 1,
-                                aux_hidden_layers=aux_hidden_layers)
+    ctx = runner.device_context(
+        ForwardMode.DECODE, slots, positions, loc, seq_lens, 1, aux_hidden_layers=aux_hidden_layers
+    )
     return prefix, ids, ctx
 
 
-def commit_decode(fm: FutureMap, slots: torch.Tensor, prefix: torch.Tensor, tokens: torch.Tensor,
-                  ring_tokens: torch.Tensor, ring_feats: torch.Tensor, sources: list[torch.Tensor]) -> None:
+def commit_decode(
+    fm: FutureMap,
+    slots: torch.Tensor,
+    prefix: torch.Tensor,
+    tokens: torch.Tensor,
+    ring_tokens: torch.Tensor,
+    ring_feats: torch.Tensor,
+    sources: list[torch.Tensor],
+) -> None:
     """Lengths prefix + 1 published (not recorded: the caller records after the replay), `tokens`
     stashed as the next inputs (the rows keep their top-k and hidden state), and per request the
     features (`sources` side by side) and token pushed into its ring at prefix mod depth."""
     ops = relay_kernels_for(slots)
     if ops is not None:
-        ops.commit_decode(slots, prefix, tokens, fm.new_seq_lens_buf, fm.output_tokens_buf,
-                          ring_tokens, ring_feats, sources)
+        ops.commit_decode(
+            slots, prefix, tokens, fm.new_seq_lens_buf, fm.output_tokens_buf, ring_tokens, ring_feats, sources
+        )
         return
     real = slots != 0
     fm.publish(slots, torch.where(real, prefix + 1, 0), record=False)

@@ -19,8 +19,7 @@ def plain_argmax_ok(reqs: list[Req]) -> bool:
     min_tokens bans, logit bias or logprobs to compute (what whole-step graphs may do alone)."""
     for r in reqs:
         p = r.params
-        if (not p.is_greedy or p.has_penalties or p.min_new_tokens or p.logit_bias or p.logprobs
-                or p.top_logprobs):
+        if not p.is_greedy or p.has_penalties or p.min_new_tokens or p.logit_bias or p.logprobs or p.top_logprobs:
             return False
     return True
 
@@ -51,8 +50,7 @@ def _mix64_(z: torch.Tensor, tmp: torch.Tensor | None = None) -> torch.Tensor:
     return z.bitwise_xor_(_srl_(z, 31, t))
 
 
-def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int,
-                  stream: int = 0) -> torch.Tensor:
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int, stream: int = 0) -> torch.Tensor:
     """(rows,) int64 seeds and positions -> (rows, vocab_size) float32 uniforms in the open (0, 1).
 
     Element [r, v] is a pure function of (seeds[r], positions[r], v, stream): a splitmix64 hash
@@ -114,8 +112,9 @@ class SampleResult:
 class Sampler:
     """Turns logits into tokens for a batch of requests; owns per-slot penalty state on the device."""
 
-    def __init__(self, vocab_size: int, max_reqs: int, device: torch.device | str,
-                 eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self, vocab_size: int, max_reqs: int, device: torch.device | str, eos_token_ids: Sequence[int] = ()
+    ) -> None:
         self.vocab_size = vocab_size
         self.max_reqs = max_reqs
         self.device = torch.device(device)
@@ -150,8 +149,7 @@ class Sampler:
     def _ids(self, ids: list[int]) -> torch.Tensor:
         return self._to_device(torch.tensor(ids, dtype=torch.int64))
 
-    def record(self, reqs: list[Req], tokens: torch.Tensor, *,
-               counts: torch.Tensor | None = None) -> None:
+    def record(self, reqs: list[Req], tokens: torch.Tensor, *, counts: torch.Tensor | None = None) -> None:
         """Add newly emitted tokens to the output counts of requests with penalties.
 
         `tokens` is (n,) or (n, k); with (n, k), `counts[i]` (default k) leading entries of row i
@@ -176,13 +174,17 @@ class Sampler:
             valid = None if valid is None else valid.index_select(0, sel)
         slots = self._ids([reqs[i].slot for i in pen])
         flat = (slots[:, None] * V + tokens.clamp(0, V - 1)).reshape(-1)
-        ones = (torch.ones_like(tokens, dtype=torch.int32) if valid is None
-                else valid.to(torch.int32)).reshape(-1)
+        ones = (torch.ones_like(tokens, dtype=torch.int32) if valid is None else valid.to(torch.int32)).reshape(-1)
         self._counts.view(-1).scatter_add_(0, flat, ones)
 
     # ---- batch preparation ---------------------------------------------------------------
-    def prepare(self, reqs: list[Req], rows_per_req: int = 1, positions: list[int] | None = None,
-                row_positions: torch.Tensor | None = None) -> SamplingBatch:
+    def prepare(
+        self,
+        reqs: list[Req],
+        rows_per_req: int = 1,
+        positions: list[int] | None = None,
+        row_positions: torch.Tensor | None = None,
+    ) -> SamplingBatch:
         """Device tensors for `reqs`, each request's values repeated over `rows_per_req` rows.
 
         `positions[i]`: index of the token request i samples (default: prompt + output length).
@@ -198,15 +200,25 @@ class Sampler:
         has_pen = [p.has_penalties for p in ps]
         need_sort = [not g and (k < V or p.top_p < 1.0) for g, k, p in zip(greedy, top_k, ps)]
         floats = torch.tensor(
-            [[1.0 if g else max(p.temperature, _MIN_TEMPERATURE) for g, p in zip(greedy, ps)],
-             [p.top_p for p in ps], [p.min_p for p in ps], [p.frequency_penalty for p in ps],
-             [p.presence_penalty for p in ps], [p.repetition_penalty for p in ps]],
-            dtype=torch.float32).reshape(6, len(reqs))
+            [
+                [1.0 if g else max(p.temperature, _MIN_TEMPERATURE) for g, p in zip(greedy, ps)],
+                [p.top_p for p in ps],
+                [p.min_p for p in ps],
+                [p.frequency_penalty for p in ps],
+                [p.presence_penalty for p in ps],
+                [p.repetition_penalty for p in ps],
+            ],
+            dtype=torch.float32,
+        ).reshape(6, len(reqs))
         ints = torch.tensor(
-            [top_k, [q.slot for q in reqs], [_s64(q.sampling_seed) for q in reqs],
-             positions if positions is not None else
-             [len(q.prompt_ids) + len(q.output_ids) for q in reqs]],
-            dtype=torch.int64).reshape(4, len(reqs))
+            [
+                top_k,
+                [q.slot for q in reqs],
+                [_s64(q.sampling_seed) for q in reqs],
+                positions if positions is not None else [len(q.prompt_ids) + len(q.output_ids) for q in reqs],
+            ],
+            dtype=torch.int64,
+        ).reshape(4, len(reqs))
         flags = torch.tensor(greedy, dtype=torch.bool)
         if r > 1:
             floats = floats.repeat_interleave(r, dim=1)
@@ -220,16 +232,32 @@ class Sampler:
         bans = self._min_token_bans(reqs, r)
         bias = self._logit_bias(reqs, r)
         return SamplingBatch(
-            temperature=floats[0], top_p=floats[1], min_p=floats[2], frequency_penalty=floats[3],
-            presence_penalty=floats[4], repetition_penalty=floats[5], top_k=ints[0],
-            slots=ints[1], seeds=ints[2], greedy=flags,
+            temperature=floats[0],
+            top_p=floats[1],
+            min_p=floats[2],
+            frequency_penalty=floats[3],
+            presence_penalty=floats[4],
+            repetition_penalty=floats[5],
+            top_k=ints[0],
+            slots=ints[1],
+            seeds=ints[2],
+            greedy=flags,
             positions=ints[3] if row_positions is None else row_positions.to(torch.int64),
-            any_penalties=any_pen, all_greedy=all(greedy), any_greedy=any(greedy),
+            any_penalties=any_pen,
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
             any_min_p=any(p.min_p > 0.0 and not g for p, g in zip(ps, greedy)),
             need_sort=any(need_sort),
-            penalty_rows=self._rows(has_pen, r), sort_rows=self._rows(need_sort, r),
-            num_rows=len(reqs) * r, ban_rows=bans[0], ban_ids=bans[1], ban_until=bans[2],
-            bias_rows=bias[0], bias_ids=bias[1], bias_values=bias[2])
+            penalty_rows=self._rows(has_pen, r),
+            sort_rows=self._rows(need_sort, r),
+            num_rows=len(reqs) * r,
+            ban_rows=bans[0],
+            ban_ids=bans[1],
+            ban_until=bans[2],
+            bias_rows=bias[0],
+            bias_ids=bias[1],
+            bias_values=bias[2],
+        )
 
     def _logit_bias(self, reqs: list[Req], r: int) -> tuple[torch.Tensor | None, ...]:
         """(rows, ids, values) of every request's logit_bias, repeated over its rows."""
@@ -358,8 +386,9 @@ class Sampler:
             probs = torch.where(sb.greedy[:, None], self._one_hot(greedy_tok, probs), probs)
         return probs
 
-    def sample(self, logits: torch.Tensor, sb: SamplingBatch, *, want_logprobs: bool = False,
-               top_logprobs: int = 0) -> SampleResult:
+    def sample(
+        self, logits: torch.Tensor, sb: SamplingBatch, *, want_logprobs: bool = False, top_logprobs: int = 0
+    ) -> SampleResult:
         """One token per row; greedy rows take the argmax, others an exponential race on seeded noise."""
         x = self._penalised(logits, sb)
         if sb.all_greedy:

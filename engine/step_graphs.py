@@ -35,8 +35,9 @@ class StepGraph:
 class StepGraphs:
     """The step graphs of one executor, built at start-up; `run` replays one for a batch."""
 
-    def __init__(self, batch_sizes: Sequence[int], *, capture: bool,
-                 after_warmup: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self, batch_sizes: Sequence[int], *, capture: bool, after_warmup: Callable[[], None] = lambda: None
+    ) -> None:
         self.batch_sizes = sorted(batch_sizes)
         self.capture = capture
         self._after_warmup = after_warmup  # undo what warm-up runs wrote (padding rows)
@@ -96,8 +97,10 @@ class StepGraphs:
         gc.collect()
         gc.disable()  # a collection mid-capture could free a tensor the graph still records into
         try:
-            with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, stream=stream,
-                                                          capture_error_mode="thread_local"):
+            with (
+                torch.inference_mode(),
+                torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"),
+            ):
                 entry.outputs = entry.body()
         finally:
             if gc_was_on:

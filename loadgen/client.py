@@ -44,13 +44,16 @@ def make_client(cfg: EndpointConfig, max_connections: int) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     timeout = httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s)
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-    return httpx.AsyncClient(base_url=cfg.base_url.rstrip("/"), headers=headers, timeout=timeout,
-                             limits=limits)
+    return httpx.AsyncClient(base_url=cfg.base_url.rstrip("/"), headers=headers, timeout=timeout, limits=limits)
 
 
 def request_body(cfg: EndpointConfig, prompt: str, max_tokens: int) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": cfg.model, "max_tokens": max_tokens, "stream": True,
-                            "temperature": cfg.temperature}
+    body: dict[str, Any] = {
+        "model": cfg.model,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": cfg.temperature,
+    }
     if cfg.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -69,8 +72,9 @@ async def served_model(client: httpx.AsyncClient) -> str:
     return str(resp.json()["data"][0]["id"])
 
 
-async def send(client: httpx.AsyncClient, cfg: EndpointConfig, req: BenchRequest,
-               t0: float, clock: Clock = time.perf_counter) -> RequestRecord:
+async def send(
+    client: httpx.AsyncClient, cfg: EndpointConfig, req: BenchRequest, t0: float, clock: Clock = time.perf_counter
+) -> RequestRecord:
     """Send one streamed request; times are taken from `clock` (relative to the point's `t0`)."""
     rec = RequestRecord(req.index, req.input_len, req.output_len)
     start = clock()
@@ -90,8 +94,9 @@ async def send(client: httpx.AsyncClient, cfg: EndpointConfig, req: BenchRequest
     return rec
 
 
-async def _stream(client: httpx.AsyncClient, cfg: EndpointConfig, req: BenchRequest,
-                  rec: RequestRecord, start: float, clock: Clock) -> None:
+async def _stream(
+    client: httpx.AsyncClient, cfg: EndpointConfig, req: BenchRequest, rec: RequestRecord, start: float, clock: Clock
+) -> None:
     body = request_body(cfg, req.prompt, req.output_len)
     async with client.stream("POST", ENDPOINTS[cfg.endpoint], json=body) as resp:
         if resp.status_code != 200:

@@ -77,20 +77,29 @@ def cut_prompt(corpus: str, offset: int, n_tokens: int, tokenizer: TextTokenizer
 
 
 def _window(corpus: str, offset: int, width: int) -> str:
-    text = corpus[offset:offset + width]
+    text = corpus[offset : offset + width]
     while len(text) < width:  # wrap around the end of the corpus
-        text += corpus[:width - len(text)]
+        text += corpus[: width - len(text)]
     return text
 
 
-def random_requests(n: int, input_len: int, output_len: int, *, range_ratio: float = 0.0,
-                    seed: int = 0, tokenizer: TextTokenizer | None = None,
-                    corpus: str | None = None) -> list[BenchRequest]:
+def random_requests(
+    n: int,
+    input_len: int,
+    output_len: int,
+    *,
+    range_ratio: float = 0.0,
+    seed: int = 0,
+    tokenizer: TextTokenizer | None = None,
+    corpus: str | None = None,
+) -> list[BenchRequest]:
     """`n` requests with seeded random lengths and prompts from random corpus offsets (distinct
     offsets keep prefix caches from turning the benchmark into a cache benchmark)."""
     rng = random.Random(seed)
     corpus = corpus if corpus is not None else load_corpus()
     ins = sample_lengths(rng, n, input_len, range_ratio)
     outs = sample_lengths(rng, n, output_len, range_ratio)
-    return [BenchRequest(i, cut_prompt(corpus, rng.randrange(len(corpus)), ins[i], tokenizer),
-                         ins[i], outs[i]) for i in range(n)]
+    return [
+        BenchRequest(i, cut_prompt(corpus, rng.randrange(len(corpus)), ins[i], tokenizer), ins[i], outs[i])
+        for i in range(n)
+    ]

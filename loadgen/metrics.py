@@ -81,8 +81,7 @@ def parse_slo(text: str | None) -> dict[str, float]:
         name = name.strip().lower()
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(us|ms|s)?\s*", value)
         if not sep or name not in SLO_METRICS or match is None:
-            raise SLOError(f"bad SLO {part!r}: expected NAME=VALUE[us|ms|s] with NAME one of "
-                           f"{', '.join(SLO_METRICS)}")
+            raise SLOError(f"bad SLO {part!r}: expected NAME=VALUE[us|ms|s] with NAME one of {', '.join(SLO_METRICS)}")
         slo[name] = float(match.group(1)) * _UNITS[match.group(2) or "ms"]
     return slo
 
@@ -92,13 +91,11 @@ def meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
     (there is no decode step to judge); `itl` bounds the worst gap of the request."""
     if not record.ok or record.ttft is None or record.e2e is None:
         return False
-    measured = {"ttft": record.ttft, "e2e": record.e2e, "tpot": record.tpot(),
-                "itl": max(record.itls(), default=None)}
+    measured = {"ttft": record.ttft, "e2e": record.e2e, "tpot": record.tpot(), "itl": max(record.itls(), default=None)}
     return all(measured[k] is None or measured[k] <= limit for k, limit in slo.items())
 
 
-def summarize(records: list[RequestRecord], duration_s: float,
-              slo: dict[str, float] | None = None) -> dict[str, Any]:
+def summarize(records: list[RequestRecord], duration_s: float, slo: dict[str, float] | None = None) -> dict[str, Any]:
     """The metrics of one load point; throughputs divide by the point's wall time."""
     ok = [r for r in records if r.ok]
     good = [r for r in ok if meets_slo(r, slo or {})]
@@ -106,12 +103,18 @@ def summarize(records: list[RequestRecord], duration_s: float,
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens if r.prompt_tokens is not None else r.input_len for r in ok)
     return {
-        "requests": len(records), "completed": len(ok), "failed": len(records) - len(ok),
+        "requests": len(records),
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
         "duration_s": duration_s,
-        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
-        "request_throughput": rate(len(ok)), "input_throughput": rate(in_tokens),
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": rate(len(ok)),
+        "input_throughput": rate(in_tokens),
         "output_throughput": rate(out_tokens),
-        "goodput": rate(len(good)), "good_requests": len(good), "slo": dict(slo or {}),
+        "goodput": rate(len(good)),
+        "good_requests": len(good),
+        "slo": dict(slo or {}),
         "ttft_ms": distribution_ms([r.ttft for r in ok if r.ttft is not None]),
         "tpot_ms": distribution_ms([t for r in ok if (t := r.tpot()) is not None]),
         "itl_ms": distribution_ms([g for r in ok for g in r.itls()]),

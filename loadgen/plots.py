@@ -7,8 +7,11 @@ from typing import Any
 
 LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "end-to-end"))
 STATS = ("mean", "median", "p90", "p99")
-THROUGHPUTS = (("request_throughput", "requests/s"), ("goodput", "goodput (requests/s in SLO)"),
-               ("output_throughput", "output tokens/s"))
+THROUGHPUTS = (
+    ("request_throughput", "requests/s"),
+    ("goodput", "goodput (requests/s in SLO)"),
+    ("output_throughput", "output tokens/s"),
+)
 
 
 def _pyplot() -> Any:
@@ -68,5 +71,4 @@ def _save(plt: Any, fig: Any, title: str, path: Path) -> Path:
 
 def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    return [plot_latency(report, out_dir / "latency.png"),
-            plot_throughput(report, out_dir / "throughput.png")]
+    return [plot_latency(report, out_dir / "latency.png"), plot_throughput(report, out_dir / "throughput.png")]

@@ -14,6 +14,7 @@ from common.config import opt
 if TYPE_CHECKING:
     from loadgen.metrics import RequestRecord
 
+
 @dataclass
 class BenchOptions:
     """One `pdserve bench` run: the server, the requests, the load points and the outputs."""
@@ -21,8 +22,9 @@ class BenchOptions:
     base_url: str = opt("http://127.0.0.1:8000", "Server root, e.g. http://127.0.0.1:8000.")
     endpoint: str = opt("completions", "completions (/v1/completions) or chat (/v1/chat/completions).")
     model: Optional[str] = opt(None, "Model id to send (default: the first of /v1/models).")
-    tokenizer: Optional[Path] = opt(None, "HF tokenizer directory for exact prompt lengths (default: ~4 "
-                                    "characters per token).")
+    tokenizer: Optional[Path] = opt(
+        None, "HF tokenizer directory for exact prompt lengths (default: ~4 characters per token)."
+    )
     num_prompts: int = opt(50, "Requests per load point.")
     input_len: int = opt(256, "Most prompt tokens per request.")
     output_len: int = opt(64, "Most output tokens per request (max_tokens).")
@@ -32,10 +34,12 @@ class BenchOptions:
     seed: int = opt(0, "Seed for lengths, prompts and arrivals.")
     warmup: int = opt(0, "Uncounted requests sent before the sweep.")
     slo: Optional[str] = opt(None, "Goodput SLO, e.g. ttft=500ms,tpot=50ms (also itl, e2e).")
-    ignore_eos: bool = opt(True, "Send ignore_eos so outputs are as long as asked (--no-ignore-eos for servers "
-                           "that refuse it).")
-    usage: bool = opt(True, "Ask for stream usage (include_usage) to count tokens; --no-usage counts one token "
-                      "per chunk.")
+    ignore_eos: bool = opt(
+        True, "Send ignore_eos so outputs are as long as asked (--no-ignore-eos for servers that refuse it)."
+    )
+    usage: bool = opt(
+        True, "Ask for stream usage (include_usage) to count tokens; --no-usage counts one token per chunk."
+    )
     temperature: float = opt(0.0, "Sampling temperature.")
     timeout: float = opt(300.0, "Seconds one request may take in all.")
     api_key: Optional[str] = opt(None, "Bearer token (default: $OPENAI_API_KEY).")
@@ -57,16 +61,29 @@ def run_bench(opts: BenchOptions, progress: bool = True) -> tuple[dict[str, Any]
     if opts.num_prompts < 1:
         raise ValueError("--num-prompts must be at least 1")
     loads = parse_loads(opts.request_rate, opts.concurrency)
-    endpoint = EndpointConfig(opts.base_url, opts.model or "", opts.endpoint, opts.api_key,
-                              opts.ignore_eos, opts.usage, opts.temperature, opts.timeout,
-                              extra_body=dict(opts.extra_body))
+    endpoint = EndpointConfig(
+        opts.base_url,
+        opts.model or "",
+        opts.endpoint,
+        opts.api_key,
+        opts.ignore_eos,
+        opts.usage,
+        opts.temperature,
+        opts.timeout,
+        extra_body=dict(opts.extra_body),
+    )
     tok = _load_tokenizer(opts.tokenizer)
-    requests = random_requests(opts.num_prompts, opts.input_len, opts.output_len,
-                               range_ratio=opts.range_ratio, seed=opts.seed, tokenizer=tok)
-    dataset = {"name": "random (stdlib source)", "num_prompts": opts.num_prompts,
-               "input_len": opts.input_len, "output_len": opts.output_len,
-               "range_ratio": opts.range_ratio,
-               "prompt_cut": f"tokenizer {opts.tokenizer}" if tok else f"~{CHARS_PER_TOKEN} chars/token"}
+    requests = random_requests(
+        opts.num_prompts, opts.input_len, opts.output_len, range_ratio=opts.range_ratio, seed=opts.seed, tokenizer=tok
+    )
+    dataset = {
+        "name": "random (stdlib source)",
+        "num_prompts": opts.num_prompts,
+        "input_len": opts.input_len,
+        "output_len": opts.output_len,
+        "range_ratio": opts.range_ratio,
+        "prompt_cut": f"tokenizer {opts.tokenizer}" if tok else f"~{CHARS_PER_TOKEN} chars/token",
+    }
     cfg = SweepConfig(endpoint, loads, parse_slo(opts.slo), opts.seed, opts.warmup, dataset)
     with _progress(progress) as factory:
         report = asyncio.run(run_sweep(cfg, requests, factory))
@@ -95,9 +112,14 @@ class _progress:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("failed {task.fields[failed]}"), TimeElapsedColumn(),
-                                console=Console(stderr=True))
+            self.bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("failed {task.fields[failed]}"),
+                TimeElapsedColumn(),
+                console=Console(stderr=True),
+            )
 
     def __enter__(self) -> Callable[[str, int], Callable[[RequestRecord], None]] | None:
         if self.bar is None:

@@ -69,10 +69,16 @@ def arrival_times(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
-async def run_point(client: httpx.AsyncClient, cfg: EndpointConfig, requests: list[BenchRequest],
-                    load: LoadPoint, *, seed: int = 0, clock: Clock = time.perf_counter,
-                    on_done: Callable[[RequestRecord], None] | None = None,
-                    ) -> tuple[list[RequestRecord], float]:
+async def run_point(
+    client: httpx.AsyncClient,
+    cfg: EndpointConfig,
+    requests: list[BenchRequest],
+    load: LoadPoint,
+    *,
+    seed: int = 0,
+    clock: Clock = time.perf_counter,
+    on_done: Callable[[RequestRecord], None] | None = None,
+) -> tuple[list[RequestRecord], float]:
     """Send every request under `load`; returns the records (in request order) and wall time."""
     t0 = clock()
     gate = asyncio.Semaphore(int(load.value)) if load.kind == "concurrency" else None
@@ -112,8 +118,9 @@ class SweepConfig:
 ProgressFactory = Callable[[str, int], Callable[[RequestRecord], None]]
 
 
-async def run_sweep(cfg: SweepConfig, requests: list[BenchRequest],
-                    progress: ProgressFactory | None = None) -> dict[str, Any]:
+async def run_sweep(
+    cfg: SweepConfig, requests: list[BenchRequest], progress: ProgressFactory | None = None
+) -> dict[str, Any]:
     """Warm up, run every load point on the same requests, and return the whole report."""
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     async with make_client(cfg.endpoint, cfg.pool_size(len(requests))) as client:
@@ -124,12 +131,22 @@ async def run_sweep(cfg: SweepConfig, requests: list[BenchRequest],
         points = []
         for i, load in enumerate(cfg.loads):
             on_done = progress(f"{load.kind} {load.label}", len(requests)) if progress else None
-            records, wall = await run_point(client, endpoint, requests, load, seed=cfg.seed + i,
-                                            on_done=on_done)
-            points.append({"load": load.to_json(), "metrics": summarize(records, wall, cfg.slo),
-                           "requests": [r.to_json() for r in records]})
-    config = {"endpoint": {**asdict(endpoint), "api_key": None}, "loads": [p.to_json() for p in cfg.loads],
-              "slo_s": cfg.slo, "seed": cfg.seed, "warmup": warm, "dataset": cfg.dataset}
+            records, wall = await run_point(client, endpoint, requests, load, seed=cfg.seed + i, on_done=on_done)
+            points.append(
+                {
+                    "load": load.to_json(),
+                    "metrics": summarize(records, wall, cfg.slo),
+                    "requests": [r.to_json() for r in records],
+                }
+            )
+    config = {
+        "endpoint": {**asdict(endpoint), "api_key": None},
+        "loads": [p.to_json() for p in cfg.loads],
+        "slo_s": cfg.slo,
+        "seed": cfg.seed,
+        "warmup": warm,
+        "dataset": cfg.dataset,
+    }
     return {"started_at": started, "config": config, "points": points}
 
 
@@ -138,12 +155,15 @@ async def _model_id(client: httpx.AsyncClient, cfg: EndpointConfig) -> str:
         return await served_model(client)
     except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
         # Before any request: nothing to measure yet, so this one is a clear error, not a record.
-        raise ConnectionError(f"cannot read the model id from {cfg.base_url}/v1/models "
-                              f"({type(e).__name__}: {e}); is the server up? (or pass --model)") from e
+        raise ConnectionError(
+            f"cannot read the model id from {cfg.base_url}/v1/models "
+            f"({type(e).__name__}: {e}); is the server up? (or pass --model)"
+        ) from e
 
 
-async def _warmup(client: httpx.AsyncClient, cfg: EndpointConfig, requests: list[BenchRequest],
-                  n: int) -> dict[str, Any]:
+async def _warmup(
+    client: httpx.AsyncClient, cfg: EndpointConfig, requests: list[BenchRequest], n: int
+) -> dict[str, Any]:
     """`n` requests (reusing the first prompts, a few at a time), not counted; failures reported."""
     if n <= 0 or not requests:
         return {"requests": 0, "failed": 0}
@@ -163,15 +183,19 @@ def write_report(report: dict[str, Any], out_dir: Path) -> Path:
 
 def format_summary(report: dict[str, Any]) -> str:
     """A plain-text table, one row per load point."""
-    head = (f"{'load':>12} {'ok':>5} {'fail':>5} {'req/s':>8} {'out tok/s':>10} {'goodput':>8} "
-            f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'ITL p99':>8} {'E2E p99':>9}  (ms)")
+    head = (
+        f"{'load':>12} {'ok':>5} {'fail':>5} {'req/s':>8} {'out tok/s':>10} {'goodput':>8} "
+        f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'ITL p99':>8} {'E2E p99':>9}  (ms)"
+    )
     rows = [head]
     for p in report["points"]:
         m, load = p["metrics"], p["load"]
-        rows.append(f"{load['kind'][:4] + ' ' + _num(load['value']):>12} {m['completed']:>5} {m['failed']:>5} "
-                    f"{m['request_throughput']:>8.2f} {m['output_throughput']:>10.1f} {m['goodput']:>8.2f} "
-                    f"{_ms(m['ttft_ms']['median']):>9} {_ms(m['ttft_ms']['p99']):>9} "
-                    f"{_ms(m['tpot_ms']['median']):>9} {_ms(m['itl_ms']['p99']):>8} {_ms(m['e2e_ms']['p99']):>9}")
+        rows.append(
+            f"{load['kind'][:4] + ' ' + _num(load['value']):>12} {m['completed']:>5} {m['failed']:>5} "
+            f"{m['request_throughput']:>8.2f} {m['output_throughput']:>10.1f} {m['goodput']:>8.2f} "
+            f"{_ms(m['ttft_ms']['median']):>9} {_ms(m['ttft_ms']['p99']):>9} "
+            f"{_ms(m['tpot_ms']['median']):>9} {_ms(m['itl_ms']['p99']):>8} {_ms(m['e2e_ms']['p99']):>9}"
+        )
         for err, count in m["errors"].items():
             rows.append(f"{'':>12} {count} failed: {err}")
     return "\n".join(rows)

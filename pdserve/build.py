@@ -19,16 +19,14 @@ if TYPE_CHECKING:
     from spec.registry import AlgorithmBinding
 
 
-def engine_config(model: Path, *, dtype: str | None, device: str, page_size: int,
-                  seed: int | None) -> EngineConfig:
+def engine_config(model: Path, *, dtype: str | None, device: str, page_size: int, seed: int | None) -> EngineConfig:
     """The EngineConfig for `generate` (the model already resolved by pdserve.models.resolve)."""
     from engine.engine import EngineConfig
 
     _check_device(device)
     # The engine seeds per-request seeds from this, so a batch is reproducible yet every
     # prompt samples differently (a shared SamplingParams.seed would make them identical).
-    return EngineConfig(model=str(model), dtype=dtype, device=device, page_size=page_size,
-                        seed=seed)
+    return EngineConfig(model=str(model), dtype=dtype, device=device, page_size=page_size, seed=seed)
 
 
 def _check_device(device: str) -> None:
@@ -49,13 +47,20 @@ def _check_device(device: str) -> None:
         raise ValueError(f"--device {device!r}: only {torch.cuda.device_count()} CUDA device(s)")
 
 
-def sampling_params(*, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
-                    min_p: float, stop: list[str] | None) -> SamplingParams:
+def sampling_params(
+    *, max_new_tokens: int, temperature: float, top_p: float, top_k: int, min_p: float, stop: list[str] | None
+) -> SamplingParams:
     """SamplingParams validates every field and raises InvalidRequest naming the bad one."""
     from engine.core import SamplingParams
 
-    return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                          top_k=top_k, min_p=min_p, stop=tuple(stop or ()))
+    return SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        stop=tuple(stop or ()),
+    )
 
 
 def spec_config(algorithm: str | None, **options: object) -> SpecConfig:
@@ -136,13 +141,30 @@ def build_node(engine: EngineOptions, spec: SpeculativeOptions) -> tuple["Engine
     engine = dataclasses.replace(engine, device=resolve_device(engine.device))
     check_device(engine.device)
     limit_cpu_threads(engine.device)
-    choice = resolve(engine.model, algorithm=spec.algorithm, draft_model_path=spec.draft_model_path,
-                     num_steps=spec.num_steps, dtype=engine.dtype, device=engine.device, adaptive=spec.adaptive)
-    binding = bind_algorithm(spec_config(choice.algorithm, **{
-        **spec.given(), "draft_model_path": choice.draft_model_path, "num_steps": choice.num_steps}))
-    cfg = EngineConfig(model=str(choice.model), dtype=choice.dtype, device=engine.device,
-                       page_size=engine.page_size, max_total_tokens=engine.max_total_tokens,
-                       mem_fraction_static=engine.mem_fraction_static,
-                       max_running=engine.max_running, chunked_prefill_size=engine.chunked_prefill_size,
-                       **engine.fast_path())
+    choice = resolve(
+        engine.model,
+        algorithm=spec.algorithm,
+        draft_model_path=spec.draft_model_path,
+        num_steps=spec.num_steps,
+        dtype=engine.dtype,
+        device=engine.device,
+        adaptive=spec.adaptive,
+    )
+    binding = bind_algorithm(
+        spec_config(
+            choice.algorithm,
+            **{**spec.given(), "draft_model_path": choice.draft_model_path, "num_steps": choice.num_steps},
+        )
+    )
+    cfg = EngineConfig(
+        model=str(choice.model),
+        dtype=choice.dtype,
+        device=engine.device,
+        page_size=engine.page_size,
+        max_total_tokens=engine.max_total_tokens,
+        mem_fraction_static=engine.mem_fraction_static,
+        max_running=engine.max_running,
+        chunked_prefill_size=engine.chunked_prefill_size,
+        **engine.fast_path(),
+    )
     return Engine(cfg, algorithm=binding, io=ThreadedIO()), binding

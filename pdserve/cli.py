@@ -51,14 +51,17 @@ def _root(
 
 # ---- generate ----
 
+
 def spec_summary(engine: Engine, algorithm: str) -> str | None:
     """One stderr line on how well speculation did, or None if the worker keeps no SpecStats."""
     stats = engine.executor.spec_stats()
     if stats is None:  # plain decoding
         return None
-    return (f"speculative {algorithm.upper()}: {stats.mean_accept_len:.2f} tokens per target "
-            f"forward (mean accepted length), acceptance rate {100 * stats.acceptance_rate:.1f}%, "
-            f"{stats.verifies} verifies")
+    return (
+        f"speculative {algorithm.upper()}: {stats.mean_accept_len:.2f} tokens per target "
+        f"forward (mean accepted length), acceptance rate {100 * stats.acceptance_rate:.1f}%, "
+        f"{stats.verifies} verifies"
+    )
 
 
 def prompt_inputs(engine: Engine, prompts: list[str], chat: bool) -> list[str | list[int]]:
@@ -72,10 +75,13 @@ def prompt_inputs(engine: Engine, prompts: list[str], chat: bool) -> list[str | 
     tok = engine.tokenizer
     # The template renders its own BOS; passing the rendered text to the engine would encode
     # it with special tokens and add a second BOS, so hand over ids encoded without them.
-    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}],
-                                               add_generation_prompt=True),
-                       add_special_tokens=False)
-            for p in prompts]
+    return [
+        tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
+            add_special_tokens=False,
+        )
+        for p in prompts
+    ]
 
 
 def _stream_one(engine: Engine, prompt: str | list[int], params: SamplingParams) -> tuple[int, str]:
@@ -94,14 +100,14 @@ def _stream_one(engine: Engine, prompt: str | list[int], params: SamplingParams)
     return n_tokens, reason
 
 
-def _generate_batch(engine: Engine, prompts: list[str], inputs: list[str | list[int]],
-                    params: SamplingParams) -> tuple[int, str]:
+def _generate_batch(
+    engine: Engine, prompts: list[str], inputs: list[str | list[int]], params: SamplingParams
+) -> tuple[int, str]:
     """Run all prompts as one batch, print each result; returns (tokens, finish reasons)."""
     outputs = engine.generate(inputs, params)
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         text = out.text if out.text is not None else _ids_text(out.output_ids)
-        typer.echo(f"--- [{i}] {prompt!r} ({len(out.output_ids)} tokens, "
-                   f"{_reason(out.finish_reason)})")
+        typer.echo(f"--- [{i}] {prompt!r} ({len(out.output_ids)} tokens, {_reason(out.finish_reason)})")
         typer.echo(text)
     reasons = sorted({_reason(o.finish_reason) for o in outputs})
     return sum(len(o.output_ids) for o in outputs), ",".join(reasons)
@@ -128,16 +134,37 @@ def generate(opts: GenerateOptions, spec: SpeculativeOptions) -> None:
     try:
         # Validate sampling and speculative options before the (slow) model load, so typos
         # fail fast; only a bad draft head directory is found during the load.
-        params = sampling_params(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature,
-                                 top_p=opts.top_p, top_k=opts.top_k, min_p=opts.min_p, stop=opts.stop)
+        params = sampling_params(
+            max_new_tokens=opts.max_new_tokens,
+            temperature=opts.temperature,
+            top_p=opts.top_p,
+            top_k=opts.top_k,
+            min_p=opts.min_p,
+            stop=opts.stop,
+        )
         from pdserve.models import resolve
 
-        choice = resolve(opts.model, algorithm=spec.algorithm, draft_model_path=spec.draft_model_path,
-                         num_steps=spec.num_steps, dtype=opts.dtype, device=opts.device, adaptive=spec.adaptive)
-        binding = bind_algorithm(spec_config(choice.algorithm, **{
-            **spec.given(), "draft_model_path": choice.draft_model_path, "num_steps": choice.num_steps}))
-        engine = build_engine(engine_config(choice.model, dtype=choice.dtype, device=opts.device,
-                                            page_size=opts.page_size, seed=opts.seed), binding)
+        choice = resolve(
+            opts.model,
+            algorithm=spec.algorithm,
+            draft_model_path=spec.draft_model_path,
+            num_steps=spec.num_steps,
+            dtype=opts.dtype,
+            device=opts.device,
+            adaptive=spec.adaptive,
+        )
+        binding = bind_algorithm(
+            spec_config(
+                choice.algorithm,
+                **{**spec.given(), "draft_model_path": choice.draft_model_path, "num_steps": choice.num_steps},
+            )
+        )
+        engine = build_engine(
+            engine_config(
+                choice.model, dtype=choice.dtype, device=opts.device, page_size=opts.page_size, seed=opts.seed
+            ),
+            binding,
+        )
         inputs = prompt_inputs(engine, prompt, opts.chat)
         start = time.perf_counter()
         if len(inputs) == 1:
@@ -153,8 +180,7 @@ def generate(opts: GenerateOptions, spec: SpeculativeOptions) -> None:
         sys.stdout.write("\n")
         fail("interrupted", code=130)
     rate = n_tokens / elapsed if elapsed > 0 else 0.0
-    typer.echo(f"{n_tokens} tokens in {elapsed:.2f} s ({rate:.1f} tok/s), finish: {reason}",
-               err=True)
+    typer.echo(f"{n_tokens} tokens in {elapsed:.2f} s ({rate:.1f} tok/s), finish: {reason}", err=True)
     summary = spec_summary(engine, binding.name)
     if summary:
         typer.echo(summary, err=True)

@@ -37,13 +37,13 @@ def _parameter(f: dataclasses.Field[Any], hint: Any, param: str) -> inspect.Para
     # A separator other than whitespace: the command splits the variable itself (`_from_env`).
     envvar = env_name(param) if flag.separator is None else None
     option = typer.Option(*decls, help=flag.help, rich_help_panel=flag.panel, envvar=envvar)
-    return inspect.Parameter(param, inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[hint, option],
-                             default=default)
+    return inspect.Parameter(param, inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[hint, option], default=default)
 
 
 def with_options(**schemas: type) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Give a typer command one flag per field of each schema; the command receives the schemas
     built from the flags, as keyword arguments named like `schemas`' keys."""
+
     def wrap(fn: Callable[..., None]) -> Callable[..., None]:
         params: list[inspect.Parameter] = []
         plan: list[tuple[str, str, str]] = []  # (argument, field, parameter)
@@ -69,6 +69,7 @@ def with_options(**schemas: type) -> Callable[[Callable[..., None]], Callable[..
 
         command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
         return command
+
     return wrap
 
 

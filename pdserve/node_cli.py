@@ -9,8 +9,18 @@ from typing import Any
 
 import typer
 
-from common.config import (DecodeRole, EngineOptions, LogOptions, PrefillRole, RouterOptions, ServeRole,
-                           SpeculativeOptions, UpOptions, check_rows_place, check_sgl_mode)
+from common.config import (
+    DecodeRole,
+    EngineOptions,
+    LogOptions,
+    PrefillRole,
+    RouterOptions,
+    ServeRole,
+    SpeculativeOptions,
+    UpOptions,
+    check_rows_place,
+    check_sgl_mode,
+)
 from pdserve.errors import fail
 from pdserve.flags import with_options
 
@@ -24,8 +34,15 @@ def _setup_logging(log: LogOptions) -> None:
         fail(e)
 
 
-def _run(role: Any, engine: EngineOptions, spec: SpeculativeOptions, log: LogOptions, host: str, port: int,
-         metrics_port: int | None) -> None:
+def _run(
+    role: Any,
+    engine: EngineOptions,
+    spec: SpeculativeOptions,
+    log: LogOptions,
+    host: str,
+    port: int,
+    metrics_port: int | None,
+) -> None:
     """Run a node through engine.service.node.run_node; expected failures are one line and exit 2."""
     import asyncio
 
@@ -35,8 +52,16 @@ def _run(role: Any, engine: EngineOptions, spec: SpeculativeOptions, log: LogOpt
 
     _setup_logging(log)
     try:
-        asyncio.run(run_node(role, lambda: build_node(engine, spec), host, port, metrics_port,
-                             served_model_name=engine.served_model_name))
+        asyncio.run(
+            run_node(
+                role,
+                lambda: build_node(engine, spec),
+                host,
+                port,
+                metrics_port,
+                served_model_name=engine.served_model_name,
+            )
+        )
     except (ModelLoadError, ValueError, OSError) as e:
         fail(e)
 
@@ -68,9 +93,22 @@ def register(app: typer.Typer) -> None:
         from prefill_node.role import PrefillRole as Prefill
 
         timeouts = PrefillTimeouts(bootstrap_s=role.bootstrap_timeout, transfer_s=role.transfer_timeout)
-        _run(Prefill(role.bootstrap_port, role.kv_transport, timeouts, role.kv_send_chunks, role.kv_handoff_rows,
-                     role.kv_write_sgl),
-             engine, spec, log, role.host, role.port, role.metrics_port)
+        _run(
+            Prefill(
+                role.bootstrap_port,
+                role.kv_transport,
+                timeouts,
+                role.kv_send_chunks,
+                role.kv_handoff_rows,
+                role.kv_write_sgl,
+            ),
+            engine,
+            spec,
+            log,
+            role.host,
+            role.port,
+            role.metrics_port,
+        )
 
     @app.command()
     @with_options(role=DecodeRole, engine=EngineOptions, spec=SpeculativeOptions, log=LogOptions)
@@ -81,10 +119,20 @@ def register(app: typer.Typer) -> None:
         from decode_node.peers import PeerPolicy
         from decode_node.role import DecodeRole as Decode
 
-        policy = PeerPolicy(connect_attempts=role.connect_attempts, connect_total_s=role.connect_timeout,
-                            heartbeat_s=role.heartbeat_interval)
-        _run(Decode(role.kv_transport, DecodeTimeouts(waiting_s=role.waiting_timeout), policy, role.kv_handoff_rows),
-             engine, spec, log, role.host, role.port, role.metrics_port)
+        policy = PeerPolicy(
+            connect_attempts=role.connect_attempts,
+            connect_total_s=role.connect_timeout,
+            heartbeat_s=role.heartbeat_interval,
+        )
+        _run(
+            Decode(role.kv_transport, DecodeTimeouts(waiting_s=role.waiting_timeout), policy, role.kv_handoff_rows),
+            engine,
+            spec,
+            log,
+            role.host,
+            role.port,
+            role.metrics_port,
+        )
 
     @app.command()
     @with_options(opts=UpOptions, spec=SpeculativeOptions, log=LogOptions)
@@ -97,9 +145,18 @@ def register(app: typer.Typer) -> None:
 
         from pdserve.up import Deployment, UpConfig, example_curl, served_model
 
-        cfg = UpConfig(str(opts.model) if opts.model else None, opts.host, opts.port, opts.prefill, opts.decode,
-                       opts.device, tuple(spec.argv()), opts.verbose, colocated=opts.colocated,
-                       log_args=("--log-level", log.log_level, "--log-format", log.log_format))
+        cfg = UpConfig(
+            str(opts.model) if opts.model else None,
+            opts.host,
+            opts.port,
+            opts.prefill,
+            opts.decode,
+            opts.device,
+            tuple(spec.argv()),
+            opts.verbose,
+            colocated=opts.colocated,
+            log_args=("--log-level", log.log_level, "--log-format", log.log_format),
+        )
         dep, stop = Deployment(cfg), threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
@@ -129,14 +186,33 @@ def register(app: typer.Typer) -> None:
 
         _setup_logging(log)
         try:  # not _run: that one knows engine errors, and the router must not import the engine
-            asyncio.run(run_router(RouterConfig(
-                o.host, o.port, tuple(o.prefill), tuple(o.decode), tuple(o.colocated), o.prefill_policy,
-                o.decode_policy, o.served_model, frozenset(o.api_key), o.max_queue,
-                prefill_dns=tuple(o.prefill_dns), decode_dns=tuple(o.decode_dns),
-                timeouts=StageTimeouts(prefill_s=o.prefill_timeout, first_token_s=o.first_token_timeout,
-                                       inter_token_s=o.inter_token_timeout),
-                refresh_s=o.refresh_interval, breaker_failures=o.breaker_failures,
-                breaker_cooldown_s=o.breaker_cooldown, tokenizer=str(o.tokenizer) if o.tokenizer else None,
-                chat_template=o.chat_template)))
+            asyncio.run(
+                run_router(
+                    RouterConfig(
+                        o.host,
+                        o.port,
+                        tuple(o.prefill),
+                        tuple(o.decode),
+                        tuple(o.colocated),
+                        o.prefill_policy,
+                        o.decode_policy,
+                        o.served_model,
+                        frozenset(o.api_key),
+                        o.max_queue,
+                        prefill_dns=tuple(o.prefill_dns),
+                        decode_dns=tuple(o.decode_dns),
+                        timeouts=StageTimeouts(
+                            prefill_s=o.prefill_timeout,
+                            first_token_s=o.first_token_timeout,
+                            inter_token_s=o.inter_token_timeout,
+                        ),
+                        refresh_s=o.refresh_interval,
+                        breaker_failures=o.breaker_failures,
+                        breaker_cooldown_s=o.breaker_cooldown,
+                        tokenizer=str(o.tokenizer) if o.tokenizer else None,
+                        chat_template=o.chat_template,
+                    )
+                )
+            )
         except (RuntimeError, ValueError, OSError) as e:
             fail(e)

@@ -71,8 +71,14 @@ class Deployment:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "NIXL_LOG_LEVEL": "WARN"}
         if device is not None and device.startswith("cuda:") and self.cfg.isolate_gpus:
             env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]  # each node sees one GPU as cuda:0
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", *args],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         child = Child(name, proc)
         threading.Thread(target=child.pump, args=(self.cfg.verbose,), daemon=True).start()
         self.children.append(child)
@@ -115,15 +121,21 @@ class Deployment:
 
     def _colocated_plans(self, common: list[str]) -> list[NodePlan]:
         devices = _devices(self.cfg.device, self.cfg.colocated)
-        return [(f"colocated-{i}", ["serve", *common, "--device", self._local(dev)], dev)
-                for i, dev in enumerate(devices)]
+        return [
+            (f"colocated-{i}", ["serve", *common, "--device", self._local(dev)], dev) for i, dev in enumerate(devices)
+        ]
 
     def _pd_plans(self, common: list[str]) -> list[NodePlan]:
         cfg = self.cfg
         devices = _devices(cfg.device, cfg.prefill + cfg.decode)
-        plans: list[NodePlan] = [(f"prefill-{i}", ["prefill", *common, "--bootstrap-port", "0",
-                                                   "--device", self._local(devices[i])], devices[i])
-                                 for i in range(cfg.prefill)]
+        plans: list[NodePlan] = [
+            (
+                f"prefill-{i}",
+                ["prefill", *common, "--bootstrap-port", "0", "--device", self._local(devices[i])],
+                devices[i],
+            )
+            for i in range(cfg.prefill)
+        ]
         for i in range(cfg.decode):
             dev = devices[cfg.prefill + i]
             plans.append((f"decode-{i}", ["decode", *common, "--device", self._local(dev)], dev))
@@ -164,10 +176,11 @@ def _sizes_kv_itself(node_args: tuple[str, ...]) -> bool:
 
 def _waves(plans: list[NodePlan], sizes_kv_itself: bool) -> list[list[NodePlan]]:
     """Start order: wave j holds the j-th node of every GPU, so nodes on different GPUs load at
-    once and nodes sharing one load one after another (CPU nodes all load at once). A node sizes its KV cache from the memory
-    left free when it starts (weights + KV may fill --mem-fraction-static of the GPU's total), so
-    the j-th of k nodes on a GPU gets the cumulative share (j+1)/k of the default: each ends up
-    with about 1/k of it, and none of them races another for the same free memory."""
+    once and nodes sharing one load one after another (CPU nodes all load at once). A node sizes its
+    KV cache from the memory left free when it starts (weights + KV may fill --mem-fraction-static
+    of the GPU's total), so the j-th of k nodes on a GPU gets the cumulative share (j+1)/k of the
+    default: each ends up with about 1/k of it, and none of them races another for the same free
+    memory."""
     by_device: dict[str, list[NodePlan]] = {}
     for plan in plans:
         by_device.setdefault(plan[2], []).append(plan)
@@ -220,8 +233,7 @@ def _wait_http_ok(url: str, deadline: float, child: Child) -> None:
 
 
 def example_curl(url: str, model: str) -> str:
-    body = json.dumps({"model": model, "prompt": "def fibonacci(n):", "max_tokens": 32,
-                       "temperature": 0})
+    body = json.dumps({"model": model, "prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0})
     return f"curl -s {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
 
 

@@ -23,8 +23,9 @@ class KVControlServicer(kpb_grpc.KVControlServicer):
         self.endpoint, self.rooms = endpoint, rooms
         self.peers: set[str] = set()
 
-    async def Handshake(self, request: kpb.HandshakeRequest,
-                        context: grpc.aio.ServicerContext) -> kpb.HandshakeResponse:
+    async def Handshake(
+        self, request: kpb.HandshakeRequest, context: grpc.aio.ServicerContext
+    ) -> kpb.HandshakeResponse:
         mine = self.endpoint.fingerprint
         theirs = Fingerprint.from_proto(request.fingerprint)
         diff = first_mismatch(mine, theirs, "prefill", "decode")
@@ -32,17 +33,23 @@ class KVControlServicer(kpb_grpc.KVControlServicer):
             log.warning("refusing decode %s: %s", request.decode_agent, diff)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"incompatible pair: {diff}")
         try:
-            peer = await asyncio.to_thread(self.endpoint.transport.add_peer, request.nixl_metadata,
-                                           layout_from_proto(request.layout))
+            peer = await asyncio.to_thread(
+                self.endpoint.transport.add_peer, request.nixl_metadata, layout_from_proto(request.layout)
+            )
         except TransferError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"incompatible pair: {e}")
         self.peers.add(peer)
         t = self.endpoint.transport
-        return kpb.HandshakeResponse(prefill_agent=t.name, nixl_metadata=t.metadata(),
-                                     layout=layout_to_proto(t.layout()), fingerprint=mine.to_proto())
+        return kpb.HandshakeResponse(
+            prefill_agent=t.name,
+            nixl_metadata=t.metadata(),
+            layout=layout_to_proto(t.layout()),
+            fingerprint=mine.to_proto(),
+        )
 
-    async def SendDestination(self, request: kpb.DestinationRequest,
-                              context: grpc.aio.ServicerContext) -> kpb.DestinationAck:
+    async def SendDestination(
+        self, request: kpb.DestinationRequest, context: grpc.aio.ServicerContext
+    ) -> kpb.DestinationAck:
         if request.decode_agent not in self.peers:
             return kpb.DestinationAck(accepted=False, error="unknown decode agent: handshake first")
         room = self.rooms.get_or_create(request.room)
@@ -50,13 +57,11 @@ class KVControlServicer(kpb_grpc.KVControlServicer):
             return kpb.DestinationAck(accepted=False, error=f"room {request.room} failed: {room.reason}")
         if room.destination is not None:
             return kpb.DestinationAck(accepted=False, error=f"room {request.room} already has a destination")
-        room.destination = Destination(request.decode_agent, list(request.pages), request.aux_row,
-                                       request.num_tokens)
+        room.destination = Destination(request.decode_agent, list(request.pages), request.aux_row, request.num_tokens)
         room.arrived.set()
         return kpb.DestinationAck(accepted=True)
 
-    async def AbortRoom(self, request: kpb.AbortRoomRequest,
-                        context: grpc.aio.ServicerContext) -> kpb.AbortRoomAck:
+    async def AbortRoom(self, request: kpb.AbortRoomRequest, context: grpc.aio.ServicerContext) -> kpb.AbortRoomAck:
         # An abort may overtake the router's prefill leg: keep a failed room (it expires with the
         # orphan TTL) so that leg fails at once instead of waiting for a destination.
         room = self.rooms.get_or_create(request.room)

@@ -30,8 +30,15 @@ from engine.kv_transfer import KVPoll, TransferError
 from engine.kv_transfer.endpoint import Endpoint, room_echo
 from engine.scheduler import RequestUpdate
 from engine.service import convert
-from engine.service.metrics import (KV_HANDOFF_STAGE_SECONDS, KV_HANDOFF_TAIL_SECONDS, KV_TRANSFER_BYTES,
-                                    KV_TRANSFER_FAILURES, KV_TRANSFER_SECONDS, KV_WRITE_PAGES, KV_WRITES)
+from engine.service.metrics import (
+    KV_HANDOFF_STAGE_SECONDS,
+    KV_HANDOFF_TAIL_SECONDS,
+    KV_TRANSFER_BYTES,
+    KV_TRANSFER_FAILURES,
+    KV_TRANSFER_SECONDS,
+    KV_WRITE_PAGES,
+    KV_WRITES,
+)
 from engine.service.stream import RequestFailed
 from prefill_node.rooms import Room, RoomTable
 from prefill_node.writer import RoomWriter, WriteFailed
@@ -47,21 +54,29 @@ class PrefillTimeouts:
 
 
 class PrefillHandler:
-    def __init__(self, pd: DisaggEngine, endpoint: Endpoint, rooms: RoomTable,
-                 timeouts: PrefillTimeouts, send_chunks: bool = True) -> None:
+    def __init__(
+        self,
+        pd: DisaggEngine,
+        endpoint: Endpoint,
+        rooms: RoomTable,
+        timeouts: PrefillTimeouts,
+        send_chunks: bool = True,
+    ) -> None:
         self.pd, self.endpoint, self.rooms, self.timeouts = pd, endpoint, rooms, timeouts
         self.send_chunks = send_chunks  # chunked prefill: each chunk's pages leave as it finishes
         self._live_ids: set[str] = set()
 
-    async def generate(self, request: pb.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         pd = self.pd
         params = convert.sampling_params(request, pd.max_context_len)
-        req = pd.make_request(list(request.tokenized.input_ids),
-                              # the first token is sampled here: it obeys min_new_tokens too
-                              dataclasses.replace(params, max_new_tokens=1, stop=(),
-                                                  min_new_tokens=min(1, params.min_new_tokens)),
-                              request.request_id or None)
+        req = pd.make_request(
+            list(request.tokenized.input_ids),
+            # the first token is sampled here: it obeys min_new_tokens too
+            dataclasses.replace(params, max_new_tokens=1, stop=(), min_new_tokens=min(1, params.min_new_tokens)),
+            request.request_id or None,
+        )
         req.hold_kv = True
         # Ids key the engine's updates and aborts: a second request with a live id (computing or
         # still writing its KV) is refused before it can touch the first one.
@@ -110,8 +125,9 @@ class PrefillHandler:
             if not room.arrived.is_set():
                 await asyncio.wait_for(room.arrived.wait(), max(left, 0.0))
         except asyncio.TimeoutError:
-            raise RequestFailed(f"no destination from the decode node within "
-                                f"{self.timeouts.bootstrap_s:.0f} s", "bootstrap_timeout") from None
+            raise RequestFailed(
+                f"no destination from the decode node within {self.timeouts.bootstrap_s:.0f} s", "bootstrap_timeout"
+            ) from None
         if room.state is KVPoll.FAILED:
             raise RequestFailed(room.reason, "aborted")
         if room.state is KVPoll.BOOTSTRAPPING:  # chunk writes may already be TRANSFERRING
@@ -159,8 +175,11 @@ class PrefillHandler:
         pages = held if held is not None else await asyncio.wrap_future(pd.page_list(req))
         need = pd.pages_for(req.seq_len)
         if len(dest.pages) != need or dest.num_tokens != req.seq_len:
-            raise RequestFailed(f"destination holds {len(dest.pages)} pages for {dest.num_tokens} tokens; "
-                                f"the prompt needs {need} pages for {req.seq_len} tokens", "bad_destination")
+            raise RequestFailed(
+                f"destination holds {len(dest.pages)} pages for {dest.num_tokens} tokens; "
+                f"the prompt needs {need} pages for {req.seq_len} tokens",
+                "bad_destination",
+            )
         t = time.perf_counter()
         payload = pd.encode_handoff(req)
         encoded = time.perf_counter()
@@ -210,9 +229,10 @@ class PrefillHandler:
     def disaggregation_metrics(self) -> pb.DisaggregationMetrics:
         c = self.rooms.counts()
         return pb.DisaggregationMetrics(
-            mode="prefill", prefill_prealloc_queue_reqs=c.get("BOOTSTRAPPING", 0),
-            prefill_inflight_queue_reqs=c.get("WAITING_FOR_INPUT", 0) + c.get("TRANSFERRING", 0))
-
+            mode="prefill",
+            prefill_prealloc_queue_reqs=c.get("BOOTSTRAPPING", 0),
+            prefill_inflight_queue_reqs=c.get("WAITING_FOR_INPUT", 0) + c.get("TRANSFERRING", 0),
+        )
 
 
 def _kind(e: BaseException) -> str:

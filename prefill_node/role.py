@@ -24,8 +24,15 @@ class PrefillRole:
 
     name = "prefill"
 
-    def __init__(self, bootstrap_port: int, transport: str, timeouts: PrefillTimeouts,
-                 send_chunks: bool = True, rows_at: str = "kv", sgl: str = "off") -> None:
+    def __init__(
+        self,
+        bootstrap_port: int,
+        transport: str,
+        timeouts: PrefillTimeouts,
+        send_chunks: bool = True,
+        rows_at: str = "kv",
+        sgl: str = "off",
+    ) -> None:
         self.bootstrap_port, self.transport, self.timeouts = bootstrap_port, transport, timeouts
         self.send_chunks, self.rows_at, self.sgl = send_chunks, rows_at, sgl
         self._janitor: asyncio.Task[None] | None = None
@@ -33,19 +40,33 @@ class PrefillRole:
     def attach(self, loop: EngineLoop, binding: Any) -> RoleParts:
         engine = loop.engine
         pd = DisaggEngine.over(loop)
-        self.endpoint = build_endpoint(pd, kind=self.transport, role="prefill",
-                                       rows=2 * engine.config.max_running + 1, spec_algorithm=binding.name,
-                                       draft_model_dir=binding.config.draft_model_path, rows_at=self.rows_at,
-                                       sgl=self.sgl)
+        self.endpoint = build_endpoint(
+            pd,
+            kind=self.transport,
+            role="prefill",
+            rows=2 * engine.config.max_running + 1,
+            spec_algorithm=binding.name,
+            draft_model_dir=binding.config.draft_model_path,
+            rows_at=self.rows_at,
+            sgl=self.sgl,
+        )
         self.rooms = RoomTable(orphan_ttl_s=self.timeouts.bootstrap_s)
         handler = PrefillHandler(pd, self.endpoint, self.rooms, self.timeouts, self.send_chunks)
-        return RoleParts(handler, info_role="prefill", pairing_protocol=pairing_protocol(self.endpoint.fingerprint),
-                         describe=binding.describe(), metrics_source=handler,
-                         on_stop=[self._stop_janitor, loop.stop, self.endpoint.transport.close])
+        return RoleParts(
+            handler,
+            info_role="prefill",
+            pairing_protocol=pairing_protocol(self.endpoint.fingerprint),
+            describe=binding.describe(),
+            metrics_source=handler,
+            on_stop=[self._stop_janitor, loop.stop, self.endpoint.transport.close],
+        )
 
     async def start(self, host: str, health: Any) -> tuple[list[grpc.aio.Server], str]:
-        control = (kpb_grpc.add_KVControlServicer_to_server, KVControlServicer(self.endpoint, self.rooms),
-                   "pdserve.v1.KVControl")
+        control = (
+            kpb_grpc.add_KVControlServicer_to_server,
+            KVControlServicer(self.endpoint, self.rooms),
+            "pdserve.v1.KVControl",
+        )
         boot, boot_port = await start_server([control], host, self.bootstrap_port, watch=health)
         self._janitor = asyncio.create_task(_expire_orphans(self.rooms))
         return [boot], f" bootstrap={host}:{boot_port}"

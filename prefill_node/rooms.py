@@ -79,8 +79,7 @@ class RoomTable:
     def expire_orphans(self) -> int:
         """Destinations whose Generate never came: drop them after the TTL."""
         now = time.monotonic()
-        dead = [r for r in self._rooms.values()
-                if r.deadline < now and (not r.request_id or r.state is KVPoll.FAILED)]
+        dead = [r for r in self._rooms.values() if r.deadline < now and (not r.request_id or r.state is KVPoll.FAILED)]
         for r in dead:
             r.fail("no request arrived for this room")
             del self._rooms[r.room]

@@ -142,8 +142,12 @@ class RoomWriter:
         end = len(progress.pages)
         room.state = KVPoll.TRANSFERRING  # a write into its pages is posted from here on
         try:  # posted and polled once: _until_wake_ending_chunks ends it
-            await self._post(TransferRequest(room.room, dest.peer, list(progress.pages[self.sent:]),
-                                             dest.pages[self.sent:end], None, None), urgent=False)
+            await self._post(
+                TransferRequest(
+                    room.room, dest.peer, list(progress.pages[self.sent :]), dest.pages[self.sent : end], None, None
+                ),
+                urgent=False,
+            )
         except TransferError as e:
             self._error = WriteFailed(f"KV chunk write failed: {e}", "transfer_error")
             return
@@ -158,8 +162,9 @@ class RoomWriter:
         is always waited for before its pages or row are reused."""
         deadline = time.monotonic() + self.timeout_s
         every = poll_interval(self.transport, True)
-        posting = post_and_wait(lambda: self.transport.write(request), self.transport.poll, every,
-                                SLICE_S if urgent else 0.0)
+        posting = post_and_wait(
+            lambda: self.transport.write(request), self.transport.poll, every, SLICE_S if urgent else 0.0
+        )
         self._posting.add(posting)
         loop = asyncio.get_running_loop()
         result: asyncio.Future = loop.create_future()
@@ -203,8 +208,7 @@ class RoomWriter:
         # posting may copy synchronously (CPU): off the event loop. A caller that goes away
         # meanwhile still leaves the handle for after_writes to wait on (`_post`).
         try:
-            await self._post(TransferRequest(room.room, dest.peer, src_pages, dst_pages, src_row, dst_row),
-                             urgent=True)
+            await self._post(TransferRequest(room.room, dest.peer, src_pages, dst_pages, src_row, dst_row), urgent=True)
         except TransferError as e:
             raise WriteFailed(f"KV write failed: {e}", "transfer_error") from None
         await self._end_posted(urgent=True)
@@ -219,7 +223,7 @@ class RoomWriter:
         every = poll_interval(t, True) if urgent else max(poll_interval(t), CHUNK_POLL_S)
         while self._posted:
             handle, deadline = self._posted[0]
-            state = await wait_settled(lambda: t.poll(handle), deadline, every)
+            state = await wait_settled(lambda h=handle: t.poll(h), deadline, every)
             self._retire(handle, state)
             self._posted.pop(0)
         if not self._posting:  # else the drainer runs them once that post is recorded and ended
@@ -229,11 +233,9 @@ class RoomWriter:
         """A posted write that ended (or ran out of time): note its failure, release it."""
         t = self.transport
         if state is KVPoll.FAILED and self._error is None:
-            self._error = WriteFailed(f"KV write failed: {t.last_error(handle) or 'unknown reason'}",
-                                      "transfer_error")
+            self._error = WriteFailed(f"KV write failed: {t.last_error(handle) or 'unknown reason'}", "transfer_error")
         elif state is KVPoll.TRANSFERRING and self._error is None:
-            self._error = WriteFailed(f"KV write did not finish within {self.timeout_s:.0f} s",
-                                      "transfer_timeout")
+            self._error = WriteFailed(f"KV write did not finish within {self.timeout_s:.0f} s", "transfer_timeout")
         t.release(handle)
 
     def after_writes(self, callback: Callable[[], None]) -> None:

@@ -30,8 +30,9 @@ def proto_sources(root: Path = PROTO_ROOT) -> list[Path]:
 def generated_files(out: Path) -> list[Path]:
     """The generated files under `out` (relative to it) in the sources' top-level packages."""
     tops = sorted({src.parts[0] for src in proto_sources()})
-    return sorted(p.relative_to(out) for top in tops for suffix in GENERATED_SUFFIXES
-                  for p in (out / top).rglob(f"*{suffix}"))
+    return sorted(
+        p.relative_to(out) for top in tops for suffix in GENERATED_SUFFIXES for p in (out / top).rglob(f"*{suffix}")
+    )
 
 
 def generate(out: Path = REPO_ROOT) -> list[Path]:
@@ -46,8 +47,16 @@ def generate(out: Path = REPO_ROOT) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     for stale in generated_files(out):
         (out / stale).unlink()
-    cmd = [sys.executable, "-m", "grpc_tools.protoc", f"-I{PROTO_ROOT}", f"--python_out={out}",
-           f"--pyi_out={out}", f"--grpc_python_out={out}", *map(str, sources)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpc_tools.protoc",
+        f"-I{PROTO_ROOT}",
+        f"--python_out={out}",
+        f"--pyi_out={out}",
+        f"--grpc_python_out={out}",
+        *map(str, sources),
+    ]
     # Sources are given relative to the include root so `# source:` lines do not depend on
     # where the checkout lives.
     proc = subprocess.run(cmd, cwd=PROTO_ROOT, capture_output=True, text=True)
@@ -58,8 +67,9 @@ def generate(out: Path = REPO_ROOT) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO_ROOT,
-                        help="output root; files go to OUT/pdserve/v1 (default: the repo root)")
+    parser.add_argument(
+        "--out", type=Path, default=REPO_ROOT, help="output root; files go to OUT/pdserve/v1 (default: the repo root)"
+    )
     args = parser.parse_args(argv)
     try:
         import grpc_tools  # noqa: F401

@@ -32,8 +32,19 @@ from router.chat import render as render_chat
 from router.contract import Dispatcher, DispatchError, GenerationJob, ModelCard
 from router.errors import APIError, bad_request, from_dispatch_error, from_validation_error, install_handlers
 from router.metrics import ResponseCounter, RouterMetrics
-from router.protocol import (ChatCompletionRequest, CompletionRequest, Shapes, build_jobs, check_bias_ids,
-                             check_ids, check_min_tokens, context_budget, read_body, response_ids, truncate)
+from router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Shapes,
+    build_jobs,
+    check_bias_ids,
+    check_ids,
+    check_min_tokens,
+    context_budget,
+    read_body,
+    response_ids,
+    truncate,
+)
 from router.request_id import RequestIdMiddleware
 from router.serving import Serving, SSEResponse, until_disconnect
 from router.text import ChoiceText, RequestOutput, TextOptions
@@ -45,9 +56,16 @@ MAX_PROMPTS = 64  # prompts in one batched completions request
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the legacy endpoint's documented default
 
 
-def create_app(dispatcher: Dispatcher, tokenizer: Tokenizer, *, served_model: str,
-               api_keys: set[str] | frozenset[str] = frozenset(), max_body_bytes: int = 1 << 20,
-               max_queue: int = 256, metrics_registry: CollectorRegistry | None = None) -> FastAPI:
+def create_app(
+    dispatcher: Dispatcher,
+    tokenizer: Tokenizer,
+    *,
+    served_model: str,
+    api_keys: set[str] | frozenset[str] = frozenset(),
+    max_body_bytes: int = 1 << 20,
+    max_queue: int = 256,
+    metrics_registry: CollectorRegistry | None = None,
+) -> FastAPI:
     """The OpenAI-compatible app; empty `api_keys` means no authentication; more than `max_queue`
     generation requests in flight are shed with 503 + Retry-After. `metrics_registry` lets the
     dispatcher's metrics appear on the same /metrics."""
@@ -64,9 +82,17 @@ def create_app(dispatcher: Dispatcher, tokenizer: Tokenizer, *, served_model: st
     def client_left(stage: str, request: Request) -> None:
         # Clients hang up all the time (timeouts, cancelled tools): a count and a line, no traceback.
         metrics.client_disconnects.labels(stage).inc()
-        log.log(logging.INFO if stage == "body" else logging.DEBUG, "client disconnected %s: %s %s",
-                {"body": "while sending its request body", "before_first_token": "before its first token",
-                 "streaming": "mid-stream"}[stage], request.method, request.url.path)
+        log.log(
+            logging.INFO if stage == "body" else logging.DEBUG,
+            "client disconnected %s: %s %s",
+            {
+                "body": "while sending its request body",
+                "before_first_token": "before its first token",
+                "streaming": "mid-stream",
+            }[stage],
+            request.method,
+            request.url.path,
+        )
 
     @app.exception_handler(ClientDisconnect)
     async def _body_disconnect(request: Request, _: ClientDisconnect) -> Response:
@@ -78,8 +104,11 @@ def create_app(dispatcher: Dispatcher, tokenizer: Tokenizer, *, served_model: st
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            raise APIError(401, "You didn't provide an API key. Provide it in the Authorization header "
-                                "as 'Bearer YOUR_KEY'.", code="invalid_api_key")
+            raise APIError(
+                401,
+                "You didn't provide an API key. Provide it in the Authorization header as 'Bearer YOUR_KEY'.",
+                code="invalid_api_key",
+            )
         # Compare with every key in constant time (a list, not a generator: no short-circuit), so
         # timing reveals neither which key matched nor a matching prefix.
         if not any([hmac.compare_digest(token.strip().encode(), k) for k in keys]):  # noqa: C419
@@ -102,21 +131,34 @@ def create_app(dispatcher: Dispatcher, tokenizer: Tokenizer, *, served_model: st
             raise bad_request(why[1], param=why[0], code="unsupported_parameter")
         check_bias_ids(req.bias_pairs(), tokenizer.vocab_size)
         if req.model != served_model:
-            raise APIError(404, f"The model `{req.model}` does not exist or you do not have access to it.",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{req.model}` does not exist or you do not have access to it.",
+                param="model",
+                code="model_not_found",
+            )
         card = dispatcher.model()
         if card is None:
-            raise APIError(503, "No node has reported its model yet; retry shortly.", code="model_not_ready",
-                           retry_after_s=1.0)
+            raise APIError(
+                503, "No node has reported its model yet; retry shortly.", code="model_not_ready", retry_after_s=1.0
+            )
         return req, card
 
-    def choices(jobs: list[GenerationJob], card: ModelCard, req: Any, logprobs: bool,
-                echoes: list[str]) -> list[ChoiceText]:
+    def choices(
+        jobs: list[GenerationJob], card: ModelCard, req: Any, logprobs: bool, echoes: list[str]
+    ) -> list[ChoiceText]:
         eos = frozenset() if req.ignore_eos else frozenset(card.eos_token_ids or tokenizer.eos_token_ids)
-        return [ChoiceText(tokenizer, j.input_ids, stop=j.sampling.stop, logprobs=logprobs,
-                           end_ids=eos | frozenset(j.sampling.stop_token_ids),
-                           options=TextOptions(req.skip_special_tokens, req.include_stop_str(), req.min_tokens, echo))
-                for j, echo in zip(jobs, echoes)]
+        return [
+            ChoiceText(
+                tokenizer,
+                j.input_ids,
+                stop=j.sampling.stop,
+                logprobs=logprobs,
+                end_ids=eos | frozenset(j.sampling.stop_token_ids),
+                options=TextOptions(req.skip_special_tokens, req.include_stop_str(), req.min_tokens, echo),
+            )
+            for j, echo in zip(jobs, echoes)
+        ]
 
     def prompt_ids(prompt: str | list[int], req: Any, card: ModelCard, param: str, add_special: bool) -> list[int]:
         ids = tokenizer.encode(prompt, add_special_tokens=add_special) if isinstance(prompt, str) else list(prompt)
@@ -124,19 +166,23 @@ def create_app(dispatcher: Dispatcher, tokenizer: Tokenizer, *, served_model: st
         check_ids(ids, tokenizer.vocab_size, param)
         return ids
 
-    def budget(n_prompt: int, req: Any, asked: int | None, default: int | None, card: ModelCard,
-               param: str) -> int:
+    def budget(n_prompt: int, req: Any, asked: int | None, default: int | None, card: ModelCard, param: str) -> int:
         max_new = context_budget(n_prompt, asked, default, card, param)
         check_min_tokens(req.min_tokens, max_new, asked is not None)
         return max_new
 
-    async def serve(request: Request, endpoint: str, out: RequestOutput, jobs: list[GenerationJob],
-                    stream: bool, t0: float) -> Response:
+    async def serve(
+        request: Request, endpoint: str, out: RequestOutput, jobs: list[GenerationJob], stream: bool, t0: float
+    ) -> Response:
         nonlocal in_flight
         if in_flight >= max_queue:
             metrics.shed.inc()
-            raise APIError(503, f"The router is at capacity ({max_queue} requests in flight); retry shortly.",
-                           code="server_overloaded", retry_after_s=1.0)
+            raise APIError(
+                503,
+                f"The router is at capacity ({max_queue} requests in flight); retry shortly.",
+                code="server_overloaded",
+                retry_after_s=1.0,
+            )
         in_flight += 1
         metrics.in_flight.inc()
         run = Serving(endpoint, out, jobs, t0, dispatcher, metrics)
@@ -158,8 +204,9 @@ def create_app(dispatcher: Dispatcher, tokenizer: Tokenizer, *, served_model: st
             if not stream:
                 return JSONResponse(result)
             handed_off = True
-            return SSEResponse(run.events(result), cleanup=release,
-                               on_disconnect=lambda: client_left("streaming", request))
+            return SSEResponse(
+                run.events(result), cleanup=release, on_disconnect=lambda: client_left("streaming", request)
+            )
         except DispatchError as e:
             raise from_dispatch_error(e) from e
         finally:
@@ -172,8 +219,11 @@ def create_app(dispatcher: Dispatcher, tokenizer: Tokenizer, *, served_model: st
         req, card = await parse(request, CompletionRequest)
         prompts = req.prompts()
         if not prompts or len(prompts) > MAX_PROMPTS:
-            raise bad_request(f"'prompt' must hold 1 to {MAX_PROMPTS} prompts.", param="prompt",
-                              code="empty_prompt" if not prompts else "invalid_value")
+            raise bad_request(
+                f"'prompt' must hold 1 to {MAX_PROMPTS} prompts.",
+                param="prompt",
+                code="empty_prompt" if not prompts else "invalid_value",
+            )
         rid, job_rid = response_ids("cmpl", req.client_request_id(), request)
         top = req.logprobs  # None: no logprobs; 0..5: the chosen token's plus that many alternatives
         jobs: list[GenerationJob] = []
@@ -187,12 +237,19 @@ def create_app(dispatcher: Dispatcher, tokenizer: Tokenizer, *, served_model: st
             prompt_tokens += len(ids)  # once per prompt, not per choice, as OpenAI counts
             jobs += build_jobs(job_rid, len(prompts) * req.n, len(jobs), ids, req, max_new, top)
             # echo: the prompt as sent, or as the model saw it when given as ids or truncated
-            echo = p if isinstance(p, str) and req.truncate_prompt_tokens is None else \
-                tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
+            echo = (
+                p
+                if isinstance(p, str) and req.truncate_prompt_tokens is None
+                else tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
+            )
             echoes += [echo if req.echo else ""] * req.n
-        out = RequestOutput(Shapes(False, rid, served_model, req.include_usage()),
-                            choices(jobs, card, req, top is not None, echoes), prompt_tokens, top or 0,
-                            top is not None)
+        out = RequestOutput(
+            Shapes(False, rid, served_model, req.include_usage()),
+            choices(jobs, card, req, top is not None, echoes),
+            prompt_tokens,
+            top or 0,
+            top is not None,
+        )
         return await serve(request, COMPLETIONS, out, jobs, bool(req.stream), t0)
 
     @app.post(CHAT)
@@ -206,9 +263,13 @@ def create_app(dispatcher: Dispatcher, tokenizer: Tokenizer, *, served_model: st
         rid, job_rid = response_ids("chatcmpl", req.client_request_id(), request)
         top = (req.top_logprobs or 0) if req.logprobs else None
         jobs = build_jobs(job_rid, req.n, 0, ids, req, max_new, top)
-        out = RequestOutput(Shapes(True, rid, served_model, req.include_usage()),
-                            choices(jobs, card, req, top is not None, [echo] * len(jobs)), len(ids), top or 0,
-                            top is not None)
+        out = RequestOutput(
+            Shapes(True, rid, served_model, req.include_usage()),
+            choices(jobs, card, req, top is not None, [echo] * len(jobs)),
+            len(ids),
+            top or 0,
+            top is not None,
+        )
         return await serve(request, CHAT, out, jobs, bool(req.stream), t0)
 
     def model_entry() -> dict[str, Any]:
@@ -226,8 +287,12 @@ def create_app(dispatcher: Dispatcher, tokenizer: Tokenizer, *, served_model: st
     async def get_model(request: Request, model_id: str) -> dict[str, Any]:
         check_auth(request)
         if model_id != served_model:
-            raise APIError(404, f"The model `{model_id}` does not exist or you do not have access to it.",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{model_id}` does not exist or you do not have access to it.",
+                param="model",
+                code="model_not_found",
+            )
         return model_entry()
 
     @app.get("/health")

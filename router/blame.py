@@ -33,8 +33,7 @@ class LegFailed(Exception):
     """An attempt failed; `blame` are the nodes it counts against, `error` what the client gets,
     `reason` the retry reason (a metric label: a short fixed string)."""
 
-    def __init__(self, error: DispatchError, blame: tuple[NodeState, ...], reason: str,
-                 retryable: bool = True) -> None:
+    def __init__(self, error: DispatchError, blame: tuple[NodeState, ...], reason: str, retryable: bool = True) -> None:
         super().__init__(error.message)
         self.error, self.blame, self.reason, self.retryable = error, blame, reason, retryable
 
@@ -57,8 +56,13 @@ def rpc_failure(e: grpc.aio.AioRpcError, leg: str, node: NodeState, peer: NodeSt
         return LegFailed(DispatchError(429, msg, code="overloaded", retry_after_s=1.0), (node,), "overloaded")
     status = 504 if code == grpc.StatusCode.DEADLINE_EXCEEDED else 502
     if peer is not None and named_role(e) == peer.role:
-        return LegFailed(DispatchError(status, f"{peer.role} node {peer.address} failed its {leg} node ({msg})",
-                                       code=f"{peer.role}_failed"), (peer,), f"{peer.role}_failed")
+        return LegFailed(
+            DispatchError(
+                status, f"{peer.role} node {peer.address} failed its {leg} node ({msg})", code=f"{peer.role}_failed"
+            ),
+            (peer,),
+            f"{peer.role}_failed",
+        )
     return LegFailed(DispatchError(status, msg, code=f"{leg}_failed"), (node,), f"{leg}_failed")
 
 
@@ -82,8 +86,9 @@ async def prefill_failure(failure: LegFailed, decode: NodeState, timeout_s: floa
     return LegFailed(DispatchError(502, msg, code="decode_failed"), (decode,), "decode_failed")
 
 
-async def stage_timeout(prefill: NodeState | None, decode: NodeState, prefill_running: bool, waited_s: float,
-                        health_s: float) -> LegFailed:
+async def stage_timeout(
+    prefill: NodeState | None, decode: NodeState, prefill_running: bool, waited_s: float, health_s: float
+) -> LegFailed:
     """No decode message within `waited_s`: blame whichever legs do not answer a health check."""
     legs = [n for n in (prefill, decode) if n is not None]
     alive = await asyncio.gather(*(answers(n, health_s) for n in legs))
@@ -94,5 +99,4 @@ async def stage_timeout(prefill: NodeState | None, decode: NodeState, prefill_ru
         silent = (prefill,) if prefill is not None and prefill_running else (decode,)
         why = f"{silent[0].role} node {silent[0].address} is the stage still running"
     reason = f"{silent[0].role}_timeout" if len(silent) == 1 else "pair_timeout"
-    return LegFailed(DispatchError(504, f"no decode message within {waited_s:g} s; {why}", code=reason),
-                     silent, reason)
+    return LegFailed(DispatchError(504, f"no decode message within {waited_s:g} s; {why}", code=reason), silent, reason)

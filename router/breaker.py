@@ -22,8 +22,9 @@ class BreakerState(enum.IntEnum):
 
 
 class CircuitBreaker:
-    def __init__(self, failure_threshold: int = 3, cooldown_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, failure_threshold: int = 3, cooldown_s: float = 10.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if failure_threshold < 1:
             raise ValueError("failure_threshold must be at least 1")
         self.failure_threshold, self.cooldown_s, self.clock = failure_threshold, cooldown_s, clock
@@ -62,6 +63,7 @@ class CircuitBreaker:
     def record_failure(self) -> None:
         self.failures += 1
         state = self.state
-        if state is BreakerState.HALF_OPEN or (state is BreakerState.CLOSED
-                                               and self.failures >= self.failure_threshold):
+        if state is BreakerState.HALF_OPEN or (
+            state is BreakerState.CLOSED and self.failures >= self.failure_threshold
+        ):
             self._state, self._opened_at, self._probing = BreakerState.OPEN, self.clock(), False

@@ -60,8 +60,9 @@ class StageTimeouts:
 class _Attempt:
     """One try of one job on one pair (or one colocated node when `prefill` is None)."""
 
-    def __init__(self, d: PDDispatcher, job: GenerationJob, prefill: NodeState | None, decode: NodeState,
-                 request_id: str) -> None:
+    def __init__(
+        self, d: PDDispatcher, job: GenerationJob, prefill: NodeState | None, decode: NodeState, request_id: str
+    ) -> None:
         self.d, self.job, self.prefill, self.decode, self.rid = d, job, prefill, decode, request_id
         self.room = secrets.randbelow(MAX_ROOM) + 1
         req = build_request(job, request_id, self.room, prefill)
@@ -96,8 +97,9 @@ class _Attempt:
         except grpc.aio.AioRpcError as e:
             return rpc_failure(e, "prefill", self.prefill, self.decode)
         except Exception as e:  # anything else still ends this attempt, not the router
-            return LegFailed(DispatchError(502, f"prefill leg: {e!r}", code="prefill_failed"),
-                              (self.prefill,), "prefill_failed")
+            return LegFailed(
+                DispatchError(502, f"prefill leg: {e!r}", code="prefill_failed"), (self.prefill,), "prefill_failed"
+            )
         finally:
             self.prefill.inflight -= 1
         # Only a stream that ended well gives its token: its KV write to the decode is complete.
@@ -139,11 +141,21 @@ class _Attempt:
             done = msg.complete
             if (event := relay.complete(done)) is not None:  # a worker that did not stream (or not all of it)
                 yield event
-            matched = (done.matched_token_id if done.HasField("matched_token_id")
-                       else done.matched_stop_str if done.HasField("matched_stop_str") else None)
+            matched = (
+                done.matched_token_id
+                if done.HasField("matched_token_id")
+                else done.matched_stop_str
+                if done.HasField("matched_stop_str")
+                else None
+            )
             self.finished = True
-            yield FinishEvent(done.finish_reason or "stop", done.prompt_tokens,
-                              done.completion_tokens or len(done.output_ids), matched, self.prefill is not None)
+            yield FinishEvent(
+                done.finish_reason or "stop",
+                done.prompt_tokens,
+                done.completion_tokens or len(done.output_ids),
+                matched,
+                self.prefill is not None,
+            )
             return
 
     async def _read(self, deadline: float, budget_s: float, relay_first: bool) -> pb.GenerateResponse | None:
@@ -158,14 +170,16 @@ class _Attempt:
                     return None  # the read stays pending for the next call: cancelling it ends the RPC
                 pt = self.prefill_task
                 waiting: set[asyncio.Future] = {read} if pt is None or pt.done() else {read, pt}
-                done, _ = await asyncio.wait(waiting, timeout=max(deadline - loop.time(), 0.0),
-                                             return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(
+                    waiting, timeout=max(deadline - loop.time(), 0.0), return_when=asyncio.FIRST_COMPLETED
+                )
                 if read in done:
                     self._next = None
                     return await self._message(read)
                 if not done:
-                    raise await stage_timeout(self.prefill, self.decode, pt is not None and not pt.done(),
-                                              budget_s, self.d.timeouts.health_s)
+                    raise await stage_timeout(
+                        self.prefill, self.decode, pt is not None and not pt.done(), budget_s, self.d.timeouts.health_s
+                    )
                 if (failure := pt.result()) is not None:  # type: ignore[union-attr]
                     raise await self._attribute(failure)
         except BaseException:
@@ -191,8 +205,15 @@ class _Attempt:
                 raise await self._attribute(pt.result()) from None  # the decode only followed
             raise rpc_failure(e, "decode", self.decode, self.prefill) from None
         if msg is grpc.aio.EOF:
-            raise LegFailed(DispatchError(502, f"decode node {self.decode.address} ended its stream without "
-                                           "GenerateComplete", code="decode_failed"), (self.decode,), "decode_failed")
+            raise LegFailed(
+                DispatchError(
+                    502,
+                    f"decode node {self.decode.address} ended its stream without GenerateComplete",
+                    code="decode_failed",
+                ),
+                (self.decode,),
+                "decode_failed",
+            )
         return msg
 
     async def _attribute(self, failure: LegFailed) -> LegFailed:
@@ -213,8 +234,13 @@ class _Attempt:
         if self.finished:
             return
         legs = [n for n in (self.prefill, self.decode) if n is not None and n.stub is not None]
-        aborts = [n.stub.Abort(pb.AbortRequest(request_id=self.rid, reason=reason),  # type: ignore[union-attr]
-                               timeout=self.d.timeouts.abort_s) for n in legs]
+        aborts = [
+            n.stub.Abort(
+                pb.AbortRequest(request_id=self.rid, reason=reason),  # type: ignore[union-attr]
+                timeout=self.d.timeouts.abort_s,
+            )
+            for n in legs
+        ]
         task = asyncio.ensure_future(asyncio.gather(*aborts, return_exceptions=True))
         try:  # shielded: a second cancel of the consumer must not drop the aborts
             await asyncio.wait_for(asyncio.shield(task), self.d.timeouts.abort_s)
@@ -241,15 +267,30 @@ class _Attempt:
 
 
 class PDDispatcher:
-    def __init__(self, registry: NodeRegistry, prefill_policy: Policy, decode_policy: Policy, *,
-                 max_attempts: int = 3, timeouts: StageTimeouts = StageTimeouts(),
-                 backoff_s: float = 0.05, backoff_max_s: float = 1.0, ready_window_s: float = 60.0,
-                 probe_interval_s: float = 5.0, probe_input_ids: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8),
-                 auto_probe: bool = True, metrics_registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        registry: NodeRegistry,
+        prefill_policy: Policy,
+        decode_policy: Policy,
+        *,
+        max_attempts: int = 3,
+        timeouts: StageTimeouts = StageTimeouts(),
+        backoff_s: float = 0.05,
+        backoff_max_s: float = 1.0,
+        ready_window_s: float = 60.0,
+        probe_interval_s: float = 5.0,
+        probe_input_ids: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8),
+        auto_probe: bool = True,
+        metrics_registry: CollectorRegistry | None = None,
+    ) -> None:
         self.registry, self.prefill_policy, self.decode_policy = registry, prefill_policy, decode_policy
         self.max_attempts, self.timeouts = max(1, max_attempts), timeouts
         self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
-        self.ready_window_s, self.probe_interval_s, self.probe_input_ids = ready_window_s, probe_interval_s, probe_input_ids
+        self.ready_window_s, self.probe_interval_s, self.probe_input_ids = (
+            ready_window_s,
+            probe_interval_s,
+            probe_input_ids,
+        )
         # Its own registry unless given one: /metrics must expose it (or pass the HTTP side's registry).
         self.metrics_registry = metrics_registry if metrics_registry is not None else CollectorRegistry()
         self.metrics = DispatchMetrics(self.metrics_registry)
@@ -283,8 +324,12 @@ class PDDispatcher:
             if target is None:
                 if last is not None:
                     raise last.error
-                raise DispatchError(503, "no healthy compatible prefill/decode pair (or colocated node) is available",
-                                    code="no_available_pair", retry_after_s=1.0)
+                raise DispatchError(
+                    503,
+                    "no healthy compatible prefill/decode pair (or colocated node) is available",
+                    code="no_available_pair",
+                    retry_after_s=1.0,
+                )
             prefill, decode = target
             self.metrics.pairs.labels(prefill.address if prefill else "-", decode.address).inc()
             attempt = _Attempt(self, job, prefill, decode, job.request_id if n == 0 else f"{job.request_id}-retry{n}")
@@ -307,8 +352,13 @@ class PDDispatcher:
                     raise f.error from None
                 if not f.retryable:
                     raise f.error from None
-                log.warning("attempt %d/%d of %s failed before the first token: %s", n + 1, self.max_attempts,
-                            job.request_id, f.error)
+                log.warning(
+                    "attempt %d/%d of %s failed before the first token: %s",
+                    n + 1,
+                    self.max_attempts,
+                    job.request_id,
+                    f.error,
+                )
                 blamed |= attempt.blame
                 tried |= {node.address for node in (prefill, decode) if node is not None}
                 last = f
@@ -339,8 +389,9 @@ class PDDispatcher:
     async def probe(self) -> bool:
         """One tiny real request (one token) through a pair, so readiness needs no user traffic."""
         self._last_probe = time.monotonic()
-        job = GenerationJob(f"probe-{uuid.uuid4().hex[:16]}", self.probe_input_ids,
-                            SamplingParams(max_new_tokens=1, temperature=0.0))
+        job = GenerationJob(
+            f"probe-{uuid.uuid4().hex[:16]}", self.probe_input_ids, SamplingParams(max_new_tokens=1, temperature=0.0)
+        )
         try:
             async with asyncio.timeout(self.timeouts.probe_s):
                 async for _ in self.generate(job):
@@ -355,8 +406,12 @@ class PDDispatcher:
         self.metrics.sync_nodes(self.registry.states)
         now = time.monotonic()
         stale = self._last_success is None or now - self._last_success > self.ready_window_s / 2
-        if (stale and (self._probe_task is None or self._probe_task.done())
-                and now - self._last_probe >= self.probe_interval_s and pair_available(self.registry)):
+        if (
+            stale
+            and (self._probe_task is None or self._probe_task.done())
+            and now - self._last_probe >= self.probe_interval_s
+            and pair_available(self.registry)
+        ):
             self._probe_task = asyncio.create_task(self.probe(), name="readiness-probe")
 
     def keep(self, task: asyncio.Future) -> None:

@@ -21,24 +21,49 @@ from router.request_id import HEADER, request_id_of
 
 # OpenAI uses "invalid_request_error" for every 4xx it raises itself (401 and 404 included); 429 and
 # 5xx get their own types so clients and dashboards can tell "fix the request" from "retry later".
-_TYPE_BY_STATUS = {429: "rate_limit_error", 500: "server_error", 502: "server_error",
-                   503: "server_error", 504: "server_error"}
+_TYPE_BY_STATUS = {
+    429: "rate_limit_error",
+    500: "server_error",
+    502: "server_error",
+    503: "server_error",
+    504: "server_error",
+}
 
 # Pydantic location parts that name a union member rather than a field ("prompt" -> "list[int]").
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "function-after",
-                        "function-before", "function-wrap", "literal"})
+_TYPE_TAGS = frozenset(
+    {
+        "str",
+        "int",
+        "float",
+        "bool",
+        "list",
+        "dict",
+        "none",
+        "function-after",
+        "function-before",
+        "function-wrap",
+        "literal",
+    }
+)
 
 
 class APIError(Exception):
     """An error the router reports to the client, already in OpenAI's vocabulary."""
 
-    def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
-                 code: str | None = None, retry_after_s: float | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
-        self.type = type or _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else
-                                                "invalid_request_error")
+        self.type = type or _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
         self.param = param
         self.code = code
         self.retry_after_s = retry_after_s
@@ -87,8 +112,7 @@ def from_validation_error(e: ValidationError) -> APIError:
     param = _param_from_loc(tuple(err.get("loc", ())))
     kind = err.get("type", "")
     if kind == "extra_forbidden":
-        return bad_request(f"Unrecognized request argument supplied: {param}", param=param,
-                           code="unknown_parameter")
+        return bad_request(f"Unrecognized request argument supplied: {param}", param=param, code="unknown_parameter")
     if kind == "missing":
         return bad_request(f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
     # A custom ValueError raised in a validator carries the "Value error, " prefix; drop it.

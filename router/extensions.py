@@ -38,16 +38,22 @@ _REFUSED_SAMPLING: dict[str, str] = {
     "allowed_token_ids": "allowed_token_ids is not supported by the engine's sampler",
     "bad_words": "bad_words is not supported by the engine's sampler",
     "logits_processors": "custom logits processors are not supported",
-    "guided_json": _STRUCTURED, "guided_regex": _STRUCTURED, "guided_choice": _STRUCTURED,
-    "guided_grammar": _STRUCTURED, "structured_outputs": _STRUCTURED, "regex": _STRUCTURED,
-    "json_schema": _STRUCTURED, "ebnf": _STRUCTURED, "structural_tag": _STRUCTURED,
+    "guided_json": _STRUCTURED,
+    "guided_regex": _STRUCTURED,
+    "guided_choice": _STRUCTURED,
+    "guided_grammar": _STRUCTURED,
+    "structured_outputs": _STRUCTURED,
+    "regex": _STRUCTURED,
+    "json_schema": _STRUCTURED,
+    "ebnf": _STRUCTURED,
+    "structural_tag": _STRUCTURED,
     "lora_path": "LoRA adapters are not supported",
     "return_hidden_states": "hidden states are not returned by the nodes",
     "kv_transfer_params": "kv_transfer_params is not accepted: the router runs the prefill/decode handoff itself",
 }
 _REFUSED_CHAT: dict[str, str] = {
     "chat_template": "a per-request chat_template is not accepted; the model's own template is used "
-                     "(pass template variables in chat_template_kwargs)",
+    "(pass template variables in chat_template_kwargs)",
     "mm_processor_kwargs": "multimodal inputs are not supported by this text-only service",
 }
 

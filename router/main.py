@@ -49,31 +49,46 @@ async def run_router(cfg: RouterConfig) -> None:
     aio = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         aio.add_signal_handler(sig, stop.set)
-    dns = [DnsSource.parse("prefill", t) for t in cfg.prefill_dns] + \
-        [DnsSource.parse("decode", t) for t in cfg.decode_dns]
+    dns = [DnsSource.parse("prefill", t) for t in cfg.prefill_dns] + [
+        DnsSource.parse("decode", t) for t in cfg.decode_dns
+    ]
     if not (cfg.prefill or cfg.decode or cfg.colocated or dns):
         raise ValueError("no nodes: give --prefill/--decode (or --colocated), or their --*-dns forms")
     # Both fail before any waiting for nodes: a bad path or template is a start-up error.
     template = load_chat_template(cfg.chat_template) if cfg.chat_template else None
     own_tokenizer = Tokenizer.from_dir(cfg.tokenizer) if cfg.tokenizer else None
     breaker = functools.partial(CircuitBreaker, cfg.breaker_failures, cfg.breaker_cooldown_s)
-    registry = NodeRegistry(parse_node_lists(list(cfg.prefill), list(cfg.decode), list(cfg.colocated)),
-                            dns=dns, refresh_s=cfg.refresh_s, breaker=breaker)
+    registry = NodeRegistry(
+        parse_node_lists(list(cfg.prefill), list(cfg.decode), list(cfg.colocated)),
+        dns=dns,
+        refresh_s=cfg.refresh_s,
+        breaker=breaker,
+    )
     # before the first refresh: its listener starts the readiness probe as soon as a pair is up
-    dispatcher = PDDispatcher(registry, make_policy("prefill", cfg.prefill_policy),
-                              make_policy("decode", cfg.decode_policy), timeouts=cfg.timeouts)
+    dispatcher = PDDispatcher(
+        registry,
+        make_policy("prefill", cfg.prefill_policy),
+        make_policy("decode", cfg.decode_policy),
+        timeouts=cfg.timeouts,
+    )
     await registry.start()
     try:
         card = await _wait_model(registry, cfg.model_wait_s, stop)
         tokenizer = own_tokenizer or Tokenizer.from_dir(card.tokenizer_path)
         if template is not None:
             tokenizer.set_chat_template(template)
-        app = create_app(dispatcher, tokenizer, served_model=cfg.served_model or card.name,
-                         api_keys=set(cfg.api_keys), max_queue=cfg.max_queue,
-                         metrics_registry=dispatcher.metrics_registry)
+        app = create_app(
+            dispatcher,
+            tokenizer,
+            served_model=cfg.served_model or card.name,
+            api_keys=set(cfg.api_keys),
+            max_queue=cfg.max_queue,
+            metrics_registry=dispatcher.metrics_registry,
+        )
         # log_config=None: uvicorn's own lines go through the process's handler (--log-format)
-        server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
-                                               log_config=None, lifespan="off"))
+        server = uvicorn.Server(
+            uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", log_config=None, lifespan="off")
+        )
         serving = asyncio.create_task(server.serve())
         while not server.started and not serving.done():
             await asyncio.sleep(0.05)

@@ -21,14 +21,26 @@ _KEYS = {
     "system": {"role", "content", "name"},
     "developer": {"role", "content", "name"},
     "user": {"role", "content", "name"},
-    "assistant": {"role", "content", "name", "refusal", "tool_calls", "function_call", "audio",
-                  "reasoning_content", "reasoning"},
+    "assistant": {
+        "role",
+        "content",
+        "name",
+        "refusal",
+        "tool_calls",
+        "function_call",
+        "audio",
+        "reasoning_content",
+        "reasoning",
+    },
     "tool": {"role", "content", "tool_call_id"},
     "function": {"role", "content", "name"},
 }
 _ANY_ROLE_KEYS = frozenset().union(*_KEYS.values())
 _PART_TYPES = {  # content part types OpenAI accepts per role
-    "system": ("text",), "developer": ("text",), "tool": ("text",), "assistant": ("text", "refusal"),
+    "system": ("text",),
+    "developer": ("text",),
+    "tool": ("text",),
+    "assistant": ("text", "refusal"),
     "user": ("text", "image_url", "input_audio", "file"),
 }
 _PART_KEYS = {"text": {"type", "text"}, "refusal": {"type", "refusal"}}
@@ -39,13 +51,17 @@ _OPTIONAL = {"refusal", "reasoning_content", "reasoning", "function_call", "tool
 def _type_name(v: Any) -> str:
     if v is None:
         return "null"
-    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
-            dict: "object"}.get(type(v), type(v).__name__)
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}.get(
+        type(v), type(v).__name__
+    )
 
 
 def _invalid_type(param: str, expected: str, v: Any) -> APIError:
-    return bad_request(f"Invalid type for '{param}': expected {expected}, but got {_type_name(v)} instead.",
-                       param=param, code="invalid_type")
+    return bad_request(
+        f"Invalid type for '{param}': expected {expected}, but got {_type_name(v)} instead.",
+        param=param,
+        code="invalid_type",
+    )
 
 
 def _missing(param: str) -> APIError:
@@ -99,8 +115,9 @@ def _role(m: dict[str, Any], at: str) -> str:
         raise _invalid_type(f"{at}.role", "a string", role)
     if role not in ROLES:
         listed = ", ".join(f"'{r}'" for r in ROLES[:-1]) + f", and '{ROLES[-1]}'"
-        raise bad_request(f"Invalid value: '{role}'. Supported values are: {listed}.", param=f"{at}.role",
-                          code="invalid_value")
+        raise bad_request(
+            f"Invalid value: '{role}'. Supported values are: {listed}.", param=f"{at}.role", code="invalid_value"
+        )
     return role
 
 
@@ -122,8 +139,11 @@ def _content(m: dict[str, Any], role: str, at: str) -> str:
     if role == "function" or not isinstance(c, list):
         raise _invalid_type(param, "a string" if role == "function" else "one of a string or array of objects", c)
     if not c:
-        raise bad_request(f"Invalid '{param}': empty array. Expected an array with minimum length 1, but got an "
-                          "empty array instead.", param=param, code="empty_array")
+        raise bad_request(
+            f"Invalid '{param}': empty array. Expected an array with minimum length 1, but got an empty array instead.",
+            param=param,
+            code="empty_array",
+        )
     return "".join(_part(p, role, f"{param}[{j}]") for j, p in enumerate(c))
 
 
@@ -135,11 +155,15 @@ def _part(p: Any, role: str, at: str) -> str:
     kind, allowed = p["type"], _PART_TYPES[role]
     if kind not in allowed:
         listed = ", ".join(f"'{t}'" for t in allowed)
-        raise bad_request(f"Invalid value: '{kind}'. Supported values are: {listed}.", param=f"{at}.type",
-                          code="invalid_value")
+        raise bad_request(
+            f"Invalid value: '{kind}'. Supported values are: {listed}.", param=f"{at}.type", code="invalid_value"
+        )
     if kind not in _PART_KEYS:
-        raise bad_request(f"'{at}.type': content parts of type '{kind}' are not supported (this service serves "
-                          "a text-only model).", param=f"{at}.type", code="unsupported_value")
+        raise bad_request(
+            f"'{at}.type': content parts of type '{kind}' are not supported (this service serves a text-only model).",
+            param=f"{at}.type",
+            code="unsupported_value",
+        )
     _known(p, _PART_KEYS[kind], at)
     if kind not in p:
         raise _missing(f"{at}.{kind}")
@@ -156,6 +180,9 @@ def _refuse_tools(m: dict[str, Any], role: str, at: str) -> None:
             raise _unsupported(f"{at}.{key}", f"'{at}.{key}': {what} not supported by this service.")
     if role in ("tool", "function"):
         # OpenAI's own rule; with tool calls refused above, no earlier message can satisfy it
-        raise bad_request(f"Invalid parameter: messages with role '{role}' must be a response to a preceding "
-                          f"message with '{'tool_calls' if role == 'tool' else 'function_call'}'.",
-                          param=f"{at}.role", code="invalid_value")
+        raise bad_request(
+            f"Invalid parameter: messages with role '{role}' must be a response to a preceding "
+            f"message with '{'tool_calls' if role == 'tool' else 'function_call'}'.",
+            param=f"{at}.role",
+            code="invalid_value",
+        )

@@ -37,33 +37,57 @@ class RouterMetrics:
         # one registry per app (tests build several); the dispatcher's metrics may share it
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("pdserve_router_requests_total", "HTTP requests answered, by endpoint and status",
-                                ["endpoint", "status"], registry=r)
-        self.in_flight = Gauge("pdserve_router_requests_in_flight", "Generation requests being served now",
-                               registry=r)
-        self.shed = Counter("pdserve_router_requests_shed_total", "Requests refused because too many were in flight",
-                            registry=r)
-        self.ttft = Histogram("pdserve_router_time_to_first_token_seconds",
-                              "From request arrival to the first generated token", ["endpoint"],
-                              buckets=_TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("pdserve_router_inter_token_latency_seconds",
-                             "Time between consecutive output tokens of one choice", ["endpoint"],
-                             buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("pdserve_router_e2e_request_latency_seconds",
-                             "From request arrival to the last token of a completed request",
-                             ["endpoint", "disaggregated"], buckets=_E2E_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("pdserve_router_prompt_tokens_total", "Prompt tokens of completed requests",
-                                     registry=r)
-        self.completion_tokens = Counter("pdserve_router_completion_tokens_total",
-                                         "Generated tokens of completed requests", registry=r)
-        self.errors = Counter("pdserve_router_stream_errors_total",
-                              "Streams that failed after the first byte (sent as an SSE error event)",
-                              ["endpoint"], registry=r)
+        self.requests = Counter(
+            "pdserve_router_requests_total",
+            "HTTP requests answered, by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.in_flight = Gauge("pdserve_router_requests_in_flight", "Generation requests being served now", registry=r)
+        self.shed = Counter(
+            "pdserve_router_requests_shed_total", "Requests refused because too many were in flight", registry=r
+        )
+        self.ttft = Histogram(
+            "pdserve_router_time_to_first_token_seconds",
+            "From request arrival to the first generated token",
+            ["endpoint"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdserve_router_inter_token_latency_seconds",
+            "Time between consecutive output tokens of one choice",
+            ["endpoint"],
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve_router_e2e_request_latency_seconds",
+            "From request arrival to the last token of a completed request",
+            ["endpoint", "disaggregated"],
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "pdserve_router_prompt_tokens_total", "Prompt tokens of completed requests", registry=r
+        )
+        self.completion_tokens = Counter(
+            "pdserve_router_completion_tokens_total", "Generated tokens of completed requests", registry=r
+        )
+        self.errors = Counter(
+            "pdserve_router_stream_errors_total",
+            "Streams that failed after the first byte (sent as an SSE error event)",
+            ["endpoint"],
+            registry=r,
+        )
         # stage: body (while its request body was read), before_first_token (nothing of the answer
         # sent yet, non-streamed requests included) or streaming (mid-stream)
-        self.client_disconnects = Counter("pdserve_router_client_disconnects_total",
-                                          "Clients that went away before their answer was complete, by stage",
-                                          ["stage"], registry=r)
+        self.client_disconnects = Counter(
+            "pdserve_router_client_disconnects_total",
+            "Clients that went away before their answer was complete, by stage",
+            ["stage"],
+            registry=r,
+        )
 
     def record_response(self, path: str, status: int) -> None:
         self.requests.labels(path if path in ENDPOINTS else "other", str(status)).inc()
@@ -114,17 +138,33 @@ _STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 
 
 class DispatchMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.retries = Counter("pdserve_router_retries", "Attempts retried on a new pair before the "
-                               "first token, by reason", ["reason"], registry=registry)
-        self.pairs = Counter("pdserve_router_pair_selections", "Pairs chosen (prefill '-' means a "
-                             "colocated node)", ["prefill", "decode"], registry=registry)
-        self.breaker = Gauge("pdserve_router_breaker_state", "Circuit breaker per node: 0 closed, "
-                             "1 open, 2 half-open (SMG's values)", ["node", "role"], registry=registry)
-        self.node_failures = Counter("pdserve_router_node_failures", "Failures charged to a node's "
-                                     "breaker, by the reason of the attempt that failed",
-                                     ["node", "role", "reason"], registry=registry)
-        self.node_up = Gauge("pdserve_router_node_up", "1 when the node's last refresh succeeded",
-                             ["node", "role"], registry=registry)
+        self.retries = Counter(
+            "pdserve_router_retries",
+            "Attempts retried on a new pair before the first token, by reason",
+            ["reason"],
+            registry=registry,
+        )
+        self.pairs = Counter(
+            "pdserve_router_pair_selections",
+            "Pairs chosen (prefill '-' means a colocated node)",
+            ["prefill", "decode"],
+            registry=registry,
+        )
+        self.breaker = Gauge(
+            "pdserve_router_breaker_state",
+            "Circuit breaker per node: 0 closed, 1 open, 2 half-open (SMG's values)",
+            ["node", "role"],
+            registry=registry,
+        )
+        self.node_failures = Counter(
+            "pdserve_router_node_failures",
+            "Failures charged to a node's breaker, by the reason of the attempt that failed",
+            ["node", "role", "reason"],
+            registry=registry,
+        )
+        self.node_up = Gauge(
+            "pdserve_router_node_up", "1 when the node's last refresh succeeded", ["node", "role"], registry=registry
+        )
         # TTFT by stage. "prefill" ends when the prefill answers, which it does once its KV write
         # completed, so it holds the node's queue, the prompt forward and the transfer (the nodes'
         # pdserve_kv_transfer_seconds breaks the transfer out); "first_decode" runs from that answer
@@ -132,16 +172,28 @@ class DispatchMetrics:
         # it, ~0 when the router relayed the token of the prefill's answer (no logprobs asked for),
         # so the stages still add up to the TTFT; "queue" is the router's own pair selection,
         # retries and backoff. first_token_source tells the two cases apart.
-        self.ttft_stage = Histogram("pdserve_router_ttft_stage_seconds", "Time to first token by stage "
-                                    "(first_decode is ~0 when the prefill's answer gave the first token)",
-                                    ["stage"], buckets=_STAGE_BUCKETS, registry=registry)
-        self.first_token_source = Counter("pdserve_router_first_token_source", "PD attempts by the leg "
-                                          "whose message gave the client its first token (prefill: its "
-                                          "answer, relayed before the decode streamed)", ["source"],
-                                          registry=registry)
+        self.ttft_stage = Histogram(
+            "pdserve_router_ttft_stage_seconds",
+            "Time to first token by stage (first_decode is ~0 when the prefill's answer gave the first token)",
+            ["stage"],
+            buckets=_STAGE_BUCKETS,
+            registry=registry,
+        )
+        self.first_token_source = Counter(
+            "pdserve_router_first_token_source",
+            "PD attempts by the leg "
+            "whose message gave the client its first token (prefill: its "
+            "answer, relayed before the decode streamed)",
+            ["source"],
+            registry=registry,
+        )
 
-        self.ready = Gauge("pdserve_router_ready", "1 while /ready answers 200: a compatible pair (or "
-                           "colocated node) is usable and a handoff succeeded lately", registry=registry)
+        self.ready = Gauge(
+            "pdserve_router_ready",
+            "1 while /ready answers 200: a compatible pair (or "
+            "colocated node) is usable and a handoff succeeded lately",
+            registry=registry,
+        )
         self._known: set[tuple[str, str]] = set()
 
     def observe_nodes(self, nodes: list[NodeState]) -> None:
@@ -164,8 +216,11 @@ class DispatchMetrics:
             for p, d in pairs:
                 if address in (p, d):
                     self.pairs.remove(p, d)
-            charged = {(s.labels["node"], s.labels["role"], s.labels["reason"])
-                       for m in self.node_failures.collect() for s in m.samples}
+            charged = {
+                (s.labels["node"], s.labels["role"], s.labels["reason"])
+                for m in self.node_failures.collect()
+                for s in m.samples
+            }
             for node, r, reason in charged:
                 if (node, r) == (address, role):
                     self.node_failures.remove(node, r, reason)

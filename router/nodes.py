@@ -32,8 +32,12 @@ DEFAULT_BOOTSTRAP_PORT = 8998  # what SMG (and our decode node) assume when none
 # GetServerInfo's disaggregation_mode for each configured role; a mismatch is a config error.
 SERVER_MODE = {"prefill": "prefill", "decode": "decode", "colocated": "null"}
 # Fast reconnects: the default backoff grows to 120 s, far slower than the refresh period.
-CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-                   ("grpc.max_reconnect_backoff_ms", 2000), ("grpc.max_receive_message_length", 64 << 20)]
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.max_receive_message_length", 64 << 20),
+]
 
 
 @dataclass(frozen=True)
@@ -63,8 +67,7 @@ def _address(text: str) -> str:
     return text
 
 
-def parse_node_lists(prefill: Sequence[str], decode: Sequence[str],
-                     colocated: Sequence[str] = ()) -> list[NodeSpec]:
+def parse_node_lists(prefill: Sequence[str], decode: Sequence[str], colocated: Sequence[str] = ()) -> list[NodeSpec]:
     """CLI-style node lists: prefill entries are "host:port[,bootstrap_port]" (a space works too,
     as in SMG's `--prefill URL PORT`), decode and colocated entries are "host:port"."""
     specs: list[NodeSpec] = []
@@ -130,33 +133,55 @@ def compatible(a: NodeState, b: NodeState) -> bool:
 
 
 def _model_card(info: pb.GetModelInfoResponse) -> ModelCard:
-    return ModelCard(name=info.served_model_name or info.model_path,
-                     tokenizer_path=info.tokenizer_path or info.model_path,
-                     max_context_length=info.max_context_length,
-                     eos_token_ids=tuple(info.eos_token_ids))
+    return ModelCard(
+        name=info.served_model_name or info.model_path,
+        tokenizer_path=info.tokenizer_path or info.model_path,
+        max_context_length=info.max_context_length,
+        eos_token_ids=tuple(info.eos_token_ids),
+    )
 
 
 def build_request(job: GenerationJob, request_id: str, room: int, prefill: NodeState | None) -> pb.GenerateRequest:
     """The GenerateRequest both legs get (SMG sends them identical)."""
     s: SamplingParams = job.sampling
     sp = pb.SamplingParams(
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-        frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
-        repetition_penalty=s.repetition_penalty, max_new_tokens=s.max_new_tokens,
-        min_new_tokens=s.min_new_tokens, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
-        ignore_eos=s.ignore_eos, n=1, skip_special_tokens=s.skip_special_tokens,
-        spaces_between_special_tokens=True)
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        frequency_penalty=s.frequency_penalty,
+        presence_penalty=s.presence_penalty,
+        repetition_penalty=s.repetition_penalty,
+        max_new_tokens=s.max_new_tokens,
+        min_new_tokens=s.min_new_tokens,
+        stop=list(s.stop),
+        stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        n=1,
+        skip_special_tokens=s.skip_special_tokens,
+        spaces_between_special_tokens=True,
+    )
     for token, bias in s.logit_bias:  # keyed by the id as a string, as in OpenAI's JSON
         sp.logit_bias[str(token)] = bias
     if s.seed is not None:  # SGLang's place for a sampling seed
         sp.custom_params.update({"seed": s.seed})
-    req = pb.GenerateRequest(request_id=request_id, tokenized=pb.TokenizedInput(input_ids=list(job.input_ids)),
-                             sampling_params=sp, return_logprob=s.logprobs, top_logprobs_num=s.top_logprobs,
-                             logprob_start_len=-1, stream=True)
+    req = pb.GenerateRequest(
+        request_id=request_id,
+        tokenized=pb.TokenizedInput(input_ids=list(job.input_ids)),
+        sampling_params=sp,
+        return_logprob=s.logprobs,
+        top_logprobs_num=s.top_logprobs,
+        logprob_start_len=-1,
+        stream=True,
+    )
     if prefill is not None:
-        req.disaggregated_params.CopyFrom(pb.DisaggregatedParams(
-            bootstrap_host=prefill.spec.host, bootstrap_port=prefill.spec.bootstrap_port or DEFAULT_BOOTSTRAP_PORT,
-            bootstrap_room=room))
+        req.disaggregated_params.CopyFrom(
+            pb.DisaggregatedParams(
+                bootstrap_host=prefill.spec.host,
+                bootstrap_port=prefill.spec.bootstrap_port or DEFAULT_BOOTSTRAP_PORT,
+                bootstrap_room=room,
+            )
+        )
     return req
 
 
@@ -182,8 +207,12 @@ class DnsSource:
         target, _, boot = text.partition(",")
         name, _, port = target.rpartition(":")
         if not name or not port.isdigit() or (boot and not boot.isdigit()):
-            raise ValueError(f"bad --{role}-dns {text!r}: expected NAME:PORT" + (",BOOTSTRAP_PORT" if role == "prefill" else ""))
-        return DnsSource(role, name, int(port), int(boot) if boot else (DEFAULT_BOOTSTRAP_PORT if role == "prefill" else None))
+            raise ValueError(
+                f"bad --{role}-dns {text!r}: expected NAME:PORT" + (",BOOTSTRAP_PORT" if role == "prefill" else "")
+            )
+        return DnsSource(
+            role, name, int(port), int(boot) if boot else (DEFAULT_BOOTSTRAP_PORT if role == "prefill" else None)
+        )
 
 
 class NodeRegistry:
@@ -192,9 +221,15 @@ class NodeRegistry:
     forgotten once no request of ours runs on it (a draining pod keeps its streams), so pods that
     come and go leave no channels or metric series behind; static nodes are never forgotten."""
 
-    def __init__(self, specs: Iterable[NodeSpec], *, refresh_s: float = 2.0, rpc_timeout_s: float = 1.0,
-                 breaker: Callable[[], CircuitBreaker] = CircuitBreaker,
-                 dns: Iterable[DnsSource] = ()) -> None:
+    def __init__(
+        self,
+        specs: Iterable[NodeSpec],
+        *,
+        refresh_s: float = 2.0,
+        rpc_timeout_s: float = 1.0,
+        breaker: Callable[[], CircuitBreaker] = CircuitBreaker,
+        dns: Iterable[DnsSource] = (),
+    ) -> None:
         self.refresh_s, self.rpc_timeout_s = refresh_s, rpc_timeout_s
         self._breaker = breaker
         self.dns = list(dns)
@@ -264,8 +299,14 @@ class NodeRegistry:
             await self._forget_vanished(src, set(addrs))
 
     async def _forget_vanished(self, src: DnsSource, resolved: set[str]) -> None:
-        gone = [st for st in self.states if st.role == src.role and st.address not in resolved
-                and self._discovered.get((st.role, st.address)) == src.name and st.inflight == 0]
+        gone = [
+            st
+            for st in self.states
+            if st.role == src.role
+            and st.address not in resolved
+            and self._discovered.get((st.role, st.address)) == src.name
+            and st.inflight == 0
+        ]
         for st in gone:
             log.info("forgetting %s node %s: %s no longer lists it", st.role, st.address, src.name)
             self.states.remove(st)
@@ -299,8 +340,14 @@ class NodeRegistry:
         else:
             s.healthy, s.error, s.last_seen = True, "", time.monotonic()
         if s.healthy != was:
-            log.log(logging.INFO if s.healthy else logging.WARNING, "%s node %s is %s%s", s.role, s.address,
-                    "up" if s.healthy else "down", f": {s.error}" if s.error else "")
+            log.log(
+                logging.INFO if s.healthy else logging.WARNING,
+                "%s node %s is %s%s",
+                s.role,
+                s.address,
+                "up" if s.healthy else "down",
+                f": {s.error}" if s.error else "",
+            )
 
     async def _server_info(self, s: NodeState) -> None:
         """Re-read every round: a restarted node may come back with another fingerprint."""

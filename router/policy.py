@@ -66,8 +66,7 @@ class PrefixAware:
     def choose(self, nodes: Sequence[NodeState], job: GenerationJob) -> NodeState:
         if len(job.input_ids) < self.prefix_tokens:
             return self.fallback.choose(nodes, job)
-        address = self._owner(tuple(sorted(n.address for n in nodes)),
-                              _hash_ids(job.input_ids[:self.prefix_tokens]))
+        address = self._owner(tuple(sorted(n.address for n in nodes)), _hash_ids(job.input_ids[: self.prefix_tokens]))
         sticky = next(n for n in nodes if n.address == address)
         if sticky.load - min(n.load for n in nodes) > self.balance_threshold:
             return self.fallback.choose(nodes, job)
@@ -75,8 +74,7 @@ class PrefixAware:
 
     def _owner(self, addresses: tuple[str, ...], key: int) -> str:
         if addresses != self._ring_key:  # rebuilt only when the candidate set changes
-            self._ring = sorted((_hash_bytes(f"{a}#{i}".encode()), a)
-                                for a in addresses for i in range(self.replicas))
+            self._ring = sorted((_hash_bytes(f"{a}#{i}".encode()), a) for a in addresses for i in range(self.replicas))
             self._ring_key = addresses
         i = bisect.bisect(self._ring, (key, ""))
         return self._ring[i % len(self._ring)][1]
@@ -102,12 +100,20 @@ def make_policy(role: str, name: str) -> Policy:
     return table[name]()
 
 
-def select_pair(registry: NodeRegistry, prefill_policy: Policy, decode_policy: Policy,
-                job: GenerationJob, exclude: Collection[str] = ()) -> tuple[NodeState, NodeState] | None:
+def select_pair(
+    registry: NodeRegistry,
+    prefill_policy: Policy,
+    decode_policy: Policy,
+    job: GenerationJob,
+    exclude: Collection[str] = (),
+) -> tuple[NodeState, NodeState] | None:
     """A decode (among those with at least one compatible prefill), then a compatible prefill."""
     prefills = [n for n in registry.nodes("prefill") if n.usable() and n.address not in exclude]
-    decodes = [n for n in registry.nodes("decode") if n.usable() and n.address not in exclude
-               and any(compatible(p, n) for p in prefills)]
+    decodes = [
+        n
+        for n in registry.nodes("decode")
+        if n.usable() and n.address not in exclude and any(compatible(p, n) for p in prefills)
+    ]
     if not decodes:
         return None
     decode = decode_policy.choose(decodes, job)
@@ -118,11 +124,13 @@ def select_pair(registry: NodeRegistry, prefill_policy: Policy, decode_policy: P
 def pair_available(registry: NodeRegistry) -> bool:
     """Could a job be placed now (a compatible PD pair or a colocated node)? Moves no policy state."""
     prefills = [n for n in registry.nodes("prefill") if n.usable()]
-    return (any(d.usable() and any(compatible(p, d) for p in prefills) for d in registry.nodes("decode"))
-            or any(n.usable() for n in registry.nodes("colocated")))
+    return any(d.usable() and any(compatible(p, d) for p in prefills) for d in registry.nodes("decode")) or any(
+        n.usable() for n in registry.nodes("colocated")
+    )
 
 
-def select_colocated(registry: NodeRegistry, policy: Policy, job: GenerationJob,
-                     exclude: Collection[str] = ()) -> NodeState | None:
+def select_colocated(
+    registry: NodeRegistry, policy: Policy, job: GenerationJob, exclude: Collection[str] = ()
+) -> NodeState | None:
     nodes = [n for n in registry.nodes("colocated") if n.usable() and n.address not in exclude]
     return policy.choose(nodes, job) if nodes else None

@@ -13,7 +13,7 @@ honoured, which change nothing here, and which are refused and why).
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -94,7 +94,8 @@ class _Sampling(SamplingExtensions):
     def sampling_spec(self, max_new_tokens: int, choice: int, top_logprobs: int | None) -> SamplingParams:
         """The node-side sampling of choice `choice`; `top_logprobs` None means no logprobs."""
         return SamplingParams(
-            max_new_tokens=max_new_tokens, min_new_tokens=self.min_tokens,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=self.min_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k if self.top_k else -1,  # 0 and -1 both mean "off"
@@ -102,11 +103,16 @@ class _Sampling(SamplingExtensions):
             frequency_penalty=self.frequency_penalty or 0.0,
             presence_penalty=self.presence_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            stop=self.stop_list(), stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+            stop=self.stop_list(),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
             # One seed for n separate jobs would make the n choices identical: choice j gets seed + j.
             seed=None if self.seed is None else self.seed + choice,
-            logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0,
-            skip_special_tokens=self.skip_special_tokens, logit_bias=self.bias_pairs())
+            logprobs=top_logprobs is not None,
+            top_logprobs=top_logprobs or 0,
+            skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.bias_pairs(),
+        )
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, reason) for a field whose value we cannot honour, else None."""
@@ -133,8 +139,9 @@ class CompletionRequest(_Sampling):
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.echo and self.logprobs is not None:
-            return "echo", ("echo with logprobs needs the prompt's logprobs, which the nodes do not compute; "
-                            "use one or the other")
+            return "echo", (
+                "echo with logprobs needs the prompt's logprobs, which the nodes do not compute; use one or the other"
+            )
         if self.suffix:
             return "suffix", "suffix is not supported"
         if self.best_of is not None and self.best_of != self.n:
@@ -196,8 +203,7 @@ class Shapes:
         self.created = int(time.time())
 
     def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": None}
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "system_fingerprint": None}
 
     def response(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
         head = self._head("chat.completion" if self.chat else "text_completion")
@@ -209,8 +215,14 @@ class Shapes:
             return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
-    def chunk(self, index: int, text: str | None = None, logprobs: dict[str, Any] | None = None,
-              finish: str | None = None, role: bool = False) -> dict[str, Any]:
+    def chunk(
+        self,
+        index: int,
+        text: str | None = None,
+        logprobs: dict[str, Any] | None = None,
+        finish: str | None = None,
+        role: bool = False,
+    ) -> dict[str, Any]:
         head = self._head("chat.completion.chunk" if self.chat else "text_completion")
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
@@ -228,15 +240,21 @@ class Shapes:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def check_bias_ids(pairs: tuple[tuple[int, float], ...], vocab_size: int) -> None:
     for token, _ in pairs:
         if token >= vocab_size:
-            raise bad_request(f"Invalid key in 'logit_bias': {token}. Token ids must be in [0, {vocab_size}).",
-                              param="logit_bias", code="invalid_value")
+            raise bad_request(
+                f"Invalid key in 'logit_bias': {token}. Token ids must be in [0, {vocab_size}).",
+                param="logit_bias",
+                code="invalid_value",
+            )
 
 
 def check_ids(ids: list[int], vocab_size: int, param: str) -> None:
@@ -255,7 +273,10 @@ def context_budget(n_prompt: int, asked: int | None, default: int | None, card: 
         raise bad_request(
             f"This model's maximum context length is {card.max_context_length} tokens. However, you requested "
             f"{n_prompt + want} tokens ({n_prompt} in the {param}, {want} in the completion). Please reduce "
-            f"the length of the {param} or completion.", param=param, code="context_length_exceeded")
+            f"the length of the {param} or completion.",
+            param=param,
+            code="context_length_exceeded",
+        )
     return max_new
 
 
@@ -263,8 +284,9 @@ def check_min_tokens(min_tokens: int, max_new: int, asked: bool) -> None:
     """min_tokens may not exceed what the request may generate (max_tokens, else the context left)."""
     if min_tokens > max_new:
         limit = f"max_tokens ({max_new})" if asked else f"the {max_new} tokens left in the context"
-        raise bad_request(f"min_tokens ({min_tokens}) must be at most {limit}.", param="min_tokens",
-                          code="invalid_value")
+        raise bad_request(
+            f"min_tokens ({min_tokens}) must be at most {limit}.", param="min_tokens", code="invalid_value"
+        )
 
 
 def truncate(ids: list[int], keep: int | None, card: ModelCard) -> list[int]:
@@ -282,12 +304,19 @@ def response_ids(prefix: str, client_id: str | None, request: Request) -> tuple[
     return f"{prefix}-{client_id or request_id_of(request)}", node_request_id_of(request)
 
 
-def build_jobs(rid: str, total: int, start: int, ids: list[int], req: Any, max_new: int,
-          top_logprobs: int | None) -> list[GenerationJob]:
+def build_jobs(
+    rid: str, total: int, start: int, ids: list[int], req: Any, max_new: int, top_logprobs: int | None
+) -> list[GenerationJob]:
     """The n jobs of one prompt; choice index = prompt index * n + j, as OpenAI numbers them."""
-    return [GenerationJob(request_id=rid if total == 1 else f"{rid}-{start + j}", input_ids=tuple(ids),
-                          sampling=req.sampling_spec(max_new, j, top_logprobs), stream=bool(req.stream))
-            for j in range(req.n)]
+    return [
+        GenerationJob(
+            request_id=rid if total == 1 else f"{rid}-{start + j}",
+            input_ids=tuple(ids),
+            sampling=req.sampling_spec(max_new, j, top_logprobs),
+            stream=bool(req.stream),
+        )
+        for j in range(req.n)
+    ]
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -46,13 +46,17 @@ class TokenRelay:
         if start == 0 and ids and self.early is not None and ids[0] != self.early:
             # Both legs carry the token the prefill sampled; a difference is a node bug, and the
             # client already has the prefill's: say so rather than send a second first token.
-            log.warning("%s: decode's first token %d differs from the prefill's %d already sent",
-                        self.rid, ids[0], self.early)
+            log.warning(
+                "%s: decode's first token %d differs from the prefill's %d already sent", self.rid, ids[0], self.early
+            )
         skip = max(0, self.sent - start)
         if skip >= len(ids):
             return None
         if skip and lp is not None and lp.token_logprobs:
-            lp = pb.OutputLogProbs(token_logprobs=lp.token_logprobs[skip:], token_ids=lp.token_ids[skip:],
-                                   top_logprobs=lp.top_logprobs[skip:])
+            lp = pb.OutputLogProbs(
+                token_logprobs=lp.token_logprobs[skip:],
+                token_ids=lp.token_ids[skip:],
+                top_logprobs=lp.top_logprobs[skip:],
+            )
         self.sent = start + len(ids)
         return token_event(ids[skip:], lp)

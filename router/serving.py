@@ -93,16 +93,22 @@ class SSEResponse(StreamingResponse):
     event generator and runs `cleanup` (aborting the jobs); `on_disconnect` runs when the client
     left before the stream's end."""
 
-    def __init__(self, content: AsyncIterator[str], cleanup: Callable[[], Awaitable[None]],
-                 on_disconnect: Callable[[], None] = lambda: None) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def __init__(
+        self,
+        content: AsyncIterator[str],
+        cleanup: Callable[[], Awaitable[None]],
+        on_disconnect: Callable[[], None] = lambda: None,
+    ) -> None:
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self._cleanup, self._on_disconnect = cleanup, on_disconnect
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         completed = False
         try:
             async with anyio.create_task_group() as tg:
+
                 async def stream() -> None:
                     nonlocal completed
                     with suppress(OSError):  # a send to a client that left
@@ -145,8 +151,15 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> tuple[T | No
 class Serving:
     """One request in flight: its jobs, output assembly and timing."""
 
-    def __init__(self, endpoint: str, out: RequestOutput, jobs: list[GenerationJob], t0: float,
-                 dispatcher: Dispatcher, metrics: RouterMetrics) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        out: RequestOutput,
+        jobs: list[GenerationJob],
+        t0: float,
+        dispatcher: Dispatcher,
+        metrics: RouterMetrics,
+    ) -> None:
         self.endpoint, self.out, self.t0, self.metrics = endpoint, out, t0, metrics
         self.fan = Fanout(dispatcher, jobs)
         self._last: dict[int, float] = {}
@@ -156,8 +169,9 @@ class Serving:
         i, event = item
         if isinstance(event, TokenEvent) and event.token_ids:
             now = time.monotonic()
-            self.metrics.observe_tokens(self.endpoint, len(event.token_ids), now - self._last.get(i, now),
-                                        i not in self._last, now - self.t0)
+            self.metrics.observe_tokens(
+                self.endpoint, len(event.token_ids), now - self._last.get(i, now), i not in self._last, now - self.t0
+            )
             self._last[i] = now
         delta = self.out.apply(i, event)
         if isinstance(event, TokenEvent) and self.out.choices[i].finished:
@@ -165,8 +179,13 @@ class Serving:
         return self.out.chunks(i, delta)
 
     def done(self) -> None:
-        self.metrics.observe_done(self.endpoint, time.monotonic() - self.t0, self.out.disaggregated,
-                                  self.out.prompt_tokens, self.out.completion_tokens)
+        self.metrics.observe_done(
+            self.endpoint,
+            time.monotonic() - self.t0,
+            self.out.disaggregated,
+            self.out.prompt_tokens,
+            self.out.completion_tokens,
+        )
 
     async def collect(self) -> dict[str, Any]:
         while (item := await self.fan.next()) is not None:

@@ -55,9 +55,16 @@ class ChoiceText:
     taken back from a stream that already sent it.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], *, stop: Sequence[str] = (),
-                 end_ids: frozenset[int] = frozenset(), logprobs: bool = False,
-                 options: TextOptions = TextOptions()) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int],
+        *,
+        stop: Sequence[str] = (),
+        end_ids: frozenset[int] = frozenset(),
+        logprobs: bool = False,
+        options: TextOptions = TextOptions(),
+    ) -> None:
         self._tok = tokenizer
         self._text = TextAssembler(tokenizer, stop, prompt_ids, options.min_tokens, options.skip_special_tokens)
         self._end_ids = end_ids
@@ -116,7 +123,7 @@ class ChoiceText:
                 if isinstance(event.matched_stop, str):
                     # The node saw its stop string start inside the text we were holding back (its
                     # detokenization may differ at the edge): never show text from there on.
-                    held = held[:_stop_start(held, event.matched_stop)]
+                    held = held[: _stop_start(held, event.matched_stop)]
                     held += event.matched_stop if self._opt.include_stop_str else ""
                 out += held
         # Trust the node's count unless it is short of what we saw (it may count differently).
@@ -131,8 +138,9 @@ class ChoiceText:
 
     def _logprob(self, tid: int, event: TokenEvent, k: int, offset: int) -> TokenLogprob:
         top = event.top_logprobs[k] if k < len(event.top_logprobs) else ()
-        return TokenLogprob(tid, self._piece(tid), float(event.logprobs[k]),
-                            tuple((self._piece(t), float(lp)) for t, lp in top), offset)
+        return TokenLogprob(
+            tid, self._piece(tid), float(event.logprobs[k]), tuple((self._piece(t), float(lp)) for t, lp in top), offset
+        )
 
     def _piece(self, tid: int) -> str:
         # A lone byte token of a multi-byte character decodes to U+FFFD, as in OpenAI's `token`.
@@ -163,15 +171,20 @@ def chat_logprobs(entries: Sequence[TokenLogprob], top_n: int) -> dict[str, Any]
     def item(token: str, logprob: float) -> dict[str, Any]:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
-    return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top[:top_n]]}
-                        for e in entries], "refusal": None}
+    return {
+        "content": [
+            {**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top[:top_n]]} for e in entries
+        ],
+        "refusal": None,
+    }
 
 
 class RequestOutput:
     """All choices of one HTTP request, rendered in OpenAI's shapes (non-streamed or as chunks)."""
 
-    def __init__(self, shapes: Shapes, choices: list[ChoiceText], prompt_tokens: int, top_logprobs: int,
-                 logprobs: bool) -> None:
+    def __init__(
+        self, shapes: Shapes, choices: list[ChoiceText], prompt_tokens: int, top_logprobs: int, logprobs: bool
+    ) -> None:
         self.shapes, self.choices, self.prompt_tokens = shapes, choices, prompt_tokens
         self._top, self._logprobs = top_logprobs, logprobs
         self.disaggregated = True  # false once any choice was served by a colocated node
@@ -195,9 +208,13 @@ class RequestOutput:
         return chat_logprobs(entries, self._top) if self.shapes.chat else completion_logprobs(entries)
 
     def response(self) -> dict[str, Any]:
-        return self.shapes.response([self.shapes.choice(i, c.echo + c.text, self._render_logprobs(c.logprobs),
-                                                        c.finish_reason) for i, c in enumerate(self.choices)],
-                                    self.usage())
+        return self.shapes.response(
+            [
+                self.shapes.choice(i, c.echo + c.text, self._render_logprobs(c.logprobs), c.finish_reason)
+                for i, c in enumerate(self.choices)
+            ],
+            self.usage(),
+        )
 
     def opening_chunks(self) -> list[dict[str, Any]]:
         """The echoed text of each choice, streamed before anything it generates."""

@@ -40,43 +40,70 @@ class SpecConfig:
         if algo == "NONE":
             return cfg
         _need(self.num_steps >= 1, "--speculative-num-steps", f"must be >= 1, got {self.num_steps}")
-        _need(1 <= self.eagle_topk <= MAX_TOPK, "--speculative-eagle-topk",
-              f"must be in [1, {MAX_TOPK}], got {self.eagle_topk}")
+        _need(
+            1 <= self.eagle_topk <= MAX_TOPK,
+            "--speculative-eagle-topk",
+            f"must be in [1, {MAX_TOPK}], got {self.eagle_topk}",
+        )
         chain = self.num_steps + 1
         ntok = self.num_draft_tokens
         if ntok is None:
             ntok = chain if self.eagle_topk == 1 else min(2 * chain, 1 + self.num_steps * self.eagle_topk)
         if self.eagle_topk == 1:
-            _need(ntok == chain, "--speculative-num-draft-tokens",
-                  f"must equal num_steps + 1 = {chain} when topk is 1, got {ntok}")
-        max_nodes = 1 + self.eagle_topk + (self.num_steps - 1) * self.eagle_topk ** 2
-        _need(2 <= ntok <= max_nodes, "--speculative-num-draft-tokens",
-              f"must be in [2, {max_nodes}] for {self.num_steps} steps of top-{self.eagle_topk}, got {ntok}")
-        _need(max(ntok, self.num_steps * self.eagle_topk) <= MAX_WINDOW, "--speculative-num-draft-tokens",
-              f"the verify window may not exceed {MAX_WINDOW} tokens")
-        _need(1 <= self.ngram_min <= self.ngram_max, "--speculative-ngram-min/--speculative-ngram-max",
-              f"need 1 <= min <= max, got {self.ngram_min}, {self.ngram_max}")
+            _need(
+                ntok == chain,
+                "--speculative-num-draft-tokens",
+                f"must equal num_steps + 1 = {chain} when topk is 1, got {ntok}",
+            )
+        max_nodes = 1 + self.eagle_topk + (self.num_steps - 1) * self.eagle_topk**2
+        _need(
+            2 <= ntok <= max_nodes,
+            "--speculative-num-draft-tokens",
+            f"must be in [2, {max_nodes}] for {self.num_steps} steps of top-{self.eagle_topk}, got {ntok}",
+        )
+        _need(
+            max(ntok, self.num_steps * self.eagle_topk) <= MAX_WINDOW,
+            "--speculative-num-draft-tokens",
+            f"the verify window may not exceed {MAX_WINDOW} tokens",
+        )
+        _need(
+            1 <= self.ngram_min <= self.ngram_max,
+            "--speculative-ngram-min/--speculative-ngram-max",
+            f"need 1 <= min <= max, got {self.ngram_min}, {self.ngram_max}",
+        )
         if self.draft_model_path is not None:
-            _need(Path(self.draft_model_path).is_dir(), "--speculative-draft-model-path",
-                  f"{self.draft_model_path!r} is not a directory")
+            _need(
+                Path(self.draft_model_path).is_dir(),
+                "--speculative-draft-model-path",
+                f"{self.draft_model_path!r} is not a directory",
+            )
         self._check_adaptive()
         return replace(cfg, num_draft_tokens=ntok)
 
     def _check_adaptive(self) -> None:
-        _need(self.adaptive or self.adaptive_config is None, "--speculative-adaptive-config",
-              "needs --speculative-adaptive")
+        _need(
+            self.adaptive or self.adaptive_config is None,
+            "--speculative-adaptive-config",
+            "needs --speculative-adaptive",
+        )
         if not self.adaptive:
             return
-        _need(self.eagle_topk == 1, "--speculative-adaptive", f"needs --speculative-eagle-topk 1 (chains), "
-              f"got {self.eagle_topk}")
+        _need(
+            self.eagle_topk == 1,
+            "--speculative-adaptive",
+            f"needs --speculative-eagle-topk 1 (chains), got {self.eagle_topk}",
+        )
         cfg = self.adaptive_policy_config()
         assert cfg is not None
         try:
             cfg.check_initial_steps(self.num_steps)
         except ValueError as e:
             raise SpecConfigError(f"--speculative-num-steps: {e}") from None
-        _need(cfg.max_steps() + 1 <= MAX_WINDOW, "--speculative-adaptive-config",
-              f"candidate steps up to {cfg.max_steps()} exceed the verify window limit {MAX_WINDOW}")
+        _need(
+            cfg.max_steps() + 1 <= MAX_WINDOW,
+            "--speculative-adaptive-config",
+            f"candidate steps up to {cfg.max_steps()} exceed the verify window limit {MAX_WINDOW}",
+        )
 
     def adaptive_policy_config(self) -> "AdaptiveConfig | None":
         """The adaptive step config in force (the file's, or the built-in default), or None."""

@@ -42,8 +42,17 @@ FULL_ROWS = 4  # the newest backlog rows the whole head runs on (and scores: 3 f
 class DraftBacklog:
     """Per-request rings of (target feature, next token) and the catch-up that drains them."""
 
-    def __init__(self, worker: "EagleWorker", mode: ForwardMode, feat_width: int, dtype: torch.dtype,
-                 batch_sizes: list[int], *, capture: bool, depth: int | None = None) -> None:
+    def __init__(
+        self,
+        worker: "EagleWorker",
+        mode: ForwardMode,
+        feat_width: int,
+        dtype: torch.dtype,
+        batch_sizes: list[int],
+        *,
+        capture: bool,
+        depth: int | None = None,
+    ) -> None:
         depth = DEFAULT_DEPTH if depth is None else depth
         if depth < 1:
             raise ValueError(f"backlog depth must be >= 1, got {depth}")
@@ -63,8 +72,10 @@ class DraftBacklog:
         self.catch_ups = 0  # requests caught up (counted per request)
         self.graphs = StepGraphs(batch_sizes, capture=capture)
         for bs in reversed(self.graphs.batch_sizes):
-            inputs = {"slots": torch.zeros(bs, dtype=torch.int64, device=dev),
-                      "counts": torch.zeros(bs, dtype=torch.int64, device=dev)}
+            inputs = {
+                "slots": torch.zeros(bs, dtype=torch.int64, device=dev),
+                "counts": torch.zeros(bs, dtype=torch.int64, device=dev),
+            }
             body = (lambda i: lambda: self._catch_up(i["slots"], i["counts"]))(inputs)
             self.graphs.add(bs, inputs, body)
 
@@ -158,8 +169,9 @@ class DraftBacklog:
         rows, at = slots.unsqueeze(1), pos % self.depth
         return self.tokens[rows, at], self.feats[rows, at].reshape(-1, self.feats.shape[-1])
 
-    def _first_draft_hits(self, g: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
-                          tokens: torch.Tensor, writes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _first_draft_hits(
+        self, g: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, tokens: torch.Tensor, writes: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The first draft a drafting iteration would have made after each of the newest backlog
         rows but the last (the top-1 of that row's hidden state `g`) against the token the target
         then produced (the next row's): per request, (hits, samples). Only the rows the whole
@@ -168,8 +180,9 @@ class DraftBacklog:
         worker = self.worker
         bs, width = pos.shape
         # `pick` is `guess`'s top-1 without the softmax (pickers agree on it: tested)
-        first = worker.picker.pick(worker.draft.model, g, slots.repeat_interleave(width),
-                                   (pos + 2).reshape(-1)).view(bs, width)
+        first = worker.picker.pick(worker.draft.model, g, slots.repeat_interleave(width), (pos + 2).reshape(-1)).view(
+            bs, width
+        )
         scored = writes[:, :-1] & writes[:, 1:]
         hits = ((first[:, :-1] == tokens[:, 1:]) & scored).sum(1)
         return hits, scored.sum(1)

@@ -57,9 +57,12 @@ class EagleDraftInput:
 
     @staticmethod
     def stack(states: list[EagleReqState], bonus_tokens: torch.Tensor) -> "EagleDraftInput":
-        return EagleDraftInput(torch.stack([s.topk_p for s in states]),
-                               torch.stack([s.topk_index for s in states]),
-                               torch.stack([s.hidden for s in states]), bonus_tokens)
+        return EagleDraftInput(
+            torch.stack([s.topk_p for s in states]),
+            torch.stack([s.topk_index for s in states]),
+            torch.stack([s.hidden for s in states]),
+            bonus_tokens,
+        )
 
     def row(self, i: int) -> EagleReqState:
         return EagleReqState(self.topk_p[i], self.topk_index[i], self.hidden_states[i])
@@ -92,14 +95,20 @@ def check_prebuilt(batch: "Batch", last_tokens: Any, label: str) -> torch.Tensor
     try:
         bonus = torch.as_tensor(last_tokens).to(torch.int64)
     except (TypeError, ValueError, RuntimeError) as e:
-        raise DisaggHandoffError(f"{label}: last_tokens must be integer token ids, got "
-                                 f"{type(last_tokens).__name__}: {e}", [r.rid for r in batch.reqs]) from None
+        raise DisaggHandoffError(
+            f"{label}: last_tokens must be integer token ids, got {type(last_tokens).__name__}: {e}",
+            [r.rid for r in batch.reqs],
+        ) from None
     if bonus.dim() != 1 or bonus.shape[0] != len(batch.reqs):
-        raise DisaggHandoffError(f"{label}: last_tokens has shape {tuple(bonus.shape)}, expected one "
-                                 f"bonus token per request ({len(batch.reqs)})", [r.rid for r in batch.reqs])
+        raise DisaggHandoffError(
+            f"{label}: last_tokens has shape {tuple(bonus.shape)}, expected one "
+            f"bonus token per request ({len(batch.reqs)})",
+            [r.rid for r in batch.reqs],
+        )
     if bool((bonus < 0).any()):
-        raise DisaggHandoffError(f"{label}: last_tokens holds negative token ids {bonus.tolist()}",
-                                 [r.rid for r in batch.reqs])
+        raise DisaggHandoffError(
+            f"{label}: last_tokens holds negative token ids {bonus.tolist()}", [r.rid for r in batch.reqs]
+        )
     return bonus
 
 
@@ -115,8 +124,7 @@ def seed_prebuilt(batch: "Batch", future_map: "FutureMap", payload: RelayPayload
     return rows.indices
 
 
-def bonus_draft_input(batch: "Batch", last_tokens: Any, future_map: "FutureMap | None",
-                      label: str) -> BonusDraftInput:
+def bonus_draft_input(batch: "Batch", last_tokens: Any, future_map: "FutureMap | None", label: str) -> BonusDraftInput:
     """The draft input of algorithms whose decode needs only the bonus token (the drafts, if
     any, come from the context the decode node already has)."""
     bonus = check_prebuilt(batch, last_tokens, label)

@@ -25,8 +25,9 @@ if TYPE_CHECKING:
 __all__ = ["DisaggHandoffError", "build_eagle_disagg_draft_input"]
 
 
-def build_eagle_disagg_draft_input(batch: Batch, config: SpecConfig, last_tokens: Any,
-                                   future_map: "FutureMap | None") -> EagleDraftInput:
+def build_eagle_disagg_draft_input(
+    batch: Batch, config: SpecConfig, last_tokens: Any, future_map: "FutureMap | None"
+) -> EagleDraftInput:
     bonus = check_prebuilt(batch, last_tokens, "EAGLE")
     k = config.eagle_topk
     bad = [r.rid for r in batch.reqs if not _complete(r.handoff, k)]
@@ -35,14 +36,16 @@ def build_eagle_disagg_draft_input(batch: Batch, config: SpecConfig, last_tokens
     hs: list[EagleReqState] = [r.handoff for r in batch.reqs]
     widths = {int(h.hidden.shape[-1]) for h in hs}
     if len(widths) != 1:
-        raise DisaggHandoffError(f"draft hidden states of different widths {sorted(widths)}",
-                                 [r.rid for r in batch.reqs])
+        raise DisaggHandoffError(
+            f"draft hidden states of different widths {sorted(widths)}", [r.rid for r in batch.reqs]
+        )
     dev = future_map.device if future_map is not None else bonus.device
     di = EagleDraftInput(
         topk_p=torch.stack([h.topk_p[:k] for h in hs]).to(dev, torch.float32),
         topk_index=torch.stack([h.topk_index[:k] for h in hs]).to(dev, torch.int64),
         hidden_states=torch.stack([h.hidden.reshape(-1) for h in hs]).to(dev),
-        bonus_tokens=bonus.to(dev))
+        bonus_tokens=bonus.to(dev),
+    )
     for req in batch.reqs:
         req.spec_state = None  # between iterations a request keeps nothing but its slot
     if future_map is not None:
@@ -51,5 +54,11 @@ def build_eagle_disagg_draft_input(batch: Batch, config: SpecConfig, last_tokens
 
 
 def _complete(h: object, k: int) -> bool:
-    return (isinstance(h, EagleReqState) and h.hidden is not None and h.topk_p is not None
-            and h.topk_index is not None and h.topk_p.numel() >= k and h.topk_index.numel() >= k)
+    return (
+        isinstance(h, EagleReqState)
+        and h.hidden is not None
+        and h.topk_p is not None
+        and h.topk_index is not None
+        and h.topk_p.numel() >= k
+        and h.topk_index.numel() >= k
+    )

@@ -38,24 +38,28 @@ class EagleHandoffCodec:
             raise HandoffError(f"request {req.rid} finished prefill without EAGLE draft state")
         k = int(st.topk_p.numel())
         if k != self.topk or st.hidden.numel() != self.hidden_size:
-            raise HandoffError(f"request {req.rid}: draft state has top-{k} and hidden {st.hidden.numel()}, "
-                               f"the codec carries top-{self.topk} and hidden {self.hidden_size}")
+            raise HandoffError(
+                f"request {req.rid}: draft state has top-{k} and hidden {st.hidden.numel()}, "
+                f"the codec carries top-{self.topk} and hidden {self.hidden_size}"
+            )
         # Assembled where the state lives, then one copy to the host: each device-to-host copy
         # waits for the device, and this runs on the handoff's critical path.
         out = torch.zeros(self.payload_bytes, dtype=torch.uint8, device=st.hidden.device)
         out[0:4].view(torch.int32).fill_(k)
-        out[self._p:self._p + 4 * k].view(torch.float32).copy_(st.topk_p.detach().float())
-        out[self._i:self._i + 8 * k].view(torch.int64).copy_(st.topk_index.detach())
-        out[self._h:].view(self.hidden_dtype).copy_(st.hidden.detach().reshape(-1))
+        out[self._p : self._p + 4 * k].view(torch.float32).copy_(st.topk_p.detach().float())
+        out[self._i : self._i + 8 * k].view(torch.int64).copy_(st.topk_index.detach())
+        out[self._h :].view(self.hidden_dtype).copy_(st.hidden.detach().reshape(-1))
         return out.cpu()
 
     def decode(self, payload: torch.Tensor) -> EagleReqState:
         if payload.numel() < self.payload_bytes:
             raise HandoffError(f"EAGLE handoff payload has {payload.numel()} bytes, needs {self.payload_bytes}")
-        data = payload.reshape(-1)[:self.payload_bytes].cpu().clone()
+        data = payload.reshape(-1)[: self.payload_bytes].cpu().clone()
         k = int(data[0:4].view(torch.int32)[0])
         if k != self.topk:
             raise HandoffError(f"EAGLE handoff carries top-{k}, this decode node verifies top-{self.topk}")
-        return EagleReqState(data[self._p:self._p + 4 * k].view(torch.float32).clone(),
-                             data[self._i:self._i + 8 * k].view(torch.int64).clone(),
-                             data[self._h:].view(self.hidden_dtype).clone())
+        return EagleReqState(
+            data[self._p : self._p + 4 * k].view(torch.float32).clone(),
+            data[self._i : self._i + 8 * k].view(torch.int64).clone(),
+            data[self._h :].view(self.hidden_dtype).clone(),
+        )

@@ -87,8 +87,9 @@ def target_only_iteration(worker: "EagleWorker", slots: torch.Tensor) -> tuple[t
     prefix, ids, ctx = resolve_decode(worker.future_map, target, slots, aux_hidden_layers=worker.aux_layers)
     hidden, aux = target.forward_direct(ids, ctx)
     tokens = target.model.compute_logits(hidden).argmax(-1)
-    commit_decode(worker.future_map, slots, prefix, tokens, backlog.tokens, backlog.feats,
-                  aux if worker.aux_layers else [hidden])
+    commit_decode(
+        worker.future_map, slots, prefix, tokens, backlog.tokens, backlog.feats, aux if worker.aux_layers else [hidden]
+    )
     return ctx.extend_lens, tokens.unsqueeze(1)  # one token each: extend_lens is that constant
 
 
@@ -99,8 +100,11 @@ class EagleIterationGraphs:
         self.worker = worker
         self._checked: tuple[list[Req], StepState, StepGraph | None] | None = None  # runs() -> run()
         # the warm-up wrote into padding rows only (all slots 0): row 0 back to zero
-        self.graphs = StepGraphs(batch_sizes, capture=capture, after_warmup=lambda: worker.future_map.invalidate(
-            torch.zeros(1, dtype=torch.int64)))
+        self.graphs = StepGraphs(
+            batch_sizes,
+            capture=capture,
+            after_warmup=lambda: worker.future_map.invalidate(torch.zeros(1, dtype=torch.int64)),
+        )
 
     @property
     def hits(self) -> int:
@@ -117,8 +121,7 @@ class EagleIterationGraphs:
         """Every graph held was captured (not run padded-eager)."""
         return all(self.graphs.get(k).graph is not None for k in self.graphs.keys())
 
-    def prepare(self, states: list[StepState], future_map: FutureMap, hidden_size: int,
-                dtype: torch.dtype) -> None:
+    def prepare(self, states: list[StepState], future_map: FutureMap, hidden_size: int, dtype: torch.dtype) -> None:
         """Build (and on CUDA capture) every eligible state's graphs for its batch sizes."""
         future_map.reserve_extras(topk=1, hidden_size=hidden_size, hidden_dtype=dtype)
         device = self.worker.target.device

@@ -66,12 +66,15 @@ def resolve_widths(algorithm: "SpeculativeAlgorithm", cfg: SpecConfig, steps: in
     else:
         nodes = k + (steps - 1) * k * k
         if w - 1 > nodes:
-            raise SpecConfigError(f"{name}: a verify window of {w} rows needs {w - 1} drafted nodes; "
-                                  f"{steps} steps of top-{k} draft {nodes}")
+            raise SpecConfigError(
+                f"{name}: a verify window of {w} rows needs {w - 1} drafted nodes; "
+                f"{steps} steps of top-{k} draft {nodes}"
+            )
         drafts = min(steps, w - 1)
     if wd < drafts + 1:
-        raise SpecConfigError(f"{name}: the draft-extend window ({wd} rows) must hold the longest "
-                              f"accepted path ({drafts + 1} rows)")
+        raise SpecConfigError(
+            f"{name}: the draft-extend window ({wd} rows) must hold the longest accepted path ({drafts + 1} rows)"
+        )
     mode = ForwardMode.TARGET_VERIFY if algorithm.supports_target_verify_for_draft() else ForwardMode.DRAFT_EXTEND
     return Widths(w, wd, mode, drafts)
 

@@ -31,9 +31,18 @@ import torch
 
 from engine.core import Batch, ForwardMode, Req, StepOutput
 from engine.engine import EngineParts
-from engine.executor import (HostCopy, build_input_ids, last_token_rows, maybe_enable_cuda_graphs,
-                             sample_positions, sample_tokens, sampled_output, sampling_reqs,
-                             scatter_to_batch, seed_prebuilt_rows)
+from engine.executor import (
+    HostCopy,
+    build_input_ids,
+    last_token_rows,
+    maybe_enable_cuda_graphs,
+    sample_positions,
+    sample_tokens,
+    sampled_output,
+    sampling_reqs,
+    scatter_to_batch,
+    seed_prebuilt_rows,
+)
 from engine.future_map import BatchRelay, DraftInput, FutureMap, RelayPayload
 from engine.h2d import to_device
 from engine.handoff import HandoffCodec
@@ -65,8 +74,15 @@ class EaglePending:
 
 
 class EagleWorker:
-    def __init__(self, target: ModelRunner, draft: ModelRunner, sampler: Sampler, config: SpecConfig,
-                 aux_layers: tuple[int, ...], states: StepStates) -> None:
+    def __init__(
+        self,
+        target: ModelRunner,
+        draft: ModelRunner,
+        sampler: Sampler,
+        config: SpecConfig,
+        aux_layers: tuple[int, ...],
+        states: StepStates,
+    ) -> None:
         self.target, self.draft, self.sampler = target, draft, sampler
         self.cfg = config
         self.aux_layers = aux_layers  # EAGLE-3: target layers whose inputs feed the head
@@ -88,18 +104,30 @@ class EagleWorker:
         self.backlog: DraftBacklog | None = None
 
     @classmethod
-    def create(cls, parts: EngineParts, config: SpecConfig, fmt: str,
-               algorithm: "SpeculativeAlgorithm") -> "EagleWorker":
+    def create(
+        cls, parts: EngineParts, config: SpecConfig, fmt: str, algorithm: "SpeculativeAlgorithm"
+    ) -> "EagleWorker":
         from engine.draft_loader import load_draft_model
 
         assert config.draft_model_path is not None
         states = StepStates(algorithm, config)  # widths checked before the (slow) head load
-        head, hcfg, aux = load_draft_model(config.draft_model_path, fmt, parts.runner.model,
-                                           parts.model_config, parts.dtype, parts.device)
-        pool = KVPool(hcfg.num_layers, parts.kv.allocator.num_pages, parts.kv.page_size,
-                      hcfg.num_kv_heads, hcfg.head_dim, parts.dtype, parts.device)
-        why = True if algorithm.supports_target_verify_for_draft() else (
-            f"{algorithm.name}.supports_target_verify_for_draft() is False")
+        head, hcfg, aux = load_draft_model(
+            config.draft_model_path, fmt, parts.runner.model, parts.model_config, parts.dtype, parts.device
+        )
+        pool = KVPool(
+            hcfg.num_layers,
+            parts.kv.allocator.num_pages,
+            parts.kv.page_size,
+            hcfg.num_kv_heads,
+            hcfg.head_dim,
+            parts.dtype,
+            parts.device,
+        )
+        why = (
+            True
+            if algorithm.supports_target_verify_for_draft()
+            else (f"{algorithm.name}.supports_target_verify_for_draft() is False")
+        )
         draft = ModelRunner(head, parts.kv, pool, parts.runner.attn_backend, parts.device, target_verify=why)
         maybe_enable_cuda_graphs(draft, parts.config.cuda_graph_max_bs, parts.config.cuda_graph_padded_eager)
         return cls(parts.runner, draft, parts.sampler, config, aux, states)
@@ -144,23 +172,39 @@ class EagleWorker:
             if sizes == []:
                 continue
             k, w, tree = state.topk, state.widths, not state.is_chain
-            self.target.capture(ForwardMode.TARGET_VERIFY, w.verify, sizes, tree_width=w.verify if tree else None,
-                                aux_hidden_layers=self.aux_layers)
+            self.target.capture(
+                ForwardMode.TARGET_VERIFY,
+                w.verify,
+                sizes,
+                tree_width=w.verify if tree else None,
+                aux_hidden_layers=self.aux_layers,
+            )
             self.draft.capture(w.draft_mode, w.draft, sizes, features=feats)
             for step in range(1, self._draft_steps(state)):
-                self.draft.capture(ForwardMode.DECODE, 1 if state.is_chain else k, sizes,
-                                   tree_width=step * k if tree else None, features=draft_feats)
+                self.draft.capture(
+                    ForwardMode.DECODE,
+                    1 if state.is_chain else k,
+                    sizes,
+                    tree_width=step * k if tree else None,
+                    features=draft_feats,
+                )
         self.target.freeze_graphs()
         self.draft.freeze_graphs()
         if graphs is not None and self.cfg.eagle_topk == 1:  # chains: one graph per iteration
             self.iteration = EagleIterationGraphs(self, list(graphs.batch_sizes), capture=graphs.use_graphs)
-            self.future_map.reserve_extras(topk=1, hidden_size=self.draft.model.config.hidden_size,
-                                           hidden_dtype=dtype)
+            self.future_map.reserve_extras(topk=1, hidden_size=self.draft.model.config.hidden_size, hidden_dtype=dtype)
             if self.batch_catch_up and self.defer_guess and 0 in self.states.states:
-                self.backlog = DraftBacklog(self, self.states.states[0].widths.draft_mode, feat_width, dtype,
-                                            list(graphs.batch_sizes), capture=graphs.use_graphs)
-            self.iteration.prepare(list(self.states.states.values()), self.future_map,
-                                   self.draft.model.config.hidden_size, dtype)
+                self.backlog = DraftBacklog(
+                    self,
+                    self.states.states[0].widths.draft_mode,
+                    feat_width,
+                    dtype,
+                    list(graphs.batch_sizes),
+                    capture=graphs.use_graphs,
+                )
+            self.iteration.prepare(
+                list(self.states.states.values()), self.future_map, self.draft.model.config.hidden_size, dtype
+            )
 
     def on_admit(self, req: Req) -> None:
         self.sampler.on_admit(req)
@@ -187,8 +231,7 @@ class EagleWorker:
 
     def handoff_codec(self) -> HandoffCodec:
         """PD: the draft's top-k and hidden state travel in the handoff row."""
-        return EagleHandoffCodec(self.cfg.eagle_topk, self.draft.model.config.hidden_size,
-                                 self.draft.pool.buffer.dtype)
+        return EagleHandoffCodec(self.cfg.eagle_topk, self.draft.model.config.hidden_size, self.draft.pool.buffer.dtype)
 
     def spec_stats(self) -> SpecStats:
         return self.stats
@@ -216,8 +259,9 @@ class EagleWorker:
         out = host_output(self.stats, pending.copy.wait(), pending.state.widths.drafts)
         if pending.shadow is not None:
             scored = pending.shadow.wait()
-            self.states.shadow_feedback(len(batch.reqs), [h / n for h, n in zip(
-                scored["hits"].tolist(), scored["samples"].tolist()) if n > 0])
+            self.states.shadow_feedback(
+                len(batch.reqs), [h / n for h, n in zip(scored["hits"].tolist(), scored["samples"].tolist()) if n > 0]
+            )
         self.states.feedback(len(batch.reqs), out.accepted_drafts or [])
         return out
 
@@ -231,8 +275,7 @@ class EagleWorker:
         reqs, lens, prefix = batch.reqs, batch.extend_lens, batch.prefix_lens
         dev = self.target.device
         slots = [r.slot for r in reqs]
-        ctx = self.target.make_context(ForwardMode.EXTEND, slots, prefix, lens,
-                                       aux_hidden_layers=self.aux_layers)
+        ctx = self.target.make_context(ForwardMode.EXTEND, slots, prefix, lens, aux_hidden_layers=self.aux_layers)
         hidden, aux = self.target.forward(build_input_ids(batch, dev), ctx)
         feats = self.features(hidden, aux)
         sampling = sampling_reqs(batch)
@@ -240,8 +283,7 @@ class EagleWorker:
         shifted = to_device(shifted_tokens(batch), dev)  # draft-extend input: shifted left by one
         out, done = None, relay.select(batch.sample)
         if sampling:
-            out = sample_tokens(self.sampler, self.target.logits(hidden[rows]), sampling,
-                                sample_positions(batch))
+            out = sample_tokens(self.sampler, self.target.logits(hidden[rows]), sampling, sample_positions(batch))
             shifted[rows] = out["tokens"]  # the tail of a finished prompt is its sampled bonus
             ends = [p + n for p, n, s in zip(prefix, lens, batch.sample) if s]
             # fence before draft-extend: the next decode's lengths do not wait for the head
@@ -251,8 +293,9 @@ class EagleWorker:
         if out is None:
             return EaglePending(batch, None)
         g_last = g[rows]
-        p, topk_idx = self.picker.guess(self.draft.model, g_last, self.cfg.eagle_topk, done.indices,
-                                        to_device(ends, dev) + 1)
+        p, topk_idx = self.picker.guess(
+            self.draft.model, g_last, self.cfg.eagle_topk, done.indices, to_device(ends, dev) + 1
+        )
         done.stash(RelayPayload(out["tokens"], p, topk_idx, g_last))
         self._fresh_draft_state(sampling)
         _keep_handoff(sampling, p, topk_idx, g_last)
@@ -277,14 +320,29 @@ class EagleWorker:
         slots, bound = [r.slot for r in reqs], batch.prefix_lens
         seq = relay.resolve_seq_lens()  # exact lengths, on the device only
         r = relay.resolve()
-        di = EagleDraftInput(r.topk_p, r.topk_index, r.hidden_states, r.bonus_tokens,
-                             future_indices=relay.indices)
-        tree = build_draft_tree(self.draft, di, slots, seq, bound, self._draft_steps(state),
-                                1 if state.is_chain else state.topk, w, self.picker)
+        di = EagleDraftInput(r.topk_p, r.topk_index, r.hidden_states, r.bonus_tokens, future_indices=relay.indices)
+        tree = build_draft_tree(
+            self.draft,
+            di,
+            slots,
+            seq,
+            bound,
+            self._draft_steps(state),
+            1 if state.is_chain else state.topk,
+            w,
+            self.picker,
+        )
         vi = EagleVerifyInput.from_tree(tree, seq)
-        ctx = self.target.make_context(ForwardMode.TARGET_VERIFY, slots, bound, [w] * bs,
-                                       device_prefix=seq, positions=vi.positions,
-                                       tree_mask=vi.tree_mask, aux_hidden_layers=self.aux_layers)
+        ctx = self.target.make_context(
+            ForwardMode.TARGET_VERIFY,
+            slots,
+            bound,
+            [w] * bs,
+            device_prefix=seq,
+            positions=vi.positions,
+            tree_mask=vi.tree_mask,
+            aux_hidden_layers=self.aux_layers,
+        )
         hidden, aux = self.target.forward(tree.tokens.reshape(-1), ctx)
         logits = self.target.logits(hidden)
         vr = verify_window(self.sampler, reqs, tree, logits, seq)
@@ -303,8 +361,9 @@ class EagleWorker:
         before capture; CPU tests flip them after, as padded-eager bodies read them every run.)"""
         return self.backlog is not None and self.batch_catch_up and self.defer_guess and state.steps == 0
 
-    def _catch_up(self, reqs: list[Req], rids: list[str], relay: BatchRelay,
-                  state: StepState) -> tuple[bool, dict[str, torch.Tensor] | None]:
+    def _catch_up(
+        self, reqs: list[Req], rids: list[str], relay: BatchRelay, state: StepState
+    ) -> tuple[bool, dict[str, torch.Tensor] | None]:
         """Drain the draft's backlog where this iteration needs it: before it drafts or runs
         eagerly, or when a ring is full. Returns (whether the iteration adds to the backlog,
         the catch-up's first-draft scores if one ran)."""
@@ -328,14 +387,14 @@ class EagleWorker:
             return
         rows = relay.select(stale)
         seq, r = rows.peek()
-        p, topk_idx = self.picker.guess(self.draft.model, r.hidden_states, self.cfg.eagle_topk, rows.indices,
-                                        seq + 1)
+        p, topk_idx = self.picker.guess(self.draft.model, r.hidden_states, self.cfg.eagle_topk, rows.indices, seq + 1)
         rows.stash(RelayPayload(r.bonus_tokens, p, topk_idx, r.hidden_states))
         self._guessless.difference_update(rids)
         self.guesses_recomputed += len(rows)
 
-    def _compact_target_kv(self, slots: list[int], seq: torch.Tensor, rows: torch.Tensor,
-                           accept_lens: torch.Tensor) -> None:
+    def _compact_target_kv(
+        self, slots: list[int], seq: torch.Tensor, rows: torch.Tensor, accept_lens: torch.Tensor
+    ) -> None:
         """Tree verify wrote KV in tree order; move the accepted path's KV to [L, L + accept_len)."""
         table = self.target.kv.req_to_token
         slot_t = to_device(slots, seq.device).unsqueeze(1)
@@ -348,8 +407,16 @@ class EagleWorker:
         flat = pool.buffer.view(pool.num_layers, 2, -1, pool.num_kv_heads, pool.head_dim)
         flat[:, :, dst.reshape(-1)] = flat[:, :, src].clone()
 
-    def _draft_extend(self, state: StepState, slots: list[int], seq: torch.Tensor, bound: list[int],
-                      vr: VerifyResult, feats: torch.Tensor, relay: BatchRelay) -> None:
+    def _draft_extend(
+        self,
+        state: StepState,
+        slots: list[int],
+        seq: torch.Tensor,
+        bound: list[int],
+        vr: VerifyResult,
+        feats: torch.Tensor,
+        relay: BatchRelay,
+    ) -> None:
         """Head over [L, L + Wd): row j pairs the target's feature at accepted row j with the
         token that followed it; rows past the accepted length only scribble beyond seq_len."""
         bs, w, wd = len(slots), state.widths.verify, state.widths.draft
@@ -361,8 +428,9 @@ class EagleWorker:
         if self.defers_guess(state):
             relay.stash(RelayPayload(vr.bonus, None, None, g_last), keep_topk=True)
             return
-        p, topk_idx = self.picker.guess(self.draft.model, g_last, self.cfg.eagle_topk, relay.indices,
-                                        seq + vr.accept_lens + 1)
+        p, topk_idx = self.picker.guess(
+            self.draft.model, g_last, self.cfg.eagle_topk, relay.indices, seq + vr.accept_lens + 1
+        )
         relay.stash(RelayPayload(vr.bonus, p, topk_idx, g_last))
 
 

@@ -77,8 +77,9 @@ def propose_drafts(context: Sequence[int], num_drafts: int, ngram_min: int, ngra
 def _chain_config(config: SpecConfig) -> SpecConfig:
     cfg = config.resolved()
     if cfg.eagle_topk != 1:
-        raise SpecConfigError(f"--speculative-eagle-topk must be 1 for {cfg.algorithm} (n-gram drafts "
-                              f"form a chain), got {cfg.eagle_topk}")
+        raise SpecConfigError(
+            f"--speculative-eagle-topk must be 1 for {cfg.algorithm} (n-gram drafts form a chain), got {cfg.eagle_topk}"
+        )
     return cfg
 
 
@@ -199,8 +200,9 @@ class NgramAlgo(CustomSpecAlgo):
     def need_topk(self) -> bool:
         return False
 
-    def build_disagg_draft_input(self, batch: Batch, config: SpecConfig, last_tokens: Any,
-                                 future_map: FutureMap | None) -> BonusDraftInput:
+    def build_disagg_draft_input(
+        self, batch: Batch, config: SpecConfig, last_tokens: Any, future_map: FutureMap | None
+    ) -> BonusDraftInput:
         """PD decode: the drafts come from the context the decode node already has, so the
         prefill node's handoff reduces to the bonus token; validate before touching any req."""
         _chain_config(config)

@@ -70,14 +70,12 @@ class SpeculativeAlgorithm:
         fixed-width windows over the committed prefix? Asked otherwise, its runner refuses."""
         return False
 
-    def get_num_tokens_per_req_for_target_verify(self, num_draft_tokens: int,
-                                                 is_draft_worker: bool) -> int:
+    def get_num_tokens_per_req_for_target_verify(self, num_draft_tokens: int, is_draft_worker: bool) -> int:
         """Tokens per request in a verify forward (target), or in the draft worker's fixed-width
         window forward (draft-extend); sets KV reserved per step, windows, metadata and graphs."""
         return num_draft_tokens
 
-    def get_num_tokens_per_bs_for_target_verify(self, num_draft_tokens: int,
-                                                is_draft_worker: bool) -> int:
+    def get_num_tokens_per_bs_for_target_verify(self, num_draft_tokens: int, is_draft_worker: bool) -> int:
         """SGLang's older name of `get_num_tokens_per_req_for_target_verify`."""
         return self.get_num_tokens_per_req_for_target_verify(num_draft_tokens, is_draft_worker)
 
@@ -96,16 +94,29 @@ class SpeculativeAlgorithm:
     def needs_draft_model(self) -> bool:
         return True
 
-    def create_future_map(self, max_running_requests: int, chunked_prefill_size: int, context_len: int,
-                          device: Any, *, debug: bool = False) -> "FutureMap":
+    def create_future_map(
+        self,
+        max_running_requests: int,
+        chunked_prefill_size: int,
+        context_len: int,
+        device: Any,
+        *,
+        debug: bool = False,
+    ) -> "FutureMap":
         """The overlap relay the scheduler builds at start-up (rows per request slot)."""
         from engine.future_map import FutureMap
 
-        return FutureMap(max_running_requests + 1, device, need_topk=self.need_topk(),
-                         need_hidden=self.carries_draft_hidden_states(), debug=debug)
+        return FutureMap(
+            max_running_requests + 1,
+            device,
+            need_topk=self.need_topk(),
+            need_hidden=self.carries_draft_hidden_states(),
+            debug=debug,
+        )
 
-    def build_disagg_draft_input(self, batch: "Batch", config: "SpecConfig", last_tokens: Any,
-                                 future_map: "FutureMap | None") -> Any:
+    def build_disagg_draft_input(
+        self, batch: "Batch", config: "SpecConfig", last_tokens: Any, future_map: "FutureMap | None"
+    ) -> Any:
         """PD decode: turn a PREBUILT batch's handoff (each `Req.handoff`, decoded by the worker's
         handoff codec) into this algorithm's draft input; with a `future_map`, also seed the
         requests' rows. Raises DisaggHandoffError naming the requests it cannot serve."""
@@ -161,8 +172,9 @@ class _Eagle(SpeculativeAlgorithm):
     def is_eagle(self) -> bool:
         return True
 
-    def build_disagg_draft_input(self, batch: "Batch", config: "SpecConfig", last_tokens: Any,
-                                 future_map: "FutureMap | None") -> Any:
+    def build_disagg_draft_input(
+        self, batch: "Batch", config: "SpecConfig", last_tokens: Any, future_map: "FutureMap | None"
+    ) -> Any:
         from spec.eagle_disagg import build_eagle_disagg_draft_input
 
         return build_eagle_disagg_draft_input(batch, config, last_tokens, future_map)
@@ -198,25 +210,35 @@ class CustomSpecAlgo(SpeculativeAlgorithm):
 
 
 # every public method of the interface a plugin must end up with
-INTERFACE = tuple(n for n, v in vars(SpeculativeAlgorithm).items()
-                  if callable(v) and not n.startswith("_") and n != "from_name")
+INTERFACE = tuple(
+    n for n, v in vars(SpeculativeAlgorithm).items() if callable(v) and not n.startswith("_") and n != "from_name"
+)
 
 
 def _adopt_old_hook_names(cls: type) -> None:
     """Plugins ported from older SGLang name the verify-width hook `..._per_bs_...`; when a plugin
     defines only that name, the new name forwards to it (the base class forwards the other way)."""
-    if not any("get_num_tokens_per_bs_for_target_verify" in vars(c) for c in cls.__mro__
-               if c not in (SpeculativeAlgorithm, CustomSpecAlgo, object)):
+    if not any(
+        "get_num_tokens_per_bs_for_target_verify" in vars(c)
+        for c in cls.__mro__
+        if c not in (SpeculativeAlgorithm, CustomSpecAlgo, object)
+    ):
         return
-    if any("get_num_tokens_per_req_for_target_verify" in vars(c) for c in cls.__mro__
-           if c not in (SpeculativeAlgorithm, CustomSpecAlgo, object)):
+    if any(
+        "get_num_tokens_per_req_for_target_verify" in vars(c)
+        for c in cls.__mro__
+        if c not in (SpeculativeAlgorithm, CustomSpecAlgo, object)
+    ):
         return
     old = cls.get_num_tokens_per_bs_for_target_verify
 
     def forward(self: Any, num_draft_tokens: int, is_draft_worker: bool) -> int:
-        warnings.warn(f"{cls.__name__}.get_num_tokens_per_bs_for_target_verify is deprecated; "
-                      "rename it get_num_tokens_per_req_for_target_verify", DeprecationWarning,
-                      stacklevel=2)
+        warnings.warn(
+            f"{cls.__name__}.get_num_tokens_per_bs_for_target_verify is deprecated; "
+            "rename it get_num_tokens_per_req_for_target_verify",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return old(self, num_draft_tokens, is_draft_worker)
 
     cls.get_num_tokens_per_req_for_target_verify = forward  # type: ignore[attr-defined]
@@ -226,11 +248,11 @@ def check_conforms(cls: type) -> None:
     if not (isinstance(cls, type) and issubclass(cls, CustomSpecAlgo)):
         raise SpecRegistryError(f"{cls!r} must be a subclass of CustomSpecAlgo")
     missing = [n for n in INTERFACE if not callable(getattr(cls, n, None))]
-    not_overridden = [n for n in CustomSpecAlgo.REQUIRED
-                      if getattr(cls, n) is getattr(SpeculativeAlgorithm, n)]
+    not_overridden = [n for n in CustomSpecAlgo.REQUIRED if getattr(cls, n) is getattr(SpeculativeAlgorithm, n)]
     if missing or not_overridden:
-        raise SpecRegistryError(f"{cls.__name__} does not implement the speculative interface: "
-                                f"missing {missing + not_overridden}")
+        raise SpecRegistryError(
+            f"{cls.__name__} does not implement the speculative interface: missing {missing + not_overridden}"
+        )
     if inspect.isabstract(cls):
         raise SpecRegistryError(f"{cls.__name__} is abstract: {sorted(cls.__abstractmethods__)}")
 
@@ -254,8 +276,9 @@ def register_class(name: str, cls: type) -> SpeculativeAlgorithm:
     if key in _PLUGINS:
         if type(_PLUGINS[key]) is cls:
             return _PLUGINS[key]  # re-importing the same plugin module is harmless
-        raise SpecRegistryError(f"speculative algorithm {name!r} is already registered "
-                                f"by {type(_PLUGINS[key]).__name__}")
+        raise SpecRegistryError(
+            f"speculative algorithm {name!r} is already registered by {type(_PLUGINS[key]).__name__}"
+        )
     _adopt_old_hook_names(cls)
     check_conforms(cls)
     algo = cls()
@@ -303,10 +326,18 @@ class AlgorithmBinding:
     def create_worker(self, parts: "EngineParts") -> "Executor":
         return self.algorithm.create_worker(parts, self.config)
 
-    def create_future_map(self, max_running_requests: int, chunked_prefill_size: int, context_len: int,
-                          device: Any, *, debug: bool = False) -> "FutureMap":
-        return self.algorithm.create_future_map(max_running_requests, chunked_prefill_size, context_len,
-                                                device, debug=debug)
+    def create_future_map(
+        self,
+        max_running_requests: int,
+        chunked_prefill_size: int,
+        context_len: int,
+        device: Any,
+        *,
+        debug: bool = False,
+    ) -> "FutureMap":
+        return self.algorithm.create_future_map(
+            max_running_requests, chunked_prefill_size, context_len, device, debug=debug
+        )
 
     def draft_model_dir(self) -> str | None:
         return self.config.draft_model_path if self.algorithm.has_draft_kv() else None
@@ -315,8 +346,12 @@ class AlgorithmBinding:
         out: dict[str, Any] = {"algorithm": self.name}
         if self.algorithm.is_speculative():
             c = self.config
-            out.update(num_steps=c.num_steps, eagle_topk=c.eagle_topk, num_draft_tokens=c.num_draft_tokens,
-                       draft_model_path=c.draft_model_path)
+            out.update(
+                num_steps=c.num_steps,
+                eagle_topk=c.eagle_topk,
+                num_draft_tokens=c.num_draft_tokens,
+                draft_model_path=c.draft_model_path,
+            )
             adaptive = c.adaptive_policy_config()
             if adaptive is not None:
                 out["adaptive"] = adaptive.to_json()
@@ -333,5 +368,12 @@ def bind(config: "SpecConfig") -> AlgorithmBinding:
     return AlgorithmBinding(algo, cfg)
 
 
-__all__ = ["AlgorithmBinding", "CustomSpecAlgo", "SpeculativeAlgorithm", "SpecRegistryError", "bind",
-           "register", "registered_names"]
+__all__ = [
+    "AlgorithmBinding",
+    "CustomSpecAlgo",
+    "SpeculativeAlgorithm",
+    "SpecRegistryError",
+    "bind",
+    "register",
+    "registered_names",
+]

@@ -36,8 +36,7 @@ def verify_greedy(tree: DraftTree, target_tokens: torch.Tensor) -> VerifyResult:
     if tree.is_chain:
         return _chain_greedy(tree, target_tokens)
     probs = None
-    return _walk(tree, lambda cur: torch.gather(target_tokens, 1, cur.unsqueeze(1)).squeeze(1), probs,
-                 None, None)
+    return _walk(tree, lambda cur: torch.gather(target_tokens, 1, cur.unsqueeze(1)).squeeze(1), probs, None, None)
 
 
 def _chain_greedy(tree: DraftTree, target_tokens: torch.Tensor) -> VerifyResult:
@@ -59,8 +58,7 @@ def chain_greedy(tokens: torch.Tensor, target_tokens: torch.Tensor) -> VerifyRes
     return VerifyResult(correct.squeeze(1) + 1, path, emitted, bonus.squeeze(1))
 
 
-def verify_sampled(tree: DraftTree, probs: torch.Tensor, seeds: torch.Tensor,
-                   positions: torch.Tensor) -> VerifyResult:
+def verify_sampled(tree: DraftTree, probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> VerifyResult:
     """probs: (bs, ntok, V) processed target probabilities per window row (one-hot rows = greedy).
 
     `positions[b]` is the sequence index of the first token this verify can emit; the noise is
@@ -69,8 +67,9 @@ def verify_sampled(tree: DraftTree, probs: torch.Tensor, seeds: torch.Tensor,
     return _walk(tree, None, probs, seeds, positions)
 
 
-def _walk(tree: DraftTree, greedy_pick, probs: torch.Tensor | None, seeds: torch.Tensor | None,
-          positions: torch.Tensor | None) -> VerifyResult:
+def _walk(
+    tree: DraftTree, greedy_pick, probs: torch.Tensor | None, seeds: torch.Tensor | None, positions: torch.Tensor | None
+) -> VerifyResult:
     bs, ntok = tree.tokens.shape
     dev = tree.tokens.device
     b_idx = torch.arange(bs, device=dev)
@@ -89,8 +88,7 @@ def _walk(tree: DraftTree, greedy_pick, probs: torch.Tensor | None, seeds: torch
             p_cur = probs[b_idx, cur].clone()  # rows that stopped earlier are ignored below
         child = tree.first_child[b_idx, cur] if d < depth else torch.full_like(cur, -1)
         found = torch.full_like(cur, -1)
-        coins = (uniform_noise(seeds, positions + d, max(ntok, 2), COIN_STREAM)
-                 if probs is not None else None)
+        coins = uniform_noise(seeds, positions + d, max(ntok, 2), COIN_STREAM) if probs is not None else None
         for k in range(tree.max_children):  # a static bound: no host sync inside the launch
             tok = tree.tokens[b_idx, child.clamp(min=0)]
             live = (child >= 0) & (found < 0)
@@ -102,8 +100,7 @@ def _walk(tree: DraftTree, greedy_pick, probs: torch.Tensor | None, seeds: torch
                 # rejected: remove the token from the target distribution and renormalise
                 rej = live & ~ok
                 p_cur[b_idx, tok] = torch.where(rej, 0.0, p_cur[b_idx, tok])
-                p_cur = torch.where(rej.unsqueeze(1),
-                                    p_cur / p_cur.sum(1, keepdim=True).clamp(min=1e-30), p_cur)
+                p_cur = torch.where(rej.unsqueeze(1), p_cur / p_cur.sum(1, keepdim=True).clamp(min=1e-30), p_cur)
             found = torch.where(ok, child, found)
             child = torch.where(child >= 0, tree.next_sibling[b_idx, child.clamp(min=0)], -1)
         advance = active & (found >= 0)

@@ -114,9 +114,10 @@ class InProcessPD:
         row_p, row_d = self.rows_p.alloc(), self.rows_d.alloc()
         assert row_p is not None and row_d is not None
         self.rows_p.write(row_p, self._room, self.pd_p.encode_handoff(src))
-        pages = self.pd_p.page_list(src).result()[:self.pd_p.pages_for(src.seq_len)]
-        self.t_p.write(TransferRequest(self._room, self.t_d.name, pages, self.pd_d.page_list(req).result(),
-                                       row_p, row_d))
+        pages = self.pd_p.page_list(src).result()[: self.pd_p.pages_for(src.seq_len)]
+        self.t_p.write(
+            TransferRequest(self._room, self.t_d.name, pages, self.pd_d.page_list(req).result(), row_p, row_d)
+        )
         done = [parse_tag(m) for _, m in self.t_d.drain_notifications()]
         _expect(("done", self._room, "") in done, "PD", f"no completion for room {self._room}: {done}")
         echo, payload = self.rows_d.read(row_d)
@@ -158,9 +159,16 @@ class InProcessPD:
             _expect(rows.num_used == 0, "PD", f"{rows.num_used} handoff rows still in use on the {side}")
 
 
-def check_algorithm(spec: SpecConfig, target_dir: str | Path, *, prompts: Sequence[list[int]] | None = None,
-                    max_new_tokens: int = 24, device: str = "cpu", page_size: int = 4,
-                    **engine_options: Any) -> ConformanceReport:
+def check_algorithm(
+    spec: SpecConfig,
+    target_dir: str | Path,
+    *,
+    prompts: Sequence[list[int]] | None = None,
+    max_new_tokens: int = 24,
+    device: str = "cpu",
+    page_size: int = 4,
+    **engine_options: Any,
+) -> ConformanceReport:
     """Run every conformance check of `spec`'s algorithm on the model at `target_dir`."""
     binding = bind(spec)
     greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
@@ -174,13 +182,19 @@ def check_algorithm(spec: SpecConfig, target_dir: str | Path, *, prompts: Sequen
     want = _run(plain_engine, prompts, greedy)
     report = ConformanceReport(binding.name)
     colocated: Outcome | None = None
-    for name, kw in (("colocated, overlap off", {}), ("colocated, overlap on", {"overlap": True}),
-                     ("CUDA graphs" if device.startswith("cuda") else "CUDA graphs (padded eager)",
-                      {"cuda_graph_max_bs": 4, "cuda_graph_padded_eager": True, "overlap": True})):
+    for name, kw in (
+        ("colocated, overlap off", {}),
+        ("colocated, overlap on", {"overlap": True}),
+        (
+            "CUDA graphs" if device.startswith("cuda") else "CUDA graphs (padded eager)",
+            {"cuda_graph_max_bs": 4, "cuda_graph_padded_eager": True, "overlap": True},
+        ),
+    ):
         eng = engine(binding, future_map_debug=True, **kw)
         got = _run(eng, prompts, greedy)
-        _expect(got.tokens == want.tokens, name, f"greedy output differs from plain decoding: "
-                                                f"{got.tokens} != {want.tokens}")
+        _expect(
+            got.tokens == want.tokens, name, f"greedy output differs from plain decoding: {got.tokens} != {want.tokens}"
+        )
         _assert_returned(eng, name)
         stats = eng.executor.spec_stats()
         report.mean_accept_len = stats.mean_accept_len if stats is not None else 1.0
@@ -194,8 +208,11 @@ def check_algorithm(spec: SpecConfig, target_dir: str | Path, *, prompts: Sequen
         # Trees re-rank candidates by score, and near-ties may order differently between a packed
         # and a separate prefill; chains have no ties to break, so their acceptance must match.
         if binding.config.eagle_topk == 1:
-            _expect(got.accepted == colocated.accepted, "PD",
-                    f"acceptance differs from colocated: {got.accepted} != {colocated.accepted}")
+            _expect(
+                got.accepted == colocated.accepted,
+                "PD",
+                f"acceptance differs from colocated: {got.accepted} != {colocated.accepted}",
+            )
         pd.check_returned()
         report.checks.append("PD over the in-process transport")
         _check_bad_handoffs(pd, prompts[0], greedy)
@@ -228,10 +245,13 @@ def _check_context_limit(engine: Any, binding: AlgorithmBinding, plain_engine: E
             eng = engine(binding, future_map_debug=True, **kw)
             outs = eng.generate(prompts, params)
             for o in outs:
-                _expect(o.finish_reason is not None and o.finish_reason.value == "length"
-                        and len(o.prompt_ids) + len(o.output_ids) == limit, f"context limit ({name}, {label})",
-                        f"{o.rid} ended with {o.finish_reason} after {len(o.output_ids)} tokens "
-                        f"({o.finish_detail})")
+                _expect(
+                    o.finish_reason is not None
+                    and o.finish_reason.value == "length"
+                    and len(o.prompt_ids) + len(o.output_ids) == limit,
+                    f"context limit ({name}, {label})",
+                    f"{o.rid} ended with {o.finish_reason} after {len(o.output_ids)} tokens ({o.finish_detail})",
+                )
             outcomes[label] = {f"r{i}": o.output_ids for i, o in enumerate(outs)}
             _assert_returned(eng, f"context limit ({name}, {label})")
         pd = InProcessPD(engine(binding), engine(binding, future_map_debug=True), binding)
@@ -242,8 +262,11 @@ def _check_context_limit(engine: Any, binding: AlgorithmBinding, plain_engine: E
             pd.close()
         if params is greedy:
             _expect(outcomes["overlap off"] == want, "context limit (greedy)", "output differs from plain decoding")
-        _expect(outcomes["PD"] == outcomes["overlap off"] == outcomes["overlap on"], f"context limit ({name})",
-                f"PD / overlap on / overlap off differ: {outcomes}")
+        _expect(
+            outcomes["PD"] == outcomes["overlap off"] == outcomes["overlap on"],
+            f"context limit ({name})",
+            f"PD / overlap on / overlap off differ: {outcomes}",
+        )
 
 
 def _check_bad_handoffs(pd: InProcessPD, prompt: list[int], params: SamplingParams) -> None:
@@ -271,8 +294,11 @@ def _check_bad_handoffs(pd: InProcessPD, prompt: list[int], params: SamplingPara
     else:
         pd.adopt(req)  # nothing to miss: the first token is all it needs
     ok = pd.run([prompt], params)
-    _expect(len(ok.tokens["r0"]) == params.max_new_tokens, "missing state",
-            "the decode engine did not serve a normal request after a bad handoff")
+    _expect(
+        len(ok.tokens["r0"]) == params.max_new_tokens,
+        "missing state",
+        "the decode engine did not serve a normal request after a bad handoff",
+    )
     while not pd.decode.idle:
         pd.decode.step()
     pd.check_returned()

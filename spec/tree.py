@@ -65,9 +65,16 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def tree_from_candidates(root: torch.Tensor, cand_tokens: torch.Tensor, cand_scores: torch.Tensor,
-                         cand_parents: torch.Tensor, cand_depth: torch.Tensor, ntok: int,
-                         depth_bound: int = -1, branching: int = -1) -> DraftTree:
+def tree_from_candidates(
+    root: torch.Tensor,
+    cand_tokens: torch.Tensor,
+    cand_scores: torch.Tensor,
+    cand_parents: torch.Tensor,
+    cand_depth: torch.Tensor,
+    ntok: int,
+    depth_bound: int = -1,
+    branching: int = -1,
+) -> DraftTree:
     """Pick the `ntok - 1` best-scoring candidates (EAGLE-2 style re-ranking) into a window.
 
     Candidates are listed level by level, each candidate's parent index (-1 = root) pointing
@@ -76,18 +83,16 @@ def tree_from_candidates(root: torch.Tensor, cand_tokens: torch.Tensor, cand_sco
     """
     bs = root.shape[0]
     dev = root.device
-    order = torch.sort(-cand_scores, dim=1, stable=True).indices[:, :ntok - 1]
+    order = torch.sort(-cand_scores, dim=1, stable=True).indices[:, : ntok - 1]
     chosen = torch.sort(order, dim=1).values  # parents (smaller index) come first
     # map candidate index -> window row (root is row 0)
     row_of = torch.full_like(cand_scores, -1, dtype=torch.int64)
     row_of.scatter_(1, chosen, torch.arange(1, ntok, device=dev).expand(bs, ntok - 1).contiguous())
     par_cand = torch.gather(cand_parents, 1, chosen)
-    par_row = torch.where(par_cand < 0, torch.zeros_like(par_cand),
-                          torch.gather(row_of, 1, par_cand.clamp(min=0)))
+    par_row = torch.where(par_cand < 0, torch.zeros_like(par_cand), torch.gather(row_of, 1, par_cand.clamp(min=0)))
     tokens = torch.cat((root.unsqueeze(1), torch.gather(cand_tokens, 1, chosen)), dim=1)
     parents = torch.cat((torch.full((bs, 1), -1, dtype=torch.int64, device=dev), par_row), dim=1)
-    depth = torch.cat((torch.zeros(bs, 1, dtype=torch.int64, device=dev),
-                       torch.gather(cand_depth, 1, chosen)), dim=1)
+    depth = torch.cat((torch.zeros(bs, 1, dtype=torch.int64, device=dev), torch.gather(cand_depth, 1, chosen)), dim=1)
     scores = torch.cat((torch.ones(bs, 1, device=dev), torch.gather(cand_scores, 1, chosen)), dim=1)
     first, sib = child_links(parents, scores)
     return DraftTree(tokens, parents, depth, first, sib, False, depth_bound, branching)

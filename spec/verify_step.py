@@ -12,14 +12,16 @@ from spec.tree import DraftTree
 from spec.rejection import VerifyResult, verify_greedy, verify_sampled
 
 
-def verify_window(sampler: Sampler, reqs: list[Req], tree: DraftTree, logits: torch.Tensor,
-                  seq_lens: torch.Tensor) -> VerifyResult:
+def verify_window(
+    sampler: Sampler, reqs: list[Req], tree: DraftTree, logits: torch.Tensor, seq_lens: torch.Tensor
+) -> VerifyResult:
     """logits: (bs * ntok, V) target logits over the window rows."""
     bs, ntok = tree.tokens.shape
     # min_new_tokens bans depend on the index each row samples: seq_len + 1 + its depth (exact on
     # the device, for trees and under overlap, where the host's output_ids lag)
-    rows_at = (seq_lens.unsqueeze(1) + 1 + tree.depth).reshape(-1) if any(
-        r.params.min_new_tokens for r in reqs) else None
+    rows_at = (
+        (seq_lens.unsqueeze(1) + 1 + tree.depth).reshape(-1) if any(r.params.min_new_tokens for r in reqs) else None
+    )
     sb = sampler.prepare(reqs, rows_per_req=ntok, row_positions=rows_at)
     if sb.all_greedy:  # the (penalised) argmax per row is all greedy verification needs
         return verify_greedy(tree, sampler.sample(logits, sb).tokens.view(bs, ntok))
@@ -38,14 +40,22 @@ def accepted_rows(vr: VerifyResult, ntok: int) -> torch.Tensor:
     return path[:, :ntok]
 
 
-def step_output(sampler: Sampler, stats: SpecStats, reqs: list[Req], vr: VerifyResult,
-                logits: torch.Tensor, rows: torch.Tensor, drafts: int | None = None) -> StepOutput:
+def step_output(
+    sampler: Sampler,
+    stats: SpecStats,
+    reqs: list[Req],
+    vr: VerifyResult,
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    drafts: int | None = None,
+) -> StepOutput:
     """Record penalties and stats; one CPU copy of the emitted tokens (+ logprobs if asked)."""
     return host_output(stats, emit_device(sampler, reqs, vr, logits, rows), drafts)
 
 
-def emit_device(sampler: Sampler, reqs: list[Req], vr: VerifyResult, logits: torch.Tensor,
-                rows: torch.Tensor) -> dict[str, torch.Tensor]:
+def emit_device(
+    sampler: Sampler, reqs: list[Req], vr: VerifyResult, logits: torch.Tensor, rows: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """The device half: record penalties, compute logprobs; returns what the host will read."""
     sampler.record(reqs, vr.emitted.clamp(min=0), counts=vr.accept_lens)
     out = {"accept_lens": vr.accept_lens, "emitted": vr.emitted}
@@ -73,11 +83,14 @@ def host_output(stats: SpecStats, host: dict[str, torch.Tensor], drafts: int | N
         return StepOutput(tokens=tokens, accepted_drafts=[0] * len(tokens))
     accept = host["accept_lens"].tolist()
     stats.record(accept, drafts)
-    out = StepOutput(tokens=[e[:a] for e, a in zip(host["emitted"].tolist(), accept)],
-                     accepted_drafts=[a - 1 for a in accept])
+    out = StepOutput(
+        tokens=[e[:a] for e, a in zip(host["emitted"].tolist(), accept)], accepted_drafts=[a - 1 for a in accept]
+    )
     if "logprobs" in host:
         out.logprobs = [c[:a] for c, a in zip(host["logprobs"].tolist(), accept)]
     if "top_ids" in host:
-        out.top_logprobs = [[list(zip(ids[j], vals[j])) for j in range(a)]
-                            for ids, vals, a in zip(host["top_ids"].tolist(), host["top_values"].tolist(), accept)]
+        out.top_logprobs = [
+            [list(zip(ids[j], vals[j])) for j in range(a)]
+            for ids, vals, a in zip(host["top_ids"].tolist(), host["top_values"].tolist(), accept)
+        ]
     return out

@@ -22,17 +22,18 @@ def test_kv_bandwidth_probe_on_cpu():
         assert row["ratio_vs_raw"] > 0
         assert set(row["raw_nixl_gb_s_by_descriptors"]) == {"1", "4", "16", "64"}
         assert set(row["raw_nixl_sgl_gb_s_by_descriptors"]) == {"1", "64"}
-        assert row["raw_nixl_gb_s"] == max(*row["raw_nixl_gb_s_by_descriptors"].values(),
-                                           *row["raw_nixl_sgl_gb_s_by_descriptors"].values())
+        assert row["raw_nixl_gb_s"] == max(
+            *row["raw_nixl_gb_s_by_descriptors"].values(), *row["raw_nixl_sgl_gb_s_by_descriptors"].values()
+        )
         assert row["ours_sgl_gb_s"] > 0 and row["ratio_sgl_vs_raw"] > 0
 
 
 def test_stage_means_are_per_observation_between_scrapes():
     from bench.gpu.pd_two_gpu import stage_means_ms
 
-    before = {"router:x{stage=\"prefill\"}": (1.0, 4.0), "decode-0:y": (2.0, 1.0)}
-    after = {"router:x{stage=\"prefill\"}": (1.5, 6.0), "decode-0:y": (2.0, 1.0), "prefill-0:z": (0.003, 1.0)}
-    assert stage_means_ms(before, after) == {"router:x{stage=\"prefill\"}": 250.0, "prefill-0:z": 3.0}
+    before = {'router:x{stage="prefill"}': (1.0, 4.0), "decode-0:y": (2.0, 1.0)}
+    after = {'router:x{stage="prefill"}': (1.5, 6.0), "decode-0:y": (2.0, 1.0), "prefill-0:z": (0.003, 1.0)}
+    assert stage_means_ms(before, after) == {'router:x{stage="prefill"}': 250.0, "prefill-0:z": 3.0}
 
 
 def test_one_requests_ttft_and_forward_come_from_the_real_metrics_between_two_scrapes():

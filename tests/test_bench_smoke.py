@@ -8,8 +8,9 @@ from bench.engine_cpu import format_table, run
 
 # Smallest shape that still has GQA and more than one layer; the workloads themselves
 # (8 x 256-token prefill, 64-token decodes) are the benchmark's, so positions must cover them.
-TINY = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
-            max_position_embeddings=512)
+TINY = dict(
+    hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, max_position_embeddings=512
+)
 
 
 def test_engine_cpu_bench_quick_smoke() -> None:

@@ -8,8 +8,9 @@ from bench.spec_cpu import BATCHES, METHODS, format_table, run
 
 # Same tiny shape as the engine benchmark's smoke test: GQA, two layers, positions for the
 # 64-token repetitive prompts plus 64 new tokens.
-TINY = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
-            max_position_embeddings=512)
+TINY = dict(
+    hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, max_position_embeddings=512
+)
 
 
 def test_spec_cpu_bench_quick_smoke() -> None:

@@ -26,8 +26,9 @@ def _invoke(*args: str):
 
 
 def test_generate_streams_one_prompt(model_dir: Path) -> None:
-    res = _invoke("--model", str(model_dir), "--prompt", "def fibonacci(n):",
-                  "--max-new-tokens", "6", "--temperature", "0")
+    res = _invoke(
+        "--model", str(model_dir), "--prompt", "def fibonacci(n):", "--max-new-tokens", "6", "--temperature", "0"
+    )
     assert res.exit_code == 0, res.output
     assert res.stdout.strip()  # random weights: some text, whatever it is
     assert "6 tokens in" in res.stderr and "finish: length" in res.stderr
@@ -41,8 +42,9 @@ def test_generate_is_deterministic_with_seed(model_dir: Path) -> None:
 
 
 def test_generate_batches_two_prompts(model_dir: Path) -> None:
-    res = _invoke("--model", str(model_dir), "-p", "hello", "-p", "world",
-                  "--max-new-tokens", "4", "--temperature", "0")
+    res = _invoke(
+        "--model", str(model_dir), "-p", "hello", "-p", "world", "--max-new-tokens", "4", "--temperature", "0"
+    )
     assert res.exit_code == 0, res.output
     assert "--- [0] 'hello' (4 tokens, length)" in res.stdout
     assert "--- [1] 'world' (4 tokens, length)" in res.stdout
@@ -50,8 +52,7 @@ def test_generate_batches_two_prompts(model_dir: Path) -> None:
 
 
 def test_generate_chat_and_stop_string(model_dir: Path) -> None:
-    res = _invoke("--model", str(model_dir), "-p", "hi", "--chat", "--max-new-tokens", "4",
-                  "--stop", "\x00never")
+    res = _invoke("--model", str(model_dir), "-p", "hi", "--chat", "--max-new-tokens", "4", "--stop", "\x00never")
     assert res.exit_code == 0, res.output
     assert "finish:" in res.stderr
 
@@ -65,13 +66,16 @@ def test_missing_model_dir_is_a_clean_error(tmp_path: Path) -> None:
     assert "Traceback" not in res.output
 
 
-@pytest.mark.parametrize("option, value, field", [
-    ("--temperature", "-1", "temperature"),
-    ("--top-p", "0", "top_p"),
-    ("--dtype", "int8", "dtype"),
-    ("--page-size", "0", "page_size"),
-    ("--device", "tpu", "--device"),
-])
+@pytest.mark.parametrize(
+    "option, value, field",
+    [
+        ("--temperature", "-1", "temperature"),
+        ("--top-p", "0", "top_p"),
+        ("--dtype", "int8", "dtype"),
+        ("--page-size", "0", "page_size"),
+        ("--device", "tpu", "--device"),
+    ],
+)
 def test_bad_options_are_clean_errors(model_dir: Path, option: str, value: str, field: str) -> None:
     res = _invoke("--model", str(model_dir), "-p", "hi", option, value)
     assert res.exit_code == 2
@@ -87,20 +91,20 @@ def test_version_needs_no_subcommand() -> None:
 
 
 def test_module_help_runs_and_import_stays_torch_free() -> None:
-    help_run = subprocess.run([sys.executable, "-m", "pdserve.cli", "--help"], cwd=REPO_ROOT,
-                              capture_output=True, text=True, timeout=60)
+    help_run = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "--help"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
     assert help_run.returncode == 0, help_run.stderr
     assert "generate" in help_run.stdout
     # Both the package and the CLI module: `pdserve --help` and the router must not pay for torch.
-    probe = ("import sys, pdserve, pdserve.cli; "
-             "print('torch' in sys.modules, 'engine' in sys.modules)")
-    imp = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True,
-                         text=True, timeout=60)
+    probe = "import sys, pdserve, pdserve.cli; print('torch' in sys.modules, 'engine' in sys.modules)"
+    imp = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert imp.returncode == 0, imp.stderr
     assert imp.stdout.split() == ["False", "False"]
 
 
 # ---- speculative decoding flags ----
+
 
 @pytest.fixture(scope="module")
 def eagle_head(model_dir: Path) -> Path:
@@ -113,18 +117,21 @@ def eagle_head(model_dir: Path) -> Path:
 
 def _greedy(model_dir: Path, *extra: str, prompts: tuple[str, ...] = ("def fibonacci(n):",)):
     args = [a for p in prompts for a in ("-p", p)]
-    return _invoke("--model", str(model_dir), *args, "--max-new-tokens", "12",
-                   "--temperature", "0", *extra)
+    return _invoke("--model", str(model_dir), *args, "--max-new-tokens", "12", "--temperature", "0", *extra)
 
 
-@pytest.mark.parametrize("prompts", [("def fibonacci(n):",), ("hello", "for i in range(10):")],
-                         ids=["stream", "batch"])
-def test_eagle_greedy_text_equals_plain(model_dir: Path, eagle_head: Path,
-                                        prompts: tuple[str, ...]) -> None:
+@pytest.mark.parametrize("prompts", [("def fibonacci(n):",), ("hello", "for i in range(10):")], ids=["stream", "batch"])
+def test_eagle_greedy_text_equals_plain(model_dir: Path, eagle_head: Path, prompts: tuple[str, ...]) -> None:
     plain = _greedy(model_dir, prompts=prompts)
     # lower case on purpose: algorithm names are case-insensitive
-    spec = _greedy(model_dir, "--speculative-algorithm", "eagle",
-                   "--speculative-draft-model-path", str(eagle_head), prompts=prompts)
+    spec = _greedy(
+        model_dir,
+        "--speculative-algorithm",
+        "eagle",
+        "--speculative-draft-model-path",
+        str(eagle_head),
+        prompts=prompts,
+    )
     assert plain.exit_code == spec.exit_code == 0, spec.output
     assert spec.stdout == plain.stdout
     assert "speculative EAGLE:" in spec.stderr
@@ -139,8 +146,7 @@ def test_ngram_greedy_text_equals_plain(model_dir: Path) -> None:
         pytest.skip("the NGRAM plugin is not registered (entry point not installed)")
     prompts = ("a b a b a b a b", "x = x + 1\nx = x + 1\n")
     plain = _greedy(model_dir, prompts=prompts)
-    spec = _greedy(model_dir, "--speculative-algorithm", "NGRAM", "--speculative-num-steps", "3",
-                   prompts=prompts)
+    spec = _greedy(model_dir, "--speculative-algorithm", "NGRAM", "--speculative-num-steps", "3", prompts=prompts)
     assert plain.exit_code == spec.exit_code == 0, spec.output
     assert spec.stdout == plain.stdout
     assert "speculative NGRAM:" in spec.stderr
@@ -165,17 +171,26 @@ def test_eagle_without_draft_path_names_the_flag(model_dir: Path) -> None:
 
 
 def test_chain_with_wrong_num_draft_tokens_names_the_flag(model_dir: Path, eagle_head: Path) -> None:
-    res = _greedy(model_dir, "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path",
-                  str(eagle_head), "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
-                  "--speculative-num-draft-tokens", "3")
+    res = _greedy(
+        model_dir,
+        "--speculative-algorithm",
+        "EAGLE",
+        "--speculative-draft-model-path",
+        str(eagle_head),
+        "--speculative-num-steps",
+        "3",
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        "3",
+    )
     _assert_clean_error(res, "--speculative-num-draft-tokens")
 
 
 def test_bad_draft_dir_is_a_clean_error(model_dir: Path, tmp_path: Path) -> None:
     empty = tmp_path / "not-a-head"
     empty.mkdir()
-    res = _greedy(model_dir, "--speculative-algorithm", "EAGLE",
-                  "--speculative-draft-model-path", str(empty))
+    res = _greedy(model_dir, "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(empty))
     _assert_clean_error(res, str(empty))
 
 
@@ -191,14 +206,30 @@ def test_flags_take_sglang_aliases_and_pdserve_env_vars(monkeypatch: pytest.Monk
     from pdserve import node_cli
 
     seen: dict[str, object] = {}
-    monkeypatch.setattr(node_cli, "_run", lambda role, engine, spec, *rest: seen.update(
-        role=role, engine=engine, spec=spec, rest=rest))
+    monkeypatch.setattr(
+        node_cli, "_run", lambda role, engine, spec, *rest: seen.update(role=role, engine=engine, spec=spec, rest=rest)
+    )
     monkeypatch.setenv("PDSERVE_SPECULATIVE_NGRAM_MAX", "7")
     monkeypatch.setenv("PDSERVE_KV_SEND_CHUNKS", "false")
-    res = CliRunner().invoke(app, ["prefill", "--model-path", "/m", "--served-model-name", "pycoder",
-                                   "--max-running-requests", "5", "--disaggregation-bootstrap-port", "9001",
-                                   "--disaggregation-transfer-backend", "fake", "--speculative-algorithm", "NGRAM"],
-                             catch_exceptions=False)
+    res = CliRunner().invoke(
+        app,
+        [
+            "prefill",
+            "--model-path",
+            "/m",
+            "--served-model-name",
+            "pycoder",
+            "--max-running-requests",
+            "5",
+            "--disaggregation-bootstrap-port",
+            "9001",
+            "--disaggregation-transfer-backend",
+            "fake",
+            "--speculative-algorithm",
+            "NGRAM",
+        ],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     engine, spec = seen["engine"], seen["spec"]
     assert isinstance(engine, EngineOptions) and isinstance(spec, SpeculativeOptions)

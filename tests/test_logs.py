@@ -46,8 +46,11 @@ def test_json_lines_carry_the_bound_request_id(stderr: _Captured) -> None:
         log.exception("failed")
     lines = [json.loads(line) for line in stderr.getvalue().splitlines()]
     assert [(x["level"], x["message"], x.get("request_id")) for x in lines] == [
-        ("info", "outside 1", None), ("warning", "inside", "req-9"), ("info", "explicit", "given"),
-        ("error", "failed", None)]
+        ("info", "outside 1", None),
+        ("warning", "inside", "req-9"),
+        ("info", "explicit", "given"),
+        ("error", "failed", None),
+    ]
     assert all(x["logger"] == "pdserve.test" and x["time"].endswith("+00:00") for x in lines)
     assert "KeyError" in lines[-1]["exception"]
 

@@ -20,8 +20,7 @@ def test_no_model_means_the_builtin_pair_with_eagle() -> None:
     assert off.algorithm == "NONE" and off.draft_model_path is None
     gpu = resolve(None, algorithm=None, draft_model_path=None, num_steps=None, dtype=None, device="cuda:0")
     assert gpu.dtype is None  # the checkpoint's bf16 on GPUs
-    own = resolve("/some/model", algorithm=None, draft_model_path=None, num_steps=None, dtype=None,
-                  device="cpu")
+    own = resolve("/some/model", algorithm=None, draft_model_path=None, num_steps=None, dtype=None, device="cpu")
     assert own.model == Path("/some/model") and own.algorithm is None  # the registry's default: no speculation
 
 

@@ -22,23 +22,48 @@ GENERATED = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 TIMEOUT_S = 10.0
 
 REGION = {"addr": 0x7F00_0000_1000, "item_bytes": 4096, "count": 128, "device_id": 1}
-LAYOUT = {"kv": [REGION, dict(REGION, addr=0x7F00_0010_0000)], "aux": dict(REGION, count=64),
-          "mem_type": "VRAM", "aux_mem_type": "VRAM"}
-FINGERPRINT = {"model_hash": "ab" * 32, "dtype": "bfloat16", "page_size": 16, "kv_layout": "nhd",
-               "spec_algorithm": "EAGLE3", "draft_model_hash": "cd" * 32, "aux_row_bytes": 8192,
-               "version": "0.1.0"}
+LAYOUT = {
+    "kv": [REGION, dict(REGION, addr=0x7F00_0010_0000)],
+    "aux": dict(REGION, count=64),
+    "mem_type": "VRAM",
+    "aux_mem_type": "VRAM",
+}
+FINGERPRINT = {
+    "model_hash": "ab" * 32,
+    "dtype": "bfloat16",
+    "page_size": 16,
+    "kv_layout": "nhd",
+    "spec_algorithm": "EAGLE3",
+    "draft_model_hash": "cd" * 32,
+    "aux_row_bytes": 8192,
+    "version": "0.1.0",
+}
 # One fully populated instance per message; test_every_message_has_a_sample keeps this complete.
 SAMPLES: dict[str, dict[str, Any]] = {
     "Region": REGION,
     "MemoryLayout": LAYOUT,
     "Fingerprint": FINGERPRINT,
-    "HandshakeRequest": {"decode_agent": "decode-0", "nixl_metadata": b"\x00\x01meta\xff",
-                         "layout": LAYOUT, "fingerprint": FINGERPRINT},
-    "HandshakeResponse": {"prefill_agent": "prefill-0", "nixl_metadata": b"\xfe\x00meta",
-                          "layout": LAYOUT, "fingerprint": FINGERPRINT},
-    "DestinationRequest": {"room": 2**63 + 5, "request_id": "chatcmpl-1", "decode_agent": "decode-0",
-                           "pages": [3, 1, 4, 1, 5], "aux_row": 7, "num_tokens": 77,
-                           "deadline_unix_s": 1.7e9 + 0.25},
+    "HandshakeRequest": {
+        "decode_agent": "decode-0",
+        "nixl_metadata": b"\x00\x01meta\xff",
+        "layout": LAYOUT,
+        "fingerprint": FINGERPRINT,
+    },
+    "HandshakeResponse": {
+        "prefill_agent": "prefill-0",
+        "nixl_metadata": b"\xfe\x00meta",
+        "layout": LAYOUT,
+        "fingerprint": FINGERPRINT,
+    },
+    "DestinationRequest": {
+        "room": 2**63 + 5,
+        "request_id": "chatcmpl-1",
+        "decode_agent": "decode-0",
+        "pages": [3, 1, 4, 1, 5],
+        "aux_row": 7,
+        "num_tokens": 77,
+        "deadline_unix_s": 1.7e9 + 0.25,
+    },
     "DestinationAck": {"accepted": True, "error": "none"},
     "AbortRoomRequest": {"room": 42, "reason": "client went away"},
     "AbortRoomAck": {},
@@ -47,13 +72,18 @@ SAMPLES: dict[str, dict[str, Any]] = {
 
 def test_committed_code_matches_regeneration(tmp_path: Path) -> None:
     pytest.importorskip("grpc_tools", reason="grpcio-tools (the `test` extra) regenerates the code")
-    proc = subprocess.run([sys.executable, str(ROOT / "proto" / "generate.py"), "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "proto" / "generate.py"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
 
     def generated(root: Path) -> dict[str, bytes]:
-        return {p.name: p.read_bytes() for p in sorted((root / "pdserve" / "v1").iterdir())
-                if p.name.endswith(GENERATED)}
+        return {
+            p.name: p.read_bytes() for p in sorted((root / "pdserve" / "v1").iterdir()) if p.name.endswith(GENERATED)
+        }
 
     fresh, committed = generated(tmp_path), generated(ROOT)
     assert fresh, "generate.py produced nothing"
@@ -101,14 +131,16 @@ class _Prefill(pb_grpc.KVControlServicer):
     def __init__(self, fingerprint: Fingerprint) -> None:
         self.fingerprint = fingerprint
 
-    async def Handshake(self, request: pb.HandshakeRequest,
-                        context: grpc.aio.ServicerContext) -> pb.HandshakeResponse:
+    async def Handshake(self, request: pb.HandshakeRequest, context: grpc.aio.ServicerContext) -> pb.HandshakeResponse:
         why = first_mismatch(self.fingerprint, Fingerprint.from_proto(request.fingerprint))
         if why is not None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
-        return pb.HandshakeResponse(prefill_agent="prefill-0", nixl_metadata=b"prefill-meta",
-                                    layout=pb.MemoryLayout(**LAYOUT),
-                                    fingerprint=self.fingerprint.to_proto())
+        return pb.HandshakeResponse(
+            prefill_agent="prefill-0",
+            nixl_metadata=b"prefill-meta",
+            layout=pb.MemoryLayout(**LAYOUT),
+            fingerprint=self.fingerprint.to_proto(),
+        )
 
 
 async def _handshake_round(mine: Fingerprint, theirs: Fingerprint) -> tuple[Any, str | None]:
@@ -121,8 +153,12 @@ async def _handshake_round(mine: Fingerprint, theirs: Fingerprint) -> tuple[Any,
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             await asyncio.wait_for(channel.channel_ready(), TIMEOUT_S)
             stub = pb_grpc.KVControlStub(channel)
-            req = pb.HandshakeRequest(decode_agent="decode-0", nixl_metadata=b"decode-meta",
-                                      layout=pb.MemoryLayout(**LAYOUT), fingerprint=theirs.to_proto())
+            req = pb.HandshakeRequest(
+                decode_agent="decode-0",
+                nixl_metadata=b"decode-meta",
+                layout=pb.MemoryLayout(**LAYOUT),
+                fingerprint=theirs.to_proto(),
+            )
             try:
                 return await stub.Handshake(req, timeout=TIMEOUT_S), None
             except grpc.aio.AioRpcError as e:
@@ -155,6 +191,5 @@ def test_generated_code_does_not_import_torch() -> None:
         assert "torch" not in sys.modules, "pdserve.v1 pulled in torch"
     """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

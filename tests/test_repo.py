@@ -18,8 +18,22 @@ ROOT = Path(__file__).resolve().parents[1]
 # Top-level packages each package must never import (DESIGN.md §2: prefill_node, decode_node ->
 # spec -> engine -> common, pdserve.v1; router -> common, pdserve.v1, smg_grpc_proto, never torch).
 # `pdserve` is the CLI: only its generated wire code pdserve.v1 may be imported by the packages below.
-OURS = frozenset({"common", "engine", "spec", "prefill_node", "decode_node", "router", "pdserve", "trainer",
-                  "loadgen", "fixtures", "bench", "tests"})
+OURS = frozenset(
+    {
+        "common",
+        "engine",
+        "spec",
+        "prefill_node",
+        "decode_node",
+        "router",
+        "pdserve",
+        "trainer",
+        "loadgen",
+        "fixtures",
+        "bench",
+        "tests",
+    }
+)
 TOOLS = frozenset({"trainer", "loadgen", "fixtures", "bench", "tests"})
 FORBIDDEN: dict[str, frozenset[str]] = {
     "common": OURS - {"common", "pdserve"} | {"torch", "triton", "matplotlib"},
@@ -62,16 +76,21 @@ def violation(package: str, module: str) -> str | None:
     top = module.split(".")[0]
     if top in FORBIDDEN.get(package, ()):
         return f"{package} must not import {top}"
-    if package in WIRE_ONLY and top == "pdserve" and module != "pdserve" and not (
-            module == "pdserve.v1" or module.startswith("pdserve.v1.")):
+    if (
+        package in WIRE_ONLY
+        and top == "pdserve"
+        and module != "pdserve"
+        and not (module == "pdserve.v1" or module.startswith("pdserve.v1."))
+    ):
         return f"{package} may import only pdserve.v1 from the CLI package"
     return None
 
 
 def python_files(folder: Path) -> Iterator[Path]:
     for dirpath, dirnames, filenames in os.walk(folder):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith(".")
-                             and not d.endswith(".egg-info"))
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in SKIP_DIRS and not d.startswith(".") and not d.endswith(".egg-info")
+        )
         for name in sorted(filenames):
             if name.endswith(".py"):
                 yield Path(dirpath) / name
@@ -104,9 +123,13 @@ def test_nothing_outside_tests_imports_tests() -> None:
 def runtime_imports(source: str, filename: str) -> Iterator[str]:
     """The absolute imports that run: those under `if TYPE_CHECKING:` only name types."""
     tree = ast.parse(source, filename=filename)
-    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                   and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
-                   for stmt in node.body for n in ast.walk(stmt)}
+    typing_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        for stmt in node.body
+        for n in ast.walk(stmt)
+    }
     for node in ast.walk(tree):
         if id(node) in typing_only:
             continue
@@ -140,28 +163,31 @@ def test_no_two_modules_import_each_other() -> None:
     assert not cycles, "modules importing each other:\n" + "\n".join(f"{a} <-> {b}" for a, b in cycles)
 
 
-@pytest.mark.parametrize("package,source,bad", [
-    ("engine", "import spec.eagle", True),
-    ("engine", "def f():\n    from router.api import app", True),  # lazy imports count too
-    ("engine", "from pdserve import v1", False),
-    ("engine", "from pdserve.v1 import kv_pb2", False),
-    ("engine", "from common.tokenizer import Tokenizer", False),
-    ("engine", "from fixtures.tiny_model import write_tiny_model", True),
-    ("engine", "import trainer.main", True),
-    ("router", "import common.sampling", False),
-    ("common", "import engine.core", True),
-    ("common", "import torch", True),
-    ("bench", "from tests.pd import x", True),
-    ("engine", "from pdserve import cli", True),
-    ("engine", "import pdserve.cli", True),
-    ("engine", "from . import spec", False),  # relative: engine's own submodule
-    ("spec", "import engine.core", False),
-    ("spec", "from decode_node import servicer", True),
-    ("router", "import torch.nn", True),
-    ("router", "if TYPE_CHECKING:\n    from engine.core import Req", True),
-    ("router", "from pdserve.v1 import kv_pb2\nimport smg_grpc_proto\nimport pdserve", False),
-    ("prefill_node", "from decode_node.policy import X", True),
-])
+@pytest.mark.parametrize(
+    "package,source,bad",
+    [
+        ("engine", "import spec.eagle", True),
+        ("engine", "def f():\n    from router.api import app", True),  # lazy imports count too
+        ("engine", "from pdserve import v1", False),
+        ("engine", "from pdserve.v1 import kv_pb2", False),
+        ("engine", "from common.tokenizer import Tokenizer", False),
+        ("engine", "from fixtures.tiny_model import write_tiny_model", True),
+        ("engine", "import trainer.main", True),
+        ("router", "import common.sampling", False),
+        ("common", "import engine.core", True),
+        ("common", "import torch", True),
+        ("bench", "from tests.pd import x", True),
+        ("engine", "from pdserve import cli", True),
+        ("engine", "import pdserve.cli", True),
+        ("engine", "from . import spec", False),  # relative: engine's own submodule
+        ("spec", "import engine.core", False),
+        ("spec", "from decode_node import servicer", True),
+        ("router", "import torch.nn", True),
+        ("router", "if TYPE_CHECKING:\n    from engine.core import Req", True),
+        ("router", "from pdserve.v1 import kv_pb2\nimport smg_grpc_proto\nimport pdserve", False),
+        ("prefill_node", "from decode_node.policy import X", True),
+    ],
+)
 def test_import_checker_catches_violations(package: str, source: str, bad: bool) -> None:
     found = [violation(package, m) for _, m in imported_modules(textwrap.dedent(source))]
     assert any(found) == bad, found
@@ -183,8 +209,7 @@ def test_router_and_tokenizer_do_not_load_torch() -> None:
         assert not loaded, f"router/common.tokenizer import pulled in {loaded}"
     """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
 
 
@@ -213,8 +238,10 @@ NODE_PACKAGES = ("prefill_node", "decode_node")
 ENGINE_INTERNALS = frozenset({"kv", "scheduler", "executor", "io", "parts"})
 # Comparisons that branch on an algorithm's identity instead of asking it; allowed only in the
 # speculative registry's own package and in the draft loader's table of head formats.
-NAME_BRANCH = re.compile(r"""(==|!=|\bin\b)\s*[(\[{]?\s*["'](NONE|EAGLE3?|NGRAM|STANDALONE|eagle3?)["']"""
-                         r"""|\bfmt\s*==|\bspec\s+is\s+(not\s+)?None""")
+NAME_BRANCH = re.compile(
+    r"""(==|!=|\bin\b)\s*[(\[{]?\s*["'](NONE|EAGLE3?|NGRAM|STANDALONE|eagle3?)["']"""
+    r"""|\bfmt\s*==|\bspec\s+is\s+(not\s+)?None"""
+)
 NAME_BRANCH_ALLOWED = ("spec/", "engine/draft_loader.py", "fixtures/tiny_eagle.py")
 
 
@@ -225,8 +252,13 @@ def test_no_getattr_probe_of_an_executor() -> None:
             if path == ROOT / "engine" / "executor.py":  # the protocol's own conformance check
                 continue
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in
-                        ("getattr", "hasattr") and node.args and "executor" in ast.unparse(node.args[0])):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr")
+                    and node.args
+                    and "executor" in ast.unparse(node.args[0])
+                ):
                     problems.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert not problems, "declare the hook on engine.executor.Executor instead:\n" + "\n".join(problems)
 
@@ -238,8 +270,7 @@ def test_node_handlers_use_the_engine_facade_only() -> None:
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
                 if isinstance(node, ast.Attribute) and node.attr in ENGINE_INTERNALS:
                     problems.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
-    assert not problems, "node code reaches into the engine; use engine.disagg.DisaggEngine:\n" + \
-        "\n".join(problems)
+    assert not problems, "node code reaches into the engine; use engine.disagg.DisaggEngine:\n" + "\n".join(problems)
 
 
 def test_no_code_outside_spec_branches_on_an_algorithm_name() -> None:
@@ -255,9 +286,17 @@ def test_no_code_outside_spec_branches_on_an_algorithm_name() -> None:
     assert not problems, "ask the algorithm (is_*(), hooks) instead of comparing names:\n" + "\n".join(problems)
 
 
-@pytest.mark.parametrize("line,bad", [('if algo == "EAGLE":', True), ("if fmt == x:", True),
-                                      ("if spec is None:", True), ('x = "EAGLE"', False),
-                                      ('if a.is_eagle():', False), ('name in ("NGRAM", "X")', True)])
+@pytest.mark.parametrize(
+    "line,bad",
+    [
+        ('if algo == "EAGLE":', True),
+        ("if fmt == x:", True),
+        ("if spec is None:", True),
+        ('x = "EAGLE"', False),
+        ("if a.is_eagle():", False),
+        ('name in ("NGRAM", "X")', True),
+    ],
+)
 def test_name_branch_pattern(line: str, bad: bool) -> None:
     assert bool(NAME_BRANCH.search(line)) == bad
 
@@ -298,8 +337,8 @@ def test_router_only_install_needs_no_torch() -> None:
         res = CliRunner().invoke(app, ["router", "--help"])
         assert res.exit_code == 0 and "--served-model-name" in res.output, res.output
     """)
-    env = dict(os.environ, COLUMNS="200",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+    env = dict(
+        os.environ, COLUMNS="200", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr + proc.stdout

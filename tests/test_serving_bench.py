@@ -29,9 +29,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 # ---- metric math -------------------------------------------------------------------------------
 
+
 def _rec(i: int, ttft: float, chunks: list[float], e2e: float, tokens: int, error: str | None = None) -> RequestRecord:
-    return RequestRecord(i, 10, tokens, start=0.0, ttft=ttft, chunk_times=chunks, e2e=e2e,
-                         output_tokens=tokens, error=error)
+    return RequestRecord(
+        i, 10, tokens, start=0.0, ttft=ttft, chunk_times=chunks, e2e=e2e, output_tokens=tokens, error=error
+    )
 
 
 def test_percentile_interpolates_like_numpy() -> None:
@@ -42,9 +44,9 @@ def test_percentile_interpolates_like_numpy() -> None:
 
 def test_summary_metrics_exact() -> None:
     recs = [
-        _rec(0, 0.1, [0.1, 0.2, 0.3, 0.5], 0.5, 5),   # 4 chunks, 5 tokens (usage): TPOT 0.4/4
-        _rec(1, 0.3, [0.3, 0.4], 0.4, 2),              # TPOT 0.1
-        _rec(2, 0.2, [0.2], 0.2, 1),                   # one token: no TPOT, no ITL
+        _rec(0, 0.1, [0.1, 0.2, 0.3, 0.5], 0.5, 5),  # 4 chunks, 5 tokens (usage): TPOT 0.4/4
+        _rec(1, 0.3, [0.3, 0.4], 0.4, 2),  # TPOT 0.1
+        _rec(2, 0.2, [0.2], 0.2, 1),  # one token: no TPOT, no ITL
         RequestRecord(3, 10, 5, error="HTTP 500: boom"),
     ]
     m = summarize(recs, duration_s=2.0, slo=parse_slo("ttft=250ms,tpot=0.09s"))
@@ -63,7 +65,8 @@ def test_summary_metrics_exact() -> None:
 
 def test_slo_parsing_and_vacuous_limits() -> None:
     assert parse_slo("ttft=500ms, tpot=50, e2e=2s,itl=800us") == pytest.approx(
-        {"ttft": 0.5, "tpot": 0.05, "e2e": 2.0, "itl": 0.0008})
+        {"ttft": 0.5, "tpot": 0.05, "e2e": 2.0, "itl": 0.0008}
+    )
     assert parse_slo(None) == {} and parse_slo("") == {}
     for bad in ("ttft", "foo=1ms", "ttft=fast", "ttft=1h"):
         with pytest.raises(ValueError, match="bad SLO"):
@@ -75,6 +78,7 @@ def test_slo_parsing_and_vacuous_limits() -> None:
 
 
 # ---- loads and dataset -------------------------------------------------------------------------
+
 
 def test_loads_and_poisson_arrivals() -> None:
     assert [p.label for p in parse_loads("1,2,inf", None)] == ["1", "2", "inf"]
@@ -113,6 +117,7 @@ def test_dataset_lengths_and_prompts() -> None:
 
 # ---- SSE parsing with a scripted stream and a fake clock ---------------------------------------
 
+
 class FakeClock:
     def __init__(self) -> None:
         self.now = 100.0
@@ -128,11 +133,13 @@ def _sse(obj: Any) -> bytes:
 def test_stream_timings_exact_with_fake_clock() -> None:
     clock = FakeClock()
     # (seconds that pass before the event, event): role-only delta, 3 content chunks, usage.
-    script = [(0.05, {"choices": [{"delta": {"role": "assistant"}}]}),
-              (0.10, {"choices": [{"delta": {"content": "a"}}]}),
-              (0.02, {"choices": [{"delta": {"content": "bc"}}]}),
-              (0.03, {"choices": [{"delta": {"content": "d"}, "finish_reason": "length"}]}),
-              (0.01, {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 4}})]
+    script = [
+        (0.05, {"choices": [{"delta": {"role": "assistant"}}]}),
+        (0.10, {"choices": [{"delta": {"content": "a"}}]}),
+        (0.02, {"choices": [{"delta": {"content": "bc"}}]}),
+        (0.03, {"choices": [{"delta": {"content": "d"}, "finish_reason": "length"}]}),
+        (0.01, {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 4}}),
+    ]
 
     async def body() -> AsyncIterator[bytes]:
         for dt, event in script:
@@ -272,8 +279,18 @@ def test_refused_connection_and_timeout_are_records(fake_server: str) -> None:
 
 
 def test_run_bench_end_to_end_on_fake_server(fake_server: str, tmp_path: Path) -> None:
-    opts = BenchOptions(base_url=fake_server, num_prompts=4, input_len=8, output_len=6, range_ratio=0.0,
-                        request_rate="50,inf", warmup=1, slo="ttft=5s,tpot=1s", out=tmp_path, usage=False)
+    opts = BenchOptions(
+        base_url=fake_server,
+        num_prompts=4,
+        input_len=8,
+        output_len=6,
+        range_ratio=0.0,
+        request_rate="50,inf",
+        warmup=1,
+        slo="ttft=5s,tpot=1s",
+        out=tmp_path,
+        usage=False,
+    )
     report, files = run_bench(opts, progress=False)
     assert [f.name for f in files] == ["results.json", "latency.png", "throughput.png"]
     assert json.loads((tmp_path / "results.json").read_text()) == report
@@ -289,16 +306,20 @@ def test_run_bench_end_to_end_on_fake_server(fake_server: str, tmp_path: Path) -
 def test_cli_imports_stay_light() -> None:
     import subprocess
 
-    code = ("import sys, loadgen.runner; "
-            "print(sorted(m for m in ('torch', 'engine', 'httpx', 'matplotlib') if m in sys.modules))")
+    code = (
+        "import sys, loadgen.runner; "
+        "print(sorted(m for m in ('torch', 'engine', 'httpx', 'matplotlib') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stderr
 
 
 # ---- against a live `pdserve up` (router + prefill + decode processes) -------------------------
 
-def test_bench_serving_against_live_pdserve_up(tiny_llama_dir: Path, tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+
+def test_bench_serving_against_live_pdserve_up(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import subprocess
 
     from engine.kv_transfer import nixl_available
@@ -313,9 +334,33 @@ def test_bench_serving_against_live_pdserve_up(tiny_llama_dir: Path, tmp_path: P
     out = tmp_path / "out"
     start = time.monotonic()
     try:
-        code = main(["--up", "--up-model", model, "--tokenizer", model, "--num-prompts", "5",
-                     "--input-len", "24", "--output-len", "6", "--range-ratio", "0", "--request-rate", "20",
-                     "--warmup", "1", "--slo", "ttft=10s", "--no-progress", "--out", str(out)], up_timeout_s=120)
+        code = main(
+            [
+                "--up",
+                "--up-model",
+                model,
+                "--tokenizer",
+                model,
+                "--num-prompts",
+                "5",
+                "--input-len",
+                "24",
+                "--output-len",
+                "6",
+                "--range-ratio",
+                "0",
+                "--request-rate",
+                "20",
+                "--warmup",
+                "1",
+                "--slo",
+                "ttft=10s",
+                "--no-progress",
+                "--out",
+                str(out),
+            ],
+            up_timeout_s=120,
+        )
     finally:
         left = subprocess.run(["pgrep", "-f", model], capture_output=True, text=True, timeout=10).stdout.split()
         for pid in left:  # Deployment.stop should have taken them down; never leave any behind

@@ -11,8 +11,7 @@ from typing import Any, Sequence
 import pytest
 
 from common.detokenize import IncrementalDetokenizer, StopStringMatcher
-from common.tokenizer import (ChatTemplateError, Tokenizer,
-                               TokenizerFileNotFoundError)
+from common.tokenizer import ChatTemplateError, Tokenizer, TokenizerFileNotFoundError
 
 TEXTS = [
     "def fibonacci(n):\n    return n",
@@ -46,6 +45,7 @@ def _copy_with(src: Path, dst: Path, **config_changes: Any) -> Path:
 
 # --- Tokenizer ---------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("text", TEXTS)
 def test_encode_decode_round_trip(tok: Tokenizer, text: str) -> None:
     plain = tok.encode(text, add_special_tokens=False)
@@ -78,7 +78,8 @@ def test_matches_transformers(fixture: str, request: pytest.FixtureRequest) -> N
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo 🎉"}]
     for gen in (True, False):
         assert ours.apply_chat_template(messages, gen) == theirs.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=gen)
+            messages, tokenize=False, add_generation_prompt=gen
+        )
 
 
 def test_chat_template(tok: Tokenizer) -> None:
@@ -100,17 +101,21 @@ def test_no_chat_template_is_a_clear_error(tiny_llama_dir: Path, tmp_path: Path)
 
 def test_hf_template_helpers(tiny_llama_dir: Path, tmp_path: Path) -> None:
     templates = [
-        {"name": "default", "template": (
-            "{% for m in messages %}{{ m['content'] | tojson }}{% endfor %}"
-            "{% generation %}[{{ strftime_now('%Y') }}]{% endgeneration %}"
-            "{% for i in range(5) %}{% if i == 2 %}{% break %}{% endif %}{{ i }}{% endfor %}")},
+        {
+            "name": "default",
+            "template": (
+                "{% for m in messages %}{{ m['content'] | tojson }}{% endfor %}"
+                "{% generation %}[{{ strftime_now('%Y') }}]{% endgeneration %}"
+                "{% for i in range(5) %}{% if i == 2 %}{% break %}{% endif %}{{ i }}{% endfor %}"
+            ),
+        },
         {"name": "tool_use", "template": "{{ tools | tojson(indent=None) }}"},
     ]
     tok = Tokenizer.from_dir(_copy_with(tiny_llama_dir, tmp_path / "t", chat_template=templates))
     out = tok.apply_chat_template([{"role": "user", "content": "<b> & 世界"}])
     # HF's tojson neither HTML-escapes nor ASCII-escapes.
     assert out.startswith('"<b> & 世界"[') and out.endswith("]01")
-    assert out[len('"<b> & 世界"['):-3].isdigit()
+    assert out[len('"<b> & 世界"[') : -3].isdigit()
     tools = [{"name": "f", "description": "a < b"}]
     assert tok.apply_chat_template([], tools=tools) == '[{"name": "f", "description": "a < b"}]'
     assert tok.apply_chat_template([], template_name="tool_use", tools=[]) == "[]"
@@ -134,8 +139,9 @@ def test_missing_files_are_clear_errors(tiny_llama_dir: Path, tmp_path: Path) ->
 
 
 def test_side_files(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    d = _copy_with(tiny_llama_dir, tmp_path / "t", add_bos_token=False,
-                   bos_token={"content": "<|bos|>", "special": True})
+    d = _copy_with(
+        tiny_llama_dir, tmp_path / "t", add_bos_token=False, bos_token={"content": "<|bos|>", "special": True}
+    )
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 3]}))
     tok = Tokenizer.from_dir(d)
     assert tok.eos_token_ids == (1, 3)  # tokenizer eos (1) first, no duplicates
@@ -144,6 +150,7 @@ def test_side_files(tiny_llama_dir: Path, tmp_path: Path) -> None:
 
 
 # --- IncrementalDetokenizer --------------------------------------------------------------------
+
 
 class CountingDecoder:
     """Wraps a tokenizer and records how many ids each decode call was given."""
@@ -159,7 +166,7 @@ class CountingDecoder:
 def _stream(detok: IncrementalDetokenizer, ids: list[int], chunks: list[int]) -> list[str]:
     out, i = [], 0
     for n in chunks:
-        out.append(detok.feed(ids[i:i + n]))
+        out.append(detok.feed(ids[i : i + n]))
         i += n
     assert i >= len(ids)
     return out + [detok.flush()]
@@ -234,6 +241,7 @@ def test_detokenizer_prompt_context(tok: Tokenizer) -> None:
 
 # --- StopStringMatcher -------------------------------------------------------------------------
 
+
 def _run(stops: list[str], deltas: list[str]) -> tuple[str, bool]:
     m = StopStringMatcher(stops)
     out, stopped = "", False
@@ -245,20 +253,23 @@ def _run(stops: list[str], deltas: list[str]) -> tuple[str, bool]:
     return out + m.flush(), stopped
 
 
-@pytest.mark.parametrize("stops,deltas,expected", [
-    (["STOP"], ["hello STOP world"], ("hello ", True)),
-    (["STOP"], ["hel", "lo S", "T", "OP", " world"], ("hello ", True)),  # split across deltas
-    (["STOP"], ["STOP"], ("", True)),  # at the very start
-    (["STOP"], ["S", "TOP"], ("", True)),
-    (["STOP"], ["hello ST", "ART"], ("hello START", False)),  # held back, then released
-    (["STOP"], ["the end ST"], ("the end ST", False)),  # held back, released by flush
-    (["aab"], ["a", "a", "a", "b", "c"], ("a", True)),  # self-overlapping prefix
-    (["abcd", "bc"], ["a", "bc", "d"], ("a", True)),  # earliest occurrence wins
-    (["abcd", "bcx"], ["ab", "cx"], ("a", True)),  # a longer candidate fails, a later one hits
-    (["\n\n", "</s>"], ["line\n", "\n</s>"], ("line", True)),
-    (["世界"], ["你好世", "界!"], ("你好", True)),
-    (["x"], ["", "ab", "", "cxd"], ("abc", True)),
-])
+@pytest.mark.parametrize(
+    "stops,deltas,expected",
+    [
+        (["STOP"], ["hello STOP world"], ("hello ", True)),
+        (["STOP"], ["hel", "lo S", "T", "OP", " world"], ("hello ", True)),  # split across deltas
+        (["STOP"], ["STOP"], ("", True)),  # at the very start
+        (["STOP"], ["S", "TOP"], ("", True)),
+        (["STOP"], ["hello ST", "ART"], ("hello START", False)),  # held back, then released
+        (["STOP"], ["the end ST"], ("the end ST", False)),  # held back, released by flush
+        (["aab"], ["a", "a", "a", "b", "c"], ("a", True)),  # self-overlapping prefix
+        (["abcd", "bc"], ["a", "bc", "d"], ("a", True)),  # earliest occurrence wins
+        (["abcd", "bcx"], ["ab", "cx"], ("a", True)),  # a longer candidate fails, a later one hits
+        (["\n\n", "</s>"], ["line\n", "\n</s>"], ("line", True)),
+        (["世界"], ["你好世", "界!"], ("你好", True)),
+        (["x"], ["", "ab", "", "cxd"], ("abc", True)),
+    ],
+)
 def test_stop_strings(stops: list[str], deltas: list[str], expected: tuple[str, bool]) -> None:
     assert _run(stops, deltas) == expected
 
@@ -281,7 +292,7 @@ def test_stop_matcher_matches_reference(seed: int) -> None:
     cuts = sorted(rng.sample(range(1, len(text)), 10))
     deltas = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
     hits = [i for i in (text.find(s) for s in stops) if i != -1]
-    expected = (text[:min(hits)], True) if hits else (text, False)
+    expected = (text[: min(hits)], True) if hits else (text, False)
     assert _run(stops, deltas) == expected
 
 
@@ -305,7 +316,7 @@ def test_stop_matcher_ignores_matches_ending_in_protected_text(seed: int) -> Non
     out += m.flush()
     starts = [text.find(s, max(0, floor - len(s) + 1)) for s in stops]
     hits = [i for i in starts if i != -1]
-    assert (out, stopped) == ((text[:min(hits)], True) if hits else (text, False))
+    assert (out, stopped) == ((text[: min(hits)], True) if hits else (text, False))
 
 
 def test_text_assembler_min_tokens(tiny_llama_dir: Path) -> None:
@@ -313,7 +324,7 @@ def test_text_assembler_min_tokens(tiny_llama_dir: Path) -> None:
 
     tok = Tokenizer.from_dir(tiny_llama_dir)
     ids = tok.encode("ab ab ab ab", add_special_tokens=False)
-    per = [tok.decode(ids[:k + 1]) for k in range(len(ids))]
+    per = [tok.decode(ids[: k + 1]) for k in range(len(ids))]
     first_ab = next(k for k, t in enumerate(per) if t.endswith("ab")) + 1  # tokens until "ab" shows
     for min_tokens, fed in ((0, [ids]), (first_ab, [ids]), (first_ab, [[i] for i in ids])):
         ta = TextAssembler(tok, ["ab"], min_tokens=min_tokens)
@@ -329,6 +340,7 @@ def test_text_assembler_min_tokens(tiny_llama_dir: Path) -> None:
 
 
 # --- tiny model directories --------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
 def test_tiny_models_load_in_transformers(fixture: str, request: pytest.FixtureRequest) -> None:
@@ -369,4 +381,3 @@ def test_tiny_model_weights(tiny_qwen3_dir: Path, tmp_path: Path) -> None:
     assert "model.layers.1.self_attn.k_proj.bias" in a and "lm_head.weight" in a
     bf16 = write_tiny_model(tmp_path / "c", dtype="bfloat16")
     assert json.loads((bf16 / "config.json").read_text())["torch_dtype"] == "bfloat16"
-

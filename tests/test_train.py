@@ -73,9 +73,17 @@ def test_target_matches_transformers(pair: tuple[Path, dict]) -> None:
     from safetensors.torch import load_file
 
     cfg = json.loads((out / "target" / "config.json").read_text())
-    shape = LlamaShape(cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
-                       cfg["num_key_value_heads"], cfg["intermediate_size"], cfg["vocab_size"],
-                       cfg["max_position_embeddings"], cfg["rope_theta"], cfg["rms_norm_eps"])
+    shape = LlamaShape(
+        cfg["hidden_size"],
+        cfg["num_hidden_layers"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["intermediate_size"],
+        cfg["vocab_size"],
+        cfg["max_position_embeddings"],
+        cfg["rope_theta"],
+        cfg["rms_norm_eps"],
+    )
     ours = TrainLlama(shape)
     ours.load_state_dict({k: v.float() for k, v in load_file(out / "target" / "model.safetensors").items()})
     hf = transformers.LlamaForCausalLM.from_pretrained(str(out / "target"), dtype=torch.float32)
@@ -86,8 +94,7 @@ def test_target_matches_transformers(pair: tuple[Path, dict]) -> None:
 
 def test_same_seed_same_weights(pair: tuple[Path, dict], tmp_path: Path) -> None:
     out, _ = pair
-    again = train_pair(tmp_path, tiny=True, seed=0, device="cpu", progress=False, evaluate=False,
-                       log=lambda _: None)
+    again = train_pair(tmp_path, tiny=True, seed=0, device="cpu", progress=False, evaluate=False, log=lambda _: None)
     for rel in ("target/model.safetensors", "eagle/model.safetensors", "target/tokenizer.json"):
         assert (tmp_path / rel).read_bytes() == (out / rel).read_bytes(), rel
     assert again["target"]["loss_history"] == pair[1]["target"]["loss_history"]

@@ -60,9 +60,15 @@ def _pgrep(pattern: str) -> list[int]:
 def test_up_serves_and_ctrl_c_stops_every_child(tiny_llama_dir: Path, tmp_path: Path) -> None:
     model = str(tiny_llama_dir)  # a unique tmp path: it names exactly this deployment's nodes
     stderr = open(tmp_path / "up.stderr", "w")  # noqa: SIM115 - closed in the finally below
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--port", "0", "--model", model],
-                            cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "up", "--port", "0", "--model", model],
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        start_new_session=True,
+    )
     lines: queue.Queue[str | None] = queue.Queue()
 
     def pump() -> None:
@@ -104,8 +110,9 @@ def test_up_serves_and_ctrl_c_stops_every_child(tiny_llama_dir: Path, tmp_path: 
         assert isinstance(body["prompt"], str) and body["prompt"] and body["max_tokens"] >= 1
 
         # What the curl line does, with urllib.
-        req = urllib.request.Request(f"{url}/v1/completions", data=curl[6].encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"{url}/v1/completions", data=curl[6].encode(), headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=60) as r:
             assert r.status == 200
             resp = json.load(r)
@@ -144,7 +151,11 @@ def test_nodes_sharing_a_gpu_load_in_turn_with_cumulative_memory_shares() -> Non
     from common.config import DEFAULT_MEM_FRACTION_STATIC as F
     from pdserve.up import _sizes_kv_itself, _waves
 
-    plans = [("prefill-0", ["prefill"], "cuda:0"), ("decode-0", ["decode"], "cuda:0"), ("decode-1", ["decode"], "cuda:1")]
+    plans = [
+        ("prefill-0", ["prefill"], "cuda:0"),
+        ("decode-0", ["decode"], "cuda:0"),
+        ("decode-1", ["decode"], "cuda:1"),
+    ]
     waves = _waves(plans, sizes_kv_itself=False)
     assert [[name for name, _, _ in w] for w in waves] == [["prefill-0", "decode-1"], ["decode-0"]]
     shares = {name: args[-1] for w in waves for name, args, _ in w if "--mem-fraction-static" in args}

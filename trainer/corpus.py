@@ -43,7 +43,7 @@ def source_files(root: Path) -> list[str]:
 def is_heldout(rel: str, fraction: float) -> bool:
     """Deterministic on every machine: a hash of the relative path, not of the file's bytes."""
     h = int.from_bytes(hashlib.sha256(rel.encode()).digest()[:8], "big")
-    return h < fraction * 2 ** 64
+    return h < fraction * 2**64
 
 
 def _read(path: Path) -> str:
@@ -51,8 +51,14 @@ def _read(path: Path) -> str:
     return path.read_bytes().decode("utf-8", errors="replace")
 
 
-def load_corpus(root: Path | None = None, *, heldout: float = 0.02, max_train_bytes: int | None = None,
-                max_test_files: int | None = None, min_test_files: int = 1) -> Corpus:
+def load_corpus(
+    root: Path | None = None,
+    *,
+    heldout: float = 0.02,
+    max_train_bytes: int | None = None,
+    max_test_files: int | None = None,
+    min_test_files: int = 1,
+) -> Corpus:
     """Split by file; `max_train_bytes` / `max_test_files` take a deterministic prefix (tiny runs).
 
     At least `min_test_files` are held out even from a tiny slice (the first files by path whose
@@ -82,8 +88,9 @@ def load_corpus(root: Path | None = None, *, heldout: float = 0.02, max_train_by
     return Corpus(train_names, train, test_rels, test, _stats(root, train_names, train, test_rels, test))
 
 
-def _stats(root: Path, train_names: list[str], train: list[str], test_names: list[str],
-           test: list[str]) -> dict[str, Any]:
+def _stats(
+    root: Path, train_names: list[str], train: list[str], test_names: list[str], test: list[str]
+) -> dict[str, Any]:
     digest = hashlib.sha256()
     for name, text in zip(train_names + test_names, train + test):
         digest.update(name.encode() + b"\0" + text.encode() + b"\0")
@@ -92,8 +99,10 @@ def _stats(root: Path, train_names: list[str], train: list[str], test_names: lis
         "python_version": platform.python_version(),
         "python_implementation": platform.python_implementation(),
         "stdlib_path": str(root),
-        "train_files": len(train), "train_bytes": sum(len(t.encode()) for t in train),
-        "test_files": len(test), "test_bytes": sum(len(t.encode()) for t in test),
+        "train_files": len(train),
+        "train_bytes": sum(len(t.encode()) for t in train),
+        "test_files": len(test),
+        "test_bytes": sum(len(t.encode()) for t in test),
         "test_file_names": test_names,
         "sha256": digest.hexdigest(),
     }

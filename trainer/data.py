@@ -22,17 +22,18 @@ def sample_windows(stream: torch.Tensor, batch: int, length: int, gen: torch.Gen
     if stream.numel() <= length:
         raise ValueError(f"corpus has {stream.numel()} tokens, fewer than one window of {length + 1}")
     starts = torch.randint(0, stream.numel() - length, (batch,), generator=gen)
-    return torch.stack([stream[s:s + length] for s in starts.tolist()])
+    return torch.stack([stream[s : s + length] for s in starts.tolist()])
 
 
-def heldout_windows(stream: torch.Tensor, length: int, batch: int,
-                    max_windows: int | None = None) -> Iterator[torch.Tensor]:
+def heldout_windows(
+    stream: torch.Tensor, length: int, batch: int, max_windows: int | None = None
+) -> Iterator[torch.Tensor]:
     """Consecutive non-overlapping windows in batches; a stream shorter than one window is one
     short window, so tiny test splits still evaluate."""
     n = max(1, (stream.numel() - 1) // length) if stream.numel() > length else 1
     if max_windows is not None:
         n = min(n, max_windows)
     width = min(length, stream.numel())
-    wins = [stream[i * length:i * length + width] for i in range(n)]
+    wins = [stream[i * length : i * length + width] for i in range(n)]
     for i in range(0, n, batch):
-        yield torch.stack(wins[i:i + batch])
+        yield torch.stack(wins[i : i + batch])

@@ -81,25 +81,35 @@ def _chain_attention(q: torch.Tensor, keys: list[tuple[torch.Tensor, torch.Tenso
     probs = torch.softmax(torch.cat((scores, torch.stack(diag_s, -1)), dim=-1), dim=-1).to(v1.dtype)
     out = torch.matmul(probs[..., :t], v1)
     for j, vj in enumerate(diag_v):
-        out = out + probs[..., t + j:t + j + 1] * vj
+        out = out + probs[..., t + j : t + j + 1] * vj
     return out
 
 
-def build_head(target: TrainLlama, intermediate: int, seed: int, device: torch.device,
-               input_norm: bool = True) -> TrainEagleHead:
+def build_head(
+    target: TrainLlama, intermediate: int, seed: int, device: torch.device, input_norm: bool = True
+) -> TrainEagleHead:
     ts = target.shape
-    s = LlamaShape(hidden=ts.hidden, layers=1, heads=ts.heads, kv_heads=ts.kv_heads,
-                   intermediate=intermediate, vocab=ts.vocab, max_positions=ts.max_positions,
-                   rope_theta=ts.rope_theta, rms_eps=ts.rms_eps)
+    s = LlamaShape(
+        hidden=ts.hidden,
+        layers=1,
+        heads=ts.heads,
+        kv_heads=ts.kv_heads,
+        intermediate=intermediate,
+        vocab=ts.vocab,
+        max_positions=ts.max_positions,
+        rope_theta=ts.rope_theta,
+        rms_eps=ts.rms_eps,
+    )
     head = TrainEagleHead(s, input_norm=input_norm)
     init_weights(head, 1, torch.Generator().manual_seed(seed + 1))
     with torch.no_grad():  # start as the "repeat" head: output ~ input feature
-        head.fc.weight[:, s.hidden:] += torch.eye(s.hidden)
+        head.fc.weight[:, s.hidden :] += torch.eye(s.hidden)
     return head.to(device)
 
 
-def _batch_losses(head: TrainEagleHead, target: TrainLlama, win: torch.Tensor, steps: int,
-                  reg_weight: float, decay: float) -> tuple[torch.Tensor, list[float]]:
+def _batch_losses(
+    head: TrainEagleHead, target: TrainLlama, win: torch.Tensor, steps: int, reg_weight: float, decay: float
+) -> tuple[torch.Tensor, list[float]]:
     """Weighted loss over the unrolled steps, and each step's top-1 agreement with the target."""
     with torch.no_grad():
         h = target.hidden(win)
@@ -119,8 +129,15 @@ def _batch_losses(head: TrainEagleHead, target: TrainLlama, win: torch.Tensor, s
     return total / weights, agree
 
 
-def head_agreement(head: TrainEagleHead, target: TrainLlama, stream: torch.Tensor, ctx: int,
-                   device: torch.device, steps: int, max_windows: int = 16) -> dict[str, object]:
+def head_agreement(
+    head: TrainEagleHead,
+    target: TrainLlama,
+    stream: torch.Tensor,
+    ctx: int,
+    device: torch.device,
+    steps: int,
+    max_windows: int = 16,
+) -> dict[str, object]:
     """Held-out top-1 agreement with the target per chained step, and the chain's expected length."""
     head.eval()
     sums, n = [0.0] * steps, 0
@@ -138,10 +155,22 @@ def head_agreement(head: TrainEagleHead, target: TrainLlama, stream: torch.Tenso
     return {"top1_agreement": per_step, "expected_accept_len": expected}
 
 
-def train_head(head: TrainEagleHead, target: TrainLlama, train_stream: torch.Tensor, *,
-               sched: Schedule, batch: int, ctx: int, seed: int, device: torch.device,
-               log: Callable[[str], None], progress: bool, ttt_steps: int = 3,
-               reg_weight: float = 0.5, decay: float = 0.8) -> dict[str, object]:
+def train_head(
+    head: TrainEagleHead,
+    target: TrainLlama,
+    train_stream: torch.Tensor,
+    *,
+    sched: Schedule,
+    batch: int,
+    ctx: int,
+    seed: int,
+    device: torch.device,
+    log: Callable[[str], None],
+    progress: bool,
+    ttt_steps: int = 3,
+    reg_weight: float = 0.5,
+    decay: float = 0.8,
+) -> dict[str, object]:
     for p in target.parameters():
         p.requires_grad_(False)
     target.eval()

@@ -39,8 +39,7 @@ class LlamaShape:
         return asdict(self)
 
 
-def rope_tables(head_dim: int, positions: int, theta: float,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(head_dim: int, positions: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin (positions, head_dim // 2) in float32, the engine's table (neox layout)."""
     t = torch.arange(positions, dtype=torch.float32)
     freqs = torch.outer(t, rope_inv_freq(head_dim, theta, None))
@@ -63,8 +62,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=False)
         self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated q and k, and v, as (batch, heads, tokens, dim); kv heads repeated for GQA."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
@@ -112,17 +112,34 @@ def init_weights(module: nn.Module, num_layers: int, gen: torch.Generator, std: 
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
 
 
-def hf_llama_config(s: LlamaShape, *, arch: str, bos_id: int, eos_id: int, pad_id: int,
-                    tied: bool, dtype: str = "bfloat16") -> dict[str, Any]:
+def hf_llama_config(
+    s: LlamaShape, *, arch: str, bos_id: int, eos_id: int, pad_id: int, tied: bool, dtype: str = "bfloat16"
+) -> dict[str, Any]:
     """config.json for a checkpoint of shape `s`, as transformers and engine.config read it."""
     return {
-        "architectures": [arch], "model_type": "llama", "hidden_size": s.hidden,
-        "intermediate_size": s.intermediate, "num_hidden_layers": s.layers,
-        "num_attention_heads": s.heads, "num_key_value_heads": s.kv_heads, "head_dim": s.head_dim,
-        "hidden_act": "silu", "vocab_size": s.vocab, "max_position_embeddings": s.max_positions,
-        "rms_norm_eps": s.rms_eps, "rope_theta": s.rope_theta, "rope_scaling": None,
-        "tie_word_embeddings": tied, "torch_dtype": dtype, "bos_token_id": bos_id,
-        "eos_token_id": eos_id, "pad_token_id": pad_id, "initializer_range": 0.02,
-        "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "pretraining_tp": 1,
+        "architectures": [arch],
+        "model_type": "llama",
+        "hidden_size": s.hidden,
+        "intermediate_size": s.intermediate,
+        "num_hidden_layers": s.layers,
+        "num_attention_heads": s.heads,
+        "num_key_value_heads": s.kv_heads,
+        "head_dim": s.head_dim,
+        "hidden_act": "silu",
+        "vocab_size": s.vocab,
+        "max_position_embeddings": s.max_positions,
+        "rms_norm_eps": s.rms_eps,
+        "rope_theta": s.rope_theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": tied,
+        "torch_dtype": dtype,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "initializer_range": 0.02,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
         "use_cache": True,
     }

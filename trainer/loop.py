@@ -39,8 +39,10 @@ def autocast(device: torch.device) -> ContextManager[object]:
 def make_optimizer(model: nn.Module, sched: Schedule, device: torch.device) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     # No decay on norms and biases, as usual; matrices (embeddings included) decay.
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": sched.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": sched.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
     fused = device.type == "cuda"
     return torch.optim.AdamW(groups, lr=sched.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
@@ -49,9 +51,19 @@ StepFn = Callable[[int], tuple[torch.Tensor, int]]  # step -> (loss, tokens in t
 EvalFn = Callable[[], dict[str, float]]
 
 
-def train_loop(model: nn.Module, step_fn: StepFn, sched: Schedule, device: torch.device, *,
-               desc: str, log: Callable[[str], None], eval_fn: EvalFn | None = None,
-               eval_every: int = 0, log_every: int = 50, progress: bool = True) -> dict[str, object]:
+def train_loop(
+    model: nn.Module,
+    step_fn: StepFn,
+    sched: Schedule,
+    device: torch.device,
+    *,
+    desc: str,
+    log: Callable[[str], None],
+    eval_fn: EvalFn | None = None,
+    eval_every: int = 0,
+    log_every: int = 50,
+    progress: bool = True,
+) -> dict[str, object]:
     """Run `sched.steps` optimizer steps; returns loss history, evals, tokens and seconds."""
     opt = make_optimizer(model, sched, device)
     params = [p for g in opt.param_groups for p in g["params"]]
@@ -73,17 +85,23 @@ def train_loop(model: nn.Module, step_fn: StepFn, sched: Schedule, device: torch
                 value = float(loss.detach())  # syncs the device: only every log_every steps
                 ema = value if ema is None else 0.7 * ema + 0.3 * value
                 history.append((step, value))
-                log(f"{desc} step {step + 1}/{sched.steps} loss {value:.4f} lr {sched.lr_at(step):.2e} "
-                    f"{tokens / (time.perf_counter() - start):,.0f} tok/s")
+                log(
+                    f"{desc} step {step + 1}/{sched.steps} loss {value:.4f} lr {sched.lr_at(step):.2e} "
+                    f"{tokens / (time.perf_counter() - start):,.0f} tok/s"
+                )
             advance(f"{desc} loss {ema if ema is not None else float('nan'):.3f}")
             if eval_fn is not None and eval_every and (step + 1) % eval_every == 0 and step + 1 < sched.steps:
                 evals.append({"step": step + 1, **eval_fn()})
                 log(f"{desc} eval at step {step + 1}: {evals[-1]}")
                 model.train()
     model.eval()
-    return {"loss_history": history, "evals": evals, "tokens": tokens,
-            "seconds": time.perf_counter() - start,
-            "final_train_loss": history[-1][1] if history else float("nan")}
+    return {
+        "loss_history": history,
+        "evals": evals,
+        "tokens": tokens,
+        "seconds": time.perf_counter() - start,
+        "final_train_loss": history[-1][1] if history else float("nan"),
+    }
 
 
 @contextlib.contextmanager
@@ -94,7 +112,6 @@ def _progress(desc: str, total: int, enabled: bool):  # type: ignore[no-untyped-
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeRemainingColumn()) as prog:
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()) as prog:
         task = prog.add_task(desc, total=total)
         yield lambda text: prog.update(task, advance=1, description=text)

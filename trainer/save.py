@@ -40,8 +40,7 @@ def save_weights(out: Path, tensors: dict[str, torch.Tensor], max_file_bytes: in
         fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
         _save(part, out / fname)
         weight_map.update({n: fname for n in part})
-    write_json(out / "model.safetensors.index.json",
-               {"metadata": {"total_size": total}, "weight_map": weight_map})
+    write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -49,13 +48,20 @@ def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     path.chmod(0o644)  # safetensors writes 0600; servers often run as another user
 
 
-def save_target(out: Path, shape: LlamaShape, tensors: dict[str, torch.Tensor], tok_dir: Path,
-                ids: dict[str, int]) -> None:
+def save_target(
+    out: Path, shape: LlamaShape, tensors: dict[str, torch.Tensor], tok_dir: Path, ids: dict[str, int]
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "config.json", hf_llama_config(shape, arch="LlamaForCausalLM", bos_id=ids["bos"],
-                                                    eos_id=ids["eos"], pad_id=ids["pad"], tied=True))
-    write_json(out / "generation_config.json", {"bos_token_id": ids["bos"], "eos_token_id": ids["eos"],
-                                                "pad_token_id": ids["pad"], "do_sample": False})
+    write_json(
+        out / "config.json",
+        hf_llama_config(
+            shape, arch="LlamaForCausalLM", bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["pad"], tied=True
+        ),
+    )
+    write_json(
+        out / "generation_config.json",
+        {"bos_token_id": ids["bos"], "eos_token_id": ids["eos"], "pad_token_id": ids["pad"], "do_sample": False},
+    )
     _copy_tokenizer(tok_dir, out)
     save_weights(out, tensors)
 
@@ -64,8 +70,9 @@ def save_head(out: Path, shape: LlamaShape, tensors: dict[str, torch.Tensor], id
     """The EAGLE-1 layout engine/draft_loader.py reads: fc + layers.0, no embedding, no LM head.
     No tokenizer files: the head uses its target's, and they would eat the size budget."""
     out.mkdir(parents=True, exist_ok=True)
-    cfg = hf_llama_config(shape, arch="LlamaForCausalLMEagle", bos_id=ids["bos"], eos_id=ids["eos"],
-                          pad_id=ids["pad"], tied=True)
+    cfg = hf_llama_config(
+        shape, arch="LlamaForCausalLMEagle", bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["pad"], tied=True
+    )
     write_json(out / "config.json", cfg)
     save_weights(out, tensors)
 

@@ -59,8 +59,14 @@ def build_target(s: LlamaShape, seed: int, device: torch.device) -> TrainLlama:
 
 
 @torch.no_grad()
-def heldout_loss(model: TrainLlama, stream: torch.Tensor, ctx: int, device: torch.device,
-                 batch: int = 8, max_windows: int | None = None) -> float:
+def heldout_loss(
+    model: TrainLlama,
+    stream: torch.Tensor,
+    ctx: int,
+    device: torch.device,
+    batch: int = 8,
+    max_windows: int | None = None,
+) -> float:
     """Mean next-token loss over consecutive held-out windows (token-weighted)."""
     was_training = model.training
     model.eval()
@@ -75,9 +81,20 @@ def heldout_loss(model: TrainLlama, stream: torch.Tensor, ctx: int, device: torc
     return total / max(1, count)
 
 
-def train_target(model: TrainLlama, train_stream: torch.Tensor, test_stream: torch.Tensor, *,
-                 sched: Schedule, batch: int, ctx: int, seed: int, device: torch.device,
-                 log: Callable[[str], None], progress: bool, eval_every: int = 0) -> dict[str, object]:
+def train_target(
+    model: TrainLlama,
+    train_stream: torch.Tensor,
+    test_stream: torch.Tensor,
+    *,
+    sched: Schedule,
+    batch: int,
+    ctx: int,
+    seed: int,
+    device: torch.device,
+    log: Callable[[str], None],
+    progress: bool,
+    eval_every: int = 0,
+) -> dict[str, object]:
     gen = torch.Generator().manual_seed(seed)
 
     def step_fn(_step: int) -> tuple[torch.Tensor, int]:
@@ -88,8 +105,9 @@ def train_target(model: TrainLlama, train_stream: torch.Tensor, test_stream: tor
     def eval_fn() -> dict[str, float]:
         return {"heldout_loss": heldout_loss(model, test_stream, ctx, device, max_windows=64)}
 
-    result = train_loop(model, step_fn, sched, device, desc="target", log=log, eval_fn=eval_fn,
-                        eval_every=eval_every, progress=progress)
+    result = train_loop(
+        model, step_fn, sched, device, desc="target", log=log, eval_fn=eval_fn, eval_every=eval_every, progress=progress
+    )
     result["heldout_loss"] = heldout_loss(model, test_stream, ctx, device)
     log(f"target held-out loss {result['heldout_loss']:.4f} (train {result['final_train_loss']:.4f})")
     return result

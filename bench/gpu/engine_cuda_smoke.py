@@ -27,10 +27,11 @@ GREEDY = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
 FAST = dict(attention_backend="triton", overlap=True, cuda_graph_max_bs=8)
 
 
-def outputs(model: Path, device: str, spec: SpecConfig | None = None, dtype: str | None = None,
-            **fast: object) -> list:
-    eng = Engine(EngineConfig(str(model), device=device, page_size=4, dtype=dtype, **fast),
-                 algorithm=bind(spec) if spec else None)
+def outputs(model: Path, device: str, spec: SpecConfig | None = None, dtype: str | None = None, **fast: object) -> list:
+    eng = Engine(
+        EngineConfig(str(model), device=device, page_size=4, dtype=dtype, **fast),
+        algorithm=bind(spec) if spec else None,
+    )
     t = time.perf_counter()
     out = [o.output_ids for o in eng.generate(PROMPTS, GREEDY)]
     return out, time.perf_counter() - t, eng.kv.all_free
@@ -46,9 +47,13 @@ def main() -> int:
     head = write_tiny_eagle_head(root / "h", target, "eagle", mode="repeat")
     head3 = write_tiny_eagle_head(root / "h3", target, "eagle3", draft_vocab_size=300)
     want, _, _ = outputs(target, "cpu")
-    cases = {"plain": None, "eagle-chain": SpecConfig("EAGLE", str(head), 3, 1),
-             "eagle-tree": SpecConfig("EAGLE", str(head), 3, 2, 5), "eagle3-chain": SpecConfig("EAGLE3", str(head3), 3, 1),
-             "ngram": SpecConfig("NGRAM", None, 3)}
+    cases = {
+        "plain": None,
+        "eagle-chain": SpecConfig("EAGLE", str(head), 3, 1),
+        "eagle-tree": SpecConfig("EAGLE", str(head), 3, 2, 5),
+        "eagle3-chain": SpecConfig("EAGLE3", str(head3), 3, 1),
+        "ngram": SpecConfig("NGRAM", None, 3),
+    }
     report, ok = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}, True
     for name, spec in cases.items():
         for path, fast in (("eager", {}), ("fast", FAST)):
@@ -62,8 +67,11 @@ def main() -> int:
             ok &= same and free
             report[f"{name}-{path}"] = {"equal_to_cpu": same, "seconds": round(secs, 3), "pages_free": free}
     got, secs, free = outputs(target, "cuda", None, "bfloat16")
-    report["plain-bf16"] = {"first_tokens_equal": [g[0] for g in got] == [w[0] for w in want],
-                            "seconds": round(secs, 3), "pages_free": free}
+    report["plain-bf16"] = {
+        "first_tokens_equal": [g[0] for g in got] == [w[0] for w in want],
+        "seconds": round(secs, 3),
+        "pages_free": free,
+    }
     print(json.dumps(report, indent=2))
     return 0 if ok else 1
 

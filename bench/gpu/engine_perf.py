@@ -29,15 +29,34 @@ def prebuilt_model(model: nn.Module, cfg: ModelConfig) -> Iterator[None]:
         engine_mod.load_model = original  # type: ignore[assignment]
 
 
-def make_engine(model: nn.Module, cfg: ModelConfig, *, overlap: bool, graphs: int, max_running: int,
-                max_total_tokens: int, backend: str = "triton", algorithm: Any = None, **extra: Any) -> Engine:
+def make_engine(
+    model: nn.Module,
+    cfg: ModelConfig,
+    *,
+    overlap: bool,
+    graphs: int,
+    max_running: int,
+    max_total_tokens: int,
+    backend: str = "triton",
+    algorithm: Any = None,
+    **extra: Any,
+) -> Engine:
     """An engine over the in-memory model (`algorithm`: a spec binding, or None for plain)."""
     with prebuilt_model(model, cfg):
         dev = "cuda" if torch.cuda.is_available() else "cpu"
-        conf = EngineConfig("<in-memory llama-8b-shaped>", device=dev, dtype="bfloat16" if dev == "cuda" else "float32",
-                            max_running=max_running, max_total_tokens=max_total_tokens,
-                            chunked_prefill_size=8192, attention_backend=backend,
-                            max_context_len=4096, overlap=overlap, cuda_graph_max_bs=graphs, **extra)
+        conf = EngineConfig(
+            "<in-memory llama-8b-shaped>",
+            device=dev,
+            dtype="bfloat16" if dev == "cuda" else "float32",
+            max_running=max_running,
+            max_total_tokens=max_total_tokens,
+            chunked_prefill_size=8192,
+            attention_backend=backend,
+            max_context_len=4096,
+            overlap=overlap,
+            cuda_graph_max_bs=graphs,
+            **extra,
+        )
         return Engine(conf, algorithm=algorithm)
 
 
@@ -49,8 +68,11 @@ def _sync() -> None:
 def busy_fraction(trace_file: Path) -> tuple[float, float]:
     """(busy seconds, span seconds) of the union of GPU kernel/memcpy intervals in a Chrome trace."""
     events = json.loads(trace_file.read_text())["traceEvents"]
-    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
-                   if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "ts" in e)
+    spans = sorted(
+        (e["ts"], e["ts"] + e.get("dur", 0))
+        for e in events
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "ts" in e
+    )
     if not spans:
         return 0.0, 0.0
     busy, cur_s, cur_e = 0.0, spans[0][0], spans[0][1]
@@ -69,8 +91,7 @@ def steady_decode(eng: Engine, bs: int, prompt_len: int, steps: int, trace: Path
     params = SamplingParams(max_new_tokens=steps + 64, temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
     vocab = eng.model_config.vocab_size
-    rids = [eng.add_request(torch.randint(10, vocab, (prompt_len,), generator=gen).tolist(), params)
-            for _ in range(bs)]
+    rids = [eng.add_request(torch.randint(10, vocab, (prompt_len,), generator=gen).tolist(), params) for _ in range(bs)]
     started: set[str] = set()
     while len(started) < bs:  # prefill phase: until every request has its first token
         started.update(d.rid for d in eng.step() if d.token_ids)
@@ -95,8 +116,13 @@ def steady_decode(eng: Engine, bs: int, prompt_len: int, steps: int, trace: Path
         eng.abort(rid)
     while not eng.idle:
         eng.step()
-    out: dict[str, Any] = {"batch": bs, "prompt_len": prompt_len, "steps": steps,
-                           "tokens_per_s": tokens / secs, "step_ms": secs / steps * 1e3}
+    out: dict[str, Any] = {
+        "batch": bs,
+        "prompt_len": prompt_len,
+        "steps": steps,
+        "tokens_per_s": tokens / secs,
+        "step_ms": secs / steps * 1e3,
+    }
     if trace is not None:
         busy, span = busy_fraction(trace)
         out.update(gpu_busy_s=busy, gpu_span_s=span, gpu_idle_fraction=1 - busy / span if span else None)

@@ -26,12 +26,23 @@ from engine import pdl as pdl_mod
 from engine.layers import gemv as gemv_mod
 from engine.layers.gemv import GemvConfig, gemv
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
-          "down": (4096, 14336), "lm_head": (128256, 4096)}
-M1_CONFIGS = [GemvConfig(bn, bk, w) for bn, bk, w in itertools.product(
-    (1, 2, 4, 8, 16), (512, 1024, 2048), (4, 8)) if 2048 <= bn * bk <= 16384]
-SMALL_M_CONFIGS = [GemvConfig(bn, bk, 4, st) for bn, bk, st in itertools.product(
-    (16, 32, 64), (128, 256), (3, 5)) if (bn + 16) * bk * 2 * st <= 160 * 1024]
+SHAPES = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
+M1_CONFIGS = [
+    GemvConfig(bn, bk, w)
+    for bn, bk, w in itertools.product((1, 2, 4, 8, 16), (512, 1024, 2048), (4, 8))
+    if 2048 <= bn * bk <= 16384
+]
+SMALL_M_CONFIGS = [
+    GemvConfig(bn, bk, 4, st)
+    for bn, bk, st in itertools.product((16, 32, 64), (128, 256), (3, 5))
+    if (bn + 16) * bk * 2 * st <= 160 * 1024
+]
 
 
 def graph_ms(fn: Callable[[], Any], iters: int = 20) -> float:
@@ -60,8 +71,9 @@ def weight_copies(n: int, k: int, min_bytes: int = 1 << 29) -> list[torch.Tensor
     return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(count)]
 
 
-def per_product_ms(impl: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
-                   ws: list[torch.Tensor]) -> float:
+def per_product_ms(
+    impl: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, ws: list[torch.Tensor]
+) -> float:
     return graph_ms(lambda: [impl(x, w) for w in ws]) / len(ws)
 
 
@@ -75,7 +87,7 @@ def shape_sweep(bw: float, rows_list: list[int]) -> dict[str, Any]:
             ref = F.linear(x, ws[0]).float()
             entry: dict[str, Any] = {"cublas": ideal_ms / per_product_ms(F.linear, x, ws)}
             best = (0.0, None)
-            for cfg in (M1_CONFIGS if rows == 1 else SMALL_M_CONFIGS):
+            for cfg in M1_CONFIGS if rows == 1 else SMALL_M_CONFIGS:
                 label = f"{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}"
                 try:
                     got = gemv(x, ws[0], config=cfg).float()
@@ -90,8 +102,11 @@ def shape_sweep(bw: float, rows_list: list[int]) -> dict[str, Any]:
             entry["default"] = ideal_ms / per_product_ms(gemv, x, ws)
             entry["best"] = {"fraction": best[0], "config": vars(best[1]) if best[1] else None}
             out[f"{name}_m{rows}"] = entry
-            print(f"{name} m={rows}: cublas {entry['cublas']:.3f} default {entry['default']:.3f} "
-                  f"best {best[0]:.3f} {best[1]}", flush=True)
+            print(
+                f"{name} m={rows}: cublas {entry['cublas']:.3f} default {entry['default']:.3f} "
+                f"best {best[0]:.3f} {best[1]}",
+                flush=True,
+            )
         del ws
         torch.cuda.empty_cache()
     return out
@@ -100,8 +115,7 @@ def shape_sweep(bw: float, rows_list: list[int]) -> dict[str, Any]:
 def chain(bw: float, layers: int = 32) -> dict[str, Any]:
     """The four projections of `layers` layers back to back, each fed by the previous output."""
     shapes = [SHAPES[s] for s in ("qkv", "o", "gate_up", "down")]
-    ws = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n, k in shapes]
-          for _ in range(layers)]
+    ws = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n, k in shapes] for _ in range(layers)]
     x0 = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     ideal_ms = sum(n * k * 2 for n, k in shapes) * layers / bw * 1e3
 
@@ -111,6 +125,7 @@ def chain(bw: float, layers: int = 32) -> dict[str, Any]:
             h = impl(impl(x, w_qkv)[:, :4096], w_o)
             x = impl(impl(h, w_gu)[:, :14336], w_down)
         return x
+
     out: dict[str, Any] = {"ideal_ms": ideal_ms}
     results = {}
     for name, impl, pdl in (("cublas", F.linear, "0"), ("gemv", gemv, "0"), ("gemv_pdl", gemv, "1")):
@@ -137,8 +152,11 @@ def main() -> int:
     ap.add_argument("--skip-chain", action="store_true")
     args = ap.parse_args()
     bw = copy_bandwidth(torch.device("cuda"))
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "copy_bandwidth_tb_s": bw / 1e12,
-                              "max_rows": gemv_mod.MAX_ROWS}
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0),
+        "copy_bandwidth_tb_s": bw / 1e12,
+        "max_rows": gemv_mod.MAX_ROWS,
+    }
     if not args.skip_chain:
         report["chain"] = chain(bw)
     torch.cuda.empty_cache()

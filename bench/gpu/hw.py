@@ -42,4 +42,4 @@ def matmul_rate(device: torch.device, n: int = 8192) -> float:
     b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     out = torch.empty(n, n, dtype=torch.bfloat16, device=device)
     secs = time_cuda(lambda: torch.matmul(a, b, out=out), iters=20)
-    return 2 * n ** 3 / secs
+    return 2 * n**3 / secs

@@ -33,8 +33,9 @@ BYTES_PER_TOKEN = 2 * LAYERS * KV_HEADS * HEAD_DIM * 2
 ROW_PAYLOAD = 4096  # about an EAGLE handoff row of an 8B model (top-k + a 4096-wide hidden state)
 
 
-def _endpoint(name: str, device: str, max_tokens: int, rows_device: str
-              ) -> tuple[dict[str, Any], Any, dict[str, Any], torch.Tensor]:
+def _endpoint(
+    name: str, device: str, max_tokens: int, rows_device: str
+) -> tuple[dict[str, Any], Any, dict[str, Any], torch.Tensor]:
     """Our transport over an 8B-shaped pool, plus a raw NIXL agent over one flat buffer, each
     twice: writes posted a copy per descriptor ("off") and as one scatter-gather list ("on")."""
     from engine.kv_cache import KVPool
@@ -67,8 +68,15 @@ def _mem(t: torch.Tensor) -> str:
 def _receiver(conn: Any, device: str, max_tokens: int, rows_device: str) -> None:
     transports, keep, raws, flat = _endpoint("recv", device, max_tokens, rows_device)
     transport, raw = transports["off"], raws["off"]  # how a write is posted is the writer's affair
-    conn.send((transport.metadata(), transport.layout(), bytes(raw.get_agent_metadata()), flat.data_ptr(),
-               max(flat.get_device(), 0)))
+    conn.send(
+        (
+            transport.metadata(),
+            transport.layout(),
+            bytes(raw.get_agent_metadata()),
+            flat.data_ptr(),
+            max(flat.get_device(), 0),
+        )
+    )
     while not conn.poll(0.0005):  # a receiver drives its agents' progress, as a decode node does
         transport.drain_notifications()
         raw.get_new_notifs()
@@ -85,8 +93,9 @@ def _wait(poll: Any, done: Any) -> None:
         time.sleep(0)
 
 
-def _once_ours(transport: Any, peer: str, room: int, pages: list[int], dst: list[int], row: bool,
-               posts: list[float] | None = None) -> float:
+def _once_ours(
+    transport: Any, peer: str, room: int, pages: list[int], dst: list[int], row: bool, posts: list[float] | None = None
+) -> float:
     """One write through the transport, posted and polled to its end on this thread: the KV
     pages, and with `row` the handoff row (the final write of a request, which notifies).
     `posts` collects how long `write` itself took (building and posting the request)."""
@@ -109,10 +118,14 @@ def _raw_descs(raw: Any, flat: torch.Tensor, remote: tuple[int, int], nbytes: in
     step = nbytes // splits
     offs = np.arange(splits, dtype=np.uint64) * np.uint64(step)
     dev = max(flat.get_device(), 0)
-    rows = lambda base, d: np.stack([base + offs, np.full(splits, step, np.uint64),  # noqa: E731
-                                     np.full(splits, d, np.uint64)], axis=1)
-    return (raw.get_xfer_descs(rows(np.uint64(flat.data_ptr()), dev), _mem(flat)),
-            raw.get_xfer_descs(rows(np.uint64(remote[0]), remote[1]), _mem(flat)))
+
+    def rows(base: Any, d: int) -> Any:
+        return np.stack([base + offs, np.full(splits, step, np.uint64), np.full(splits, d, np.uint64)], axis=1)
+
+    return (
+        raw.get_xfer_descs(rows(np.uint64(flat.data_ptr()), dev), _mem(flat)),
+        raw.get_xfer_descs(rows(np.uint64(remote[0]), remote[1]), _mem(flat)),
+    )
 
 
 def _once_raw(raw: Any, peer: str, descs: tuple[Any, Any], one_off: bool) -> float:
@@ -154,15 +167,20 @@ def _report(t: dict[str, float], nbytes: int, total: int, posts: list[float]) ->
     ours, sgl, scattered = t["ours"], t["ours_sgl"], t["scattered"]
     gb_s = lambda n, sec: n / sec / 1e9  # noqa: E731
     return {
-        "kv_bytes": nbytes, "kv_plus_row_bytes": total,
-        "ours_s": ours, "ours_gb_s": gb_s(total, ours),
+        "kv_bytes": nbytes,
+        "kv_plus_row_bytes": total,
+        "ours_s": ours,
+        "ours_gb_s": gb_s(total, ours),
         "ours_kv_only_gb_s": gb_s(nbytes, t["ours_kv_only"]),
         "ours_post_s": statistics.median(posts[1:]),  # building + posting the request
-        "ours_scattered_pages_s": scattered, "ours_scattered_pages_gb_s": gb_s(total, scattered),
+        "ours_scattered_pages_s": scattered,
+        "ours_scattered_pages_gb_s": gb_s(total, scattered),
         # the same writes posted as one scatter-gather list each (--kv-write-sgl on)
-        "ours_sgl_s": sgl, "ours_sgl_gb_s": gb_s(total, sgl),
+        "ours_sgl_s": sgl,
+        "ours_sgl_gb_s": gb_s(total, sgl),
         "ours_sgl_scattered_pages_gb_s": gb_s(total, t["scattered_sgl"]),
-        "raw_nixl_s": raw_s, "raw_nixl_gb_s": gb_s(nbytes, raw_s),
+        "raw_nixl_s": raw_s,
+        "raw_nixl_gb_s": gb_s(nbytes, raw_s),
         "raw_nixl_gb_s_by_descriptors": {n: gb_s(nbytes, x) for n, x in raw_by_split.items()},
         "raw_nixl_sgl_gb_s_by_descriptors": {n: gb_s(nbytes, x) for n, x in raw_sgl.items()},
         "ratio_vs_raw": gb_s(total, ours) / gb_s(nbytes, raw_s),
@@ -170,7 +188,8 @@ def _report(t: dict[str, float], nbytes: int, total: int, posts: list[float]) ->
         # raw NIXL timed like a KV write: request built per write, receiver notified
         "raw_one_off_notified_gb_s_by_descriptors": {n: gb_s(nbytes, x) for n, x in one_off.items()},
         "ratio_vs_raw_one_off_notified": gb_s(total, ours) / gb_s(nbytes, min(one_off.values())),
-        "ratio_vs_raw_scattered_pages": gb_s(total, scattered) / gb_s(nbytes, raw_s)}
+        "ratio_vs_raw_scattered_pages": gb_s(total, scattered) / gb_s(nbytes, raw_s),
+    }
 
 
 def measure(src: str, dst: str, tokens_list: tuple[int, ...] = TOKENS, rows_device: str = "cpu") -> dict[str, Any]:
@@ -192,26 +211,33 @@ def measure(src: str, dst: str, tokens_list: tuple[int, ...] = TOKENS, rows_devi
             nbytes = tokens * BYTES_PER_TOKEN
             pages = list(range(1, tokens // PAGE + 1))
             shuffled = [int(x) for x in np.random.default_rng(0).permutation(pages)]
-            descs = {k: {n: _raw_descs(raw, flat, (raddr, rdev), nbytes, n) for n in RAW_SPLITS} for k, raw in raws.items()}
+            descs = {
+                k: {n: _raw_descs(raw, flat, (raddr, rdev), nbytes, n) for n in RAW_SPLITS} for k, raw in raws.items()
+            }
             posts: list[float] = []
             ours, sgl = transports["off"], transports["on"]
             once_raw = lambda k, n, one_off: lambda r: _once_raw(raws[k], raw_peers[k], descs[k][n], one_off)  # noqa: E731
-            t = _interleaved({
-                "ours": lambda r: _once_ours(ours, peers["off"], 2 * r + 1, pages, pages, True, posts),
-                "ours_kv_only": lambda r: _once_ours(ours, peers["off"], 2 * r + 2, pages, pages, False),
-                "scattered": lambda r: _once_ours(ours, peers["off"], 1000 + r, pages, shuffled, True),
-                "ours_sgl": lambda r: _once_ours(sgl, peers["on"], 3000 + r, pages, pages, True),
-                "scattered_sgl": lambda r: _once_ours(sgl, peers["on"], 4000 + r, pages, shuffled, True),
-                # raw NIXL at its best: the fastest of a few descriptor counts and both ways of posting
-                **{f"raw{n}": once_raw("off", n, False) for n in RAW_SPLITS},
-                **{f"raw_sgl{n}": once_raw("on", n, False) for n in SGL_SPLITS},
-                **{f"one_off{n}": once_raw("off", n, True) for n in (1, 64)},
-            })
+            t = _interleaved(
+                {
+                    "ours": lambda r: _once_ours(ours, peers["off"], 2 * r + 1, pages, pages, True, posts),
+                    "ours_kv_only": lambda r: _once_ours(ours, peers["off"], 2 * r + 2, pages, pages, False),
+                    "scattered": lambda r: _once_ours(ours, peers["off"], 1000 + r, pages, shuffled, True),
+                    "ours_sgl": lambda r: _once_ours(sgl, peers["on"], 3000 + r, pages, pages, True),
+                    "scattered_sgl": lambda r: _once_ours(sgl, peers["on"], 4000 + r, pages, shuffled, True),
+                    # raw NIXL at its best: the fastest of a few descriptor counts and both ways of posting
+                    **{f"raw{n}": once_raw("off", n, False) for n in RAW_SPLITS},
+                    **{f"raw_sgl{n}": once_raw("on", n, False) for n in SGL_SPLITS},
+                    **{f"one_off{n}": once_raw("off", n, True) for n in (1, 64)},
+                }
+            )
             out[str(tokens)] = _report(t, nbytes, nbytes + keep[1].row_bytes, posts)
             row = out[str(tokens)]
-            print(f"{tokens} tokens: ours {row['ours_gb_s']:.1f} GB/s (one SGL {row['ours_sgl_gb_s']:.1f}, scattered "
-                  f"pages {row['ours_scattered_pages_gb_s']:.1f}), raw NIXL {row['raw_nixl_gb_s']:.1f} GB/s, ratio "
-                  f"{row['ratio_vs_raw']:.2f} (SGL {row['ratio_sgl_vs_raw']:.2f})", flush=True)
+            print(
+                f"{tokens} tokens: ours {row['ours_gb_s']:.1f} GB/s (one SGL {row['ours_sgl_gb_s']:.1f}, scattered "
+                f"pages {row['ours_scattered_pages_gb_s']:.1f}), raw NIXL {row['raw_nixl_gb_s']:.1f} GB/s, ratio "
+                f"{row['ratio_vs_raw']:.2f} (SGL {row['ratio_sgl_vs_raw']:.2f})",
+                flush=True,
+            )
         for transport in transports.values():
             transport.close()
         return out

@@ -16,13 +16,29 @@ from engine.loader import build_empty, merge_projections_on_gpu
 from engine.models import model_class
 
 LLAMA_8B: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
-    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "torch_dtype": "bfloat16",
 }
 
 
@@ -42,8 +58,9 @@ def build_hf(raw: dict[str, Any], device: torch.device, seed: int = 0) -> nn.Mod
     return model.eval()
 
 
-def build_engine_model(cfg: ModelConfig, device: torch.device,
-                       weights_from: nn.Module | None = None, seed: int = 0) -> nn.Module:
+def build_engine_model(
+    cfg: ModelConfig, device: torch.device, weights_from: nn.Module | None = None, seed: int = 0
+) -> nn.Module:
     """The engine's model of the same shape: weights copied from an HF model, or random."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU: dry runs of the scripts
     model = build_empty(model_class(cfg), cfg, dtype, device)

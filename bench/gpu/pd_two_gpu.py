@@ -59,22 +59,46 @@ from fixtures.tiny_model import write_tiny_model
 from pdserve.up import Deployment, UpConfig
 
 CHUNK = 2048
-NODE_ARGS = ("--page-size", str(kv_bandwidth.PAGE), "--max-total-tokens", "40000", "--chunked-prefill-size",
-             str(CHUNK), "--max-running", "16", "--metrics-port", "0", "--speculative-algorithm", "EAGLE",
-             "--speculative-num-steps", "3")
+NODE_ARGS = (
+    "--page-size",
+    str(kv_bandwidth.PAGE),
+    "--max-total-tokens",
+    "40000",
+    "--chunked-prefill-size",
+    str(CHUNK),
+    "--max-running",
+    "16",
+    "--metrics-port",
+    "0",
+    "--speculative-algorithm",
+    "EAGLE",
+    "--speculative-num-steps",
+    "3",
+)
 ROUNDS, WARMUP = 21, 3
 PASSES = 2  # each deployment started this many times, in turn with the others
 DEPLOYMENTS = (("colocated", 1), ("pd", 0), ("pd_whole_prompt_write", 0), ("pd_sgl", 0))  # (name, colocated nodes)
 # flags of the PD variants, as environment variables (they reach only the nodes that have the flag)
-DEPLOYMENT_ENV = {"pd_whole_prompt_write": {"PDSERVE_KV_SEND_CHUNKS": "false"},
-                  "pd_sgl": {"PDSERVE_KV_WRITE_SGL": "on"}}
+DEPLOYMENT_ENV = {
+    "pd_whole_prompt_write": {"PDSERVE_KV_SEND_CHUNKS": "false"},
+    "pd_sgl": {"PDSERVE_KV_WRITE_SGL": "on"},
+}
 FIXED_SET = [(n, seed) for n, seed in ((24, 1), (100, 2), (300, 3), (700, 4), (1500, 5), (3000, 6))]
 
 
 def write_models(root: Path) -> tuple[Path, Path]:
-    target = write_tiny_model(root / "target", seed=0, hidden_size=1024, num_layers=kv_bandwidth.LAYERS,
-                              num_heads=8, num_kv_heads=kv_bandwidth.KV_HEADS, head_dim=kv_bandwidth.HEAD_DIM,
-                              intermediate_size=2816, max_position_embeddings=16384, dtype="bfloat16")
+    target = write_tiny_model(
+        root / "target",
+        seed=0,
+        hidden_size=1024,
+        num_layers=kv_bandwidth.LAYERS,
+        num_heads=8,
+        num_kv_heads=kv_bandwidth.KV_HEADS,
+        head_dim=kv_bandwidth.HEAD_DIM,
+        intermediate_size=2816,
+        max_position_embeddings=16384,
+        dtype="bfloat16",
+    )
     return target, write_tiny_eagle_head(root / "head", target, "eagle", mode="repeat")
 
 
@@ -84,8 +108,9 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def complete(url: str, ids: list[int], max_tokens: int) -> tuple[str, float]:
-    body = json.dumps({"model": _model(url), "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
-                       "ignore_eos": True}).encode()
+    body = json.dumps(
+        {"model": _model(url), "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    ).encode()
     req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
     t0 = time.perf_counter()
     with urllib.request.urlopen(req, timeout=120) as r:
@@ -123,26 +148,35 @@ def ttft_samples(dep: Deployment, url: str, tokens: int) -> dict[str, list[float
 
 # (series, label) of a request's times: the router's TTFT, the node's prompt time and its prompt
 # chunks' launches
-REQUEST_SERIES = {"ttft": ("router:pdserve_router_time_to_first_token_seconds", ""),
-                  "forward": ("pdserve_node_prompt_seconds", ""),
-                  "launch": ("pdserve_node_launch_seconds", 'kind="prompt"')}
+REQUEST_SERIES = {
+    "ttft": ("router:pdserve_router_time_to_first_token_seconds", ""),
+    "forward": ("pdserve_node_prompt_seconds", ""),
+    "launch": ("pdserve_node_launch_seconds", 'kind="prompt"'),
+}
 
 
-def request_times_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
-                     ) -> dict[str, float]:
+def request_times_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
     """{ttft, forward, launch} (ms) of the one request between two scrapes: each series' sum
     change, over every key of it that has the label (the router's endpoints, say)."""
+
     def delta(series: str, label: str) -> float:
         keys = [k for k in after if series in k and label in k]
         return sum(after[k][0] - before.get(k, (0.0, 0.0))[0] for k in keys) * 1e3
+
     return {name: delta(*series) for name, series in REQUEST_SERIES.items()}
 
 
 # Where PD's time to first token goes: the router's stages and the prefill's write timings.
-STAGE_SERIES = ("pdserve_router_time_to_first_token_seconds", "pdserve_router_ttft_stage_seconds",
-                "pdserve_node_launch_seconds", "pdserve_kv_transfer_seconds",
-                "pdserve_kv_handoff_tail_seconds", "pdserve_kv_handoff_stage_seconds",
-                "pdserve_node_queue_time_seconds", "pdserve_node_prompt_seconds")
+STAGE_SERIES = (
+    "pdserve_router_time_to_first_token_seconds",
+    "pdserve_router_ttft_stage_seconds",
+    "pdserve_node_launch_seconds",
+    "pdserve_kv_transfer_seconds",
+    "pdserve_kv_handoff_tail_seconds",
+    "pdserve_kv_handoff_stage_seconds",
+    "pdserve_node_queue_time_seconds",
+    "pdserve_node_prompt_seconds",
+)
 
 
 def scrape_sums(dep: Deployment) -> dict[str, tuple[float, float]]:
@@ -180,8 +214,17 @@ def stage_means_ms(before: dict[str, tuple[float, float]], after: dict[str, tupl
 
 def serve(target: Path, head: Path, colocated: int, device: str = "cuda") -> Deployment:
     args = (*NODE_ARGS, "--speculative-draft-model-path", str(head))
-    return Deployment(UpConfig(str(target), port=0, device=device, colocated=colocated, node_args=args,
-                               start_timeout_s=300, isolate_gpus=False))
+    return Deployment(
+        UpConfig(
+            str(target),
+            port=0,
+            device=device,
+            colocated=colocated,
+            node_args=args,
+            start_timeout_s=300,
+            isolate_gpus=False,
+        )
+    )
 
 
 def measure_deployment(name: str, dep: Deployment, rows: str) -> dict[str, Any]:
@@ -192,17 +235,25 @@ def measure_deployment(name: str, dep: Deployment, rows: str) -> dict[str, Any]:
     try:
         with mock.patch.dict(os.environ, env):
             url = dep.start(lambda msg: print(f"[{name}] {msg}", file=sys.stderr, flush=True))
-        out: dict[str, Any] = {"texts": [complete(url, prompt(n, seed), 32)[0] for n, seed in FIXED_SET],
-                               "accept_len": scrape_accept_len(dep), "ttft": {}}
+        out: dict[str, Any] = {
+            "texts": [complete(url, prompt(n, seed), 32)[0] for n, seed in FIXED_SET],
+            "accept_len": scrape_accept_len(dep),
+            "ttft": {},
+        }
         for t in kv_bandwidth.TOKENS:
             for i in range(WARMUP):  # the shapes of this length: kernels, allocator
                 complete(url, prompt(t, 90 + i), 1)
             before = scrape_sums(dep)
             samples = ttft_samples(dep, url, t)
             stages = stage_means_ms(before, scrape_sums(dep))
-            out["ttft"][str(t)] = {"ms": statistics.median(samples["ttft"]), "stages_ms": stages,
-                                   "samples_ms": samples["ttft"], "e2e_samples_ms": samples["e2e"],
-                                   "forward_samples_ms": samples["forward"], "launch_samples_ms": samples["launch"]}
+            out["ttft"][str(t)] = {
+                "ms": statistics.median(samples["ttft"]),
+                "stages_ms": stages,
+                "samples_ms": samples["ttft"],
+                "e2e_samples_ms": samples["e2e"],
+                "forward_samples_ms": samples["forward"],
+                "launch_samples_ms": samples["launch"],
+            }
         return out
     finally:
         dep.stop()
@@ -213,8 +264,12 @@ def pooled(passes: list[dict[str, Any]]) -> dict[str, Any]:
     first pass's are kept and the mismatch shows in `texts_equal_between_passes`), TTFT samples
     pooled, stage means averaged."""
     first = passes[0]
-    out: dict[str, Any] = {"texts": first["texts"], "accept_len": first["accept_len"], "ttft": {},
-                           "texts_equal_between_passes": all(p["texts"] == first["texts"] for p in passes)}
+    out: dict[str, Any] = {
+        "texts": first["texts"],
+        "accept_len": first["accept_len"],
+        "ttft": {},
+        "texts_equal_between_passes": all(p["texts"] == first["texts"] for p in passes),
+    }
     for t in first["ttft"]:
         rows = [p["ttft"][t] for p in passes]
         pool = lambda key: [x for r in rows for x in r[key]]  # noqa: E731
@@ -222,13 +277,20 @@ def pooled(passes: list[dict[str, Any]]) -> dict[str, Any]:
         launch = pool("launch_samples_ms")
         beyond = [a - f for a, f in zip(samples, forward)]  # per request: what is not the forward
         stages = {k: statistics.fmean(r["stages_ms"].get(k, 0.0) for r in rows) for k in rows[0]["stages_ms"]}
-        out["ttft"][t] = {"ms": statistics.median(samples), "samples_ms": samples, "stages_ms": stages,
-                          "e2e_ms": statistics.median(e2e), "e2e_samples_ms": e2e,
-                          "prompt_forward_ms": statistics.median(forward), "forward_samples_ms": forward,
-                          "beyond_forward_ms": statistics.median(beyond),
-                          # host time launching the prompt's chunks: near the forward = launch-bound
-                          "prompt_launch_ms": statistics.median(launch), "launch_samples_ms": launch,
-                          "pass_medians_ms": [r["ms"] for r in rows]}
+        out["ttft"][t] = {
+            "ms": statistics.median(samples),
+            "samples_ms": samples,
+            "stages_ms": stages,
+            "e2e_ms": statistics.median(e2e),
+            "e2e_samples_ms": e2e,
+            "prompt_forward_ms": statistics.median(forward),
+            "forward_samples_ms": forward,
+            "beyond_forward_ms": statistics.median(beyond),
+            # host time launching the prompt's chunks: near the forward = launch-bound
+            "prompt_launch_ms": statistics.median(launch),
+            "launch_samples_ms": launch,
+            "pass_medians_ms": [r["ms"] for r in rows],
+        }
     return out
 
 
@@ -239,18 +301,27 @@ def ttft_report(runs: dict[str, dict[str, Any]], bandwidth: dict[str, Any]) -> d
     for t in (str(n) for n in kv_bandwidth.TOKENS):
         col = runs["colocated"]["ttft"][t]
         full = bandwidth[t]["ours_s"] * 1e3
-        row: dict[str, Any] = {"colocated_ms": col["ms"], "colocated_prompt_forward_ms": col["prompt_forward_ms"],
-                               "colocated_beyond_forward_ms": col["beyond_forward_ms"],
-                               "full_transfer_ms": full, "chunk_transfer_ms": full * min(1.0, CHUNK / int(t))}
+        row: dict[str, Any] = {
+            "colocated_ms": col["ms"],
+            "colocated_prompt_forward_ms": col["prompt_forward_ms"],
+            "colocated_beyond_forward_ms": col["beyond_forward_ms"],
+            "full_transfer_ms": full,
+            "chunk_transfer_ms": full * min(1.0, CHUNK / int(t)),
+        }
         for name in (n for n in runs if n != "colocated"):
             pd = runs[name]["ttft"][t]
             diff = pd["ms"] - col["ms"]
             beyond = pd["beyond_forward_ms"] - col["beyond_forward_ms"]
-            row[name] = {"ms": pd["ms"], "diff_ms": diff, "within_transfer_plus_2ms": diff <= full + 2.0,
-                         "e2e_diff_ms": pd["e2e_ms"] - col["e2e_ms"],
-                         "prompt_forward_ms": pd["prompt_forward_ms"], "beyond_forward_ms": pd["beyond_forward_ms"],
-                         "diff_beyond_forward_ms": beyond,
-                         "beyond_forward_within_transfer_plus_2ms": beyond <= full + 2.0}
+            row[name] = {
+                "ms": pd["ms"],
+                "diff_ms": diff,
+                "within_transfer_plus_2ms": diff <= full + 2.0,
+                "e2e_diff_ms": pd["e2e_ms"] - col["e2e_ms"],
+                "prompt_forward_ms": pd["prompt_forward_ms"],
+                "beyond_forward_ms": pd["beyond_forward_ms"],
+                "diff_beyond_forward_ms": beyond,
+                "beyond_forward_within_transfer_plus_2ms": beyond <= full + 2.0,
+            }
         row["stages_ms"] = {name: r["ttft"][t]["stages_ms"] for name, r in runs.items()}
         row["samples_ms"] = {name: r["ttft"][t]["samples_ms"] for name, r in runs.items()}
         for key in ("forward_samples_ms", "launch_samples_ms"):
@@ -281,9 +352,12 @@ def main() -> int:
         runs = {name: pooled(p) for name, p in passes.items()}
     ttft = ttft_report(runs, bandwidth)
     report = {
-        "device": torch.cuda.get_device_name(), "topology": topology, "gpus": gpus,
+        "device": torch.cuda.get_device_name(),
+        "topology": topology,
+        "gpus": gpus,
         "command": "python -m bench.gpu.pd_two_gpu OUT" + ("" if rows == "kv" else f" rows={rows}"),
-        "chunked_prefill_size": CHUNK, "handoff_rows": rows,
+        "chunked_prefill_size": CHUNK,
+        "handoff_rows": rows,
         "bandwidth": bandwidth,
         "bandwidth_goal_met": all(b["ratio_vs_raw"] >= 0.8 for b in bandwidth.values()),
         "bandwidth_goal_met_sgl": all(b["ratio_sgl_vs_raw"] >= 0.8 for b in bandwidth.values()),
@@ -292,14 +366,32 @@ def main() -> int:
         "accept_len": {name: r["accept_len"] for name, r in runs.items()},
         "acceptance_equal": len({r["accept_len"] for r in runs.values()}) == 1,
         "texts_equal_between_passes": all(r["texts_equal_between_passes"] for r in runs.values()),
-        "ttft": ttft, "texts": {k: v["texts"] for k, v in runs.items()},
+        "ttft": ttft,
+        "texts": {k: v["texts"] for k, v in runs.items()},
     }
     gpu = report["device"].split()[1].lower() if " " in report["device"] else "gpu"
     write_report(out / f"pd_two_gpu_{gpu}.json", report)
-    brief = {t: {k: v for k, v in row.items() if not k.endswith(("samples_ms", "stages_ms"))} for t, row in ttft.items()}
-    print(json.dumps({**{k: report[k] for k in ("topology", "bandwidth_goal_met", "bandwidth_goal_met_sgl",
-                                                "pd_equals_colocated",
-                                                "accept_len")}, "ttft": brief}, indent=1))
+    brief = {
+        t: {k: v for k, v in row.items() if not k.endswith(("samples_ms", "stages_ms"))} for t, row in ttft.items()
+    }
+    print(
+        json.dumps(
+            {
+                **{
+                    k: report[k]
+                    for k in (
+                        "topology",
+                        "bandwidth_goal_met",
+                        "bandwidth_goal_met_sgl",
+                        "pd_equals_colocated",
+                        "accept_len",
+                    )
+                },
+                "ttft": brief,
+            },
+            indent=1,
+        )
+    )
     return 0 if report["pd_equals_colocated"] and report["acceptance_equal"] else 1
 
 

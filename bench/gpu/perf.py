@@ -29,8 +29,15 @@ from bench.gpu.llama8b import (
 )
 from bench.gpu.rig import make_rig
 
-TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=64, vocab_size=2048)
+TINY = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=2048,
+)
 
 
 def section(report: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
@@ -40,8 +47,7 @@ def section(report: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
         report[name] = fn()
     except Exception as e:  # noqa: BLE001 - device time is scarce: keep measuring the rest
         report[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
-    print(f"[{time.perf_counter() - t0:6.1f}s] {name}: {json.dumps(report[name], default=str)[:600]}",
-          flush=True)
+    print(f"[{time.perf_counter() - t0:6.1f}s] {name}: {json.dumps(report[name], default=str)[:600]}", flush=True)
 
 
 def main() -> int:
@@ -54,10 +60,21 @@ def main() -> int:
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     raw, cfg = shape_config(**(TINY if args.tiny else {}))
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
-                              "torch": torch.__version__, "model": {k: raw[k] for k in (
-                                  "hidden_size", "num_hidden_layers", "num_attention_heads",
-                                  "num_key_value_heads", "intermediate_size", "vocab_size")}}
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "model": {
+            k: raw[k]
+            for k in (
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "intermediate_size",
+                "vocab_size",
+            )
+        },
+    }
     if dev.type == "cuda":
         import triton
 
@@ -76,8 +93,9 @@ def main() -> int:
     torch.cuda.empty_cache() if dev.type == "cuda" else None
     wbytes = weight_read_bytes(model)
     report["weight_read_gb"] = wbytes / 1e9
-    rig = make_rig(model, cfg, dev, max_reqs=64, max_context=4096 + 64, total_tokens=64 * 1040 + 4096,
-                   backend=args.backend)
+    rig = make_rig(
+        model, cfg, dev, max_reqs=64, max_context=4096 + 64, total_tokens=64 * 1040 + 4096, backend=args.backend
+    )
     if dev.type == "cuda" and hasattr(rig.runner, "enable_cuda_graphs"):
         rig.runner.enable_cuda_graphs(64)
     section(report, "decode_bs1", lambda: step_perf.decode_roofline(rig, cfg, bw, wbytes, 1, 1024))
@@ -95,16 +113,18 @@ def main() -> int:
     return 0
 
 
-def run_engine_sections(report: dict[str, Any], model: torch.nn.Module, cfg: Any, stem: Path,
-                        prompt: list[int], backend: str) -> None:
+def run_engine_sections(
+    report: dict[str, Any], model: torch.nn.Module, cfg: Any, stem: Path, prompt: list[int], backend: str
+) -> None:
     graphs = 64 if torch.cuda.is_available() else 0
     for overlap in (False, True):
         name = f"engine_bs64_overlap_{'on' if overlap else 'off'}"
         trace = stem.parent / f"{stem.name}_{name}.trace.json"
 
         def run(overlap: bool = overlap, trace: Path = trace) -> dict[str, Any]:
-            eng = engine_perf.make_engine(model, cfg, overlap=overlap, graphs=graphs, max_running=64,
-                                          max_total_tokens=64 * 1300, backend=backend)
+            eng = engine_perf.make_engine(
+                model, cfg, overlap=overlap, graphs=graphs, max_running=64, max_total_tokens=64 * 1300, backend=backend
+            )
             try:
                 plain = engine_perf.steady_decode(eng, 64, 1024, 60, None)
                 profiled = engine_perf.steady_decode(eng, 64, 1024, 30, trace)
@@ -114,6 +134,7 @@ def run_engine_sections(report: dict[str, Any], model: torch.nn.Module, cfg: Any
                 del eng
                 gc.collect()
                 torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
         section(report, name, run)
     on, off = report.get("engine_bs64_overlap_on", {}), report.get("engine_bs64_overlap_off", {})
     if "steady" in on and "steady" in off:

@@ -64,16 +64,26 @@ def kernel_table(fn: Any, steps: int) -> dict[str, Any]:
         torch.cuda.synchronize()
     per_name, busy, span = cuda_kernel_stats(prof, steps)
     top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:25]
-    return {"kernels_per_step": sum(c for _, c in per_name.values()),
-            "kernel_us_per_step": sum(t for t, _ in per_name.values()),
-            "busy_us_per_step": busy, "span_us_per_step": span,
-            "top": [{"name": n[:90], "us": round(t, 1), "count": round(c, 1)} for n, (t, c) in top]}
+    return {
+        "kernels_per_step": sum(c for _, c in per_name.values()),
+        "kernel_us_per_step": sum(t for t, _ in per_name.values()),
+        "busy_us_per_step": busy,
+        "span_us_per_step": span,
+        "top": [{"name": n[:90], "us": round(t, 1), "count": round(c, 1)} for n, (t, c) in top],
+    }
 
 
-def measure(model: torch.nn.Module, cfg: Any, dev: torch.device, bw: float, wbytes: int,
-            context: int, tokens: dict[str, torch.Tensor], name: str) -> dict[str, Any]:
-    rig = make_rig(model, cfg, dev, max_reqs=8, max_context=context + 64,
-                   total_tokens=8 * (context + 64))
+def measure(
+    model: torch.nn.Module,
+    cfg: Any,
+    dev: torch.device,
+    bw: float,
+    wbytes: int,
+    context: int,
+    tokens: dict[str, torch.Tensor],
+    name: str,
+) -> dict[str, Any]:
+    rig = make_rig(model, cfg, dev, max_reqs=8, max_context=context + 64, total_tokens=8 * (context + 64))
     rig.runner.enable_cuda_graphs(8)
     entry = step_perf.decode_roofline(rig, cfg, bw, wbytes, 1, context, iters=50)
     ids, ctx = step_context(rig, ForwardMode.DECODE, 1, context)

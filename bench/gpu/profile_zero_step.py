@@ -3,10 +3,10 @@
 `python -m bench.gpu.profile_zero_step llama-1b OUT` (GPU machine; `batches=1,8,64`): for each
 batch size, the plain engine and an EAGLE engine pinned at 0 steps (the target alone, the draft
 catching up when its ring is full) decode the same prompts under the profiler. Per decode step: wall
-time, host time inside `Engine.step`, GPU kernel time, GPU busy time (union of kernel intervals), kernel count, and the kernels
-by name, so the difference between the two is itemized (catch-up kernels are averaged over the
-steps they serve); with `host`, also a cProfile of the host side of each decode phase. Writes
-OUT/profile_zero_step_<model>.json.
+time, host time inside `Engine.step`, GPU kernel time, GPU busy time (union of kernel intervals),
+kernel count, and the kernels by name, so the difference between the two is itemized (catch-up
+kernels are averaged over the steps they serve); with `host`, also a cProfile of the host side of
+each decode phase. Writes OUT/profile_zero_step_<model>.json.
 """
 
 from __future__ import annotations
@@ -22,8 +22,15 @@ import torch
 
 from bench.common import write_report
 from bench.gpu.profile_step import cuda_kernel_stats
-from bench.gpu.spec_speedup import (MODELS, NEW_TOKENS, engine_for, prompts_for, release_memory,
-                                    synthetic_setup, timed_decode)
+from bench.gpu.spec_speedup import (
+    MODELS,
+    NEW_TOKENS,
+    engine_for,
+    prompts_for,
+    release_memory,
+    synthetic_setup,
+    timed_decode,
+)
 from engine.core import SamplingParams
 from engine.engine import Engine
 
@@ -73,12 +80,17 @@ def profiled_decode(eng: Engine, prompts: list[list[int]]) -> dict[str, Any]:
         wall = time.perf_counter() - t0
     per_name, busy, _ = cuda_kernel_stats(prof, steps)
     top = sorted(per_name.items(), key=lambda kv: -kv[1][0])
-    return {"steps": steps, "wall_us_per_step": wall / steps * 1e6, "host_us_per_step": host / steps * 1e6,
-            "gc_us_per_step": gct.seconds / steps * 1e6, "gc_runs": gct.runs,
-            "kernel_us_per_step": sum(t for t, _ in per_name.values()),
-            "kernels_per_step": sum(c for _, c in per_name.values()),
-            "busy_us_per_step": busy,
-            "kernels": {n[:100]: [round(t, 2), round(c, 2)] for n, (t, c) in top}}
+    return {
+        "steps": steps,
+        "wall_us_per_step": wall / steps * 1e6,
+        "host_us_per_step": host / steps * 1e6,
+        "gc_us_per_step": gct.seconds / steps * 1e6,
+        "gc_runs": gct.runs,
+        "kernel_us_per_step": sum(t for t, _ in per_name.values()),
+        "kernels_per_step": sum(c for _, c in per_name.values()),
+        "busy_us_per_step": busy,
+        "kernels": {n[:100]: [round(t, 2), round(c, 2)] for n, (t, c) in top},
+    }
 
 
 def host_profile(eng: Engine, prompts: list[list[int]], top: int = 45) -> list[str]:
@@ -114,8 +126,13 @@ def timed_parts(eng: Engine, prompts: list[list[int]]) -> dict[str, float]:
         first.update(d.rid for d in eng.step() if d.token_ids)
     sched, ex = eng.scheduler, eng.executor
     spent: dict[str, float] = defaultdict(float)
-    patched = {"launch": (ex, ex.launch), "collect": (ex, ex.collect), "next_batch": (sched.policy, sched.policy.next_batch),
-               "complete": (sched, sched._complete), "ingest": (sched, sched._ingest)}
+    patched = {
+        "launch": (ex, ex.launch),
+        "collect": (ex, ex.collect),
+        "next_batch": (sched.policy, sched.policy.next_batch),
+        "complete": (sched, sched._complete),
+        "ingest": (sched, sched._ingest),
+    }
 
     def timed(name: str, fn: Any) -> Any:
         def call(*a: Any, **k: Any) -> Any:
@@ -124,7 +141,9 @@ def timed_parts(eng: Engine, prompts: list[list[int]]) -> dict[str, float]:
                 return fn(*a, **k)
             finally:
                 spent[name] += time.perf_counter() - t0
+
         return call
+
     for name, (obj, fn) in patched.items():
         setattr(obj, name, timed(name, fn))
     steps, t0 = 0, time.perf_counter()
@@ -164,8 +183,13 @@ def main() -> int:
         report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "model": name, "points": []}
         results: dict[str, dict[int, Any]] = {"plain": {}, "zero": {}}
         for label in results:
-            eng = engine_for(model, cfg, head if label == "zero" else None, 1 if label == "zero" else None,
-                             zero_config if label == "zero" else None)
+            eng = engine_for(
+                model,
+                cfg,
+                head if label == "zero" else None,
+                1 if label == "zero" else None,
+                zero_config if label == "zero" else None,
+            )
             for bs in batches:
                 ps = prompts_for(bs, cfg.vocab_size)
                 warm = timed_decode(eng, ps)  # warm-up pass (and the oracle's table for the draft)
@@ -176,16 +200,25 @@ def main() -> int:
                     r["host_profile"] = host_profile(eng, ps)
                     r["host_parts_us"] = timed_parts(eng, ps)
                     print(name, label, bs, "host us per step:", r["host_parts_us"], flush=True)
-                print(name, label, bs, {k: round(v, 1) for k, v in r.items() if not isinstance(v, (dict, list))}, flush=True)
+                print(
+                    name,
+                    label,
+                    bs,
+                    {k: round(v, 1) for k, v in r.items() if not isinstance(v, (dict, list))},
+                    flush=True,
+                )
             del eng
             release_memory()
         for bs in batches:
             p, z = results["plain"][bs], results["zero"][bs]
             point = {"batch": bs, "plain": p, "zero": z, "diff": diff(p, z)}
             report["points"].append(point)
-            print(f"{name} bs {bs}: wall {p['wall_us_per_step']:.0f} -> {z['wall_us_per_step']:.0f} us, busy "
-                  f"{p['busy_us_per_step']:.0f} -> {z['busy_us_per_step']:.0f}, kernels {p['kernels_per_step']:.1f} -> "
-                  f"{z['kernels_per_step']:.1f}", flush=True)
+            print(
+                f"{name} bs {bs}: wall {p['wall_us_per_step']:.0f} -> {z['wall_us_per_step']:.0f} us, busy "
+                f"{p['busy_us_per_step']:.0f} -> {z['busy_us_per_step']:.0f}, kernels {p['kernels_per_step']:.1f} -> "
+                f"{z['kernels_per_step']:.1f}",
+                flush=True,
+            )
             for row in point["diff"][:30]:
                 print("   ", row, flush=True)
         write_report(out / f"profile_zero_step_{name}.json", report)

@@ -46,13 +46,35 @@ from fixtures.tiny_eagle import write_tiny_eagle_head
 from spec.config import SpecConfig
 from spec.registry import bind
 
-LLAMA_1B = dict(LLAMA_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
-                rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+LLAMA_1B = dict(
+    LLAMA_8B,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    tie_word_embeddings=True,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+)
 # a dry run of the script's logic on a CPU (TRITON_INTERPRET=1): tiny shapes, two batch sizes
-TINY = dict(LLAMA_8B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, vocab_size=512, torch_dtype="float32")
+TINY = dict(
+    LLAMA_8B,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=512,
+    torch_dtype="float32",
+)
 MODELS = {"llama-8b": LLAMA_8B, "llama-1b": LLAMA_1B, "tiny": TINY}
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 P_VALUES = (0.0, 0.7, 0.9)  # 0.9: about 3.2 tokens per verify with 3 steps (realized, reported)
@@ -102,12 +124,17 @@ def timed_decode(eng: Engine, prompts: list[list[int]]) -> dict[str, Any]:
     secs = time.perf_counter() - t0
     verifies = (stats.verifies - v0) if stats else 0
     accept = 1 + (stats.accepted_drafts - a0) / verifies if verifies else 1.0
-    return {"outputs": [out[r] for r in out], "tok_s": tokens / secs, "step_ms": secs / max(steps, 1) * 1e3,
-            "accept_len": accept}
+    return {
+        "outputs": [out[r] for r in out],
+        "tok_s": tokens / secs,
+        "step_ms": secs / max(steps, 1) * 1e3,
+        "accept_len": accept,
+    }
 
 
-def paired_passes(eng: Engine, plain_eng: Engine, prompts: list[list[int]],
-                  n: int) -> tuple[list[dict[str, Any]], float]:
+def paired_passes(
+    eng: Engine, plain_eng: Engine, prompts: list[list[int]], n: int
+) -> tuple[list[dict[str, Any]], float]:
     """n passes of `eng` and n of the plain engine on the same prompts, in the order plain, eng,
     eng, plain (repeated): as many of each, and a linear drift of the host's speed weighs on both
     alike. Returns (the passes of `eng`, the best plain throughput of the window)."""
@@ -119,18 +146,26 @@ def paired_passes(eng: Engine, plain_eng: Engine, prompts: list[list[int]],
     return passes, max(plain)
 
 
-def engine_for(model: torch.nn.Module, cfg: Any, head: Path | None, steps: int | None,
-               adaptive_config: str | None = None) -> Engine:
+def engine_for(
+    model: torch.nn.Module, cfg: Any, head: Path | None, steps: int | None, adaptive_config: str | None = None
+) -> Engine:
     binding = None
     if head is not None:
         adaptive = steps is None or adaptive_config is not None
         spec = SpecConfig("SYNTHETIC", str(head), steps or 3, 1, adaptive=adaptive, adaptive_config=adaptive_config)
         binding = bind(spec)
     total = MAX_RUNNING * (PROMPT_LEN + NEW_TOKENS + 96)
-    eng = make_engine(model, cfg, overlap=True, graphs=MAX_RUNNING, max_running=MAX_RUNNING,
-                      max_total_tokens=total, algorithm=binding,
-                      backend="triton" if torch.cuda.is_available() else "torch",
-                      cuda_graph_padded_eager=not torch.cuda.is_available())
+    eng = make_engine(
+        model,
+        cfg,
+        overlap=True,
+        graphs=MAX_RUNNING,
+        max_running=MAX_RUNNING,
+        max_total_tokens=total,
+        algorithm=binding,
+        backend="triton" if torch.cuda.is_available() else "torch",
+        cuda_graph_padded_eager=not torch.cuda.is_available(),
+    )
     freeze_engine_objects()
     return eng
 
@@ -169,8 +204,13 @@ def synthetic_setup(name: str) -> tuple[Any, torch.nn.Module, Path, str, OracleP
     tmp = Path(tempfile.mkdtemp())
     (tmp / "config.json").write_text(json.dumps(raw))
     (tmp / "zero.json").write_text(json.dumps(ZERO_ONLY))
-    head = write_tiny_eagle_head(tmp / "head", tmp, "eagle3", draft_vocab_size=min(32000, cfg.vocab_size // 2),
-                                 intermediate_size=cfg.intermediate_size)
+    head = write_tiny_eagle_head(
+        tmp / "head",
+        tmp,
+        "eagle3",
+        draft_vocab_size=min(32000, cfg.vocab_size // 2),
+        intermediate_size=cfg.intermediate_size,
+    )
     registry.register_class("SYNTHETIC", SyntheticEagle3)
     picker = PICKER["current"] = OraclePicker(MAX_RUNNING, PROMPT_LEN + NEW_TOKENS + 96, cfg.vocab_size, dev)
     return cfg, model, head, str(tmp / "zero.json"), picker
@@ -217,48 +257,73 @@ def sweep(name: str, out_dir: Path, batches: tuple[int, ...]) -> dict[str, Any]:
                 r["exact"] = min(sum(a == b for a, b in zip(x["outputs"], plain[bs]["outputs"])) / bs for x in passes)
                 r.pop("outputs")
                 runs[label][(bs, p)] = r
-                print(f"{name} {label} bs {bs} p {p}: {r['tok_s']:.0f} tok/s ({r['tok_s'] / plain[bs]['tok_s']:.2f}x), "
-                      f"accept {r['accept_len']:.2f}, exact {r['exact']:.2f}, iteration {r['step_ms']:.2f} ms"
-                      + (f", cold {cold:.0f} tok/s, settled {settled:.0f} tok/s ({settled / plain[bs]['tok_s']:.2f}x)"
-                         if cold and settled else "")
-                      + (f", paired plain {paired_plain:.0f} tok/s ({r['tok_s'] / paired_plain:.3f}x)"
-                         if paired_plain else ""), flush=True)
+                print(
+                    f"{name} {label} bs {bs} p {p}: {r['tok_s']:.0f} tok/s ({r['tok_s'] / plain[bs]['tok_s']:.2f}x), "
+                    f"accept {r['accept_len']:.2f}, exact {r['exact']:.2f}, iteration {r['step_ms']:.2f} ms"
+                    + (
+                        f", cold {cold:.0f} tok/s, settled {settled:.0f} tok/s ({settled / plain[bs]['tok_s']:.2f}x)"
+                        if cold and settled
+                        else ""
+                    )
+                    + (
+                        f", paired plain {paired_plain:.0f} tok/s ({r['tok_s'] / paired_plain:.3f}x)"
+                        if paired_plain
+                        else ""
+                    ),
+                    flush=True,
+                )
         del eng
         release_memory()
-        write_report(out_dir / f"spec_speedup_{name}_partial.json",
-                     {"plain": {str(b): {k: v for k, v in r.items() if k != "outputs"} for b, r in plain.items()},
-                      "runs": {lab: {f"{b}/{p}": r for (b, p), r in rr.items()} for lab, rr in runs.items()}})
+        write_report(
+            out_dir / f"spec_speedup_{name}_partial.json",
+            {
+                "plain": {str(b): {k: v for k, v in r.items() if k != "outputs"} for b, r in plain.items()},
+                "runs": {lab: {f"{b}/{p}": r for (b, p), r in rr.items()} for lab, rr in runs.items()},
+            },
+        )
     points = []
     for bs in batches:
         for p in P_VALUES:
             best = max(FIXED, key=lambda s: runs[str(s)][(bs, p)]["tok_s"])
-            ideal = {s: runs[str(s)][(bs, p)]["accept_len"] * plain[bs]["step_ms"] / runs[str(s)][(bs, p)]["step_ms"]
-                     for s in FIXED}
-            points.append({
-                "model": name, "batch": bs, "p": p,
-                "accept_len": runs[str(best)][(bs, p)]["accept_len"],
-                "plain_tok_s": plain[bs]["tok_s"], "plain_step_ms": plain[bs]["step_ms"],
-                "fixed_tok_s": {str(s): runs[str(s)][(bs, p)]["tok_s"] for s in FIXED},
-                "fixed_accept_len": {str(s): runs[str(s)][(bs, p)]["accept_len"] for s in FIXED},
-                "fixed_iteration_ms": {str(s): runs[str(s)][(bs, p)]["step_ms"] for s in FIXED},
-                "fixed_ideal_speedup": {str(s): v for s, v in ideal.items()},
-                "adaptive_tok_s": runs["adaptive"][(bs, p)]["tok_s"],
-                "adaptive_cold_tok_s": runs["adaptive"][(bs, p)]["cold_tok_s"],
-                "adaptive_settled_tok_s": runs["adaptive"][(bs, p)]["settled_tok_s"],
-                "zero_steps_tok_s": runs["0"][(bs, 0.0)]["tok_s"] if p == 0.0 else None,
-                "zero_steps_paired_plain_tok_s": runs["0"][(bs, 0.0)]["paired_plain_tok_s"] if p == 0.0 else None,
-                "adaptive_paired_plain_tok_s": runs["adaptive"][(bs, p)]["paired_plain_tok_s"],
-                "adaptive_iteration_ms": runs["adaptive"][(bs, p)]["step_ms"],
-                "adaptive_accept_len": runs["adaptive"][(bs, p)]["accept_len"],
-                "exact_fraction": min(r[(bs, p)]["exact"] for r in runs.values() if (bs, p) in r),
-            })
+            ideal = {
+                s: runs[str(s)][(bs, p)]["accept_len"] * plain[bs]["step_ms"] / runs[str(s)][(bs, p)]["step_ms"]
+                for s in FIXED
+            }
+            points.append(
+                {
+                    "model": name,
+                    "batch": bs,
+                    "p": p,
+                    "accept_len": runs[str(best)][(bs, p)]["accept_len"],
+                    "plain_tok_s": plain[bs]["tok_s"],
+                    "plain_step_ms": plain[bs]["step_ms"],
+                    "fixed_tok_s": {str(s): runs[str(s)][(bs, p)]["tok_s"] for s in FIXED},
+                    "fixed_accept_len": {str(s): runs[str(s)][(bs, p)]["accept_len"] for s in FIXED},
+                    "fixed_iteration_ms": {str(s): runs[str(s)][(bs, p)]["step_ms"] for s in FIXED},
+                    "fixed_ideal_speedup": {str(s): v for s, v in ideal.items()},
+                    "adaptive_tok_s": runs["adaptive"][(bs, p)]["tok_s"],
+                    "adaptive_cold_tok_s": runs["adaptive"][(bs, p)]["cold_tok_s"],
+                    "adaptive_settled_tok_s": runs["adaptive"][(bs, p)]["settled_tok_s"],
+                    "zero_steps_tok_s": runs["0"][(bs, 0.0)]["tok_s"] if p == 0.0 else None,
+                    "zero_steps_paired_plain_tok_s": runs["0"][(bs, 0.0)]["paired_plain_tok_s"] if p == 0.0 else None,
+                    "adaptive_paired_plain_tok_s": runs["adaptive"][(bs, p)]["paired_plain_tok_s"],
+                    "adaptive_iteration_ms": runs["adaptive"][(bs, p)]["step_ms"],
+                    "adaptive_accept_len": runs["adaptive"][(bs, p)]["accept_len"],
+                    "exact_fraction": min(r[(bs, p)]["exact"] for r in runs.values() if (bs, p) in r),
+                }
+            )
     del plain_eng
     release_memory()
     device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     gpu = device.split()[1].lower() if " " in device else device
-    report = {"device": device, "torch": torch.__version__, "points": points,
-              "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS,
-              "command": f"python -m bench.gpu.spec_speedup {name} OUT"}
+    report = {
+        "device": device,
+        "torch": torch.__version__,
+        "points": points,
+        "prompt_len": PROMPT_LEN,
+        "new_tokens": NEW_TOKENS,
+        "command": f"python -m bench.gpu.spec_speedup {name} OUT",
+    }
     write_report(out_dir / f"spec_speedup_{gpu}_{name}.json", report)
     return report
 
@@ -266,10 +331,13 @@ def sweep(name: str, out_dir: Path, batches: tuple[int, ...]) -> dict[str, Any]:
 def merge_reports(out_dir: Path, gpu: str) -> Path:
     """One `spec_speedup_<gpu>.json` with every model's points (the layout the results use)."""
     parts = [json.loads(f.read_text()) for f in sorted(out_dir.glob(f"spec_speedup_{gpu}_*.json"))]
-    merged = {**{k: v for k, v in parts[0].items() if k != "points"},
-              "points": [p for part in parts for p in part["points"]],
-              "command": "python -m bench.gpu.spec_speedup " + " ".join(sorted({p["model"] for part in parts
-                                                                                for p in part["points"]})) + " OUT"}
+    merged = {
+        **{k: v for k, v in parts[0].items() if k != "points"},
+        "points": [p for part in parts for p in part["points"]],
+        "command": "python -m bench.gpu.spec_speedup "
+        + " ".join(sorted({p["model"] for part in parts for p in part["points"]}))
+        + " OUT",
+    }
     path = out_dir / f"spec_speedup_{gpu}.json"
     write_report(path, merged)
     return path

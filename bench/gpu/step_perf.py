@@ -17,20 +17,32 @@ from engine.kv_budget import kv_bytes_per_token
 
 def graph_counters(rig: Rig) -> dict[str, Any]:
     stats = rig.runner.graph_stats
-    return {"hits": stats.hits, "captures": stats.captures, "eager": stats.eager,
-            "eager_reasons": dict(stats.eager_reasons)}
+    return {
+        "hits": stats.hits,
+        "captures": stats.captures,
+        "eager": stats.eager,
+        "eager_reasons": dict(stats.eager_reasons),
+    }
 
 
-def decode_roofline(rig: Rig, cfg: ModelConfig, bw: float, weight_bytes: int, bs: int,
-                    context: int, iters: int = 30) -> dict[str, Any]:
+def decode_roofline(
+    rig: Rig, cfg: ModelConfig, bw: float, weight_bytes: int, bs: int, context: int, iters: int = 30
+) -> dict[str, Any]:
     """Decode step time vs (weight bytes + KV bytes read) / copy bandwidth."""
     ids, ctx = step_context(rig, ForwardMode.DECODE, bs, context)
     secs = time_cuda(decode_step_fn(rig, ids, ctx), iters)
     kv_bytes = bs * context * kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 2)  # bf16 K+V
     ideal = (weight_bytes + kv_bytes) / bw
-    return {"batch": bs, "context": context, "step_ms": secs * 1e3, "roofline_ms": ideal * 1e3,
-            "fraction_of_roofline": ideal / secs, "tokens_per_s": bs / secs,
-            "weight_gb": weight_bytes / 1e9, "kv_gb": kv_bytes / 1e9}
+    return {
+        "batch": bs,
+        "context": context,
+        "step_ms": secs * 1e3,
+        "roofline_ms": ideal * 1e3,
+        "fraction_of_roofline": ideal / secs,
+        "tokens_per_s": bs / secs,
+        "weight_gb": weight_bytes / 1e9,
+        "kv_gb": kv_bytes / 1e9,
+    }
 
 
 def verify_vs_decode(rig: Rig, bs: int, context: int, ntok: int, iters: int = 30) -> dict[str, Any]:
@@ -53,8 +65,13 @@ def prefill_rate(rig: Rig, cfg: ModelConfig, mm_rate: float, tokens: int, iters:
     secs = time_cuda(decode_step_fn(rig, ids, ctx, logits_rows=slice(-1, None)), iters, warmup=2)
     attn = cfg.num_layers * 2 * tokens * tokens * cfg.num_heads * cfg.head_dim  # causal QK^T + PV
     flops = 2 * matmul_params(cfg) * tokens + attn + 2 * cfg.hidden_size * cfg.vocab_size
-    return {"tokens": tokens, "ms": secs * 1e3, "tflops": flops / secs / 1e12,
-            "fraction_of_matmul_rate": flops / secs / mm_rate, "tokens_per_s": tokens / secs}
+    return {
+        "tokens": tokens,
+        "ms": secs * 1e3,
+        "tflops": flops / secs / 1e12,
+        "fraction_of_matmul_rate": flops / secs / mm_rate,
+        "tokens_per_s": tokens / secs,
+    }
 
 
 def eager_vs_graph(rig: Rig, bs: int, context: int, iters: int = 20) -> dict[str, Any]:
@@ -70,5 +87,10 @@ def eager_vs_graph(rig: Rig, bs: int, context: int, iters: int = 20) -> dict[str
     rig.runner.graphs = graphs
     graph_tok = fn()
     graph = time_cuda(fn, iters)
-    return {"batch": bs, "eager_ms": eager * 1e3, "graph_ms": graph * 1e3, "speedup": eager / graph,
-            "same_tokens": bool(torch.equal(eager_tok, graph_tok))}
+    return {
+        "batch": bs,
+        "eager_ms": eager * 1e3,
+        "graph_ms": graph * 1e3,
+        "speedup": eager / graph,
+        "same_tokens": bool(torch.equal(eager_tok, graph_tok)),
+    }

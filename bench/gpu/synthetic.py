@@ -50,13 +50,15 @@ class OraclePicker:
         coin = uniform_noise(slots + _SALT, pos, 1).squeeze(1) < self._threshold  # independent per position
         return torch.where(coin, true, (true + 1) % self.vocab)  # `own` was computed: its cost is paid
 
-    def pick(self, head: torch.nn.Module, hidden: torch.Tensor, slots: torch.Tensor,
-             positions: torch.Tensor) -> torch.Tensor:
+    def pick(
+        self, head: torch.nn.Module, hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
         own = head.to_target_ids(head.compute_logits(hidden).argmax(-1))  # the head's full cost
         return self._oracle(own, slots, positions)
 
-    def guess(self, head: torch.nn.Module, hidden: torch.Tensor, k: int, slots: torch.Tensor,
-              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def guess(
+        self, head: torch.nn.Module, hidden: torch.Tensor, k: int, slots: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         probs = torch.softmax(head.compute_logits(hidden).float(), dim=-1)
         p, idx = torch.topk(probs, k, dim=-1)
         idx = head.to_target_ids(idx)
@@ -64,8 +66,9 @@ class OraclePicker:
         return p, torch.cat((first.unsqueeze(1), idx[:, 1:]), dim=1)
 
 
-def widen_margins(model: torch.nn.Module, residual_scale: float = 1e-3, embedding_scale: float = 5.0,
-                  seed: int = 0) -> None:
+def widen_margins(
+    model: torch.nn.Module, residual_scale: float = 1e-3, embedding_scale: float = 5.0, seed: int = 0
+) -> None:
     """Random weights whose greedy next token wins by a wide logit margin, as a trained model's
     mostly does: embeddings scaled up and residual branches down, so the last hidden state stays
     near the current token's embedding (the branches add ~15% of its norm over 32 layers), and the

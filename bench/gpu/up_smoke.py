@@ -32,8 +32,12 @@ def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
 
 def gpu_memory() -> list[str]:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.used,memory.total",
-                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,name,memory.used,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except OSError:  # a CPU host (dry run)
         return []
     return out.stdout.strip().splitlines()
@@ -48,15 +52,29 @@ def main() -> int:
         url = dep.start(lambda msg: print(f"[{time.monotonic() - t0:6.1f} s] {msg}", flush=True))
         report["start_s"] = time.monotonic() - t0
         model = served_model(url)
-        comp = post(f"{url}/v1/completions", {"model": model, "prompt": "def fibonacci(n):", "max_tokens": 48,
-                                              "temperature": 0})
-        chat = post(f"{url}/v1/chat/completions", {"model": model, "max_tokens": 48, "temperature": 0,
-                                                   "messages": [{"role": "user", "content": "Sort a list in Python."}]})
-        report.update(model=model, completion=comp["choices"][0]["text"], completion_usage=comp["usage"],
-                      chat=chat["choices"][0]["message"]["content"], gpus=gpu_memory())
+        comp = post(
+            f"{url}/v1/completions", {"model": model, "prompt": "def fibonacci(n):", "max_tokens": 48, "temperature": 0}
+        )
+        chat = post(
+            f"{url}/v1/chat/completions",
+            {
+                "model": model,
+                "max_tokens": 48,
+                "temperature": 0,
+                "messages": [{"role": "user", "content": "Sort a list in Python."}],
+            },
+        )
+        report.update(
+            model=model,
+            completion=comp["choices"][0]["text"],
+            completion_usage=comp["usage"],
+            chat=chat["choices"][0]["message"]["content"],
+            gpus=gpu_memory(),
+        )
     finally:
-        report["kv_lines"] = {c.name: [ln for ln in c.lines if "KV cache" in ln or "device" in ln.lower()][:4]
-                              for c in dep.children}
+        report["kv_lines"] = {
+            c.name: [ln for ln in c.lines if "KV cache" in ln or "device" in ln.lower()][:4] for c in dep.children
+        }
         report["node_devices"] = [(c.name, c.proc.args) for c in dep.children]
         dep.stop()
     print(json.dumps(report, indent=2, default=str))

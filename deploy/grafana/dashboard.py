@@ -38,106 +38,263 @@ def _q(p: float, metric: str, by: str = "le", match: str = "") -> str:
 
 
 ROWS: list[tuple[str, list[Panel]]] = [
-    ("Requests", [
-        Panel("Request rate by endpoint and status", "reqps", "API responses of the routers (probes and "
-              "scrapes, endpoint=\"other\", left out).",
-              [(f'sum by (endpoint, status) (rate(pdserve_router_requests_total{{endpoint!="other"}}[{W}]))',
-                "{{endpoint}} {{status}}")]),
-        Panel("Errors by status", "reqps", "Non-2xx responses, streams that failed after the first byte, "
-              "requests shed at the queue limit.",
-              [(f'sum by (status) (rate(pdserve_router_requests_total{{endpoint!="other",status!~"2.."}}[{W}]))',
-                "HTTP {{status}}"),
-               (f"sum(rate(pdserve_router_stream_errors_total[{W}])) or vector(0)", "stream errors"),
-               (f"sum(rate(pdserve_router_requests_shed_total[{W}]))", "shed (queue full)")]),
-    ]),
-    ("Latency", [
-        Panel("TTFT by stage (p50)", "s", "Router stages: queue (pair selection, retries), prefill (node "
-              "queue + prompt + KV write, until the prefill answers), first decode (decode commit + first step; ~0 when "
-              "the router relayed the prefill's own first token). "
-              "The KV write alone and the prefill node's queue time come from the nodes.",
-              [(_q(0.5, "pdserve_router_ttft_stage_seconds", "le, stage"), "{{stage}}"),
-               (_q(0.5, "pdserve_kv_transfer_seconds", match='{role="prefill"}'), "transfer (KV write)"),
-               (_q(0.5, "pdserve_node_queue_time_seconds", match='{role="prefill"}'), "prefill node queue")]),
-        Panel("Time to first token", "s", "Arrival at the router to the first generated token.",
-              [(_q(p, "pdserve_router_time_to_first_token_seconds"), f"p{int(p * 100)}") for p in (0.5, 0.9, 0.99)]),
-        Panel("End-to-end latency", "s", "Arrival to the last token of completed requests, PD and colocated.",
-              [(_q(p, "pdserve_router_e2e_request_latency_seconds", "le, disaggregated"),
-                f"p{int(p * 100)} disaggregated={{{{disaggregated}}}}") for p in (0.5, 0.99)]),
-        Panel("Inter-token latency", "s", "Gap between consecutive output tokens of a choice.",
-              [(_q(p, "pdserve_router_inter_token_latency_seconds"), f"p{int(p * 100)}") for p in (0.5, 0.9, 0.99)]),
-    ]),
-    ("Throughput", [
-        Panel("Token throughput", "short", "Tokens per second of completed requests.",
-              [(f"sum(rate(pdserve_router_completion_tokens_total[{W}]))", "output tok/s"),
-               (f"sum(rate(pdserve_router_prompt_tokens_total[{W}]))", "prompt tok/s")]),
-        Panel("In-flight requests", "short", "Requests the routers serve now, and each node's running batch.",
-              [("sum(pdserve_router_requests_in_flight)", "routers"),
-               ("sum by (instance, role) (pdserve_node_running_requests)", "running {{role}} {{instance}}")]),
-    ]),
-    ("Nodes", [
-        Panel("KV cache usage per node", "percentunit", "KV cache tokens in use / capacity.",
-              [("max by (instance, role) (pdserve_kv_cache_usage_ratio)", "{{role}} {{instance}}")]),
-        Panel("Node queue depths", "short", "waiting: queued for admission; prealloc: decode waiting for KV "
-              "pages / prefill waiting for a destination; transfer: decode waiting for the KV write / "
-              "prefill computing or writing.",
-              [("sum by (instance, role) (pdserve_node_waiting_requests)", "waiting {{role}} {{instance}}"),
-               ("sum by (instance, role, queue) (pdserve_pd_queue_requests)", "{{queue}} {{role}} {{instance}}")]),
-        Panel("Node queue time (p90)", "s", "Waiting queue to admission into a batch, per role.",
-              [(_q(0.9, "pdserve_node_queue_time_seconds", "le, role"), "{{role}}")]),
-        Panel("Batch launch time (p90)", "s", "Host time to launch one batch on the device, prompt chunks and "
-              "decode steps apart. A prompt chunk whose launch takes about as long as the chunk itself is "
-              "launch-bound: host load (other threads, other processes) then slows prompts.",
-              [(_q(0.9, "pdserve_node_launch_seconds", "le, role, kind"), "{{kind}} {{role}}")]),
-        Panel("Finished requests and retractions", "reqps", "Requests ending per finish reason (abort: "
-              "cancelled or failed) and running requests sent back to the queue.",
-              [(f"sum by (role, reason) (rate(pdserve_node_finished_requests_total[{W}]))", "{{role}} {{reason}}"),
-               (f"sum by (role) (rate(pdserve_node_retractions_total[{W}]))", "retractions {{role}}")]),
-    ]),
-    ("Speculative decoding", [
-        Panel("Accept length per node", "short", "Tokens per target forward: 1 + accepted drafts / verifies.",
-              [(f'1 + sum by (instance, role) (rate(pdserve_spec_accepted_tokens_total{{role=~"decode|colocated"}}[{W}])) '
-                f'/ sum by (instance, role) (rate(pdserve_spec_verifies_total{{role=~"decode|colocated"}}[{W}]))',
-                "{{role}} {{instance}}")]),
-        Panel("Acceptance rate: PD vs colocated", "percentunit", "Accepted drafts / drafts proposed; decode "
-              "nodes are the PD path, colocated nodes the baseline.",
-              [(f'sum by (role) (rate(pdserve_spec_accepted_tokens_total{{role=~"decode|colocated"}}[{W}])) '
-                f'/ sum by (role) (rate(pdserve_spec_draft_tokens_total{{role=~"decode|colocated"}}[{W}]))',
-                "{{role}}")]),
-        Panel("Adaptive speculative steps", "short", "Draft steps the adaptive policy chose, averaged over "
-              "its batch-size slots (only with --speculative-adaptive).",
-              [("avg by (instance, role) (pdserve_spec_adaptive_steps)", "{{role}} {{instance}}")]),
-        Panel("Model load time", "s", "Engine construction at start-up (weights, draft, KV pool, CUDA graphs).",
-              [("max by (instance, role) (pdserve_model_load_seconds)", "{{role}} {{instance}}")]),
-    ]),
-    ("KV transfer", [
-        Panel("KV transfer bandwidth", "Bps", "KV page and aux row bytes written by prefill nodes / "
-              "received by decode nodes.",
-              [(f"sum by (instance, role) (rate(pdserve_kv_transfer_bytes_total[{W}]))", "{{role}} {{instance}}")]),
-        Panel("KV transfer latency", "s", "Prefill: write posted to completed. Decode: destination sent to "
-              "KV landed.",
-              [(_q(p, "pdserve_kv_transfer_seconds", "le, role"), f"p{int(p * 100)} {{{{role}}}}") for p in (0.5, 0.99)]),
-        Panel("KV transfer failures by reason", "reqps", "PD requests that failed before decoding.",
-              [(f"sum by (role, reason) (rate(pdserve_kv_transfer_failures_total[{W}]))", "{{role}} {{reason}}")]),
-    ]),
-    ("Router health", [
-        Panel("Retries by reason", "reqps", "Attempts retried on a new pair before the first token.",
-              [(f"sum by (reason) (rate(pdserve_router_retries_total[{W}]))", "{{reason}}")]),
-        Panel("Circuit breakers and node health", "short", "Breaker per node (0 closed, 1 open, 2 "
-              "half-open, as SMG) and whether the node's last health refresh succeeded.",
-              [("max by (node, role) (pdserve_router_breaker_state)", "breaker {{role}} {{node}}"),
-               ("min by (node, role) (pdserve_router_node_up)", "up {{role}} {{node}}")],
-              {0: "closed", 1: "open", 2: "half-open"}),
-        Panel("Routers ready", "short", "Routers whose /ready passes (a compatible pair completed a "
-              "handoff lately).", [("sum(pdserve_router_ready)", "ready routers")]),
-    ]),
+    (
+        "Requests",
+        [
+            Panel(
+                "Request rate by endpoint and status",
+                "reqps",
+                'API responses of the routers (probes and scrapes, endpoint="other", left out).',
+                [
+                    (
+                        f'sum by (endpoint, status) (rate(pdserve_router_requests_total{{endpoint!="other"}}[{W}]))',
+                        "{{endpoint}} {{status}}",
+                    )
+                ],
+            ),
+            Panel(
+                "Errors by status",
+                "reqps",
+                "Non-2xx responses, streams that failed after the first byte, requests shed at the queue limit.",
+                [
+                    (
+                        f'sum by (status) (rate(pdserve_router_requests_total{{endpoint!="other",status!~"2.."}}[{W}]))',
+                        "HTTP {{status}}",
+                    ),
+                    (f"sum(rate(pdserve_router_stream_errors_total[{W}])) or vector(0)", "stream errors"),
+                    (f"sum(rate(pdserve_router_requests_shed_total[{W}]))", "shed (queue full)"),
+                ],
+            ),
+        ],
+    ),
+    (
+        "Latency",
+        [
+            Panel(
+                "TTFT by stage (p50)",
+                "s",
+                "Router stages: queue (pair selection, retries), prefill (node "
+                "queue + prompt + KV write, until the prefill answers), first decode (decode commit + first step; ~0 when "
+                "the router relayed the prefill's own first token). "
+                "The KV write alone and the prefill node's queue time come from the nodes.",
+                [
+                    (_q(0.5, "pdserve_router_ttft_stage_seconds", "le, stage"), "{{stage}}"),
+                    (_q(0.5, "pdserve_kv_transfer_seconds", match='{role="prefill"}'), "transfer (KV write)"),
+                    (_q(0.5, "pdserve_node_queue_time_seconds", match='{role="prefill"}'), "prefill node queue"),
+                ],
+            ),
+            Panel(
+                "Time to first token",
+                "s",
+                "Arrival at the router to the first generated token.",
+                [(_q(p, "pdserve_router_time_to_first_token_seconds"), f"p{int(p * 100)}") for p in (0.5, 0.9, 0.99)],
+            ),
+            Panel(
+                "End-to-end latency",
+                "s",
+                "Arrival to the last token of completed requests, PD and colocated.",
+                [
+                    (
+                        _q(p, "pdserve_router_e2e_request_latency_seconds", "le, disaggregated"),
+                        f"p{int(p * 100)} disaggregated={{{{disaggregated}}}}",
+                    )
+                    for p in (0.5, 0.99)
+                ],
+            ),
+            Panel(
+                "Inter-token latency",
+                "s",
+                "Gap between consecutive output tokens of a choice.",
+                [(_q(p, "pdserve_router_inter_token_latency_seconds"), f"p{int(p * 100)}") for p in (0.5, 0.9, 0.99)],
+            ),
+        ],
+    ),
+    (
+        "Throughput",
+        [
+            Panel(
+                "Token throughput",
+                "short",
+                "Tokens per second of completed requests.",
+                [
+                    (f"sum(rate(pdserve_router_completion_tokens_total[{W}]))", "output tok/s"),
+                    (f"sum(rate(pdserve_router_prompt_tokens_total[{W}]))", "prompt tok/s"),
+                ],
+            ),
+            Panel(
+                "In-flight requests",
+                "short",
+                "Requests the routers serve now, and each node's running batch.",
+                [
+                    ("sum(pdserve_router_requests_in_flight)", "routers"),
+                    ("sum by (instance, role) (pdserve_node_running_requests)", "running {{role}} {{instance}}"),
+                ],
+            ),
+        ],
+    ),
+    (
+        "Nodes",
+        [
+            Panel(
+                "KV cache usage per node",
+                "percentunit",
+                "KV cache tokens in use / capacity.",
+                [("max by (instance, role) (pdserve_kv_cache_usage_ratio)", "{{role}} {{instance}}")],
+            ),
+            Panel(
+                "Node queue depths",
+                "short",
+                "waiting: queued for admission; prealloc: decode waiting for KV "
+                "pages / prefill waiting for a destination; transfer: decode waiting for the KV write / "
+                "prefill computing or writing.",
+                [
+                    ("sum by (instance, role) (pdserve_node_waiting_requests)", "waiting {{role}} {{instance}}"),
+                    ("sum by (instance, role, queue) (pdserve_pd_queue_requests)", "{{queue}} {{role}} {{instance}}"),
+                ],
+            ),
+            Panel(
+                "Node queue time (p90)",
+                "s",
+                "Waiting queue to admission into a batch, per role.",
+                [(_q(0.9, "pdserve_node_queue_time_seconds", "le, role"), "{{role}}")],
+            ),
+            Panel(
+                "Batch launch time (p90)",
+                "s",
+                "Host time to launch one batch on the device, prompt chunks and "
+                "decode steps apart. A prompt chunk whose launch takes about as long as the chunk itself is "
+                "launch-bound: host load (other threads, other processes) then slows prompts.",
+                [(_q(0.9, "pdserve_node_launch_seconds", "le, role, kind"), "{{kind}} {{role}}")],
+            ),
+            Panel(
+                "Finished requests and retractions",
+                "reqps",
+                "Requests ending per finish reason (abort: "
+                "cancelled or failed) and running requests sent back to the queue.",
+                [
+                    (f"sum by (role, reason) (rate(pdserve_node_finished_requests_total[{W}]))", "{{role}} {{reason}}"),
+                    (f"sum by (role) (rate(pdserve_node_retractions_total[{W}]))", "retractions {{role}}"),
+                ],
+            ),
+        ],
+    ),
+    (
+        "Speculative decoding",
+        [
+            Panel(
+                "Accept length per node",
+                "short",
+                "Tokens per target forward: 1 + accepted drafts / verifies.",
+                [
+                    (
+                        f'1 + sum by (instance, role) (rate(pdserve_spec_accepted_tokens_total{{role=~"decode|colocated"}}[{W}])) '
+                        f'/ sum by (instance, role) (rate(pdserve_spec_verifies_total{{role=~"decode|colocated"}}[{W}]))',
+                        "{{role}} {{instance}}",
+                    )
+                ],
+            ),
+            Panel(
+                "Acceptance rate: PD vs colocated",
+                "percentunit",
+                "Accepted drafts / drafts proposed; decode nodes are the PD path, colocated nodes the baseline.",
+                [
+                    (
+                        f'sum by (role) (rate(pdserve_spec_accepted_tokens_total{{role=~"decode|colocated"}}[{W}])) '
+                        f'/ sum by (role) (rate(pdserve_spec_draft_tokens_total{{role=~"decode|colocated"}}[{W}]))',
+                        "{{role}}",
+                    )
+                ],
+            ),
+            Panel(
+                "Adaptive speculative steps",
+                "short",
+                "Draft steps the adaptive policy chose, averaged over "
+                "its batch-size slots (only with --speculative-adaptive).",
+                [("avg by (instance, role) (pdserve_spec_adaptive_steps)", "{{role}} {{instance}}")],
+            ),
+            Panel(
+                "Model load time",
+                "s",
+                "Engine construction at start-up (weights, draft, KV pool, CUDA graphs).",
+                [("max by (instance, role) (pdserve_model_load_seconds)", "{{role}} {{instance}}")],
+            ),
+        ],
+    ),
+    (
+        "KV transfer",
+        [
+            Panel(
+                "KV transfer bandwidth",
+                "Bps",
+                "KV page and aux row bytes written by prefill nodes / received by decode nodes.",
+                [(f"sum by (instance, role) (rate(pdserve_kv_transfer_bytes_total[{W}]))", "{{role}} {{instance}}")],
+            ),
+            Panel(
+                "KV transfer latency",
+                "s",
+                "Prefill: write posted to completed. Decode: destination sent to KV landed.",
+                [
+                    (_q(p, "pdserve_kv_transfer_seconds", "le, role"), f"p{int(p * 100)} {{{{role}}}}")
+                    for p in (0.5, 0.99)
+                ],
+            ),
+            Panel(
+                "KV transfer failures by reason",
+                "reqps",
+                "PD requests that failed before decoding.",
+                [(f"sum by (role, reason) (rate(pdserve_kv_transfer_failures_total[{W}]))", "{{role}} {{reason}}")],
+            ),
+        ],
+    ),
+    (
+        "Router health",
+        [
+            Panel(
+                "Retries by reason",
+                "reqps",
+                "Attempts retried on a new pair before the first token.",
+                [(f"sum by (reason) (rate(pdserve_router_retries_total[{W}]))", "{{reason}}")],
+            ),
+            Panel(
+                "Circuit breakers and node health",
+                "short",
+                "Breaker per node (0 closed, 1 open, 2 "
+                "half-open, as SMG) and whether the node's last health refresh succeeded.",
+                [
+                    ("max by (node, role) (pdserve_router_breaker_state)", "breaker {{role}} {{node}}"),
+                    ("min by (node, role) (pdserve_router_node_up)", "up {{role}} {{node}}"),
+                ],
+                {0: "closed", 1: "open", 2: "half-open"},
+            ),
+            Panel(
+                "Routers ready",
+                "short",
+                "Routers whose /ready passes (a compatible pair completed a handoff lately).",
+                [("sum(pdserve_router_ready)", "ready routers")],
+            ),
+        ],
+    ),
 ]
 
 
 def _panel(p: Panel) -> timeseries.Panel:
-    b = (timeseries.Panel().title(p.title).description(p.description).unit(p.unit).datasource(DS)
-         .height(8).span(12).line_width(1).fill_opacity(10)
-         .legend(common.VizLegendOptions().display_mode(LegendDisplayMode.LIST)
-                 .placement(LegendPlacement.BOTTOM).show_legend(True)))
+    b = (
+        timeseries.Panel()
+        .title(p.title)
+        .description(p.description)
+        .unit(p.unit)
+        .datasource(DS)
+        .height(8)
+        .span(12)
+        .line_width(1)
+        .fill_opacity(10)
+        .legend(
+            common.VizLegendOptions()
+            .display_mode(LegendDisplayMode.LIST)
+            .placement(LegendPlacement.BOTTOM)
+            .show_legend(True)
+        )
+    )
     for i, (expr, legend) in enumerate(p.targets):
         b = b.with_target(prometheus.Dataquery().expr(expr).legend_format(legend).ref_id(chr(ord("A") + i)))
     if p.mappings:
@@ -147,17 +304,26 @@ def _panel(p: Panel) -> timeseries.Panel:
 
 def build() -> str:
     """The dashboard as JSON text (stable: the test compares it with the committed file)."""
-    d = (dashboard.Dashboard("pdserve").uid("pdserve").tags(["pdserve", "llm", "disaggregated"])
-         .description("pdserve router and prefill/decode nodes: traffic, TTFT by stage, KV cache, "
-                      "PD queues, speculative acceptance, KV transfer, retries and breakers.")
-         .refresh("30s").time("now-1h", "now").timezone("browser")
-         .with_variable(dashboard.DatasourceVariable("datasource").label("Data source").type("prometheus")))
+    d = (
+        dashboard.Dashboard("pdserve")
+        .uid("pdserve")
+        .tags(["pdserve", "llm", "disaggregated"])
+        .description(
+            "pdserve router and prefill/decode nodes: traffic, TTFT by stage, KV cache, "
+            "PD queues, speculative acceptance, KV transfer, retries and breakers."
+        )
+        .refresh("30s")
+        .time("now-1h", "now")
+        .timezone("browser")
+        .with_variable(dashboard.DatasourceVariable("datasource").label("Data source").type("prometheus"))
+    )
     for title, panels in ROWS:
         d = d.with_row(dashboard.Row(title))
         for p in panels:
             d = d.with_panel(_panel(p))
-    return json.dumps(json.loads(JSONEncoder(sort_keys=True, indent=2).encode(d.build())),
-                      indent=1, sort_keys=True) + "\n"
+    return (
+        json.dumps(json.loads(JSONEncoder(sort_keys=True, indent=2).encode(d.build())), indent=1, sort_keys=True) + "\n"
+    )
 
 
 def main(argv: list[str]) -> int:

@@ -38,12 +38,11 @@ def legend(fmt: str, labels: dict[str, str]) -> str:
         out = out.replace("{{" + k + "}}", v)
     while "{{" in out and "}}" in out:  # a label the series does not have
         a = out.index("{{")
-        out = out[:a] + out[out.index("}}", a) + 2:]
+        out = out[:a] + out[out.index("}}", a) + 2 :]
     return " ".join(out.split()) or "value"
 
 
-def panel_series(prom: str, panel: dict[str, Any], start: float, end: float, step: float,
-                 window: str) -> Series:
+def panel_series(prom: str, panel: dict[str, Any], start: float, end: float, step: float, window: str) -> Series:
     series: Series = []
     for t in panel["targets"]:
         expr = t["expr"].replace("$__rate_interval", window)
@@ -63,7 +62,7 @@ def draw(panels: list[tuple[dict[str, Any], Series]], out: Path, start: float, c
 
     rows = math.ceil(len(panels) / columns)
     fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.1 * rows), squeeze=False)
-    for ax in axes.flat[len(panels):]:
+    for ax in axes.flat[len(panels) :]:
         ax.axis("off")
     for ax, (panel, series) in zip(axes.flat, panels):
         unit = panel["fieldConfig"]["defaults"].get("unit", "")
@@ -86,8 +85,9 @@ def draw(panels: list[tuple[dict[str, Any], Series]], out: Path, start: float, c
     plt.close(fig)
 
 
-def render(prom: str, start: float, end: float, out: Path, window: str = "15s",
-           dashboard: Path = DASHBOARD) -> dict[str, int]:
+def render(
+    prom: str, start: float, end: float, out: Path, window: str = "15s", dashboard: Path = DASHBOARD
+) -> dict[str, int]:
     """Draw every panel; returns {panel title: number of series drawn}."""
     panels = [p for p in json.loads(dashboard.read_text())["panels"] if p["type"] != "row"]
     step = max(1.0, (end - start) / 300)

@@ -20,12 +20,13 @@ class AttentionBackend(ABC):
     # shapes, so a CUDA graph may capture them (graph runners check it)
     graph_safe: bool = False
 
-    def prepare(self, ctx: "ForwardContext") -> None:
+    def prepare(self, ctx: "ForwardContext") -> None:  # noqa: B027 - optional hook, no-op default
         """Build per-forward metadata once (shared by all layers); default: nothing."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                scale: float, ctx: "ForwardContext") -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scale: float, ctx: "ForwardContext"
+    ) -> torch.Tensor:
         """q: (tokens, heads, dim); k, v: (tokens, kv_heads, dim). Returns (tokens, heads, dim)."""
 
     def store(self, k: torch.Tensor, v: torch.Tensor, layer_id: int, ctx: "ForwardContext") -> None:
@@ -37,8 +38,7 @@ class AttentionBackend(ABC):
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
 # built-in backends register themselves when their module is imported; imported on first use so
 # the engine imports (and runs the torch backend) on machines without triton
-_BUILTIN_MODULES = {"torch": "engine.attention.torch_backend",
-                    "triton": "engine.attention.triton_backend"}
+_BUILTIN_MODULES = {"torch": "engine.attention.torch_backend", "triton": "engine.attention.triton_backend"}
 
 
 def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
@@ -63,5 +63,7 @@ def _import_builtin(name: str) -> None:
     except ModuleNotFoundError as e:
         if e.name != "triton":
             raise
-        raise RuntimeError(f"attention backend {name!r} needs the triton package, which is not "
-                           "installed; use attention_backend='torch'") from e
+        raise RuntimeError(
+            f"attention backend {name!r} needs the triton package, which is not "
+            "installed; use attention_backend='torch'"
+        ) from e

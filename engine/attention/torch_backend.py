@@ -52,18 +52,17 @@ class TorchAttention(AttentionBackend):
             start = (ctx.seq_lens - width).unsqueeze(1)  # (bs, 1)
             in_window = kv_pos.view(1, 1, -1) >= start.unsqueeze(2)
             rel = (kv_pos.view(1, -1) - start).clamp(0, width - 1)  # (bs, max_kv)
-            tree = torch.gather(ctx.tree_mask[:, :max_q, :], 2,
-                                rel.unsqueeze(1).expand(bs, max_q, max_kv))
+            tree = torch.gather(ctx.tree_mask[:, :max_q, :], 2, rel.unsqueeze(1).expand(bs, max_q, max_kv))
             mask = torch.where(in_window, tree, mask)
             mask &= kv_pos.view(1, 1, -1) < ctx.seq_lens.view(-1, 1, 1)  # padding keys of short rows
         # padded query rows keep one visible key so softmax stays finite; their output is dropped
         mask &= q_valid.unsqueeze(2)
         mask[..., 0] |= ~q_valid
-        ctx.attn_metadata = _Meta(kv_slots, q_index.clamp(min=0), q_valid, q_index[q_valid],
-                                  mask.unsqueeze(1))
+        ctx.attn_metadata = _Meta(kv_slots, q_index.clamp(min=0), q_valid, q_index[q_valid], mask.unsqueeze(1))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                scale: float, ctx: "ForwardContext") -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scale: float, ctx: "ForwardContext"
+    ) -> torch.Tensor:
         pool = ctx.kv_pool
         self.store(k, v, layer_id, ctx)
         meta: _Meta = ctx.attn_metadata
@@ -71,8 +70,13 @@ class TorchAttention(AttentionBackend):
         vals = pool.v(layer_id)[meta.kv_slots].to(q.dtype)
         qp = q[meta.q_gather]  # (bs, max_q, h, d)
         out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
-            attn_mask=meta.mask, scale=scale, enable_gqa=True)  # (bs, h, max_q, d)
+            qp.transpose(1, 2),
+            keys.transpose(1, 2),
+            vals.transpose(1, 2),
+            attn_mask=meta.mask,
+            scale=scale,
+            enable_gqa=True,
+        )  # (bs, h, max_q, d)
         result = torch.empty_like(q)
         result[meta.q_rows] = out.transpose(1, 2)[meta.valid]
         return result

@@ -52,8 +52,9 @@ def choose_num_splits(batch_size: int, kv_heads: int, max_context: int, sm_count
     return max(1, min(want, by_length, _MAX_SPLITS))
 
 
-def split_config(rows: int, batch_size: int, kv_heads: int, max_context: int,
-                 device: torch.device, num_splits: int | None = None) -> SplitConfig:
+def split_config(
+    rows: int, batch_size: int, kv_heads: int, max_context: int, device: torch.device, num_splits: int | None = None
+) -> SplitConfig:
     if num_splits is None:
         num_splits = choose_num_splits(batch_size, kv_heads, max_context, _sm_count(device))
     block_m = max(16, triton.next_power_of_2(rows))  # tl.dot needs >= 16 rows
@@ -61,8 +62,7 @@ def split_config(rows: int, batch_size: int, kv_heads: int, max_context: int,
         return SplitConfig(num_splits, block_m, block_n=16)
     # measured on an H200 (bf16, dim 128, GQA 4:1): 2 warps and 3 stages keep the most loads in
     # flight for 16-32 row tiles (decode bs 64 at 4K: ~4 TB/s)
-    return SplitConfig(num_splits, block_m, block_n=64, num_warps=2 if block_m <= 32 else 4,
-                       num_stages=3)
+    return SplitConfig(num_splits, block_m, block_n=64, num_warps=2 if block_m <= 32 else 4, num_stages=3)
 
 
 def extend_config(head_dim: int, device: torch.device) -> ExtendConfig:
@@ -71,8 +71,7 @@ def extend_config(head_dim: int, device: torch.device) -> ExtendConfig:
     if interpreting() or device.type != "cuda":
         return ExtendConfig(block_m=16, block_n=16)
     warps = 8 if head_dim > 64 else 4
-    return ExtendConfig(block_m=128, block_n=128 if head_dim <= 128 else 64, num_warps=warps,
-                        num_stages=3)
+    return ExtendConfig(block_m=128, block_n=128 if head_dim <= 128 else 64, num_warps=warps, num_stages=3)
 
 
 class TritonAttention(AttentionBackend):
@@ -85,8 +84,10 @@ class TritonAttention(AttentionBackend):
 
     def prepare(self, ctx: "ForwardContext") -> None:
         if ctx.positions.device.type != "cuda" and not interpreting():
-            raise RuntimeError("the triton attention backend needs CUDA tensors "
-                               "(or TRITON_INTERPRET=1 for CPU tests); use the torch backend")
+            raise RuntimeError(
+                "the triton attention backend needs CUDA tensors "
+                "(or TRITON_INTERPRET=1 for CPU tests); use the torch backend"
+            )
         # extend_lens_cpu is set for the padded batch under graphs; num_tokens bounds it anyway
         max_extend = max(ctx.extend_lens_cpu) if ctx.extend_lens_cpu else ctx.num_tokens
         tree = None
@@ -97,8 +98,9 @@ class TritonAttention(AttentionBackend):
     def store(self, k: torch.Tensor, v: torch.Tensor, layer_id: int, ctx: "ForwardContext") -> None:
         store_kv(k, v, ctx.kv_pool.k(layer_id), ctx.kv_pool.v(layer_id), ctx.out_cache_loc)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                scale: float, ctx: "ForwardContext") -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scale: float, ctx: "ForwardContext"
+    ) -> torch.Tensor:
         pool = ctx.kv_pool
         k_cache, v_cache = pool.k(layer_id), pool.v(layer_id)
         self.store(k, v, layer_id, ctx)
@@ -110,14 +112,36 @@ class TritonAttention(AttentionBackend):
         kv_heads = k_cache.shape[1]
         rows = meta.max_extend * (q.shape[1] // kv_heads)
         if rows <= self.split_max_rows:
-            cfg = split_config(rows, ctx.batch_size, kv_heads, ctx.req_to_token.shape[1], q.device,
-                               self.num_kv_splits)
-            return split_kv_attention(q, k_cache, v_cache, ctx.req_to_token, ctx.req_slots,
-                                      ctx.seq_lens, ctx.extend_lens, ctx.qo_indptr, meta.tree_mask,
-                                      scale, cfg, out)
-        return extend_attention(q, k_cache, v_cache, ctx.req_to_token, ctx.req_slots, ctx.seq_lens,
-                                ctx.extend_lens, ctx.qo_indptr, meta.max_extend, meta.tree_mask,
-                                scale, extend_config(q.shape[2], q.device), out)
+            cfg = split_config(rows, ctx.batch_size, kv_heads, ctx.req_to_token.shape[1], q.device, self.num_kv_splits)
+            return split_kv_attention(
+                q,
+                k_cache,
+                v_cache,
+                ctx.req_to_token,
+                ctx.req_slots,
+                ctx.seq_lens,
+                ctx.extend_lens,
+                ctx.qo_indptr,
+                meta.tree_mask,
+                scale,
+                cfg,
+                out,
+            )
+        return extend_attention(
+            q,
+            k_cache,
+            v_cache,
+            ctx.req_to_token,
+            ctx.req_slots,
+            ctx.seq_lens,
+            ctx.extend_lens,
+            ctx.qo_indptr,
+            meta.max_extend,
+            meta.tree_mask,
+            scale,
+            extend_config(q.shape[2], q.device),
+            out,
+        )
 
 
 register_backend("triton", TritonAttention)

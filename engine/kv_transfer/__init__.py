@@ -11,16 +11,39 @@ from collections.abc import Sequence
 
 from engine.kv_cache import KVPool
 from engine.kv_transfer.rows import HandoffRows, row_bytes_for
-from engine.kv_transfer.base import (KVPoll, KVTransport, MemoryLayout, Region, TransferError,
-                                     TransferRequest, completion_tag, failure_tag, parse_tag)
+from engine.kv_transfer.base import (
+    KVPoll,
+    KVTransport,
+    MemoryLayout,
+    Region,
+    TransferError,
+    TransferRequest,
+    completion_tag,
+    failure_tag,
+    parse_tag,
+)
 from engine.kv_transfer.fake import FakeTransport
 from engine.kv_transfer.layout import coalesce_runs, kv_regions, page_descs, run_descs
 
 __all__ = [
-    "FakeTransport", "HandoffRows", "KVPoll", "KVTransport",
-    "MemoryLayout", "Region", "TransferError", "TransferRequest", "coalesce_runs",
-    "completion_tag", "create_transport", "failure_tag", "kv_regions", "nixl_available",
-    "page_descs", "parse_tag", "row_bytes_for", "run_descs",
+    "FakeTransport",
+    "HandoffRows",
+    "KVPoll",
+    "KVTransport",
+    "MemoryLayout",
+    "Region",
+    "TransferError",
+    "TransferRequest",
+    "coalesce_runs",
+    "completion_tag",
+    "create_transport",
+    "failure_tag",
+    "kv_regions",
+    "nixl_available",
+    "page_descs",
+    "parse_tag",
+    "row_bytes_for",
+    "run_descs",
 ]
 
 
@@ -33,8 +56,7 @@ def nixl_available() -> bool:
     return True
 
 
-def create_transport(kind: str, name: str, pools: Sequence[KVPool], aux: HandoffRows,
-                     **kwargs: object) -> KVTransport:
+def create_transport(kind: str, name: str, pools: Sequence[KVPool], aux: HandoffRows, **kwargs: object) -> KVTransport:
     """`kind` "nixl" (production) or "fake" (in-process, tests only); kwargs go to NixlTransport."""
     if kind == "fake":
         if kwargs:
@@ -47,6 +69,7 @@ def create_transport(kind: str, name: str, pools: Sequence[KVPool], aux: Handoff
             raise RuntimeError(
                 "KV transfer backend 'nixl' needs the nixl-cu13 package: "
                 "`.venv/bin/pip install --no-deps nixl-cu13==1.5.1` "
-                f"(import failed: {e})") from e
+                f"(import failed: {e})"
+            ) from e
         return NixlTransport(name, pools, aux, **kwargs)  # type: ignore[arg-type]
     raise ValueError(f"unknown transport kind {kind!r} (expected 'nixl' or 'fake')")

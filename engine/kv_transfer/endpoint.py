@@ -27,8 +27,17 @@ class Endpoint:
     fingerprint: Fingerprint
 
 
-def build_endpoint(pd: "DisaggEngine", *, kind: str, role: str, rows: int, spec_algorithm: str,
-                   draft_model_dir: str | None, rows_at: str = "kv", sgl: str = "off") -> Endpoint:
+def build_endpoint(
+    pd: "DisaggEngine",
+    *,
+    kind: str,
+    role: str,
+    rows: int,
+    spec_algorithm: str,
+    draft_model_dir: str | None,
+    rows_at: str = "kv",
+    sgl: str = "off",
+) -> Endpoint:
     """`rows_at`: "kv" keeps the handoff rows on the KV pools' device, so on GPUs a request's row
     rides in its pages' NIXL transfer (one stage); "host" keeps them in host memory, whose write
     is a second stage posted when the pages' stage completes. Peers may differ: each side's
@@ -41,10 +50,17 @@ def build_endpoint(pd: "DisaggEngine", *, kind: str, role: str, rows: int, spec_
     transport = create_transport(kind, name, pools, handoff, **({"sgl": sgl} if kind == "nixl" else {}))
     cfg = pd.config
     kv_layout = f"{KV_LAYOUT};" + ";".join(
-        f"{p.num_layers}x2x{p.num_kv_heads}x{p.head_dim}:{str(p.buffer.dtype).removeprefix('torch.')}"
-        for p in pools)
-    fp = build_fingerprint(cfg.model, str(pd.dtype).removeprefix("torch."), cfg.page_size, kv_layout,
-                           spec_algorithm.upper(), draft_model_dir, handoff.row_bytes)
+        f"{p.num_layers}x2x{p.num_kv_heads}x{p.head_dim}:{str(p.buffer.dtype).removeprefix('torch.')}" for p in pools
+    )
+    fp = build_fingerprint(
+        cfg.model,
+        str(pd.dtype).removeprefix("torch."),
+        cfg.page_size,
+        kv_layout,
+        spec_algorithm.upper(),
+        draft_model_dir,
+        handoff.row_bytes,
+    )
     return Endpoint(transport, handoff, fp)
 
 

@@ -17,8 +17,7 @@ import torch
 
 from engine.kv_cache import KVPool
 from engine.kv_transfer.rows import HandoffRows
-from engine.kv_transfer.base import (KVPoll, MemoryLayout, TransferError, TransferRequest,
-                                     completion_tag)
+from engine.kv_transfer.base import KVPoll, MemoryLayout, TransferError, TransferRequest, completion_tag
 from engine.kv_transfer.layout import kv_regions, tensor_mem_type
 
 _PREFIX = b"fake-agent:"
@@ -54,9 +53,12 @@ class FakeTransport:
         self._name, self._pools, self._aux = name, list(pools), aux
         self._slabs = _slabs(self._pools)
         kinds = {tensor_mem_type(p.buffer) for p in self._pools}
-        self._layout = MemoryLayout(kv=kv_regions(self._pools), aux=aux.region(),
-                                    mem_type=kinds.pop() if len(kinds) == 1 else "DRAM",
-                                    aux_mem_type=tensor_mem_type(aux.tensor))
+        self._layout = MemoryLayout(
+            kv=kv_regions(self._pools),
+            aux=aux.region(),
+            mem_type=kinds.pop() if len(kinds) == 1 else "DRAM",
+            aux_mem_type=tensor_mem_type(aux.tensor),
+        )
         self._peers: dict[str, MemoryLayout] = {}
         self._inbox: deque[tuple[str, bytes]] = deque()
         self._lock = threading.Lock()
@@ -83,7 +85,7 @@ class FakeTransport:
         why = self._layout.compatible_with(layout)
         if why is not None:
             raise TransferError(f"peer layout is incompatible with {self._name!r}: {why}")
-        name = metadata[len(_PREFIX):].decode()
+        name = metadata[len(_PREFIX) :].decode()
         if _lookup(name) is None:
             raise TransferError(f"cannot connect to peer {name!r}: no such fake agent")
         self._peers[name] = layout

@@ -37,8 +37,7 @@ def kv_regions(pools: Sequence[KVPool]) -> tuple[Region, ...]:
             for kv in (0, 1):
                 slab = buf[layer, kv]
                 assert slab.numel() * slab.element_size() == pages * pool.page_bytes
-                regions.append(Region(addr=slab.data_ptr(), item_bytes=pool.page_bytes,
-                                      count=pages, device_id=dev))
+                regions.append(Region(addr=slab.data_ptr(), item_bytes=pool.page_bytes, count=pages, device_id=dev))
     return tuple(regions)
 
 
@@ -47,8 +46,7 @@ def page_descs(regions: Sequence[Region], pages: Sequence[int]) -> list[tuple[in
     return [(r.addr + p * r.item_bytes, r.item_bytes, r.device_id) for r in regions for p in pages]
 
 
-def coalesce_runs(src_pages: Sequence[int], dst_pages: Sequence[int]
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def coalesce_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(src_start, dst_start, length) of maximal runs where BOTH page lists step by +1.
 
     Coalescing only where both sides are consecutive keeps the i-th source byte aimed at the

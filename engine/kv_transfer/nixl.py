@@ -38,8 +38,7 @@ from nixl_cu13._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t  # 
 from common.config import check_sgl_mode
 from engine.kv_cache import KVPool
 from engine.kv_transfer.rows import HandoffRows
-from engine.kv_transfer.base import (KVPoll, MemoryLayout, TransferError,
-                                     TransferRequest, completion_tag)
+from engine.kv_transfer.base import KVPoll, MemoryLayout, TransferError, TransferRequest, completion_tag
 from engine.kv_transfer.layout import coalesce_runs, kv_regions, run_descs, tensor_mem_type
 
 log = logging.getLogger(__name__)
@@ -88,17 +87,26 @@ def _md_agent_name(md: bytes) -> str | None:
     head = b"nixlSerDes|Agent"
     if not md.startswith(head) or len(md) < len(head) + 8:
         return None
-    n = int.from_bytes(md[len(head):len(head) + 8], "little")
-    raw = md[len(head) + 8:len(head) + 8 + n]
+    n = int.from_bytes(md[len(head) : len(head) + 8], "little")
+    raw = md[len(head) + 8 : len(head) + 8 + n]
     return raw.decode(errors="replace") if 0 < n == len(raw) else None
 
 
 class NixlTransport:
     """KVTransport over a NIXL agent. Thread-safe: every agent call holds one lock."""
 
-    def __init__(self, name: str, pools: Sequence[KVPool], aux: HandoffRows, backend: str = "UCX",
-                 *, backend_params: dict[str, str] | None = None,
-                 xfer_timeout_s: float = 60.0, progress_thread: bool = False, sgl: str = "off") -> None:
+    def __init__(
+        self,
+        name: str,
+        pools: Sequence[KVPool],
+        aux: HandoffRows,
+        backend: str = "UCX",
+        *,
+        backend_params: dict[str, str] | None = None,
+        xfer_timeout_s: float = 60.0,
+        progress_thread: bool = False,
+        sgl: str = "off",
+    ) -> None:
         self._name, self._pools, self._aux = name, list(pools), aux
         self._timeout = xfer_timeout_s
         self._lock = threading.Lock()
@@ -107,24 +115,29 @@ class NixlTransport:
         if len(kinds) > 1:
             raise ValueError("all KV pools of one node must live in the same memory kind")
         kv_mem = kinds.pop() if kinds else "DRAM"
-        self._layout = MemoryLayout(kv=kv_regions(self._pools), aux=aux.region(), mem_type=kv_mem,
-                                    aux_mem_type=tensor_mem_type(aux.tensor))
+        self._layout = MemoryLayout(
+            kv=kv_regions(self._pools), aux=aux.region(), mem_type=kv_mem, aux_mem_type=tensor_mem_type(aux.tensor)
+        )
         # STRICT: the node's scheduler loop and its gRPC threads share this agent. No progress
         # thread by default: NIXL's busy-polls a whole core, and both sides already drive
         # progress by polling transfers and draining notifications themselves. A receiver that
         # cannot call drain_notifications() regularly must pass progress_thread=True.
-        cfg = nixl_agent_config(backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
-                                enable_prog_thread=progress_thread)
+        cfg = nixl_agent_config(
+            backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT, enable_prog_thread=progress_thread
+        )
         self._agent: Any = nixl_agent(name, cfg)
         if backend not in self._agent.get_plugin_list():
-            raise TransferError(f"NIXL backend {backend!r} is not available "
-                                f"(plugins: {self._agent.get_plugin_list()})")
+            raise TransferError(f"NIXL backend {backend!r} is not available (plugins: {self._agent.get_plugin_list()})")
         # "auto": batched on GPUs, where a copy per descriptor is what a write costs; host memory
         # gains nothing from it (UCX copies host memory on the CPU either way)
         self.batched = sgl == "on" or (sgl == "auto" and kv_mem == "VRAM")
         create_backend(self._agent, backend, dict(backend_params or {}), self.batched)
-        log.info("NIXL agent %s: KV in %s, each write posted as %s", name, kv_mem,
-                 "one scatter-gather list (UCX SGL)" if self.batched else "a copy per descriptor")
+        log.info(
+            "NIXL agent %s: KV in %s, each write posted as %s",
+            name,
+            kv_mem,
+            "one scatter-gather list (UCX SGL)" if self.batched else "a copy per descriptor",
+        )
         self._regs: list[Any] = []
         try:
             for t in [p.buffer for p in self._pools] + [aux.tensor]:
@@ -174,8 +187,10 @@ class NixlTransport:
             try:
                 name = self._as_str(agent.add_remote_agent(metadata))
             except Exception as e:  # e.g. a peer that took our agent name: names must be unique
-                raise TransferError(f"cannot load peer metadata into {self._name!r} (an agent "
-                                    f"named {hint!r} already loaded?): {_err(e)}") from e
+                raise TransferError(
+                    f"cannot load peer metadata into {self._name!r} (an agent "
+                    f"named {hint!r} already loaded?): {_err(e)}"
+                ) from e
             try:
                 # Pre-warm: the first transfer otherwise pays 15-40 ms of connection setup.
                 agent.make_connection(name)
@@ -207,8 +222,7 @@ class NixlTransport:
                 raise TransferError(f"room {req.room}: unknown peer {req.peer!r}")
             me = self._layout
             self._check_items("source page", req.src_pages, min((r.count for r in me.kv), default=0))
-            self._check_items("destination page", req.dst_pages,
-                              min((r.count for r in peer.kv), default=0))
+            self._check_items("destination page", req.dst_pages, min((r.count for r in peer.kv), default=0))
             if req.src_aux_row is not None and req.dst_aux_row is not None:
                 self._check_items("source aux row", [req.src_aux_row], me.aux.count)
                 self._check_items("destination aux row", [req.dst_aux_row], peer.aux.count)
@@ -219,26 +233,41 @@ class NixlTransport:
             parts = []  # (local rows, local kind, remote rows, remote kind)
             kv_local = run_descs(me.kv, src_start, lengths)
             if kv_local.size:
-                parts.append((kv_local, me.mem_type, run_descs(peer.kv, dst_start, lengths),
-                              peer.mem_type))
+                parts.append((kv_local, me.mem_type, run_descs(peer.kv, dst_start, lengths), peer.mem_type))
             if req.src_aux_row is not None and req.dst_aux_row is not None:
-                parts.append((self._aux_desc(me, req.src_aux_row), me.aux_mem_type,
-                              self._aux_desc(peer, req.dst_aux_row), peer.aux_mem_type))
+                parts.append(
+                    (
+                        self._aux_desc(me, req.src_aux_row),
+                        me.aux_mem_type,
+                        self._aux_desc(peer, req.dst_aux_row),
+                        peer.aux_mem_type,
+                    )
+                )
             if not parts:
                 raise TransferError(f"room {req.room}: a partial write needs at least one page")
-            split = self._force_split_aux or any(p[1] != parts[-1][1] or p[3] != parts[-1][3]
-                                                 for p in parts)
+            split = self._force_split_aux or any(p[1] != parts[-1][1] or p[3] != parts[-1][3] for p in parts)
             if not split and len(parts) == 2:
-                parts = [(np.concatenate((parts[0][0], parts[1][0])), parts[1][1],
-                          np.concatenate((parts[0][2], parts[1][2])), parts[1][3])]
+                parts = [
+                    (
+                        np.concatenate((parts[0][0], parts[1][0])),
+                        parts[1][1],
+                        np.concatenate((parts[0][2], parts[1][2])),
+                        parts[1][3],
+                    )
+                ]
             tag = completion_tag(req.room) if req.is_final else b""  # partial writes notify no one
             stages: list[Any] = []
             try:
                 for i, (loc, loc_kind, rem, rem_kind) in enumerate(parts):
-                    stages.append(agent.initialize_xfer(
-                        "WRITE", agent.get_xfer_descs(loc, loc_kind),
-                        agent.get_xfer_descs(rem, rem_kind), req.peer,
-                        tag if i == len(parts) - 1 else b""))
+                    stages.append(
+                        agent.initialize_xfer(
+                            "WRITE",
+                            agent.get_xfer_descs(loc, loc_kind),
+                            agent.get_xfer_descs(rem, rem_kind),
+                            req.peer,
+                            tag if i == len(parts) - 1 else b"",
+                        )
+                    )
             except Exception as e:
                 self._release_all(stages)
                 raise TransferError(f"room {req.room} -> {req.peer}: {_err(e)}") from e

@@ -100,11 +100,10 @@ class HandoffRows:
             raise ValueError(f"room echo must be in 1..2**63-1 (0 means empty), got {room_echo}")
         data = payload.reshape(-1)
         if data.dtype != torch.uint8 or data.numel() > self.payload_bytes:
-            raise ValueError(f"payload of {data.numel()} {data.dtype} elements does not fit "
-                             f"{self.payload_bytes} bytes")
+            raise ValueError(f"payload of {data.numel()} {data.dtype} elements does not fit {self.payload_bytes} bytes")
         host = torch.zeros(self.row_bytes, dtype=torch.uint8)
         host[0:PAYLOAD_OFFSET].view(torch.int64)[0] = int(room_echo)
-        host[PAYLOAD_OFFSET:PAYLOAD_OFFSET + data.numel()].copy_(data)
+        host[PAYLOAD_OFFSET : PAYLOAD_OFFSET + data.numel()].copy_(data)
         with self._own_stream():
             self.tensor[row].copy_(host)
             self._settle()
@@ -127,8 +126,9 @@ class HandoffRows:
         """Decode side: (room echo, a host copy of the payload), so the row can be freed right
         after. One copy of the whole row: the echo and payload come from the same bytes."""
         host = self._host_row(row)
-        return int(host[0:PAYLOAD_OFFSET].view(torch.int64)[0]), \
-            host[PAYLOAD_OFFSET:PAYLOAD_OFFSET + self.payload_bytes].clone()
+        return int(host[0:PAYLOAD_OFFSET].view(torch.int64)[0]), host[
+            PAYLOAD_OFFSET : PAYLOAD_OFFSET + self.payload_bytes
+        ].clone()
 
     def room_of(self, row: int) -> int:
         self._check_row(row)
@@ -142,5 +142,6 @@ class HandoffRows:
 
     def region(self) -> Region:
         dev = self.tensor.get_device()
-        return Region(addr=self.tensor.data_ptr(), item_bytes=self.row_bytes, count=self.num_rows,
-                      device_id=max(dev, 0))
+        return Region(
+            addr=self.tensor.data_ptr(), item_bytes=self.row_bytes, count=self.num_rows, device_id=max(dev, 0)
+        )

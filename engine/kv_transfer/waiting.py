@@ -51,13 +51,15 @@ async def wait_settled(poll: Callable[[], KVPoll], deadline: float, every: float
     return state
 
 
-def post_and_wait(post: Callable[[], H], poll: Callable[[H], KVPoll],
-                  every: float = POLL_S, slice_s: float = SLICE_S) -> Future[tuple[H, KVPoll]]:
+def post_and_wait(
+    post: Callable[[], H], poll: Callable[[H], KVPoll], every: float = POLL_S, slice_s: float = SLICE_S
+) -> Future[tuple[H, KVPoll]]:
     """Post a transfer and poll it for one slice, both in one poller thread, submitted now: a
     transfer that ends within the slice costs one thread round trip in all. The (concurrent)
     future holds (handle, state), or the exception of `post`; a caller that stops waiting cannot
     cancel a post already running, so its callbacks still see the handle. `slice_s` 0: post and
     poll once (for a write nothing waits on yet)."""
+
     def run() -> tuple[H, KVPoll]:
         handle = post()
         return handle, _spin(lambda: poll(handle), settled, every, slice_s)
@@ -95,5 +97,4 @@ def _precise_sleeps() -> None:
 
 
 # Threads start lazily; one per transfer (or notification queue) waited on at the same time.
-_POLLERS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="pdserve-kv-poll",
-                              initializer=_precise_sleeps)
+_POLLERS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="pdserve-kv-poll", initializer=_precise_sleeps)

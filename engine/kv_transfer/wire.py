@@ -11,13 +11,13 @@ def _region(r: kpb.Region) -> Region:
 
 
 def layout_from_proto(m: kpb.MemoryLayout) -> MemoryLayout:
-    return MemoryLayout(tuple(_region(r) for r in m.kv), _region(m.aux), m.mem_type or "DRAM",
-                        m.aux_mem_type or "DRAM")
+    return MemoryLayout(tuple(_region(r) for r in m.kv), _region(m.aux), m.mem_type or "DRAM", m.aux_mem_type or "DRAM")
 
 
 def layout_to_proto(layout: MemoryLayout) -> kpb.MemoryLayout:
     def reg(r: Region) -> kpb.Region:
         return kpb.Region(addr=r.addr, item_bytes=r.item_bytes, count=r.count, device_id=r.device_id)
 
-    return kpb.MemoryLayout(kv=[reg(r) for r in layout.kv], aux=reg(layout.aux), mem_type=layout.mem_type,
-                            aux_mem_type=layout.aux_mem_type)
+    return kpb.MemoryLayout(
+        kv=[reg(r) for r in layout.kv], aux=reg(layout.aux), mem_type=layout.mem_type, aux_mem_type=layout.aux_mem_type
+    )

@@ -50,8 +50,19 @@ def _x_tile(x_ptr, k0, kk, K):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    N,
+    K,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     """One activation row: elementwise fp32 partials per program, reduced once at the end (a
     reduction per tile would put a barrier between tile loads)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -74,10 +85,25 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   DOT_FP32: tl.constexpr, USE_PDL: tl.constexpr):
+def _skinny_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     """A few activation rows (padded to the 16 a tensor-core tile needs) against BLOCK_N weight
     rows per program; the K loop is software-pipelined (num_stages) so tiles stay in flight."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -89,15 +115,19 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         w = _row_tile(w_rows, k0, kk, K, EVEN_K)
-        x = tl.load(x_ptr + m[:, None] * stride_xm + (k0 + kk)[None, :],
-                    mask=m_ok[:, None] & (k0 + kk < K)[None, :], other=0.0)
+        x = tl.load(
+            x_ptr + m[:, None] * stride_xm + (k0 + kk)[None, :], mask=m_ok[:, None] & (k0 + kk < K)[None, :], other=0.0
+        )
         if DOT_FP32:
             x, w = x.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + tl.minimum(n, N - 1)).to(tl.float32)[None, :]
-    tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & (n < N)[None, :])
+    tl.store(
+        y_ptr + m[:, None] * stride_ym + n[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & (n < N)[None, :],
+    )
 
 
 def default_config(rows: int, n: int, k: int) -> GemvConfig:
@@ -133,13 +163,19 @@ def _fit_stages(cfg: GemvConfig, rows: int, elem_bytes: int, device: torch.devic
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Shapes and layouts these kernels take (anything else goes to F.linear)."""
     rows = x.numel() // max(1, x.shape[-1])
-    return (0 < rows <= MAX_ROWS and weight.dim() == 2 and weight.is_contiguous()
-            and x.shape[-1] == weight.shape[1] and x.dtype == weight.dtype
-            and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
+    return (
+        0 < rows <= MAX_ROWS
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and x.shape[-1] == weight.shape[1]
+        and x.dtype == weight.dtype
+        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    )
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None
+) -> torch.Tensor:
     """x (..., K) @ weight (N, K)^T (+ bias) for at most MAX_ROWS rows of x; weight contiguous."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -149,14 +185,32 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     cfg = config or default_config(rows, n, k)
     b = bias if bias is not None else weight  # any pointer: never read without a bias
-    common = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-                  HAS_BIAS=bias is not None, num_warps=cfg.num_warps, **pdl_launch(x))
+    common = dict(
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        EVEN_K=k % cfg.block_k == 0,
+        HAS_BIAS=bias is not None,
+        num_warps=cfg.num_warps,
+        **pdl_launch(x),
+    )
     grid = (triton.cdiv(n, cfg.block_n),)
     if rows == 1:
         _gemv_kernel[grid](x2, weight, b, y, n, k, **common)
     else:
-        _skinny_kernel[grid](x2, weight, b, y, rows, n, k, x2.stride(0), y.stride(0),
-                             BLOCK_M=max(16, triton.next_power_of_2(rows)),
-                             DOT_PRECISION=dot_precision(x.dtype), DOT_FP32=dot_in_fp32(x.dtype),
-                             num_stages=_fit_stages(cfg, rows, x.element_size(), x.device), **common)
+        _skinny_kernel[grid](
+            x2,
+            weight,
+            b,
+            y,
+            rows,
+            n,
+            k,
+            x2.stride(0),
+            y.stride(0),
+            BLOCK_M=max(16, triton.next_power_of_2(rows)),
+            DOT_PRECISION=dot_precision(x.dtype),
+            DOT_FP32=dot_in_fp32(x.dtype),
+            num_stages=_fit_stages(cfg, rows, x.element_size(), x.device),
+            **common,
+        )
     return y.view(*x.shape[:-1], n)

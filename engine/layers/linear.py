@@ -61,8 +61,7 @@ class MergedLinear:
         return linear(x, self.weight, self.bias)
 
 
-def project(merged: MergedLinear | None, linears: list[nn.Linear],
-            x: torch.Tensor) -> list[torch.Tensor]:
+def project(merged: MergedLinear | None, linears: list[nn.Linear], x: torch.Tensor) -> list[torch.Tensor]:
     """Each linear's output: column views of one merged GEMM when possible, else one GEMM each."""
     if merged is not None and merged.usable():
         return list(merged(x).split(merged.sizes, dim=-1))

@@ -26,11 +26,9 @@ class RMSNorm(nn.Module):
             return ops.rmsnorm(x, self.weight, self.eps)[0]
         return self._torch(x)
 
-    def forward_add(self, x: torch.Tensor,
-                    residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual add fused into the norm's kernel."""
-        ops = (kernels_for(x, residual, self.weight)
-               if x.dim() == 2 and x.dtype == residual.dtype else None)
+        ops = kernels_for(x, residual, self.weight) if x.dim() == 2 and x.dtype == residual.dtype else None
         if ops is not None:
             out, new_residual = ops.rmsnorm(x, self.weight, self.eps, residual)
             return out, new_residual
@@ -44,8 +42,7 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def add_norm(norm: nn.Module, x: torch.Tensor,
-             residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual), x + residual) for any norm module, fused when it is an RMSNorm;
     a missing residual (first layer) means the residual starts as x itself."""
     if residual is None:

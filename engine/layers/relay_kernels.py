@@ -14,9 +14,24 @@ import triton.language as tl
 
 
 @triton.jit(do_not_specialize=["n", "table_cols", "max_pos"])
-def _resolve_decode_kernel(slots_ptr, lens_ptr, toks_ptr, table_ptr, table_stride, table_cols, max_pos,
-                           prefix_ptr, ids_ptr, pos_ptr, loc_ptr, seq_ptr, ok_ptr, n,
-                           CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+def _resolve_decode_kernel(
+    slots_ptr,
+    lens_ptr,
+    toks_ptr,
+    table_ptr,
+    table_stride,
+    table_cols,
+    max_pos,
+    prefix_ptr,
+    ids_ptr,
+    pos_ptr,
+    loc_ptr,
+    seq_ptr,
+    ok_ptr,
+    n,
+    CLAMP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     offs = tl.arange(0, BLOCK)
     live = offs < n
     slot = tl.load(slots_ptr + offs, mask=live, other=0)
@@ -35,25 +50,57 @@ def _resolve_decode_kernel(slots_ptr, lens_ptr, toks_ptr, table_ptr, table_strid
     tl.store(ok_ptr, tl.sum(bad.to(tl.int32), axis=0) == 0)
 
 
-def resolve_decode(slots: torch.Tensor, lens: torch.Tensor, tokens: torch.Tensor, table: torch.Tensor,
-                   max_position: int | None) -> tuple[torch.Tensor, ...]:
+def resolve_decode(
+    slots: torch.Tensor, lens: torch.Tensor, tokens: torch.Tensor, table: torch.Tensor, max_position: int | None
+) -> tuple[torch.Tensor, ...]:
     """(prefix, input ids, positions, out_cache_loc, seq_lens, ok) of a one-token decode step."""
     n = int(slots.shape[0])
     dev = slots.device
     prefix, ids, pos, seq = (torch.empty(n, dtype=torch.int64, device=dev) for _ in range(4))
     loc = torch.empty(n, dtype=table.dtype, device=dev)
     ok = torch.empty((), dtype=torch.bool, device=dev)
-    _resolve_decode_kernel[(1,)](slots, lens, tokens, table, table.stride(0), table.shape[1],
-                                 -1 if max_position is None else max_position,
-                                 prefix, ids, pos, loc, seq, ok, n, CLAMP=max_position is not None,
-                                 BLOCK=max(16, triton.next_power_of_2(n)))
+    _resolve_decode_kernel[(1,)](
+        slots,
+        lens,
+        tokens,
+        table,
+        table.stride(0),
+        table.shape[1],
+        -1 if max_position is None else max_position,
+        prefix,
+        ids,
+        pos,
+        loc,
+        seq,
+        ok,
+        n,
+        CLAMP=max_position is not None,
+        BLOCK=max(16, triton.next_power_of_2(n)),
+    )
     return prefix, ids, pos, loc, seq, ok
 
 
 @triton.jit(do_not_specialize=["depth", "width"])
-def _commit_decode_kernel(slots_ptr, prefix_ptr, tok_ptr, lens_ptr, toks_ptr, ring_tok_ptr, ring_feat_ptr,
-                          depth, ring_row_stride, ring_pos_stride, src0, src1, src2, s0, s1, s2, width,
-                          BLOCK: tl.constexpr):
+def _commit_decode_kernel(
+    slots_ptr,
+    prefix_ptr,
+    tok_ptr,
+    lens_ptr,
+    toks_ptr,
+    ring_tok_ptr,
+    ring_feat_ptr,
+    depth,
+    ring_row_stride,
+    ring_pos_stride,
+    src0,
+    src1,
+    src2,
+    s0,
+    s1,
+    s2,
+    width,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0)
     part = tl.program_id(1)
     chunk = tl.program_id(2)
@@ -78,9 +125,16 @@ def _commit_decode_kernel(slots_ptr, prefix_ptr, tok_ptr, lens_ptr, toks_ptr, ri
     tl.store(dst, v.to(ring_feat_ptr.dtype.element_ty), mask=live)
 
 
-def commit_decode(slots: torch.Tensor, prefix: torch.Tensor, tokens: torch.Tensor, lens: torch.Tensor,
-                  toks: torch.Tensor, ring_tokens: torch.Tensor, ring_feats: torch.Tensor,
-                  sources: list[torch.Tensor]) -> None:
+def commit_decode(
+    slots: torch.Tensor,
+    prefix: torch.Tensor,
+    tokens: torch.Tensor,
+    lens: torch.Tensor,
+    toks: torch.Tensor,
+    ring_tokens: torch.Tensor,
+    ring_feats: torch.Tensor,
+    sources: list[torch.Tensor],
+) -> None:
     """Publish prefix + 1, stash the new tokens and push (the sources side by side, token) into
     each request's ring at prefix mod depth; sources: 1 to 3 (rows, width) tensors."""
     if not 1 <= len(sources) <= 3:
@@ -90,7 +144,23 @@ def commit_decode(slots: torch.Tensor, prefix: torch.Tensor, tokens: torch.Tenso
     src += [src[0]] * (3 - len(src))
     block = min(1024, triton.next_power_of_2(width))
     grid = (int(slots.shape[0]), len(sources), triton.cdiv(width, block))
-    _commit_decode_kernel[grid](slots, prefix, tokens, lens, toks, ring_tokens, ring_feats,
-                                ring_tokens.shape[1], ring_feats.stride(0), ring_feats.stride(1),
-                                src[0], src[1], src[2], src[0].stride(0), src[1].stride(0), src[2].stride(0),
-                                width, BLOCK=block)
+    _commit_decode_kernel[grid](
+        slots,
+        prefix,
+        tokens,
+        lens,
+        toks,
+        ring_tokens,
+        ring_feats,
+        ring_tokens.shape[1],
+        ring_feats.stride(0),
+        ring_feats.stride(1),
+        src[0],
+        src[1],
+        src[2],
+        src[0].stride(0),
+        src[1].stride(0),
+        src[2].stride(0),
+        width,
+        BLOCK=block,
+    )

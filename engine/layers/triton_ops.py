@@ -20,10 +20,27 @@ _TILE = 4096
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, heads,
-                    sx_t, sx_h, sr_t, so_t, so_h, sro_t, dim, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                    USE_PDL: tl.constexpr):
+def _rmsnorm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    n_rows,
+    heads,
+    sx_t,
+    sx_h,
+    sr_t,
+    so_t,
+    so_h,
+    sro_t,
+    dim,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     pdl_sync(USE_PDL)
     # A row is one (token, head) vector: heads == 1 for hidden states, > 1 for Qwen3's q/k norm.
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -45,16 +62,16 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, heads,
     y = (x * rstd[:, None]).to(in_dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
     out = y * w[None, :]
-    tl.store(out_ptr + (tok * so_t + head * so_h)[:, None] + cols[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + (tok * so_t + head * so_h)[:, None] + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _num_warps(elems: int) -> int:
     return 4 if elems <= 2048 else 8 if elems <= 8192 else 16
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-            residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def rmsnorm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RMSNorm over the last dim of x (tokens, dim) or (tokens, heads, dim).
 
     With `residual` (2-D only), normalises x + residual and also returns that sum.
@@ -83,16 +100,32 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if n_rows == 0:
         return out, res_out
     _rmsnorm_kernel[(triton.cdiv(n_rows, block_r),)](
-        x3, r2, weight, o3, ro2, n_rows, heads, x3.stride(0), x3.stride(1), r2.stride(0),
-        o3.stride(0), o3.stride(1), ro2.stride(0), dim, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_D=block_d,
-        num_warps=_num_warps(block_r * block_d), **pdl_launch(x))
+        x3,
+        r2,
+        weight,
+        o3,
+        ro2,
+        n_rows,
+        heads,
+        x3.stride(0),
+        x3.stride(1),
+        r2.stride(0),
+        o3.stride(0),
+        o3.stride(1),
+        ro2.stride(0),
+        dim,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+        num_warps=_num_warps(block_r * block_d),
+        **pdl_launch(x),
+    )
     return out, res_out
 
 
 @triton.jit
-def _rope_heads(src, dst, s_h, d_h, n_heads, cos, sin, half,
-                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rope_heads(src, dst, s_h, d_h, n_heads, cos, sin, half, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     mask = (h < n_heads)[:, None] & (d < half)[None, :]
@@ -106,20 +139,39 @@ def _rope_heads(src, dst, s_h, d_h, n_heads, cos, sin, half,
 
 
 @triton.jit(do_not_specialize=["n_tokens"])
-def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr, n_tokens,
-                 sq_t, sq_h, sk_t, sk_h, sqo_t, sqo_h, sko_t, sko_h, s_cos,
-                 q_heads, k_heads, half, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+def _rope_kernel(
+    q_ptr,
+    k_ptr,
+    qo_ptr,
+    ko_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    n_tokens,
+    sq_t,
+    sq_h,
+    sk_t,
+    sk_h,
+    sqo_t,
+    sqo_h,
+    sko_t,
+    sko_h,
+    s_cos,
+    q_heads,
+    k_heads,
+    half,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     pdl_sync(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     cos = tl.load(cos_ptr + pos * s_cos + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(sin_ptr + pos * s_cos + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
-    _rope_heads(q_ptr + t * sq_t, qo_ptr + t * sqo_t, sq_h, sqo_h, q_heads, cos, sin, half,
-                BLOCK_H, BLOCK_D)
-    _rope_heads(k_ptr + t * sk_t, ko_ptr + t * sko_t, sk_h, sko_h, k_heads, cos, sin, half,
-                BLOCK_H, BLOCK_D)
+    _rope_heads(q_ptr + t * sq_t, qo_ptr + t * sqo_t, sq_h, sqo_h, q_heads, cos, sin, half, BLOCK_H, BLOCK_D)
+    _rope_heads(k_ptr + t * sk_t, ko_ptr + t * sko_t, sk_h, sko_h, k_heads, cos, sin, half, BLOCK_H, BLOCK_D)
 
 
 def _rows_view(x: torch.Tensor) -> torch.Tensor:
@@ -127,8 +179,14 @@ def _rows_view(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-           sin: torch.Tensor, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    inplace: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox rotary on q (tokens, heads, dim) and k (tokens, kv_heads, dim) in one launch.
 
     cos/sin: (max_positions, dim // 2) float32 tables. In place writes back into q and k (which
@@ -146,17 +204,36 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
     block_d = triton.next_power_of_2(half)
     if n_tokens > 0:
         _rope_kernel[(n_tokens,)](
-            q_in, k_in, q_out, k_out, positions.contiguous(), cos, sin, n_tokens,
-            q_in.stride(0), q_in.stride(1), k_in.stride(0), k_in.stride(1),
-            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos.stride(0),
-            q.shape[1], k.shape[1], half, BLOCK_H=block_h, BLOCK_D=block_d,
-            num_warps=_num_warps(block_h * block_d), **pdl_launch(q))
+            q_in,
+            k_in,
+            q_out,
+            k_out,
+            positions.contiguous(),
+            cos,
+            sin,
+            n_tokens,
+            q_in.stride(0),
+            q_in.stride(1),
+            k_in.stride(0),
+            k_in.stride(1),
+            q_out.stride(0),
+            q_out.stride(1),
+            k_out.stride(0),
+            k_out.stride(1),
+            cos.stride(0),
+            q.shape[1],
+            k.shape[1],
+            half,
+            BLOCK_H=block_h,
+            BLOCK_D=block_d,
+            num_warps=_num_warps(block_h * block_d),
+            **pdl_launch(q),
+        )
     return q_out, k_out
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n_rows, sg, su, so, n_cols, BLOCK: tl.constexpr,
-                     USE_PDL: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n_rows, sg, su, so, n_cols, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_sync(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -175,13 +252,22 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     g2 = gate.reshape(-1, n_cols)
     u2 = up.reshape(-1, n_cols)
     g2, u2 = _rows_view(g2), _rows_view(u2)
-    out = torch.empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype),
-                      device=gate.device)
+    out = torch.empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
     o2 = out.view(-1, n_cols)
     n_rows = g2.shape[0]
     block = min(1024, triton.next_power_of_2(n_cols))
     if n_rows > 0:
         _silu_mul_kernel[(n_rows, triton.cdiv(n_cols, block))](
-            g2, u2, o2, n_rows, g2.stride(0), u2.stride(0), o2.stride(0), n_cols, BLOCK=block,
-            num_warps=4, **pdl_launch(gate))
+            g2,
+            u2,
+            o2,
+            n_rows,
+            g2.stride(0),
+            u2.stride(0),
+            o2.stride(0),
+            n_cols,
+            BLOCK=block,
+            num_warps=4,
+            **pdl_launch(gate),
+        )
     return out

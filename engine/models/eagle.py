@@ -51,12 +51,10 @@ class EagleHead(_DraftHead):
         self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, 0, input_norm=input_norm)])
         if own_embedding:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                      cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self._target = []
 
     feature_size_from_target = property(lambda self: self.config.hidden_size)
-
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, features: torch.Tensor) -> torch.Tensor:
         out, residual = self.layers[0](self._fc(input_ids, features), None, self.rotary, ctx)
@@ -86,8 +84,9 @@ class Eagle3DecoderLayer(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding,
-                ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, emb: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
+    ) -> torch.Tensor:
         h = self.self_attn(self._attn_input(emb, hidden), rotary, ctx) + hidden
         return self.mlp(self.post_attention_layernorm(h)) + h
 
@@ -101,8 +100,15 @@ class Eagle3DecoderLayer(nn.Module):
 class Eagle3Head(_DraftHead):
     """EAGLE-3 draft model."""
 
-    def __init__(self, cfg: ModelConfig, *, target_hidden_size: int, draft_vocab_size: int,
-                 target_vocab_size: int, own_embedding: bool) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        target_hidden_size: int,
+        draft_vocab_size: int,
+        target_vocab_size: int,
+        own_embedding: bool,
+    ) -> None:
         super().__init__()
         self.config = cfg
         self.target_hidden_size = target_hidden_size
@@ -114,12 +120,10 @@ class Eagle3Head(_DraftHead):
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(target_vocab_size, dtype=torch.bool))
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                      cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self._target = []
 
     feature_size_from_target = property(lambda self: 3 * self.target_hidden_size)
-
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, features: torch.Tensor) -> torch.Tensor:
         hidden = self._hidden(features)

@@ -31,15 +31,16 @@ class LlamaAttention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
         self._qkv: MergedLinear | None = None
 
     def fuse_projections(self) -> None:
         """q/k/v as one GEMM from now on (call after loading; parameter names stay)."""
         self._qkv = MergedLinear([self.q_proj, self.k_proj, self.v_proj])
 
-    def _qkv_rotated(self, x: torch.Tensor, rotary: RotaryEmbedding,
-                     ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _qkv_rotated(
+        self, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = x.shape[0]
         q, k, v = project(self._qkv, [self.q_proj, self.k_proj, self.v_proj], x)
         q = q.view(n, self.num_heads, self.head_dim)
@@ -85,12 +86,17 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, layer_id)
         self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
         # EAGLE-1 heads ship their single layer without an input norm
-        self.input_layernorm: nn.Module = (RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm
-                                           else nn.Identity())
+        self.input_layernorm: nn.Module = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm else nn.Identity()
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding,
-                ctx: ForwardContext, capture: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: RotaryEmbedding,
+        ctx: ForwardContext,
+        capture: list[torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (output, residual) with the residual add deferred to the next norm
         (each add runs inside the following norm's fused kernel on CUDA). `capture` gets the
         layer's input state (x + residual), which that fused kernel computes anyway."""
@@ -112,11 +118,11 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                      cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext,
-                input_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(
+        self, input_ids: torch.Tensor, ctx: ForwardContext, input_embeds: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Returns the final normed hidden states and the inputs of `ctx.aux_hidden_layers`."""
         x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         residual: torch.Tensor | None = None
@@ -138,8 +144,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor,
-                ctx: ForwardContext) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, list[torch.Tensor]]:
         return self.model(input_ids, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -91,7 +91,8 @@ class BatchPolicy:
                 break
             if req.needs_extend:
                 n = min(req.num_uncomputed, budget)
-                reqs.append(req), lens.append(n)
+                reqs.append(req)
+                lens.append(n)
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
             req = self.waiting[0]
@@ -101,7 +102,8 @@ class BatchPolicy:
             self.running.append(req)
             on_admit(req)
             n = min(req.num_uncomputed, budget)
-            reqs.append(req), lens.append(n)
+            reqs.append(req)
+            lens.append(n)
             budget -= n
         if not reqs:
             return None
@@ -134,8 +136,9 @@ class BatchPolicy:
             return False
         if any(r.needs_extend for r in self.running):
             return False
-        need = sum(max(0, self.kv.pages_for(r.sched_len + self.kv_tokens_per_decode) - r.num_pages)
-                   for r in self._decoding())
+        need = sum(
+            max(0, self.kv.pages_for(r.sched_len + self.kv_tokens_per_decode) - r.num_pages) for r in self._decoding()
+        )
         return need > self.kv.allocator.num_free
 
     def _room(self, reqs: list[Req]) -> int:

@@ -44,17 +44,34 @@ class _Launched:
 class Scheduler:
     """One iteration: take input, form a batch, run it, apply stop rules, publish updates."""
 
-    def __init__(self, policy: BatchPolicy, executor: Executor, io: SchedulerIO, kv: KVCacheManager,
-                 eos_token_ids: tuple[int, ...], max_context_len: int, overlap: bool = False, *,
-                 algorithm: EngineAlgorithm | None = None, future_map_debug: bool = False) -> None:
+    def __init__(
+        self,
+        policy: BatchPolicy,
+        executor: Executor,
+        io: SchedulerIO,
+        kv: KVCacheManager,
+        eos_token_ids: tuple[int, ...],
+        max_context_len: int,
+        overlap: bool = False,
+        *,
+        algorithm: EngineAlgorithm | None = None,
+        future_map_debug: bool = False,
+    ) -> None:
         self.policy, self.executor, self.io, self.kv = policy, executor, io, kv
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_context_len = max_context_len
         self.future_map = self._init_overlap(algorithm or PlainDecoding(), overlap, future_map_debug)
         self.reqs: dict[str, Req] = {}
         self._inflight: _Launched | None = None
-        self.stats = {"steps": 0, "retractions": 0, "decode_tokens": 0, "prefill_tokens": 0,
-                      "discarded": 0, "overlap_syncs": 0, "failed_steps": 0}
+        self.stats = {
+            "steps": 0,
+            "retractions": 0,
+            "decode_tokens": 0,
+            "prefill_tokens": 0,
+            "discarded": 0,
+            "overlap_syncs": 0,
+            "failed_steps": 0,
+        }
         self.queue_time = DurationHistogram()  # waiting -> admitted, per admission (node metrics)
         self.prompt_time = DurationHistogram()  # first admission -> first token (node metrics)
         self.launch_time = LaunchTimes()  # host time per batch launch (node metrics)
@@ -65,11 +82,14 @@ class Scheduler:
         Overlap runs only when the executor can run one batch ahead; never by algorithm name."""
         self.overlap = overlap and self.executor.supports_overlap()
         cfg, device = self.policy.cfg, self.kv.req_to_token.device
-        future_map = algorithm.create_future_map(cfg.max_running, cfg.chunked_prefill_size,
-                                                 self.max_context_len, device, debug=debug)
+        future_map = algorithm.create_future_map(
+            cfg.max_running, cfg.chunked_prefill_size, self.max_context_len, device, debug=debug
+        )
         if future_map.num_rows < self.kv.req_to_token.shape[0]:
-            raise ValueError(f"{algorithm.name}: create_future_map gave {future_map.num_rows} rows; "
-                             f"{self.kv.req_to_token.shape[0]} request slots need one each")
+            raise ValueError(
+                f"{algorithm.name}: create_future_map gave {future_map.num_rows} rows; "
+                f"{self.kv.req_to_token.shape[0]} request slots need one each"
+            )
         self.executor.bind_future_map(future_map)
         return future_map
 
@@ -86,8 +106,9 @@ class Scheduler:
             self.policy.add(req)
         return [self._abort(rid) for rid in aborts if rid in self.reqs]
 
-    def adopt_prebuilt(self, reqs: list[Req], draft_input: DraftInput,
-                       first: StepOutput | None = None) -> list[RequestUpdate]:
+    def adopt_prebuilt(
+        self, reqs: list[Req], draft_input: DraftInput, first: StepOutput | None = None
+    ) -> list[RequestUpdate]:
         """PD decode: requests whose prompt KV and first token arrived from a prefill node join the
         running batch. Each already holds a slot and pages covering `seq_len` (= prompt length)
         and has `output_ids == [first token]`; the executor seeds their FutureMap rows from the
@@ -121,8 +142,7 @@ class Scheduler:
         updates = self._ingest()
         if self.policy.head_can_never_fit():
             req = self.policy.waiting[0]
-            req.finish(FinishReason.ABORT, f"request needs more KV than the whole pool "
-                                           f"({req.total_len} tokens)")
+            req.finish(FinishReason.ABORT, f"request needs more KV than the whole pool ({req.total_len} tokens)")
             updates.append(self._finish(req))
         if self._inflight is not None and self.policy.decode_needs_retraction():
             # finished requests of the batch in flight hold the pages retraction would miss
@@ -174,8 +194,11 @@ class Scheduler:
         launched chunks fill hold final KV once `fence` is reached (a failure or retraction
         meanwhile publishes a restart)."""
         ps = self.kv.page_size
-        return [RequestUpdate(r.rid, [], kv_progress=KVProgress(tuple(self.kv.page_list(r)[:r.sched_len // ps]), fence))
-                for r, s in zip(batch.reqs, batch.sample) if r.hold_kv and not s]
+        return [
+            RequestUpdate(r.rid, [], kv_progress=KVProgress(tuple(self.kv.page_list(r)[: r.sched_len // ps]), fence))
+            for r, s in zip(batch.reqs, batch.sample)
+            if r.hold_kv and not s
+        ]
 
     def _collect_inflight(self) -> list[RequestUpdate]:
         launched, self._inflight = self._inflight, None
@@ -194,8 +217,7 @@ class Scheduler:
         recomputed from its tokens: exact), so the cause fails by itself and the rest go on."""
         live = [r for r, e in zip(batch.reqs, batch.epochs) if not r.finished and r.epoch == e]
         detail = f"internal error: {type(err).__name__}: {err}"
-        log.error("%s step of %d request(s) failed: %s", batch.mode.name, len(batch.reqs), detail,
-                  exc_info=err)
+        log.error("%s step of %d request(s) failed: %s", batch.mode.name, len(batch.reqs), detail, exc_info=err)
         self.stats["failed_steps"] += 1
         if len(batch.reqs) == 1:
             return [self.fail(r, detail) for r in live]
@@ -244,8 +266,9 @@ class Scheduler:
         req.queued_at = time.monotonic()  # back in the queue: its next wait is counted from now
         req.epoch += 1  # what the batch in flight computes for it is recomputed after re-admission
         if req.hold_kv:  # pages reported final are gone: whoever ships them starts over
-            self.io.publish([RequestUpdate(req.rid, [], kv_progress=KVProgress((), record_fence(
-                self.kv.req_to_token.device)))])
+            self.io.publish(
+                [RequestUpdate(req.rid, [], kv_progress=KVProgress((), record_fence(self.kv.req_to_token.device)))]
+            )
         self._release(req)
 
     # ---- in-flight bookkeeping ----
@@ -331,10 +354,10 @@ class Scheduler:
                 break
         upd = RequestUpdate(req.rid, kept, prompt_tokens=len(req.prompt_ids))
         if out.logprobs is not None:
-            upd.logprobs = out.logprobs[i][:len(kept)]
+            upd.logprobs = out.logprobs[i][: len(kept)]
             req.output_logprobs.extend(upd.logprobs)
         if out.top_logprobs is not None:
-            upd.top_logprobs = out.top_logprobs[i][:len(kept)]
+            upd.top_logprobs = out.top_logprobs[i][: len(kept)]
             req.output_top_logprobs.extend(upd.top_logprobs)
         if out.accepted_drafts is not None:
             upd.accepted_drafts = out.accepted_drafts[i]
@@ -373,5 +396,4 @@ class Scheduler:
 
     @staticmethod
     def _final_update(req: Req) -> RequestUpdate:
-        return RequestUpdate(req.rid, [], True, req.finish_reason, req.finish_detail,
-                             prompt_tokens=len(req.prompt_ids))
+        return RequestUpdate(req.rid, [], True, req.finish_reason, req.finish_detail, prompt_tokens=len(req.prompt_ids))

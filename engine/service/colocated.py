@@ -22,8 +22,9 @@ class ColocatedHandler:
         self.engine = loop.engine
         self.eos = frozenset(self.engine.model_config.eos_token_ids)
 
-    async def generate(self, request: pb.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         eng = self.engine
         params = convert.sampling_params(request, eng.max_context_len)
         req = eng.make_request(list(request.tokenized.input_ids), params, request.request_id or None)

@@ -56,23 +56,40 @@ def finish_reason(reason: FinishReason | None) -> str:
     return (reason or FinishReason.ABORT).value
 
 
-def chunk(rid: str, tokens: list[int], prompt_tokens: int, completion_tokens: int,
-          logprobs: list[float] | None = None, top: list | None = None) -> pb.GenerateResponse:
-    c = pb.GenerateStreamChunk(token_ids=tokens, prompt_tokens=prompt_tokens,
-                               completion_tokens=completion_tokens)
+def chunk(
+    rid: str,
+    tokens: list[int],
+    prompt_tokens: int,
+    completion_tokens: int,
+    logprobs: list[float] | None = None,
+    top: list | None = None,
+) -> pb.GenerateResponse:
+    c = pb.GenerateStreamChunk(token_ids=tokens, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
     if logprobs:
         c.output_logprobs.CopyFrom(output_logprobs(tokens, logprobs, top))
     return pb.GenerateResponse(request_id=rid, chunk=c)
 
 
-def complete(rid: str, output_ids: list[int], reason: FinishReason | None, prompt_tokens: int, *,
-             logprobs: list[float] | None = None, top: list | None = None,
-             matched_stop: int | str | None = None, accepted_drafts: int = 0,
-             verifies: int = 0) -> pb.GenerateResponse:
-    c = pb.GenerateComplete(output_ids=output_ids, finish_reason=finish_reason(reason),
-                            prompt_tokens=prompt_tokens, completion_tokens=len(output_ids),
-                            spec_accepted_tokens=accepted_drafts,
-                            spec_draft_tokens=verifies)
+def complete(
+    rid: str,
+    output_ids: list[int],
+    reason: FinishReason | None,
+    prompt_tokens: int,
+    *,
+    logprobs: list[float] | None = None,
+    top: list | None = None,
+    matched_stop: int | str | None = None,
+    accepted_drafts: int = 0,
+    verifies: int = 0,
+) -> pb.GenerateResponse:
+    c = pb.GenerateComplete(
+        output_ids=output_ids,
+        finish_reason=finish_reason(reason),
+        prompt_tokens=prompt_tokens,
+        completion_tokens=len(output_ids),
+        spec_accepted_tokens=accepted_drafts,
+        spec_draft_tokens=verifies,
+    )
     if isinstance(matched_stop, int):
         c.matched_token_id = matched_stop
     elif isinstance(matched_stop, str):
@@ -83,15 +100,13 @@ def complete(rid: str, output_ids: list[int], reason: FinishReason | None, promp
 
 
 def output_logprobs(ids: list[int], values: list[float], top: list | None) -> pb.OutputLogProbs:
-    out = pb.OutputLogProbs(token_logprobs=values, token_ids=ids[:len(values)])
+    out = pb.OutputLogProbs(token_logprobs=values, token_ids=ids[: len(values)])
     for entry in top or []:
-        out.top_logprobs.append(pb.TopLogProbs(token_ids=[t for t, _ in entry],
-                                               values=[v for _, v in entry]))
+        out.top_logprobs.append(pb.TopLogProbs(token_ids=[t for t, _ in entry], values=[v for _, v in entry]))
     return out
 
 
-def matched_stop_token(update: RequestUpdate, stop_token_ids: tuple[int, ...],
-                       eos: frozenset[int]) -> int | None:
+def matched_stop_token(update: RequestUpdate, stop_token_ids: tuple[int, ...], eos: frozenset[int]) -> int | None:
     """The token that ended a request with finish reason STOP, if it was a token."""
     if update.finish_reason is FinishReason.STOP and update.tokens:
         last = update.tokens[-1]

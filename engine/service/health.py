@@ -44,8 +44,7 @@ def leaked_capacity(engine: Any, holder: CapacityHolder | None) -> str | None:
 class HealthWatch:
     """Keeps a node's health verdict and its standard gRPC health statuses up to date."""
 
-    def __init__(self, engine_alive: Callable[[], bool], leak: Callable[[], str | None],
-                 grace_s: float = 5.0) -> None:
+    def __init__(self, engine_alive: Callable[[], bool], leak: Callable[[], str | None], grace_s: float = 5.0) -> None:
         self.engine_alive, self.leak, self.grace_s = engine_alive, leak, grace_s
         self._leak_since: float | None = None
         self.reason: str | None = None  # None: healthy
@@ -67,8 +66,11 @@ class HealthWatch:
         """Publish the verdict on standard gRPC health (`servicer`: grpc_health's aio servicer)."""
         last = None
         while True:
-            status = (health_pb2.HealthCheckResponse.SERVING if self.check() is None
-                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if self.check() is None
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
             if status != last:
                 for name in services:
                     await servicer.set(name, status)

@@ -14,31 +14,48 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                    10.0, 30.0, 60.0)
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
-KV_TRANSFER_BYTES = Counter("pdserve_kv_transfer_bytes", "KV page and aux row bytes written to "
-                            "decode nodes (prefill) / received (decode)", ["role"])
-KV_TRANSFER_SECONDS = Histogram("pdserve_kv_transfer_seconds", "Prefill: write posted -> completed. "
-                                "Decode: destination sent -> KV landed", ["role"], buckets=_LATENCY_BUCKETS)
-KV_HANDOFF_TAIL_SECONDS = Histogram("pdserve_kv_handoff_tail_seconds", "Prefill: last prompt chunk "
-                                    "computed -> final KV write completed (what the handoff adds to TTFT)",
-                                    buckets=_LATENCY_BUCKETS)
-KV_HANDOFF_STAGE_SECONDS = Histogram("pdserve_kv_handoff_stage_seconds", "Prefill: the handoff tail "
-                                     "by stage: handover (engine's finishing update -> the handler), "
-                                     "encode (handoff row payload), settle (chunk writes ended), row "
-                                     "(row written); the final write itself is pdserve_kv_transfer_seconds",
-                                     ["stage"],
-                                     buckets=_LATENCY_BUCKETS)
-KV_WRITES = Counter("pdserve_kv_writes", "KV writes posted to decode nodes: chunk (pages of a prompt "
-                    "chunk, sent while the prompt still runs) or final (remaining pages + handoff row)",
-                    ["kind"])
-KV_WRITE_PAGES = Counter("pdserve_kv_write_pages", "KV pages written to decode nodes, by write kind "
-                         "(chunk or final)", ["kind"])
-KV_TRANSFER_FAILURES = Counter("pdserve_kv_transfer_failures", "PD requests that failed before "
-                               "decoding, by reason", ["role", "reason"])
-BOOTSTRAP_ATTEMPTS = Counter("pdserve_bootstrap_attempts", "Handshake attempts from a decode node "
-                             "to prefill nodes", ["result"])
+KV_TRANSFER_BYTES = Counter(
+    "pdserve_kv_transfer_bytes",
+    "KV page and aux row bytes written to decode nodes (prefill) / received (decode)",
+    ["role"],
+)
+KV_TRANSFER_SECONDS = Histogram(
+    "pdserve_kv_transfer_seconds",
+    "Prefill: write posted -> completed. Decode: destination sent -> KV landed",
+    ["role"],
+    buckets=_LATENCY_BUCKETS,
+)
+KV_HANDOFF_TAIL_SECONDS = Histogram(
+    "pdserve_kv_handoff_tail_seconds",
+    "Prefill: last prompt chunk computed -> final KV write completed (what the handoff adds to TTFT)",
+    buckets=_LATENCY_BUCKETS,
+)
+KV_HANDOFF_STAGE_SECONDS = Histogram(
+    "pdserve_kv_handoff_stage_seconds",
+    "Prefill: the handoff tail "
+    "by stage: handover (engine's finishing update -> the handler), "
+    "encode (handoff row payload), settle (chunk writes ended), row "
+    "(row written); the final write itself is pdserve_kv_transfer_seconds",
+    ["stage"],
+    buckets=_LATENCY_BUCKETS,
+)
+KV_WRITES = Counter(
+    "pdserve_kv_writes",
+    "KV writes posted to decode nodes: chunk (pages of a prompt "
+    "chunk, sent while the prompt still runs) or final (remaining pages + handoff row)",
+    ["kind"],
+)
+KV_WRITE_PAGES = Counter(
+    "pdserve_kv_write_pages", "KV pages written to decode nodes, by write kind (chunk or final)", ["kind"]
+)
+KV_TRANSFER_FAILURES = Counter(
+    "pdserve_kv_transfer_failures", "PD requests that failed before decoding, by reason", ["role", "reason"]
+)
+BOOTSTRAP_ATTEMPTS = Counter(
+    "pdserve_bootstrap_attempts", "Handshake attempts from a decode node to prefill nodes", ["result"]
+)
 
 
 class EngineCollector(Collector):
@@ -52,46 +69,78 @@ class EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         eng, role = self.engine, self.role
         policy, kv = eng.scheduler.policy, eng.kv
-        yield _gauge("pdserve_node_running_requests", "Requests with KV in the running batch",
-                     role, len(policy.running))
-        yield _gauge("pdserve_node_waiting_requests", "Requests queued for admission", role,
-                     len(policy.waiting))
+        yield _gauge(
+            "pdserve_node_running_requests", "Requests with KV in the running batch", role, len(policy.running)
+        )
+        yield _gauge("pdserve_node_waiting_requests", "Requests queued for admission", role, len(policy.waiting))
         used, total = kv.allocator.num_used * kv.page_size, kv.allocator.total * kv.page_size
         yield _gauge("pdserve_kv_cache_used_tokens", "KV cache tokens in use (whole pages)", role, used)
         yield _gauge("pdserve_kv_cache_capacity_tokens", "KV cache capacity in tokens", role, total)
-        yield _gauge("pdserve_kv_cache_usage_ratio", "KV cache tokens in use / capacity", role,
-                     used / total if total else 0.0)
+        yield _gauge(
+            "pdserve_kv_cache_usage_ratio", "KV cache tokens in use / capacity", role, used / total if total else 0.0
+        )
         slots = kv.cfg.max_reqs
-        yield _gauge("pdserve_node_request_slots_used", "Admission slots held: running requests, and PD "
-                     "requests reserving or receiving KV", role, slots - kv.num_free_slots)
+        yield _gauge(
+            "pdserve_node_request_slots_used",
+            "Admission slots held: running requests, and PD requests reserving or receiving KV",
+            role,
+            slots - kv.num_free_slots,
+        )
         yield _gauge("pdserve_node_request_slots_capacity", "Admission slots (--max-running)", role, slots)
         yield from self._pd_queues()
-        yield _histogram("pdserve_node_queue_time_seconds", "Waiting queue -> admitted to a batch, "
-                         "per admission (a retracted request waits again)", role, eng.scheduler.queue_time)
-        yield _histogram("pdserve_node_prompt_seconds", "First admission -> first token: the prompt's "
-                         "forward passes, every chunk, and the first sample", role, eng.scheduler.prompt_time)
-        yield _histograms("pdserve_node_launch_seconds", "Host time to launch one batch on the device "
-                          "(overlap off: to run it), by kind: prompt (a chunk) or decode", role, "kind",
-                          eng.scheduler.launch_time.by_kind)
-        yield _counter("pdserve_node_retractions", "Running requests sent back to the queue because "
-                       "the KV cache ran out", role, eng.scheduler.stats["retractions"])
-        finished = CounterMetricFamily("pdserve_node_finished_requests", "Requests that ended, by "
-                                       "finish reason (abort: cancelled or failed)", labels=["role", "reason"])
+        yield _histogram(
+            "pdserve_node_queue_time_seconds",
+            "Waiting queue -> admitted to a batch, per admission (a retracted request waits again)",
+            role,
+            eng.scheduler.queue_time,
+        )
+        yield _histogram(
+            "pdserve_node_prompt_seconds",
+            "First admission -> first token: the prompt's forward passes, every chunk, and the first sample",
+            role,
+            eng.scheduler.prompt_time,
+        )
+        yield _histograms(
+            "pdserve_node_launch_seconds",
+            "Host time to launch one batch on the device (overlap off: to run it), by kind: prompt (a chunk) or decode",
+            role,
+            "kind",
+            eng.scheduler.launch_time.by_kind,
+        )
+        yield _counter(
+            "pdserve_node_retractions",
+            "Running requests sent back to the queue because the KV cache ran out",
+            role,
+            eng.scheduler.stats["retractions"],
+        )
+        finished = CounterMetricFamily(
+            "pdserve_node_finished_requests",
+            "Requests that ended, by finish reason (abort: cancelled or failed)",
+            labels=["role", "reason"],
+        )
         for reason, n in sorted(eng.io.finished_counts().items()):
             finished.add_metric([role, reason], n)
         yield finished
-        yield _gauge("pdserve_model_load_seconds", "Engine construction at start-up: weights, draft, "
-                     "KV pool, CUDA graphs", role, eng.load_seconds)
+        yield _gauge(
+            "pdserve_model_load_seconds",
+            "Engine construction at start-up: weights, draft, KV pool, CUDA graphs",
+            role,
+            eng.load_seconds,
+        )
         yield from self._speculative()
 
     def _pd_queues(self) -> Iterator[Metric]:
         disagg = self.handler.disaggregation_metrics() if self.handler is not None else None
         if disagg is None:  # colocated: no PD queues
             return
-        g = GaugeMetricFamily("pdserve_pd_queue_requests", "PD requests by queue. Decode: prealloc "
-                              "(waiting for KV pages), transfer (waiting for the prefill's write). "
-                              "Prefill: prealloc (waiting for a destination), transfer (computing or "
-                              "writing)", labels=["role", "queue"])
+        g = GaugeMetricFamily(
+            "pdserve_pd_queue_requests",
+            "PD requests by queue. Decode: prealloc "
+            "(waiting for KV pages), transfer (waiting for the prefill's write). "
+            "Prefill: prealloc (waiting for a destination), transfer (computing or "
+            "writing)",
+            labels=["role", "queue"],
+        )
         if self.role == "decode":
             g.add_metric([self.role, "prealloc"], disagg.decode_prealloc_queue_reqs)
             g.add_metric([self.role, "transfer"], disagg.decode_transfer_queue_reqs)
@@ -105,18 +154,32 @@ class EngineCollector(Collector):
         stats = executor.spec_stats()
         if stats is not None:
             role = self.role
-            yield _gauge("pdserve_spec_accept_length", "Mean tokens per verify (accepted drafts + 1) "
-                         "since start-up", role, stats.mean_accept_len)
-            yield _gauge("pdserve_spec_acceptance_ratio", "Accepted drafts / drafts proposed since "
-                         "start-up", role, stats.acceptance_rate)
+            yield _gauge(
+                "pdserve_spec_accept_length",
+                "Mean tokens per verify (accepted drafts + 1) since start-up",
+                role,
+                stats.mean_accept_len,
+            )
+            yield _gauge(
+                "pdserve_spec_acceptance_ratio",
+                "Accepted drafts / drafts proposed since start-up",
+                role,
+                stats.acceptance_rate,
+            )
             # Counters, so rate() gives windowed values: accept length = 1 + accepted / verifies,
             # acceptance rate = accepted / drafts.
-            yield _counter("pdserve_spec_verifies", "Request-verifies (one per request per target "
-                           "forward)", role, stats.verifies)
-            yield _counter("pdserve_spec_accepted_tokens", "Draft tokens the target accepted", role,
-                           stats.accepted_drafts)
-            yield _counter("pdserve_spec_draft_tokens", "Draft tokens proposed along the verified "
-                           "path", role, stats.proposed_drafts)
+            yield _counter(
+                "pdserve_spec_verifies", "Request-verifies (one per request per target forward)", role, stats.verifies
+            )
+            yield _counter(
+                "pdserve_spec_accepted_tokens", "Draft tokens the target accepted", role, stats.accepted_drafts
+            )
+            yield _counter(
+                "pdserve_spec_draft_tokens",
+                "Draft tokens proposed along the verified path",
+                role,
+                stats.proposed_drafts,
+            )
         yield from self._adaptive(executor.adaptive_snapshot())
 
     def _adaptive(self, snap: dict[str, Any] | None) -> Iterator[Metric]:
@@ -124,17 +187,24 @@ class EngineCollector(Collector):
         force and the EMA of accepted drafts; switches since start-up."""
         if not snap:
             return
-        steps = GaugeMetricFamily("pdserve_spec_adaptive_steps", "Draft steps the adaptive policy "
-                                  "chose, per batch-size slot", labels=["role", "slot"])
-        ema = GaugeMetricFamily("pdserve_spec_adaptive_ema_accepted", "EMA of accepted drafts per "
-                                "request, per batch-size slot", labels=["role", "slot"])
+        steps = GaugeMetricFamily(
+            "pdserve_spec_adaptive_steps",
+            "Draft steps the adaptive policy chose, per batch-size slot",
+            labels=["role", "slot"],
+        )
+        ema = GaugeMetricFamily(
+            "pdserve_spec_adaptive_ema_accepted",
+            "EMA of accepted drafts per request, per batch-size slot",
+            labels=["role", "slot"],
+        )
         for slot in snap["slots"]:
             steps.add_metric([self.role, str(slot["lower_bound"])], slot["current_steps"])
             ema.add_metric([self.role, str(slot["lower_bound"])], slot["ema"])
         yield steps
         yield ema
-        yield _counter("pdserve_spec_adaptive_switches", "Step-count switches of the adaptive policy",
-                       self.role, snap["switches"])
+        yield _counter(
+            "pdserve_spec_adaptive_switches", "Step-count switches of the adaptive policy", self.role, snap["switches"]
+        )
 
 
 def _gauge(name: str, doc: str, role: str, value: float) -> GaugeMetricFamily:

@@ -11,8 +11,14 @@ import grpc
 
 from engine.engine import Engine
 from engine.loop import EngineLoop
-from engine.service.server import (metrics_suffix, node_info, scheduler_service, serve_until, start_server,
-                                   stop_on_signals)
+from engine.service.server import (
+    metrics_suffix,
+    node_info,
+    scheduler_service,
+    serve_until,
+    start_server,
+    stop_on_signals,
+)
 from engine.service.servicer import SchedulerServicer
 
 log = logging.getLogger(__name__)
@@ -46,8 +52,14 @@ class NodeRole(Protocol):
         ...
 
 
-async def run_node(role: NodeRole, build: Callable[[], tuple[Engine, Any]], host: str, port: int,
-                   metrics_port: int | None = None, served_model_name: str | None = None) -> None:
+async def run_node(
+    role: NodeRole,
+    build: Callable[[], tuple[Engine, Any]],
+    host: str,
+    port: int,
+    metrics_port: int | None = None,
+    served_model_name: str | None = None,
+) -> None:
     """Load (`build` returns the engine and its algorithm binding), serve the scheduler API and the
     role's servers, print the READY line, and stop cleanly on SIGINT/SIGTERM."""
     stop = stop_on_signals()  # before the slow load, so no signal is missed
@@ -63,8 +75,15 @@ async def run_node(role: NodeRole, build: Callable[[], tuple[Engine, Any]], host
     servicer = SchedulerServicer(info, loop, parts.handler)
     api, api_port = await start_server([scheduler_service(servicer)], host, port, watch=servicer.health)
     servers, extra = await role.start(host, servicer.health)
-    log.info("%s node serving %s on %s:%d%s%s", role.name, engine.config.model, host, api_port, extra,
-             f" ({parts.describe})" if parts.describe else "")
+    log.info(
+        "%s node serving %s on %s:%d%s%s",
+        role.name,
+        engine.config.model,
+        host,
+        api_port,
+        extra,
+        f" ({parts.describe})" if parts.describe else "",
+    )
     metrics = metrics_suffix(engine, role.name, host, metrics_port, parts.metrics_source)
     print(f"READY scheduler={host}:{api_port}{extra}{metrics}", flush=True)
 

@@ -21,25 +21,32 @@ log = logging.getLogger(__name__)
 ServiceSpec = tuple[Callable[[Any, grpc.aio.Server], None], Any, str]
 
 
-def node_info(engine: Any, role: str, served_name: str | None = None,
-              pairing_protocol: str | None = None) -> NodeInfo:
+def node_info(engine: Any, role: str, served_name: str | None = None, pairing_protocol: str | None = None) -> NodeInfo:
     cfg, mc = engine.config, engine.model_config
     path = str(Path(cfg.model).resolve())
     return NodeInfo(
-        served_model_name=served_name or Path(cfg.model).name, model_path=path, tokenizer_path=path,
-        max_context_length=engine.max_context_len, vocab_size=mc.vocab_size,
-        eos_token_ids=list(mc.eos_token_ids), architectures=[mc.architecture],
-        model_type=str(mc.raw.get("model_type", "")), role=role, pairing_protocol=pairing_protocol,
-        server_args={"page_size": cfg.page_size, "max_running_requests": cfg.max_running,
-                     "tp_size": 1, "dp_size": 1})
+        served_model_name=served_name or Path(cfg.model).name,
+        model_path=path,
+        tokenizer_path=path,
+        max_context_length=engine.max_context_len,
+        vocab_size=mc.vocab_size,
+        eos_token_ids=list(mc.eos_token_ids),
+        architectures=[mc.architecture],
+        model_type=str(mc.raw.get("model_type", "")),
+        role=role,
+        pairing_protocol=pairing_protocol,
+        server_args={"page_size": cfg.page_size, "max_running_requests": cfg.max_running, "tp_size": 1, "dp_size": 1},
+    )
 
 
-async def start_server(services: list[ServiceSpec], host: str, port: int,
-                       watch: HealthWatch | None = None) -> tuple[grpc.aio.Server, int]:
+async def start_server(
+    services: list[ServiceSpec], host: str, port: int, watch: HealthWatch | None = None
+) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the server and the bound port (port 0 picks a free one). With a
     `watch`, standard gRPC health follows its verdict (NOT_SERVING while the node cannot serve)."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
-                                      ("grpc.max_send_message_length", 64 << 20)])
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for add, servicer, _ in services:
@@ -62,8 +69,7 @@ _BACKGROUND: set[asyncio.Task] = set()  # asyncio keeps only weak references to 
 
 
 def scheduler_service(servicer: Any) -> ServiceSpec:
-    return (pb_grpc.add_SglangSchedulerServicer_to_server, servicer,
-            "sglang.grpc.scheduler.SglangScheduler")
+    return (pb_grpc.add_SglangSchedulerServicer_to_server, servicer, "sglang.grpc.scheduler.SglangScheduler")
 
 
 def metrics_suffix(engine: Any, role: str, host: str, port: int | None, handler: Any = None) -> str:
@@ -84,8 +90,9 @@ def stop_on_signals() -> asyncio.Event:
     return stop
 
 
-async def serve_until(stop: asyncio.Event, servers: list[grpc.aio.Server],
-                      on_stop: Callable[[], None] | None = None, grace_s: float = 5.0) -> None:
+async def serve_until(
+    stop: asyncio.Event, servers: list[grpc.aio.Server], on_stop: Callable[[], None] | None = None, grace_s: float = 5.0
+) -> None:
     """Block until `stop`, then stop accepting and let in-flight calls finish (bounded)."""
     await stop.wait()
     log.info("shutting down")

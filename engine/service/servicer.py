@@ -42,8 +42,9 @@ class NodeInfo:
 
 
 class GenerateHandler(Protocol):
-    def generate(self, request: pb.GenerateRequest,
-                 context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]: ...
+    def generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]: ...
 
     def abort(self, request_id: str, reason: str) -> bool: ...
 
@@ -61,17 +62,22 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self.info, self.loop, self.handler = info, loop, handler
         self.health = HealthWatch(lambda: loop.alive, lambda: leaked_capacity(loop.engine, handler))
 
-    async def Generate(self, request: pb.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         # Not reset at the end: this call's task (and the tasks it starts) is all the id covers.
         bind_request_id(request.request_id)
-        log.debug("generate: %d prompt tokens, at most %d new", len(request.tokenized.input_ids),
-                  request.sampling_params.max_new_tokens)
+        log.debug(
+            "generate: %d prompt tokens, at most %d new",
+            len(request.tokenized.input_ids),
+            request.sampling_params.max_new_tokens,
+        )
         try:
             async for resp in self.handler.generate(request, context):
                 if resp.HasField("complete"):
-                    log.debug("complete: %s after %d tokens", resp.complete.finish_reason,
-                              resp.complete.completion_tokens)
+                    log.debug(
+                        "complete: %s after %d tokens", resp.complete.finish_reason, resp.complete.completion_tokens
+                    )
                 yield resp
         except InvalidRequest as e:
             log.info("refused: %s", e)
@@ -81,8 +87,9 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             blame = ((BLAME_KEY, e.blame),) if e.blame else ()
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e), trailing_metadata=blame)
 
-    async def HealthCheck(self, request: pb.HealthCheckRequest,
-                          context: grpc.aio.ServicerContext) -> pb.HealthCheckResponse:
+    async def HealthCheck(
+        self, request: pb.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HealthCheckResponse:
         why = self.health.check()
         return pb.HealthCheckResponse(healthy=why is None, message=why or "ok")
 
@@ -90,47 +97,69 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         found = self.handler.abort(request.request_id, request.reason or "aborted by client")
         return pb.AbortResponse(success=True, message="aborted" if found else "unknown or finished")
 
-    async def GetModelInfo(self, request: pb.GetModelInfoRequest,
-                           context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetModelInfoResponse:
         i = self.info
         return pb.GetModelInfoResponse(
-            model_path=i.model_path, tokenizer_path=i.tokenizer_path, is_generation=True,
-            served_model_name=i.served_model_name, max_context_length=i.max_context_length,
-            vocab_size=i.vocab_size, model_type=i.model_type, eos_token_ids=i.eos_token_ids,
-            max_req_input_len=i.max_context_length - 1, architectures=i.architectures)
+            model_path=i.model_path,
+            tokenizer_path=i.tokenizer_path,
+            is_generation=True,
+            served_model_name=i.served_model_name,
+            max_context_length=i.max_context_length,
+            vocab_size=i.vocab_size,
+            model_type=i.model_type,
+            eos_token_ids=i.eos_token_ids,
+            max_req_input_len=i.max_context_length - 1,
+            architectures=i.architectures,
+        )
 
-    async def GetServerInfo(self, request: pb.GetServerInfoRequest,
-                            context: grpc.aio.ServicerContext) -> pb.GetServerInfoResponse:
+    async def GetServerInfo(
+        self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetServerInfoResponse:
         args = struct_pb2.Struct()
         args.update({**self.info.server_args, "disaggregation_mode": self.info.role})
         if self.info.pairing_protocol:
             args.update({"pairing_protocol": self.info.pairing_protocol})
         sched = self.loop.engine.scheduler
         return pb.GetServerInfoResponse(
-            server_args=args, active_requests=len(sched.reqs), server_type="grpc",
-            sglang_version="pdserve", uptime_seconds=time.time() - self.info.started,
-            max_total_num_tokens=self.loop.engine.kv.allocator.total * self.loop.engine.kv.page_size)
+            server_args=args,
+            active_requests=len(sched.reqs),
+            server_type="grpc",
+            sglang_version="pdserve",
+            uptime_seconds=time.time() - self.info.started,
+            max_total_num_tokens=self.loop.engine.kv.allocator.total * self.loop.engine.kv.page_size,
+        )
 
-    async def GetLoads(self, request: pb.GetLoadsRequest,
-                       context: grpc.aio.ServicerContext) -> pb.GetLoadsResponse:
+    async def GetLoads(self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext) -> pb.GetLoadsResponse:
         eng = self.loop.engine
         policy, kv = eng.scheduler.policy, eng.kv
         used = kv.allocator.num_used * kv.page_size
         total = kv.allocator.total * kv.page_size
         load = pb.SchedulerLoad(
-            dp_rank=0, num_running_reqs=len(policy.running), num_waiting_reqs=len(policy.waiting),
-            num_total_reqs=len(policy.running) + len(policy.waiting), num_used_tokens=used,
-            max_total_num_tokens=total, token_usage=used / max(total, 1),
-            max_running_requests=eng.config.max_running)
+            dp_rank=0,
+            num_running_reqs=len(policy.running),
+            num_waiting_reqs=len(policy.waiting),
+            num_total_reqs=len(policy.running) + len(policy.waiting),
+            num_used_tokens=used,
+            max_total_num_tokens=total,
+            token_usage=used / max(total, 1),
+            max_running_requests=eng.config.max_running,
+        )
         stats = eng.executor.spec_stats()
         if stats is not None:
-            load.speculative.CopyFrom(pb.SpeculativeMetrics(accept_length=stats.mean_accept_len,
-                                                            accept_rate=stats.acceptance_rate))
+            load.speculative.CopyFrom(
+                pb.SpeculativeMetrics(accept_length=stats.mean_accept_len, accept_rate=stats.acceptance_rate)
+            )
         disagg = self.handler.disaggregation_metrics()
         if disagg is not None:
             load.disaggregation.CopyFrom(disagg)
-        return pb.GetLoadsResponse(timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                   version="pdserve", dp_rank_count=1, loads=[load])
+        return pb.GetLoadsResponse(
+            timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            version="pdserve",
+            dp_rank_count=1,
+            loads=[load],
+        )
 
     async def SubscribeKvEvents(self, request: Any, context: grpc.aio.ServicerContext) -> None:
         """Not offered. SMG calls it once per worker at registration and, on UNIMPLEMENTED, turns

@@ -25,15 +25,19 @@ class Aborter(Protocol):
 
 
 class RequestStream:
-    def __init__(self, loop: Aborter, req: Req, stream: bool, tokenizer: Tokenizer | None,
-                 eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self, loop: Aborter, req: Req, stream: bool, tokenizer: Tokenizer | None, eos_token_ids: frozenset[int]
+    ) -> None:
         self.loop, self.req, self.stream = loop, req, stream
         self.eos = eos_token_ids
         self._aio = asyncio.get_running_loop()
         self._queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
         p = req.params
-        self._text = TextAssembler(tokenizer, p.stop, req.prompt_ids, p.min_new_tokens,
-                                   p.skip_special_tokens) if (tokenizer and p.stop) else None
+        self._text = (
+            TextAssembler(tokenizer, p.stop, req.prompt_ids, p.min_new_tokens, p.skip_special_tokens)
+            if (tokenizer and p.stop)
+            else None
+        )
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top: list = []
@@ -59,18 +63,26 @@ class RequestStream:
                         finished, reason, matched = True, FinishReason.STOP, self._text.matched
                 self._record(upd)
                 if upd.tokens and self.stream:
-                    yield convert.chunk(rid, upd.tokens, n_prompt, len(self.output_ids),
-                                        upd.logprobs or None, upd.top_logprobs or None)
+                    yield convert.chunk(
+                        rid, upd.tokens, n_prompt, len(self.output_ids), upd.logprobs or None, upd.top_logprobs or None
+                    )
                 if finished:
                     self.finished = True
                     if matched is None:
                         matched = convert.matched_stop_token(upd, self.req.params.stop_token_ids, self.eos)
                     if reason is FinishReason.ABORT and upd.finish_detail not in ("", "aborted"):
                         raise RequestFailed(upd.finish_detail)
-                    yield convert.complete(rid, self.output_ids, reason, n_prompt,
-                                           logprobs=self.logprobs or None, top=self.top or None,
-                                           matched_stop=matched, accepted_drafts=self.accepted_drafts,
-                                           verifies=self.verifies)
+                    yield convert.complete(
+                        rid,
+                        self.output_ids,
+                        reason,
+                        n_prompt,
+                        logprobs=self.logprobs or None,
+                        top=self.top or None,
+                        matched_stop=matched,
+                        accepted_drafts=self.accepted_drafts,
+                        verifies=self.verifies,
+                    )
                     return
         finally:
             if not self.finished:  # the client went away (or the handler was cancelled)

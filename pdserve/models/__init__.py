@@ -28,20 +28,32 @@ class ModelChoice:
     num_steps: int | None
 
 
-def resolve(model: Path | str | None, *, algorithm: str | None, draft_model_path: Path | str | None,
-            num_steps: int | None, dtype: str | None, device: str, adaptive: bool = False) -> ModelChoice:
+def resolve(
+    model: Path | str | None,
+    *,
+    algorithm: str | None,
+    draft_model_path: Path | str | None,
+    num_steps: int | None,
+    dtype: str | None,
+    device: str,
+    adaptive: bool = False,
+) -> ModelChoice:
     """No --model: the built-in pair, with its head's algorithm on unless --speculative-algorithm
     says otherwise, and float32 on a CPU (its bf16 weights run faster and without near-tie flips
     in fp32 there). With --model: exactly what was asked (no speculation unless requested)."""
     if model is not None:
-        return ModelChoice(Path(model), dtype, algorithm,
-                           Path(draft_model_path) if draft_model_path else None, num_steps)
+        return ModelChoice(
+            Path(model), dtype, algorithm, Path(draft_model_path) if draft_model_path else None, num_steps
+        )
     if dtype is None and device.split(":")[0] == "cpu":
         dtype = "float32"
     algo = algorithm or BUILTIN_ALGORITHM
     builtin_head = algo.upper() == BUILTIN_ALGORITHM.upper() and draft_model_path is None
-    return ModelChoice(BUILTIN_TARGET, dtype, algo,
-                       BUILTIN_DRAFT if builtin_head else (Path(draft_model_path) if draft_model_path else None),
-                       # under adaptive steps the policy picks them (from its candidates)
-                       num_steps if num_steps is not None or not builtin_head or adaptive else BUILTIN_DRAFT_STEPS)
-
+    return ModelChoice(
+        BUILTIN_TARGET,
+        dtype,
+        algo,
+        BUILTIN_DRAFT if builtin_head else (Path(draft_model_path) if draft_model_path else None),
+        # under adaptive steps the policy picks them (from its candidates)
+        num_steps if num_steps is not None or not builtin_head or adaptive else BUILTIN_DRAFT_STEPS,
+    )

@@ -12,13 +12,14 @@ from typing import Any, Mapping, NoReturn
 # The built-in default, in the form a user writes. Set from the H100 and H200 sweeps of
 # bench/gpu/spec_speedup.py (Llama-8B and -1B shapes, batch 1-64; bench/RESULTS.md): chains of
 # 3-5 drafts pay when drafts are accepted, 7 only below batch 32, and from batch 64 on 5 loses
-# to 3 on both shapes and both GPUs (3-8%: the 6-token verify window is no longer free). Hysteresis -0.45 both ways: a level is left
-# upwards once its chain's last half-draft is mostly accepted (SGLang's 0 waits for a chain used
-# up, which stays at 3 steps where 5 pays), and downwards (to plain decoding too) once the EMA
-# is near zero. Plain decoding (0) is a candidate everywhere: traffic whose drafts are rarely
-# accepted turns speculation off.
+# to 3 on both shapes and both GPUs (3-8%: the 6-token verify window is no longer free).
+# Hysteresis -0.45 both ways: a level is left upwards once its chain's last half-draft is mostly
+# accepted (SGLang's 0 waits for a chain used up, which stays at 3 steps where 5 pays), and
+# downwards (to plain decoding too) once the EMA is near zero. Plain decoding (0) is a candidate
+# everywhere: traffic whose drafts are rarely accepted turns speculation off.
 DEFAULT_ADAPTIVE_CONFIG: dict[str, Any] = {
-    "up_hysteresis": -0.45, "down_hysteresis": -0.45,
+    "up_hysteresis": -0.45,
+    "down_hysteresis": -0.45,
     "1": {"candidate_steps": [0, 1, 3, 5, 7]},
     "8": {"candidate_steps": [0, 1, 3, 5, 7]},
     "32": {"candidate_steps": [0, 1, 3, 5]},
@@ -33,8 +34,15 @@ DEFAULT_UPSHIFT_BACKOFF_MAX = 1024  # the cap of that wait as it doubles
 DEFAULT_CONFIRM_DECISIONS = 2  # consecutive decisions that must agree before a switch
 
 SLOT_FIELDS = ("candidate_steps", "up_hysteresis", "down_hysteresis", "ceiling_coeff")
-SETTINGS = ("ema_alpha", "warmup_batches", "update_interval", "min_dwell", "upshift_backoff",
-            "upshift_backoff_max", "confirm_decisions")
+SETTINGS = (
+    "ema_alpha",
+    "warmup_batches",
+    "update_interval",
+    "min_dwell",
+    "upshift_backoff",
+    "upshift_backoff_max",
+    "confirm_decisions",
+)
 _SLOT_DEFAULT_KEYS = SLOT_FIELDS[1:]  # top-level keys that are defaults for the slots
 _INT_KEY = re.compile(r"[+-]?\d+")  # "-1" is a (bad) lower bound, not an unknown key
 
@@ -56,8 +64,7 @@ def _is_number(v: object) -> bool:
 
 
 def _candidates(where: str, value: object) -> tuple[int, ...]:
-    if (not isinstance(value, (list, tuple)) or not value
-            or not all(_is_int(s) and s >= 0 for s in value)):
+    if not isinstance(value, (list, tuple)) or not value or not all(_is_int(s) and s >= 0 for s in value):
         _fail(where, f"candidate_steps must be a non-empty list of ints >= 0, got {value!r}")
     return tuple(sorted(set(value)))
 
@@ -74,8 +81,9 @@ def _int(where: str, name: str, value: object, lo: int) -> None:
         _fail(where, f"{name} must be an int >= {lo}, got {value!r}")
 
 
-def _slot_fields(where: str, candidate_steps: object, up: object, down: object,
-                 ceiling: object) -> tuple[tuple[int, ...], float, float, float]:
+def _slot_fields(
+    where: str, candidate_steps: object, up: object, down: object, ceiling: object
+) -> tuple[tuple[int, ...], float, float, float]:
     """The four slot fields checked and normalized (candidates sorted and unique, numbers floats)."""
     cands = _candidates(where, candidate_steps)
     up_h = _number(where, "up_hysteresis", up)
@@ -85,8 +93,11 @@ def _slot_fields(where: str, candidate_steps: object, up: object, down: object,
     # to a fires at ema <= a - 0.5 + down. With down > up, every EMA in between would switch
     # a -> b -> a on consecutive decisions.
     if down_h > up_h:
-        _fail(where, f"down_hysteresis ({down_h:g}) must be <= up_hysteresis ({up_h:g}), or every "
-                     "EMA in between switches back and forth")
+        _fail(
+            where,
+            f"down_hysteresis ({down_h:g}) must be <= up_hysteresis ({up_h:g}), or every "
+            "EMA in between switches back and forth",
+        )
     return cands, up_h, down_h, ceil_c
 
 
@@ -100,14 +111,19 @@ class SlotConfig:
     ceiling_coeff: float = 0.0  # > 0: cap non-upshift targets at ceil(ema * coeff); 0 = off
 
     def __post_init__(self) -> None:
-        fields = _slot_fields("SlotConfig", self.candidate_steps, self.up_hysteresis,
-                              self.down_hysteresis, self.ceiling_coeff)
+        fields = _slot_fields(
+            "SlotConfig", self.candidate_steps, self.up_hysteresis, self.down_hysteresis, self.ceiling_coeff
+        )
         for name, value in zip(SLOT_FIELDS, fields):
             object.__setattr__(self, name, value)  # frozen: normalize in place once
 
     def to_json(self) -> dict[str, Any]:
-        return {"candidate_steps": list(self.candidate_steps), "up_hysteresis": self.up_hysteresis,
-                "down_hysteresis": self.down_hysteresis, "ceiling_coeff": self.ceiling_coeff}
+        return {
+            "candidate_steps": list(self.candidate_steps),
+            "up_hysteresis": self.up_hysteresis,
+            "down_hysteresis": self.down_hysteresis,
+            "ceiling_coeff": self.ceiling_coeff,
+        }
 
 
 _SLOT_DEFAULTS = {name: getattr(SlotConfig, name) for name in _SLOT_DEFAULT_KEYS}
@@ -150,12 +166,20 @@ class AdaptiveConfig:
         if not _is_number(alpha) or not 0 < alpha <= 1:
             _fail(where, f"ema_alpha must be a number in (0, 1], got {alpha!r}")
         object.__setattr__(self, "ema_alpha", float(alpha))
-        for name, lo in (("warmup_batches", 0), ("update_interval", 1), ("min_dwell", 0),
-                         ("upshift_backoff", 0), ("confirm_decisions", 1)):
+        for name, lo in (
+            ("warmup_batches", 0),
+            ("update_interval", 1),
+            ("min_dwell", 0),
+            ("upshift_backoff", 0),
+            ("confirm_decisions", 1),
+        ):
             _int(where, name, getattr(self, name), lo)
         if not _is_int(self.upshift_backoff_max) or self.upshift_backoff_max < self.upshift_backoff:
-            _fail(where, f"upshift_backoff_max must be an int >= upshift_backoff "
-                         f"({self.upshift_backoff}), got {self.upshift_backoff_max!r}")
+            _fail(
+                where,
+                f"upshift_backoff_max must be an int >= upshift_backoff "
+                f"({self.upshift_backoff}), got {self.upshift_backoff_max!r}",
+            )
         object.__setattr__(self, "slots", _checked_slots(self.slots))
 
     @classmethod
@@ -189,8 +213,11 @@ class AdaptiveConfig:
     def check_initial_steps(self, steps: int) -> None:
         union = self.candidate_steps()
         if not _is_int(steps) or steps not in union:
-            _fail("top level", f"initial steps {steps!r} (--speculative-num-steps) are not among any "
-                               f"slot's candidate_steps {list(union)}")
+            _fail(
+                "top level",
+                f"initial steps {steps!r} (--speculative-num-steps) are not among any "
+                f"slot's candidate_steps {list(union)}",
+            )
 
     def to_json(self) -> dict[str, Any]:
         """The resolved config (settings and every slot in full): what the node logs it runs."""
@@ -201,10 +228,8 @@ class AdaptiveConfig:
 
 def _checked_slots(slots: object) -> tuple[tuple[int, SlotConfig], ...]:
     pairs = list(slots) if isinstance(slots, (list, tuple)) else []
-    if not pairs or not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], SlotConfig)
-                            for p in pairs):
-        _fail("top level", f"slots must be a non-empty sequence of (lower bound, SlotConfig) pairs, "
-                           f"got {slots!r}")
+    if not pairs or not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], SlotConfig) for p in pairs):
+        _fail("top level", f"slots must be a non-empty sequence of (lower bound, SlotConfig) pairs, got {slots!r}")
     seen: set[int] = set()
     for bound, _ in pairs:
         if not _is_int(bound) or bound < 1 or bound in seen:
@@ -215,8 +240,7 @@ def _checked_slots(slots: object) -> tuple[tuple[int, SlotConfig], ...]:
 
 def _load(obj: object) -> tuple[object, Path | None]:  # (decoded JSON, its file or None)
     if not isinstance(obj, (str, Path)):
-        raise AdaptiveConfigError(f"adaptive config: expected a dict, JSON text or a path, "
-                                  f"got {type(obj).__name__}")
+        raise AdaptiveConfigError(f"adaptive config: expected a dict, JSON text or a path, got {type(obj).__name__}")
     path = None if isinstance(obj, str) and obj.lstrip().startswith("{") else Path(obj)
     where = "text" if path is None else f"file {path}"
     try:
@@ -243,24 +267,34 @@ def _parse(cls: type[AdaptiveConfig], raw: object) -> AdaptiveConfig:
         elif key in SETTINGS or key in SLOT_FIELDS:
             top[key] = value
         else:
-            _fail("top level", f'unknown key "{key}" (slots are integer-string batch-size lower '
-                               f'bounds >= 1; settings are {", ".join(SETTINGS + SLOT_FIELDS)})')
+            _fail(
+                "top level",
+                f'unknown key "{key}" (slots are integer-string batch-size lower '
+                f"bounds >= 1; settings are {', '.join(SETTINGS + SLOT_FIELDS)})",
+            )
     defaults = {k: top[k] for k in _SLOT_DEFAULT_KEYS if k in top}
     for name, value in defaults.items():  # blame the top level, not the first slot using it
         _number("top level", name, value, lo=0 if name == "ceiling_coeff" else None)
     if "candidate_steps" in top:  # the legacy single-entry form: one slot for every batch size
         if slots:
             keys = ", ".join(f'"{key}"' for key, _ in slots.values())
-            _fail("top level", "candidate_steps at the top level is the legacy single-entry form "
-                               f"and cannot be mixed with slot keys ({keys})")
+            _fail(
+                "top level",
+                "candidate_steps at the top level is the legacy single-entry form "
+                f"and cannot be mixed with slot keys ({keys})",
+            )
         slots[1] = ("1", {"candidate_steps": top["candidate_steps"]})
         where_of = {1: "top level (legacy single-entry form)"}
     else:
         where_of = {bound: f'slot "{key}"' for bound, (key, _) in slots.items()}
     if not slots:
-        _fail("top level", 'no slot: give at least one integer-string key (a batch-size lower bound '
-                           'such as "1") with candidate_steps, or candidate_steps at the top level '
-                           '(the legacy single-entry form)')
-    parsed = tuple((bound, _slot_from_json(where_of[bound], value, defaults))
-                   for bound, (_, value) in sorted(slots.items()))
+        _fail(
+            "top level",
+            "no slot: give at least one integer-string key (a batch-size lower bound "
+            'such as "1") with candidate_steps, or candidate_steps at the top level '
+            "(the legacy single-entry form)",
+        )
+    parsed = tuple(
+        (bound, _slot_from_json(where_of[bound], value, defaults)) for bound, (_, value) in sorted(slots.items())
+    )
     return cls(parsed, **{k: top[k] for k in SETTINGS if k in top})

@@ -43,8 +43,7 @@ class AdaptivePolicy(Protocol):
         ...
 
     @property
-    def total_switches(self) -> int:
-        ...
+    def total_switches(self) -> int: ...
 
 
 class AdaptiveSteps:
@@ -61,14 +60,14 @@ class AdaptiveSteps:
       The minimum dwell leaves such a sample almost no weight by the slot's next decision.
     """
 
-    def __init__(self, config: AdaptiveConfig, initial_steps: int,
-                 graph_batch_sizes: Sequence[int] | None = None) -> None:
+    def __init__(
+        self, config: AdaptiveConfig, initial_steps: int, graph_batch_sizes: Sequence[int] | None = None
+    ) -> None:
         config.check_initial_steps(initial_steps)
         self.config, self.initial_steps = config, initial_steps
         self._bounds = config.lower_bounds()
         # A slot that cannot run the initial steps starts at its nearest candidate.
-        self._slots = tuple(StepSlot.from_config(config, slot, initial_steps)
-                            for _, slot in config.slots)
+        self._slots = tuple(StepSlot.from_config(config, slot, initial_steps) for _, slot in config.slots)
         self._graph_bs: tuple[int, ...] = ()
         self.set_graph_batch_sizes(graph_batch_sizes)
         self._active: int | None = None
@@ -123,14 +122,22 @@ class AdaptiveSteps:
         return self.config.candidate_steps()
 
     def graph_batch_sizes_for_step(self, step: int) -> list[int]:
-        return [bs for bs in self._graph_bs
-                if step in self._slots[self.slot_index_for(bs)].cfg.candidate_steps]
+        return [bs for bs in self._graph_bs if step in self._slots[self.slot_index_for(bs)].cfg.candidate_steps]
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Per slot: its batch-size range (of padded sizes; upper None = unbounded), steps, EMA,
         switches, batches seen, failed upshifts and shadow reports taken at steps 0."""
         uppers = [b - 1 for b in self._bounds[1:]] + [None]
-        return [{"lower_bound": lo, "upper_bound": hi, "current_steps": slot.current_steps,
-                 "ema": slot.ema, "switches": slot.switches, "batches": slot.batches,
-                 "failed_upshifts": slot.failed_upshifts, "shadow_reports": slot.shadow_reports}
-                for lo, hi, slot in zip(self._bounds, uppers, self._slots)]
+        return [
+            {
+                "lower_bound": lo,
+                "upper_bound": hi,
+                "current_steps": slot.current_steps,
+                "ema": slot.ema,
+                "switches": slot.switches,
+                "batches": slot.batches,
+                "failed_upshifts": slot.failed_upshifts,
+                "shadow_reports": slot.shadow_reports,
+            }
+            for lo, hi, slot in zip(self._bounds, uppers, self._slots)
+        ]

@@ -5,10 +5,17 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from spec.adaptive.config import (DEFAULT_CONFIRM_DECISIONS, DEFAULT_EMA_ALPHA, DEFAULT_MIN_DWELL,
-                                  DEFAULT_UPDATE_INTERVAL, DEFAULT_UPSHIFT_BACKOFF,
-                                  DEFAULT_UPSHIFT_BACKOFF_MAX, DEFAULT_WARMUP_BATCHES, AdaptiveConfig,
-                                  SlotConfig)
+from spec.adaptive.config import (
+    DEFAULT_CONFIRM_DECISIONS,
+    DEFAULT_EMA_ALPHA,
+    DEFAULT_MIN_DWELL,
+    DEFAULT_UPDATE_INTERVAL,
+    DEFAULT_UPSHIFT_BACKOFF,
+    DEFAULT_UPSHIFT_BACKOFF_MAX,
+    DEFAULT_WARMUP_BATCHES,
+    AdaptiveConfig,
+    SlotConfig,
+)
 
 
 SHADOW_UPSHIFT = 0.5  # steps 0 -> 1 when at least this share of first drafts would be accepted
@@ -70,18 +77,30 @@ class StepSlot:
     sequence of updates and does not depend on time or on other slots.
     """
 
-    def __init__(self, cfg: SlotConfig, *, ema_alpha: float = DEFAULT_EMA_ALPHA,
-                 warmup_batches: int = DEFAULT_WARMUP_BATCHES,
-                 update_interval: int = DEFAULT_UPDATE_INTERVAL, min_dwell: int = DEFAULT_MIN_DWELL,
-                 upshift_backoff: int = DEFAULT_UPSHIFT_BACKOFF,
-                 upshift_backoff_max: int = DEFAULT_UPSHIFT_BACKOFF_MAX,
-                 confirm_decisions: int = DEFAULT_CONFIRM_DECISIONS,
-                 initial_steps: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: SlotConfig,
+        *,
+        ema_alpha: float = DEFAULT_EMA_ALPHA,
+        warmup_batches: int = DEFAULT_WARMUP_BATCHES,
+        update_interval: int = DEFAULT_UPDATE_INTERVAL,
+        min_dwell: int = DEFAULT_MIN_DWELL,
+        upshift_backoff: int = DEFAULT_UPSHIFT_BACKOFF,
+        upshift_backoff_max: int = DEFAULT_UPSHIFT_BACKOFF_MAX,
+        confirm_decisions: int = DEFAULT_CONFIRM_DECISIONS,
+        initial_steps: int | None = None,
+    ) -> None:
         # Validate the settings with the config's own rules and messages.
-        AdaptiveConfig(((1, cfg),), ema_alpha=ema_alpha, warmup_batches=warmup_batches,
-                       update_interval=update_interval, min_dwell=min_dwell,
-                       upshift_backoff=upshift_backoff, upshift_backoff_max=upshift_backoff_max,
-                       confirm_decisions=confirm_decisions)
+        AdaptiveConfig(
+            ((1, cfg),),
+            ema_alpha=ema_alpha,
+            warmup_batches=warmup_batches,
+            update_interval=update_interval,
+            min_dwell=min_dwell,
+            upshift_backoff=upshift_backoff,
+            upshift_backoff_max=upshift_backoff_max,
+            confirm_decisions=confirm_decisions,
+        )
         self.cfg = cfg
         self._cands = cfg.candidate_steps
         self._alpha = float(ema_alpha)
@@ -108,13 +127,18 @@ class StepSlot:
         self._shadow_reports = 0
 
     @classmethod
-    def from_config(cls, config: AdaptiveConfig, slot: SlotConfig,
-                    initial_steps: int | None) -> StepSlot:
-        return cls(slot, ema_alpha=config.ema_alpha, warmup_batches=config.warmup_batches,
-                   update_interval=config.update_interval, min_dwell=config.min_dwell,
-                   upshift_backoff=config.upshift_backoff,
-                   upshift_backoff_max=config.upshift_backoff_max,
-                   confirm_decisions=config.confirm_decisions, initial_steps=initial_steps)
+    def from_config(cls, config: AdaptiveConfig, slot: SlotConfig, initial_steps: int | None) -> StepSlot:
+        return cls(
+            slot,
+            ema_alpha=config.ema_alpha,
+            warmup_batches=config.warmup_batches,
+            update_interval=config.update_interval,
+            min_dwell=config.min_dwell,
+            upshift_backoff=config.upshift_backoff,
+            upshift_backoff_max=config.upshift_backoff_max,
+            confirm_decisions=config.confirm_decisions,
+            initial_steps=initial_steps,
+        )
 
     @property
     def current_steps(self) -> int:
@@ -196,8 +220,12 @@ class StepSlot:
         j = i
         while j > 0 and self._ema <= self._drop_threshold(cands[j - 1]):
             j -= 1
-        if (j == i and i + 1 < len(cands) and self._ema > steps - 0.5 + self.cfg.up_hysteresis
-                and self._may_upshift(steps)):
+        if (
+            j == i
+            and i + 1 < len(cands)
+            and self._ema > steps - 0.5 + self.cfg.up_hysteresis
+            and self._may_upshift(steps)
+        ):
             return cands[i + 1]  # one candidate at a time; never capped by the ceiling
         return self._capped(cands[j])
 

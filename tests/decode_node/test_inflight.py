@@ -7,7 +7,6 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from decode_node.inflight import InFlight, Stage
 from decode_node.completion import CompletionWaiter

@@ -26,8 +26,9 @@ def values_file(path: Path) -> dict[str, Any]:
 
 @lru_cache(maxsize=8)
 def _render(values_json: str) -> tuple[tuple[str, str], ...]:
-    out = helm.Chart.load(str(CHART)).render(json.loads(values_json), name=RELEASE, namespace=NAMESPACE,
-                                             is_install=True)
+    out = helm.Chart.load(str(CHART)).render(
+        json.loads(values_json), name=RELEASE, namespace=NAMESPACE, is_install=True
+    )
     return tuple(sorted(out.items()))
 
 

@@ -26,8 +26,14 @@ from tests.deploy.promkit import RULE_FILES
 from fixtures.pdkit import request, stub
 from tests.router.fake_nodes import Behaviour, FakeNode
 
-PROMPTS = ["def fibonacci(n):", "import os\n\ndef walk(", "class Stack:\n    def push(self, item):",
-           "for i in range(10):", "def parse_args(argv):", "with open(path) as f:"]
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\n\ndef walk(",
+    "class Stack:\n    def push(self, item):",
+    "for i in range(10):",
+    "def parse_args(argv):",
+    "with open(path) as f:",
+]
 
 
 def free_port() -> int:
@@ -53,18 +59,29 @@ class Prometheus:
                 g["interval"] = "1s"
             (workdir / f.name).write_text(yaml.safe_dump(doc))
             rules.append(str(workdir / f.name))
-        config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "900ms"},
-                  "rule_files": rules,
-                  "scrape_configs": [{"job_name": job, "static_configs": [{"targets": addrs}]}
-                                     for job, addrs in targets.items()]}
+        config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "900ms"},
+            "rule_files": rules,
+            "scrape_configs": [
+                {"job_name": job, "static_configs": [{"targets": addrs}]} for job, addrs in targets.items()
+            ],
+        }
         (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(workdir / "prometheus.log", "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [binary, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                binary,
+                f"--config.file={workdir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={workdir / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--log.level=warn",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -142,15 +159,22 @@ def wait_http_ok(url: str, timeout: float) -> None:
 
 
 def _completion(client: httpx.Client, base: str, model: str, prompt: str, max_tokens: int) -> None:
-    r = client.post(f"{base}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                                                     "temperature": 0})
+    r = client.post(
+        f"{base}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] >= 1
 
 
 def _chat_stream(client: httpx.Client, base: str, model: str, prompt: str, max_tokens: int) -> None:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "stream": True, "stream_options": {"include_usage": True}, "temperature": 0}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0,
+    }
     with client.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
@@ -159,8 +183,14 @@ def _chat_stream(client: httpx.Client, base: str, model: str, prompt: str, max_t
 
 def _aborted(client: httpx.Client, base: str, model: str) -> None:
     """A streamed request the client drops after its first chunk: the router aborts both legs."""
-    body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 400, "stream": True, "temperature": 0,
-            "ignore_eos": True}
+    body = {
+        "model": model,
+        "prompt": PROMPTS[0],
+        "max_tokens": 400,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     with client.stream("POST", f"{base}/v1/completions", json=body) as r:
         assert r.status_code == 200
         for line in r.iter_lines():

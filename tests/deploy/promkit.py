@@ -25,8 +25,10 @@ def _install_with_apt() -> str:
         return "not root, so apt-get cannot install it"
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     try:
-        for cmd in (["apt-get", "update", "-qq"],
-                    ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "prometheus"]):
+        for cmd in (
+            ["apt-get", "update", "-qq"],
+            ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "prometheus"],
+        ):
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=APT_TIMEOUT_S, env=env, check=False)
             if r.returncode != 0:
                 return f"`{' '.join(cmd)}` failed: {r.stderr.strip()[-300:]}"
@@ -49,12 +51,21 @@ def binary(name: str) -> str:
 def dashboard_queries(window: str = "5m") -> list[tuple[str, str]]:
     """(panel title, PromQL) of every dashboard target, Grafana's $__rate_interval made concrete."""
     panels = json.loads(DASHBOARD.read_text())["panels"]
-    return [(p["title"], t["expr"].replace("$__rate_interval", window))
-            for p in panels if p["type"] != "row" for t in p["targets"]]
+    return [
+        (p["title"], t["expr"].replace("$__rate_interval", window))
+        for p in panels
+        if p["type"] != "row"
+        for t in p["targets"]
+    ]
 
 
 def recording_rules() -> list[str]:
     import yaml
 
-    return [r["record"] for f in RULE_FILES for g in yaml.safe_load(f.read_text())["groups"]
-            for r in g["rules"] if "record" in r]
+    return [
+        r["record"]
+        for f in RULE_FILES
+        for g in yaml.safe_load(f.read_text())["groups"]
+        for r in g["rules"]
+        if "record" in r
+    ]

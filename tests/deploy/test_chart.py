@@ -15,8 +15,11 @@ from tests.deploy.chartkit import render, values_file
 kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed")
 jsonschema = pytest.importorskip("jsonschema")
 
-CRD_SCHEMAS = {"ServiceMonitor": "servicemonitor.json", "PodMonitor": "podmonitor.json",
-               "ScaledObject": "scaledobject.json"}
+CRD_SCHEMAS = {
+    "ServiceMonitor": "servicemonitor.json",
+    "PodMonitor": "podmonitor.json",
+    "ScaledObject": "scaledobject.json",
+}
 VALUE_SETS = {"default": None, "gpu-rdma": GPU_VALUES}
 BAD_VALUES = Path(__file__).resolve().parent / "values-bad.yaml"
 
@@ -75,12 +78,14 @@ def test_values_schema_rejects_a_bad_values_file() -> None:
     with pytest.raises(helm.HelmValuesError) as e:
         render(values_file(BAD_VALUES))
     msg = str(e.value)
-    for problem in ["'/router/port': got string, want integer",
-                    "'/prefill': additional properties 'replica' not allowed",
-                    "'/decode/kind'",  # Deployment or StatefulSet only
-                    "'/model/source/type'",
-                    "'/node/memFractionStatic'",
-                    "'/logging': additional properties 'formt' not allowed"]:
+    for problem in [
+        "'/router/port': got string, want integer",
+        "'/prefill': additional properties 'replica' not allowed",
+        "'/decode/kind'",  # Deployment or StatefulSet only
+        "'/model/source/type'",
+        "'/node/memFractionStatic'",
+        "'/logging': additional properties 'formt' not allowed",
+    ]:
         assert problem in msg, (problem, msg)
 
 
@@ -89,7 +94,10 @@ def test_schema_takes_every_key_of_the_shipped_values() -> None:
     schema = json.loads((CHART / "values.schema.json").read_text())
     validator = jsonschema.Draft202012Validator(schema)
     defaults = values_file(CHART / "values.yaml")
-    for name, values in [("values.yaml", defaults), ("values-gpu-rdma.yaml", _merged(defaults, values_file(GPU_VALUES)))]:
+    for name, values in [
+        ("values.yaml", defaults),
+        ("values-gpu-rdma.yaml", _merged(defaults, values_file(GPU_VALUES))),
+    ]:
         assert not [e.message for e in validator.iter_errors(values)], name
     merged = values_file(CHART / "values.yaml")
     merged["router"]["apiKeys"]["keyz"] = []  # the chart's schema is strict below the top level too

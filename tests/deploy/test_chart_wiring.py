@@ -8,7 +8,17 @@ from typing import Any
 
 import pytest
 
-from tests.deploy.chartkit import GPU_VALUES, KUBE_VERSION, NAMESPACE, RELEASE, by_kind, containers, flag, named, objects
+from tests.deploy.chartkit import (
+    GPU_VALUES,
+    KUBE_VERSION,
+    NAMESPACE,
+    RELEASE,
+    by_kind,
+    containers,
+    flag,
+    named,
+    objects,
+)
 from tests.deploy.chartkit import cli_params, values_file
 
 BASE = f"{RELEASE}-pdserve"
@@ -18,8 +28,10 @@ SECRET_KEY = "sk-do-not-leak-0123456789"
 
 def _workloads(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """component -> its Deployment or StatefulSet."""
-    return {w["metadata"]["labels"]["app.kubernetes.io/component"]: w
-            for w in by_kind(objs, "Deployment") + by_kind(objs, "StatefulSet")}
+    return {
+        w["metadata"]["labels"]["app.kubernetes.io/component"]: w
+        for w in by_kind(objs, "Deployment") + by_kind(objs, "StatefulSet")
+    }
 
 
 def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
@@ -126,8 +138,9 @@ def test_api_keys_come_from_a_secret_and_never_from_argv() -> None:
     others = [o for o in objs if o is not secret]
     assert SECRET_KEY not in repr(others) and base64.b64encode(SECRET_KEY.encode()).decode() not in repr(others)
     router = next(containers(_workloads(objs)["router"]))
-    assert [e["valueFrom"]["secretKeyRef"]["name"] for e in router["env"] if e["name"] == "PDSERVE_API_KEY"] == \
-        [f"{BASE}-api-keys"]
+    assert [e["valueFrom"]["secretKeyRef"]["name"] for e in router["env"] if e["name"] == "PDSERVE_API_KEY"] == [
+        f"{BASE}-api-keys"
+    ]
     # No keys configured: no env at all (an open router), still nothing in argv.
     router = next(containers(_workloads(objects({}))["router"]))
     assert "PDSERVE_API_KEY" not in {e["name"] for e in router["env"]}

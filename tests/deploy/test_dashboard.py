@@ -34,14 +34,26 @@ def test_panels_cover_the_issue_list() -> None:
     titles = [p["title"] for p in panels]
     assert len(set(titles)) == len(titles)
     text = " ".join(t["expr"] for p in panels for t in p["targets"])
-    for metric in ["pdserve_router_requests_total", "pdserve_router_ttft_stage_seconds_bucket",
-                   "pdserve_router_time_to_first_token_seconds_bucket", "pdserve_router_e2e_request_latency_seconds",
-                   "pdserve_router_inter_token_latency_seconds", "pdserve_router_completion_tokens_total",
-                   "pdserve_router_requests_in_flight", "pdserve_kv_cache_usage_ratio",
-                   "pdserve_node_waiting_requests", "pdserve_pd_queue_requests", "pdserve_spec_accepted_tokens_total",
-                   "pdserve_spec_verifies_total", "pdserve_spec_draft_tokens_total", "pdserve_spec_adaptive_steps",
-                   "pdserve_kv_transfer_bytes_total", "pdserve_kv_transfer_failures_total",
-                   "pdserve_router_retries_total", "pdserve_router_breaker_state"]:
+    for metric in [
+        "pdserve_router_requests_total",
+        "pdserve_router_ttft_stage_seconds_bucket",
+        "pdserve_router_time_to_first_token_seconds_bucket",
+        "pdserve_router_e2e_request_latency_seconds",
+        "pdserve_router_inter_token_latency_seconds",
+        "pdserve_router_completion_tokens_total",
+        "pdserve_router_requests_in_flight",
+        "pdserve_kv_cache_usage_ratio",
+        "pdserve_node_waiting_requests",
+        "pdserve_pd_queue_requests",
+        "pdserve_spec_accepted_tokens_total",
+        "pdserve_spec_verifies_total",
+        "pdserve_spec_draft_tokens_total",
+        "pdserve_spec_adaptive_steps",
+        "pdserve_kv_transfer_bytes_total",
+        "pdserve_kv_transfer_failures_total",
+        "pdserve_router_retries_total",
+        "pdserve_router_breaker_state",
+    ]:
         assert metric in text, metric
     for p in panels:
         assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]

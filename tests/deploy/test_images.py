@@ -29,8 +29,13 @@ def _hadolint() -> str:
 
 @pytest.mark.parametrize("name", DOCKERFILES)
 def test_dockerfile_passes_hadolint(name: str) -> None:
-    r = subprocess.run([_hadolint(), "--no-color", "--failure-threshold", "info", str(DEPLOY / name)],
-                       capture_output=True, text=True, timeout=60, check=False)
+    r = subprocess.run(
+        [_hadolint(), "--no-color", "--failure-threshold", "info", str(DEPLOY / name)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -57,8 +62,11 @@ def test_constraints_pin_every_direct_dependency() -> None:
     deps = list(project["dependencies"])
     for extra in ("router", "triton"):
         deps += project.get("optional-dependencies", {}).get(extra, [])
-    pinned = {re.split(r"==", line)[0].lower() for line in (DEPLOY / "constraints.txt").read_text().splitlines()
-              if line and not line.startswith("#")}
+    pinned = {
+        re.split(r"==", line)[0].lower()
+        for line in (DEPLOY / "constraints.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    }
     torch_and_nixl = {"torch"}  # pinned in node.Dockerfile (their wheels follow the CUDA base)
     missing = []
     for dep in deps:
@@ -75,7 +83,9 @@ def test_compose_wires_router_to_the_node_services() -> None:
     router = svc["router"]["command"]
     prefill, decode = svc["prefill"]["command"], svc["decode"]["command"]
     assert prefill[0] == "prefill" and decode[0] == "decode" and router[0] == "router"
-    assert flag(router, "--prefill-dns") == [f"prefill:{flag(prefill, '--port')[0]},{flag(prefill, '--bootstrap-port')[0]}"]
+    assert flag(router, "--prefill-dns") == [
+        f"prefill:{flag(prefill, '--port')[0]},{flag(prefill, '--bootstrap-port')[0]}"
+    ]
     assert flag(router, "--decode-dns") == [f"decode:{flag(decode, '--port')[0]}"]
     for node in (prefill, decode):
         assert flag(node, "--host") == ["0.0.0.0"] and flag(node, "--metrics-port") == ["29100"]

@@ -37,8 +37,22 @@ def _has_finite(result: list[dict]) -> bool:
 
 def _node(role: str, *extra: str) -> Node:
     # No --model: the built-in pair, EAGLE on (so acceptance is real, PD and colocated alike).
-    return Node([role, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
-                 "--max-running", "8", "--max-total-tokens", "8192", *extra])
+    return Node(
+        [
+            role,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--max-running",
+            "8",
+            "--max-total-tokens",
+            "8192",
+            *extra,
+        ]
+    )
 
 
 def test_dashboard_and_rules_on_a_live_stack(tmp_path: Path) -> None:
@@ -55,19 +69,37 @@ def test_dashboard_and_rules_on_a_live_stack(tmp_path: Path) -> None:
         flaky = FlakyDecode()
         for n in (prefill, decode, colocated):
             n.wait_ready(NODE_START_S)
-        pd_router = Node(["router", "--host", "127.0.0.1", "--port", "0",
-                          "--prefill", f"127.0.0.1:{prefill.ports['scheduler']},{prefill.ports['bootstrap']}",
-                          "--decode", f"127.0.0.1:{decode.ports['scheduler']}", "--decode", flaky.address])
-        colo_router = Node(["router", "--host", "127.0.0.1", "--port", "0",
-                            "--colocated", f"127.0.0.1:{colocated.ports['scheduler']}"])
+        pd_router = Node(
+            [
+                "router",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--prefill",
+                f"127.0.0.1:{prefill.ports['scheduler']},{prefill.ports['bootstrap']}",
+                "--decode",
+                f"127.0.0.1:{decode.ports['scheduler']}",
+                "--decode",
+                flaky.address,
+            ]
+        )
+        colo_router = Node(
+            ["router", "--host", "127.0.0.1", "--port", "0", "--colocated", f"127.0.0.1:{colocated.ports['scheduler']}"]
+        )
         procs += [pd_router, colo_router]
         for r in (pd_router, colo_router):
             r.wait_ready(READY_S)
         pd_url = f"http://127.0.0.1:{pd_router.ports['http']}"
         colo_url = f"http://127.0.0.1:{colo_router.ports['http']}"
-        prom = Prometheus(prom_bin, tmp_path, {
-            "pdserve-router": [f"127.0.0.1:{r.ports['http']}" for r in (pd_router, colo_router)],
-            "pdserve-nodes": [f"127.0.0.1:{n.ports['metrics']}" for n in (prefill, decode, colocated)]})
+        prom = Prometheus(
+            prom_bin,
+            tmp_path,
+            {
+                "pdserve-router": [f"127.0.0.1:{r.ports['http']}" for r in (pd_router, colo_router)],
+                "pdserve-nodes": [f"127.0.0.1:{n.ports['metrics']}" for n in (prefill, decode, colocated)],
+            },
+        )
         prom.wait_ready()
         for url in (pd_url, colo_url):
             wait_http_ok(f"{url}/ready", READY_S)  # a real handoff went through
@@ -81,8 +113,9 @@ def test_dashboard_and_rules_on_a_live_stack(tmp_path: Path) -> None:
         window = f"{int(time.time() - start) + 30}s"  # every query sees the whole traffic
 
         # Bounded wait until the scrapes after the traffic have landed and the rules evaluated.
-        checks = [(f"panel {title!r}", q) for title, q in dashboard_queries(window)
-                  if title not in PENDING] + [(f"rule {r}", r) for r in recording_rules()]
+        checks = [(f"panel {title!r}", q) for title, q in dashboard_queries(window) if title not in PENDING] + [
+            (f"rule {r}", r) for r in recording_rules()
+        ]
         deadline = time.monotonic() + SCRAPE_WAIT_S
         while True:
             empty = [(name, q) for name, q in checks if not _has_finite(prom.query(q))]

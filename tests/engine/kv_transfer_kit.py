@@ -35,13 +35,13 @@ DEADLINE_S = 10.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # Two pools like target + draft: same page ids, different page sizes in bytes.
-SMALL = {"pools": [[2, 12, 4, 2, 8, "float32"], [2, 12, 4, 1, 16, "bfloat16"]],
-         "aux": [200, 8], "seed": 7}
+SMALL = {"pools": [[2, 12, 4, 2, 8, "float32"], [2, 12, 4, 1, 16, "bfloat16"]], "aux": [200, 8], "seed": 7}
 # One pool of 1024 usable pages x (K+V) x 32 KiB = 64 MiB, for the bandwidth probe.
 BIG = {"pools": [[1, 1025, 16, 8, 128, "bfloat16"]], "aux": [0, 4], "seed": 11}
 
 
 # ---- shared by this process and the child ---------------------------------------------------
+
 
 def make_pools(spec: dict[str, Any], fill: bool) -> list[KVPool]:
     pools = []
@@ -68,16 +68,21 @@ def expected_payload(spec: dict[str, Any], room: int) -> torch.Tensor:
 
 
 def layout_from_json(d: dict[str, Any]) -> MemoryLayout:
-    return MemoryLayout(kv=tuple(Region(**r) for r in d["kv"]), aux=Region(**d["aux"]),
-                        mem_type=d["mem_type"], aux_mem_type=d["aux_mem_type"])
+    return MemoryLayout(
+        kv=tuple(Region(**r) for r in d["kv"]),
+        aux=Region(**d["aux"]),
+        mem_type=d["mem_type"],
+        aux_mem_type=d["aux_mem_type"],
+    )
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-def verify(spec: dict[str, Any], pools: list[KVPool], aux: HandoffRows, cmd: dict[str, Any],
-           written: set[int]) -> str | None:
+def verify(
+    spec: dict[str, Any], pools: list[KVPool], aux: HandoffRows, cmd: dict[str, Any], written: set[int]
+) -> str | None:
     """Destination pages equal the source pages byte for byte, nothing else was touched, and the
     aux row carries this room. Returns what is wrong, or None."""
     src = make_pools(spec, fill=True)
@@ -133,6 +138,7 @@ def reader_main(spec: dict[str, Any]) -> None:
 
 # ---- child process handling -----------------------------------------------------------------
 
+
 class Child:
     """The reader process, spoken to with JSON lines; stdout is pumped by a thread so every
     receive can time out."""
@@ -141,8 +147,14 @@ class Child:
         # the repo first, then whatever path the parent was given (wheels installed with --target)
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
         env = dict(os.environ, PYTHONPATH=path, NIXL_LOG_LEVEL="WARN")
-        self.proc = subprocess.Popen([sys.executable, __file__, json.dumps(spec)], cwd=ROOT, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, json.dumps(spec)],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
         try:
@@ -192,9 +204,11 @@ def write_aux_row(spec: dict[str, Any], aux: HandoffRows, room: int) -> int:
 
 # ---- real NIXL, two processes ---------------------------------------------------------------
 
+
 @contextlib.contextmanager
-def nixl_pair(base: dict[str, Any], tag: str, **transport_kw: Any
-              ) -> Iterator[tuple[Any, Child, list[KVPool], HandoffRows, str]]:
+def nixl_pair(
+    base: dict[str, Any], tag: str, **transport_kw: Any
+) -> Iterator[tuple[Any, Child, list[KVPool], HandoffRows, str]]:
     """(writer transport here, reader child, writer pools, writer aux, peer name); both torn down.
     `transport_kw` go to the writer's NixlTransport."""
     from engine.kv_transfer.nixl import NixlTransport

@@ -10,8 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from common.fingerprint import (SAMPLE_BYTES, SAMPLE_COUNT, Fingerprint, build_fingerprint, first_mismatch,
-                           model_hash, pairing_protocol)
+from common.fingerprint import (
+    SAMPLE_BYTES,
+    SAMPLE_COUNT,
+    Fingerprint,
+    build_fingerprint,
+    first_mismatch,
+    model_hash,
+    pairing_protocol,
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +45,14 @@ def _flip_byte(path: Path, offset: int) -> None:
 
 
 def _fingerprint(model: Path, **overrides: object) -> Fingerprint:
-    kwargs: dict = dict(dtype="bfloat16", page_size=16, kv_layout="nhd", spec_algorithm="EAGLE3",
-                        draft_model_dir=None, aux_row_bytes=4096)
+    kwargs: dict = dict(
+        dtype="bfloat16",
+        page_size=16,
+        kv_layout="nhd",
+        spec_algorithm="EAGLE3",
+        draft_model_dir=None,
+        aux_row_bytes=4096,
+    )
     kwargs.update(overrides)
     return build_fingerprint(model, **kwargs)
 
@@ -121,10 +134,11 @@ def test_build_fingerprint(model_dir: Path, tmp_path: Path) -> None:
 def test_first_mismatch_names_the_field(model_dir: Path) -> None:
     fp = _fingerprint(model_dir)
     assert first_mismatch(fp, fp) is None
-    assert first_mismatch(fp, dataclasses.replace(fp, page_size=4)) == \
-        "page_size differs: prefill 16, decode 4"
-    assert first_mismatch(fp, dataclasses.replace(fp, spec_algorithm="")) == \
-        "spec_algorithm differs: prefill 'EAGLE3', decode ''"
+    assert first_mismatch(fp, dataclasses.replace(fp, page_size=4)) == "page_size differs: prefill 16, decode 4"
+    assert (
+        first_mismatch(fp, dataclasses.replace(fp, spec_algorithm=""))
+        == "spec_algorithm differs: prefill 'EAGLE3', decode ''"
+    )
     msg = first_mismatch(dataclasses.replace(fp, dtype="float16"), fp, "decode", "prefill")
     assert msg == "dtype differs: decode 'float16', prefill 'bfloat16'"
     for field in dataclasses.fields(Fingerprint):
@@ -138,8 +152,14 @@ def test_pairing_protocol_equal_iff_fingerprints_equal(model_dir: Path) -> None:
     token = pairing_protocol(fp)
     assert token == pairing_protocol(_fingerprint(model_dir)) == pairing_protocol(dataclasses.replace(fp))
     assert token.startswith("pdserve-") and len(token) <= 32
-    variants = [dataclasses.replace(fp, **{f.name: (getattr(fp, f.name) + 1 if isinstance(getattr(fp, f.name), int)
-                                                     else getattr(fp, f.name) + "x")})
-                for f in dataclasses.fields(Fingerprint)]
+    variants = [
+        dataclasses.replace(
+            fp,
+            **{
+                f.name: (getattr(fp, f.name) + 1 if isinstance(getattr(fp, f.name), int) else getattr(fp, f.name) + "x")
+            },
+        )
+        for f in dataclasses.fields(Fingerprint)
+    ]
     tokens = {pairing_protocol(v) for v in variants}
     assert token not in tokens and len(tokens) == len(variants)

@@ -26,16 +26,34 @@ D, V, E = ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEN
 
 # ---- a target and an EAGLE head over one paged cache, requests with pages ----
 class Rig:
-    def __init__(self, model_dir: Path, head_dir: Path, device: str = "cpu", dtype: str | None = None,
-                 backend: str = "torch") -> None:
-        self.eng = Engine(EngineConfig(str(model_dir), device=device, dtype=dtype, page_size=4,
-                                       max_total_tokens=4096, max_running=70, attention_backend=backend))
+    def __init__(
+        self, model_dir: Path, head_dir: Path, device: str = "cpu", dtype: str | None = None, backend: str = "torch"
+    ) -> None:
+        self.eng = Engine(
+            EngineConfig(
+                str(model_dir),
+                device=device,
+                dtype=dtype,
+                page_size=4,
+                max_total_tokens=4096,
+                max_running=70,
+                attention_backend=backend,
+            )
+        )
         parts = self.eng.parts
         self.target, self.kv, self.dev = parts.runner, parts.kv, parts.device
-        head, hcfg, _ = load_draft_model(head_dir, "eagle", parts.runner.model, parts.model_config,
-                                         parts.dtype, parts.device)
-        pool = KVPool(hcfg.num_layers, self.kv.allocator.num_pages, self.kv.page_size, hcfg.num_kv_heads,
-                      hcfg.head_dim, parts.dtype, parts.device)
+        head, hcfg, _ = load_draft_model(
+            head_dir, "eagle", parts.runner.model, parts.model_config, parts.dtype, parts.device
+        )
+        pool = KVPool(
+            hcfg.num_layers,
+            self.kv.allocator.num_pages,
+            self.kv.page_size,
+            hcfg.num_kv_heads,
+            hcfg.head_dim,
+            parts.dtype,
+            parts.device,
+        )
         self.draft = ModelRunner(head, self.kv, pool, parts.runner.attn_backend, parts.device)
         self.hidden = parts.model_config.hidden_size
         self.vocab = parts.model_config.vocab_size
@@ -88,16 +106,25 @@ def tree_mask(bs: int, q: int, width: int, device) -> torch.Tensor:
     return m
 
 
-def step(runner: ModelRunner, rig: Rig, mode: ForwardMode, reqs: list[Req], tpr: int, *,
-         offset: int = 0, tree_width: int | None = None, features: bool = False,
-         aux: tuple[int, ...] = (), seed: int = 0):
+def step(
+    runner: ModelRunner,
+    rig: Rig,
+    mode: ForwardMode,
+    reqs: list[Req],
+    tpr: int,
+    *,
+    offset: int = 0,
+    tree_width: int | None = None,
+    features: bool = False,
+    aux: tuple[int, ...] = (),
+    seed: int = 0,
+):
     """One forward of `tpr` tokens per request after each request's prompt (+ offset)."""
     bs = len(reqs)
     gen = torch.Generator().manual_seed(seed)
     prefix = [len(r.prompt_ids) + offset for r in reqs]
     mask = None if tree_width is None else tree_mask(bs, tpr, tree_width, rig.dev)
-    ctx = runner.make_context(mode, [r.slot for r in reqs], prefix, [tpr] * bs, tree_mask=mask,
-                              aux_hidden_layers=aux)
+    ctx = runner.make_context(mode, [r.slot for r in reqs], prefix, [tpr] * bs, tree_mask=mask, aux_hidden_layers=aux)
     ids = torch.randint(1, rig.vocab, (bs * tpr,), generator=gen).to(rig.dev)
     kw = {}
     if features:
@@ -147,8 +174,9 @@ def test_target_verify_padded_equals_eager(rig, tree):
     runner, ntok = rig.target, 4
     runner.enable_cuda_graphs(8, [4, 8], capture=False)
     reqs = rig.requests(3, ntok)
-    ref, out = eager_and_graph(runner, lambda: step(runner, rig, V, reqs, ntok, aux=(0, 1),
-                                                    tree_width=ntok if tree else None))
+    ref, out = eager_and_graph(
+        runner, lambda: step(runner, rig, V, reqs, ntok, aux=(0, 1), tree_width=ntok if tree else None)
+    )
     torch.testing.assert_close(out, ref)
     assert len(out[1]) == 2 and out[1][0].shape[0] == 3 * ntok
     assert runner.graph_stats.captures == 1 and runner.graph_stats.eager == 0
@@ -159,8 +187,9 @@ def test_draft_steps_and_extend_padded_equal_eager(rig):
     runner.enable_cuda_graphs(8, [4, 8], capture=False)
     reqs = rig.requests(3, 3 * k + ntok)
     for s in (1, 2):  # draft steps: k tokens per request, the tree window grows by k a step
-        ref, out = eager_and_graph(runner, lambda: step(runner, rig, D, reqs, k, offset=(s - 1) * k,
-                                                        tree_width=s * k, features=True, seed=s))
+        ref, out = eager_and_graph(
+            runner, lambda: step(runner, rig, D, reqs, k, offset=(s - 1) * k, tree_width=s * k, features=True, seed=s)
+        )
         torch.testing.assert_close(out, ref)
     ref, out = eager_and_graph(runner, lambda: step(runner, rig, E, reqs, ntok, features=True))
     torch.testing.assert_close(out, ref)
@@ -193,8 +222,7 @@ def test_precapture_then_hit(rig):
     assert runner.capture(D, 2, [3], tree_width=4, features=example) == 1  # padded to 4
     assert runner.capture(D, 2, [4], tree_width=4, features=example) == 0  # already there
     reqs = rig.requests(3, 8)
-    ref, out = eager_and_graph(runner, lambda: step(runner, rig, D, reqs, 2, offset=2, tree_width=4,
-                                                    features=True))
+    ref, out = eager_and_graph(runner, lambda: step(runner, rig, D, reqs, 2, offset=2, tree_width=4, features=True))
     torch.testing.assert_close(out, ref)
     assert (runner.graph_stats.captures, runner.graph_stats.hits) == (1, 1)
 
@@ -207,8 +235,9 @@ def test_eagle_engine_padded_eager_equals_plain(tiny_llama_dir, head_dir):
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 
     def run(padded: bool) -> list[list[int]]:
-        eng = Engine(EngineConfig(str(tiny_llama_dir), page_size=4),
-                     algorithm=bind(SpecConfig("EAGLE", str(head_dir), 3, 2, 5)))
+        eng = Engine(
+            EngineConfig(str(tiny_llama_dir), page_size=4), algorithm=bind(SpecConfig("EAGLE", str(head_dir), 3, 2, 5))
+        )
         if padded:
             for r in (eng.executor.target, eng.executor.draft):
                 r.enable_cuda_graphs(4, [2, 4], capture=False)
@@ -273,8 +302,10 @@ def test_gpu_decode_graph_equals_eager(gpu_rig, bs):
 def test_gpu_target_verify_graph_equals_eager(gpu_rig, tree, bs):
     reqs = gpu_rig.requests(bs, 4)
     try:
-        check_graph(gpu_rig.target, lambda: step(gpu_rig.target, gpu_rig, V, reqs, 4, aux=(0, 1),
-                                                 tree_width=4 if tree else None))
+        check_graph(
+            gpu_rig.target,
+            lambda: step(gpu_rig.target, gpu_rig, V, reqs, 4, aux=(0, 1), tree_width=4 if tree else None),
+        )
     finally:
         gpu_rig.release(reqs)
 
@@ -286,8 +317,10 @@ def test_gpu_draft_steps_and_extend_graph_equal_eager(gpu_rig, bs):
     reqs = gpu_rig.requests(bs, 3 * k + ntok)
     try:
         for s in (1, 2, 3):
-            check_graph(runner, lambda: step(runner, gpu_rig, D, reqs, k, offset=(s - 1) * k, seed=s,
-                                             tree_width=s * k, features=True))
+            check_graph(
+                runner,
+                lambda: step(runner, gpu_rig, D, reqs, k, offset=(s - 1) * k, seed=s, tree_width=s * k, features=True),
+            )
         check_graph(runner, lambda: step(runner, gpu_rig, E, reqs, ntok, features=True))
     finally:
         gpu_rig.release(reqs)
@@ -314,9 +347,10 @@ def _gpu_engine(model_dir: Path, graphs: bool, spec_cfg=None) -> Engine:
     """fp32 so that padding (other matmul shapes) cannot flip a near-tie of a random model."""
     from spec.registry import bind
 
-    eng = Engine(EngineConfig(str(model_dir), device="cuda", dtype="float32", page_size=4,
-                              attention_backend="triton"),
-                 algorithm=bind(spec_cfg) if spec_cfg else None)
+    eng = Engine(
+        EngineConfig(str(model_dir), device="cuda", dtype="float32", page_size=4, attention_backend="triton"),
+        algorithm=bind(spec_cfg) if spec_cfg else None,
+    )
     runners = [eng.executor.target, eng.executor.draft] if spec_cfg else [eng.parts.runner]
     for r in runners:
         if graphs:
@@ -352,8 +386,15 @@ def test_plain_whole_step_graphs_equal_eager(tiny_llama_dir, overlap):
     prompts = [[5, 17, 42, 7, 99], [8, 1], list(range(100, 113))]
 
     def run(graphs: bool) -> tuple[list[list[int]], list[list[int]], int]:
-        eng = Engine(EngineConfig(str(tiny_llama_dir), page_size=4, overlap=overlap,
-                                  cuda_graph_max_bs=4 if graphs else 0, cuda_graph_padded_eager=graphs))
+        eng = Engine(
+            EngineConfig(
+                str(tiny_llama_dir),
+                page_size=4,
+                overlap=overlap,
+                cuda_graph_max_bs=4 if graphs else 0,
+                cuda_graph_padded_eager=graphs,
+            )
+        )
         only_greedy = [o.output_ids for o in eng.generate(prompts, greedy)]
         hits = eng.executor.step_graphs.hits if graphs else 0
         mixed = [o.output_ids for o in eng.generate(prompts, [greedy, sampled, greedy])]

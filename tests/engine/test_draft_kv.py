@@ -20,8 +20,18 @@ def test_write_kv_equals_the_cache_entries_of_a_full_forward(tiny_llama_dir, tmp
     parts = eng.parts
     head_dir = write_tiny_eagle_head(tmp_path / "head", tiny_llama_dir, fmt)
     head, hcfg, _ = load_draft_model(head_dir, fmt, parts.runner.model, parts.model_config, parts.dtype, parts.device)
-    pools = [KVPool(hcfg.num_layers, parts.kv.allocator.num_pages, parts.kv.page_size, hcfg.num_kv_heads,
-                    hcfg.head_dim, parts.dtype, parts.device) for _ in range(2)]
+    pools = [
+        KVPool(
+            hcfg.num_layers,
+            parts.kv.allocator.num_pages,
+            parts.kv.page_size,
+            hcfg.num_kv_heads,
+            hcfg.head_dim,
+            parts.dtype,
+            parts.device,
+        )
+        for _ in range(2)
+    ]
     runners = [ModelRunner(head, parts.kv, pool, parts.runner.attn_backend, parts.device) for pool in pools]
     reqs = []
     for i, n in enumerate((9, 14)):
@@ -37,8 +47,9 @@ def test_write_kv_equals_the_cache_entries_of_a_full_forward(tiny_llama_dir, tmp
     ids = torch.randint(0, parts.model_config.vocab_size, (2 * width,), generator=gen)
     feats = torch.randn(2 * width, head.feature_size_from_target, generator=gen)
     with torch.inference_mode():
-        full, cache_only = (r.window_context(ForwardMode.DRAFT_EXTEND, slots, prefix, width,
-                                             writes=writes.reshape(-1)) for r in runners)
+        full, cache_only = (
+            r.window_context(ForwardMode.DRAFT_EXTEND, slots, prefix, width, writes=writes.reshape(-1)) for r in runners
+        )
         runners[0].forward_direct(ids, full, features=feats)
         head.write_kv(ids, cache_only, features=feats)
     assert torch.equal(pools[0].buffer, pools[1].buffer)

@@ -13,8 +13,12 @@ from engine.core import FinishReason, InvalidRequest, SamplingParams
 from engine.engine import Engine, EngineConfig
 from tests.engine.hf_models import write_hf_model
 
-PROMPTS = [[5, 17, 42, 7, 99, 3, 11, 250, 31, 64, 2, 9, 13], [8, 1], [77, 66, 55, 44, 33, 22, 11],
-           list(range(100, 131))]
+PROMPTS = [
+    [5, 17, 42, 7, 99, 3, 11, 250, 31, 64, 2, 9, 13],
+    [8, 1],
+    [77, 66, 55, 44, 33, 22, 11],
+    list(range(100, 131)),
+]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +34,7 @@ def hf_greedy(model_dir, prompt, n):
     with torch.no_grad():
         for _ in range(n):
             seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 def greedy(n=32):
@@ -62,11 +66,13 @@ def test_seeded_sampling_is_reproducible_across_batches(hf_dir):
     eng = Engine(EngineConfig(str(hf_dir), page_size=4))
     p = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=1234)
     alone = eng.generate([PROMPTS[0]], p)[0].output_ids
-    mixed = eng.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]],
-                         [SamplingParams(max_new_tokens=5, temperature=0.7), p, greedy(7)])[1].output_ids
+    mixed = eng.generate(
+        [PROMPTS[1], PROMPTS[0], PROMPTS[2]], [SamplingParams(max_new_tokens=5, temperature=0.7), p, greedy(7)]
+    )[1].output_ids
     assert alone == mixed
-    other = eng.generate([PROMPTS[0]], SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9,
-                                                      seed=99))[0].output_ids
+    other = eng.generate([PROMPTS[0]], SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=99))[
+        0
+    ].output_ids
     assert other != alone
 
 
@@ -85,17 +91,21 @@ def test_retraction_keeps_greedy_output_and_returns_every_page(hf_dir):
 
 
 def test_aborts_and_stops_at_random_moments_free_all_pages(hf_dir):
-    eng = Engine(EngineConfig(str(hf_dir), page_size=4, max_total_tokens=160, chunked_prefill_size=8,
-                              max_running=8))
+    eng = Engine(EngineConfig(str(hf_dir), page_size=4, max_total_tokens=160, chunked_prefill_size=8, max_running=8))
     rng = random.Random(0)
     live: set[str] = set()
     finished: dict[str, FinishReason] = {}
     for step in range(300):
         if step < 200 and rng.random() < 0.3:
             prompt = [rng.randrange(1, 250) for _ in range(rng.randrange(1, 30))]
-            live.add(eng.add_request(prompt, SamplingParams(max_new_tokens=rng.randrange(1, 20),
-                                                            temperature=rng.choice([0.0, 1.0]),
-                                                            stop_token_ids=(7,))))
+            live.add(
+                eng.add_request(
+                    prompt,
+                    SamplingParams(
+                        max_new_tokens=rng.randrange(1, 20), temperature=rng.choice([0.0, 1.0]), stop_token_ids=(7,)
+                    ),
+                )
+            )
         if live and rng.random() < 0.1:
             eng.abort(rng.choice(sorted(live)))
         for d in eng.step():
@@ -115,8 +125,9 @@ def test_aborts_and_stops_at_random_moments_free_all_pages(hf_dir):
 
 def test_logprobs_are_returned_for_chosen_and_top_tokens(hf_dir):
     eng = Engine(EngineConfig(str(hf_dir)))
-    out = eng.generate([PROMPTS[0]], SamplingParams(max_new_tokens=4, temperature=0.0, logprobs=True,
-                                                    top_logprobs=3))[0]
+    out = eng.generate([PROMPTS[0]], SamplingParams(max_new_tokens=4, temperature=0.0, logprobs=True, top_logprobs=3))[
+        0
+    ]
     assert len(out.logprobs) == 4 and all(lp <= 0 for lp in out.logprobs)
     for tok, lp, top in zip(out.output_ids, out.logprobs, out.top_logprobs):
         assert top[0][0] == tok and top[0][1] == pytest.approx(lp)  # greedy picks the top token
@@ -134,6 +145,7 @@ def test_half_precision_loads_and_stays_close_to_float32(hf_dir, dtype):
 
 
 # ---- bad input ----
+
 
 def test_unknown_model_dir_is_a_clear_error(tmp_path):
     with pytest.raises(ModelLoadError, match="does-not-exist"):
@@ -191,11 +203,19 @@ def test_prompt_longer_than_context_is_refused(hf_dir):
     assert eng.generate([[1, 2, 3]], greedy(2))[0].finish_reason is FinishReason.LENGTH
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    ({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -3}, "top_k"), ({"min_p": 2.0}, "min_p"), ({"max_new_tokens": 0}, "max_new_tokens"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"temperature": float("nan")}, "temperature"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -3}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"temperature": float("nan")}, "temperature"),
+    ],
+)
 def test_bad_sampling_values_are_refused(kwargs, field):
     with pytest.raises(InvalidRequest, match=field):
         SamplingParams(**kwargs)

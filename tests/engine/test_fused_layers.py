@@ -66,7 +66,7 @@ def test_qwen3_head_norm_on_strided_view(dtype: torch.dtype) -> None:
     heads, head_dim = 3, 48
     norm = _norm(head_dim, dtype)
     qkv = torch.randn(4, (heads + 2) * head_dim, device=DEV).to(dtype)
-    q = qkv[:, :heads * head_dim].view(4, heads, head_dim)
+    q = qkv[:, : heads * head_dim].view(4, heads, head_dim)
     assert not q.is_contiguous()
     ref, got = both_paths(lambda: norm(q))
     assert got.shape == (4, heads, head_dim)
@@ -119,8 +119,7 @@ def test_rotary_q_and_k(dtype: torch.dtype, head_dim: int, inplace: bool) -> Non
 
 
 def test_rotary_llama3_scaling_on_strided_views() -> None:
-    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16}
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
     rope = _rope(32, scaling)
     qkv = torch.randn(3, (4 + 2 + 2) * 32, device=DEV)
     q = qkv[:, :128].view(3, 4, 32)
@@ -195,15 +194,18 @@ def _count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
         def wrapper(*args, **kwargs):
             calls[name] += 1
             return fn(*args, **kwargs)
+
         return wrapper
+
     for name in calls:
         monkeypatch.setattr(triton_ops, name, counted(name))
     return calls
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir"])
-def test_model_logits_with_fused_ops_equal_torch(fixture: str, request: pytest.FixtureRequest,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_model_logits_with_fused_ops_equal_torch(
+    fixture: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model_dir = request.getfixturevalue(fixture)
     calls = _count_kernel_calls(monkeypatch)
     ref, got = both_paths(lambda: _prefill_and_decode_logits(model_dir))
@@ -215,8 +217,7 @@ def test_model_logits_with_fused_ops_equal_torch(fixture: str, request: pytest.F
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen2_dir", "tiny_qwen3_dir"])
-def test_merged_projections_keep_names_loading_and_logits(fixture: str,
-                                                          request: pytest.FixtureRequest) -> None:
+def test_merged_projections_keep_names_loading_and_logits(fixture: str, request: pytest.FixtureRequest) -> None:
     from engine.loader import checkpoint_files, load_weights
 
     model_dir = request.getfixturevalue(fixture)
@@ -259,8 +260,12 @@ def test_gpu_llama8b_sizes_bf16(tokens: int) -> None:
     (ref_out, ref_res), (got_out, got_res) = both_paths(lambda: norm.forward_add(x, res))
     torch.testing.assert_close(got_res, ref_res, atol=0, rtol=0)
     torch.testing.assert_close(got_out, ref_out, **_tol(bf16))
-    rope = RotaryEmbedding(128, 8192, 500000.0, {"factor": 8.0, "low_freq_factor": 1.0,
-                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}).to(DEV)
+    rope = RotaryEmbedding(
+        128,
+        8192,
+        500000.0,
+        {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    ).to(DEV)
     pos = torch.randint(0, 8192, (tokens,), device=DEV)
     qkv = torch.randn(tokens, 48 * 128, device=DEV, dtype=bf16)
     q, k = qkv[:, :4096].view(tokens, 32, 128), qkv[:, 4096:5120].view(tokens, 8, 128)
@@ -287,6 +292,7 @@ def test_gpu_fused_ops_capture_in_cuda_graph() -> None:
         h, r = norm.forward_add(x, res)
         q, k = rope(pos, h.view(4, 32, 128), h[:, :1024].reshape(4, 8, 128))
         return [h, r, q, k, silu_and_mul(gate_up)]
+
     with fused_ops("on"):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -17,10 +17,13 @@ from engine.future_map import BatchRelay, FutureMap, FutureMapError, RelayPayloa
 
 DEVICES = [
     "cpu",
-    pytest.param("cuda", marks=[
-        pytest.mark.gpu,
-        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    ]),
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ],
+    ),
 ]
 
 TOPK, HIDDEN = 4, 8
@@ -160,10 +163,12 @@ def test_seeding_between_publish_and_stash(device: str) -> None:
     merged = _idx(device, inflight + seeded)  # the next decode batch merges both
     assert fm.resolve_seq_lens(merged).tolist() == [5, 6, 17, 18, 19]
     got = fm.resolve(merged)
-    _assert_payload(RelayPayload(got.bonus_tokens[:2], got.topk_p[:2], got.topk_index[:2],
-                                 got.hidden_states[:2]), pay_inflight)
-    _assert_payload(RelayPayload(got.bonus_tokens[2:], got.topk_p[2:], got.topk_index[2:],
-                                 got.hidden_states[2:]), pay_seeded)
+    _assert_payload(
+        RelayPayload(got.bonus_tokens[:2], got.topk_p[:2], got.topk_index[:2], got.hidden_states[:2]), pay_inflight
+    )
+    _assert_payload(
+        RelayPayload(got.bonus_tokens[2:], got.topk_p[2:], got.topk_index[2:], got.hidden_states[2:]), pay_seeded
+    )
 
 
 @pytest.mark.parametrize("debug", [False, True])
@@ -250,8 +255,7 @@ def test_async_assert_surfaces_on_cuda(debug: bool) -> None:
         except RuntimeError as e:
             print("ASYNC-ASSERT", e)
     """)
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "RETURNED" in res.stdout, (res.stdout, res.stderr)
     assert "ASYNC-ASSERT" in res.stdout or "Assertion" in res.stderr, (res.stdout, res.stderr)
 

@@ -25,8 +25,7 @@ from engine.layers.linear import linear  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _check(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
-           config: GemvConfig | None = None) -> None:
+def _check(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, config: GemvConfig | None = None) -> None:
     got = gemv(x, w, b, config)
     ref = F.linear(x.float(), w.float(), None if b is None else b.float())
     assert got.shape == ref.shape and got.dtype == x.dtype
@@ -90,15 +89,18 @@ def test_gpu_llama8b_shapes_bf16(rows: int, n: int, k: int) -> None:
 def test_gpu_chain_in_cuda_graph_equals_eager(rows: int) -> None:
     """Each product feeds the next (the PDL wait must order them); replay on new input == eager."""
     torch.manual_seed(0)
-    ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
-          for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)] * 2]
+    ws = [
+        torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
+        for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)] * 2
+    ]
     x = torch.randn(rows, 4096, device=DEV, dtype=torch.bfloat16)
 
     def chain() -> torch.Tensor:
         h = x
         for w in ws:
-            h = gemv(h[:, :w.shape[1]], w)
+            h = gemv(h[:, : w.shape[1]], w)
         return h
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

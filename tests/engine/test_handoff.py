@@ -7,8 +7,15 @@ import pytest
 import torch
 
 from engine.core import Req, SamplingParams
-from engine.handoff import (HEADER_BYTES, MAX_TOP_LOGPROBS, HandoffError, HandoffHeader, NoPayloadCodec,
-                            decode_row, encode_row)
+from engine.handoff import (
+    HEADER_BYTES,
+    MAX_TOP_LOGPROBS,
+    HandoffError,
+    HandoffHeader,
+    NoPayloadCodec,
+    decode_row,
+    encode_row,
+)
 
 
 def test_header_and_payload_round_trip() -> None:

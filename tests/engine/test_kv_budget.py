@@ -65,8 +65,9 @@ def test_cpu_keeps_the_fixed_default(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_draft_footprint_reads_the_heads_config_and_checkpoint(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 1, "num_attention_heads": 32,
-                                                       "num_key_value_heads": 8, "hidden_size": 4096}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"num_hidden_layers": 1, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096})
+    )
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 1000)
     assert draft_footprint(str(tmp_path), 2) == (kv_bytes_per_token(1, 8, 128, 2), 1000)
     assert draft_footprint(None, 2) == (0, 0)

@@ -8,12 +8,24 @@ import dataclasses
 import pytest
 import torch
 
-from engine.kv_transfer import (HandoffRows, KVPoll, TransferError, TransferRequest, coalesce_runs,
-                                create_transport, failure_tag, kv_regions, page_descs, parse_tag, run_descs)
+from engine.kv_transfer import (
+    HandoffRows,
+    KVPoll,
+    TransferError,
+    TransferRequest,
+    coalesce_runs,
+    create_transport,
+    failure_tag,
+    kv_regions,
+    page_descs,
+    parse_tag,
+    run_descs,
+)
 from tests.engine.kv_transfer_kit import SMALL, make_aux, make_pools, verify, write_aux_row
 
 
 # ---- handoff rows ----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("payload_bytes", [0, 1, 56, 200, 4096 + 3])
 def test_rows_round_trip(payload_bytes: int) -> None:
@@ -29,7 +41,7 @@ def test_rows_round_trip(payload_bytes: int) -> None:
     assert echo == 2**62 + 5 and buf.room_of(row) == 2**62 + 5 and torch.equal(got, data)
     short = buf.read(other)[1]
     assert torch.equal(short[: payload_bytes // 2], data[: payload_bytes // 2].flip(0))
-    assert not bool(short[payload_bytes // 2:].any())  # a short payload is zero-padded
+    assert not bool(short[payload_bytes // 2 :].any())  # a short payload is zero-padded
 
 
 def test_rows_rewrite_clears_the_longer_payload_before_it() -> None:
@@ -71,6 +83,7 @@ def test_rows_accounting_and_stale_rows() -> None:
 
 # ---- layouts --------------------------------------------------------------------------------
 
+
 def test_kv_regions_and_descriptors() -> None:
     pools = make_pools(SMALL, fill=True)
     regions = kv_regions(pools)
@@ -85,6 +98,7 @@ def test_kv_regions_and_descriptors() -> None:
 
 
 # ---- fake transport -------------------------------------------------------------------------
+
 
 def test_fake_transport_moves_pages_and_aux() -> None:
     spec = dict(SMALL)
@@ -120,6 +134,7 @@ def test_fake_transport_moves_pages_and_aux() -> None:
 
 
 # ---- waiting on transfers -----------------------------------------------------------------------
+
 
 def test_a_settled_transfer_costs_no_thread_round_trip() -> None:
     import asyncio

@@ -12,8 +12,19 @@ import pytest
 import torch
 
 from engine.kv_transfer import KVPoll, TransferError, TransferRequest, failure_tag
-from tests.engine.kv_transfer_kit import (BIG, DEADLINE_S, SMALL, Child, expected_payload, make_aux, make_pools,
-                                      needs_nixl, nixl_pair, wait_done, write_aux_row)
+from tests.engine.kv_transfer_kit import (
+    BIG,
+    DEADLINE_S,
+    SMALL,
+    Child,
+    expected_payload,
+    make_aux,
+    make_pools,
+    needs_nixl,
+    nixl_pair,
+    wait_done,
+    write_aux_row,
+)
 
 
 @needs_nixl
@@ -29,8 +40,7 @@ def test_nixl_vram_pages_and_row_in_one_transfer(sgl: str) -> None:
         assert child.layout.aux_mem_type == "VRAM" and t.layout().aux_mem_type == "VRAM"
         for room, src, dst, dst_row in [(11, [3, 4, 5, 9], [7, 8, 2, 10], 3), (12, [1], [6], 4)]:
             row = write_aux_row(SMALL, aux, room)
-            child.send(op="expect", kind="done", room=room, verify=True, src_pages=src, dst_pages=dst,
-                       dst_row=dst_row)
+            child.send(op="expect", kind="done", room=room, verify=True, src_pages=src, dst_pages=dst, dst_row=dst_row)
             h = t.write(TransferRequest(room, peer, src, dst, row, dst_row))
             assert len(h.stages) == 1
             assert wait_done(t, h) == KVPoll.SUCCESS, t.last_error(h)
@@ -42,14 +52,13 @@ def test_nixl_vram_pages_and_row_in_one_transfer(sgl: str) -> None:
 
 @needs_nixl
 def test_nixl_sgl_modes_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """"auto" batches only GPU KV (host memory: off); the mode, not the inherited environment,
+    """ "auto" batches only GPU KV (host memory: off); the mode, not the inherited environment,
     decides, and the environment is left as it was; a bad mode names the flag."""
     from engine.kv_transfer.nixl import SGL_ENV, NixlTransport
 
     monkeypatch.setenv(SGL_ENV, "1")
     for mode, batched in [("auto", False), ("off", False), ("on", True)]:
-        with NixlTransport(f"sgl-{mode}-{os.getpid()}", make_pools(SMALL, fill=False), make_aux(SMALL),
-                           sgl=mode) as t:
+        with NixlTransport(f"sgl-{mode}-{os.getpid()}", make_pools(SMALL, fill=False), make_aux(SMALL), sgl=mode) as t:
             assert t.batched is batched
         assert os.environ[SGL_ENV] == "1"
     with pytest.raises(ValueError, match="--kv-write-sgl must be one of off, on, auto, got 'yes'"):
@@ -63,10 +72,12 @@ def test_nixl_refuses_incompatible_layout() -> None:
     with NixlTransport(f"compat-{os.getpid()}", make_pools(SMALL, fill=False), make_aux(SMALL)) as t:
         lay, kv = t.layout(), list(t.layout().kv)
         kv[5] = dataclasses.replace(kv[5], item_bytes=kv[5].item_bytes * 2)
-        for bad, what in [(dataclasses.replace(lay, aux=dataclasses.replace(lay.aux, item_bytes=128)), "aux row size"),
-                          (dataclasses.replace(lay, kv=lay.kv[:-2]), "number of KV regions"),
-                          (dataclasses.replace(lay, kv=tuple(kv)), "KV region 5 page size"),
-                          (lay, "our own agent")]:
+        for bad, what in [
+            (dataclasses.replace(lay, aux=dataclasses.replace(lay.aux, item_bytes=128)), "aux row size"),
+            (dataclasses.replace(lay, kv=lay.kv[:-2]), "number of KV regions"),
+            (dataclasses.replace(lay, kv=tuple(kv)), "KV region 5 page size"),
+            (lay, "our own agent"),
+        ]:
             with pytest.raises(TransferError, match=what):
                 t.add_peer(t.metadata(), bad)
 
@@ -80,14 +91,15 @@ def test_nixl_two_process_write(sgl: str) -> None:
         assert t.batched == (sgl == "on")
         assert t.add_peer(child.metadata, child.layout) == peer  # idempotent
         # Runs where only one side is consecutive must not be merged (3,4,5 -> 7,8,2).
-        cases = [(101, [3, 4, 5, 9], [7, 8, 2, 10], 3, False),
-                 (202, [1, 2], [4, 5], 4, True),   # two-stage path (GPU KV + host aux)
-                 (303, [], [], 5, False)]          # aux row only (full prefix hit)
+        cases = [
+            (101, [3, 4, 5, 9], [7, 8, 2, 10], 3, False),
+            (202, [1, 2], [4, 5], 4, True),  # two-stage path (GPU KV + host aux)
+            (303, [], [], 5, False),
+        ]  # aux row only (full prefix hit)
         for room, src, dst, dst_row, split in cases:
             row = write_aux_row(SMALL, aux, room)
             t._force_split_aux = split
-            child.send(op="expect", kind="done", room=room, verify=True, src_pages=src,
-                       dst_pages=dst, dst_row=dst_row)
+            child.send(op="expect", kind="done", room=room, verify=True, src_pages=src, dst_pages=dst, dst_row=dst_row)
             h = t.write(TransferRequest(room, peer, src, dst, row, dst_row))
             assert wait_done(t, h) == KVPoll.SUCCESS, t.last_error(h)
             t.release(h)
@@ -146,9 +158,10 @@ def test_nixl_64mib_bandwidth() -> None:
             assert wait_done(t, h) == KVPoll.SUCCESS, t.last_error(h)
             dt = time.perf_counter() - start
             t.release(h)
-            print(f"\nNIXL WRITE {label}: {h.nbytes / 2**20:.1f} MiB in {dt * 1e3:.1f} ms "
-                  f"= {h.nbytes / dt / 1e9:.2f} GB/s")
-            child.send(op="expect", kind="done", room=room, verify=room == 1, src_pages=pages,
-                       dst_pages=dst, dst_row=1)
+            print(
+                f"\nNIXL WRITE {label}: {h.nbytes / 2**20:.1f} MiB in {dt * 1e3:.1f} ms "
+                f"= {h.nbytes / dt / 1e9:.2f} GB/s"
+            )
+            child.send(op="expect", kind="done", room=room, verify=room == 1, src_pages=pages, dst_pages=dst, dst_row=1)
             reply = child.recv()
             assert reply["ok"], reply["error"]

@@ -47,8 +47,7 @@ def test_requests_from_many_threads_complete(loop):
         t.start()
     for t in threads:
         t.join(TIMEOUT)
-    assert all(len(results[i][0]) == 6 and results[i][1].finish_reason is FinishReason.LENGTH
-               for i in range(6))
+    assert all(len(results[i][0]) == 6 and results[i][1].finish_reason is FinishReason.LENGTH for i in range(6))
     assert loop.call(lambda: eng.kv.all_free).result(TIMEOUT)
     assert loop.call(lambda: threading.current_thread().name).result(TIMEOUT) == "pdserve-scheduler"
 

@@ -16,8 +16,7 @@ from tests.engine.hf_models import HF_ARCHS, write_hf_model
 
 def _runner(model_dir, page_size=4):
     model, cfg = load_model(model_dir, "float32")
-    kv = KVCacheManager(KVCacheConfig(num_pages=64, page_size=page_size, max_reqs=4,
-                                      max_context_len=256), "cpu")
+    kv = KVCacheManager(KVCacheConfig(num_pages=64, page_size=page_size, max_reqs=4, max_context_len=256), "cpu")
     pool = KVPool(cfg.num_layers, 64, page_size, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
     return ModelRunner(model, kv, pool, create_attention_backend("torch"), "cpu"), kv
 
@@ -35,8 +34,7 @@ def test_prefill_then_decode_logits_match_transformers(tmp_path, kind):
         kv.assign_slot(r)
         kv.reserve(r, 64)
     # prefill both prompts in one packed batch
-    ctx = runner.make_context(ForwardMode.EXTEND, [r.slot for r in reqs], [0, 0],
-                              [len(p) for p in prompts])
+    ctx = runner.make_context(ForwardMode.EXTEND, [r.slot for r in reqs], [0, 0], [len(p) for p in prompts])
     ids = torch.tensor(sum(prompts, []))
     hidden, _ = runner.forward(ids, ctx)
     logits = runner.logits(hidden)
@@ -47,10 +45,8 @@ def test_prefill_then_decode_logits_match_transformers(tmp_path, kind):
     # incremental decode: feed 5 more tokens one at a time through the paged cache
     seqs = [list(p) for p in prompts]
     for step in range(5):
-        nxt = [int(logits_row.argmax()) for logits_row in
-               (runner.logits(hidden)[[6, 9]] if step == 0 else logits)]
-        ctx = runner.make_context(ForwardMode.DECODE, [r.slot for r in reqs],
-                                  [len(s) for s in seqs], [1, 1])
+        nxt = [int(logits_row.argmax()) for logits_row in (runner.logits(hidden)[[6, 9]] if step == 0 else logits)]
+        ctx = runner.make_context(ForwardMode.DECODE, [r.slot for r in reqs], [len(s) for s in seqs], [1, 1])
         hidden, _ = runner.forward(torch.tensor(nxt), ctx)
         logits = runner.logits(hidden)
         for s, t in zip(seqs, nxt):
@@ -67,12 +63,14 @@ def test_chunked_prefill_matches_single_pass(tmp_path):
     r = Req("c", prompt, SamplingParams())
     kv.assign_slot(r)
     kv.reserve(r, 40)
-    full, _ = runner.forward(torch.tensor(prompt), runner.make_context(
-        ForwardMode.EXTEND, [r.slot], [0], [len(prompt)]))
+    full, _ = runner.forward(
+        torch.tensor(prompt), runner.make_context(ForwardMode.EXTEND, [r.slot], [0], [len(prompt)])
+    )
     chunks, start = [], 0
     for n in (7, 10, 12):
-        h, _ = runner.forward(torch.tensor(prompt[start:start + n]), runner.make_context(
-            ForwardMode.EXTEND, [r.slot], [start], [n]))
+        h, _ = runner.forward(
+            torch.tensor(prompt[start : start + n]), runner.make_context(ForwardMode.EXTEND, [r.slot], [start], [n])
+        )
         chunks.append(h)
         start += n
     torch.testing.assert_close(torch.cat(chunks), full, atol=1e-5, rtol=1e-5)

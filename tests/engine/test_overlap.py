@@ -15,8 +15,7 @@ from spec.registry import bind
 
 PROMPTS = [[5, 17, 42, 7, 99, 3, 11, 250], [8, 1], list(range(100, 121)), [300] * 5]
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
-SEEDED = SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True,
-                        logprobs=True)
+SEEDED = SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True, logprobs=True)
 MIXED = [GREEDY, SEEDED, GREEDY, SamplingParams(max_new_tokens=17, temperature=0.7, seed=3)]
 
 
@@ -24,10 +23,11 @@ MIXED = [GREEDY, SEEDED, GREEDY, SamplingParams(max_new_tokens=17, temperature=0
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("overlap")
     target = write_tiny_model(root / "t", seed=1)
-    return {"target": target,
-            "eagle": write_tiny_eagle_head(root / "h", target, "eagle", mode="repeat"),
-            "eagle3": write_tiny_eagle_head(root / "h3", target, "eagle3", mode="random",
-                                            draft_vocab_size=300)}
+    return {
+        "target": target,
+        "eagle": write_tiny_eagle_head(root / "h", target, "eagle", mode="repeat"),
+        "eagle3": write_tiny_eagle_head(root / "h3", target, "eagle3", mode="random", draft_vocab_size=300),
+    }
 
 
 def make_engine(models, spec=None, **kw) -> Engine:
@@ -65,7 +65,10 @@ def plain_greedy(models):
 
 
 CASES = [  # speculative (algo, steps, topk, draft tokens) or None, page size
-    (None, 1), (None, 4), (("EAGLE", 3, 1, None), 4), (("EAGLE", 3, 2, 5), 1),
+    (None, 1),
+    (None, 4),
+    (("EAGLE", 3, 1, None), 4),
+    (("EAGLE", 3, 2, 5), 1),
     (("EAGLE3", 3, 2, 5), 4),
 ]
 
@@ -168,8 +171,9 @@ def test_executor_that_cannot_overlap_runs_synchronously(models, plain_greedy):
     from spec.registry import register_class
 
     register_class("NGRAM", NgramAlgo)  # normally its entry point; a no-op when that loaded it
-    eng = Engine(EngineConfig(str(models["target"]), page_size=4, overlap=True),
-                 algorithm=bind(SpecConfig("NGRAM", num_steps=3)))
+    eng = Engine(
+        EngineConfig(str(models["target"]), page_size=4, overlap=True), algorithm=bind(SpecConfig("NGRAM", num_steps=3))
+    )
     assert not eng.executor.supports_overlap() and not eng.scheduler.overlap
     outs = eng.generate(PROMPTS, GREEDY)
     assert [o.output_ids for o in outs] == [p[:24] for p in plain_greedy]
@@ -253,9 +257,17 @@ def test_a_held_prompts_chunk_progress_leaves_when_the_chunk_is_launched(models)
         eng.step()
     pages = eng.kv.page_list(held)
     # 30 tokens in chunks of 7, 7, 7, 7, 2: after each non-final launch, the full pages so far
-    assert events == [("launch", 7), ("progress", tuple(pages[:1])), ("launch", 7), ("progress", tuple(pages[:3])),
-                      ("launch", 7), ("progress", tuple(pages[:5])), ("launch", 7), ("progress", tuple(pages[:7])),
-                      ("launch", 2)]
+    assert events == [
+        ("launch", 7),
+        ("progress", tuple(pages[:1])),
+        ("launch", 7),
+        ("progress", tuple(pages[:3])),
+        ("launch", 7),
+        ("progress", tuple(pages[:5])),
+        ("launch", 7),
+        ("progress", tuple(pages[:7])),
+        ("launch", 2),
+    ]
     # every launch was timed, as a prompt batch (the node's pdserve_node_launch_seconds)
     prompt_launches, total = eng.scheduler.launch_time.by_kind["prompt"].snapshot()
     assert prompt_launches[-1][1] == 5 and total > 0

@@ -30,17 +30,26 @@ ROWS, CTX, PAGE, DEPTH = 8, 64, 4, 4
 
 def _setup(seed: int = 0) -> tuple[FutureMap, ModelRunner]:
     kv = KVCacheManager(KVCacheConfig(ROWS * CTX // PAGE + 2, PAGE, ROWS, CTX), DEV)
-    kv.req_to_token.copy_(torch.randperm(kv.req_to_token.numel(), generator=torch.Generator().manual_seed(seed))
-                          .view_as(kv.req_to_token).to(DEV))
+    kv.req_to_token.copy_(
+        torch.randperm(kv.req_to_token.numel(), generator=torch.Generator().manual_seed(seed))
+        .view_as(kv.req_to_token)
+        .to(DEV)
+    )
     pool = KVPool(1, ROWS * CTX // PAGE + 2, PAGE, 1, 4, torch.float32, DEV)
     runner = ModelRunner(None, kv, pool, TorchAttention(), DEV)  # type: ignore[arg-type]
     runner.max_position = 40  # some lengths below run past it: positions clamp
     fm = FutureMap(ROWS + 1, DEV, need_topk=True, need_hidden=True)
     live = torch.arange(1, ROWS + 1, device=DEV)
     fm.publish(live, torch.randint(1, CTX, (ROWS,), generator=torch.Generator().manual_seed(seed + 1)).to(DEV))
-    fm.stash(live, RelayPayload(torch.arange(100, 100 + ROWS, device=DEV), torch.zeros(ROWS, 1, device=DEV),
-                                torch.zeros(ROWS, 1, dtype=torch.int64, device=DEV),
-                                torch.zeros(ROWS, 8, device=DEV)))
+    fm.stash(
+        live,
+        RelayPayload(
+            torch.arange(100, 100 + ROWS, device=DEV),
+            torch.zeros(ROWS, 1, device=DEV),
+            torch.zeros(ROWS, 1, dtype=torch.int64, device=DEV),
+            torch.zeros(ROWS, 8, device=DEV),
+        ),
+    )
     return fm, runner
 
 
@@ -51,6 +60,7 @@ def test_resolve_decode_equals_reference(slots: list[int]) -> None:
         s = torch.tensor(slots, device=DEV)
         prefix, ids, ctx = resolve_decode(fm, runner, s, aux_hidden_layers=(0, 2))
         return prefix, ids, ctx
+
     (p0, i0, c0), (p1, i1, c1) = both_paths(run)
     assert torch.equal(p0, p1) and torch.equal(i0, i1)
     for name in ("positions", "out_cache_loc", "req_slots", "seq_lens", "extend_lens", "qo_indptr"):
@@ -81,6 +91,7 @@ def test_commit_decode_equals_reference(parts: int) -> None:
         ring_feats = torch.zeros(ROWS + 1, DEPTH, 24, dtype=torch.bfloat16, device=DEV)
         commit_decode(fm, slots, prefix, tokens, ring_tokens, ring_feats, sources)
         return fm.new_seq_lens_buf.clone(), fm.output_tokens_buf.clone(), ring_tokens[1:], ring_feats[1:]
+
     ref, got = both_paths(run)
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
@@ -97,14 +108,17 @@ def test_relay_kernels_under_graph_capture() -> None:
 
     def setup():
         fm, runner = _setup()
-        ring = (torch.zeros(ROWS + 1, DEPTH, dtype=torch.int64, device=DEV),
-                torch.zeros(ROWS + 1, DEPTH, 24, dtype=torch.bfloat16, device=DEV))
+        ring = (
+            torch.zeros(ROWS + 1, DEPTH, dtype=torch.int64, device=DEV),
+            torch.zeros(ROWS + 1, DEPTH, 24, dtype=torch.bfloat16, device=DEV),
+        )
         return fm, runner, ring
 
     def body(fm, runner, ring):
         prefix, ids, ctx = resolve_decode(fm, runner, slots)
         commit_decode(fm, slots, prefix, ids + 1, *ring, feats)
         return ctx.out_cache_loc.clone()
+
     with torch.inference_mode():
         with fused_ops("off"):
             fm0, runner0, ring0 = setup()

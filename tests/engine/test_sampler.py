@@ -11,10 +11,17 @@ from engine.sampler import Sampler, uniform_noise
 V = 50
 
 
-def mk(rid: str = "a", slot: int = 1, seed: int = 123, prompt: list[int] | None = None,
-       out: list[int] | None = None, **kw) -> Req:
-    return Req(rid=rid, prompt_ids=list(prompt or [1, 2, 3]), params=SamplingParams(**kw),
-               output_ids=list(out or []), slot=slot, sampling_seed=seed)
+def mk(
+    rid: str = "a", slot: int = 1, seed: int = 123, prompt: list[int] | None = None, out: list[int] | None = None, **kw
+) -> Req:
+    return Req(
+        rid=rid,
+        prompt_ids=list(prompt or [1, 2, 3]),
+        params=SamplingParams(**kw),
+        output_ids=list(out or []),
+        slot=slot,
+        sampling_seed=seed,
+    )
 
 
 def fixed_logits(v: int = V, seed: int = 0, scale: float = 2.0) -> torch.Tensor:
@@ -28,6 +35,7 @@ def sample_tokens(s: Sampler, reqs: list[Req], logits: torch.Tensor, rows_per_re
 
 
 # ---- uniform_noise -------------------------------------------------------------------------
+
 
 def test_uniform_noise_range_mean_and_determinism() -> None:
     seeds = torch.tensor([0, 1, 2**63 - 1, 123456789, 42] * 40, dtype=torch.int64)
@@ -49,6 +57,7 @@ def test_uniform_noise_range_mean_and_determinism() -> None:
 
 # ---- greedy ---------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(top_k=1, temperature=1.3)])
 def test_greedy_is_argmax(kw: dict) -> None:
     s = Sampler(V, 8, "cpu")
@@ -64,8 +73,12 @@ def test_greedy_is_argmax(kw: dict) -> None:
 def test_greedy_rows_in_mixed_batch() -> None:
     s = Sampler(V, 8, "cpu")
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(2)) * 3
-    reqs = [mk("g0", 1, temperature=0.0), mk("s1", 2, temperature=1.0, top_p=0.9),
-            mk("g2", 3, top_k=1), mk("s3", 4, temperature=0.8)]
+    reqs = [
+        mk("g0", 1, temperature=0.0),
+        mk("s1", 2, temperature=1.0, top_p=0.9),
+        mk("g2", 3, top_k=1),
+        mk("s3", 4, temperature=0.8),
+    ]
     sb = s.prepare(reqs)
     assert not sb.all_greedy and sb.any_greedy
     tok = s.sample(logits, sb).tokens
@@ -74,6 +87,7 @@ def test_greedy_rows_in_mixed_batch() -> None:
 
 # ---- seeded reproducibility ------------------------------------------------------------------
 
+
 def test_same_seed_same_token_regardless_of_batch() -> None:
     s = Sampler(V, 16, "cpu")
     row = fixed_logits(scale=0.5)  # flat-ish so draws vary a lot
@@ -81,8 +95,7 @@ def test_same_seed_same_token_regardless_of_batch() -> None:
     for n_out in range(8):
         a = mk("a", slot=5, seed=777, out=[4] * n_out, temperature=0.9, top_p=0.95)
         alone = sample_tokens(s, [a], row[None])[0]
-        others = [mk(f"o{i}", slot=i + 6, seed=i, temperature=1.0 + i / 10, top_k=5 * (i % 3))
-                  for i in range(5)]
+        others = [mk(f"o{i}", slot=i + 6, seed=i, temperature=1.0 + i / 10, top_k=5 * (i % 3)) for i in range(5)]
         for order in ([a] + others, others[:2] + [a] + others[2:], others[::-1] + [a]):
             logits = torch.randn(len(order), V, generator=gen)
             logits[order.index(a)] = row
@@ -90,8 +103,7 @@ def test_same_seed_same_token_regardless_of_batch() -> None:
     # rows_per_req: row j samples the token at position + j
     a = mk("a", slot=5, seed=777, temperature=0.9)
     multi = sample_tokens(s, [a], row.expand(4, V).clone(), rows_per_req=4)
-    single = [sample_tokens(s, [mk("a", 5, 777, out=[0] * j, temperature=0.9)], row[None])[0]
-              for j in range(4)]
+    single = [sample_tokens(s, [mk("a", 5, 777, out=[0] * j, temperature=0.9)], row[None])[0] for j in range(4)]
     assert multi.tolist() == [int(t) for t in single]
 
 
@@ -108,8 +120,8 @@ def test_different_seeds_give_different_draws() -> None:
 
 # ---- filters ----------------------------------------------------------------------------------
 
-def allowed_set(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                min_p: float) -> set[int]:
+
+def allowed_set(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> set[int]:
     """Independent reference: top-k, then top-p on the renormalised rest, then min-p."""
     x = logits.double() / temperature
     order = sorted(range(len(x)), key=lambda i: -float(x[i]))
@@ -126,12 +138,18 @@ def allowed_set(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
     return {i for i in kept if float(full[i]) >= min_p * pmax}
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
-    (1.0, 5, 1.0, 0.0), (1.0, -1, 0.6, 0.0), (0.7, 0, 1.0, 0.1), (1.3, 10, 0.8, 0.05),
-    (1.0, 3, 0.999, 0.0), (2.0, 0, 0.3, 0.0),
-])
-def test_filters_never_leave_the_allowed_set(temperature: float, top_k: int, top_p: float,
-                                             min_p: float) -> None:
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,min_p",
+    [
+        (1.0, 5, 1.0, 0.0),
+        (1.0, -1, 0.6, 0.0),
+        (0.7, 0, 1.0, 0.1),
+        (1.3, 10, 0.8, 0.05),
+        (1.0, 3, 0.999, 0.0),
+        (2.0, 0, 0.3, 0.0),
+    ],
+)
+def test_filters_never_leave_the_allowed_set(temperature: float, top_k: int, top_p: float, min_p: float) -> None:
     s = Sampler(V, 4, "cpu")
     row = fixed_logits(seed=4)
     allowed = allowed_set(row, temperature, top_k, top_p, min_p)
@@ -151,16 +169,22 @@ def test_filters_never_leave_the_allowed_set(temperature: float, top_k: int, top
 def test_filters_only_touch_their_rows() -> None:
     """Rows with different settings in one batch get the same probs as when sampled alone."""
     s = Sampler(V, 8, "cpu")
-    reqs = [mk("a", 1, top_k=4), mk("b", 2), mk("c", 3, temperature=0.0), mk("d", 4, top_p=0.5),
-            mk("e", 5, min_p=0.2, temperature=0.5)]
+    reqs = [
+        mk("a", 1, top_k=4),
+        mk("b", 2),
+        mk("c", 3, temperature=0.0),
+        mk("d", 4, top_p=0.5),
+        mk("e", 5, min_p=0.2, temperature=0.5),
+    ]
     logits = torch.randn(5, V, generator=torch.Generator().manual_seed(5)) * 2
     batch = s.processed_probs(logits, s.prepare(reqs))
     for i, r in enumerate(reqs):
-        alone = s.processed_probs(logits[i:i + 1], s.prepare([r]))
-        torch.testing.assert_close(batch[i:i + 1], alone)
+        alone = s.processed_probs(logits[i : i + 1], s.prepare([r]))
+        torch.testing.assert_close(batch[i : i + 1], alone)
 
 
 # ---- distribution --------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("temperature,top_k", [(0.7, -1), (1.5, -1), (1.0, 4)])
 def test_empirical_distribution_matches_softmax(temperature: float, top_k: int) -> None:
@@ -186,8 +210,9 @@ def test_empirical_distribution_matches_softmax(temperature: float, top_k: int) 
 PEN_LOGITS = torch.tensor([0.5, 2.0, -1.0, 1.5, -0.5, 3.0, 0.0, -2.0])
 
 
-def hand_penalised(x: torch.Tensor, prompt: list[int], out: list[int], rep: float, freq: float,
-                   pres: float) -> torch.Tensor:
+def hand_penalised(
+    x: torch.Tensor, prompt: list[int], out: list[int], rep: float, freq: float, pres: float
+) -> torch.Tensor:
     x = x.clone()
     for t in range(len(x)):
         c = out.count(t)
@@ -197,13 +222,13 @@ def hand_penalised(x: torch.Tensor, prompt: list[int], out: list[int], rep: floa
     return x
 
 
-@pytest.mark.parametrize("rep,freq,pres", [(1.5, 0.0, 0.0), (1.0, 0.5, 0.0), (1.0, 0.0, 0.3),
-                                           (1.3, 0.7, -0.4), (0.8, -1.0, 1.0)])
+@pytest.mark.parametrize(
+    "rep,freq,pres", [(1.5, 0.0, 0.0), (1.0, 0.5, 0.0), (1.0, 0.0, 0.3), (1.3, 0.7, -0.4), (0.8, -1.0, 1.0)]
+)
 def test_penalties_match_hand_computation(rep: float, freq: float, pres: float) -> None:
     prompt, out = [1, 2, 2], [3, 3, 5, 7]
     s = Sampler(8, 4, "cpu")
-    pen = mk(slot=2, prompt=prompt, out=out, repetition_penalty=rep, frequency_penalty=freq,
-             presence_penalty=pres)
+    pen = mk(slot=2, prompt=prompt, out=out, repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres)
     plain = mk("b", slot=3, prompt=prompt, out=out)
     for r in (plain, pen):
         s.on_admit(r)
@@ -215,8 +240,16 @@ def test_penalties_match_hand_computation(rep: float, freq: float, pres: float) 
     torch.testing.assert_close(probs[1], torch.softmax(expected, 0))
     torch.testing.assert_close(probs[0], torch.softmax(PEN_LOGITS, 0))
     # greedy with penalties takes the argmax of the penalised logits
-    g = mk("g", slot=2, prompt=prompt, out=out, temperature=0.0, repetition_penalty=rep,
-           frequency_penalty=freq, presence_penalty=pres)
+    g = mk(
+        "g",
+        slot=2,
+        prompt=prompt,
+        out=out,
+        temperature=0.0,
+        repetition_penalty=rep,
+        frequency_penalty=freq,
+        presence_penalty=pres,
+    )
     s.on_admit(g)
     assert sample_tokens(s, [g], PEN_LOGITS[None])[0] == expected.argmax()
 
@@ -267,10 +300,14 @@ def test_penalty_buffers_are_lazy() -> None:
 
 # ---- logprobs -------------------------------------------------------------------------------
 
+
 def test_logprobs_are_raw_log_softmax() -> None:
     s = Sampler(V, 8, "cpu")
-    reqs = [mk("a", 1, temperature=0.5, repetition_penalty=1.5, top_k=3, out=[1, 2]),
-            mk("b", 2, temperature=0.0), mk("c", 3, top_p=0.4)]
+    reqs = [
+        mk("a", 1, temperature=0.5, repetition_penalty=1.5, top_k=3, out=[1, 2]),
+        mk("b", 2, temperature=0.0),
+        mk("c", 3, top_p=0.4),
+    ]
     for r in reqs:
         s.on_admit(r)
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
@@ -358,8 +395,9 @@ def test_logit_bias_shifts_each_row_of_its_request() -> None:
     plain = mk("b", 2, temperature=0.0)
     assert sample_tokens(s, [biased, plain], logits, rows_per_req=3).tolist() == [12] * 3 + [11] * 3
     sb = s.prepare([biased, plain], rows_per_req=3)
-    probs = s.processed_probs(logits, s.prepare([mk("a", 1, temperature=1.0, logit_bias=((3, -100.0),)), plain],
-                                                rows_per_req=3))
+    probs = s.processed_probs(
+        logits, s.prepare([mk("a", 1, temperature=1.0, logit_bias=((3, -100.0),)), plain], rows_per_req=3)
+    )
     assert float(probs[:3, 3].max()) < 1e-30
     assert sb.bias_rows is not None and sb.bias_rows.tolist() == [0, 0, 1, 1, 2, 2]
     from engine.core import InvalidRequest
@@ -370,15 +408,26 @@ def test_logit_bias_shifts_each_row_of_its_request() -> None:
 
 # ---- device ---------------------------------------------------------------------------------
 
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_matches_cpu() -> None:
     seeds = torch.randint(0, 2**62, (64,), generator=torch.Generator().manual_seed(7))
     pos = torch.arange(64)
-    assert torch.equal(uniform_noise(seeds, pos, 5000),
-                       uniform_noise(seeds.cuda(), pos.cuda(), 5000).cpu())
-    reqs = [mk(str(i), slot=i + 1, seed=i, temperature=0.9, top_p=0.9, top_k=20 * (i % 2),
-               frequency_penalty=0.2 * (i % 3), out=[i % V]) for i in range(8)]
+    assert torch.equal(uniform_noise(seeds, pos, 5000), uniform_noise(seeds.cuda(), pos.cuda(), 5000).cpu())
+    reqs = [
+        mk(
+            str(i),
+            slot=i + 1,
+            seed=i,
+            temperature=0.9,
+            top_p=0.9,
+            top_k=20 * (i % 2),
+            frequency_penalty=0.2 * (i % 3),
+            out=[i % V],
+        )
+        for i in range(8)
+    ]
     logits = torch.randn(8 * 250, V, generator=torch.Generator().manual_seed(8))
     toks = []
     for dev in ("cpu", "cuda"):

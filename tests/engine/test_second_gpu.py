@@ -17,17 +17,25 @@ PROMPTS = [[5, 17, 42, 7, 99, 3, 11, 250], [8, 1], list(range(100, 121))]
 GREEDY = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
 TIMEOUT = 60.0
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                 reason="needs two GPUs")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"),
+]
 
 
 def _engine(model_dir, head_dir, device: str, io=None) -> Engine:
     from spec.config import SpecConfig
     from spec.registry import bind
 
-    cfg = EngineConfig(str(model_dir), device=device, dtype="float32", page_size=4, attention_backend="triton",
-                       overlap=True, cuda_graph_max_bs=8)
+    cfg = EngineConfig(
+        str(model_dir),
+        device=device,
+        dtype="float32",
+        page_size=4,
+        attention_backend="triton",
+        overlap=True,
+        cuda_graph_max_bs=8,
+    )
     return Engine(cfg, algorithm=bind(SpecConfig("EAGLE", str(head_dir), 3, 1, None)), io=io)
 
 

@@ -17,8 +17,9 @@ from engine.kv_cache import KVCacheConfig, KVCacheManager, KVPool  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
-                                reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+pytestmark = pytest.mark.skipif(
+    not INTERPRET and not torch.cuda.is_available(), reason="Triton kernels need CUDA or TRITON_INTERPRET=1"
+)
 # the interpreter runs kernels on CPU tensors; without it the same tests run on the GPU
 DEVICE = "cpu" if INTERPRET else "cuda"
 
@@ -28,16 +29,25 @@ MAX_CTX = 64
 class Setup:
     """A request table whose rows own shuffled pages, and a pool of random K/V."""
 
-    def __init__(self, page_size: int, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
-                 pool_dtype: torch.dtype = torch.float32, rows: int = 4, seed: int = 0,
-                 device: str = DEVICE, max_ctx: int = MAX_CTX) -> None:
+    def __init__(
+        self,
+        page_size: int,
+        heads: int = 4,
+        kv_heads: int = 2,
+        head_dim: int = 16,
+        pool_dtype: torch.dtype = torch.float32,
+        rows: int = 4,
+        seed: int = 0,
+        device: str = DEVICE,
+        max_ctx: int = MAX_CTX,
+    ) -> None:
         self.gen = torch.Generator(device).manual_seed(seed)
         pages_per_row = max_ctx // page_size
         num_pages = rows * pages_per_row + 2
         self.kv = KVCacheManager(KVCacheConfig(num_pages, page_size, rows, max_ctx), device)
         pages = torch.randperm(num_pages - 1, generator=torch.Generator().manual_seed(seed)) + 1
         for row in range(1, rows + 1):
-            own = pages[(row - 1) * pages_per_row: row * pages_per_row]
+            own = pages[(row - 1) * pages_per_row : row * pages_per_row]
             slots = (own.unsqueeze(1) * page_size + torch.arange(page_size)).flatten()
             self.kv.req_to_token[row] = slots.to(device)
         self.pool = KVPool(2, num_pages, page_size, kv_heads, head_dim, pool_dtype, device)
@@ -54,16 +64,23 @@ class Setup:
 
 def copy_pool(pool: KVPool) -> KVPool:
     b = pool.buffer
-    out = KVPool(b.shape[0], b.shape[2], pool.page_size, pool.num_kv_heads, pool.head_dim, b.dtype,
-                 b.device)
+    out = KVPool(b.shape[0], b.shape[2], pool.page_size, pool.num_kv_heads, pool.head_dim, b.dtype, b.device)
     out.buffer.copy_(b)
     return out
 
 
-def compare(setup: Setup, mode: ForwardMode, prefix: list[int], extend: list[int], *,
-            slots: list[int] | None = None, tree_mask: torch.Tensor | None = None,
-            q_dtype: torch.dtype = torch.float32, splits: int | None = None,
-            atol: float = 2e-5) -> None:
+def compare(
+    setup: Setup,
+    mode: ForwardMode,
+    prefix: list[int],
+    extend: list[int],
+    *,
+    slots: list[int] | None = None,
+    tree_mask: torch.Tensor | None = None,
+    q_dtype: torch.dtype = torch.float32,
+    splits: int | None = None,
+    atol: float = 2e-5,
+) -> None:
     """Both Triton kernels (split-K and extend, forced either way) equal the torch backend."""
     slots = slots or list(range(1, len(prefix) + 1))
     if tree_mask is not None:
@@ -75,7 +92,7 @@ def compare(setup: Setup, mode: ForwardMode, prefix: list[int], extend: list[int
     variants = [SPLIT_MAX_ROWS, 0 if rows <= SPLIT_MAX_ROWS else 128]
     ctx = setup.runner(ref_pool).make_context(mode, slots, prefix, extend, tree_mask=tree_mask)
     q, k, v = setup.qkv(sum(extend), q_dtype)
-    scale = setup.head_dim ** -0.5
+    scale = setup.head_dim**-0.5
     torch_backend = TorchAttention()
     torch_backend.prepare(ctx)
     want = torch_backend.forward(q, k, v, 1, scale, ctx)
@@ -89,8 +106,9 @@ def compare(setup: Setup, mode: ForwardMode, prefix: list[int], extend: list[int
         backend.prepare(tctx)
         got = backend.forward(q, k, v, 1, scale, tctx)
         assert got.dtype == q.dtype and got.shape == q.shape
-        torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol,
-                                   msg=lambda m: f"split_max_rows={split_max_rows}: {m}")
+        torch.testing.assert_close(
+            got.float(), want.float(), atol=atol, rtol=atol, msg=lambda m: f"split_max_rows={split_max_rows}: {m}"
+        )
         torch.testing.assert_close(pool.buffer, ref_pool.buffer, atol=pool_tol, rtol=pool_tol)
 
 
@@ -117,13 +135,11 @@ def test_missing_triton_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_decode_ragged_gqa(page_size: int, splits: int | None) -> None:
     setup = Setup(page_size, heads=4, kv_heads=2)
     # ragged lengths including a request whose only key is the new token
-    compare(setup, ForwardMode.DECODE, [40, 0, 17, 5], [1, 1, 1, 1], slots=[3, 1, 4, 2],
-            splits=splits)
+    compare(setup, ForwardMode.DECODE, [40, 0, 17, 5], [1, 1, 1, 1], slots=[3, 1, 4, 2], splits=splits)
 
 
 def test_decode_mha_head_dim_32() -> None:
-    compare(Setup(4, heads=2, kv_heads=2, head_dim=32), ForwardMode.DECODE, [9, 33], [1, 1],
-            splits=4)
+    compare(Setup(4, heads=2, kv_heads=2, head_dim=32), ForwardMode.DECODE, [9, 33], [1, 1], splits=4)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -146,7 +162,7 @@ def random_tree(bs: int, rows: int, width: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     mask = torch.rand(bs, rows, width, generator=gen) < 0.5
     eye = torch.zeros(rows, width, dtype=torch.bool)
-    eye[:, width - rows:] = torch.eye(rows, dtype=torch.bool)
+    eye[:, width - rows :] = torch.eye(rows, dtype=torch.bool)
     return mask | eye
 
 
@@ -158,8 +174,13 @@ def test_draft_steps_decode_with_tree() -> None:
     setup = Setup(4)
     k, seq = 3, [10, 25]
     for step in (1, 2, 3):  # the tree window grows by k each draft step (spec/eagle_draft.py)
-        compare(setup, ForwardMode.DECODE, [s + (step - 1) * k for s in seq], [k, k],
-                tree_mask=random_tree(2, k, step * k, step))
+        compare(
+            setup,
+            ForwardMode.DECODE,
+            [s + (step - 1) * k for s in seq],
+            [k, k],
+            tree_mask=random_tree(2, k, step * k, step),
+        )
 
 
 def test_decode_chain_multi_token_no_tree() -> None:
@@ -186,9 +207,16 @@ def test_engine_greedy_equals_torch(tiny_llama_dir) -> None:
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
     outs = {}
     for name in ("torch", "triton"):
-        eng = Engine(EngineConfig(str(tiny_llama_dir), page_size=4, chunked_prefill_size=16,
-                                  max_total_tokens=512, attention_backend=name,
-                                  device=DEVICE))
+        eng = Engine(
+            EngineConfig(
+                str(tiny_llama_dir),
+                page_size=4,
+                chunked_prefill_size=16,
+                max_total_tokens=512,
+                attention_backend=name,
+                device=DEVICE,
+            )
+        )
         outs[name] = [o.output_ids for o in eng.generate(prompts, params)]
     assert outs["triton"] == outs["torch"]
 
@@ -205,9 +233,12 @@ def test_eagle_tree_greedy_equals_torch(tmp_path, tiny_llama_dir) -> None:
     params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
     outs = {}
     for name in ("torch", "triton"):
-        eng = Engine(EngineConfig(str(tiny_llama_dir), page_size=4, chunked_prefill_size=7,
-                                  attention_backend=name, device=DEVICE),
-                     algorithm=bind(SpecConfig("EAGLE", str(head), 3, 2, 5)))
+        eng = Engine(
+            EngineConfig(
+                str(tiny_llama_dir), page_size=4, chunked_prefill_size=7, attention_backend=name, device=DEVICE
+            ),
+            algorithm=bind(SpecConfig("EAGLE", str(head), 3, 2, 5)),
+        )
         outs[name] = [o.output_ids for o in eng.generate(prompts, params)]
         assert eng.executor.stats.verifies > 0
     assert outs["triton"] == outs["torch"]

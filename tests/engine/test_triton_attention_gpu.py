@@ -16,8 +16,17 @@ BF16_TOL = 2e-2
 
 
 def real_setup(page_size: int, rows: int, max_ctx: int = 4096 + 64, seed: int = 0) -> Setup:
-    return Setup(page_size, heads=32, kv_heads=8, head_dim=128, pool_dtype=torch.bfloat16,
-                 rows=rows, seed=seed, device="cuda", max_ctx=max_ctx)
+    return Setup(
+        page_size,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        pool_dtype=torch.bfloat16,
+        rows=rows,
+        seed=seed,
+        device="cuda",
+        max_ctx=max_ctx,
+    )
 
 
 def ragged(n: int, low: int, high: int, seed: int) -> list[int]:
@@ -38,16 +47,16 @@ def test_decode_real_shapes(page_size: int, bs: int) -> None:
 def test_prefill_4k_and_chunked(page_size: int) -> None:
     setup = real_setup(page_size, 4)
     compare(setup, ForwardMode.EXTEND, [0], [4096], q_dtype=torch.bfloat16, atol=BF16_TOL)
-    compare(setup, ForwardMode.EXTEND, [0, 1000, 3000, 17], [513, 700, 1000, 1],
-            q_dtype=torch.bfloat16, atol=BF16_TOL)
+    compare(setup, ForwardMode.EXTEND, [0, 1000, 3000, 17], [513, 700, 1000, 1], q_dtype=torch.bfloat16, atol=BF16_TOL)
 
 
 @pytest.mark.parametrize("ntok", [1, 4, 8])
 @pytest.mark.parametrize("bs", [1, 64])
 def test_target_verify_chain_real(ntok: int, bs: int) -> None:
     setup = real_setup(16, bs)
-    compare(setup, ForwardMode.TARGET_VERIFY, ragged(bs, 0, 4000, ntok), [ntok] * bs,
-            q_dtype=torch.bfloat16, atol=BF16_TOL)
+    compare(
+        setup, ForwardMode.TARGET_VERIFY, ragged(bs, 0, 4000, ntok), [ntok] * bs, q_dtype=torch.bfloat16, atol=BF16_TOL
+    )
 
 
 def test_target_verify_tree_and_draft_steps_real() -> None:
@@ -55,13 +64,18 @@ def test_target_verify_tree_and_draft_steps_real() -> None:
     setup = real_setup(16, bs)
     seq = ragged(bs, 1, 4000, 3)
     tree = random_tree(bs, 8, 8, 0)
-    compare(setup, ForwardMode.TARGET_VERIFY, seq, [8] * bs, tree_mask=tree,
-            q_dtype=torch.bfloat16, atol=BF16_TOL)
+    compare(setup, ForwardMode.TARGET_VERIFY, seq, [8] * bs, tree_mask=tree, q_dtype=torch.bfloat16, atol=BF16_TOL)
     k = 4
     for step in (1, 2, 3):
-        compare(setup, ForwardMode.DECODE, [s + (step - 1) * k for s in seq], [k] * bs,
-                tree_mask=random_tree(bs, k, step * k, step), q_dtype=torch.bfloat16,
-                atol=BF16_TOL)
+        compare(
+            setup,
+            ForwardMode.DECODE,
+            [s + (step - 1) * k for s in seq],
+            [k] * bs,
+            tree_mask=random_tree(bs, k, step * k, step),
+            q_dtype=torch.bfloat16,
+            atol=BF16_TOL,
+        )
 
 
 @pytest.mark.parametrize("ntok", [1, 4])
@@ -76,12 +90,13 @@ def test_cuda_graph_replay_follows_device_lengths(ntok: int) -> None:
     backend = create_attention_backend("triton")
 
     def context(prefix: list[int]):
-        return runner.make_context(ForwardMode.TARGET_VERIFY if ntok > 1 else ForwardMode.DECODE,
-                                   list(range(1, bs + 1)), prefix, [ntok] * bs)
+        return runner.make_context(
+            ForwardMode.TARGET_VERIFY if ntok > 1 else ForwardMode.DECODE, list(range(1, bs + 1)), prefix, [ntok] * bs
+        )
 
     static = context(ragged(bs, 0, 100, 0))
     q, k, v = setup.qkv(bs * ntok, torch.bfloat16)
-    scale = 128 ** -0.5
+    scale = 128**-0.5
     backend.prepare(static)
     backend.forward(q, k, v, 0, scale, static)  # compile outside the capture
     torch.cuda.synchronize()

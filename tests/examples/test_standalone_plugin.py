@@ -23,8 +23,7 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("standalone")
     target = write_tiny_model(root / "t", seed=1)
     # same weights: every draft is the target's own choice; other seed: a weak, different drafter
-    return target, write_tiny_model(root / "same", seed=1), write_tiny_model(root / "other", seed=5,
-                                                                            num_layers=1)
+    return target, write_tiny_model(root / "same", seed=1), write_tiny_model(root / "other", seed=5, num_layers=1)
 
 
 def test_discovered_by_its_entry_point() -> None:
@@ -38,8 +37,11 @@ def test_discovered_by_its_entry_point() -> None:
 def test_passes_the_conformance_kit(models, draft) -> None:
     target, same, other = models
     report = check_algorithm(SpecConfig("STANDALONE", str(same if draft == "same" else other), 3), target)
-    assert report.checks[-3:] == ["PD over the in-process transport", "empty batch and missing handoff state",
-                                  "generation up to the context limit"]
+    assert report.checks[-3:] == [
+        "PD over the in-process transport",
+        "empty batch and missing handoff state",
+        "generation up to the context limit",
+    ]
     if draft == "same":  # the target's own weights draft well (not perfectly: the draft, one token
         assert report.mean_accept_len > 2.5  # ahead of the target's KV, never reads token 0)
 
@@ -47,17 +49,21 @@ def test_passes_the_conformance_kit(models, draft) -> None:
 def test_the_engine_runs_the_plugins_hooks(models) -> None:
     target, same, _ = models
     binding = bind(SpecConfig("STANDALONE", str(same), 3))
-    eng = Engine(EngineConfig(str(target), page_size=4, cuda_graph_max_bs=4, cuda_graph_padded_eager=True),
-                 algorithm=binding)
+    eng = Engine(
+        EngineConfig(str(target), page_size=4, cuda_graph_max_bs=4, cuda_graph_padded_eager=True), algorithm=binding
+    )
     worker = eng.executor
     assert worker.width == 5 and eng.scheduler.policy.kv_tokens_per_decode == 5  # ntok 4 + 1
     fm = eng.scheduler.future_map
     assert fm.need_topk and not fm.need_hidden  # its own relay: top-1, no hidden states
     assert {(m, w) for m, w, _ in eng.executor.target.graph_shapes()} == {(ForwardMode.TARGET_VERIFY, 5)}
-    assert {(m, w) for m, w, _ in worker.draft.graph_shapes()} == {(ForwardMode.TARGET_VERIFY, 5),
-                                                                   (ForwardMode.DECODE, 1)}
+    assert {(m, w) for m, w, _ in worker.draft.graph_shapes()} == {
+        (ForwardMode.TARGET_VERIFY, 5),
+        (ForwardMode.DECODE, 1),
+    }
     out = eng.generate([[5, 17, 42, 7, 99, 3, 11, 250]], SamplingParams(max_new_tokens=20, temperature=0))
-    plain = Engine(EngineConfig(str(target), page_size=4)).generate([[5, 17, 42, 7, 99, 3, 11, 250]],
-                                                                    SamplingParams(max_new_tokens=20, temperature=0))
+    plain = Engine(EngineConfig(str(target), page_size=4)).generate(
+        [[5, 17, 42, 7, 99, 3, 11, 250]], SamplingParams(max_new_tokens=20, temperature=0)
+    )
     assert out[0].output_ids == plain[0].output_ids
     assert worker.draft.graph_stats.hits > 0 and worker.target.graph_stats.hits > 0

@@ -25,8 +25,9 @@ def eagle_head(tiny_llama_dir, tmp_path_factory):
     return write_tiny_eagle_head(tmp_path_factory.mktemp("chunk-head"), tiny_llama_dir, "eagle", mode="repeat")
 
 
-@pytest.mark.parametrize("spec", [[], ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3"]],
-                         ids=["plain", "eagle"])
+@pytest.mark.parametrize(
+    "spec", [[], ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3"]], ids=["plain", "eagle"]
+)
 def test_chunk_writes_overlap_the_prompt_and_keep_pd_equal_to_colocated(tiny_llama_dir, eagle_head, spec):
     extra = ["--chunked-prefill-size", str(CHUNK), *spec]
     if spec:
@@ -44,8 +45,10 @@ def test_chunk_writes_overlap_the_prompt_and_keep_pd_equal_to_colocated(tiny_lla
             want = list(c.Generate(request(f"c{i}", ids, 0, 0, max_new=16), timeout=60))[-1].complete
             got, _ = pd_generate(p, d, request(f"pd{i}", ids, 500 + i, boot, max_new=16), destination_first=True)
             assert list(got[-1].complete.output_ids) == list(want.output_ids), i
-            assert (got[-1].complete.spec_accepted_tokens, got[-1].complete.spec_draft_tokens) == \
-                (want.spec_accepted_tokens, want.spec_draft_tokens), i
+            assert (got[-1].complete.spec_accepted_tokens, got[-1].complete.spec_draft_tokens) == (
+                want.spec_accepted_tokens,
+                want.spec_draft_tokens,
+            ), i
         wait_idle(p)
         wait_idle(d)
         m1 = scrape(prefill.ports["metrics"])
@@ -54,8 +57,9 @@ def test_chunk_writes_overlap_the_prompt_and_keep_pd_equal_to_colocated(tiny_lla
         pages = [math.ceil(len(ids) / PAGE) for ids in PROMPTS]
         assert m[("pdserve_kv_writes_total", kind("final"))] == len(PROMPTS)
         assert m[("pdserve_kv_writes_total", kind("chunk"))] >= len(PROMPTS)
-        assert m[("pdserve_kv_write_pages_total", kind("chunk"))] + \
-            m[("pdserve_kv_write_pages_total", kind("final"))] == sum(pages)
+        assert m[("pdserve_kv_write_pages_total", kind("chunk"))] + m[
+            ("pdserve_kv_write_pages_total", kind("final"))
+        ] == sum(pages)
         # the final write holds no more than one chunk's pages (+1 for a page a chunk boundary splits)
         assert m[("pdserve_kv_write_pages_total", kind("final"))] <= len(PROMPTS) * (CHUNK // PAGE + 1)
         assert m[("pdserve_kv_handoff_tail_seconds_count", ())] == len(PROMPTS)

@@ -22,8 +22,10 @@ PROMPTS = [[5, 17, 42, 7, 99, 3, 11, 250], [300] * 5, list(range(100, 121)), [8,
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("pd-models")
     target = write_tiny_model(root / "t", seed=1)
-    return {"eagle": write_tiny_eagle_head(root / "h", target, "eagle", mode="repeat"),
-            "standalone": write_tiny_model(root / "d", seed=1)}, target
+    return {
+        "eagle": write_tiny_eagle_head(root / "h", target, "eagle", mode="repeat"),
+        "standalone": write_tiny_model(root / "d", seed=1),
+    }, target
 
 
 SPEC = {
@@ -52,8 +54,10 @@ def test_pd_equals_colocated(models, mode):
             done = got[-1].complete
             assert list(done.output_ids) == list(want.output_ids), (mode, i)
             # acceptance: the same drafts accepted in PD as colocated (zero without speculation)
-            assert (done.spec_accepted_tokens, done.spec_draft_tokens) == \
-                (want.spec_accepted_tokens, want.spec_draft_tokens), (mode, i)
+            assert (done.spec_accepted_tokens, done.spec_draft_tokens) == (
+                want.spec_accepted_tokens,
+                want.spec_draft_tokens,
+            ), (mode, i)
             assert list(box["p"][-1].complete.output_ids) == [want.output_ids[0]]
         streamed, _ = pd_generate(p, d, request("s", PROMPTS[0], 999, boot, max_new=24, stream=True))
         tokens = [t for r in streamed if r.HasField("chunk") for t in r.chunk.token_ids]

@@ -24,16 +24,27 @@ def _decode(model, *extra):
 
 
 def _prefill(model, boot_port, *extra):
-    return Node(["prefill", "--model", str(model), "--port", "0", "--page-size", "4",
-                 "--bootstrap-port", str(boot_port), *extra])
+    return Node(
+        [
+            "prefill",
+            "--model",
+            str(model),
+            "--port",
+            "0",
+            "--page-size",
+            "4",
+            "--bootstrap-port",
+            str(boot_port),
+            *extra,
+        ]
+    )
 
 
 def test_decode_started_first_connects_when_the_prefill_comes_up(tiny_llama_dir):
     boot = free_port()
     # host rows on the decode, rows beside the KV on the prefill: each side's layout names its
     # rows' memory kind, so the two need not agree
-    decode = _decode(tiny_llama_dir, "--connect-attempts", "30", "--connect-timeout", "60",
-                     "--kv-handoff-rows", "host")
+    decode = _decode(tiny_llama_dir, "--connect-attempts", "30", "--connect-timeout", "60", "--kv-handoff-rows", "host")
     prefill = None
     try:
         d = stub(decode.ports["scheduler"])
@@ -143,11 +154,16 @@ def test_random_aborts_of_many_requests_leave_both_pools_free(tiny_llama_dir):
 
         def one(i: int) -> None:
             ids = [rng.randrange(1, 500) for _ in range(rng.randrange(2, 40))]
-            req = request(f"a{i}", ids, 1000 + i, boot, max_new=rng.randrange(1, 24),
-                          temperature=rng.choice([0.0, 1.0]))
-            timer = threading.Timer(rng.uniform(0.0, 0.6), lambda: [
-                s.Abort(pb.AbortRequest(request_id=f"a{i}", reason="test"), timeout=10)
-                for s in rng.sample([p, d], rng.randrange(1, 3))])
+            req = request(
+                f"a{i}", ids, 1000 + i, boot, max_new=rng.randrange(1, 24), temperature=rng.choice([0.0, 1.0])
+            )
+            timer = threading.Timer(
+                rng.uniform(0.0, 0.6),
+                lambda: [
+                    s.Abort(pb.AbortRequest(request_id=f"a{i}", reason="test"), timeout=10)
+                    for s in rng.sample([p, d], rng.randrange(1, 3))
+                ],
+            )
             if rng.random() < 0.7:
                 timer.start()
             t0 = time.monotonic()
@@ -182,16 +198,23 @@ def test_random_aborts_of_many_requests_leave_both_pools_free(tiny_llama_dir):
         decode.kill()
 
 
-@pytest.mark.parametrize("role, flag, value, choices", [("decode", "--kv-handoff-rows", "gpu", "kv, host"),
-                                                         ("prefill", "--kv-write-sgl", "always", "off, on, auto")])
+@pytest.mark.parametrize(
+    "role, flag, value, choices",
+    [("decode", "--kv-handoff-rows", "gpu", "kv, host"), ("prefill", "--kv-write-sgl", "always", "off, on, auto")],
+)
 def test_a_bad_kv_flag_value_is_a_clean_error_before_loading(tiny_llama_dir, role, flag, value, choices):
     import subprocess
     import sys
 
     from fixtures.procs import REPO
 
-    res = subprocess.run([sys.executable, "-m", "pdserve.cli", role, "--model", str(tiny_llama_dir),
-                          "--port", "0", flag, value], cwd=REPO, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", role, "--model", str(tiny_llama_dir), "--port", "0", flag, value],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2
     assert f"{flag} must be one of {choices}, got '{value}'" in res.stderr
     assert "Traceback" not in res.stderr
@@ -204,4 +227,3 @@ def test_a_bad_handoff_rows_place_is_refused_by_the_endpoint_too():
     assert check_rows_place("host") == "host"
     with pytest.raises(ValueError, match="--kv-handoff-rows must be one of kv, host, got 'vram'"):
         check_rows_place("vram")
-

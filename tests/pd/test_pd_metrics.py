@@ -25,8 +25,7 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
 
 
 def test_transfer_metrics_and_failure_reasons(tiny_llama_dir):
-    prefill, decode = start_pair(str(tiny_llama_dir), "--metrics-port", "0",
-                                 decode_extra=("--waiting-timeout", "2"))
+    prefill, decode = start_pair(str(tiny_llama_dir), "--metrics-port", "0", decode_extra=("--waiting-timeout", "2"))
     try:
         p, d = stub(prefill.ports["scheduler"]), stub(decode.ports["scheduler"])
         boot = prefill.ports["bootstrap"]
@@ -40,8 +39,10 @@ def test_transfer_metrics_and_failure_reasons(tiny_llama_dir):
         role = lambda r: (("role", r),)  # noqa: E731
         assert pm[("pdserve_kv_transfer_bytes_total", role("prefill"))] > 0
         assert pm[("pdserve_kv_transfer_seconds_count", role("prefill"))] == 1
-        assert dm[("pdserve_kv_transfer_bytes_total", role("decode"))] == \
-            pm[("pdserve_kv_transfer_bytes_total", role("prefill"))]
+        assert (
+            dm[("pdserve_kv_transfer_bytes_total", role("decode"))]
+            == pm[("pdserve_kv_transfer_bytes_total", role("prefill"))]
+        )
         assert dm[("pdserve_kv_transfer_failures_total", (("reason", "waiting_timeout"), ("role", "decode")))] == 1
         assert dm[("pdserve_bootstrap_attempts_total", (("result", "ok"),))] == 1
         assert dm[("pdserve_kv_cache_used_tokens", role("decode"))] == 0

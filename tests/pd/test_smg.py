@@ -51,13 +51,37 @@ class Gateway:
     def __init__(self, prefill: str, bootstrap: int, decode: str, log: Path) -> None:
         self.port, self.log = free_port(), log
         self.base = f"http://127.0.0.1:{self.port}"
-        self.argv = [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(self.port),
-                     "--pd-disaggregation", "--prefill", prefill, str(bootstrap), "--decode", decode,
-                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-                     "--log-level", "debug"]
+        self.argv = [
+            sys.executable,
+            "-m",
+            "smg",
+            "launch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--pd-disaggregation",
+            "--prefill",
+            prefill,
+            str(bootstrap),
+            "--decode",
+            decode,
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
+            "--log-level",
+            "debug",
+        ]
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                start_new_session=True,
+            )
 
     def tail(self, n: int = 40) -> str:
         lines = self.log.read_text(errors="replace").splitlines() if self.log.exists() else []
@@ -97,15 +121,14 @@ class Gateway:
                 line = raw.decode().strip()
                 if not line.startswith("data:"):
                     continue
-                data = line[len("data:"):].strip()
+                data = line[len("data:") :].strip()
                 if data == "[DONE]":
                     return events
                 events.append(json.loads(data))
         raise AssertionError(f"stream ended without [DONE]: {events}")
 
     def _open(self, path: str, body: dict):
-        req = urllib.request.Request(self.base + path, json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+        req = urllib.request.Request(self.base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
         try:
             return urllib.request.urlopen(req, timeout=HTTP_TIMEOUT)
         except urllib.error.HTTPError as e:
@@ -125,9 +148,11 @@ def reference(tiny_llama_dir):
 
     eng = Engine(EngineConfig(str(tiny_llama_dir), page_size=4))
     tok = eng.tokenizer
-    prompts = {"ids": IDS,
-               "text": tok.encode(TEXT, add_special_tokens=False),  # SMG adds no BOS (see module doc)
-               "chat": tok.encode_chat(CHAT)}
+    prompts = {
+        "ids": IDS,
+        "text": tok.encode(TEXT, add_special_tokens=False),  # SMG adds no BOS (see module doc)
+        "chat": tok.encode_chat(CHAT),
+    }
     sp = SamplingParams(max_new_tokens=MAX_TOKENS, temperature=0.0)
     out = {}
     for name, ids in prompts.items():  # one at a time, as the PD decode runs them
@@ -147,8 +172,12 @@ def stack(tiny_llama_dir, tmp_path_factory):
     prefill, decode = start_pair(str(tiny_llama_dir))
     gw = None
     try:
-        gw = Gateway(f"grpc://127.0.0.1:{prefill.ports['scheduler']}", prefill.ports["bootstrap"],
-                     f"grpc://127.0.0.1:{decode.ports['scheduler']}", tmp_path_factory.mktemp("smg") / "smg.log")
+        gw = Gateway(
+            f"grpc://127.0.0.1:{prefill.ports['scheduler']}",
+            prefill.ports["bootstrap"],
+            f"grpc://127.0.0.1:{decode.ports['scheduler']}",
+            tmp_path_factory.mktemp("smg") / "smg.log",
+        )
         gw.wait_ready(30)
         yield gw, stub(prefill.ports["scheduler"]), stub(decode.ports["scheduler"]), prefill, decode
     finally:
@@ -185,8 +214,7 @@ def test_generate_token_ids(stack, reference):
     """Exact ids in, exact ids out: SMG's native /generate (completions take no id arrays)."""
     gw, p, d, _, _ = stack
     ids, want_ids, _ = reference["ids"]
-    body = {"model": _model(gw), "input_ids": ids,
-            "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0}}
+    body = {"model": _model(gw), "input_ids": ids, "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0}}
     (res,) = gw.post("/generate", body)
     assert res["output_ids"] == want_ids
     assert res["meta_info"]["finish_reason"]["type"] == "length"

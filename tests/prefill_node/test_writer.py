@@ -80,6 +80,7 @@ def test_chunks_go_ahead_and_the_final_write_carries_the_rest() -> None:
 def test_chunks_done_before_the_destination_leave_when_it_arrives() -> None:
     """The prompt starts before the decode's destination: finished chunks wait for it, then go
     in one write; a room that never gets one sends nothing and its writer still settles."""
+
     async def run() -> tuple[ScriptedTransport, int, int]:
         t = ScriptedTransport()
         room = _room()
@@ -97,12 +98,15 @@ def test_chunks_done_before_the_destination_leave_when_it_arrives() -> None:
 
     t, sent, lonely_sent = asyncio.run(run())
     assert sent == 4 and lonely_sent == 0
-    assert [w[:2] for w in t.writes] == [([7, 8, 9, 10], [100, 101, 102, 103])] or \
-        [w[:2] for w in t.writes] == [([7, 8], [100, 101]), ([9, 10], [102, 103])]
+    assert [w[:2] for w in t.writes] == [([7, 8, 9, 10], [100, 101, 102, 103])] or [w[:2] for w in t.writes] == [
+        ([7, 8], [100, 101]),
+        ([9, 10], [102, 103]),
+    ]
 
 
 def test_chunks_that_finished_meanwhile_go_in_one_write() -> None:
     """The writer fell behind three chunks: the newest fence covers them all, one write."""
+
     async def run() -> ScriptedTransport:
         t = ScriptedTransport()
         writer = RoomWriter(t, _room(), 5.0, per_chunk=True)  # type: ignore[arg-type]
@@ -178,6 +182,7 @@ class SlowPostTransport(ScriptedTransport):
 def test_chunk_writes_end_while_the_prompt_runs() -> None:
     """A chunk write is polled to its end right after it is posted, so the prompt's end finds
     nothing left to wait for."""
+
     async def run() -> tuple[list[int], int]:
         t = ScriptedTransport(polls=3)
         writer = RoomWriter(t, _room(), 5.0, per_chunk=True)  # type: ignore[arg-type]
@@ -215,6 +220,7 @@ def test_the_prompts_end_takes_over_a_chunk_write_still_in_flight_at_once() -> N
 def test_a_caller_cancelled_while_a_write_is_posted_still_waits_for_it(stage: str) -> None:
     """The request goes away while a write is being posted: the write may land, so cleanup
     (pages and row back to their pools) runs only after the write was polled to its end."""
+
     async def run() -> list[str]:
         t, events = SlowPostTransport(post_s=0.05), []
         writer = RoomWriter(t, _room(), 5.0, per_chunk=True)  # type: ignore[arg-type]

@@ -52,8 +52,12 @@ class FakeDispatcher:
     def model(self) -> ModelCard | None:
         if not self.has_model:
             return None
-        return ModelCard(name="tiny", tokenizer_path=self.tokenizer.name_or_path,
-                         max_context_length=self.max_context_length, eos_token_ids=self.tokenizer.eos_token_ids)
+        return ModelCard(
+            name="tiny",
+            tokenizer_path=self.tokenizer.name_or_path,
+            max_context_length=self.max_context_length,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+        )
 
     def ready(self) -> bool:
         return self.is_ready
@@ -75,10 +79,13 @@ class FakeDispatcher:
                 ids, reason, matched = [*ids, eos], "stop", eos
         out: list[TokenEvent | FinishEvent] = []
         for k in range(0, len(ids), s.chunk):
-            part = tuple(ids[k:k + s.chunk])
+            part = tuple(ids[k : k + s.chunk])
             lps = tuple(-0.5 for _ in part) if job.sampling.logprobs else ()
-            tops = tuple(tuple((t + d, -0.5 - d) for d in range(job.sampling.top_logprobs)) for t in part) \
-                if job.sampling.logprobs else ()
+            tops = (
+                tuple(tuple((t + d, -0.5 - d) for d in range(job.sampling.top_logprobs)) for t in part)
+                if job.sampling.logprobs
+                else ()
+            )
             out.append(TokenEvent(part, lps, tops))
         out.append(FinishEvent(reason, len(job.input_ids), len(ids), matched, s.disaggregated))
         return out
@@ -108,6 +115,7 @@ class FakeDispatcher:
 
 
 # --- harness shared by the router's HTTP tests ---------------------------------------------------------
+
 
 @contextmanager
 def server(app: FastAPI) -> Iterator[str]:
@@ -140,4 +148,4 @@ def sse_lines(body: str) -> list[str]:
     """The `data:` payloads of an event stream, checking its framing."""
     events = [e for e in body.split("\n\n") if e]
     assert all(e.startswith("data: ") for e in events), body
-    return [e[len("data: "):] for e in events]
+    return [e[len("data: ") :] for e in events]

@@ -82,24 +82,32 @@ class FakeNode(pbg.SglangSchedulerServicer):
         if self.server is not None:
             await self.server.stop(grace=None)
 
-    async def Generate(self, request: pb.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         self.requests.append(request)
         rid, b = request.request_id, self.b
         n_prompt = len(request.tokenized.input_ids)
-        tokens = list(b.tokens[:request.sampling_params.max_new_tokens or len(b.tokens)])
+        tokens = list(b.tokens[: request.sampling_params.max_new_tokens or len(b.tokens)])
         try:
             if b.hang_before_first:
                 await asyncio.sleep(HANG_S)
             if b.fail_before_first:
-                await context.abort(b.status, f"fake {self.role} failed before its first token",
-                                    trailing_metadata=(("pdserve-blame", b.blame),) if b.blame else ())
+                await context.abort(
+                    b.status,
+                    f"fake {self.role} failed before its first token",
+                    trailing_metadata=(("pdserve-blame", b.blame),) if b.blame else (),
+                )
             if self.role == "prefill":
                 await self._handoff(request.disaggregated_params.bootstrap_room)
                 if b.hold_first is not None:
                     await b.hold_first.wait()
-                yield pb.GenerateResponse(request_id=rid, complete=pb.GenerateComplete(
-                    output_ids=tokens[:1], finish_reason="length", prompt_tokens=n_prompt, completion_tokens=1))
+                yield pb.GenerateResponse(
+                    request_id=rid,
+                    complete=pb.GenerateComplete(
+                        output_ids=tokens[:1], finish_reason="length", prompt_tokens=n_prompt, completion_tokens=1
+                    ),
+                )
                 return
             if request.HasField("disaggregated_params"):
                 _room(request.disaggregated_params.bootstrap_room).set()
@@ -110,14 +118,27 @@ class FakeNode(pbg.SglangSchedulerServicer):
                     await context.abort(b.status, f"fake {self.role} failed mid-stream")
                 if b.hang_after == i:
                     await asyncio.sleep(HANG_S)
-                lp = (pb.OutputLogProbs(token_logprobs=[-0.5], token_ids=[t],
-                                        top_logprobs=[pb.TopLogProbs(token_ids=[t], values=[-0.5])])
-                      if request.return_logprob else None)
-                yield pb.GenerateResponse(request_id=rid, chunk=pb.GenerateStreamChunk(
-                    token_ids=[t], prompt_tokens=n_prompt, completion_tokens=i + 1, output_logprobs=lp))
-            yield pb.GenerateResponse(request_id=rid, complete=pb.GenerateComplete(
-                output_ids=tokens, finish_reason="length", prompt_tokens=n_prompt,
-                completion_tokens=len(tokens)))
+                lp = (
+                    pb.OutputLogProbs(
+                        token_logprobs=[-0.5],
+                        token_ids=[t],
+                        top_logprobs=[pb.TopLogProbs(token_ids=[t], values=[-0.5])],
+                    )
+                    if request.return_logprob
+                    else None
+                )
+                yield pb.GenerateResponse(
+                    request_id=rid,
+                    chunk=pb.GenerateStreamChunk(
+                        token_ids=[t], prompt_tokens=n_prompt, completion_tokens=i + 1, output_logprobs=lp
+                    ),
+                )
+            yield pb.GenerateResponse(
+                request_id=rid,
+                complete=pb.GenerateComplete(
+                    output_ids=tokens, finish_reason="length", prompt_tokens=n_prompt, completion_tokens=len(tokens)
+                ),
+            )
         except asyncio.CancelledError:
             self.cancelled.append(rid)
             raise
@@ -133,19 +154,27 @@ class FakeNode(pbg.SglangSchedulerServicer):
         self.aborts.append(request.request_id)
         return pb.AbortResponse(success=True)
 
-    async def HealthCheck(self, request: pb.HealthCheckRequest,
-                          context: grpc.aio.ServicerContext) -> pb.HealthCheckResponse:
+    async def HealthCheck(
+        self, request: pb.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HealthCheckResponse:
         if self.b.silent:
             await asyncio.sleep(HANG_S)
         return pb.HealthCheckResponse(healthy=self.b.healthy, message="ok" if self.b.healthy else "sick")
 
-    async def GetModelInfo(self, request: pb.GetModelInfoRequest,
-                           context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
-        return pb.GetModelInfoResponse(served_model_name="fake-model", model_path="/models/fake",
-                                       tokenizer_path="/models/fake", max_context_length=256, eos_token_ids=[2])
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetModelInfoResponse:
+        return pb.GetModelInfoResponse(
+            served_model_name="fake-model",
+            model_path="/models/fake",
+            tokenizer_path="/models/fake",
+            max_context_length=256,
+            eos_token_ids=[2],
+        )
 
-    async def GetServerInfo(self, request: pb.GetServerInfoRequest,
-                            context: grpc.aio.ServicerContext) -> pb.GetServerInfoResponse:
+    async def GetServerInfo(
+        self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetServerInfoResponse:
         args = struct_pb2.Struct()
         args.update({"disaggregation_mode": self.b.mode or MODES[self.role]})
         if self.b.pairing_protocol is not None:
@@ -153,8 +182,9 @@ class FakeNode(pbg.SglangSchedulerServicer):
         return pb.GetServerInfoResponse(server_args=args, server_type="grpc")
 
     async def GetLoads(self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext) -> pb.GetLoadsResponse:
-        return pb.GetLoadsResponse(loads=[pb.SchedulerLoad(num_running_reqs=self.b.running,
-                                                           num_waiting_reqs=self.b.waiting)])
+        return pb.GetLoadsResponse(
+            loads=[pb.SchedulerLoad(num_running_reqs=self.b.running, num_waiting_reqs=self.b.waiting)]
+        )
 
 
 @contextlib.asynccontextmanager
@@ -187,8 +217,7 @@ def job(rid: str = "req-1", ids: tuple[int, ...] = (5, 6, 7, 8), **sampling: Any
     return GenerationJob(rid, ids, SamplingParams(**{"max_new_tokens": 3, **sampling}))
 
 
-def dispatcher(registry: Any, decode: str = "least_load", prefill: str = "round_robin",
-               **kw: Any) -> PDDispatcher:
+def dispatcher(registry: Any, decode: str = "least_load", prefill: str = "round_robin", **kw: Any) -> PDDispatcher:
     kw = {"timeouts": FAST, "backoff_s": 0.01, "auto_probe": False, **kw}
     return PDDispatcher(registry, make_policy("prefill", prefill), make_policy("decode", decode), **kw)
 

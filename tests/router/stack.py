@@ -76,20 +76,33 @@ class Stack:
             n.kill()
 
 
-def start_stack(model: str | None, decodes: int = 2, ready_timeout: float = 60.0,
-                router_args: tuple[str, ...] = (), node_args: tuple[str, ...] = ()) -> Stack:
+def start_stack(
+    model: str | None,
+    decodes: int = 2,
+    ready_timeout: float = 60.0,
+    router_args: tuple[str, ...] = (),
+    node_args: tuple[str, ...] = (),
+) -> Stack:
     """Nodes start in parallel; then the router; then /ready must turn 200 (a real handoff)."""
-    prefill = Node(["prefill", *_model_args(model), "--port", "0", "--bootstrap-port", "0", *NODE_ARGS,
-                    *node_args])
+    prefill = Node(["prefill", *_model_args(model), "--port", "0", "--bootstrap-port", "0", *NODE_ARGS, *node_args])
     ds = [decode_node(model, extra=node_args) for _ in range(decodes)]
     started: list[Node] = [prefill, *ds]
     try:
         for n in started:
             n.wait_ready(120)
-        router = Node(["router", "--host", "127.0.0.1", "--port", "0",
-                       "--prefill", f"127.0.0.1:{prefill.ports['scheduler']},{prefill.ports['bootstrap']}",
-                       *[a for d in ds for a in ("--decode", f"127.0.0.1:{d.ports['scheduler']}")],
-                       *router_args])
+        router = Node(
+            [
+                "router",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--prefill",
+                f"127.0.0.1:{prefill.ports['scheduler']},{prefill.ports['bootstrap']}",
+                *[a for d in ds for a in ("--decode", f"127.0.0.1:{d.ports['scheduler']}")],
+                *router_args,
+            ]
+        )
         started.append(router)
         router.wait_ready(60)
         stack = Stack(model, prefill, ds, router)

@@ -70,15 +70,26 @@ def test_top_k_1_is_greedy_and_special_tokens_show_when_asked(client: openai.Ope
 
 def test_chat_fields_and_strict_messages(client: openai.OpenAI, stack: Stack) -> None:
     model = stack.served_model
-    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hi."}],
-                                       max_tokens=4, temperature=0,
-                                       extra_body={"chat_template_kwargs": {"enable_thinking": False},
-                                                   "min_p": 0.05, "repetition_penalty": 1.1, "stop_token_ids": [7]})
+    r = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Say hi."}],
+        max_tokens=4,
+        temperature=0,
+        extra_body={
+            "chat_template_kwargs": {"enable_thinking": False},
+            "min_p": 0.05,
+            "repetition_penalty": 1.1,
+            "stop_token_ids": [7],
+        },
+    )
     assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens <= 4
     cont = client.chat.completions.create(
-        model=model, max_tokens=4, temperature=0,
+        model=model,
+        max_tokens=4,
+        temperature=0,
         messages=[{"role": "user", "content": "Write it."}, {"role": "assistant", "content": "def add(a, b):"}],
-        extra_body={"add_generation_prompt": False, "continue_final_message": True, "echo": True})
+        extra_body={"add_generation_prompt": False, "continue_final_message": True, "echo": True},
+    )
     assert (cont.choices[0].message.content or "").startswith("def add(a, b):")
     with pytest.raises(openai.BadRequestError) as e:
         bad: list[Any] = [{"role": "user", "content": "hi", "foo": 1}]
@@ -98,8 +109,10 @@ def test_a_client_leaving_while_sending_its_body_is_one_line(stack: Stack) -> No
     start = len(stack.router.lines)
     for _ in range(3):
         with socket.create_connection((host, port), timeout=5) as s:
-            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: 1000000\r\n\r\n{\"model\": \"pyco")
+            s.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 1000000\r\n\r\n{"model": "pyco'
+            )
             time.sleep(0.2)
     deadline = time.monotonic() + 10
     while _metric(stack.url, 'pdserve_router_client_disconnects_total{stage="body"}') < before + 3:

@@ -29,8 +29,9 @@ def tok(tiny_llama_dir: Path) -> Tokenizer:
     return Tokenizer.from_dir(tiny_llama_dir)
 
 
-def make(tok: Tokenizer, script: Callable[[GenerationJob], Script] | None = None,
-         **kw: Any) -> tuple[FastAPI, FakeDispatcher]:
+def make(
+    tok: Tokenizer, script: Callable[[GenerationJob], Script] | None = None, **kw: Any
+) -> tuple[FastAPI, FakeDispatcher]:
     app_kw = {k: kw.pop(k) for k in ("api_keys", "max_body_bytes", "max_queue") if k in kw}
     fake = FakeDispatcher(tok, script or (lambda job: Script(reply=REPLY)), **kw)
     return create_app(fake, tok, served_model=MODEL, **app_kw), fake
@@ -47,6 +48,7 @@ def stream_text(payloads: list[str], chat: bool) -> dict[int, str]:
 
 # --- the official client over a real server --------------------------------------------------------------
 
+
 def test_completions_with_openai_client(tok: Tokenizer) -> None:
     app, fake = make(tok)
     with server(app) as url:
@@ -59,8 +61,15 @@ def test_completions_with_openai_client(tok: Tokenizer) -> None:
         assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (n_prompt, n_reply)
         assert full.usage.total_tokens == n_prompt + n_reply
 
-        chunks = list(client.completions.create(model=MODEL, prompt="def fibonacci(n):", max_tokens=64,
-                                                stream=True, stream_options={"include_usage": True}))
+        chunks = list(
+            client.completions.create(
+                model=MODEL,
+                prompt="def fibonacci(n):",
+                max_tokens=64,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
         assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
@@ -81,8 +90,9 @@ def test_chat_with_async_openai_client(tok: Tokenizer) -> None:
         assert full.object == "chat.completion" and full.id.startswith("chatcmpl-")
         msg = full.choices[0].message
         assert (msg.role, msg.content, full.choices[0].finish_reason) == ("assistant", REPLY, "stop")
-        stream = await client.chat.completions.create(model=MODEL, messages=messages, stream=True,
-                                                      stream_options={"include_usage": True})
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=messages, stream=True, stream_options={"include_usage": True}
+        )
         chunks = [c async for c in stream]
         assert chunks[0].choices[0].delta.role == "assistant"
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == REPLY
@@ -108,13 +118,15 @@ def test_n_and_batched_prompts(tok: Tokenizer) -> None:
         assert [c.text for c in out.choices] == [replies[i] for i in range(4)]
         # Prompt tokens count once per prompt; each choice's tokens count.
         assert out.usage.prompt_tokens == len(tok.encode("one")) + len(tok.encode("two two"))
-        assert out.usage.completion_tokens == sum(len(tok.encode(r, add_special_tokens=False)) + 1
-                                                  for r in replies.values())
+        assert out.usage.completion_tokens == sum(
+            len(tok.encode(r, add_special_tokens=False)) + 1 for r in replies.values()
+        )
         assert len({j.request_id for j in fake.jobs}) == 4
         assert [j.sampling.seed for j in fake.jobs] == [7, 8, 7, 8]  # distinct choices per prompt
         fake.jobs.clear()
-        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2,
-                                              stream=True)
+        chat = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], n=2, stream=True
+        )
         texts: dict[int, str] = {}
         for c in chat:
             for ch in c.choices:
@@ -141,23 +153,26 @@ def test_logprobs_shapes(tok: Tokenizer) -> None:
         out = client.completions.create(model=MODEL, prompt="x", max_tokens=8, logprobs=2)
         lp = out.choices[0].logprobs
         assert lp.token_logprobs == [-0.5] * 3 and len(lp.top_logprobs[0]) == 2 and len(lp.tokens) == 3
-        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                              logprobs=True, top_logprobs=3)
+        chat = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=3
+        )
         content = chat.choices[0].logprobs.content
         assert [c.logprob for c in content] == [-0.5] * 3 and all(len(c.top_logprobs) == 3 for c in content)
 
 
 # --- text: stop strings across tokens and multi-byte characters ------------------------------------------
 
+
 @pytest.mark.parametrize("stop", ["世界", "ö", "rld, 世", ["🎉", "wö"]])
 def test_stop_strings_cut_exactly_and_cancel(tok: Tokenizer, stop: str | list[str]) -> None:
     app, fake = make(tok, lambda job: Script(reply=REPLY, hang=True))
     stops = [stop] if isinstance(stop, str) else stop
-    want = REPLY[:min(REPLY.index(s) for s in stops)]
+    want = REPLY[: min(REPLY.index(s) for s in stops)]
     client = TestClient(app)
     for stream in (False, True):
-        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 60,
-                                                 "stop": stop, "stream": stream})
+        r = client.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 60, "stop": stop, "stream": stream}
+        )
         assert r.status_code == 200, r.text
         if stream:
             payloads = sse_lines(r.text)
@@ -176,8 +191,9 @@ def test_node_side_stop_is_trimmed_consistently(tok: Tokenizer) -> None:
     cases = {"full": (ids[:upto_end], "abc "), "partial": (ids[:upto_en], "abc ")}
     for name, (node_ids, want) in cases.items():
         app, fake = make(tok, lambda job, t=node_ids: Script(tokens=t, finish_reason="stop", matched_stop="END"))
-        r = TestClient(app).post("/v1/completions", json={"model": MODEL, "prompt": "x", "stop": "END",
-                                                          "max_tokens": 20})
+        r = TestClient(app).post(
+            "/v1/completions", json={"model": MODEL, "prompt": "x", "stop": "END", "max_tokens": 20}
+        )
         assert r.json()["choices"][0]["text"] == want, name
         assert r.json()["choices"][0]["finish_reason"] == "stop"
         assert r.json()["usage"]["completion_tokens"] == len(node_ids)
@@ -185,8 +201,9 @@ def test_node_side_stop_is_trimmed_consistently(tok: Tokenizer) -> None:
 
 def test_multibyte_tokens_never_split(tok: Tokenizer) -> None:
     app, _ = make(tok, lambda job: Script(reply="世界🎉ö", chunk=1))
-    r = TestClient(app).post("/v1/chat/completions", json={"model": MODEL, "stream": True,
-                                                           "messages": [{"role": "user", "content": "x"}]})
+    r = TestClient(app).post(
+        "/v1/chat/completions", json={"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    )
     pieces = [c["delta"].get("content") for p in sse_lines(r.text)[:-1] for c in json.loads(p)["choices"]]
     assert "".join(p or "" for p in pieces) == "世界🎉ö" and not any("\ufffd" in (p or "") for p in pieces)
 
@@ -207,8 +224,12 @@ BAD = [
     ({"model": MODEL, "prompt": "x", "logprobs": 6}, 400, "logprobs", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "stop": ""}, 400, "stop", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, 400, "echo", "unsupported_parameter"),
-    ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options",
-     "unsupported_parameter"),
+    (
+        {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+        "unsupported_parameter",
+    ),
     ({"model": MODEL, "prompt": ""}, 400, "prompt", "empty_prompt"),
     ({"model": MODEL, "prompt": []}, 400, "prompt", "empty_prompt"),
     ({"model": MODEL, "prompt": [[]]}, 400, "prompt", "empty_prompt"),
@@ -222,14 +243,30 @@ BAD_CHAT = [
     ({"model": MODEL, "messages": []}, 400, "messages", "empty_messages"),
     ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", "invalid_value"),
     ({"model": MODEL, "messages": [{"content": "x"}]}, 400, "messages[0].role", "missing_required_parameter"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 21, "logprobs": True},
-     400, "top_logprobs", "invalid_value"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs",
-     "unsupported_parameter"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 500}, 400,
-     "messages", "context_length_exceeded"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400,
-     "tools", "unsupported_parameter"),
+    (
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 21, "logprobs": True},
+        400,
+        "top_logprobs",
+        "invalid_value",
+    ),
+    (
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        400,
+        "top_logprobs",
+        "unsupported_parameter",
+    ),
+    (
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 500},
+        400,
+        "messages",
+        "context_length_exceeded",
+    ),
+    (
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+        400,
+        "tools",
+        "unsupported_parameter",
+    ),
 ]
 
 
@@ -237,16 +274,19 @@ def check_error(r: httpx.Response, status: int, param: str | None = None, code: 
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
-    assert err["type"] == ("invalid_request_error" if status < 429 else "server_error" if status >= 500
-                           else "rate_limit_error")
+    assert err["type"] == (
+        "invalid_request_error" if status < 429 else "server_error" if status >= 500 else "rate_limit_error"
+    )
     if param is not None:
         assert err["param"] == param, err
     if code is not None:
         assert err["code"] == code, err
 
 
-@pytest.mark.parametrize("path,body,status,param,code",
-                         [("/v1/completions", *b) for b in BAD] + [("/v1/chat/completions", *b) for b in BAD_CHAT])
+@pytest.mark.parametrize(
+    "path,body,status,param,code",
+    [("/v1/completions", *b) for b in BAD] + [("/v1/chat/completions", *b) for b in BAD_CHAT],
+)
 def test_bad_requests(tok: Tokenizer, path: str, body: dict[str, Any], status: int, param: str, code: str) -> None:
     app, fake = make(tok)
     check_error(TestClient(app).post(path, json=body), status, param, code)
@@ -259,8 +299,9 @@ def test_bad_bodies(tok: Tokenizer) -> None:
     check_error(client.post("/v1/completions", content=b"{not json"), 400, code="invalid_json")
     check_error(client.post("/v1/completions", content=b"[1, 2]"), 400, code="invalid_json")
     check_error(client.post("/v1/completions", content=b"\xff\xfe"), 400, code="invalid_json")
-    check_error(client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 2000}), 413,
-                code="request_too_large")
+    check_error(
+        client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 2000}), 413, code="request_too_large"
+    )
 
     def chunked() -> Iterator[bytes]:  # no Content-Length: the limit must hold while reading
         yield b'{"model": "tiny-chat", "prompt": "'
@@ -307,8 +348,10 @@ def test_dispatch_errors_before_first_token(tok: Tokenizer) -> None:
 
 def test_error_after_first_byte_is_a_json_event(tok: Tokenizer) -> None:
     app, fake = make(tok, lambda job: Script(reply=REPLY, error_after=3))
-    for path, body in [("/v1/completions", {"prompt": "x"}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})]:
+    for path, body in [
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ]:
         r = TestClient(app).post(path, json={"model": MODEL, "stream": True, **body})
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         payloads = sse_lines(r.text)
@@ -327,8 +370,11 @@ def test_error_after_first_byte_is_a_json_event(tok: Tokenizer) -> None:
 def test_client_disconnect_cancels_the_dispatcher(tok: Tokenizer) -> None:
     app, fake = make(tok, lambda job: Script(reply=REPLY, hang=True))
     with server(app) as url, httpx.Client(base_url=url, timeout=10) as http:
-        with http.stream("POST", "/v1/chat/completions", json={
-                "model": MODEL, "stream": True, "n": 2, "messages": [{"role": "user", "content": "x"}]}) as r:
+        with http.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={"model": MODEL, "stream": True, "n": 2, "messages": [{"role": "user", "content": "x"}]},
+        ) as r:
             assert r.status_code == 200
             lines = r.iter_lines()  # kept: a dropped iterator closes the connection
             next(lines)
@@ -378,12 +424,14 @@ def test_models_health_ready_metrics(tok: Tokenizer) -> None:
     client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
     client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 0})
     text = client.get("/metrics").text
-    for needle in ['pdserve_router_time_to_first_token_seconds_bucket{endpoint="/v1/completions"',
-                   'pdserve_router_inter_token_latency_seconds_count{endpoint="/v1/chat/completions"}',
-                   'pdserve_router_e2e_request_latency_seconds_count{disaggregated="true",endpoint="/v1/completions"} 1.0',
-                   'pdserve_router_e2e_request_latency_seconds_count{disaggregated="false",endpoint="/v1/chat/comp',
-                   'pdserve_router_requests_total{endpoint="/v1/completions",status="200"} 1.0',
-                   'pdserve_router_requests_total{endpoint="/v1/completions",status="400"} 1.0',
-                   "pdserve_router_requests_in_flight 0.0"]:
+    for needle in [
+        'pdserve_router_time_to_first_token_seconds_bucket{endpoint="/v1/completions"',
+        'pdserve_router_inter_token_latency_seconds_count{endpoint="/v1/chat/completions"}',
+        'pdserve_router_e2e_request_latency_seconds_count{disaggregated="true",endpoint="/v1/completions"} 1.0',
+        'pdserve_router_e2e_request_latency_seconds_count{disaggregated="false",endpoint="/v1/chat/comp',
+        'pdserve_router_requests_total{endpoint="/v1/completions",status="200"} 1.0',
+        'pdserve_router_requests_total{endpoint="/v1/completions",status="400"} 1.0',
+        "pdserve_router_requests_in_flight 0.0",
+    ]:
         assert needle in text, needle
     assert "pdserve_router_requests_total{" not in TestClient(other).get("/metrics").text

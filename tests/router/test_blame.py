@@ -16,8 +16,12 @@ QUICK = StageTimeouts(prefill_s=30, first_token_s=0.5, inter_token_s=5, abort_s=
 
 
 def _charged(metrics: CollectorRegistry, node: FakeNode, reason: str) -> float:
-    return metrics.get_sample_value("pdserve_router_node_failures_total",
-                                    {"node": node.address, "role": node.role, "reason": reason}) or 0.0
+    return (
+        metrics.get_sample_value(
+            "pdserve_router_node_failures_total", {"node": node.address, "role": node.role, "reason": reason}
+        )
+        or 0.0
+    )
 
 
 def test_a_decode_naming_its_prefill_charges_the_prefill() -> None:
@@ -42,8 +46,10 @@ def test_a_decode_naming_its_prefill_charges_the_prefill() -> None:
 
 def test_the_error_names_the_prefill() -> None:
     async def main() -> None:
-        p, d = FakeNode("prefill", Behaviour(hang_before_first=True)), \
-            FakeNode("decode", Behaviour(fail_before_first=True, blame="prefill"))
+        p, d = (
+            FakeNode("prefill", Behaviour(hang_before_first=True)),
+            FakeNode("decode", Behaviour(fail_before_first=True, blame="prefill")),
+        )
         async with cluster(p, d) as reg:
             with pytest.raises(DispatchError) as e:
                 await collect(dispatcher(reg, max_attempts=1), job())
@@ -62,8 +68,9 @@ CASES = [  # prefill silent, decode silent -> reason, charged roles
 
 
 @pytest.mark.parametrize("prefill_silent,decode_silent,reason,charged", CASES)
-def test_a_stage_timeout_blames_the_legs_that_do_not_answer(prefill_silent: bool, decode_silent: bool,
-                                                            reason: str, charged: set[str]) -> None:
+def test_a_stage_timeout_blames_the_legs_that_do_not_answer(
+    prefill_silent: bool, decode_silent: bool, reason: str, charged: set[str]
+) -> None:
     async def main() -> None:
         p = FakeNode("prefill", Behaviour(hang_before_first=True))
         d = FakeNode("decode", Behaviour(hang_before_first=True))

@@ -29,8 +29,16 @@ pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not i
 OPEN, CLOSED = int(BreakerState.OPEN), int(BreakerState.CLOSED)  # the breaker gauge's values
 FIRST_TOKEN_S = 8.0
 COOLDOWN_S = 3.0
-ROUTER_ARGS = ("--decode-policy", "round_robin", "--refresh-interval", "60", "--first-token-timeout",
-               str(FIRST_TOKEN_S), "--breaker-cooldown", str(COOLDOWN_S))
+ROUTER_ARGS = (
+    "--decode-policy",
+    "round_robin",
+    "--refresh-interval",
+    "60",
+    "--first-token-timeout",
+    str(FIRST_TOKEN_S),
+    "--breaker-cooldown",
+    str(COOLDOWN_S),
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +55,11 @@ def stack() -> Iterator[Stack]:
 def _metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         text = r.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
 
 
 def _value(m: dict, name: str, **labels: str) -> float:
@@ -58,8 +69,11 @@ def _value(m: dict, name: str, **labels: str) -> float:
 def _charged(m: dict, node: Node, role: str) -> float:
     """Failures charged to a node's breaker, whatever the reason."""
     addr = f"127.0.0.1:{node.ports['scheduler']}"
-    return sum(v for (name, labels), v in m.items() if name == "pdserve_router_node_failures_total"
-               and ("node", addr) in labels and ("role", role) in labels)
+    return sum(
+        v
+        for (name, labels), v in m.items()
+        if name == "pdserve_router_node_failures_total" and ("node", addr) in labels and ("role", role) in labels
+    )
 
 
 def _breaker(m: dict, node: Node, role: str) -> float:
@@ -67,13 +81,15 @@ def _breaker(m: dict, node: Node, role: str) -> float:
 
 
 def _retries(m: dict, prefix: str) -> float:
-    return sum(v for (name, labels), v in m.items()
-               if name == "pdserve_router_retries_total" and dict(labels)["reason"].startswith(prefix))
+    return sum(
+        v
+        for (name, labels), v in m.items()
+        if name == "pdserve_router_retries_total" and dict(labels)["reason"].startswith(prefix)
+    )
 
 
 def _post_many(stack: Stack, n: int) -> list[httpx.Response]:
-    body: dict[str, Any] = {"model": stack.served_model, "prompt": "def add(a, b):", "max_tokens": 8,
-                            "temperature": 0}
+    body: dict[str, Any] = {"model": stack.served_model, "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0}
 
     def one(_: int) -> httpx.Response:
         return httpx.post(f"{stack.url}/v1/completions", json=body, timeout=90)
@@ -124,8 +140,7 @@ def test_a_stopped_then_killed_prefill_is_blamed_not_its_decodes(stack: Stack) -
         if prefill.proc.poll() is None:
             os.killpg(prefill.proc.pid, signal.SIGCONT)
     time.sleep(COOLDOWN_S + 0.5)  # half-open: one request may probe the prefill again
-    r = httpx.post(f"{stack.url}/v1/completions", json={"model": "pycoder", "prompt": "x", "max_tokens": 2},
-                   timeout=60)
+    r = httpx.post(f"{stack.url}/v1/completions", json={"model": "pycoder", "prompt": "x", "max_tokens": 2}, timeout=60)
     assert r.status_code in (502, 504) and r.json()["error"]["code"].startswith("prefill_"), r.text
     m2 = _metrics(stack.url)
     reasons = {dict(labels)["reason"]: v for (name, labels), v in m2.items() if name == "pdserve_router_retries_total"}

@@ -25,8 +25,10 @@ MODES = ("before_headers", "after_headers", "mid_stream", "whole")
 async def _client(port: int, body: bytes, mode: str, delay: float) -> str:
     """One streaming request over a raw socket, dropped as `mode` says; returns what it saw."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
     writer.write(head + body)
     await writer.drain()
     try:
@@ -53,8 +55,11 @@ async def _client(port: int, body: bytes, mode: str, delay: float) -> str:
 def _metric(port: int, name: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith(name + "{") or line.startswith(name + " ")]
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    ]
     assert values, f"{name} missing from /metrics"
     return sum(values)
 
@@ -63,8 +68,12 @@ def _assert_nothing_held(node, role: str) -> None:
     load = wait_idle(stub(node.ports["scheduler"]), timeout=60)  # the node's own state
     assert load.num_used_tokens == 0 and load.num_running_reqs == 0, load
     port = node.ports["metrics"]
-    for name in ("pdserve_kv_cache_used_tokens", "pdserve_node_request_slots_used",
-                 "pdserve_node_running_requests", "pdserve_pd_queue_requests"):
+    for name in (
+        "pdserve_kv_cache_used_tokens",
+        "pdserve_node_request_slots_used",
+        "pdserve_node_running_requests",
+        "pdserve_pd_queue_requests",
+    ):
         assert _metric(port, name) == 0, (role, name)
     health = stub(node.ports["scheduler"]).HealthCheck(pb.HealthCheckRequest(), timeout=10)
     assert health.healthy, (role, health.message)
@@ -72,8 +81,9 @@ def _assert_nothing_held(node, role: str) -> None:
 
 @pytest.mark.parametrize("algorithm", ["EAGLE", "NONE"])
 def test_disconnect_storm_leaves_nothing_behind(algorithm: str) -> None:
-    stack = start_stack(None, decodes=1, node_args=("--speculative-algorithm", algorithm, "--metrics-port", "0",
-                                                    "--max-running", "24"))
+    stack = start_stack(
+        None, decodes=1, node_args=("--speculative-algorithm", algorithm, "--metrics-port", "0", "--max-running", "24")
+    )
     try:
         port, model = stack.router.ports["http"], stack.served_model
         rng = random.Random(7)
@@ -82,10 +92,16 @@ def test_disconnect_storm_leaves_nothing_behind(algorithm: str) -> None:
             seen: list[str] = []
             for _ in range(BURSTS):
                 jobs = []
-                for i in range(PER_BURST):
-                    body = json.dumps({"model": model, "prompt": f"def f{rng.randrange(1000)}(x):\n",
-                                       "max_tokens": rng.randrange(4, 48), "stream": True,
-                                       "temperature": rng.choice([0.0, 1.0])}).encode()
+                for _ in range(PER_BURST):
+                    body = json.dumps(
+                        {
+                            "model": model,
+                            "prompt": f"def f{rng.randrange(1000)}(x):\n",
+                            "max_tokens": rng.randrange(4, 48),
+                            "stream": True,
+                            "temperature": rng.choice([0.0, 1.0]),
+                        }
+                    ).encode()
                     mode = rng.choices(MODES, weights=(4, 2, 2, 1))[0]
                     jobs.append(_client(port, body, mode, rng.uniform(0.0, 0.6)))
                 seen += await asyncio.gather(*jobs, return_exceptions=False)

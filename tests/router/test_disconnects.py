@@ -50,8 +50,9 @@ class _Records(logging.Handler):
         self.records.append(record)
 
     def text(self) -> str:
-        return "\n".join(f"{r.levelname} {r.name}: {r.getMessage()}" + (" [exc_info]" if r.exc_info else "")
-                         for r in self.records)
+        return "\n".join(
+            f"{r.levelname} {r.name}: {r.getMessage()}" + (" [exc_info]" if r.exc_info else "") for r in self.records
+        )
 
 
 @pytest.fixture
@@ -78,8 +79,11 @@ def send_partial_body(url: str, path: str = "/v1/chat/completions") -> None:
     """Headers announcing a large body, a few bytes of it, then a closed socket."""
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=5) as s:
-        s.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                  "Content-Length: 100000\r\n\r\n".encode() + b'{"model": "tiny-chat", "mess')
+        s.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            "Content-Length: 100000\r\n\r\n".encode()
+            + b'{"model": "tiny-chat", "mess'
+        )
         time.sleep(0.2)  # the app is reading the body now
 
 

@@ -20,12 +20,18 @@ from tests.router.fake_nodes import Behaviour, FakeNode, cluster, collect, dispa
 
 # --- node lists, breaker, policies ---------------------------------------------------------
 
+
 def test_parse_node_lists() -> None:
-    specs = parse_node_lists(["10.0.0.1:30000,8998", "grpc://pf-1:30000 9001", "pf-2:30000"],
-                             ["dec-0:30001"], ["colo:30002"])
-    assert specs == [NodeSpec("prefill", "10.0.0.1:30000", 8998), NodeSpec("prefill", "pf-1:30000", 9001),
-                     NodeSpec("prefill", "pf-2:30000", 8998), NodeSpec("decode", "dec-0:30001"),
-                     NodeSpec("colocated", "colo:30002")]
+    specs = parse_node_lists(
+        ["10.0.0.1:30000,8998", "grpc://pf-1:30000 9001", "pf-2:30000"], ["dec-0:30001"], ["colo:30002"]
+    )
+    assert specs == [
+        NodeSpec("prefill", "10.0.0.1:30000", 8998),
+        NodeSpec("prefill", "pf-1:30000", 9001),
+        NodeSpec("prefill", "pf-2:30000", 8998),
+        NodeSpec("decode", "dec-0:30001"),
+        NodeSpec("colocated", "colo:30002"),
+    ]
     assert specs[1].host == "pf-1" and NodeSpec("prefill", "[::1]:5", 1).host == "::1"
     for bad in (["nohost"], ["h:1,2,3"], []):
         with pytest.raises(ValueError):
@@ -56,8 +62,9 @@ def test_breaker_transitions() -> None:
 
 
 def _node(role: str, addr: str, load: int = 0, protocol: str | None = "A") -> NodeState:
-    return NodeState(NodeSpec(role, addr, 1 if role == "prefill" else None), healthy=True, running=load,
-                     pairing_protocol=protocol)
+    return NodeState(
+        NodeSpec(role, addr, 1 if role == "prefill" else None), healthy=True, running=load, pairing_protocol=protocol
+    )
 
 
 def test_round_robin_order_and_least_load() -> None:
@@ -112,14 +119,16 @@ def test_pair_selection_never_forms_incompatible_pairs() -> None:
 
 # --- PDDispatcher against fake nodes -------------------------------------------------------
 
+
 def test_dispatch_sends_identical_requests_and_streams_decode() -> None:
     async def main() -> None:
         p, d = FakeNode("prefill", bootstrap_port=9123), FakeNode("decode")
         async with cluster(p, d) as reg:
             disp = dispatcher(reg)
             assert disp.model().name == "fake-model" and disp.model().eos_token_ids == (2,)
-            events = await collect(disp, job(temperature=0.7, top_k=5, seed=42, stop=("x",), logprobs=True,
-                                             top_logprobs=1))
+            events = await collect(
+                disp, job(temperature=0.7, top_k=5, seed=42, stop=("x",), logprobs=True, top_logprobs=1)
+            )
             assert [e.token_ids for e in events[:-1]] == [(11,), (12,), (13,)]
             assert events[0].logprobs == (-0.5,) and events[0].top_logprobs == (((11, -0.5),),)
             assert events[-1] == FinishEvent("length", 4, 3, None, True)
@@ -254,7 +263,10 @@ def test_incompatible_pairs_are_never_formed_and_no_pair_is_503() -> None:
             assert (e.value.status, e.value.code, e.value.retry_after_s) == (503, "no_available_pair", 1.0)
             assert not pa.requests and not d.requests
         pb_ = FakeNode("prefill", Behaviour(pairing_protocol="B"))
-        pa2, d2 = FakeNode("prefill", Behaviour(pairing_protocol="A")), FakeNode("decode", Behaviour(pairing_protocol="B"))
+        pa2, d2 = (
+            FakeNode("prefill", Behaviour(pairing_protocol="A")),
+            FakeNode("decode", Behaviour(pairing_protocol="B")),
+        )
         async with cluster(pa2, pb_, d2) as reg:
             disp = dispatcher(reg)
             for i in range(4):
@@ -286,8 +298,9 @@ def test_open_breaker_skips_the_node() -> None:
             with pytest.raises(DispatchError) as e:
                 await collect(disp, job())
             assert e.value.code == "no_available_pair" and len(bad.requests) == 2
-            assert metrics.get_sample_value("pdserve_router_breaker_state",
-                                            {"node": bad.address, "role": "decode"}) == 1  # open
+            assert (
+                metrics.get_sample_value("pdserve_router_breaker_state", {"node": bad.address, "role": "decode"}) == 1
+            )  # open
 
     run(main())
 
@@ -346,6 +359,7 @@ def test_registry_background_refresh_marks_nodes_down_and_up() -> None:
 
 # --- real nodes ------------------------------------------------------------------------------
 
+
 def test_dispatch_against_real_prefill_and_decode(tiny_llama_dir: Any) -> None:
     from engine.kv_transfer import nixl_available
 
@@ -356,8 +370,10 @@ def test_dispatch_against_real_prefill_and_decode(tiny_llama_dir: Any) -> None:
     ids = (5, 17, 42, 7, 99, 3, 11, 250)
     prefill, decode = start_pair(str(tiny_llama_dir))
     try:
-        specs = parse_node_lists([f"127.0.0.1:{prefill.ports['scheduler']},{prefill.ports['bootstrap']}"],
-                                 [f"127.0.0.1:{decode.ports['scheduler']}"])
+        specs = parse_node_lists(
+            [f"127.0.0.1:{prefill.ports['scheduler']},{prefill.ports['bootstrap']}"],
+            [f"127.0.0.1:{decode.ports['scheduler']}"],
+        )
 
         async def main() -> list:
             from router.nodes import NodeRegistry
@@ -378,8 +394,11 @@ def test_dispatch_against_real_prefill_and_decode(tiny_llama_dir: Any) -> None:
         tokens = [t for e in events[:-1] for t in e.token_ids]
         assert events[-1].finish_reason == "length" and events[-1].completion_tokens == 8 == len(tokens)
         # Oracle: the same pair driven directly gives the same greedy tokens.
-        oracle, _ = pd_generate(stub(prefill.ports["scheduler"]), stub(decode.ports["scheduler"]),
-                                request("oracle", list(ids), 77, prefill.ports["bootstrap"], max_new=8))
+        oracle, _ = pd_generate(
+            stub(prefill.ports["scheduler"]),
+            stub(decode.ports["scheduler"]),
+            request("oracle", list(ids), 77, prefill.ports["bootstrap"], max_new=8),
+        )
         assert tokens == list(oracle[-1].complete.output_ids)
     finally:
         prefill.kill()

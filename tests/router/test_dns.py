@@ -20,9 +20,11 @@ def test_dns_source_parsing():
 def test_registry_discovers_nodes_behind_a_name_and_keeps_them_on_lookup_failure():
     async def run() -> None:
         node = await FakeNode("decode").start()
-        registry = NodeRegistry([], rpc_timeout_s=2.0,
-                                dns=[DnsSource("decode", "localhost", node.port),
-                                     DnsSource("decode", "no-such-host.invalid", 1)])
+        registry = NodeRegistry(
+            [],
+            rpc_timeout_s=2.0,
+            dns=[DnsSource("decode", "localhost", node.port), DnsSource("decode", "no-such-host.invalid", 1)],
+        )
         try:
             await registry.refresh_once()
             healthy = [s.address for s in registry.nodes("decode")]

@@ -38,10 +38,12 @@ def test_vanished_addresses_are_forgotten_once_idle(monkeypatch: pytest.MonkeyPa
             assert [s.address for s in registry.states] == [f"127.0.0.1:{a.port}"]
             assert reg.get_sample_value("pdserve_router_node_up", {"node": b_addr, "role": "decode"}) is None
             assert reg.get_sample_value("pdserve_router_breaker_state", {"node": b_addr, "role": "decode"}) is None
-            assert reg.get_sample_value("pdserve_router_pair_selections_total",
-                                        {"prefill": "-", "decode": b_addr}) is None
-            assert reg.get_sample_value("pdserve_router_node_up",
-                                        {"node": f"127.0.0.1:{a.port}", "role": "decode"}) == 1
+            assert (
+                reg.get_sample_value("pdserve_router_pair_selections_total", {"prefill": "-", "decode": b_addr}) is None
+            )
+            assert (
+                reg.get_sample_value("pdserve_router_node_up", {"node": f"127.0.0.1:{a.port}", "role": "decode"}) == 1
+            )
             listed.add(b_addr)  # the pod comes back (or its IP is reused): known afresh
             await registry.refresh_once()
             assert b_addr in {s.address for s in registry.nodes("decode")}

@@ -76,6 +76,7 @@ def _check_usage(usage: Any, finish: str | None, n_prompt: int, max_tokens: int)
 
 # --- the official client ----------------------------------------------------------------------------------
 
+
 def test_sync_client_stream_equals_non_stream(stack: Stack, tok: Tokenizer) -> None:
     c, model = _client(stack), stack.served_model
     ids = tok.encode(PROMPT)
@@ -87,8 +88,16 @@ def test_sync_client_stream_equals_non_stream(stack: Stack, tok: Tokenizer) -> N
         full = c.completions.create(prompt=PROMPT, max_tokens=max_tokens, extra_body=extra, **kw)
         assert full.object == "text_completion" and len(full.choices) == 1
         _check_usage(full.usage, full.choices[0].finish_reason, len(ids), max_tokens)
-        chunks = list(c.completions.create(prompt=PROMPT, max_tokens=max_tokens, stream=True,
-                                           stream_options={"include_usage": True}, extra_body=extra, **kw))
+        chunks = list(
+            c.completions.create(
+                prompt=PROMPT,
+                max_tokens=max_tokens,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body=extra,
+                **kw,
+            )
+        )
         assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == full.choices[0].text
         assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == full.choices[0].finish_reason
         assert chunks[-1].usage == full.usage
@@ -96,8 +105,16 @@ def test_sync_client_stream_equals_non_stream(stack: Stack, tok: Tokenizer) -> N
         chat = c.chat.completions.create(messages=MESSAGES, max_completion_tokens=max_tokens, extra_body=extra, **kw)
         assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
         _check_usage(chat.usage, chat.choices[0].finish_reason, len(chat_ids), max_tokens)
-        chunks = list(c.chat.completions.create(messages=MESSAGES, max_completion_tokens=max_tokens, stream=True,
-                                                stream_options={"include_usage": True}, extra_body=extra, **kw))
+        chunks = list(
+            c.chat.completions.create(
+                messages=MESSAGES,
+                max_completion_tokens=max_tokens,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body=extra,
+                **kw,
+            )
+        )
         streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
         assert streamed == chat.choices[0].message.content
         assert chunks[-1].usage == chat.usage
@@ -115,16 +132,24 @@ def test_async_client_concurrent_requests(stack: Stack, tok: Tokenizer) -> None:
         async def cmpl(seed: int) -> tuple[str, str]:
             full = await c.completions.create(prompt=PROMPT, seed=seed, **kw)
             _check_usage(full.usage, full.choices[0].finish_reason, n_prompt, 16)
-            text = "".join([ch.choices[0].text async for ch in
-                            await c.completions.create(prompt=PROMPT, seed=seed, stream=True, **kw)])
+            text = "".join(
+                [
+                    ch.choices[0].text
+                    async for ch in await c.completions.create(prompt=PROMPT, seed=seed, stream=True, **kw)
+                ]
+            )
             return full.choices[0].text, text
 
         async def chat(seed: int) -> tuple[str, str]:
             full = await c.chat.completions.create(messages=MESSAGES, seed=seed, **kw)
             _check_usage(full.usage, full.choices[0].finish_reason, n_chat, 16)
-            text = "".join([ch.choices[0].delta.content or "" async for ch in
-                            await c.chat.completions.create(messages=MESSAGES, seed=seed, stream=True, **kw)
-                            if ch.choices])
+            text = "".join(
+                [
+                    ch.choices[0].delta.content or ""
+                    async for ch in await c.chat.completions.create(messages=MESSAGES, seed=seed, stream=True, **kw)
+                    if ch.choices
+                ]
+            )
             return full.choices[0].message.content or "", text
 
         pairs = await asyncio.wait_for(asyncio.gather(*[f(s) for s in (1, 2, 3) for f in (cmpl, chat)]), 60)
@@ -138,6 +163,7 @@ def test_async_client_concurrent_requests(stack: Stack, tok: Tokenizer) -> None:
 
 # --- errors through the real stack ----------------------------------------------------------------------
 
+
 def test_bad_inputs_get_openai_errors_and_leave_nodes_idle(stack: Stack, tok: Tokenizer) -> None:
     model = stack.served_model
     too_long = "hello " * (CONTEXT + 10)
@@ -145,13 +171,28 @@ def test_bad_inputs_get_openai_errors_and_leave_nodes_idle(stack: Stack, tok: To
     cases: list[tuple[str, Any, int, str | None, str]] = [
         ("/v1/completions", b'{"model": "x", "prompt": ', 400, None, "invalid_json"),
         ("/v1/completions", {"model": model, "prompt": PROMPT, "temperature": -1}, 400, "temperature", "invalid_value"),
-        ("/v1/chat/completions", {"model": model, "messages": MESSAGES, "temperature": -1, "stream": True}, 400,
-         "temperature", "invalid_value"),
+        (
+            "/v1/chat/completions",
+            {"model": model, "messages": MESSAGES, "temperature": -1, "stream": True},
+            400,
+            "temperature",
+            "invalid_value",
+        ),
         ("/v1/completions", {"model": "no-such-model", "prompt": PROMPT}, 404, "model", "model_not_found"),
-        ("/v1/completions", {"model": model, "prompt": too_long, "stream": True}, 400, "prompt",
-         "context_length_exceeded"),
-        ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": too_long}]}, 400,
-         "messages", "context_length_exceeded"),
+        (
+            "/v1/completions",
+            {"model": model, "prompt": too_long, "stream": True},
+            400,
+            "prompt",
+            "context_length_exceeded",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": model, "messages": [{"role": "user", "content": too_long}]},
+            400,
+            "messages",
+            "context_length_exceeded",
+        ),
         ("/v1/completions", {"model": model, "prompt": [5, 10**6]}, 400, "prompt", "invalid_token_id"),
     ]
     with httpx.Client(base_url=stack.url, timeout=30) as h:
@@ -179,11 +220,18 @@ def test_bad_inputs_get_openai_errors_and_leave_nodes_idle(stack: Stack, tok: To
 
 # --- a client that goes away ---------------------------------------------------------------------------
 
+
 def test_client_disconnect_mid_stream_aborts_both_legs(stack: Stack, tok: Tokenizer) -> None:
     max_tokens = CONTEXT - 100
     n_prompt = len(tok.encode(PROMPT))
-    body = {"model": stack.served_model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": stack.served_model,
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     stubs = [stub(n.ports["scheduler"]) for n in stack.live_nodes()]
     data: list[str] = []
     with httpx.Client(base_url=stack.url, timeout=30) as h, h.stream("POST", "/v1/completions", json=body) as r:
@@ -216,15 +264,25 @@ def test_client_disconnect_mid_stream_aborts_both_legs(stack: Stack, tok: Tokeni
 
 # --- a decode node dies under load (runs last: it replaces decode nodes) -------------------------------------
 
+
 def _stream(url: str, model: str, i: int, out: dict[int, dict[str, Any]], max_tokens: int) -> None:
     """One streamed completion; records status, data lines and whether a byte arrived."""
     rec: dict[str, Any] = {"status": None, "data": [], "error": None, "first": None}
     out[i] = rec
-    body = {"model": model, "prompt": f"request {i}: {PROMPT}", "max_tokens": max_tokens,
-            "temperature": 0.8, "seed": i, "ignore_eos": True, "stream": True}
+    body = {
+        "model": model,
+        "prompt": f"request {i}: {PROMPT}",
+        "max_tokens": max_tokens,
+        "temperature": 0.8,
+        "seed": i,
+        "ignore_eos": True,
+        "stream": True,
+    }
     try:
-        with httpx.Client(timeout=httpx.Timeout(45, connect=5)) as h, \
-                h.stream("POST", f"{url}/v1/completions", json=body) as r:
+        with (
+            httpx.Client(timeout=httpx.Timeout(45, connect=5)) as h,
+            h.stream("POST", f"{url}/v1/completions", json=body) as r,
+        ):
             rec["status"] = r.status_code
             if r.status_code != 200:
                 rec["body"] = r.read().decode()
@@ -238,7 +296,7 @@ def _stream(url: str, model: str, i: int, out: dict[int, dict[str, Any]], max_to
 
 
 def _outcome(rec: dict[str, Any], max_tokens: int) -> str:
-    """"ok" (complete stream) or "error_event" (JSON error, then [DONE]); anything else fails the test."""
+    """ "ok" (complete stream) or "error_event" (JSON error, then [DONE]); anything else fails the test."""
     assert rec["error"] is None and rec["status"] == 200, rec
     data = rec["data"]
     assert data and data[-1] == "[DONE]", rec
@@ -267,24 +325,34 @@ def test_metrics_split_ttft_by_stage_and_label_disaggregation(stack: Stack) -> N
 
     with urllib.request.urlopen(f"{stack.url}/metrics", timeout=10) as r:
         families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
-    counts = {s.labels["stage"]: s.value for s in families["pdserve_router_ttft_stage_seconds"].samples
-              if s.name.endswith("_count")}
+    counts = {
+        s.labels["stage"]: s.value
+        for s in families["pdserve_router_ttft_stage_seconds"].samples
+        if s.name.endswith("_count")
+    }
     assert counts["queue"] > 0 and counts["prefill"] == counts["queue"] and counts["first_decode"] > 0
     # the real prefill's answer carries the first token, and the router relays it before the
     # decode (which must still notice the write and adopt the request) streams it
-    sources = {s.labels["source"]: s.value for s in families["pdserve_router_first_token_source"].samples
-               if s.name.endswith("_total")}
+    sources = {
+        s.labels["source"]: s.value
+        for s in families["pdserve_router_first_token_source"].samples
+        if s.name.endswith("_total")
+    }
     assert sources.get("prefill", 0) > 0 and sum(sources.values()) == counts["queue"]
-    e2e = [s for s in families["pdserve_router_e2e_request_latency_seconds"].samples
-           if s.name.endswith("_count") and s.value > 0]
+    e2e = [
+        s
+        for s in families["pdserve_router_e2e_request_latency_seconds"].samples
+        if s.name.endswith("_count") and s.value > 0
+    ]
     assert e2e and all(s.labels["disaggregated"] == "true" for s in e2e)
 
 
 def test_decode_killed_under_load_then_ready_follows_the_nodes(stack: Stack) -> None:
     max_tokens, out, early = 600, {}, 9
     model = stack.served_model
-    threads = [threading.Thread(target=_stream, args=(stack.url, model, i, out, max_tokens), daemon=True)
-               for i in range(12)]
+    threads = [
+        threading.Thread(target=_stream, args=(stack.url, model, i, out, max_tokens), daemon=True) for i in range(12)
+    ]
     retries_before = _retries(stack.url)
     for t in threads[:early]:
         t.start()
@@ -317,9 +385,12 @@ def test_decode_killed_under_load_then_ready_follows_the_nodes(stack: Stack) -> 
     stack.spares.append(decode_node(stack.model, victim_port).wait_ready(120))
     took_up = wait_status(ready, 200, 30)
     c = _client(stack)
-    r = c.completions.create(model=stack.served_model, prompt=PROMPT, max_tokens=8, temperature=0,
-                             extra_body={"ignore_eos": True})
+    r = c.completions.create(
+        model=stack.served_model, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
     stack.wait_all_idle(20)
-    print(f"kill: {sorted(outcomes.items())}, {retried:g} retries; /ready 503 after {took_down:.1f} s, "
-          f"200 again {took_up:.1f} s after the restart")
+    print(
+        f"kill: {sorted(outcomes.items())}, {retried:g} retries; /ready 503 after {took_down:.1f} s, "
+        f"200 again {took_up:.1f} s after the restart"
+    )

@@ -19,10 +19,12 @@ from tests.router.fake_dispatcher import Script, server, sse_lines
 from tests.router.test_app import MODEL, check_error, make, stream_text
 
 U: list[Any] = [{"role": "user", "content": "hi"}]
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + eos_token }}{% endfor %}"
-            "{% if documents %}[docs:{% for d in documents %}{{ d['title'] }};{% endfor %}]{% endif %}"
-            "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
-            "<think></think>{% endif %}{% endif %}")
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + eos_token }}{% endfor %}"
+    "{% if documents %}[docs:{% for d in documents %}{{ d['title'] }};{% endfor %}]{% endif %}"
+    "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
+    "<think></think>{% endif %}{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,18 +55,37 @@ def _cmpl(app: Any, stream: bool = False, **body: Any) -> str:
 
 def test_sampling_fields_reach_the_nodes(tok: Tokenizer) -> None:
     app, fake = make(tok)
-    extra = {"top_k": 1, "min_p": 0.1, "repetition_penalty": 1.2, "ignore_eos": True, "stop_token_ids": [7],
-             "min_tokens": 3, "skip_special_tokens": False}
+    extra = {
+        "top_k": 1,
+        "min_p": 0.1,
+        "repetition_penalty": 1.2,
+        "ignore_eos": True,
+        "stop_token_ids": [7],
+        "min_tokens": 3,
+        "skip_special_tokens": False,
+    }
     with server(app) as url:
         _client(url).completions.create(model=MODEL, prompt="x", max_tokens=8, extra_body=extra)
         _client(url).chat.completions.create(model=MODEL, messages=U, max_tokens=8, extra_body=extra)
     for job in fake.jobs:
         s = job.sampling
-        assert (s.top_k, s.min_p, s.repetition_penalty, s.ignore_eos, s.stop_token_ids, s.min_new_tokens,
-                s.skip_special_tokens) == (1, 0.1, 1.2, True, (7,), 3, False)
+        assert (
+            s.top_k,
+            s.min_p,
+            s.repetition_penalty,
+            s.ignore_eos,
+            s.stop_token_ids,
+            s.min_new_tokens,
+            s.skip_special_tokens,
+        ) == (1, 0.1, 1.2, True, (7,), 3, False)
         sp = build_request(job, job.request_id, 1, None).sampling_params  # what goes over gRPC
-        assert (sp.top_k, sp.min_new_tokens, sp.ignore_eos, list(sp.stop_token_ids), sp.skip_special_tokens) == \
-            (1, 3, True, [7], False)
+        assert (sp.top_k, sp.min_new_tokens, sp.ignore_eos, list(sp.stop_token_ids), sp.skip_special_tokens) == (
+            1,
+            3,
+            True,
+            [7],
+            False,
+        )
         assert sp.min_p == pytest.approx(0.1) and sp.repetition_penalty == pytest.approx(1.2)
 
 
@@ -84,12 +105,24 @@ def test_logit_bias_reaches_the_nodes_and_is_checked(tok: Tokenizer) -> None:
 def test_min_tokens_is_bounded_and_holds_back_stop_strings(tok: Tokenizer) -> None:
     app, _ = make(tok, lambda job: Script(reply="ab ab ab"))
     client = TestClient(app)
-    check_error(client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4, "min_tokens": 5}),
-                400, "min_tokens", "invalid_value")
-    check_error(client.post("/v1/chat/completions", json={"model": MODEL, "messages": U, "min_tokens": 500}),
-                400, "min_tokens", "invalid_value")
-    check_error(client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "min_tokens": -1}),
-                400, "min_tokens", "invalid_value")
+    check_error(
+        client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4, "min_tokens": 5}),
+        400,
+        "min_tokens",
+        "invalid_value",
+    )
+    check_error(
+        client.post("/v1/chat/completions", json={"model": MODEL, "messages": U, "min_tokens": 500}),
+        400,
+        "min_tokens",
+        "invalid_value",
+    )
+    check_error(
+        client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "min_tokens": -1}),
+        400,
+        "min_tokens",
+        "invalid_value",
+    )
     ids = tok.encode("ab ab ab", add_special_tokens=False)
     first = next(k for k in range(1, len(ids) + 1) if tok.decode(ids[:k]).endswith("ab"))  # tokens spelling "ab"
     for stream in (False, True):
@@ -114,8 +147,12 @@ def test_echo(tok: Tokenizer) -> None:
     app, fake = make(tok, lambda job: Script(reply=" and more"))
     for stream in (False, True):
         assert _cmpl(app, stream, prompt="Once upon", echo=True) == "Once upon and more"
-    check_error(TestClient(app).post("/v1/completions", json={"model": MODEL, "prompt": "x", "echo": True,
-                                                              "logprobs": 0}), 400, "echo", "unsupported_parameter")
+    check_error(
+        TestClient(app).post("/v1/completions", json={"model": MODEL, "prompt": "x", "echo": True, "logprobs": 0}),
+        400,
+        "echo",
+        "unsupported_parameter",
+    )
     # chat: continue the assistant's last message, and echo it in front of the continuation
     messages = [*U, {"role": "assistant", "content": "Sure, here"}]
     cont = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
@@ -123,11 +160,16 @@ def test_echo(tok: Tokenizer) -> None:
         assert _chat(app, stream, echo=True, **cont) == "Sure, here and more"
         assert _chat(app, stream, **cont) == " and more"
     want = tok.apply_chat_template(messages, add_generation_prompt=False)
-    want = want[:want.rindex("Sure, here") + len("Sure, here")]  # no end-of-turn after it
+    want = want[: want.rindex("Sure, here") + len("Sure, here")]  # no end-of-turn after it
     assert fake.jobs[-1].input_ids == tuple(tok.encode(want, add_special_tokens=False))
-    check_error(TestClient(app).post("/v1/chat/completions", json={"model": MODEL, "messages": messages,
-                                                                   "continue_final_message": True}),
-                400, "continue_final_message", "invalid_value")
+    check_error(
+        TestClient(app).post(
+            "/v1/chat/completions", json={"model": MODEL, "messages": messages, "continue_final_message": True}
+        ),
+        400,
+        "continue_final_message",
+        "invalid_value",
+    )
 
 
 def _prompt(fake: Any) -> str:
@@ -140,8 +182,9 @@ def test_chat_template_options(tok: Tokenizer) -> None:
         c = _client(url)
         c.chat.completions.create(model=MODEL, messages=U)
         assert _prompt(fake).endswith("<|assistant|>")
-        c.chat.completions.create(model=MODEL, messages=U,
-                                  extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        c.chat.completions.create(
+            model=MODEL, messages=U, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+        )
         assert _prompt(fake).endswith("<|assistant|><think></think>")
         c.chat.completions.create(model=MODEL, messages=U, extra_body={"documents": [{"title": "a"}]})
         assert "[docs:a;]" in _prompt(fake)
@@ -151,8 +194,7 @@ def test_chat_template_options(tok: Tokenizer) -> None:
         assert fake.jobs[-1].input_ids[:2] == (tok.bos_token_id, tok.bos_token_id)  # the template's and one more
         for key in ("messages", "add_generation_prompt", "bos_token", "tools"):
             with pytest.raises(openai.BadRequestError) as e:
-                c.chat.completions.create(model=MODEL, messages=U,
-                                          extra_body={"chat_template_kwargs": {key: 1}})
+                c.chat.completions.create(model=MODEL, messages=U, extra_body={"chat_template_kwargs": {key: 1}})
             assert (e.value.param, e.value.code) == (f"chat_template_kwargs.{key}", "invalid_value")
 
 
@@ -167,13 +209,22 @@ def test_prompt_fields_and_request_id(tok: Tokenizer) -> None:
         r = c.chat.completions.create(model=MODEL, messages=U, extra_body={"request_id": "my-id"})
         assert r.id == "chatcmpl-my-id" and fake.jobs[-1].request_id != r.id  # node-side ids stay unique
         assert c.completions.create(model=MODEL, prompt="x", extra_body={"rid": "r2"}).id == "cmpl-r2"
-    check_error(TestClient(app).post("/v1/completions", json={"model": MODEL, "prompt": "x",
-                                                              "truncate_prompt_tokens": 0}),
-                400, "truncate_prompt_tokens", "invalid_value")
+    check_error(
+        TestClient(app).post("/v1/completions", json={"model": MODEL, "prompt": "x", "truncate_prompt_tokens": 0}),
+        400,
+        "truncate_prompt_tokens",
+        "invalid_value",
+    )
 
 
-NO_OPS = {"spaces_between_special_tokens": False, "length_penalty": 2.0, "cache_salt": "s", "priority": 0,
-          "separate_reasoning": True, "stream_reasoning": False}
+NO_OPS = {
+    "spaces_between_special_tokens": False,
+    "length_penalty": 2.0,
+    "cache_salt": "s",
+    "priority": 0,
+    "separate_reasoning": True,
+    "stream_reasoning": False,
+}
 
 
 def test_no_op_fields_are_accepted_and_change_nothing(tok: Tokenizer) -> None:
@@ -185,9 +236,19 @@ def test_no_op_fields_are_accepted_and_change_nothing(tok: Tokenizer) -> None:
     assert fake.jobs[0].sampling == fake.jobs[1].sampling and fake.jobs[0].input_ids == fake.jobs[1].input_ids
 
 
-REFUSED = [(name, {"use_beam_search": True, "return_hidden_states": True, "prompt_logprobs": 1,
-                   "allowed_token_ids": [1], "bad_words": ["x"]}.get(name, {"a": 1}))
-           for name in [*_REFUSED_SAMPLING, *_REFUSED_CHAT]] + [("priority", 1)]
+REFUSED = [
+    (
+        name,
+        {
+            "use_beam_search": True,
+            "return_hidden_states": True,
+            "prompt_logprobs": 1,
+            "allowed_token_ids": [1],
+            "bad_words": ["x"],
+        }.get(name, {"a": 1}),
+    )
+    for name in [*_REFUSED_SAMPLING, *_REFUSED_CHAT]
+] + [("priority", 1)]
 
 
 @pytest.mark.parametrize("name,value", REFUSED)

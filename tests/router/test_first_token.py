@@ -18,7 +18,7 @@ from common.tokenizer import Tokenizer
 from router.app import create_app
 from router.contract import DispatchError, FinishEvent, TokenEvent
 from router.dispatch import PDDispatcher, StageTimeouts
-from tests.router.fake_nodes import Behaviour, FakeNode, cluster, collect, dispatcher, job, run, until
+from tests.router.fake_nodes import Behaviour, FakeNode, cluster, dispatcher, job, run, until
 
 DONE = FinishEvent("length", 4, 3, None, True)  # the fake decode's three tokens for a 4-token prompt
 
@@ -47,8 +47,10 @@ def test_the_prefill_token_reaches_the_client_while_the_decode_is_held(chunks: b
             want = [TokenEvent((12,)), TokenEvent((13,))] if chunks else [TokenEvent((12, 13))]
             assert rest == [*want, DONE]
             assert _source(metrics, "prefill") == 1 and _source(metrics, "decode") == 0
-            stage = {s: metrics.get_sample_value("pdserve_router_ttft_stage_seconds_count", {"stage": s})
-                     for s in ("queue", "prefill", "first_decode")}
+            stage = {
+                s: metrics.get_sample_value("pdserve_router_ttft_stage_seconds_count", {"stage": s})
+                for s in ("queue", "prefill", "first_decode")
+            }
             assert stage == {"queue": 1, "prefill": 1, "first_decode": 1}
             assert not p.aborts and not d.aborts
             await until(lambda: reg.get(p.address).inflight == 0 == reg.get(d.address).inflight)
@@ -106,8 +108,10 @@ def test_a_decode_failing_after_the_early_token_ends_the_job_and_aborts_both_leg
             with pytest.raises(DispatchError) as e:
                 await _next(gen)
             assert (e.value.status, e.value.code, e.value.before_first_token) == (502, "decode_failed", False)
-            assert not spare.requests and metrics.get_sample_value("pdserve_router_retries_total",
-                                                                   {"reason": "decode_failed"}) is None
+            assert (
+                not spare.requests
+                and metrics.get_sample_value("pdserve_router_retries_total", {"reason": "decode_failed"}) is None
+            )
             await until(lambda: "late" in p.aborts and "late" in flaky.aborts)
             for node in (p, flaky):
                 await until(lambda: reg.get(node.address).inflight == 0)
@@ -134,6 +138,7 @@ def test_a_decode_silent_after_the_early_token_times_out_within_the_first_token_
 
 
 # --- through the HTTP API ---------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tok(tiny_llama_dir: Path) -> Tokenizer:
@@ -166,8 +171,14 @@ def test_http_text_and_usage_with_the_early_token(tok: Tokenizer, stream: bool) 
             metrics = CollectorRegistry()
             disp: PDDispatcher = dispatcher(reg, metrics_registry=metrics)
             app = create_app(disp, tok, served_model="fake-model", metrics_registry=metrics)
-            body = {"model": "fake-model", "prompt": [5, 6, 7, 8], "max_tokens": 3, "temperature": 0,
-                    "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
+            body = {
+                "model": "fake-model",
+                "prompt": [5, 6, 7, 8],
+                "max_tokens": 3,
+                "temperature": 0,
+                "stream": stream,
+                **({"stream_options": {"include_usage": True}} if stream else {}),
+            }
             post = asyncio.ensure_future(_post(app, body))
             await until(lambda: _source(metrics, "prefill") == 1)  # the early token is out, the decode held
             hold.set()

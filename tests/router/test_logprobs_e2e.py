@@ -41,8 +41,14 @@ def _completion(url: str, model: str, prompt: str, stream: bool) -> tuple[str, d
 
 
 def _chat(url: str, model: str, prompt: str) -> list[dict]:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 12,
-            "temperature": 0, "logprobs": True, "top_logprobs": 3}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
     return json.loads(_post(url, "/v1/chat/completions", body))["choices"][0]["logprobs"]["content"]
 
 
@@ -58,8 +64,9 @@ def _collect(url: str, model: str) -> dict:
 def _colocated(algorithm: str) -> tuple[Node, Node]:
     node = Node(["serve", "--port", "0", "--speculative-algorithm", algorithm])
     node.wait_ready(120)
-    router = Node(["router", "--host", "127.0.0.1", "--port", "0", "--colocated",
-                   f"127.0.0.1:{node.ports['scheduler']}"])
+    router = Node(
+        ["router", "--host", "127.0.0.1", "--port", "0", "--colocated", f"127.0.0.1:{node.ports['scheduler']}"]
+    )
     router.wait_ready(60)
     return node, router
 
@@ -92,7 +99,9 @@ def test_pd_and_speculative_logprobs_equal_colocated_plain() -> None:
                 assert lp["text_offset"] == wlp["text_offset"]
                 offsets = [lp["text_offset"][0] + len("".join(lp["tokens"][:i])) for i in range(len(lp["tokens"]))]
                 assert lp["text_offset"] == offsets
-                for a, b, tok, top in zip(lp["token_logprobs"], wlp["token_logprobs"], lp["tokens"], lp["top_logprobs"]):
+                for a, b, tok, top in zip(
+                    lp["token_logprobs"], wlp["token_logprobs"], lp["tokens"], lp["top_logprobs"]
+                ):
                     assert abs(a - b) < TOL and max(top, key=top.get) == tok
     finally:
         for s in stacks:

@@ -20,8 +20,7 @@ CALL = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": 
 REFUSED: list[tuple[list[Any], str, str]] = [  # messages, param, code
     ([{"": ""}], "messages[0].", "unknown_parameter"),
     ([{"role": "user", "content": "hi", "foo": 1}], "messages[0].foo", "unknown_parameter"),
-    ([U, {"role": "assistant", "content": "x", "tool_call_id": "a"}], "messages[1].tool_call_id",
-     "unknown_parameter"),
+    ([U, {"role": "assistant", "content": "x", "tool_call_id": "a"}], "messages[1].tool_call_id", "unknown_parameter"),
     ([{"role": "tool", "tool_call_id": "a", "content": "x", "name": "n"}], "messages[0].name", "unknown_parameter"),
     (["hi"], "messages[0]", "invalid_type"),
     ([{"content": "x"}], "messages[0].role", "missing_required_parameter"),
@@ -42,17 +41,29 @@ REFUSED: list[tuple[list[Any], str, str]] = [  # messages, param, code
     # content parts
     ([{"role": "user", "content": [{"text": "a"}]}], "messages[0].content[0].type", "missing_required_parameter"),
     ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text", "missing_required_parameter"),
-    ([{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}], "messages[0].content[0].x",
-     "unknown_parameter"),
+    (
+        [{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}],
+        "messages[0].content[0].x",
+        "unknown_parameter",
+    ),
     ([{"role": "user", "content": [{"type": "video", "video": "a"}]}], "messages[0].content[0].type", "invalid_value"),
-    ([{"role": "system", "content": [{"type": "refusal", "refusal": "no"}]}], "messages[0].content[0].type",
-     "invalid_value"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}],
-     "messages[0].content[0].type", "unsupported_value"),
+    (
+        [{"role": "system", "content": [{"type": "refusal", "refusal": "no"}]}],
+        "messages[0].content[0].type",
+        "invalid_value",
+    ),
+    (
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}],
+        "messages[0].content[0].type",
+        "unsupported_value",
+    ),
     # tool calling is unsupported: neither a call nor an answer to one can be in a chat
     ([U, {"role": "assistant", "tool_calls": CALL}], "messages[1].tool_calls", "unsupported_parameter"),
-    ([U, {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}],
-     "messages[1].function_call", "unsupported_parameter"),
+    (
+        [U, {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}],
+        "messages[1].function_call",
+        "unsupported_parameter",
+    ),
     ([U, {"role": "tool", "tool_call_id": "c1", "content": "42"}], "messages[1].role", "invalid_value"),
     ([U, {"role": "function", "name": "f", "content": "42"}], "messages[1].role", "invalid_value"),
     ([U, {"role": "assistant", "content": "x", "audio": {"id": "a1"}}], "messages[1].audio", "unsupported_parameter"),
@@ -71,17 +82,31 @@ def test_refused_like_openai(tok: Tokenizer, messages: list[Any], param: str, co
 def test_accepted_shapes_reach_the_template(tok: Tokenizer) -> None:
     app, fake = make(tok)
     messages = [
-        {"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
-         "name": "ops"},
+        {
+            "role": "developer",
+            "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
+            "name": "ops",
+        },
         {"role": "user", "content": "", "name": "ann"},  # empty content is content
-        {"role": "assistant", "content": [{"type": "text", "text": "ok"}, {"type": "refusal", "refusal": "no"}],
-         "refusal": None, "reasoning_content": "thought", "name": "bot"},
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": "ok"}, {"type": "refusal", "refusal": "no"}],
+            "refusal": None,
+            "reasoning_content": "thought",
+            "name": "bot",
+        },
         {"role": "user", "content": [{"type": "text", "text": "again"}]},
     ]
     r = TestClient(app).post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
     assert r.status_code == 200, r.text
-    rendered = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": ""},
-                                        {"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}])
+    rendered = tok.apply_chat_template(
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": ""},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "again"},
+        ]
+    )
     assert fake.jobs[0].input_ids == tuple(tok.encode(rendered, add_special_tokens=False))
 
 
@@ -89,9 +114,11 @@ def test_openai_client_gets_typed_errors(tok: Tokenizer) -> None:
     app, _ = make(tok)
     with server(app) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10)
-        cases = [([{"role": "user", "content": "hi", "foo": 1}], "messages[0].foo", "unknown_parameter"),
-                 ([U, {"role": "tool", "content": "x"}], "messages[1].tool_call_id", "missing_required_parameter"),
-                 ([{"role": "user"}], "messages[0].content", "missing_required_parameter")]
+        cases = [
+            ([{"role": "user", "content": "hi", "foo": 1}], "messages[0].foo", "unknown_parameter"),
+            ([U, {"role": "tool", "content": "x"}], "messages[1].tool_call_id", "missing_required_parameter"),
+            ([{"role": "user"}], "messages[0].content", "missing_required_parameter"),
+        ]
         for messages, param, code in cases:
             with pytest.raises(openai.BadRequestError) as e:
                 client.chat.completions.create(model=MODEL, messages=messages)  # type: ignore[arg-type]

@@ -40,9 +40,11 @@ def test_a_client_id_names_the_jobs_and_is_echoed(tok: Tokenizer) -> None:
     assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42"
     assert r.json()["id"] == "cmpl-trace-42" and [j.request_id for j in fake.jobs] == ["trace-42"]
     # n choices: one job each, all named after the request
-    r = client.post("/v1/chat/completions", json={"model": MODEL, "n": 2, "max_tokens": 4,
-                                                  "messages": [{"role": "user", "content": "hi"}]},
-                    headers={"X-Request-Id": "chat-7"})
+    r = client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "n": 2, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+        headers={"X-Request-Id": "chat-7"},
+    )
     assert r.headers["x-request-id"] == "chat-7" and r.json()["id"] == "chatcmpl-chat-7"
     assert [j.request_id for j in fake.jobs[1:]] == ["chat-7-0", "chat-7-1"]
     # a body request_id still names the response, as before
@@ -53,14 +55,17 @@ def test_a_client_id_names_the_jobs_and_is_echoed(tok: Tokenizer) -> None:
 def test_streams_and_errors_echo_it_too(tok: Tokenizer) -> None:
     boom = DispatchError(503, "no pair", code="no_pair")
     client, fake = make(tok, lambda job: Script(error_before=boom) if "fail" in job.request_id else Script())
-    with client.stream("POST", "/v1/completions", json={**COMPLETION, "stream": True},
-                       headers={"X-Request-Id": "s-1"}) as r:
+    with client.stream(
+        "POST", "/v1/completions", json={**COMPLETION, "stream": True}, headers={"X-Request-Id": "s-1"}
+    ) as r:
         assert r.status_code == 200 and r.headers["x-request-id"] == "s-1"
         assert "data: [DONE]" in r.read().decode()
-    for path, body, rid, status in [("/v1/completions", {**COMPLETION, "model": "nope"}, "e-404", 404),
-                                    ("/v1/completions", {"prompt": 3}, "e-400", 400),
-                                    ("/v1/completions", COMPLETION, "fail-503", 503),
-                                    ("/nowhere", {}, "e-path", 404)]:
+    for path, body, rid, status in [
+        ("/v1/completions", {**COMPLETION, "model": "nope"}, "e-404", 404),
+        ("/v1/completions", {"prompt": 3}, "e-400", 400),
+        ("/v1/completions", COMPLETION, "fail-503", 503),
+        ("/nowhere", {}, "e-path", 404),
+    ]:
         r = client.post(path, json=body, headers={"X-Request-Id": rid})
         assert (r.status_code, r.headers["x-request-id"]) == (status, rid), r.text
     r = client.get("/health", headers={"X-Request-Id": "probe"})
@@ -103,6 +108,7 @@ def test_an_id_reused_while_in_flight_gets_unique_node_ids(tok: Tokenizer) -> No
     fake.script = lambda job: Script(hang=len(fake.jobs) == 1)  # the first request never finishes
     app = create_app(fake, tok, served_model=MODEL)
     with server(app) as url:
+
         def first() -> None:
             try:
                 httpx.post(f"{url}/v1/completions", json=COMPLETION, headers={"X-Request-Id": "dup"}, timeout=3)

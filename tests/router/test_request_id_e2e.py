@@ -34,8 +34,9 @@ def json_lines(node: Node) -> list[dict[str, Any]]:
     return [json.loads(line) for line in list(node.lines) if line.startswith("{")]
 
 
-def wait_for_lines(node: Node, request_id: str, timeout: float = 10.0,
-                   until: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+def wait_for_lines(
+    node: Node, request_id: str, timeout: float = 10.0, until: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
     """The node's log lines about `request_id` (or its retries), once there are some and one
     starts with each prefix in `until` (a process's output reaches us a little after the reply)."""
     deadline = time.monotonic() + timeout

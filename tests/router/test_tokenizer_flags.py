@@ -42,19 +42,20 @@ def router(node: FakeNode, *args: str) -> Node:
 
 def chat_prompt_ids(r: Node, node: FakeNode) -> list[int]:
     url = f"http://127.0.0.1:{r.wait_ready(60).ports['http']}"
-    resp = httpx.post(f"{url}/v1/chat/completions", timeout=30,
-                      json={"model": "fake-model", "messages": MESSAGES, "max_tokens": 2})
+    resp = httpx.post(
+        f"{url}/v1/chat/completions", timeout=30, json={"model": "fake-model", "messages": MESSAGES, "max_tokens": 2}
+    )
     assert resp.status_code == 200, resp.text
     return list(node.requests[-1].tokenized.input_ids)
 
 
 @pytest.mark.parametrize("inline", [False, True], ids=["file", "inline"])
-def test_tokenizer_and_chat_template_make_the_prompt(node: FakeNode, tiny_llama_dir: Path, tmp_path: Path,
-                                                     inline: bool) -> None:
+def test_tokenizer_and_chat_template_make_the_prompt(
+    node: FakeNode, tiny_llama_dir: Path, tmp_path: Path, inline: bool
+) -> None:
     template_file = tmp_path / "chat.jinja"
     template_file.write_text(TEMPLATE)
-    r = router(node, "--tokenizer", str(tiny_llama_dir), "--chat-template",
-               TEMPLATE if inline else str(template_file))
+    r = router(node, "--tokenizer", str(tiny_llama_dir), "--chat-template", TEMPLATE if inline else str(template_file))
     try:
         ids = chat_prompt_ids(r, node)
     finally:
@@ -72,15 +73,30 @@ def test_without_tokenizer_the_nodes_model_directory_is_used(node: FakeNode) -> 
     assert any("/models/fake" in line for line in r.lines), r.lines[-5:]
 
 
-@pytest.mark.parametrize("template, needle", [
-    ("{% for m in messages %}{{ m.content }", "does not compile"),
-    ("no-such-template.jinja", "no such file"),
-])
-def test_a_bad_template_stops_the_router_before_it_waits_for_nodes(tiny_llama_dir: Path, template: str,
-                                                                   needle: str) -> None:
+@pytest.mark.parametrize(
+    "template, needle",
+    [
+        ("{% for m in messages %}{{ m.content }", "does not compile"),
+        ("no-such-template.jinja", "no such file"),
+    ],
+)
+def test_a_bad_template_stops_the_router_before_it_waits_for_nodes(
+    tiny_llama_dir: Path, template: str, needle: str
+) -> None:
     # nothing listens on the node's port: only a start-up check can end the router this fast
-    r = Node(["router", "--port", "0", "--colocated", "127.0.0.1:9", "--tokenizer", str(tiny_llama_dir),
-              "--chat-template", template])
+    r = Node(
+        [
+            "router",
+            "--port",
+            "0",
+            "--colocated",
+            "127.0.0.1:9",
+            "--tokenizer",
+            str(tiny_llama_dir),
+            "--chat-template",
+            template,
+        ]
+    )
     try:
         assert r.proc.wait(30) == 2
     finally:

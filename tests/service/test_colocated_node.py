@@ -30,8 +30,9 @@ def stub(node):
 
 def _request(rid, stream=False, **sp):
     params = pb.SamplingParams(**{"temperature": 0.0, "max_new_tokens": 12, **sp})
-    return pb.GenerateRequest(request_id=rid, tokenized=pb.TokenizedInput(input_ids=PROMPT),
-                              sampling_params=params, stream=stream)
+    return pb.GenerateRequest(
+        request_id=rid, tokenized=pb.TokenizedInput(input_ids=PROMPT), sampling_params=params, stream=stream
+    )
 
 
 def test_model_info_and_health(stub, tiny_llama_dir):
@@ -43,8 +44,11 @@ def test_model_info_and_health(stub, tiny_llama_dir):
 
 
 def test_generate_matches_the_in_process_engine(stub, tiny_llama_dir):
-    want = Engine(EngineConfig(str(tiny_llama_dir), page_size=4)).generate(
-        [PROMPT], SamplingParams(max_new_tokens=12, temperature=0.0))[0].output_ids
+    want = (
+        Engine(EngineConfig(str(tiny_llama_dir), page_size=4))
+        .generate([PROMPT], SamplingParams(max_new_tokens=12, temperature=0.0))[0]
+        .output_ids
+    )
     [resp] = list(stub.Generate(_request("a"), timeout=30))
     assert list(resp.complete.output_ids) == want
     assert resp.complete.finish_reason == "length" and resp.complete.completion_tokens == 12
@@ -57,8 +61,9 @@ def test_min_new_tokens_travels_and_holds_back_stop_tokens(stub, tiny_llama_dir)
     eng = Engine(EngineConfig(str(tiny_llama_dir), page_size=4))
     free = eng.generate([PROMPT], SamplingParams(max_new_tokens=12, temperature=0.0))[0].output_ids
     stop = free[1]  # without min_new_tokens the request would end at its 2nd token
-    want = eng.generate([PROMPT], SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=(stop,),
-                                                 min_new_tokens=6))[0].output_ids
+    want = eng.generate(
+        [PROMPT], SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=(stop,), min_new_tokens=6)
+    )[0].output_ids
     [resp] = list(stub.Generate(_request("min", stop_token_ids=[stop], min_new_tokens=6), timeout=30))
     assert list(resp.complete.output_ids) == want and len(want) >= 6 and stop not in want[:6]
     with pytest.raises(grpc.RpcError) as e:
@@ -105,8 +110,10 @@ def test_sigterm_stops_cleanly(tiny_llama_dir):
 
 def test_sglang_flag_names_and_env_vars_configure_a_node(tiny_llama_dir):
     """--served-model-name sets GetModelInfo.served_model_name; PDSERVE_<FLAG> sets a flag."""
-    n = Node(["serve", "--model-path", str(tiny_llama_dir), "--port", "0", "--served-model-name", "tiny-served"],
-             env={"PDSERVE_MAX_RUNNING": "7", "PDSERVE_PAGE_SIZE": "4"}).wait_ready()
+    n = Node(
+        ["serve", "--model-path", str(tiny_llama_dir), "--port", "0", "--served-model-name", "tiny-served"],
+        env={"PDSERVE_MAX_RUNNING": "7", "PDSERVE_PAGE_SIZE": "4"},
+    ).wait_ready()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{n.ports['scheduler']}") as channel:
             stub = pb_grpc.SglangSchedulerStub(channel)

@@ -9,12 +9,17 @@ from engine.service.health import HealthWatch, leaked_capacity
 
 
 def _engine(running: int = 0, waiting: int = 0, free_slots: int = 4, free_pages: int = 10) -> SimpleNamespace:
-    kv = SimpleNamespace(num_free_slots=free_slots, cfg=SimpleNamespace(max_reqs=4), page_size=4,
-                         allocator=SimpleNamespace(num_free=free_pages, num_used=10 - free_pages),
-                         pages_for=lambda n: -(-n // 4))
+    kv = SimpleNamespace(
+        num_free_slots=free_slots,
+        cfg=SimpleNamespace(max_reqs=4),
+        page_size=4,
+        allocator=SimpleNamespace(num_free=free_pages, num_used=10 - free_pages),
+        pages_for=lambda n: -(-n // 4),
+    )
     policy = SimpleNamespace(running=[0] * running, waiting=[0] * waiting)
-    return SimpleNamespace(scheduler=SimpleNamespace(policy=policy), kv=kv,
-                           executor=SimpleNamespace(kv_tokens_per_decode=lambda: 5))
+    return SimpleNamespace(
+        scheduler=SimpleNamespace(policy=policy), kv=kv, executor=SimpleNamespace(kv_tokens_per_decode=lambda: 5)
+    )
 
 
 class Holder:

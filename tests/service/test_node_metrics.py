@@ -19,15 +19,25 @@ def _engine(executor: Any) -> Any:
     hist = DurationHistogram((0.01, 0.1, 1.0))
     for s in (0.005, 0.05, 0.05, 3.0):
         hist.observe(s)
-    kv = SimpleNamespace(allocator=SimpleNamespace(num_used=3, total=12), page_size=16,
-                         cfg=SimpleNamespace(max_reqs=8), num_free_slots=6)
+    kv = SimpleNamespace(
+        allocator=SimpleNamespace(num_used=3, total=12), page_size=16, cfg=SimpleNamespace(max_reqs=8), num_free_slots=6
+    )
     prompt = DurationHistogram((0.01, 0.1, 1.0))
     prompt.observe(0.02)
     launches = LaunchTimes()
-    for mode, seconds in [(ForwardMode.EXTEND, 0.02), (ForwardMode.DECODE, 0.0002), (ForwardMode.TARGET_VERIFY, 0.0003)]:
+    for mode, seconds in [
+        (ForwardMode.EXTEND, 0.02),
+        (ForwardMode.DECODE, 0.0002),
+        (ForwardMode.TARGET_VERIFY, 0.0003),
+    ]:
         launches.observe(mode, seconds)
-    sched = SimpleNamespace(policy=SimpleNamespace(running=[1, 2], waiting=[3]), queue_time=hist,
-                            prompt_time=prompt, launch_time=launches, stats={"retractions": 4})
+    sched = SimpleNamespace(
+        policy=SimpleNamespace(running=[1, 2], waiting=[3]),
+        queue_time=hist,
+        prompt_time=prompt,
+        launch_time=launches,
+        stats={"retractions": 4},
+    )
     io = SimpleNamespace(finished_counts=lambda: {"stop": 5, "abort": 2})
     return SimpleNamespace(scheduler=sched, kv=kv, io=io, executor=executor, load_seconds=1.5)
 
@@ -43,9 +53,14 @@ def test_queue_time_histogram_counts_and_state_gauges() -> None:
     reg = _registry(_engine(plain), "colocated")
     v = lambda name, **labels: reg.get_sample_value(name, {"role": "colocated", **labels})  # noqa: E731
     assert [v("pdserve_node_queue_time_seconds_bucket", le=le) for le in ("0.01", "0.1", "1.0", "+Inf")] == [1, 3, 3, 4]
-    assert v("pdserve_node_queue_time_seconds_count") == 4 and abs(v("pdserve_node_queue_time_seconds_sum") - 3.105) < 1e-9
+    assert (
+        v("pdserve_node_queue_time_seconds_count") == 4 and abs(v("pdserve_node_queue_time_seconds_sum") - 3.105) < 1e-9
+    )
     assert v("pdserve_node_prompt_seconds_count") == 1 and v("pdserve_node_prompt_seconds_bucket", le="0.1") == 1
-    assert v("pdserve_node_launch_seconds_count", kind="prompt") == 1 and v("pdserve_node_launch_seconds_count", kind="decode") == 2
+    assert (
+        v("pdserve_node_launch_seconds_count", kind="prompt") == 1
+        and v("pdserve_node_launch_seconds_count", kind="decode") == 2
+    )
     assert v("pdserve_node_launch_seconds_bucket", kind="prompt", le="0.01") == 0
     assert abs(v("pdserve_node_launch_seconds_sum", kind="decode") - 0.0005) < 1e-12
     assert v("pdserve_kv_cache_usage_ratio") == 0.25
@@ -59,15 +74,25 @@ def test_queue_time_histogram_counts_and_state_gauges() -> None:
 def test_speculative_counters_pd_queues_and_adaptive_steps() -> None:
     stats = SpecStats(max_drafts=4)
     stats.record([3, 1, 5])  # accepted drafts 2 + 0 + 4
-    snap = {"slots": [{"lower_bound": 1, "current_steps": 4, "ema": 2.5},
-                      {"lower_bound": 8, "current_steps": 2, "ema": 1.25}], "switches": 7}
+    snap = {
+        "slots": [
+            {"lower_bound": 1, "current_steps": 4, "ema": 2.5},
+            {"lower_bound": 8, "current_steps": 2, "ema": 1.25},
+        ],
+        "switches": 7,
+    }
     executor = SimpleNamespace(spec_stats=lambda: stats, adaptive_snapshot=lambda: snap)
-    handler = SimpleNamespace(disaggregation_metrics=lambda: pb.DisaggregationMetrics(
-        mode="decode", decode_prealloc_queue_reqs=2, decode_transfer_queue_reqs=1))
+    handler = SimpleNamespace(
+        disaggregation_metrics=lambda: pb.DisaggregationMetrics(
+            mode="decode", decode_prealloc_queue_reqs=2, decode_transfer_queue_reqs=1
+        )
+    )
     reg = _registry(_engine(executor), "decode", handler)
     v = lambda name, **labels: reg.get_sample_value(name, {"role": "decode", **labels})  # noqa: E731
     assert v("pdserve_spec_verifies_total") == 3 and v("pdserve_spec_accepted_tokens_total") == 6
     assert v("pdserve_spec_draft_tokens_total") == 12  # 3 verifies x 4 steps
-    assert v("pdserve_pd_queue_requests", queue="prealloc") == 2 and v("pdserve_pd_queue_requests", queue="transfer") == 1
+    assert (
+        v("pdserve_pd_queue_requests", queue="prealloc") == 2 and v("pdserve_pd_queue_requests", queue="transfer") == 1
+    )
     assert v("pdserve_spec_adaptive_steps", slot="1") == 4 and v("pdserve_spec_adaptive_steps", slot="8") == 2
     assert v("pdserve_spec_adaptive_ema_accepted", slot="8") == 1.25 and v("pdserve_spec_adaptive_switches_total") == 7

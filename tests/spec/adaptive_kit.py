@@ -12,8 +12,7 @@ from spec.adaptive import SlotConfig, StepSlot
 Feed = Callable[[int, int], Sequence[int]]  # (batch number from 1, current steps) -> accepted drafts
 
 # Decisions on every batch, the EMA equal to the last batch mean: thresholds can be hit exactly.
-EXACT = dict(ema_alpha=1.0, warmup_batches=0, update_interval=1, min_dwell=0, upshift_backoff=0,
-             confirm_decisions=1)
+EXACT = dict(ema_alpha=1.0, warmup_batches=0, update_interval=1, min_dwell=0, upshift_backoff=0, confirm_decisions=1)
 
 
 def drive(slot: StepSlot, feed: Feed, batches: int) -> list[tuple[int, int]]:
@@ -31,8 +30,15 @@ class PlainEmaRule:
     no dwell, no backoff, and the upward walk goes as far as the EMA allows (max_up=None) or one
     candidate (max_up=1)."""
 
-    def __init__(self, cfg: SlotConfig, initial: int, alpha: float = 0.2, warmup: int = 10,
-                 interval: int = 5, max_up: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: SlotConfig,
+        initial: int,
+        alpha: float = 0.2,
+        warmup: int = 10,
+        interval: int = 5,
+        max_up: int | None = None,
+    ) -> None:
         self.c, self.alpha, self.warmup, self.interval, self.max_up = cfg, alpha, warmup, interval, max_up
         self.current_steps, self.ema, self.n, self.switches = initial, initial - 1.0, 0, 0
 
@@ -55,8 +61,12 @@ class PlainEmaRule:
         else:
             while j > 0 and e <= (0.5 if cands[j - 1] == 0 else cands[j - 1] - 0.5) + self.c.down_hysteresis:
                 j -= 1
-            while (j >= i and j + 1 < len(cands) and e > cands[j] - 0.5 + self.c.up_hysteresis
-                   and (self.max_up is None or j - i < self.max_up)):
+            while (
+                j >= i
+                and j + 1 < len(cands)
+                and e > cands[j] - 0.5 + self.c.up_hysteresis
+                and (self.max_up is None or j - i < self.max_up)
+            ):
                 j += 1
             if cands[j] <= self.current_steps and self.c.ceiling_coeff > 0:
                 ceiling = max(1, math.ceil(e * self.c.ceiling_coeff))
@@ -80,4 +90,5 @@ def geometric_feed(p: float, seed: int, batch_size: int = 1) -> Feed:
                 k += 1
             out.append(k)
         return out
+
     return feed

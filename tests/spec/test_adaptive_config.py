@@ -36,21 +36,31 @@ def test_default_config() -> None:
 
 
 def test_legacy_single_entry_form_is_one_slot_for_every_batch_size() -> None:
-    cfg = AdaptiveConfig.from_json({"candidate_steps": [7, 1, 3, 3], "ema_alpha": 0.3,
-                                    "down_hysteresis": -0.5, "update_interval": 2})
+    cfg = AdaptiveConfig.from_json(
+        {"candidate_steps": [7, 1, 3, 3], "ema_alpha": 0.3, "down_hysteresis": -0.5, "update_interval": 2}
+    )
     assert cfg.slots == ((1, SlotConfig((1, 3, 7), down_hysteresis=-0.5)),)  # sorted, unique
     assert (cfg.ema_alpha, cfg.update_interval, cfg.warmup_batches) == (0.3, 2, 10)
     assert cfg.candidate_steps() == (1, 3, 7)
 
 
 def test_top_level_settings_merge_into_slots_and_slots_override() -> None:
-    cfg = AdaptiveConfig.from_json({
-        "ema_alpha": 0.5, "warmup_batches": 0, "update_interval": 1, "min_dwell": 4,
-        "upshift_backoff": 8, "upshift_backoff_max": 8, "confirm_decisions": 1,
-        "up_hysteresis": 0.2, "down_hysteresis": -0.5, "ceiling_coeff": 1.5,
-        "32": {"candidate_steps": [0, 1]},  # keys in any order: slots come out sorted
-        "1": {"candidate_steps": [1, 3], "down_hysteresis": -0.1, "ceiling_coeff": 0},
-    })
+    cfg = AdaptiveConfig.from_json(
+        {
+            "ema_alpha": 0.5,
+            "warmup_batches": 0,
+            "update_interval": 1,
+            "min_dwell": 4,
+            "upshift_backoff": 8,
+            "upshift_backoff_max": 8,
+            "confirm_decisions": 1,
+            "up_hysteresis": 0.2,
+            "down_hysteresis": -0.5,
+            "ceiling_coeff": 1.5,
+            "32": {"candidate_steps": [0, 1]},  # keys in any order: slots come out sorted
+            "1": {"candidate_steps": [1, 3], "down_hysteresis": -0.1, "ceiling_coeff": 0},
+        }
+    )
     assert cfg.lower_bounds() == (1, 32)
     slots = _slots(cfg)
     assert slots[1] == SlotConfig((1, 3), up_hysteresis=0.2, down_hysteresis=-0.1, ceiling_coeff=0.0)
@@ -82,8 +92,7 @@ def test_file_path_and_json_text(tmp_path: Path) -> None:
 
 
 def test_to_json_round_trip(tmp_path: Path) -> None:
-    cfg = AdaptiveConfig.from_json({"candidate_steps": [1, 3, 7], "ema_alpha": 0.3,
-                                    "ceiling_coeff": 2, "min_dwell": 0})
+    cfg = AdaptiveConfig.from_json({"candidate_steps": [1, 3, 7], "ema_alpha": 0.3, "ceiling_coeff": 2, "min_dwell": 0})
     for c in (cfg, AdaptiveConfig.default()):
         out = c.to_json()
         assert AdaptiveConfig.from_json(out) == c
@@ -91,11 +100,21 @@ def test_to_json_round_trip(tmp_path: Path) -> None:
         path.write_text(json.dumps(out), encoding="utf-8")  # what the node logs is valid JSON
         assert AdaptiveConfig.from_json(path) == c
     out = cfg.to_json()
-    assert out["1"] == {"candidate_steps": [1, 3, 7], "up_hysteresis": 0.0, "down_hysteresis": -0.25,
-                        "ceiling_coeff": 2.0}
+    assert out["1"] == {
+        "candidate_steps": [1, 3, 7],
+        "up_hysteresis": 0.0,
+        "down_hysteresis": -0.25,
+        "ceiling_coeff": 2.0,
+    }
     assert {k: v for k, v in out.items() if k != "1"} == {
-        "ema_alpha": 0.3, "warmup_batches": 10, "update_interval": 5, "min_dwell": 0,
-        "upshift_backoff": 64, "upshift_backoff_max": 1024, "confirm_decisions": 2}
+        "ema_alpha": 0.3,
+        "warmup_batches": 10,
+        "update_interval": 5,
+        "min_dwell": 0,
+        "upshift_backoff": 64,
+        "upshift_backoff_max": 1024,
+        "confirm_decisions": 2,
+    }
 
 
 def test_slot_config_normalizes_and_validates_when_built_directly() -> None:
@@ -113,73 +132,74 @@ def test_slot_config_normalizes_and_validates_when_built_directly() -> None:
 def test_the_documented_message_for_an_empty_candidate_list() -> None:
     with pytest.raises(AdaptiveConfigError) as e:
         AdaptiveConfig.from_json({"1": {"candidate_steps": [1]}, "8": {"candidate_steps": []}})
-    assert str(e.value) == ('adaptive config slot "8": candidate_steps must be a non-empty list of '
-                            'ints >= 0, got []')
+    assert str(e.value) == ('adaptive config slot "8": candidate_steps must be a non-empty list of ints >= 0, got []')
 
 
 GOOD = {"candidate_steps": [1, 3]}
 LEGACY = "top level (legacy single-entry form)"
 
 
-@pytest.mark.parametrize("obj,where,what", [
-    # candidate lists
-    ({"8": {"candidate_steps": []}}, 'slot "8"', "candidate_steps"),
-    ({"1": {"candidate_steps": [1, -1]}}, 'slot "1"', "candidate_steps"),
-    ({"1": {"candidate_steps": [1, 2.0]}}, 'slot "1"', "candidate_steps"),
-    ({"1": {"candidate_steps": [True, 3]}}, 'slot "1"', "candidate_steps"),
-    ({"1": {"candidate_steps": ["3"]}}, 'slot "1"', "candidate_steps"),
-    ({"1": {"candidate_steps": 3}}, 'slot "1"', "candidate_steps"),
-    ({"1": {"candidate_steps": None}}, 'slot "1"', "candidate_steps"),
-    ({"candidate_steps": [], "ema_alpha": 0.3}, LEGACY, "candidate_steps"),
-    ({"candidate_steps": [-3]}, LEGACY, "candidate_steps"),
-    ({"1": {"up_hysteresis": 0.1}}, 'slot "1"', "candidate_steps is required"),
-    ({"1": [1, 3]}, 'slot "1"', "must be an object with candidate_steps"),
-    # slot keys
-    ({"ema_alpha": 0.3}, "top level", "no slot"),
-    ({}, "top level", "no slot"),
-    ({"0": GOOD}, 'slot "0"', "lower bound >= 1"),
-    ({0: GOOD}, 'slot "0"', "lower bound >= 1"),
-    ({"-1": GOOD}, 'slot "-1"', "lower bound >= 1"),
-    ({"1": GOOD, "abc": GOOD}, "top level", 'unknown key "abc"'),
-    ({"8": GOOD, "08": GOOD}, 'slot "08"', "lower bound 8 is given twice"),
-    ({"1": GOOD, "speed": 2}, "top level", 'unknown key "speed"'),
-    ({"1": {**GOOD, "foo": 1}}, 'slot "1"', 'unknown key "foo"'),
-    ({"1": {**GOOD, "ema_alpha": 0.1}}, 'slot "1"', "ema_alpha is a top-level setting"),
-    ({"1": GOOD, "candidate_steps": [1]}, "top level", "candidate_steps at the top level"),
-    # shared settings
-    ({"1": GOOD, "ema_alpha": 0}, "top level", "ema_alpha"),
-    ({"1": GOOD, "ema_alpha": -0.1}, "top level", "ema_alpha"),
-    ({"1": GOOD, "ema_alpha": 1.5}, "top level", "ema_alpha"),
-    ({"1": GOOD, "ema_alpha": "0.2"}, "top level", "ema_alpha"),
-    ({"1": GOOD, "ema_alpha": True}, "top level", "ema_alpha"),
-    ({"1": GOOD, "ema_alpha": float("nan")}, "top level", "ema_alpha"),
-    ({"1": GOOD, "warmup_batches": -1}, "top level", "warmup_batches"),
-    ({"1": GOOD, "warmup_batches": 2.5}, "top level", "warmup_batches"),
-    ({"1": GOOD, "warmup_batches": "10"}, "top level", "warmup_batches"),
-    ({"1": GOOD, "warmup_batches": True}, "top level", "warmup_batches"),
-    ({"1": GOOD, "update_interval": 0}, "top level", "update_interval"),
-    ({"1": GOOD, "update_interval": -5}, "top level", "update_interval"),
-    ({"1": GOOD, "update_interval": 1.0}, "top level", "update_interval"),
-    ({"1": GOOD, "update_interval": None}, "top level", "update_interval"),
-    ({"1": GOOD, "min_dwell": -1}, "top level", "min_dwell"),
-    ({"1": GOOD, "min_dwell": "x"}, "top level", "min_dwell"),
-    ({"1": GOOD, "upshift_backoff": -1}, "top level", "upshift_backoff"),
-    ({"1": GOOD, "upshift_backoff": 64, "upshift_backoff_max": 32}, "top level",
-     "upshift_backoff_max"),
-    ({"1": GOOD, "upshift_backoff_max": 1.5}, "top level", "upshift_backoff_max"),
-    ({"1": GOOD, "confirm_decisions": 0}, "top level", "confirm_decisions"),
-    ({"1": GOOD, "confirm_decisions": 1.5}, "top level", "confirm_decisions"),
-    ({"1": GOOD, "confirm_decisions": "2"}, "top level", "confirm_decisions"),
-    # hysteresis and ceiling, per slot and as top-level defaults
-    ({"1": {**GOOD, "up_hysteresis": "0.1"}}, 'slot "1"', "up_hysteresis"),
-    ({"1": {**GOOD, "down_hysteresis": None}}, 'slot "1"', "down_hysteresis"),
-    ({"1": {**GOOD, "ceiling_coeff": -1}}, 'slot "1"', "ceiling_coeff"),
-    ({"1": {**GOOD, "ceiling_coeff": float("inf")}}, 'slot "1"', "ceiling_coeff"),
-    ({"1": GOOD, "down_hysteresis": "x"}, "top level", "down_hysteresis"),
-    ({"1": GOOD, "ceiling_coeff": -0.5}, "top level", "ceiling_coeff"),
-    ({"1": {**GOOD, "down_hysteresis": 0.5}}, 'slot "1"', "down_hysteresis (0.5) must be <="),
-    ({"1": GOOD, "up_hysteresis": -0.5}, 'slot "1"', "must be <= up_hysteresis (-0.5)"),
-])
+@pytest.mark.parametrize(
+    "obj,where,what",
+    [
+        # candidate lists
+        ({"8": {"candidate_steps": []}}, 'slot "8"', "candidate_steps"),
+        ({"1": {"candidate_steps": [1, -1]}}, 'slot "1"', "candidate_steps"),
+        ({"1": {"candidate_steps": [1, 2.0]}}, 'slot "1"', "candidate_steps"),
+        ({"1": {"candidate_steps": [True, 3]}}, 'slot "1"', "candidate_steps"),
+        ({"1": {"candidate_steps": ["3"]}}, 'slot "1"', "candidate_steps"),
+        ({"1": {"candidate_steps": 3}}, 'slot "1"', "candidate_steps"),
+        ({"1": {"candidate_steps": None}}, 'slot "1"', "candidate_steps"),
+        ({"candidate_steps": [], "ema_alpha": 0.3}, LEGACY, "candidate_steps"),
+        ({"candidate_steps": [-3]}, LEGACY, "candidate_steps"),
+        ({"1": {"up_hysteresis": 0.1}}, 'slot "1"', "candidate_steps is required"),
+        ({"1": [1, 3]}, 'slot "1"', "must be an object with candidate_steps"),
+        # slot keys
+        ({"ema_alpha": 0.3}, "top level", "no slot"),
+        ({}, "top level", "no slot"),
+        ({"0": GOOD}, 'slot "0"', "lower bound >= 1"),
+        ({0: GOOD}, 'slot "0"', "lower bound >= 1"),
+        ({"-1": GOOD}, 'slot "-1"', "lower bound >= 1"),
+        ({"1": GOOD, "abc": GOOD}, "top level", 'unknown key "abc"'),
+        ({"8": GOOD, "08": GOOD}, 'slot "08"', "lower bound 8 is given twice"),
+        ({"1": GOOD, "speed": 2}, "top level", 'unknown key "speed"'),
+        ({"1": {**GOOD, "foo": 1}}, 'slot "1"', 'unknown key "foo"'),
+        ({"1": {**GOOD, "ema_alpha": 0.1}}, 'slot "1"', "ema_alpha is a top-level setting"),
+        ({"1": GOOD, "candidate_steps": [1]}, "top level", "candidate_steps at the top level"),
+        # shared settings
+        ({"1": GOOD, "ema_alpha": 0}, "top level", "ema_alpha"),
+        ({"1": GOOD, "ema_alpha": -0.1}, "top level", "ema_alpha"),
+        ({"1": GOOD, "ema_alpha": 1.5}, "top level", "ema_alpha"),
+        ({"1": GOOD, "ema_alpha": "0.2"}, "top level", "ema_alpha"),
+        ({"1": GOOD, "ema_alpha": True}, "top level", "ema_alpha"),
+        ({"1": GOOD, "ema_alpha": float("nan")}, "top level", "ema_alpha"),
+        ({"1": GOOD, "warmup_batches": -1}, "top level", "warmup_batches"),
+        ({"1": GOOD, "warmup_batches": 2.5}, "top level", "warmup_batches"),
+        ({"1": GOOD, "warmup_batches": "10"}, "top level", "warmup_batches"),
+        ({"1": GOOD, "warmup_batches": True}, "top level", "warmup_batches"),
+        ({"1": GOOD, "update_interval": 0}, "top level", "update_interval"),
+        ({"1": GOOD, "update_interval": -5}, "top level", "update_interval"),
+        ({"1": GOOD, "update_interval": 1.0}, "top level", "update_interval"),
+        ({"1": GOOD, "update_interval": None}, "top level", "update_interval"),
+        ({"1": GOOD, "min_dwell": -1}, "top level", "min_dwell"),
+        ({"1": GOOD, "min_dwell": "x"}, "top level", "min_dwell"),
+        ({"1": GOOD, "upshift_backoff": -1}, "top level", "upshift_backoff"),
+        ({"1": GOOD, "upshift_backoff": 64, "upshift_backoff_max": 32}, "top level", "upshift_backoff_max"),
+        ({"1": GOOD, "upshift_backoff_max": 1.5}, "top level", "upshift_backoff_max"),
+        ({"1": GOOD, "confirm_decisions": 0}, "top level", "confirm_decisions"),
+        ({"1": GOOD, "confirm_decisions": 1.5}, "top level", "confirm_decisions"),
+        ({"1": GOOD, "confirm_decisions": "2"}, "top level", "confirm_decisions"),
+        # hysteresis and ceiling, per slot and as top-level defaults
+        ({"1": {**GOOD, "up_hysteresis": "0.1"}}, 'slot "1"', "up_hysteresis"),
+        ({"1": {**GOOD, "down_hysteresis": None}}, 'slot "1"', "down_hysteresis"),
+        ({"1": {**GOOD, "ceiling_coeff": -1}}, 'slot "1"', "ceiling_coeff"),
+        ({"1": {**GOOD, "ceiling_coeff": float("inf")}}, 'slot "1"', "ceiling_coeff"),
+        ({"1": GOOD, "down_hysteresis": "x"}, "top level", "down_hysteresis"),
+        ({"1": GOOD, "ceiling_coeff": -0.5}, "top level", "ceiling_coeff"),
+        ({"1": {**GOOD, "down_hysteresis": 0.5}}, 'slot "1"', "down_hysteresis (0.5) must be <="),
+        ({"1": GOOD, "up_hysteresis": -0.5}, 'slot "1"', "must be <= up_hysteresis (-0.5)"),
+    ],
+)
 def test_validation_errors_name_the_key_and_the_field(obj: dict, where: str, what: str) -> None:
     with pytest.raises(AdaptiveConfigError) as e:
         AdaptiveConfig.from_json(obj)

@@ -3,7 +3,7 @@ steps per slot, feedback routing, the policy protocol and restarts."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import pytest
 
@@ -12,19 +12,47 @@ from spec.adaptive import AdaptiveConfig, AdaptiveConfigError, AdaptivePolicy, A
 GRAPHS = [1, 2, 4, 8, 16, 24, 32, 48, 64]
 
 
-@pytest.mark.parametrize("bs,with_graphs,without_graphs", [
-    (1, 1, 1), (3, 4, 3), (5, 8, 5), (7, 8, 7), (8, 8, 8), (9, 16, 9), (30, 32, 30), (31, 32, 31),
-    (33, 48, 33), (64, 64, 64), (100, 100, 100),
-])
+@pytest.mark.parametrize(
+    "bs,with_graphs,without_graphs",
+    [
+        (1, 1, 1),
+        (3, 4, 3),
+        (5, 8, 5),
+        (7, 8, 7),
+        (8, 8, 8),
+        (9, 16, 9),
+        (30, 32, 30),
+        (31, 32, 31),
+        (33, 48, 33),
+        (64, 64, 64),
+        (100, 100, 100),
+    ],
+)
 def test_padding_to_graph_batch_sizes(bs: int, with_graphs: int, without_graphs: int) -> None:
     assert AdaptiveSteps(AdaptiveConfig.default(), 3, GRAPHS).padded_batch_size(bs) == with_graphs
     assert AdaptiveSteps(AdaptiveConfig.default(), 3).padded_batch_size(bs) == without_graphs
 
 
-@pytest.mark.parametrize("bs,with_graphs,without_graphs", [
-    (1, 1, 1), (4, 1, 1), (5, 8, 1), (7, 8, 1), (8, 8, 8), (24, 8, 8), (25, 32, 8), (30, 32, 8),
-    (31, 32, 8), (32, 32, 32), (33, 32, 32), (49, 64, 32), (63, 64, 32), (64, 64, 64), (100, 64, 64),
-])
+@pytest.mark.parametrize(
+    "bs,with_graphs,without_graphs",
+    [
+        (1, 1, 1),
+        (4, 1, 1),
+        (5, 8, 1),
+        (7, 8, 1),
+        (8, 8, 8),
+        (24, 8, 8),
+        (25, 32, 8),
+        (30, 32, 8),
+        (31, 32, 8),
+        (32, 32, 32),
+        (33, 32, 32),
+        (49, 64, 32),
+        (63, 64, 32),
+        (64, 64, 64),
+        (100, 64, 64),
+    ],
+)
 def test_slot_choice_by_batch_size(bs: int, with_graphs: int, without_graphs: int) -> None:
     bound = dict(enumerate(AdaptiveConfig.default().lower_bounds()))
     policy = AdaptiveSteps(AdaptiveConfig.default(), 3, GRAPHS)
@@ -67,10 +95,10 @@ def test_graph_pruning_per_step_for_the_default_config() -> None:
     assert AdaptiveSteps(AdaptiveConfig.default(), 3).graph_batch_sizes_for_step(3) == []
 
 
-@pytest.mark.parametrize("initial,expected", [(3, [3, 3, 3, 3]), (7, [7, 7, 5, 3]), (5, [5, 5, 5, 3]),
-                                              (0, [0, 0, 0, 0]), (1, [1, 1, 1, 1])])
-def test_each_slot_starts_at_its_candidate_nearest_the_initial_steps(initial: int,
-                                                                      expected: list[int]) -> None:
+@pytest.mark.parametrize(
+    "initial,expected", [(3, [3, 3, 3, 3]), (7, [7, 7, 5, 3]), (5, [5, 5, 5, 3]), (0, [0, 0, 0, 0]), (1, [1, 1, 1, 1])]
+)
+def test_each_slot_starts_at_its_candidate_nearest_the_initial_steps(initial: int, expected: list[int]) -> None:
     policy = AdaptiveSteps(AdaptiveConfig.default(), initial)
     assert [s["current_steps"] for s in policy.snapshot()] == expected
 
@@ -92,9 +120,16 @@ def test_feedback_reaches_the_slot_the_batch_size_maps_to() -> None:
     assert not policy.on_verify_complete(20, [])  # an empty batch feeds nothing
     snap = policy.snapshot()
     assert [(s["lower_bound"], s["upper_bound"]) for s in snap] == [(1, 7), (8, 31), (32, 63), (64, None)]
-    assert snap[0] == {"lower_bound": 1, "upper_bound": 7, "current_steps": 3,
-                       "ema": pytest.approx(6 * 0.8 ** 20), "switches": 1, "batches": 20,
-                       "failed_upshifts": 0, "shadow_reports": 0}
+    assert snap[0] == {
+        "lower_bound": 1,
+        "upper_bound": 7,
+        "current_steps": 3,
+        "ema": pytest.approx(6 * 0.8**20),
+        "switches": 1,
+        "batches": 20,
+        "failed_upshifts": 0,
+        "shadow_reports": 0,
+    }
     assert [s["batches"] for s in snap] == [20, 0, 0, 0]
     assert [s["ema"] for s in snap[1:]] == [6.0, 4.0, 2.0]
 
@@ -102,9 +137,16 @@ def test_feedback_reaches_the_slot_the_batch_size_maps_to() -> None:
 def test_policies_satisfy_the_protocol() -> None:
     assert isinstance(AdaptiveSteps(AdaptiveConfig.default(), 3), AdaptivePolicy)
     declared = {name for name in vars(AdaptivePolicy) if not name.startswith("_")}
-    assert declared == {"steps_for_batch", "on_verify_complete", "on_shadow_acceptance", "candidate_steps",
-                        "graph_batch_sizes_for_step", "set_graph_batch_sizes", "snapshot",
-                        "total_switches"}
+    assert declared == {
+        "steps_for_batch",
+        "on_verify_complete",
+        "on_shadow_acceptance",
+        "candidate_steps",
+        "graph_batch_sizes_for_step",
+        "set_graph_batch_sizes",
+        "snapshot",
+        "total_switches",
+    }
 
     class Fixed:  # a custom algorithm injecting its own policy
         total_switches = 0

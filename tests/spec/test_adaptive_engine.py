@@ -19,8 +19,16 @@ from spec.testing import check_algorithm
 PROMPTS = [[5, 17, 42, 7, 99, 3, 11, 250], [300] * 5, list(range(100, 121)), [8, 1, 9], [77] * 9]
 # steps by batch size: alone 3 or 5, two or three together 1 or 2, four and more plain (0) or 1;
 # decisions every iteration so switches happen within a short test
-CONFIG = {"1": {"candidate_steps": [3, 5]}, "2": {"candidate_steps": [1, 2]}, "4": {"candidate_steps": [0, 1]},
-          "ema_alpha": 0.5, "warmup_batches": 0, "update_interval": 1, "min_dwell": 1, "confirm_decisions": 1}
+CONFIG = {
+    "1": {"candidate_steps": [3, 5]},
+    "2": {"candidate_steps": [1, 2]},
+    "4": {"candidate_steps": [0, 1]},
+    "ema_alpha": 0.5,
+    "warmup_batches": 0,
+    "update_interval": 1,
+    "min_dwell": 1,
+    "confirm_decisions": 1,
+}
 
 
 @pytest.fixture
@@ -98,7 +106,13 @@ def test_graphs_exist_per_step_count_only_for_their_batch_sizes_and_switches_cap
         assert sorted(bs for s, bs in shapes if s == steps) == want
     # the default sizes are 1, 2, 4, 8: steps 5 only at 1, steps 2 at 2, steps 0 at 4 and 8
     assert {bs for s, bs in shapes if s == 5} == {1} and {bs for s, bs in shapes if s == 0} == {4, 8}
-    assert {s: sum(1 for st, _ in shapes if st == s) for s in policy.candidate_steps()} == {0: 2, 1: 3, 2: 1, 3: 1, 5: 1}
+    assert {s: sum(1 for st, _ in shapes if st == s) for s in policy.candidate_steps()} == {
+        0: 2,
+        1: 3,
+        2: 1,
+        3: 1,
+        5: 1,
+    }
     before = (list(shapes), eng.executor.target.graph_shapes(), eng.executor.draft.graph_shapes())
     _staggered(eng, SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True))
     assert eng.executor.adaptive_snapshot()["switches"] > 0
@@ -126,15 +140,17 @@ def test_adaptive_settings_are_checked(pair, config_path) -> None:
 
 @pytest.mark.gpu
 def test_gpu_graphs_per_step_count_and_no_recapture(pair, config_path) -> None:
-    eng = _engine(pair, config_path, device="cuda", attention_backend="triton", cuda_graph_max_bs=8,
-                  overlap=True)
+    eng = _engine(pair, config_path, device="cuda", attention_backend="triton", cuda_graph_max_bs=8, overlap=True)
     worker = eng.executor
     assert worker.iteration is not None and worker.iteration.captured()
-    counts = {s: sum(1 for st, _ in worker.iteration.shapes() if st == s) for s in worker.states.policy.candidate_steps()}
+    counts = {
+        s: sum(1 for st, _ in worker.iteration.shapes() if st == s) for s in worker.states.policy.candidate_steps()
+    }
     assert counts == {0: 2, 1: 3, 2: 1, 3: 1, 5: 1}  # sizes 1, 2, 4, 8: steps 1 at 2 (slot "2") and 4, 8 (slot "4")
     before = worker.iteration.shapes()
-    plain = Engine(EngineConfig(str(pair[0]), page_size=4, device="cuda", attention_backend="triton",
-                                cuda_graph_max_bs=8))
+    plain = Engine(
+        EngineConfig(str(pair[0]), page_size=4, device="cuda", attention_backend="triton", cuda_graph_max_bs=8)
+    )
     params = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
     got = _staggered(eng, params)
     assert eng.executor.adaptive_snapshot()["switches"] > 0 and worker.iteration.hits > 0
@@ -147,8 +163,9 @@ def test_gpu_graphs_per_step_count_and_no_recapture(pair, config_path) -> None:
 
 
 @pytest.mark.parametrize("overlap,depth", [(False, 3), (True, 3), (True, 16)])
-def test_0_step_iterations_leave_the_head_a_backlog_that_changes_nothing(pair, config_path, monkeypatch,
-                                                                        overlap, depth) -> None:
+def test_0_step_iterations_leave_the_head_a_backlog_that_changes_nothing(
+    pair, config_path, monkeypatch, overlap, depth
+) -> None:
     """0-step iteration graphs skip the head; its draft-extend runs later over the backlog (before
     the request drafts again, or when the ring is full: depth 3 fills it often, and catches up
     sequences shorter than the ring). Output, accepted drafts and the acceptance histogram equal
@@ -159,8 +176,9 @@ def test_0_step_iterations_leave_the_head_a_backlog_that_changes_nothing(pair, c
     params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
     runs = []
     for ring in (False, True):
-        eng = _engine(pair, config_path, overlap=overlap, future_map_debug=True, cuda_graph_max_bs=8,
-                      cuda_graph_padded_eager=True)
+        eng = _engine(
+            pair, config_path, overlap=overlap, future_map_debug=True, cuda_graph_max_bs=8, cuda_graph_padded_eager=True
+        )
         eng.executor.batch_catch_up = ring
         out = _staggered(eng, params)
         stats, backlog = eng.executor.spec_stats(), eng.executor.backlog

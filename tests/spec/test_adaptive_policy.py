@@ -11,6 +11,7 @@ from tests.spec.adaptive_kit import EXACT, PlainEmaRule, drive
 
 # ---------------------------------------------------------------- EMA and hysteresis ---------
 
+
 def test_initial_state_and_ema_seed() -> None:
     cands = SlotConfig((1, 3, 5, 7))
     assert StepSlot(cands, initial_steps=5).current_steps == 5
@@ -61,22 +62,31 @@ def test_low_acceptance_drops_several_levels_at_once() -> None:
 
 
 def test_update_interval_and_warmup_gate_decisions() -> None:
-    slot = StepSlot(SlotConfig((1, 3)), initial_steps=1, ema_alpha=1.0, warmup_batches=3,
-                    update_interval=4, min_dwell=0, confirm_decisions=1)
+    slot = StepSlot(
+        SlotConfig((1, 3)),
+        initial_steps=1,
+        ema_alpha=1.0,
+        warmup_batches=3,
+        update_interval=4,
+        min_dwell=0,
+        confirm_decisions=1,
+    )
     assert drive(slot, lambda n, s: [0] if n < 8 else [1], 30) == [(11, 3)]  # grid: 7, 11, 15...
 
 
-@pytest.mark.parametrize("start,drafts,expected", [
-    (3, [2, 3], 3),  # ema 2.5 == 3 - 0.5 + up_h: equality does not upshift
-    (3, [2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 2], 5),  # 2.5 + 1/12 > 2.5: up
-    (5, [2, 2, 2, 3], 3),  # ema 2.25 == 3 - 0.5 - 0.25: equality downshifts
-    (5, [2, 2, 3, 3, 2, 2, 2, 3], 5),  # 2.375: above the drop threshold, stays
-    (7, [0, 0, 0, 1], 1),  # 0.25: at or below 4.25, 2.25 and 0.25: three levels at once
-    (7, [0, 1], 3),  # 0.5: below 4.25 and 2.25, above 0.25
-])
+@pytest.mark.parametrize(
+    "start,drafts,expected",
+    [
+        (3, [2, 3], 3),  # ema 2.5 == 3 - 0.5 + up_h: equality does not upshift
+        (3, [2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 2], 5),  # 2.5 + 1/12 > 2.5: up
+        (5, [2, 2, 2, 3], 3),  # ema 2.25 == 3 - 0.5 - 0.25: equality downshifts
+        (5, [2, 2, 3, 3, 2, 2, 2, 3], 5),  # 2.375: above the drop threshold, stays
+        (7, [0, 0, 0, 1], 1),  # 0.25: at or below 4.25, 2.25 and 0.25: three levels at once
+        (7, [0, 1], 3),  # 0.5: below 4.25 and 2.25, above 0.25
+    ],
+)
 def test_thresholds_exactly(start: int, drafts: list[int], expected: int) -> None:
-    slot = StepSlot(SlotConfig((1, 3, 5, 7), up_hysteresis=0.0, down_hysteresis=-0.25),
-                    initial_steps=start, **EXACT)
+    slot = StepSlot(SlotConfig((1, 3, 5, 7), up_hysteresis=0.0, down_hysteresis=-0.25), initial_steps=start, **EXACT)
     assert slot.update(drafts) is (expected != start)
     assert slot.current_steps == expected
 
@@ -122,8 +132,19 @@ def test_probing_from_zero_backs_off_when_it_keeps_failing() -> None:
     # 3 -> 0 at the first confirmed decision; each probe to 1 sees nothing accepted and drops back
     # (a failed upshift), and the wait before the next probe doubles: 64, 128, 256, 512 batches
     # after the drop, then the first confirmed decision (two grid points) once it is over.
-    assert events == [(20, 0), (45, 1), (70, 0), (140, 1), (165, 0), (300, 1), (325, 0),
-                      (590, 1), (615, 0), (1135, 1), (1160, 0)]
+    assert events == [
+        (20, 0),
+        (45, 1),
+        (70, 0),
+        (140, 1),
+        (165, 0),
+        (300, 1),
+        (325, 0),
+        (590, 1),
+        (615, 0),
+        (1135, 1),
+        (1160, 0),
+    ]
     assert slot.failed_upshifts == 5
     assert slot.upshift_blocked_until(0) == 1160 + 1024  # capped at upshift_backoff_max
 
@@ -158,15 +179,19 @@ def test_shadow_acceptance_at_zero_replaces_blind_probes() -> None:
     assert busy.ema == 0.0
 
 
-@pytest.mark.parametrize("coeff,start,drafts,expected", [
-    (1.0, 7, [2, 3], 3),  # the walk stops at 5; ceiling ceil(2.5) = 3 caps it
-    (0.0, 7, [2, 3], 5),  # off: the walk alone
-    (0.5, 3, [2, 3, 3, 3, 3], 5),  # ceiling 2 but an upshift (2.8 > 2.5) is never capped
-    (0.5, 5, [3, 3], 1),  # no move by the EMA, but 5 > ceiling ceil(1.5) = 2: down to 1
-    (2.0, 5, [3, 3], 5),  # ceiling 6 >= 5: no cap
-])
-def test_ceiling_caps_only_targets_that_are_not_upshifts(coeff: float, start: int,
-                                                         drafts: list[int], expected: int) -> None:
+@pytest.mark.parametrize(
+    "coeff,start,drafts,expected",
+    [
+        (1.0, 7, [2, 3], 3),  # the walk stops at 5; ceiling ceil(2.5) = 3 caps it
+        (0.0, 7, [2, 3], 5),  # off: the walk alone
+        (0.5, 3, [2, 3, 3, 3, 3], 5),  # ceiling 2 but an upshift (2.8 > 2.5) is never capped
+        (0.5, 5, [3, 3], 1),  # no move by the EMA, but 5 > ceiling ceil(1.5) = 2: down to 1
+        (2.0, 5, [3, 3], 5),  # ceiling 6 >= 5: no cap
+    ],
+)
+def test_ceiling_caps_only_targets_that_are_not_upshifts(
+    coeff: float, start: int, drafts: list[int], expected: int
+) -> None:
     slot = StepSlot(SlotConfig((1, 3, 5, 7), ceiling_coeff=coeff), initial_steps=start, **EXACT)
     slot.update(drafts)
     assert slot.current_steps == expected

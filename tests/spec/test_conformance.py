@@ -13,16 +13,20 @@ from spec.registry import register_class
 from spec.testing import ConformanceError, check_algorithm
 
 
-@pytest.mark.parametrize("algo,topk,ntok", [("NONE", 1, None), ("EAGLE", 1, None), ("EAGLE", 2, 5),
-                                            ("NGRAM", 1, None)])
+@pytest.mark.parametrize("algo,topk,ntok", [("NONE", 1, None), ("EAGLE", 1, None), ("EAGLE", 2, 5), ("NGRAM", 1, None)])
 def test_builtins_pass_the_kit(pair, algo: str, topk: int, ntok: int | None) -> None:
     target, head = pair
     spec = SpecConfig(algo) if algo in ("NONE", "NGRAM") else SpecConfig(algo, str(head), 3, topk, ntok)
     report = check_algorithm(spec, target)
     assert report.algorithm == algo
-    assert report.checks == ["colocated, overlap off", "colocated, overlap on", "CUDA graphs (padded eager)",
-                             "PD over the in-process transport", "empty batch and missing handoff state",
-                             "generation up to the context limit"]
+    assert report.checks == [
+        "colocated, overlap off",
+        "colocated, overlap on",
+        "CUDA graphs (padded eager)",
+        "PD over the in-process transport",
+        "empty batch and missing handoff state",
+        "generation up to the context limit",
+    ]
     if algo == "EAGLE":
         assert report.mean_accept_len > 1.0  # drafts were accepted: the kit ran real drafts
 

@@ -34,20 +34,24 @@ def plain_greedy(target):
 
 def spec_engine(target, head, algo, steps, topk, ntok=None, **kw):
     cfg = SpecConfig(algo, str(head), steps, topk, ntok)
-    return Engine(EngineConfig(str(target), page_size=4, chunked_prefill_size=7, **kw),
-                  algorithm=bind(cfg))
+    return Engine(EngineConfig(str(target), page_size=4, chunked_prefill_size=7, **kw), algorithm=bind(cfg))
 
 
 CASES = [  # fmt, head mode, steps, topk, draft tokens
-    ("eagle", "repeat", 3, 1, None), ("eagle", "random", 3, 1, None), ("eagle", "repeat", 3, 2, 5),
-    ("eagle", "repeat", 4, 3, 8), ("eagle3", "random", 3, 1, None), ("eagle3", "random", 3, 4, 8),
+    ("eagle", "repeat", 3, 1, None),
+    ("eagle", "random", 3, 1, None),
+    ("eagle", "repeat", 3, 2, 5),
+    ("eagle", "repeat", 4, 3, 8),
+    ("eagle3", "random", 3, 1, None),
+    ("eagle3", "random", 3, 4, 8),
 ]
 
 
 @pytest.mark.parametrize("fmt,mode,steps,topk,ntok", CASES)
 def test_greedy_spec_equals_greedy_plain(tmp_path, target, plain_greedy, fmt, mode, steps, topk, ntok):
-    head = write_tiny_eagle_head(tmp_path / "head", target, fmt, mode=mode,
-                                 draft_vocab_size=300 if fmt == "eagle3" else None)
+    head = write_tiny_eagle_head(
+        tmp_path / "head", target, fmt, mode=mode, draft_vocab_size=300 if fmt == "eagle3" else None
+    )
     eng = spec_engine(target, head, "EAGLE3" if fmt == "eagle3" else "EAGLE", steps, topk, ntok)
     outs = eng.generate(PROMPTS, GREEDY)
     assert [o.output_ids for o in outs] == plain_greedy
@@ -76,8 +80,11 @@ def test_aborts_and_retractions_under_spec_free_every_page(tmp_path, target):
     for step in range(250):
         if step < 150 and rng.random() < 0.3:
             prompt = [rng.randrange(1, 500) for _ in range(rng.randrange(1, 25))]
-            live.add(eng.add_request(prompt, SamplingParams(max_new_tokens=rng.randrange(1, 30),
-                                                            temperature=rng.choice([0.0, 0.9]))))
+            live.add(
+                eng.add_request(
+                    prompt, SamplingParams(max_new_tokens=rng.randrange(1, 30), temperature=rng.choice([0.0, 0.9]))
+                )
+            )
         if live and rng.random() < 0.08:
             eng.abort(rng.choice(sorted(live)))
         for d in eng.step():

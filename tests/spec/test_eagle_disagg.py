@@ -60,16 +60,28 @@ def test_bad_handoffs_are_per_request_errors(pair):
     algo = SpeculativeAlgorithm.from_name("EAGLE")
     with pytest.raises(DisaggHandoffError, match="empty"):
         algo.build_disagg_draft_input(Batch(ForwardMode.PREBUILT, []), cfg, torch.tensor([]), None)
-    good = Req("ok", [1, 2], GREEDY, output_ids=[3], seq_len=2,
-               handoff=EagleReqState(torch.tensor([0.6, 0.3]), torch.tensor([4, 5]), torch.zeros(64)))
-    bad = Req("no-hidden", [1, 2], GREEDY, output_ids=[3], seq_len=2,
-              handoff=EagleReqState(torch.tensor([0.6, 0.3]), torch.tensor([4, 5]), None))
+    good = Req(
+        "ok",
+        [1, 2],
+        GREEDY,
+        output_ids=[3],
+        seq_len=2,
+        handoff=EagleReqState(torch.tensor([0.6, 0.3]), torch.tensor([4, 5]), torch.zeros(64)),
+    )
+    bad = Req(
+        "no-hidden",
+        [1, 2],
+        GREEDY,
+        output_ids=[3],
+        seq_len=2,
+        handoff=EagleReqState(torch.tensor([0.6, 0.3]), torch.tensor([4, 5]), None),
+    )
     with pytest.raises(DisaggHandoffError) as e:
-        algo.build_disagg_draft_input(Batch(ForwardMode.PREBUILT, [good, bad]), cfg,
-                                      torch.tensor([3, 3]), None)
+        algo.build_disagg_draft_input(Batch(ForwardMode.PREBUILT, [good, bad]), cfg, torch.tensor([3, 3]), None)
     assert e.value.rids == ["no-hidden"]
     di = algo.build_disagg_draft_input(Batch(ForwardMode.PREBUILT, [good]), cfg, torch.tensor([3]), None)
     assert di.hidden_states.shape == (1, 64) and di.relay_payload().topk_index.tolist() == [[4, 5]]
-    plain = SpeculativeAlgorithm.NONE.build_disagg_draft_input(Batch(ForwardMode.PREBUILT, [good]), cfg,
-                                                               torch.tensor([3]), None)
+    plain = SpeculativeAlgorithm.NONE.build_disagg_draft_input(
+        Batch(ForwardMode.PREBUILT, [good]), cfg, torch.tensor([3]), None
+    )
     assert plain.bonus_tokens.tolist() == [3] and plain.relay_payload().topk_p is None

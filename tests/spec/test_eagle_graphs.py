@@ -19,8 +19,10 @@ GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
 def test_precaptured_graphs_serve_every_decode_forward(pair, topk, ntok) -> None:
     target, head = pair
     spec = SpecConfig("EAGLE", str(head), 3, topk, ntok)
-    want = [o.output_ids for o in Engine(EngineConfig(str(target), page_size=4),
-                                         algorithm=bind(spec)).generate(PROMPTS, GREEDY)]
+    want = [
+        o.output_ids
+        for o in Engine(EngineConfig(str(target), page_size=4), algorithm=bind(spec)).generate(PROMPTS, GREEDY)
+    ]
     eng = Engine(EngineConfig(str(target), page_size=4), algorithm=bind(spec))
     worker = eng.executor
     worker.target.enable_cuda_graphs(4, capture=False)

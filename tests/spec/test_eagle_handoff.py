@@ -12,8 +12,10 @@ from spec.draft_input import EagleReqState
 from spec.eagle_handoff import EagleHandoffCodec
 
 
-@pytest.mark.parametrize("k,hidden,dtype", [(1, 64, torch.bfloat16), (4, 48, torch.float32),
-                                            (16, 7, torch.bfloat16), (3, 384, torch.float16)])
+@pytest.mark.parametrize(
+    "k,hidden,dtype",
+    [(1, 64, torch.bfloat16), (4, 48, torch.float32), (16, 7, torch.bfloat16), (3, 384, torch.float16)],
+)
 def test_round_trip(k: int, hidden: int, dtype: torch.dtype) -> None:
     codec = EagleHandoffCodec(k, hidden, dtype)
     assert codec.payload_bytes >= 8 + 12 * k + hidden * dtype.itemsize
@@ -32,8 +34,11 @@ def test_state_on_the_gpu_is_encoded_to_a_host_row() -> None:
     """On a GPU the payload is assembled on the device and copied to the host once."""
     codec = EagleHandoffCodec(4, 4096, torch.bfloat16)
     dev = torch.device("cuda")
-    st = EagleReqState(torch.rand(4, device=dev), torch.randint(0, 2**40, (4,), device=dev),
-                       torch.randn(4096, device=dev).to(torch.bfloat16))
+    st = EagleReqState(
+        torch.rand(4, device=dev),
+        torch.randint(0, 2**40, (4,), device=dev),
+        torch.randn(4096, device=dev).to(torch.bfloat16),
+    )
     payload = codec.encode(Req("r", [1], SamplingParams(), spec_state=st))
     assert payload.device.type == "cpu" and payload.numel() == codec.payload_bytes
     got = codec.decode(payload)

@@ -45,8 +45,7 @@ class PlainWithOwnMap(CustomSpecAlgo):
 
     def create_future_map(self, max_running_requests, chunked_prefill_size, context_len, device, *, debug=False):
         self.built.append((max_running_requests, chunked_prefill_size, context_len, str(device)))
-        return RecordingFutureMap(max_running_requests + 1, device, need_topk=False, need_hidden=False,
-                                  debug=debug)
+        return RecordingFutureMap(max_running_requests + 1, device, need_topk=False, need_hidden=False, debug=debug)
 
     def create_worker(self, parts, config):
         return PlainExecutor(parts.runner, parts.sampler)
@@ -59,8 +58,7 @@ class EagleLike(CustomSpecAlgo):
 
     def create_future_map(self, max_running_requests, chunked_prefill_size, context_len, device, *, debug=False):
         self.built.append((max_running_requests, chunked_prefill_size, context_len, str(device)))
-        return RecordingFutureMap(max_running_requests + 1, device, need_topk=True, need_hidden=True,
-                                  debug=debug)
+        return RecordingFutureMap(max_running_requests + 1, device, need_topk=True, need_hidden=True, debug=debug)
 
     def build_disagg_draft_input(self, batch, config, last_tokens, future_map):
         return SpeculativeAlgorithm.EAGLE.build_disagg_draft_input(batch, config, last_tokens, future_map)
@@ -138,8 +136,7 @@ def test_scheduler_builds_the_plugins_future_map_for_plain_decoding(pair, plugin
     target, _ = pair
     name = plugin("TEST_PLAIN_FM", PlainWithOwnMap)
     PlainWithOwnMap.built.clear()
-    eng = _engine(target, SpecConfig(name), overlap=True, max_running=7, chunked_prefill_size=13,
-                  max_context_len=200)
+    eng = _engine(target, SpecConfig(name), overlap=True, max_running=7, chunked_prefill_size=13, max_context_len=200)
     fm = eng.scheduler.future_map
     assert isinstance(fm, RecordingFutureMap) and eng.executor.future_map is fm
     assert PlainWithOwnMap.built == [(7, 13, 200, "cpu")]  # SGLang's argument order
@@ -159,8 +156,10 @@ def test_scheduler_builds_the_plugins_future_map_for_speculation(pair, plugin) -
     assert fm.stashes > 0 and fm.rows_free()
 
 
-@pytest.mark.parametrize("cls,topk,ntok,width", [(WideEagle, 1, None, 6), (WideEagle, 2, 5, 7),
-                                                 (OldNameWideEagle, 1, None, 5), (WideNgram, 1, None, 7)])
+@pytest.mark.parametrize(
+    "cls,topk,ntok,width",
+    [(WideEagle, 1, None, 6), (WideEagle, 2, 5, 7), (OldNameWideEagle, 1, None, 5), (WideNgram, 1, None, 7)],
+)
 def test_verify_width_from_the_hook_sets_windows_graphs_and_kv(pair, plugin, cls, topk, ntok, width) -> None:
     target, head = pair
     ngram = issubclass(cls, NgramAlgo)
@@ -203,8 +202,7 @@ def test_target_verify_for_draft_switches_the_draft_workers_mode(pair, plugin) -
     assert [o.output_ids for o in eng.generate(PROMPTS, GREEDY)] == _want(target)
     assert windows and all(c.extend_lens_cpu[0] == 5 for c in windows)
 
-    plain = _engine(target, SpecConfig("EAGLE", str(head), 3, 1), cuda_graph_max_bs=4,
-                    cuda_graph_padded_eager=True)
+    plain = _engine(target, SpecConfig("EAGLE", str(head), 3, 1), cuda_graph_max_bs=4, cuda_graph_padded_eager=True)
     modes = {(mode, w) for mode, w, _ in plain.executor.draft.graph_shapes() if w > 1}
     assert modes == {(ForwardMode.DRAFT_EXTEND, 4)}
     with pytest.raises(ValueError, match="supports_target_verify_for_draft"):
@@ -221,9 +219,9 @@ def test_identity_queries_are_answered_by_the_algorithm(plugin) -> None:
     assert ngram.is_ngram() and ngram.is_some() and not ngram.is_eagle() and not ngram.has_draft_kv()
     name = plugin("TEST_IS", EagleLike)
     custom = A.from_name(name)
-    assert custom.is_some() and not any(getattr(custom, q)() for q in
-                                        ("is_none", "is_eagle", "is_eagle3", "is_ngram", "is_standalone",
-                                         "is_dflash"))
+    assert custom.is_some() and not any(
+        getattr(custom, q)() for q in ("is_none", "is_eagle", "is_eagle3", "is_ngram", "is_standalone", "is_dflash")
+    )
     assert A.EAGLE.get_num_tokens_per_bs_for_target_verify(4, False) == 4  # SGLang's name, built-ins too
     assert custom.get_num_tokens_per_bs_for_target_verify(6, True) == 6
 

@@ -18,8 +18,7 @@ GREEDY = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
 def _engine(pair, spec: bool, overlap: bool) -> Engine:
     target, head = pair
     binding = bind(SpecConfig("EAGLE", str(head), 3, 1)) if spec else None
-    return Engine(EngineConfig(str(target), page_size=4, overlap=overlap, future_map_debug=True),
-                  algorithm=binding)
+    return Engine(EngineConfig(str(target), page_size=4, overlap=overlap, future_map_debug=True), algorithm=binding)
 
 
 @pytest.mark.parametrize("spec", [False, True])

@@ -26,9 +26,12 @@ TOL = 1e-4
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("logprobs")
     target = write_tiny_model(root / "t", seed=1)
-    return {"target": target, "EAGLE": write_tiny_eagle_head(root / "h", target, "eagle", mode="repeat"),
-            "EAGLE3": write_tiny_eagle_head(root / "h3", target, "eagle3", draft_vocab_size=300),
-            "STANDALONE": write_tiny_model(root / "d", seed=1)}
+    return {
+        "target": target,
+        "EAGLE": write_tiny_eagle_head(root / "h", target, "eagle", mode="repeat"),
+        "EAGLE3": write_tiny_eagle_head(root / "h3", target, "eagle3", draft_vocab_size=300),
+        "STANDALONE": write_tiny_model(root / "d", seed=1),
+    }
 
 
 def _spec(models, algo: str) -> SpecConfig:

@@ -76,10 +76,10 @@ def test_verify_window_bans_each_tree_row_by_its_depth() -> None:
     eos, vocab = 1, 32
     parents = torch.tensor([[-1, 0, 0, 1, 2]])
     first, sib = child_links(parents, torch.tensor([[1.0, 0.9, 0.8, 0.7, 0.6]]))
-    tree = DraftTree(torch.tensor([[5, 7, 11, 20, 11]]), parents, torch.tensor([[0, 1, 1, 2, 2]]),
-                     first, sib, False)
-    req = Req("r", [2, 3, 4], SamplingParams(max_new_tokens=9, min_new_tokens=4, temperature=0.0),
-              output_ids=[6, 5], slot=1)
+    tree = DraftTree(torch.tensor([[5, 7, 11, 20, 11]]), parents, torch.tensor([[0, 1, 1, 2, 2]]), first, sib, False)
+    req = Req(
+        "r", [2, 3, 4], SamplingParams(max_new_tokens=9, min_new_tokens=4, temperature=0.0), output_ids=[6, 5], slot=1
+    )
     logits = torch.zeros(5, vocab)
     logits[:, eos], logits[:, 11] = 10.0, 9.0
     seq_lens = torch.tensor([len(req.prompt_ids) + len(req.output_ids) - 1])

@@ -17,8 +17,7 @@ from spec.draft_input import BonusDraftInput
 from spec.ngram import NgramAlgo, propose_drafts
 from spec.registry import SpeculativeAlgorithm, bind
 
-SNIPPET = ("def fibonacci(n):\n    if n < 2:\n        return n\n"
-           "    return fibonacci(n - 1) + fibonacci(n - 2)\n\n")
+SNIPPET = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
 OTHER_PROMPTS = [[5, 17, 42, 7, 99, 3, 11, 250], [8, 1], list(range(100, 121))]
 GREEDY = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
 NGRAM = SpecConfig("NGRAM", num_steps=3)
@@ -90,8 +89,9 @@ def test_seeded_sampling_with_ngram_is_reproducible(target, prompts):
     b = eng.generate([prompts[1], prompts[0]], [GREEDY, p])[1].output_ids
     c = engine(target).generate([prompts[0]], p)[0].output_ids
     assert a == b == c and len(a) == 24
-    other = eng.generate([prompts[0]], SamplingParams(max_new_tokens=24, temperature=0.8, seed=8,
-                                                      ignore_eos=True))[0].output_ids
+    other = eng.generate([prompts[0]], SamplingParams(max_new_tokens=24, temperature=0.8, seed=8, ignore_eos=True))[
+        0
+    ].output_ids
     assert other != a
 
 
@@ -110,10 +110,16 @@ def test_random_aborts_during_ngram_decoding_free_every_page(target, prompts):
     for step in range(250):
         if step < 150 and rng.random() < 0.3:
             start = rng.randrange(0, len(tokens) - 30)
-            prompt = (tokens[start:start + rng.randrange(1, 30)] if rng.random() < 0.5
-                      else [rng.randrange(1, 500) for _ in range(rng.randrange(1, 25))])
-            live.add(eng.add_request(prompt, SamplingParams(max_new_tokens=rng.randrange(1, 30),
-                                                            temperature=rng.choice([0.0, 0.9]))))
+            prompt = (
+                tokens[start : start + rng.randrange(1, 30)]
+                if rng.random() < 0.5
+                else [rng.randrange(1, 500) for _ in range(rng.randrange(1, 25))]
+            )
+            live.add(
+                eng.add_request(
+                    prompt, SamplingParams(max_new_tokens=rng.randrange(1, 30), temperature=rng.choice([0.0, 0.9]))
+                )
+            )
         if live and rng.random() < 0.08:
             eng.abort(rng.choice(sorted(live)))
         drain()
@@ -157,8 +163,9 @@ def test_disagg_draft_input_refuses_bad_input():
     with pytest.raises(ValueError, match="one bonus token per request"):
         algo.build_disagg_draft_input(_prebuilt([req]), NGRAM, [9, 9], None)
     with pytest.raises(ValueError, match="no KV slot"):
-        algo.build_disagg_draft_input(_prebuilt([req]), NGRAM, [9], FutureMap(4, "cpu", need_topk=False,
-                                                                               need_hidden=False))
+        algo.build_disagg_draft_input(
+            _prebuilt([req]), NGRAM, [9], FutureMap(4, "cpu", need_topk=False, need_hidden=False)
+        )
     with pytest.raises(SpecConfigError, match="--speculative-eagle-topk"):
         algo.build_disagg_draft_input(_prebuilt([req]), SpecConfig("NGRAM", eagle_topk=2), [9], None)
 

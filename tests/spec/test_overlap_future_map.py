@@ -59,7 +59,7 @@ def test_relay_order_per_row_in_the_overlapped_loop(pair):
         body, tail = seq[2:-1], seq[-1]
         assert tail == "invalidate" and len(body) % 4 == 0 and body, seq
         for i in range(0, len(body), 4):
-            assert body[i:i + 4] == ["resolve_seq_lens", "resolve", "publish", "stash"], seq
+            assert body[i : i + 4] == ["resolve_seq_lens", "resolve", "publish", "stash"], seq
     assert eng.kv.all_free and eng.executor.future_map.rows_free()
 
 
@@ -104,8 +104,9 @@ def test_pd_seeding_while_a_forward_is_in_flight(pair, topk, ntok):
         assert decode.scheduler._inflight is not None
         req = hand_off(prefill, decode, prompt, f"r{i}", GREEDY)
         # seeded by the algorithm right away (SGLang's call shape), then adopted
-        di = algo.build_disagg_draft_input(Batch(ForwardMode.PREBUILT, [req]), cfg,
-                                           torch.tensor(req.output_ids[-1:]), fm)
+        di = algo.build_disagg_draft_input(
+            Batch(ForwardMode.PREBUILT, [req]), cfg, torch.tensor(req.output_ids[-1:]), fm
+        )
         for u in decode.scheduler.adopt_prebuilt([req], di):
             got.setdefault(u.rid, []).extend(u.tokens)
     while not decode.idle:

@@ -9,8 +9,15 @@ import pytest
 import spec.registry as registry
 from spec.config import SpecConfig
 from spec.ngram import NgramAlgo
-from spec.registry import (CustomSpecAlgo, SpeculativeAlgorithm, SpecRegistryError, bind,
-                           register, register_class, registered_names)
+from spec.registry import (
+    CustomSpecAlgo,
+    SpeculativeAlgorithm,
+    SpecRegistryError,
+    bind,
+    register,
+    register_class,
+    registered_names,
+)
 
 
 @pytest.fixture
@@ -32,9 +39,16 @@ class _Other(CustomSpecAlgo):
         raise NotImplementedError
 
 
-@pytest.mark.parametrize("name,algo", [
-    ("none", "NONE"), ("None", "NONE"), (None, "NONE"), ("eagle", "EAGLE"), ("Eagle3", "EAGLE3"),
-])
+@pytest.mark.parametrize(
+    "name,algo",
+    [
+        ("none", "NONE"),
+        ("None", "NONE"),
+        (None, "NONE"),
+        ("eagle", "EAGLE"),
+        ("Eagle3", "EAGLE3"),
+    ],
+)
 def test_builtins_are_found_case_insensitively(name, algo):
     assert SpeculativeAlgorithm.from_name(name) is getattr(SpeculativeAlgorithm, algo)
     assert SpeculativeAlgorithm.from_name(name).name == algo

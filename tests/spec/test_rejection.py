@@ -29,8 +29,7 @@ def _small_tree():
     scores = torch.tensor([[0.6, 0.3, 0.30, 0.24, 0.27]])
     parents = torch.tensor([[-1, -1, 0, 0, 1]])
     depth = torch.tensor([[1, 1, 2, 2, 2]])
-    return tree_from_candidates(torch.tensor([9]), tokens, scores, parents, depth, ntok=5,
-                                depth_bound=2, branching=2)
+    return tree_from_candidates(torch.tensor([9]), tokens, scores, parents, depth, ntok=5, depth_bound=2, branching=2)
 
 
 def test_tree_from_candidates_keeps_best_nodes_and_their_parents():
@@ -57,8 +56,16 @@ def test_greedy_tree_follows_the_matching_branch():
 def _first_token_counts(tree, p_rows, n, vocab):
     bs, ntok = tree.tokens.shape
     rep = lambda t: t.repeat(n, *([1] * (t.dim() - 1)))  # noqa: E731
-    big = type(tree)(rep(tree.tokens), rep(tree.parents), rep(tree.depth), rep(tree.first_child),
-                     rep(tree.next_sibling), tree.is_chain, tree.depth_bound, tree.branching)
+    big = type(tree)(
+        rep(tree.tokens),
+        rep(tree.parents),
+        rep(tree.depth),
+        rep(tree.first_child),
+        rep(tree.next_sibling),
+        tree.is_chain,
+        tree.depth_bound,
+        tree.branching,
+    )
     probs = p_rows.unsqueeze(0).expand(n, ntok, vocab)
     seeds = torch.arange(n, dtype=torch.int64) * 7919 + 11
     r = verify_sampled(big, probs, seeds, torch.full((n,), 5, dtype=torch.int64))
@@ -86,9 +93,14 @@ def test_sampled_chain_matches_target_distribution_with_a_disagreeing_draft():
 def test_sampled_tree_matches_target_distribution():
     vocab = 6
     p = torch.tensor([0.3, 0.02, 0.08, 0.2, 0.25, 0.15])
-    tree = tree_from_candidates(torch.tensor([0]), torch.tensor([[1, 2, 3, 1, 2]]),
-                                torch.tensor([[0.5, 0.3, 0.2, 0.25, 0.1]]),
-                                torch.tensor([[-1, -1, -1, 0, 0]]), torch.tensor([[1, 1, 1, 2, 2]]), 6)
+    tree = tree_from_candidates(
+        torch.tensor([0]),
+        torch.tensor([[1, 2, 3, 1, 2]]),
+        torch.tensor([[0.5, 0.3, 0.2, 0.25, 0.1]]),
+        torch.tensor([[-1, -1, -1, 0, 0]]),
+        torch.tensor([[1, 1, 1, 2, 2]]),
+        6,
+    )
     counts, _ = _first_token_counts(tree, p.expand(6, vocab), 40000, vocab)
     assert _chi2(counts, p) < CHI2_DF5_999
 

@@ -11,19 +11,44 @@ import triton.language as tl
 
 
 @triton.jit
-def attend_tile(q, m_i, l_i, acc, k_cache, v_cache, row, kvh, n0, kv_end, qpos, tok, row_ok,
-                seq_len, tree_ptr, tree_width, req_to_token, stride_rt, stride_kt, stride_kh,
-                stride_vt, stride_vh, stride_tq, scale_log2, d, d_ok,
-                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_TREE: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):
+def attend_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    k_cache,
+    v_cache,
+    row,
+    kvh,
+    n0,
+    kv_end,
+    qpos,
+    tok,
+    row_ok,
+    seq_len,
+    tree_ptr,
+    tree_width,
+    req_to_token,
+    stride_rt,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_tq,
+    scale_log2,
+    d,
+    d_ok,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    HAS_TREE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     pos = n0 + tl.arange(0, BLOCK_N)
     n_ok = pos < kv_end
     slot = tl.load(req_to_token + row * stride_rt + pos, mask=n_ok, other=0)
     kv_mask = n_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_cache + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :],
-                mask=kv_mask, other=0.0).to(q.dtype)
-    v = tl.load(v_cache + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :],
-                mask=kv_mask, other=0.0).to(q.dtype)
+    k = tl.load(k_cache + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    v = tl.load(v_cache + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
         visible = pos[None, :] <= qpos[:, None]
@@ -47,19 +72,103 @@ def attend_tile(q, m_i, l_i, acc, k_cache, v_cache, row, kvh, n0, kv_end, qpos, 
 
 
 @triton.jit
-def attend_range(q, m_i, l_i, acc, k_cache, v_cache, row, kvh, start, full_end, kv_end, qpos,
-                 tok, row_ok, seq_len, tree_ptr, tree_width, req_to_token, stride_rt, stride_kt,
-                 stride_kh, stride_vt, stride_vh, stride_tq, scale_log2, d, d_ok,
-                 BLOCK_N: tl.constexpr, HAS_TREE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def attend_range(
+    q,
+    m_i,
+    l_i,
+    acc,
+    k_cache,
+    v_cache,
+    row,
+    kvh,
+    start,
+    full_end,
+    kv_end,
+    qpos,
+    tok,
+    row_ok,
+    seq_len,
+    tree_ptr,
+    tree_width,
+    req_to_token,
+    stride_rt,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_tq,
+    scale_log2,
+    d,
+    d_ok,
+    BLOCK_N: tl.constexpr,
+    HAS_TREE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """Keys [start, kv_end): tiles before `full_end` (tile-aligned) skip the mask."""
     for n0 in range(start, full_end, BLOCK_N):
         m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, k_cache, v_cache, row, kvh, n0, kv_end, qpos, tok, row_ok, seq_len,
-            tree_ptr, tree_width, req_to_token, stride_rt, stride_kt, stride_kh, stride_vt,
-            stride_vh, stride_tq, scale_log2, d, d_ok, BLOCK_N, False, HAS_TREE, DOT_PRECISION)
+            q,
+            m_i,
+            l_i,
+            acc,
+            k_cache,
+            v_cache,
+            row,
+            kvh,
+            n0,
+            kv_end,
+            qpos,
+            tok,
+            row_ok,
+            seq_len,
+            tree_ptr,
+            tree_width,
+            req_to_token,
+            stride_rt,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            stride_tq,
+            scale_log2,
+            d,
+            d_ok,
+            BLOCK_N,
+            False,
+            HAS_TREE,
+            DOT_PRECISION,
+        )
     for n0 in range(full_end, kv_end, BLOCK_N):
         m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, k_cache, v_cache, row, kvh, n0, kv_end, qpos, tok, row_ok, seq_len,
-            tree_ptr, tree_width, req_to_token, stride_rt, stride_kt, stride_kh, stride_vt,
-            stride_vh, stride_tq, scale_log2, d, d_ok, BLOCK_N, True, HAS_TREE, DOT_PRECISION)
+            q,
+            m_i,
+            l_i,
+            acc,
+            k_cache,
+            v_cache,
+            row,
+            kvh,
+            n0,
+            kv_end,
+            qpos,
+            tok,
+            row_ok,
+            seq_len,
+            tree_ptr,
+            tree_width,
+            req_to_token,
+            stride_rt,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            stride_tq,
+            scale_log2,
+            d,
+            d_ok,
+            BLOCK_N,
+            True,
+            HAS_TREE,
+            DOT_PRECISION,
+        )
     return m_i, l_i, acc

@@ -27,12 +27,20 @@ class StandaloneAlgo(CustomSpecAlgo):
         # holds num_steps + 1 drafts and the bonus token: one row more than num_draft_tokens.
         return num_draft_tokens + 1
 
-    def create_future_map(self, max_running_requests: int, chunked_prefill_size: int, context_len: int,
-                          device: Any, *, debug: bool = False) -> FutureMap:
+    def create_future_map(
+        self,
+        max_running_requests: int,
+        chunked_prefill_size: int,
+        context_len: int,
+        device: Any,
+        *,
+        debug: bool = False,
+    ) -> FutureMap:
         return FutureMap(max_running_requests + 1, device, need_topk=True, need_hidden=False, debug=debug)
 
-    def build_disagg_draft_input(self, batch: Batch, config: SpecConfig, last_tokens: Any,
-                                 future_map: FutureMap | None) -> StandaloneDraftInput:
+    def build_disagg_draft_input(
+        self, batch: Batch, config: SpecConfig, last_tokens: Any, future_map: FutureMap | None
+    ) -> StandaloneDraftInput:
         return build_draft_input(batch, last_tokens, future_map, self.name)
 
     def create_worker(self, parts: EngineParts, config: SpecConfig) -> StandaloneWorker:

@@ -8,8 +8,16 @@ from typing import Any
 
 import torch
 
-from spec.api import (Batch, DisaggHandoffError, FutureMap, HandoffError, RelayPayload, Req,
-                      check_prebuilt, seed_prebuilt)
+from spec.api import (
+    Batch,
+    DisaggHandoffError,
+    FutureMap,
+    HandoffError,
+    RelayPayload,
+    Req,
+    check_prebuilt,
+    seed_prebuilt,
+)
 
 
 @dataclass
@@ -54,16 +62,17 @@ class GuessCodec:
         return DraftGuess(data[0:4].view(torch.float32).clone(), data[8:16].view(torch.int64).clone())
 
 
-def build_draft_input(batch: Batch, last_tokens: Any, future_map: FutureMap | None,
-                      label: str) -> StandaloneDraftInput:
+def build_draft_input(batch: Batch, last_tokens: Any, future_map: FutureMap | None, label: str) -> StandaloneDraftInput:
     bonus = check_prebuilt(batch, last_tokens, label)
     missing = [r.rid for r in batch.reqs if not isinstance(r.handoff, DraftGuess)]
     if missing:
         raise DisaggHandoffError(f"{label}: handoff lacks the draft guess for {missing}", missing)
     dev = future_map.device if future_map is not None else bonus.device
-    di = StandaloneDraftInput(bonus.to(dev),
-                              torch.stack([r.handoff.p.reshape(1) for r in batch.reqs]).to(dev, torch.float32),
-                              torch.stack([r.handoff.token.reshape(1) for r in batch.reqs]).to(dev, torch.int64))
+    di = StandaloneDraftInput(
+        bonus.to(dev),
+        torch.stack([r.handoff.p.reshape(1) for r in batch.reqs]).to(dev, torch.float32),
+        torch.stack([r.handoff.token.reshape(1) for r in batch.reqs]).to(dev, torch.int64),
+    )
     for r in batch.reqs:
         r.spec_state = None
     if future_map is not None:

@@ -20,13 +20,44 @@ from typing import Any
 
 import torch
 
-from spec.api import (Batch, BatchRelay, DraftInput, EngineParts, ForwardMode, FutureMap, HandoffCodec,
-                      HostCopy, KVPool, ModelRunner, RelayPayload, Req, Sampler, SpecConfig, SpecConfigError,
-                      SpecStats, StepOutput, accepted_rows, build_input_ids, chain_tree, emit_device,
-                      emitted_window, host_output, last_accepted_rows, last_token_rows, load_model,
-                      maybe_enable_cuda_graphs, sample_positions, sample_tokens, sampled_output,
-                      sampling_reqs, scatter_to_batch, seed_prebuilt_rows, shifted_tokens, to_device,
-                      verify_window)
+from spec.api import (
+    Batch,
+    BatchRelay,
+    DraftInput,
+    EngineParts,
+    ForwardMode,
+    FutureMap,
+    HandoffCodec,
+    HostCopy,
+    KVPool,
+    ModelRunner,
+    RelayPayload,
+    Req,
+    Sampler,
+    SpecConfig,
+    SpecConfigError,
+    SpecStats,
+    StepOutput,
+    accepted_rows,
+    build_input_ids,
+    chain_tree,
+    emit_device,
+    emitted_window,
+    host_output,
+    last_accepted_rows,
+    last_token_rows,
+    load_model,
+    maybe_enable_cuda_graphs,
+    sample_positions,
+    sample_tokens,
+    sampled_output,
+    sampling_reqs,
+    scatter_to_batch,
+    seed_prebuilt_rows,
+    shifted_tokens,
+    to_device,
+    verify_window,
+)
 from pdserve_standalone.handoff import DraftGuess, GuessCodec
 
 
@@ -44,8 +75,15 @@ def top1(runner: ModelRunner, hidden: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 class StandaloneWorker:
-    def __init__(self, target: ModelRunner, draft: ModelRunner, sampler: Sampler, width: int,
-                 draft_width: int, draft_mode: ForwardMode) -> None:
+    def __init__(
+        self,
+        target: ModelRunner,
+        draft: ModelRunner,
+        sampler: Sampler,
+        width: int,
+        draft_width: int,
+        draft_mode: ForwardMode,
+    ) -> None:
         self.target, self.draft, self.sampler = target, draft, sampler
         self.width, self.draft_width, self.draft_mode = width, draft_width, draft_mode
         self.active = (width, draft_width)  # this decode batch's widths (narrower near the limit)
@@ -57,18 +95,34 @@ class StandaloneWorker:
         width = algorithm.get_num_tokens_per_req_for_target_verify(cfg.ntok, False)
         draft_width = algorithm.get_num_tokens_per_req_for_target_verify(cfg.ntok, True)
         if width < 2 or draft_width < width:
-            raise SpecConfigError(f"{algorithm.name}: verify width {width} and draft width {draft_width} "
-                                  "need 2 <= verify <= draft")
+            raise SpecConfigError(
+                f"{algorithm.name}: verify width {width} and draft width {draft_width} need 2 <= verify <= draft"
+            )
         assert cfg.draft_model_path is not None
         model, mcfg = load_model(cfg.draft_model_path, parts.dtype, parts.device)
         if mcfg.vocab_size != parts.model_config.vocab_size:
-            raise SpecConfigError(f"--speculative-draft-model-path: the draft LM's vocabulary ({mcfg.vocab_size}) "
-                                  f"is not the target's ({parts.model_config.vocab_size})")
-        pool = KVPool(mcfg.num_layers, parts.kv.allocator.num_pages, parts.kv.page_size, mcfg.num_kv_heads,
-                      mcfg.head_dim, parts.dtype, parts.device)
+            raise SpecConfigError(
+                f"--speculative-draft-model-path: the draft LM's vocabulary ({mcfg.vocab_size}) "
+                f"is not the target's ({parts.model_config.vocab_size})"
+            )
+        pool = KVPool(
+            mcfg.num_layers,
+            parts.kv.allocator.num_pages,
+            parts.kv.page_size,
+            mcfg.num_kv_heads,
+            mcfg.head_dim,
+            parts.dtype,
+            parts.device,
+        )
         allowed = algorithm.supports_target_verify_for_draft()
-        draft = ModelRunner(model, parts.kv, pool, parts.runner.attn_backend, parts.device,
-                            target_verify=True if allowed else "its algorithm keeps the draft in DRAFT_EXTEND")
+        draft = ModelRunner(
+            model,
+            parts.kv,
+            pool,
+            parts.runner.attn_backend,
+            parts.device,
+            target_verify=True if allowed else "its algorithm keeps the draft in DRAFT_EXTEND",
+        )
         maybe_enable_cuda_graphs(draft, parts.config.cuda_graph_max_bs, parts.config.cuda_graph_padded_eager)
         mode = ForwardMode.TARGET_VERIFY if allowed else ForwardMode.DRAFT_EXTEND
         return cls(parts.runner, draft, parts.sampler, width, draft_width, mode)
@@ -170,8 +224,14 @@ class StandaloneWorker:
         tok = r.topk_index[:, 0]
         chain = [r.bonus_tokens, tok]
         for s in range(1, w - 1):  # draft token s sits at slot seq + s - 1 (one ahead)
-            ctx = self.draft.make_context(ForwardMode.DECODE, slots, [b + s - 1 for b in bound], [1] * bs,
-                                          device_prefix=seq + s - 1, positions=seq + s - 1)
+            ctx = self.draft.make_context(
+                ForwardMode.DECODE,
+                slots,
+                [b + s - 1 for b in bound],
+                [1] * bs,
+                device_prefix=seq + s - 1,
+                positions=seq + s - 1,
+            )
             g, _ = self.draft.forward(tok, ctx)
             tok = self.draft.logits(g).argmax(-1)
             chain.append(tok)
