@@ -11,6 +11,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+from common.defaults import (
+    DEFAULT_BOOTSTRAP_PORT,
+    DEFAULT_MEM_FRACTION_STATIC,
+)
 
 ENV_PREFIX = "PDSERVE_"
 PANEL_SPEC = "Speculative decoding"
@@ -49,13 +53,6 @@ def opt(
 def flag_of(f: dataclasses.Field[Any]) -> Flag:
     return f.metadata.get("flag") or Flag(help="")
 
-
-# Share of a GPU's memory that weights + KV cache may fill (SGLang's --mem-fraction-static); the
-# rest is left for activations, CUDA graphs and the allocator's slack. A little below SGLang's usual
-# ~0.88: graphs here are captured per speculative step count as well as per batch size (adaptive
-# steps keep several sets), and under overlap scheduling two batches' activations are alive at once.
-# On an 80 GB card 0.85 leaves 12 GB, far more than a 2048-token prefill chunk of an 8B model needs.
-DEFAULT_MEM_FRACTION_STATIC = 0.85
 
 _HOST_HELP = "Address to bind (0.0.0.0: every interface, as a pod needs)."
 _MODEL_HELP = "HF-format model directory (default: the built-in Python-code pair, with EAGLE on)."
@@ -175,26 +172,6 @@ class ServeRole:
     metrics_port: Optional[int] = opt(None, "Serve Prometheus /metrics on this port (0: any free).")
 
 
-ROWS_PLACES = ("kv", "host")  # --kv-handoff-rows
-
-
-def check_rows_place(place: str) -> str:
-    """A --kv-handoff-rows value, or a ValueError naming the flag and the choices."""
-    if place not in ROWS_PLACES:
-        raise ValueError(f"--kv-handoff-rows must be one of {', '.join(ROWS_PLACES)}, got {place!r}")
-    return place
-
-
-SGL_MODES = ("off", "on", "auto")  # --kv-write-sgl
-
-
-def check_sgl_mode(mode: str) -> str:
-    """A --kv-write-sgl value, or a ValueError naming the flag and the choices."""
-    if mode not in SGL_MODES:
-        raise ValueError(f"--kv-write-sgl must be one of {', '.join(SGL_MODES)}, got {mode!r}")
-    return mode
-
-
 _SGL_HELP = (
     "Post each KV write as one scatter-gather list (NIXL's UCX SGL offload; on GPUs one batched "
     "copy instead of one per layer and K|V): on, off, or auto (on where the KV is in GPU memory)."
@@ -214,7 +191,7 @@ class PrefillRole:
     host: str = opt("127.0.0.1", _HOST_HELP)
     port: int = opt(30001, "Scheduler API (gRPC) port.")
     bootstrap_port: int = opt(
-        8998, "KV control port decode nodes connect to.", aliases=("--disaggregation-bootstrap-port",)
+        DEFAULT_BOOTSTRAP_PORT, "KV control port decode nodes connect to.", aliases=("--disaggregation-bootstrap-port",)
     )
     kv_transport: str = opt("nixl", "KV transfer backend (nixl).", aliases=("--disaggregation-transfer-backend",))
     bootstrap_timeout: float = opt(30.0, "Seconds to wait for a destination.")

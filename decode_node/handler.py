@@ -13,6 +13,7 @@ import grpc
 import torch
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
+from common.defaults import DEFAULT_BOOTSTRAP_PORT
 from engine.core import InvalidRequest
 from engine.disagg import DisaggEngine
 from engine.handoff import HandoffError, HandoffHeader
@@ -28,7 +29,6 @@ from spec.draft_input import DisaggHandoffError
 from spec.registry import AlgorithmBinding
 
 log = logging.getLogger(__name__)
-DEFAULT_BOOTSTRAP_PORT = 8998  # what SMG sends when the operator names no port
 # Failure kinds (below) that are the prefill peer's doing: unreachable, its control RPC failed,
 # no KV within the wait, or it reported the handoff failed. The router charges the prefill.
 PREFILL_FAULTS = frozenset({"prefill_unreachable", "rpc_error", "waiting_timeout", "prefill_failed"})

@@ -7,15 +7,32 @@ one decodes plainly. The scheduler's start-up builds the FutureMap through `crea
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from engine.config import EngineConfig, ModelConfig
 from engine.future_map import FutureMap, plain_future_map
+from engine.kv_cache import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.sampler import Sampler
 
 if TYPE_CHECKING:
-    from engine.engine import EngineParts
     from engine.executor import Executor
+
+
+@dataclass
+class EngineParts:
+    """What an executor factory may build on: the loaded target and the shared KV machinery."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    runner: ModelRunner
+    kv: KVCacheManager
+    sampler: Sampler
+    device: torch.device
+    dtype: torch.dtype
 
 
 class EngineAlgorithm(Protocol):

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from common.defaults import DEFAULT_MEM_FRACTION_STATIC
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 _DTYPES = {
@@ -129,3 +131,70 @@ def _rope_scaling(raw: dict[str, Any]) -> dict[str, Any] | None:
     if kind != "llama3":
         raise ModelLoadError(f"config.json: unsupported rope_scaling type {kind!r} (supported: llama3)")
     return dict(rs, rope_type="llama3")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of one engine instance; every field has a safe CPU default."""
+
+    model: str
+    dtype: str | None = None  # default: the checkpoint's torch_dtype
+    device: str = "cpu"
+    page_size: int = 16
+    # KV capacity in tokens (rounded down to whole pages). None: sized from mem_fraction_static on
+    # GPUs (engine/kv_budget.py), kv_budget.CPU_KV_TOKENS on a CPU. A fixed default here keeps
+    # scripts and tests that hold several engines in one process from each claiming the device.
+    max_total_tokens: int | None = 16384
+    mem_fraction_static: float = DEFAULT_MEM_FRACTION_STATIC  # share of the device for weights + KV
+    max_running: int = 64
+    chunked_prefill_size: int = 2048
+    max_context_len: int | None = None  # default: the model's max_position_embeddings
+    attention_backend: str = "torch"
+    seed: int | None = None  # seeds the draw of per-request seeds for unseeded requests
+    # Overlap scheduling: form and launch batch N+1 while batch N runs, process results one
+    # step late. Off by default: on CPU the "device" work runs synchronously inside the launch,
+    # so there is nothing to hide; GPU deployments and the GPU benchmark turn it on. Executors
+    # that cannot overlap (host-side drafting) run synchronously whatever this says.
+    overlap: bool = False
+    # FutureMap debug mode: poison consumed relay rows and check every read was written
+    future_map_debug: bool = False
+    # > 0 on CUDA: capture decode / verify / draft forwards in CUDA graphs up to this batch size
+    cuda_graph_max_bs: int = 0
+    # with cuda_graph_max_bs > 0 off CUDA: run those forwards through the graphs' padded static
+    # buffers without capturing (the CPU test path of the graph code)
+    cuda_graph_padded_eager: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "max_total_tokens", "max_running", "chunked_prefill_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_fraction(self.mem_fraction_static)
+        check_device(self.device)
+
+
+def check_device(name: str) -> torch.device:
+    """Parse a device name and make sure this machine has it: a clear error naming the device, not
+    a RuntimeError or an assert deep in model loading. The engine has CPU and CUDA paths only
+    (DESIGN.md section 3); other torch backends would fail deep inside."""
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"device {name!r} is not a valid torch device ({e}); use cpu, cuda or cuda:N") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"device {name!r} is not supported; use cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: CUDA is not available in this torch build or machine")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r} does not exist ({torch.cuda.device_count()} CUDA device(s) present)")
+    return dev
+
+
+class KVBudgetError(ValueError):
+    """The memory share cannot hold the KV cache; the message says what to change."""
+
+
+def check_fraction(fraction: float) -> None:
+    if not 0 < fraction <= 1:
+        raise KVBudgetError(f"--mem-fraction-static must be in (0, 1], got {fraction}")

@@ -13,90 +13,20 @@ from typing import Iterator, Sequence
 
 import torch
 
-from engine.algorithm import EngineAlgorithm, PlainDecoding
 from engine.attention import create_attention_backend
-from engine.config import ModelConfig, parse_dtype
+from engine.algorithm import EngineAlgorithm, EngineParts, PlainDecoding
+from engine.config import EngineConfig, ModelConfig, check_device, parse_dtype
 from engine.core import FinishReason, InvalidRequest, Req, SamplingParams, as_token_list
 from engine.executor import check_executor, maybe_enable_cuda_graphs
-from engine.kv_budget import check_fraction, draft_footprint, kv_bytes_per_token, size_kv_cache
+from engine.kv_budget import draft_footprint, kv_bytes_per_token, size_kv_cache
 from engine.kv_cache import MAX_DECODE_WINDOW, KVCacheConfig, KVCacheManager, KVPool
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import BatchPolicy, PolicyConfig, RequestUpdate, Scheduler
 from engine.scheduler.updates import SchedulerIO
-from common.config import DEFAULT_MEM_FRACTION_STATIC
 from common.detokenize import TextAssembler
 from common.tokenizer import Tokenizer
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Knobs of one engine instance; every field has a safe CPU default."""
-
-    model: str
-    dtype: str | None = None  # default: the checkpoint's torch_dtype
-    device: str = "cpu"
-    page_size: int = 16
-    # KV capacity in tokens (rounded down to whole pages). None: sized from mem_fraction_static on
-    # GPUs (engine/kv_budget.py), kv_budget.CPU_KV_TOKENS on a CPU. A fixed default here keeps
-    # scripts and tests that hold several engines in one process from each claiming the device.
-    max_total_tokens: int | None = 16384
-    mem_fraction_static: float = DEFAULT_MEM_FRACTION_STATIC  # share of the device for weights + KV
-    max_running: int = 64
-    chunked_prefill_size: int = 2048
-    max_context_len: int | None = None  # default: the model's max_position_embeddings
-    attention_backend: str = "torch"
-    seed: int | None = None  # seeds the draw of per-request seeds for unseeded requests
-    # Overlap scheduling: form and launch batch N+1 while batch N runs, process results one
-    # step late. Off by default: on CPU the "device" work runs synchronously inside the launch,
-    # so there is nothing to hide; GPU deployments and the GPU benchmark turn it on. Executors
-    # that cannot overlap (host-side drafting) run synchronously whatever this says.
-    overlap: bool = False
-    # FutureMap debug mode: poison consumed relay rows and check every read was written
-    future_map_debug: bool = False
-    # > 0 on CUDA: capture decode / verify / draft forwards in CUDA graphs up to this batch size
-    cuda_graph_max_bs: int = 0
-    # with cuda_graph_max_bs > 0 off CUDA: run those forwards through the graphs' padded static
-    # buffers without capturing (the CPU test path of the graph code)
-    cuda_graph_padded_eager: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("page_size", "max_total_tokens", "max_running", "chunked_prefill_size"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        check_fraction(self.mem_fraction_static)
-        check_device(self.device)
-
-
-def check_device(name: str) -> torch.device:
-    """Parse a device name and make sure this machine has it (a clear error, not a deep assert)."""
-    try:
-        dev = torch.device(name)
-    except RuntimeError as e:
-        raise ValueError(f"device {name!r} is not a valid torch device ({e})") from None
-    if dev.type == "cpu":
-        return dev
-    mod = getattr(torch, dev.type, None)
-    available = getattr(mod, "is_available", lambda: False)()
-    if not available:
-        raise ValueError(f"device {name!r} is not available on this machine")
-    if dev.index is not None and dev.index >= mod.device_count():
-        raise ValueError(f"device {name!r} does not exist ({mod.device_count()} present)")
-    return dev
-
-
-@dataclass
-class EngineParts:
-    """What an executor factory may build on: the loaded target and the shared KV machinery."""
-
-    config: EngineConfig
-    model_config: ModelConfig
-    runner: ModelRunner
-    kv: KVCacheManager
-    sampler: Sampler
-    device: torch.device
-    dtype: torch.dtype
 
 
 @dataclass
@@ -362,4 +292,4 @@ def _maybe_tokenizer(model_dir: Path) -> Tokenizer | None:
     return Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
 
 
-__all__ = ["Engine", "EngineConfig", "EngineParts", "GenerationOutput", "StreamDelta", "parse_dtype"]
+__all__ = ["Engine", "EngineConfig", "EngineParts", "GenerationOutput", "StreamDelta", "check_device", "parse_dtype"]

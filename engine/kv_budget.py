@@ -14,21 +14,12 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelLoadError
+from engine.config import KVBudgetError, ModelLoadError, check_fraction
 
 log = logging.getLogger(__name__)
 
 CPU_KV_TOKENS = 16384  # the KV capacity of a CPU engine not told otherwise
 _GIB = 1 << 30
-
-
-class KVBudgetError(ValueError):
-    """The memory share cannot hold the KV cache; the message says what to change."""
-
-
-def check_fraction(fraction: float) -> None:
-    if not 0 < fraction <= 1:
-        raise KVBudgetError(f"--mem-fraction-static must be in (0, 1], got {fraction}")
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:

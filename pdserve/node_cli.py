@@ -18,9 +18,8 @@ from common.config import (
     ServeRole,
     SpeculativeOptions,
     UpOptions,
-    check_rows_place,
-    check_sgl_mode,
 )
+from common.defaults import check_rows_place, check_sgl_mode
 from pdserve.errors import fail
 from pdserve.flags import with_options
 

@@ -21,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Callable
 
-from common.config import DEFAULT_MEM_FRACTION_STATIC
+from common.defaults import DEFAULT_MEM_FRACTION_STATIC
 
 
 @dataclass

@@ -22,13 +22,13 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
 from router.breaker import CircuitBreaker
+from common.defaults import DEFAULT_BOOTSTRAP_PORT
 from common.sampling import SamplingParams
 from router.contract import GenerationJob, ModelCard, TokenEvent
 
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "colocated")
-DEFAULT_BOOTSTRAP_PORT = 8998  # what SMG (and our decode node) assume when none is given
 # GetServerInfo's disaggregation_mode for each configured role; a mismatch is a config error.
 SERVER_MODE = {"prefill": "prefill", "decode": "decode", "colocated": "null"}
 # Fast reconnects: the default backoff grows to 120 s, far slower than the refresh period.

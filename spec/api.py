@@ -10,7 +10,7 @@ Examples: spec/ngram.py (in tree) and examples/standalone (an installable packag
 from __future__ import annotations
 
 from engine.core import Batch, ForwardMode, Req, SamplingParams, StepOutput
-from engine.engine import EngineParts
+from engine.algorithm import EngineParts
 from engine.executor import (
     Executor,
     HostCopy,

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.core import Batch, ForwardMode, Req, StepOutput
-from engine.engine import EngineParts
+from engine.algorithm import EngineParts
 from engine.executor import (
     HostCopy,
     build_input_ids,

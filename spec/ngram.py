@@ -30,7 +30,7 @@ from spec.registry import CustomSpecAlgo
 from spec.tree import chain_tree
 
 if TYPE_CHECKING:
-    from engine.engine import EngineParts
+    from engine.algorithm import EngineParts
     from engine.model_runner import ModelRunner
     from engine.sampler import Sampler
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 if TYPE_CHECKING:
     from engine.core import Batch
-    from engine.engine import EngineParts
+    from engine.algorithm import EngineParts
     from engine.executor import Executor
     from engine.future_map import FutureMap
     from spec.config import SpecConfig

@@ -148,7 +148,7 @@ def test_nodes_sharing_a_gpu_load_in_turn_with_cumulative_memory_shares() -> Non
     """Two nodes on cuda:0 and one on cuda:1: cuda:0's second node starts after its first, with
     twice its share of the default fraction; CPU nodes all start at once; an operator's own KV
     sizing is left alone."""
-    from common.config import DEFAULT_MEM_FRACTION_STATIC as F
+    from common.defaults import DEFAULT_MEM_FRACTION_STATIC as F
     from pdserve.up import _sizes_kv_itself, _waves
 
     plans = [

@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from common.config import check_rows_place
+from common.defaults import check_rows_place
 from common.fingerprint import Fingerprint, build_fingerprint
 from engine.kv_cache import KV_LAYOUT
 from engine.kv_transfer import HandoffRows, KVTransport, create_transport

@@ -35,7 +35,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's Python logger prints I
 
 from nixl_cu13._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t  # noqa: E402
 
-from common.config import check_sgl_mode
+from common.defaults import check_sgl_mode
 from engine.kv_cache import KVPool
 from engine.kv_transfer.rows import HandoffRows
 from engine.kv_transfer.base import KVPoll, MemoryLayout, TransferError, TransferRequest, completion_tag

@@ -222,7 +222,7 @@ def test_a_bad_kv_flag_value_is_a_clean_error_before_loading(tiny_llama_dir, rol
 
 
 def test_a_bad_handoff_rows_place_is_refused_by_the_endpoint_too():
-    from common.config import check_rows_place
+    from common.defaults import check_rows_place
 
     assert check_rows_place("host") == "host"
     with pytest.raises(ValueError, match="--kv-handoff-rows must be one of kv, host, got 'vram'"):

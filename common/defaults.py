@@ -1,0 +1,48 @@
+"""Defaults and value checks shared by the flag schemas, the engine and the router (torch-free).
+
+The engine and the router import these, never the CLI's schema module (common/config.py), which
+builds its flags on top of them.
+"""
+
+from __future__ import annotations
+
+# Share of a GPU's memory that weights + KV cache may fill (SGLang's --mem-fraction-static); the
+# rest is left for activations, CUDA graphs and the allocator's slack. A little below SGLang's usual
+# ~0.88: graphs here are captured per speculative step count as well as per batch size (adaptive
+# steps keep several sets), and under overlap scheduling two batches' activations are alive at once.
+# On an 80 GB card 0.85 leaves 12 GB, far more than a 2048-token prefill chunk of an 8B model needs.
+DEFAULT_MEM_FRACTION_STATIC = 0.85
+
+# The KV control port a prefill node listens on and decode nodes dial, when none is named
+# (SGLang's --disaggregation-bootstrap-port default, which SMG also assumes).
+DEFAULT_BOOTSTRAP_PORT = 8998
+
+
+ROWS_PLACES = ("kv", "host")  # --kv-handoff-rows
+
+
+def check_rows_place(place: str) -> str:
+    """A --kv-handoff-rows value, or a ValueError naming the flag and the choices."""
+    if place not in ROWS_PLACES:
+        raise ValueError(f"--kv-handoff-rows must be one of {', '.join(ROWS_PLACES)}, got {place!r}")
+    return place
+
+
+SGL_MODES = ("off", "on", "auto")  # --kv-write-sgl
+
+
+def check_sgl_mode(mode: str) -> str:
+    """A --kv-write-sgl value, or a ValueError naming the flag and the choices."""
+    if mode not in SGL_MODES:
+        raise ValueError(f"--kv-write-sgl must be one of {', '.join(SGL_MODES)}, got {mode!r}")
+    return mode
+
+
+__all__ = [
+    "DEFAULT_BOOTSTRAP_PORT",
+    "DEFAULT_MEM_FRACTION_STATIC",
+    "ROWS_PLACES",
+    "SGL_MODES",
+    "check_rows_place",
+    "check_sgl_mode",
+]
