@@ -17,6 +17,7 @@ from engine.future_map import FutureMap, plain_future_map
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
+from engine.worker import PlainExecutor
 
 if TYPE_CHECKING:
     from engine.executor import Executor
@@ -69,8 +70,6 @@ class PlainDecoding:
     name = "plain"
 
     def create_worker(self, parts: "EngineParts") -> "Executor":
-        from engine.executor import PlainExecutor
-
         return PlainExecutor(parts.runner, parts.sampler)
 
     def create_future_map(

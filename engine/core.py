@@ -136,6 +136,21 @@ class Req:
         self.state = ReqState.FINISHED
 
 
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """How one decode batch runs, chosen when the batch is formed (`Executor.plan_decode`) and
+    carried with it, so the step that runs is the step that was chosen: the KV slots each request
+    may write beyond its length (what the scheduler reserves), the draft step count (0: plain),
+    and the worker's own runtime state for that count (widths, graph set; opaque to the engine)."""
+
+    window: int = 1
+    steps: int = 0
+    state: Any = None
+
+
+PLAIN_DECODE = DecodePlan()  # one token per request, nothing drafted
+
+
 @dataclass(slots=True)
 class Batch:
     """Requests that run one forward together, with the mode and per-request query lengths.
@@ -155,9 +170,8 @@ class Batch:
     # value is on the device). Filled from `Req.sched_len` when the batch is formed.
     prefix_lens: list[int] = field(default_factory=list)
     epochs: list[int] = field(default_factory=list)  # Req.epoch at launch
-    # DECODE: KV slots one request may write beyond its committed length this step (1 plain; the
-    # speculative window the executor chose for this batch's size and context room)
-    window: int = 1
+    # DECODE: how it runs (the executor's plan for this batch's size and context room)
+    plan: DecodePlan = PLAIN_DECODE
 
     def __post_init__(self) -> None:
         if not self.prefix_lens:
@@ -170,9 +184,14 @@ class Batch:
     def num_tokens(self) -> int:
         return sum(self.extend_lens)
 
+    @property
+    def window(self) -> int:
+        """DECODE: KV slots one request may write beyond its committed length this step."""
+        return self.plan.window
+
     @staticmethod
-    def decode(reqs: list[Req], window: int = 1) -> "Batch":
-        return Batch(ForwardMode.DECODE, reqs, [1] * len(reqs), [True] * len(reqs), window=window)
+    def decode(reqs: list[Req], plan: DecodePlan = PLAIN_DECODE) -> "Batch":
+        return Batch(ForwardMode.DECODE, reqs, [1] * len(reqs), [True] * len(reqs), plan=plan)
 
     @staticmethod
     def idle() -> "Batch":

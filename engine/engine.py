@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 import threading
@@ -9,7 +10,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import ContextManager, Iterator, Sequence
 
 import torch
 
@@ -23,7 +24,7 @@ from engine.kv_cache import MAX_DECODE_WINDOW, KVCacheConfig, KVCacheManager, KV
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
-from engine.scheduler import BatchPolicy, PolicyConfig, RequestUpdate, Scheduler
+from engine.scheduler import BatchPolicy, PolicyConfig, RequestUpdate, Scheduler, SchedulerConfig
 from engine.scheduler.updates import SchedulerIO
 from common.detokenize import TextAssembler
 from common.tokenizer import Tokenizer
@@ -98,6 +99,16 @@ def bind_thread_to_device(device: torch.device) -> None:
         torch.cuda.set_device(device.index)
 
 
+def on_device(device: torch.device) -> ContextManager[object]:
+    """`device` as the calling thread's current CUDA device for the duration, the caller's own
+    restored after: an engine built or stepped from a thread (a test, a script holding engines on
+    two GPUs) launches its kernels on its GPU and leaves the thread as it found it. A no-op off
+    CUDA, for a bare "cuda", and when the thread already is there (the hot path: one query)."""
+    if device.type != "cuda" or device.index is None or torch.cuda.current_device() == device.index:
+        return contextlib.nullcontext()
+    return torch.cuda.device(device.index)
+
+
 class Engine:
     """Generate for a batch of prompts (text or token ids), all at once or streaming."""
 
@@ -107,7 +118,16 @@ class Engine:
         started = time.perf_counter()
         self.config = config
         self.device = torch.device(config.device)
-        bind_thread_to_device(self.device)
+        with on_device(self.device):
+            self._build(config, algorithm, io)
+        self.tokenizer = _maybe_tokenizer(Path(config.model))
+        self._rng = random.Random(config.seed)
+        self._ids = itertools.count()
+        self._texts: dict[str, TextAssembler] = {}
+        self.load_seconds = time.perf_counter() - started  # weights, KV pool, graphs (node metrics)
+
+    def _build(self, config: EngineConfig, algorithm: EngineAlgorithm | None, io: SchedulerIO | None) -> None:
+        """Weights, KV pools, the algorithm's worker, the scheduler and the start-up graphs."""
         model, self.model_config = load_model(config.model, config.dtype, self.device)
         self.dtype = next(model.parameters()).dtype
         mc = self.model_config
@@ -134,24 +154,10 @@ class Engine:
             self.executor,
         )
         self.io: SchedulerIO = io or _LocalIO()
-        self.scheduler = Scheduler(
-            policy,
-            self.executor,
-            self.io,
-            self.kv,
-            mc.eos_token_ids,
-            self.max_context_len,
-            overlap=config.overlap,
-            algorithm=self.algorithm,
-            future_map_debug=config.future_map_debug,
-        )
+        stops = SchedulerConfig(mc.eos_token_ids, self.max_context_len, config.overlap, config.future_map_debug)
+        self.scheduler = Scheduler(policy, self.executor, self.io, stops, self.algorithm)
         if config.cuda_graph_max_bs > 0:  # after the scheduler bound the FutureMap graphs read
             self.executor.capture_cuda_graphs()  # at start-up, so first requests do not pay for captures
-        self.tokenizer = _maybe_tokenizer(Path(config.model))
-        self._rng = random.Random(config.seed)
-        self._ids = itertools.count()
-        self._texts: dict[str, TextAssembler] = {}
-        self.load_seconds = time.perf_counter() - started  # weights, KV pool, graphs (node metrics)
 
     def _kv_tokens(self, mc: ModelConfig) -> int:
         """The configured KV capacity, or what the device memory left by the weights holds for the
@@ -208,7 +214,8 @@ class Engine:
 
     # ---- driving the scheduler in the caller's thread ----
     def step(self) -> list[StreamDelta]:
-        self.scheduler.step()
+        with on_device(self.device):
+            self.scheduler.step()
         deltas = []
         while self.io.outbox:
             deltas.append(self._to_delta(self.io.outbox.popleft()))

@@ -1,9 +1,9 @@
-"""Executors run a scheduled Batch and return new tokens; the plain one samples one token per step.
+"""The Executor protocol (what runs a scheduled Batch and returns new tokens) and the helpers workers share.
 
 The scheduler and the node facade see only the `Executor` protocol, so a speculative worker
 (spec/) plugs in here without the engine knowing which algorithm it is; every hook the engine
-asks of an executor is declared on the protocol (the plain executor is the reference for the
-defaults). A step is split in two: `launch` enqueues the device work and starts copying the
+asks of an executor is declared on the protocol, and engine/worker.py's WorkerBase holds the
+defaults every worker starts from. A step is split in two: `launch` enqueues the device work and starts copying the
 results to the host; `collect` waits for those copies and builds the StepOutput. The overlap
 scheduler forms and launches batch N+1 between the two halves of batch N; the synchronous path is
 `step = collect(launch(batch))`.
@@ -15,19 +15,17 @@ which every sampling step stashes into.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from engine.core import Batch, ForwardMode, Req, StepOutput
-from engine.future_map import BatchRelay, DraftInput, FutureMap, RelayPayload
+from engine.core import Batch, DecodePlan, Req, StepOutput
+from engine.future_map import BatchRelay, DraftInput, FutureMap
 from engine.h2d import to_device
-from engine.handoff import HandoffCodec, NoPayloadCodec
+from engine.handoff import HandoffCodec
 from engine.kv_cache import KVPool
 from engine.model_runner import ModelRunner
-from engine.sampler import Sampler, plain_argmax_ok
-from engine.step_graphs import StepGraphs
+from engine.sampler import Sampler
 from engine.spec_stats import SpecStats
 
 
@@ -59,11 +57,16 @@ class Executor(Protocol):
         """The most KV slots any decode step may write beyond `seq_len` (1 plain; the widest
         verify window or draft scratch under speculation): admission headroom."""
 
-    def decode_window(self, batch_size: int, room: int) -> int:
-        """Choose (and activate) how the next decode batch of `batch_size` requests runs, writing
-        at most `room` KV slots beyond each request's length (the context room its tightest
-        request has left, >= 1); returns the slots it will write. Adaptive speculation picks its
-        step count here; near the context limit windows shrink, down to plain decoding."""
+    def activate_step_by_batch(self, batch_size: int) -> int:
+        """SGLang's adaptive hook, called at the top of every decode iteration (by `plan_decode`):
+        the draft step count a batch of this size runs with (0: plain decoding)."""
+
+    def plan_decode(self, batch_size: int, room: int) -> DecodePlan:
+        """How the next decode batch of `batch_size` requests runs, writing at most `room` KV slots
+        beyond each request's length (the context room its tightest request has left, >= 1): the
+        step count `activate_step_by_batch` chose, shrunk near the context limit down to plain
+        decoding, with the worker's runtime state for it. The plan travels with the batch
+        (`Batch.plan`): `launch` runs exactly what was planned."""
 
     def on_admit(self, req: Req) -> None:
         """A request got a KV slot (first time, after a retraction, or PD prebuilt adoption)."""
@@ -167,143 +170,17 @@ def sampling_reqs(batch: Batch) -> list[Req]:
     return [r for r, s in zip(batch.reqs, batch.sample) if s]
 
 
-# ---------------------------------------------------------------- the plain executor
-
-
-@dataclass
-class PlainPending:
-    batch: Batch
-    copy: HostCopy | None  # None when no request samples (non-final prefill chunks only)
-
-
-class PlainExecutor:
-    """Target model only: prefill chunks and decode steps, one sampled token per request."""
-
-    def __init__(self, runner: ModelRunner, sampler: Sampler) -> None:
-        self.runner, self.sampler = runner, sampler
-        self._future_map: FutureMap | None = None
-        self.step_graphs: StepGraphs | None = None  # whole greedy decode steps (capture_cuda_graphs)
-
-    # ---- hooks (the protocol's reference defaults) ----
-    def bind_future_map(self, future_map: FutureMap) -> None:
-        self._future_map = future_map
-
-    @property
-    def future_map(self) -> FutureMap:
-        if self._future_map is None:
-            raise RuntimeError("no FutureMap bound: the scheduler binds one at start-up")
-        return self._future_map
-
-    def kv_tokens_per_decode(self) -> int:
-        return 1
-
-    def decode_window(self, batch_size: int, room: int) -> int:
-        return 1
-
-    def supports_overlap(self) -> bool:
-        return True
-
-    def capture_cuda_graphs(self) -> None:
-        """Decode forward graphs for every captured batch size, and whole greedy decode steps
-        (a no-op when graphs are off)."""
-        self.runner.capture(ForwardMode.DECODE, 1)
-        self.runner.freeze_graphs()
-        graphs = self.runner.graphs
-        if graphs is None:
-            return
-        fm, dev = self.future_map, self.runner.device
-        self.step_graphs = StepGraphs(
-            graphs.batch_sizes,
-            capture=graphs.use_graphs,
-            after_warmup=lambda: fm.invalidate(torch.zeros(1, dtype=torch.int64)),
-        )
-        for bs in sorted(graphs.batch_sizes, reverse=True):
-            slots, prefix = (torch.zeros(bs, dtype=torch.int64, device=dev) for _ in range(2))
-            body = (lambda sl, pr: lambda: greedy_decode_step(self.runner, fm, sl, pr))(slots, prefix)
-            self.step_graphs.add(bs, {"slots": slots, "prefix": prefix}, body)
-
-    def extra_kv_pools(self) -> list[KVPool]:
-        return []
-
-    def handoff_codec(self) -> HandoffCodec:
-        return NoPayloadCodec()
-
-    def spec_stats(self) -> SpecStats | None:
-        return None
-
-    def adaptive_snapshot(self) -> dict[str, Any] | None:
-        return None
-
-    def on_admit(self, req: Req) -> None:
-        self.sampler.on_admit(req)
-
-    def adopt_prebuilt(self, reqs: list[Req], draft_input: DraftInput, relay: BatchRelay) -> None:
-        seed_prebuilt_rows(reqs, draft_input, relay)
-
-    def on_release(self, req: Req) -> None:
-        pass
-
-    @torch.inference_mode()
-    def step(self, batch: Batch, relay: BatchRelay) -> StepOutput:
-        return self.collect(self.launch(batch, relay))
-
-    @torch.inference_mode()
-    def launch(self, batch: Batch, relay: BatchRelay) -> PlainPending:
-        reqs, dev = batch.reqs, self.runner.device
-        if batch.mode is ForwardMode.DECODE:
-            tokens = self._graphed_decode(batch, relay)
-            if tokens is not None:
-                return PlainPending(batch, HostCopy({"tokens": tokens}))
-        ctx = self.runner.make_context(batch.mode, [r.slot for r in reqs], batch.prefix_lens, batch.extend_lens)
-        decode = batch.mode is ForwardMode.DECODE
-        ids = relay.resolve().bonus_tokens if decode else build_input_ids(batch, dev)
-        hidden, _ = self.runner.forward(ids, ctx)
-        if not any(batch.sample):
-            return PlainPending(batch, None)
-        rows = hidden if decode else hidden[last_token_rows(batch, dev)]
-        sampling = sampling_reqs(batch)
-        out = sample_tokens(self.sampler, self.runner.logits(rows), sampling, sample_positions(batch))
-        relay.select(batch.sample).stash(RelayPayload(out["tokens"]))
-        return PlainPending(batch, HostCopy(out))
-
-    def _graphed_decode(self, batch: Batch, relay: BatchRelay) -> torch.Tensor | None:
-        """The batch's new tokens through a whole-step graph, or None when it is not eligible."""
-        graphs = self.step_graphs
-        bs = graphs.padded(len(batch.reqs)) if graphs is not None else None
-        if graphs is None or bs is None or not plain_argmax_ok(batch.reqs):
-            return None
-        entry = graphs.get(bs)
-        assert entry is not None
-        lens = to_device(batch.prefix_lens, self.runner.device)
-        self.future_map.wait_published()  # PD seeding publishes from another stream
-        (tokens,) = graphs.run(entry, len(batch.reqs), {"slots": relay.indices, "prefix": lens})
-        return tokens.clone()
-
-    def collect(self, pending: PlainPending) -> StepOutput:
-        if pending.copy is None:
-            return StepOutput(tokens=[[] for _ in pending.batch.reqs])
-        sampled = sampled_output(pending.copy.wait())
-        return scatter_to_batch(sampled, pending.batch.sample)
-
-
-def greedy_decode_step(
-    runner: ModelRunner, future_map: FutureMap, slots: torch.Tensor, prefix: torch.Tensor
-) -> tuple[torch.Tensor]:
-    """One plain decode step of greedy requests in fixed-shape device ops: last tokens from the
-    FutureMap, forward, argmax, stash (padding rows: slot 0, kept at zero)."""
-    ids = future_map.resolve(slots, wait=False).bonus_tokens
-    ctx = runner.window_context(ForwardMode.DECODE, slots, prefix, 1)
-    hidden, _ = runner.forward_direct(ids, ctx)
-    tokens = runner.logits(hidden).argmax(-1)
-    future_map.stash(slots, RelayPayload(torch.where(slots != 0, tokens, 0)))
-    return (tokens,)
-
-
-def seed_prebuilt_rows(reqs: list[Req], draft_input: DraftInput, relay: BatchRelay) -> None:
-    """Publish the prebuilt requests' committed lengths and stash their draft input's rows."""
+def seed_prebuilt_rows(reqs: list[Req], draft_input: DraftInput, relay: BatchRelay) -> torch.Tensor:
+    """PD decode: publish the prebuilt requests' committed lengths and stash their draft input's
+    rows, as their prefill's forward would have (the one way a prebuilt request is seeded);
+    returns the rows' indices."""
+    no_slot = [r.rid for r in reqs if r.slot <= 0]
+    if no_slot:
+        raise ValueError(f"requests {no_slot} have no KV slot to seed")
     if len(draft_input) != len(reqs):
         raise ValueError(f"draft input has {len(draft_input)} rows for {len(reqs)} prebuilt requests")
     relay.seed(to_device([r.seq_len for r in reqs], relay.indices.device), draft_input.relay_payload())
+    return relay.indices
 
 
 def sample_tokens(

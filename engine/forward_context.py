@@ -1,7 +1,9 @@
-"""The explicit per-forward context handed to every model call (no globals)."""
+"""The explicit per-forward context handed to every model call (no globals), and the attention
+backend interface that reads it."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -10,7 +12,6 @@ import torch
 from engine.core import ForwardMode
 
 if TYPE_CHECKING:
-    from engine.attention.base import AttentionBackend
     from engine.kv_cache import KVPool
 
 
@@ -57,3 +58,26 @@ class ForwardContext:
         ctx = ForwardContext(**{k: getattr(self, k) for k in self.__dataclass_fields__})
         ctx.kv_pool = kv_pool
         return ctx
+
+
+class AttentionBackend(ABC):
+    """Stores new K/V into the paged pool and attends over each request's cached context."""
+
+    name: str = "base"
+    # True when prepare() and forward() never sync with the host nor allocate device-dependent
+    # shapes, so a CUDA graph may capture them (graph runners check it)
+    graph_safe: bool = False
+
+    def prepare(self, ctx: "ForwardContext") -> None:  # noqa: B027 - optional hook, no-op default
+        """Build per-forward metadata once (shared by all layers); default: nothing."""
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scale: float, ctx: "ForwardContext"
+    ) -> torch.Tensor:
+        """q: (tokens, heads, dim); k, v: (tokens, kv_heads, dim). Returns (tokens, heads, dim)."""
+
+    def store(self, k: torch.Tensor, v: torch.Tensor, layer_id: int, ctx: "ForwardContext") -> None:
+        """Write k, v (tokens, kv_heads, dim) at ctx.out_cache_loc without attending (a forward
+        that only fills the cache); needs no prepare()."""
+        ctx.kv_pool.store(layer_id, ctx.out_cache_loc, k, v)

@@ -176,6 +176,7 @@ class ModelRunner:
         prefix: torch.Tensor,
         width: int,
         *,
+        positions: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
         writes: torch.Tensor | None = None,
         aux_hidden_layers: tuple[int, ...] = (),
@@ -183,7 +184,9 @@ class ModelRunner:
         """Every request writes `width` tokens after its `prefix` (device tensors, one per row):
         built by device ops of fixed shapes alone, so a captured graph can build it. Rows of
         slot 0 are padding (their writes land on page 0), and so are rows where `writes`
-        (bs * width bools) is false: their queries run, but the KV they would overwrite stays."""
+        (bs * width bools) is false: their queries run, but the KV they would overwrite stays.
+        `positions` (bs * width) override the rotary positions (tree nodes sit at their depth);
+        KV slots always follow the row order, so a window is contiguous."""
         self.check_mode(mode)
         table = self.kv.req_to_token
         kv_index = (prefix.unsqueeze(1) + self._constant("arange", width, width)).reshape(-1)
@@ -194,7 +197,7 @@ class ModelRunner:
         return self.device_context(
             mode,
             slots,
-            self._positions(kv_index),
+            self._positions(kv_index if positions is None else positions),
             out_cache_loc,
             prefix + width,
             width,

@@ -1,7 +1,8 @@
 """The public API speculative-algorithm plugins build on: import from here, nothing else.
 
 A plugin subclasses `CustomSpecAlgo`, answers the extension points it cares about, and returns an
-`Executor` from `create_worker`. The names below are what such a worker needs: the engine's
+`Executor` from `create_worker`, usually a `WorkerBase` subclass that overrides only the hooks its
+algorithm changes (`plan_decode` for its decode windows, `launch` / `collect`). The names below are what such a worker needs: the engine's
 vocabulary and model runner, the FutureMap relay the scheduler hands each launch, the handoff
 codec protocol for PD, verification helpers that keep output exact, and the conformance kit.
 Examples: spec/ngram.py (in tree) and examples/standalone (an installable package).
@@ -9,12 +10,11 @@ Examples: spec/ngram.py (in tree) and examples/standalone (an installable packag
 
 from __future__ import annotations
 
-from engine.core import Batch, ForwardMode, Req, SamplingParams, StepOutput
+from engine.core import Batch, DecodePlan, ForwardMode, Req, SamplingParams, StepOutput
 from engine.algorithm import EngineParts
 from engine.executor import (
     Executor,
     HostCopy,
-    PlainExecutor,
     build_input_ids,
     last_token_rows,
     maybe_enable_cuda_graphs,
@@ -33,6 +33,7 @@ from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.spec_stats import SpecStats
+from engine.worker import PlainExecutor, WorkerBase
 from spec.verify_step import accepted_rows, emit_device, host_output, step_output, verify_window
 from spec.config import MAX_WINDOW, SpecConfig, SpecConfigError
 from spec.draft_input import BonusDraftInput, DisaggHandoffError, bonus_draft_input, check_prebuilt, seed_prebuilt
@@ -46,6 +47,7 @@ __all__ = [
     "BatchRelay",
     "BonusDraftInput",
     "CustomSpecAlgo",
+    "DecodePlan",
     "DisaggHandoffError",
     "DraftInput",
     "DraftTree",
@@ -72,6 +74,7 @@ __all__ = [
     "SpeculativeAlgorithm",
     "StepOutput",
     "VerifyResult",
+    "WorkerBase",
     "accepted_rows",
     "bonus_draft_input",
     "build_input_ids",

@@ -32,6 +32,13 @@ class SpecConfig:
     # adaptive step counts by batch size (spec/adaptive); the JSON config, or the built-in default
     adaptive: bool = False
     adaptive_config: str | None = None
+    # EAGLE's 0-step iterations (adaptive steps chose plain decoding): leave the draft's top-k to
+    # the next drafting iteration, which computes it from the stashed hidden state (defer_guess),
+    # and let the head catch up over a backlog in bulk instead of running every iteration
+    # (batch_catch_up; with defer_guess and whole-iteration graphs). Neither changes outputs or
+    # acceptance (tested against both off); serving keeps both on, they are not flags.
+    defer_guess: bool = True
+    batch_catch_up: bool = True
 
     def resolved(self) -> "SpecConfig":
         """Fill defaults and check the combination; returns a new config."""

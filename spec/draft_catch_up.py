@@ -24,16 +24,13 @@ drafting would pay (`StepSlot.observe_shadow`) instead of probing blind.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from engine.core import ForwardMode
+from engine.future_map import FutureMap
 from engine.h2d import to_device
 from engine.step_graphs import StepGraphs
-
-if TYPE_CHECKING:
-    from spec.eagle_worker import EagleWorker
+from spec.eagle_draft import EagleModels
 
 DEFAULT_DEPTH = 32  # the head's weights are read once per 32 tokens (a ring row: 32 features)
 FULL_ROWS = 4  # the newest backlog rows the whole head runs on (and scores: 3 first drafts)
@@ -44,7 +41,8 @@ class DraftBacklog:
 
     def __init__(
         self,
-        worker: "EagleWorker",
+        models: EagleModels,
+        future_map: FutureMap,
         mode: ForwardMode,
         feat_width: int,
         dtype: torch.dtype,
@@ -56,8 +54,8 @@ class DraftBacklog:
         depth = DEFAULT_DEPTH if depth is None else depth
         if depth < 1:
             raise ValueError(f"backlog depth must be >= 1, got {depth}")
-        self.worker, self.mode, self.depth = worker, mode, depth
-        rows, dev = worker.future_map.num_rows, worker.target.device
+        self.models, self.future_map, self.mode, self.depth = models, future_map, mode, depth
+        rows, dev = future_map.num_rows, models.target.device
         self.feats = torch.zeros(rows, depth, feat_width, dtype=dtype, device=dev)
         self.tokens = torch.zeros(rows, depth, dtype=torch.int64, device=dev)
         # rid -> tokens whose draft KV is not written yet, but for the current run: consecutive
@@ -125,7 +123,7 @@ class DraftBacklog:
             return None
         sel = slots if len(keep) == len(rids) else slots[to_device(keep, slots.device)]
         n = to_device([counts[i] for i in keep], slots.device)
-        fm = self.worker.future_map
+        fm = self.future_map
         fm.wait_published()  # the lengths the last iteration published, from any stream
         bs = self.graphs.padded(len(keep))
         if bs is None:
@@ -140,8 +138,7 @@ class DraftBacklog:
         positions run the whole head (their hidden states seed the next draft and are scored);
         the backlog before them only needs the head's cache entries (`write_kv`: its k/v
         projections, no attention or MLP, about a third of the head's work per row)."""
-        worker, depth = self.worker, self.depth
-        fm, draft = worker.future_map, worker.draft
+        depth, fm, draft = self.depth, self.future_map, self.models.draft
         seq = fm.resolve_seq_lens(slots, wait=False, consume=False)
         first = (seq - counts).unsqueeze(1)  # the backlog is [seq - count, seq)
         full = min(FULL_ROWS, depth)
@@ -177,12 +174,10 @@ class DraftBacklog:
         then produced (the next row's): per request, (hits, samples). Only the rows the whole
         head ran on are scored: the head's logits over every row cost a third of a catch-up at
         large batch sizes, and a few samples per request and catch-up steer the policy as well."""
-        worker = self.worker
+        m = self.models
         bs, width = pos.shape
         # `pick` is `guess`'s top-1 without the softmax (pickers agree on it: tested)
-        first = worker.picker.pick(worker.draft.model, g, slots.repeat_interleave(width), (pos + 2).reshape(-1)).view(
-            bs, width
-        )
+        first = m.picker.pick(m.head, g, slots.repeat_interleave(width), (pos + 2).reshape(-1)).view(bs, width)
         scored = writes[:, :-1] & writes[:, 1:]
         hits = ((first[:, :-1] == tokens[:, 1:]) & scored).sum(1)
         return hits, scored.sum(1)

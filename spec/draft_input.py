@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.executor import seed_prebuilt_rows
 from engine.future_map import RelayPayload
 from spec.tree import DraftTree
 
 if TYPE_CHECKING:
     from engine.core import Batch
-    from engine.future_map import FutureMap
+    from engine.future_map import DraftInput, FutureMap
 
 
 class DisaggHandoffError(ValueError):
@@ -112,16 +113,11 @@ def check_prebuilt(batch: "Batch", last_tokens: Any, label: str) -> torch.Tensor
     return bonus
 
 
-def seed_prebuilt(batch: "Batch", future_map: "FutureMap", payload: RelayPayload) -> torch.Tensor:
-    """Publish the prebuilt requests' lengths and stash their payload in their FutureMap rows
-    (what their prefill's forward would have done); returns the row indices."""
-    no_slot = [r.rid for r in batch.reqs if r.slot <= 0]
-    if no_slot:
-        raise DisaggHandoffError(f"requests {no_slot} have no KV slot to seed", no_slot)
-    rows = future_map.batch([r.slot for r in batch.reqs])
-    seq_lens = torch.tensor([r.seq_len for r in batch.reqs], dtype=torch.int64)
-    rows.seed(seq_lens.to(future_map.device), payload)
-    return rows.indices
+def seed_prebuilt(batch: "Batch", future_map: "FutureMap", draft_input: "DraftInput") -> torch.Tensor:
+    """`build_disagg_draft_input`'s `future_map` argument: seed the batch's rows from the draft
+    input as adopting the requests does (engine.executor.seed_prebuilt_rows, the one way a
+    prebuilt request is seeded); returns the rows' indices."""
+    return seed_prebuilt_rows(batch.reqs, draft_input, future_map.batch([r.slot for r in batch.reqs]))
 
 
 def bonus_draft_input(batch: "Batch", last_tokens: Any, future_map: "FutureMap | None", label: str) -> BonusDraftInput:
@@ -132,8 +128,9 @@ def bonus_draft_input(batch: "Batch", last_tokens: Any, future_map: "FutureMap |
         r.spec_state = None  # nothing is kept per request between steps
     if future_map is None:
         return BonusDraftInput(bonus)
-    bonus = bonus.to(future_map.device)
-    return BonusDraftInput(bonus, seed_prebuilt(batch, future_map, RelayPayload(bonus)))
+    di = BonusDraftInput(bonus.to(future_map.device))
+    di.future_indices = seed_prebuilt(batch, future_map, di)
+    return di
 
 
 @dataclass

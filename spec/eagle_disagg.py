@@ -49,7 +49,7 @@ def build_eagle_disagg_draft_input(
     for req in batch.reqs:
         req.spec_state = None  # between iterations a request keeps nothing but its slot
     if future_map is not None:
-        di.future_indices = seed_prebuilt(batch, future_map, di.relay_payload())
+        di.future_indices = seed_prebuilt(batch, future_map, di)
     return di
 
 

@@ -1,4 +1,4 @@
-"""EAGLE drafting: grow a top-k tree of candidate tokens with the draft head, then re-rank.
+"""EAGLE drafting: the models an iteration drives, and a top-k tree of candidates grown by the head, re-ranked.
 
 Level 0 comes for free from the draft input (the top-k after the bonus token). Each further
 step runs the head once over the current frontier (top-k nodes per request), expands each node
@@ -11,11 +11,12 @@ slots [L + l*k, L + (l+1)*k); a tree mask lets each node see only its ancestors 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
 from engine.core import ForwardMode, Req
+from engine.forward_context import ForwardContext
 from engine.model_runner import ModelRunner
 from spec.draft_input import EagleDraftInput
 from spec.tree import DraftTree, chain_tree, tree_from_candidates
@@ -32,7 +33,16 @@ class _Candidates:
         return tuple(torch.cat(x, dim=1) for x in (self.tokens, self.scores, self.parents, self.depth))
 
 
-def draft_topk(head: torch.nn.Module, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+class DraftHead(Protocol):
+    """What drafting asks of an EAGLE head (engine/models/eagle.py): logits over its vocabulary,
+    and its token ids as the target's (EAGLE-3 heads draft from a smaller vocabulary)."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor: ...
+
+
+def draft_topk(head: DraftHead, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k draft probabilities and their target token ids for each row of draft hidden states."""
     probs = torch.softmax(head.compute_logits(hidden).float(), dim=-1)
     p, idx = torch.topk(probs, k, dim=-1)
@@ -45,13 +55,11 @@ class DraftPicker(Protocol):
 
     def on_admit(self, req: Req) -> None: ...
 
-    def pick(
-        self, head: torch.nn.Module, hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor
-    ) -> torch.Tensor:
+    def pick(self, head: DraftHead, hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(rows,) the next draft token of each row."""
 
     def guess(
-        self, head: torch.nn.Module, hidden: torch.Tensor, k: int, slots: torch.Tensor, positions: torch.Tensor
+        self, head: DraftHead, hidden: torch.Tensor, k: int, slots: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(p, ids), each (rows, k): the top-k after the bonus token (the next verify's first draft)."""
 
@@ -62,34 +70,60 @@ class HeadPicker:
     def on_admit(self, req: Req) -> None:
         pass
 
-    def pick(
-        self, head: torch.nn.Module, hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor
-    ) -> torch.Tensor:
+    def pick(self, head: DraftHead, hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return head.to_target_ids(head.compute_logits(hidden).argmax(-1))
 
     def guess(
-        self, head: torch.nn.Module, hidden: torch.Tensor, k: int, slots: torch.Tensor, positions: torch.Tensor
+        self, head: DraftHead, hidden: torch.Tensor, k: int, slots: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return draft_topk(head, hidden, k)
 
 
+@dataclass(frozen=True)
+class EagleModels:
+    """What an EAGLE iteration drives: the target, the draft head over its own KV pool, the picker
+    of drafts, and the target layers whose outputs feed the head (EAGLE-3; none: the last hidden
+    state). `direct` forwards skip the per-forward graphs (inside a graph captured whole)."""
+
+    target: ModelRunner
+    draft: ModelRunner
+    picker: DraftPicker
+    aux_layers: tuple[int, ...]
+
+    @property
+    def head(self) -> DraftHead:
+        return cast(DraftHead, self.draft.model)
+
+    def features(self, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
+        """What the head reads from the target: its last hidden state, or (EAGLE-3) the
+        concatenated low/mid/high layer outputs."""
+        return torch.cat(aux, dim=-1) if self.aux_layers else hidden
+
+    def run_target(self, ids: torch.Tensor, ctx: ForwardContext, direct: bool) -> Any:
+        return self.target.forward_direct(ids, ctx) if direct else self.target.forward(ids, ctx)
+
+    def run_draft(self, ids: torch.Tensor, ctx: ForwardContext, feats: torch.Tensor, direct: bool) -> torch.Tensor:
+        run = self.draft.forward_direct if direct else self.draft.forward
+        return run(ids, ctx, features=feats)
+
+
 def build_draft_tree(
-    draft: ModelRunner,
+    models: EagleModels,
     di: EagleDraftInput,
-    slots: list[int],
+    slots: torch.Tensor,
     seq: torch.Tensor,
-    seq_bound: list[int],
     num_steps: int,
     topk: int,
     ntok: int,
-    picker: DraftPicker | None = None,
+    direct: bool,
 ) -> DraftTree:
-    """`seq`: exact committed lengths on the device; `seq_bound`: the host's upper bound of them
-    (equal without overlap), used only to size host-side lists."""
+    """The verify window drafted from `di` for the requests at `slots` (their FutureMap rows, 0 for
+    padding) whose exact committed lengths are `seq` (on the device)."""
     if topk == 1:
-        return _draft_chain(draft, di, slots, seq, seq_bound, num_steps, ntok, picker or HeadPicker())
+        return _draft_chain(models, di, slots, seq, num_steps, ntok, direct)
     bs, k = len(di), topk
     dev = di.bonus_tokens.device
+    draft = models.draft
     cands = _Candidates(
         [di.topk_index],
         [di.topk_p],
@@ -102,17 +136,16 @@ def build_draft_tree(
     anc = torch.eye(k, dtype=torch.bool, device=dev).expand(bs, k, k)  # over scratch slots so far
     offset = k
     for step in range(1, num_steps):
-        ctx = draft.make_context(
+        ctx = draft.window_context(
             ForwardMode.DECODE,
             slots,
-            [s + (step - 1) * k for s in seq_bound],
-            [k] * bs,
-            device_prefix=seq + (step - 1) * k,
+            seq + (step - 1) * k,
+            k,
             positions=(seq + step - 1).repeat_interleave(k),
             tree_mask=anc,
         )
-        g = draft.forward(f_tokens.reshape(-1), ctx, features=f_feats.reshape(bs * k, -1))
-        p, idx = draft_topk(draft.model, g, k)
+        g = models.run_draft(f_tokens.reshape(-1), ctx, f_feats.reshape(bs * k, -1), direct)
+        p, idx = draft_topk(models.head, g, k)
         child_scores = (f_scores.unsqueeze(2) * p.view(bs, k, k)).reshape(bs, k * k)
         cands.tokens.append(idx.view(bs, k * k))
         cands.scores.append(child_scores)
@@ -140,30 +173,22 @@ def build_draft_tree(
 
 
 def _draft_chain(
-    draft: ModelRunner,
+    models: EagleModels,
     di: EagleDraftInput,
-    slots: list[int],
+    slots: torch.Tensor,
     seq: torch.Tensor,
-    seq_bound: list[int],
     num_steps: int,
     ntok: int,
-    picker: DraftPicker,
+    direct: bool,
 ) -> DraftTree:
     """topk = 1: each step feeds the newest draft and the hidden state that proposed it, and the
-    head's greedy pick is the next draft. No scores, parents or masks: every op here is a launch
-    the speculative step pays for on the host."""
+    picker's choice is the next draft. No scores, parents or masks: every op here is a launch
+    the speculative step pays for on the host (or a kernel in its graph)."""
     tok, feats = di.topk_index[:, 0], di.hidden_states
     tokens = [di.bonus_tokens, tok]
     for step in range(1, num_steps):  # draft `step` (at position seq + step) is fed, one slot back
-        ctx = draft.make_context(
-            ForwardMode.DECODE,
-            slots,
-            [s + step - 1 for s in seq_bound],
-            [1] * len(slots),
-            device_prefix=seq + step - 1,
-            positions=seq + step - 1,
-        )
-        feats = draft.forward(tok, ctx, features=feats)
-        tok = picker.pick(draft.model, feats, di.future_indices, seq + step + 1)
+        ctx = models.draft.window_context(ForwardMode.DECODE, slots, seq + step - 1, 1)
+        feats = models.run_draft(tok, ctx, feats, direct)
+        tok = models.picker.pick(models.head, feats, slots, seq + step + 1)
         tokens.append(tok)
     return chain_tree(torch.stack(tokens, dim=1)[:, :ntok])

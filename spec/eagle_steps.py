@@ -1,24 +1,33 @@
-"""EAGLE's runtime states, one per draft step count: widths, graph batch sizes, and which one runs.
+"""EAGLE's runtime states, one per draft step count: widths, graph batch sizes, and which one a batch runs.
 
 Each candidate step count has its state built at start-up (its verify and draft-extend widths
-from the algorithm's hook, and the batch sizes its graphs are captured for). Before every decode
-batch, `choose` picks the state by batch size (adaptive steps, spec/adaptive) and shrinks it to
-the context room the batch has left, down to zero drafts (a plain step that keeps the draft warm):
-switching is a reference swap, never a recapture; a state built for the context limit alone runs
-eagerly where no graph was captured for it.
+from the algorithm's hook, and the batch sizes its graphs are captured for). At the top of every
+decode iteration `activate_step_by_batch` picks the step count by batch size (adaptive steps,
+spec/adaptive) and `fit` shrinks its state to the context room the batch has left, down to zero
+drafts (a plain step that keeps the draft warm). The state travels with the batch (its
+DecodePlan): switching is a reference swap, never a recapture; a state built for the context limit
+alone runs eagerly where no graph was captured for it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from engine.core import ForwardMode
+from engine.core import DecodePlan, ForwardMode
 from spec.adaptive import AdaptiveSteps
 from spec.config import MAX_WINDOW, SpecConfig, SpecConfigError
 
-if TYPE_CHECKING:
-    from spec.registry import SpeculativeAlgorithm
+
+class WidthHooks(Protocol):
+    """The algorithm's hooks that size a step (spec.registry.SpeculativeAlgorithm has them)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def get_num_tokens_per_req_for_target_verify(self, num_draft_tokens: int, is_draft_worker: bool) -> int: ...
+
+    def supports_target_verify_for_draft(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -48,8 +57,16 @@ class StepState:
         w = self.widths
         return max(w.verify, w.draft, 0 if self.is_chain else self.steps * self.topk)
 
+    @property
+    def draft_steps(self) -> int:
+        """Drafting depth: a chain fills the verify window; a tree drafts its levels."""
+        return self.widths.drafts if self.is_chain else self.steps
 
-def resolve_widths(algorithm: "SpeculativeAlgorithm", cfg: SpecConfig, steps: int) -> Widths:
+    def plan(self) -> DecodePlan:
+        return DecodePlan(self.window, self.steps, self)
+
+
+def resolve_widths(algorithm: WidthHooks, cfg: SpecConfig, steps: int) -> Widths:
     """Ask the algorithm for the widths of `steps` drafting steps; check the drafting can fill them."""
     k = cfg.eagle_topk
     if steps == 0 or k == 1:
@@ -80,15 +97,15 @@ def resolve_widths(algorithm: "SpeculativeAlgorithm", cfg: SpecConfig, steps: in
 
 
 class StepStates:
-    """The states a worker may run and the one the next decode batch runs (`active`)."""
+    """The states a worker may run, built at start-up, and the choice of one per decode batch."""
 
-    def __init__(self, algorithm: "SpeculativeAlgorithm", cfg: SpecConfig) -> None:
+    def __init__(self, algorithm: WidthHooks, cfg: SpecConfig) -> None:
         self._algorithm, self._cfg = algorithm, cfg
         adaptive = cfg.adaptive_policy_config()
         self.policy = AdaptiveSteps(adaptive, cfg.num_steps) if adaptive is not None else None
         candidates = self.policy.candidate_steps() if self.policy is not None else (cfg.num_steps,)
         self.states: dict[int, StepState] = {s: self._build(s) for s in candidates}
-        self.active = self.states[cfg.num_steps]
+        self.initial = self.states[cfg.num_steps]
 
     def _build(self, steps: int) -> StepState:
         return StepState(steps, resolve_widths(self._algorithm, self._cfg, steps), self._cfg.eagle_topk)
@@ -106,15 +123,17 @@ class StepStates:
     def max_window(self) -> int:
         return max(st.window for st in self.states.values())
 
-    def choose(self, batch_size: int, room: int) -> StepState:
-        """The state of the next decode batch: the adaptive choice for its size (else the
-        configured steps), shrunk until its window fits the context room left."""
-        steps = self.policy.steps_for_batch(batch_size) if self.policy is not None else self._cfg.num_steps
+    def activate_step_by_batch(self, batch_size: int) -> int:
+        """The step count a decode batch of this size runs with: the adaptive choice for its size,
+        else the configured steps (SGLang's name; called at the top of every decode iteration)."""
+        return self.policy.steps_for_batch(batch_size) if self.policy is not None else self._cfg.num_steps
+
+    def fit(self, steps: int, room: int) -> StepState:
+        """The state of `steps`, shrunk until its window fits the context room left."""
         state = self.states.get(steps) or self._build(steps)
         while state.window > room and state.steps > 0:
             steps = state.steps - 1
             state = self.states.get(steps) or self._build(steps)
-        self.active = state
         return state
 
     def feedback(self, batch_size: int, accepted: list[int]) -> None:

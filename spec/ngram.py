@@ -17,12 +17,10 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from engine.core import Batch, ForwardMode, Req, StepOutput
-from engine.executor import PlainExecutor
-from engine.future_map import BatchRelay, DraftInput, FutureMap
-from engine.handoff import HandoffCodec, NoPayloadCodec
-from engine.kv_cache import KVPool
+from engine.core import Batch, DecodePlan, ForwardMode, Req, StepOutput
+from engine.future_map import BatchRelay, FutureMap
 from engine.spec_stats import SpecStats
+from engine.worker import PlainExecutor, WorkerBase
 from spec.verify_step import step_output, verify_window
 from spec.config import MAX_WINDOW, SpecConfig, SpecConfigError
 from spec.draft_input import BonusDraftInput, bonus_draft_input
@@ -83,43 +81,38 @@ def _chain_config(config: SpecConfig) -> SpecConfig:
     return cfg
 
 
-class NgramWorker:
+class NgramWorker(WorkerBase):
     """Executor: plain prefill; decode = prompt lookup -> chain TARGET_VERIFY over W rows -> accept.
     W comes from the algorithm's verify-width hook: the lookup proposes W - 1 drafts."""
 
     def __init__(self, target: ModelRunner, sampler: Sampler, config: SpecConfig, width: int) -> None:
-        self.target, self.sampler = target, sampler
+        super().__init__(target, sampler)
         self.cfg = _chain_config(config)
         if not 2 <= width <= MAX_WINDOW:
             raise SpecConfigError(f"n-gram verify width must be in [2, {MAX_WINDOW}], got {width}")
         self.width = width
-        self.active_width = width  # this decode batch's (narrower near the context limit)
         self.plain = PlainExecutor(target, sampler)  # prefill is exactly the non-speculative one
         self.stats = SpecStats(max_drafts=width - 1)
 
-    # ---- Executor protocol ----
-    def bind_future_map(self, future_map: FutureMap) -> None:
-        self.plain.bind_future_map(future_map)
-
     @property
-    def future_map(self) -> FutureMap:
-        return self.plain.future_map
+    def target(self) -> ModelRunner:
+        return self.runner
+
+    # ---- Executor hooks ----
+    def bind_future_map(self, future_map: FutureMap) -> None:
+        super().bind_future_map(future_map)
+        self.plain.bind_future_map(future_map)
 
     def kv_tokens_per_decode(self) -> int:
         return self.width
 
-    def decode_window(self, batch_size: int, room: int) -> int:
-        self.active_width = max(1, min(self.width, room))
-        return self.active_width
+    def activate_step_by_batch(self, batch_size: int) -> int:
+        return self.width - 1
 
-    def on_admit(self, req: Req) -> None:
-        self.plain.on_admit(req)
-
-    def adopt_prebuilt(self, reqs: list[Req], draft_input: DraftInput, relay: BatchRelay) -> None:
-        self.plain.adopt_prebuilt(reqs, draft_input, relay)
-
-    def on_release(self, req: Req) -> None:
-        req.spec_state = None
+    def plan_decode(self, batch_size: int, room: int) -> DecodePlan:
+        """The whole window, narrower near the context limit (down to the bonus token alone)."""
+        width = max(1, min(self.activate_step_by_batch(batch_size) + 1, room))
+        return DecodePlan(width, width - 1)
 
     def supports_overlap(self) -> bool:
         """No: the drafts are looked up in the host's copy of each request's tokens, so the
@@ -130,17 +123,8 @@ class NgramWorker:
         self.target.capture(ForwardMode.TARGET_VERIFY, self.width)
         self.target.freeze_graphs()
 
-    def extra_kv_pools(self) -> list[KVPool]:
-        return []
-
-    def handoff_codec(self) -> HandoffCodec:
-        return NoPayloadCodec()  # the drafts come from context the decode node already has
-
     def spec_stats(self) -> SpecStats:
         return self.stats
-
-    def adaptive_snapshot(self) -> dict[str, Any] | None:
-        return None
 
     @torch.inference_mode()
     def step(self, batch: Batch, relay: BatchRelay) -> StepOutput:
@@ -155,9 +139,9 @@ class NgramWorker:
         return handle
 
     # ---- decode ----
-    def draft_window(self, req: Req) -> list[int]:
-        """[bonus, d1 .. d_k] for one decoding request, padded to ntok (padding is just rejected)."""
-        k = self.active_width - 1
+    def draft_window(self, req: Req, width: int) -> list[int]:
+        """[bonus, d1 .. d_k] for one decoding request, padded to `width` (padding is just rejected)."""
+        k = width - 1
         end = req.total_len
         context = req.tokens(max(0, end - LOOKUP_WINDOW), end)  # ends with the bonus token
         drafts = propose_drafts(context, k, self.cfg.ngram_min, self.cfg.ngram_max)
@@ -165,11 +149,10 @@ class NgramWorker:
         return [context[-1], *drafts, *([pad] * (k - len(drafts)))]
 
     def _decode(self, batch: Batch) -> StepOutput:
-        reqs = batch.reqs
-        bs, ntok = len(reqs), self.active_width
-        dev = self.target.device
+        reqs, ntok = batch.reqs, batch.window  # the width it was planned with
+        bs, dev = len(reqs), self.target.device
         slots, seq_lens = [r.slot for r in reqs], batch.prefix_lens  # exact: never overlapped
-        tokens = torch.tensor([self.draft_window(r) for r in reqs], dtype=torch.int64, device=dev)
+        tokens = torch.tensor([self.draft_window(r, ntok) for r in reqs], dtype=torch.int64, device=dev)
         tree = chain_tree(tokens)
         # a chain is causal in row order at positions seq_len + row: no tree mask, no KV compaction
         ctx = self.target.make_context(ForwardMode.TARGET_VERIFY, slots, seq_lens, [ntok] * bs)

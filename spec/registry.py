@@ -13,9 +13,10 @@ import warnings
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
+from engine.algorithm import EngineParts, PlainDecoding
+
 if TYPE_CHECKING:
     from engine.core import Batch
-    from engine.algorithm import EngineParts
     from engine.executor import Executor
     from engine.future_map import FutureMap
     from spec.config import SpecConfig
@@ -145,7 +146,10 @@ class SpeculativeAlgorithm:
 
 
 class _NoSpec(SpeculativeAlgorithm):
+    """Plain decoding under its registry name: the engine's own PlainDecoding does the work."""
+
     name = "NONE"
+    _plain = PlainDecoding()
 
     def is_speculative(self) -> bool:
         return False
@@ -159,10 +163,21 @@ class _NoSpec(SpeculativeAlgorithm):
     def needs_draft_model(self) -> bool:
         return False
 
-    def create_worker(self, parts: "EngineParts", config: "SpecConfig") -> "Executor":
-        from engine.executor import PlainExecutor
+    def create_future_map(
+        self,
+        max_running_requests: int,
+        chunked_prefill_size: int,
+        context_len: int,
+        device: Any,
+        *,
+        debug: bool = False,
+    ) -> "FutureMap":
+        return self._plain.create_future_map(
+            max_running_requests, chunked_prefill_size, context_len, device, debug=debug
+        )
 
-        return PlainExecutor(parts.runner, parts.sampler)
+    def create_worker(self, parts: "EngineParts", config: "SpecConfig") -> "Executor":
+        return self._plain.create_worker(parts)
 
 
 class _Eagle(SpeculativeAlgorithm):

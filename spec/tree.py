@@ -7,23 +7,56 @@ A window has `ntok` rows per request: row 0 is the bonus token (the root, no KV 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 
-@dataclass
 class DraftTree:
-    tokens: torch.Tensor  # (bs, ntok) int64, row 0 = bonus token
-    parents: torch.Tensor  # (bs, ntok) int64, -1 for the root
-    depth: torch.Tensor  # (bs, ntok) int64, root 0
-    first_child: torch.Tensor  # (bs, ntok) int64, -1 none; children ordered best draft first
-    next_sibling: torch.Tensor  # (bs, ntok) int64, -1 none
-    is_chain: bool
-    # Static bounds known from how the tree was drafted (never read back from the device, so
-    # verification launches without a host sync): deepest level and most children of a node.
-    depth_bound: int = -1  # -1: ntok - 1
-    branching: int = -1  # -1: ntok - 1 (1 for a chain)
+    """A verify window's tokens and structure. A chain's structure follows from its row order, so
+    it is built only when something reads it (a captured greedy chain iteration never does)."""
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,  # (bs, ntok) int64, row 0 = bonus token
+        parents: torch.Tensor | None = None,  # (bs, ntok) int64, -1 for the root
+        depth: torch.Tensor | None = None,  # (bs, ntok) int64, root 0
+        first_child: torch.Tensor | None = None,  # (bs, ntok) int64, -1 none; best draft first
+        next_sibling: torch.Tensor | None = None,  # (bs, ntok) int64, -1 none
+        is_chain: bool = False,
+        # Static bounds known from how the tree was drafted (never read back from the device, so
+        # verification launches without a host sync): deepest level and most children of a node.
+        depth_bound: int = -1,  # -1: ntok - 1
+        branching: int = -1,  # -1: ntok - 1 (1 for a chain)
+    ) -> None:
+        given = (parents, depth, first_child, next_sibling)
+        if not is_chain and any(t is None for t in given):
+            raise ValueError("a tree that is not a chain needs parents, depth, first_child and next_sibling")
+        self.tokens, self.is_chain = tokens, is_chain
+        self.depth_bound, self.branching = depth_bound, branching
+        self._links = given if all(t is not None for t in given) else None
+
+    def _structure(self) -> tuple[torch.Tensor, ...]:
+        if self._links is None:  # a chain: row i's parent is row i - 1
+            bs, ntok = self.tokens.shape
+            idx = torch.arange(ntok, device=self.tokens.device).expand(bs, ntok)
+            nxt = torch.where(idx + 1 < ntok, idx + 1, -1)
+            self._links = (idx - 1, idx.clone(), nxt, torch.full_like(idx, -1))
+        return self._links  # type: ignore[return-value]
+
+    @property
+    def parents(self) -> torch.Tensor:
+        return self._structure()[0]
+
+    @property
+    def depth(self) -> torch.Tensor:
+        return self._structure()[1]
+
+    @property
+    def first_child(self) -> torch.Tensor:
+        return self._structure()[2]
+
+    @property
+    def next_sibling(self) -> torch.Tensor:
+        return self._structure()[3]
 
     @property
     def ntok(self) -> int:
@@ -45,11 +78,7 @@ class DraftTree:
 
 
 def chain_tree(tokens: torch.Tensor) -> DraftTree:
-    bs, ntok = tokens.shape
-    dev = tokens.device
-    idx = torch.arange(ntok, device=dev).expand(bs, ntok)
-    nxt = torch.where(idx + 1 < ntok, idx + 1, -1)
-    return DraftTree(tokens, idx - 1, idx.clone(), nxt, torch.full_like(idx, -1), True)
+    return DraftTree(tokens, is_chain=True)
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Repository rules: the one-way import direction of DESIGN.md §2, a torch-free router, docstrings."""
+"""Repository rules: the one-way import direction of DESIGN.md §2, no import cycles, a torch-free router,
+docstrings, no symbolic links out of the tree."""
 
 from __future__ import annotations
 
@@ -120,47 +121,154 @@ def test_nothing_outside_tests_imports_tests() -> None:
     assert not problems, "tests/ is not a library (shared helpers live in fixtures/):\n" + "\n".join(problems)
 
 
-def runtime_imports(source: str, filename: str) -> Iterator[str]:
-    """The absolute imports that run: those under `if TYPE_CHECKING:` only name types."""
-    tree = ast.parse(source, filename=filename)
-    typing_only = {
-        id(n)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
-        for stmt in node.body
-        for n in ast.walk(stmt)
-    }
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
-        if isinstance(node, ast.Import):
-            yield from (alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            yield from (node.module if a.name == "*" else f"{node.module}.{a.name}" for a in node.names)
-
-
 def _module_name(rel: Path) -> str:
     parts = list(rel.with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def test_no_two_modules_import_each_other() -> None:
-    """No 2-cycles: if a imports b (at import time or lazily), b does not import a (type-only
-    imports under TYPE_CHECKING aside: they never run)."""
-    modules = {_module_name(p.relative_to(ROOT)): p for top in sorted(OURS) for p in python_files(ROOT / top)}
+def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Module -> the modules of `sources` it imports (`from a import b`: module a.b, else a), lazy
+    and type-only (`if TYPE_CHECKING:`) imports included: a cycle through them is still a cycle of
+    dependencies, whatever runs first. A package's __init__ importing its own modules is an edge
+    like any other."""
     edges: dict[str, set[str]] = {}
-    for name, path in modules.items():
+    for name, source in sources.items():
         targets = set()
-        for module in runtime_imports(path.read_text(encoding="utf-8"), str(path)):
-            while module and module not in modules:  # `from a import b`: module a.b, else a
+        for _, module in imported_modules(source, name):
+            while module and module not in sources:
                 module = module.rpartition(".")[0]
             if module and module != name:
                 targets.add(module)
         edges[name] = targets
-    cycles = sorted({tuple(sorted((a, b))) for a, out in edges.items() for b in out if a in edges.get(b, ())})
-    # a package's __init__ that re-exports its own modules is not a cycle between two files
-    cycles = [c for c in cycles if not (c[1].startswith(c[0] + ".") or c[0].startswith(c[1] + "."))]
-    assert not cycles, "modules importing each other:\n" + "\n".join(f"{a} <-> {b}" for a, b in cycles)
+    return edges
+
+
+def import_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's, iterative): each
+    holds at least one cycle, of any length."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def enter(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+
+    for root in sorted(edges):
+        if root in index:
+            continue
+        enter(root)
+        work = [(root, iter(sorted(edges[root])))]
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    enter(child)
+                    work.append((child, iter(sorted(edges.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component: list[str] = []
+                while not component or component[-1] != node:
+                    component.append(stack.pop())
+                    on_stack.discard(component[-1])
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_cycles() -> None:
+    """Imports form no cycle of any length, lazy and type-only imports included: a module never
+    needs, even for a type, something that needs it back."""
+    modules = {_module_name(p.relative_to(ROOT)): p for top in sorted(OURS) for p in python_files(ROOT / top)}
+    sources = {name: path.read_text(encoding="utf-8") for name, path in modules.items()}
+    cycles = import_cycles(import_graph(sources))
+    assert not cycles, "modules that depend on each other:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+@pytest.mark.parametrize(
+    "sources,cycle",
+    [
+        ({"a": "import b", "b": "import a"}, ["a", "b"]),
+        ({"a": "import b", "b": "import c", "c": "from a import x"}, ["a", "b", "c"]),
+        (
+            {"a": "import b", "b": "if TYPE_CHECKING:\n    from c import T", "c": "def f():\n    import a"},
+            ["a", "b", "c"],
+        ),
+        ({"p": "from p.m import x", "p.m": "from p import y"}, ["p", "p.m"]),
+        ({"a": "import b", "b": "import c", "c": "import d", "d": ""}, None),
+    ],
+)
+def test_the_cycle_finder_sees_long_and_type_only_cycles(sources: dict[str, str], cycle: list[str] | None) -> None:
+    assert import_cycles(import_graph(sources)) == ([cycle] if cycle else [])
+
+
+def _git_links() -> list[tuple[str, str]]:
+    """(path, target) of every symbolic link git tracks (none outside a git checkout)."""
+    try:
+        listing = subprocess.run(
+            ["git", "ls-files", "-s", "-z"], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    links = []
+    for entry in filter(None, listing.split("\0")):
+        meta, path = entry.split("\t", 1)
+        mode, blob = meta.split()[:2]
+        if mode == "120000":
+            target = subprocess.run(
+                ["git", "cat-file", "blob", blob], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
+            ).stdout
+            links.append((path, target))
+    return links
+
+
+def _disk_links() -> list[tuple[str, str]]:
+    """(path, target) of every symbolic link in the working tree (caches and dot folders aside)."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(ROOT):
+        dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not d.startswith(".")]
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            if path.is_symlink():
+                out.append((path.relative_to(ROOT).as_posix(), os.readlink(path)))
+    return out
+
+
+def leaves_tree(path: str, target: str, root: Path = ROOT) -> bool:
+    """Does a link at `path` (relative to `root`) to `target` point outside `root`?"""
+    if os.path.isabs(target):
+        return True
+    resolved = os.path.normpath(os.path.join(root, os.path.dirname(path), target))
+    return os.path.commonpath([resolved, str(root)]) != str(root)
+
+
+def test_no_symbolic_link_leaves_the_tree() -> None:
+    """A link to an absolute path or out of the checkout dangles in every other checkout, and
+    package data would ship it."""
+    bad = sorted({f"{p} -> {t}" for p, t in _git_links() + _disk_links() if leaves_tree(p, t)})
+    assert not bad, "symbolic links that leave the tree:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    "path,target,bad",
+    [
+        ("pdserve/models/pycoder/pycoder", "/work/main/pdserve/models/pycoder", True),
+        ("a/b/link", "../../../elsewhere", True),
+        ("a/b/link", "../c", False),
+        ("link", "a/b", False),
+    ],
+)
+def test_link_check(path: str, target: str, bad: bool) -> None:
+    assert leaves_tree(path, target, Path("/repo")) == bad
 
 
 @pytest.mark.parametrize(

@@ -98,6 +98,4 @@ class SyntheticEagle3(CustomSpecAlgo):
         return SpeculativeAlgorithm.EAGLE3.build_disagg_draft_input(batch, config, last_tokens, future_map)
 
     def create_worker(self, parts: EngineParts, config: SpecConfig) -> EagleWorker:
-        worker = EagleWorker.create(parts, config, "eagle3", self)
-        worker.picker = PICKER["current"]
-        return worker
+        return EagleWorker.create(parts, config, "eagle3", self, picker=PICKER["current"])

@@ -6,21 +6,23 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from engine.core import Batch, ForwardMode, Req, ReqState
+from engine.core import Batch, DecodePlan, ForwardMode, Req, ReqState
 from engine.kv_cache import KVCacheManager
 from engine.page_allocator import OutOfPages
 
 ReqHook = Callable[[Req], None]
 
 
-class DecodeWindows(Protocol):
-    """The executor's side of sizing decode steps (engine.executor.Executor has both)."""
+class DecodePlanner(Protocol):
+    """The executor's side of planning decode steps (engine.executor.Executor has both)."""
 
     def kv_tokens_per_decode(self) -> int:
         """The largest window any decode step may use (admission headroom)."""
+        ...
 
-    def decode_window(self, batch_size: int, room: int) -> int:
-        """The window of the next decode batch of this size, at most `room` (>= 1)."""
+    def plan_decode(self, batch_size: int, room: int) -> DecodePlan:
+        """How the next decode batch of this size runs; its window is at most `room` (>= 1)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -42,9 +44,9 @@ class BatchPolicy:
     retracts the newest request when the pool runs dry.
     """
 
-    def __init__(self, cfg: PolicyConfig, kv: KVCacheManager, windows: DecodeWindows) -> None:
-        self.cfg, self.kv, self.windows = cfg, kv, windows
-        self.kv_tokens_per_decode = windows.kv_tokens_per_decode()
+    def __init__(self, cfg: PolicyConfig, kv: KVCacheManager, planner: DecodePlanner) -> None:
+        self.cfg, self.kv, self.planner = cfg, kv, planner
+        self.kv_tokens_per_decode = planner.kv_tokens_per_decode()
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admitted: prefilling or decoding, in admission order
 
@@ -150,32 +152,36 @@ class BatchPolicy:
         return max(1, min(limit - r.sched_len for r in reqs))
 
     def _decode_batch(self, on_retract: ReqHook, decoding: list[Req]) -> Batch:
-        """Reserve each request's window (the executor's choice for this batch size and the
-        context room left), retracting the newest requests while pages run out."""
+        """Plan the step (the executor's choice for this batch size and the context room left, at
+        the top of every decode iteration) and reserve each request's window, retracting the
+        newest requests while pages run out; fewer requests may plan otherwise: until it settles."""
         decoding = list(decoding)
-        window = 0
         while decoding:
-            want = self.windows.decode_window(len(decoding), self._room(decoding))
-            if want == window:
-                break
-            window, i = want, 0
-            page, limit = self.kv.page_size, self.kv.cfg.max_context_len
-            while i < len(decoding):
-                req = decoding[i]
-                need = req.sched_len + window
-                if need <= req.num_pages * page and need <= limit:  # already covered: most steps
-                    i += 1
+            size = len(decoding)
+            plan = self.planner.plan_decode(size, self._room(decoding))
+            self._reserve_window(decoding, plan.window, on_retract)
+            if len(decoding) == size:  # nobody retracted: the plan holds for this batch
+                return Batch.decode(decoding, plan)
+        return Batch.idle()
+
+    def _reserve_window(self, decoding: list[Req], window: int, on_retract: ReqHook) -> None:
+        """Pages for `window` more tokens per request; the newest requests are retracted (and
+        dropped from `decoding`) while the pool runs dry."""
+        i, page, limit = 0, self.kv.page_size, self.kv.cfg.max_context_len
+        while i < len(decoding):
+            req = decoding[i]
+            need = req.sched_len + window
+            if need <= req.num_pages * page and need <= limit:  # already covered: most steps
+                i += 1
+                continue
+            try:
+                self.kv.reserve(req, need)
+                i += 1
+            except OutOfPages:  # free the newest request and try again
+                victim = decoding.pop()
+                self.retract(victim, on_retract)
+                if victim is req:
                     continue
-                try:
-                    self.kv.reserve(req, need)
-                    i += 1
-                except OutOfPages:  # free the newest request and try again
-                    victim = decoding.pop()
-                    self.retract(victim, on_retract)
-                    if victim is req:
-                        continue
-            # fewer requests may choose another window: ask again until it settles
-        return Batch.decode(decoding, window) if decoding else Batch.idle()
 
     def retract(self, req: Req, on_retract: ReqHook) -> None:
         """Give a running request's pages back and requeue it; it re-extends over prompt + output."""

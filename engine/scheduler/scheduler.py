@@ -1,4 +1,4 @@
-"""The scheduling loop: Scheduler(policy, executor, io) with continuous batching and stop checks.
+"""The scheduling loop: Scheduler(policy, executor, io, config) with continuous batching and stop checks.
 
 Overlap mode (`overlap=True` and an executor that supports it): each iteration forms and launches
 batch N+1 from what the host knows, then collects batch N, so the CPU work of one batch hides
@@ -21,7 +21,6 @@ from engine.algorithm import EngineAlgorithm, PlainDecoding
 from engine.core import Batch, FinishReason, ForwardMode, Req, ReqState, StepOutput
 from engine.executor import Executor
 from engine.future_map import DraftInput, FutureMap
-from engine.kv_cache import KVCacheManager
 from engine.device_event import DeviceEvent
 from engine.scheduler.kv_progress import KVProgress, needs_fence, record_fence
 from engine.scheduler.policy import BatchPolicy
@@ -33,6 +32,17 @@ log = logging.getLogger(__name__)
 # Steps a member of a failed batch runs alone: its (re)prefill and a decode step, the two places
 # a request-specific failure shows.
 SOLO_STEPS = 2
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The scheduler's own settings: the model's end-of-sequence ids and context length (its stop
+    rules), overlap scheduling (run only where the executor supports it), FutureMap debug mode."""
+
+    eos_token_ids: tuple[int, ...]
+    max_context_len: int
+    overlap: bool = False
+    future_map_debug: bool = False
 
 
 @dataclass(slots=True)
@@ -49,18 +59,15 @@ class Scheduler:
         policy: BatchPolicy,
         executor: Executor,
         io: SchedulerIO,
-        kv: KVCacheManager,
-        eos_token_ids: tuple[int, ...],
-        max_context_len: int,
-        overlap: bool = False,
-        *,
+        config: SchedulerConfig,
         algorithm: EngineAlgorithm | None = None,
-        future_map_debug: bool = False,
     ) -> None:
-        self.policy, self.executor, self.io, self.kv = policy, executor, io, kv
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self.max_context_len = max_context_len
-        self.future_map = self._init_overlap(algorithm or PlainDecoding(), overlap, future_map_debug)
+        """`algorithm` builds the FutureMap (plain decoding's when None); the KV pool is the
+        policy's."""
+        self.policy, self.executor, self.io, self.kv = policy, executor, io, policy.kv
+        self.eos_token_ids = frozenset(config.eos_token_ids)
+        self.max_context_len = config.max_context_len
+        self.future_map = self._init_overlap(algorithm or PlainDecoding(), config.overlap, config.future_map_debug)
         self.reqs: dict[str, Req] = {}
         self._inflight: _Launched | None = None
         self.stats = {
@@ -312,10 +319,10 @@ class Scheduler:
     def _complete(self, batch: Batch, out: StepOutput) -> list[RequestUpdate]:
         updates, decoded = [], 0
         # _unmark inlined: this loop runs once per request per step on the host's critical path
-        extend = batch.mode is ForwardMode.EXTEND
+        extend, window = batch.mode is ForwardMode.EXTEND, batch.window
         for i, (req, n, s, epoch) in enumerate(zip(batch.reqs, batch.extend_lens, batch.sample, batch.epochs)):
             req.inflight -= 1
-            req.inflight_len -= n if extend else batch.window
+            req.inflight_len -= n if extend else window
             req.inflight_samples -= int(s)
             if req.finished or req.epoch != epoch:
                 # aborted, finished by an earlier batch, or retracted while this one ran

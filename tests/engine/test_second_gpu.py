@@ -68,3 +68,18 @@ def test_engine_on_cuda1_equals_cuda0(tiny_llama_dir, tmp_path):
     second, dev1 = _serve(_engine(tiny_llama_dir, head, "cuda:1", ThreadedIO()))
     assert (dev0, dev1) == (0, 1)
     assert second == first
+
+
+def test_an_engine_leaves_its_callers_device_alone(tiny_llama_dir, tmp_path):
+    """Building and stepping an engine on cuda:1 from a thread on cuda:0 runs its kernels on GPU 1
+    and leaves the thread on GPU 0: Triton kernels launched later by that thread on GPU 0's
+    tensors (and graphs it captures) must not land on GPU 1."""
+    head = write_tiny_eagle_head(tmp_path / "head", tiny_llama_dir, "eagle", mode="repeat")
+    torch.cuda.set_device(0)
+    on_gpu0 = _engine(tiny_llama_dir, head, "cuda:0").generate(PROMPTS, GREEDY)
+    eng = _engine(tiny_llama_dir, head, "cuda:1")
+    assert torch.cuda.current_device() == 0
+    on_gpu1 = eng.generate(PROMPTS, GREEDY)
+    assert torch.cuda.current_device() == 0
+    assert [o.output_ids for o in on_gpu1] == [o.output_ids for o in on_gpu0]
+    assert eng.kv.all_free

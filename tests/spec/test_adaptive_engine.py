@@ -38,9 +38,11 @@ def config_path(tmp_path):
     return str(path)
 
 
-def _engine(pair, config_path: str | None, **kw) -> Engine:
+def _engine(pair, config_path: str | None, spec_kw: dict | None = None, **kw) -> Engine:
     target, head = pair
-    spec = SpecConfig("EAGLE", str(head), 3, 1, adaptive=config_path is not None, adaptive_config=config_path)
+    spec = SpecConfig(
+        "EAGLE", str(head), 3, 1, adaptive=config_path is not None, adaptive_config=config_path, **(spec_kw or {})
+    )
     return Engine(EngineConfig(str(target), page_size=4, **kw), algorithm=bind(spec))
 
 
@@ -84,8 +86,7 @@ def test_deferring_the_guess_of_0_step_iterations_changes_no_acceptance(pair, co
     kw = {"cuda_graph_max_bs": 8, "cuda_graph_padded_eager": True} if graphs else {}
     runs = []
     for defer in (False, True):
-        eng = _engine(pair, config_path, overlap=overlap, future_map_debug=True, **kw)
-        eng.executor.defer_guess = defer
+        eng = _engine(pair, config_path, {"defer_guess": defer}, overlap=overlap, future_map_debug=True, **kw)
         out = _staggered(eng, params)
         stats = eng.executor.spec_stats()
         runs.append((out, stats.accepted_drafts, dict(stats.accept_len_hist), eng.executor.guesses_recomputed))
@@ -99,10 +100,10 @@ def test_graphs_exist_per_step_count_only_for_their_batch_sizes_and_switches_cap
     eng = _engine(pair, config_path, cuda_graph_max_bs=8, cuda_graph_padded_eager=True)
     worker = eng.executor
     policy = worker.states.policy
-    assert policy is not None and worker.iteration is not None
-    shapes = worker.iteration.shapes()  # (steps, padded batch size)
+    assert policy is not None and worker.iteration_graphs is not None
+    shapes = worker.iteration_graphs.shapes()  # (steps, padded batch size)
     for steps in policy.candidate_steps():
-        want = sorted({worker.iteration.padded(b) for b in policy.graph_batch_sizes_for_step(steps)})
+        want = sorted({worker.iteration_graphs.padded(b) for b in policy.graph_batch_sizes_for_step(steps)})
         assert sorted(bs for s, bs in shapes if s == steps) == want
     # the default sizes are 1, 2, 4, 8: steps 5 only at 1, steps 2 at 2, steps 0 at 4 and 8
     assert {bs for s, bs in shapes if s == 5} == {1} and {bs for s, bs in shapes if s == 0} == {4, 8}
@@ -116,8 +117,8 @@ def test_graphs_exist_per_step_count_only_for_their_batch_sizes_and_switches_cap
     before = (list(shapes), eng.executor.target.graph_shapes(), eng.executor.draft.graph_shapes())
     _staggered(eng, SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True))
     assert eng.executor.adaptive_snapshot()["switches"] > 0
-    after = (worker.iteration.shapes(), eng.executor.target.graph_shapes(), eng.executor.draft.graph_shapes())
-    assert after == before and worker.iteration.hits > 0
+    after = (worker.iteration_graphs.shapes(), eng.executor.target.graph_shapes(), eng.executor.draft.graph_shapes())
+    assert after == before and worker.iteration_graphs.hits > 0
 
 
 def test_adaptive_passes_the_kit_pd_included(pair, config_path) -> None:
@@ -142,19 +143,20 @@ def test_adaptive_settings_are_checked(pair, config_path) -> None:
 def test_gpu_graphs_per_step_count_and_no_recapture(pair, config_path) -> None:
     eng = _engine(pair, config_path, device="cuda", attention_backend="triton", cuda_graph_max_bs=8, overlap=True)
     worker = eng.executor
-    assert worker.iteration is not None and worker.iteration.captured()
+    assert worker.iteration_graphs is not None and worker.iteration_graphs.captured()
     counts = {
-        s: sum(1 for st, _ in worker.iteration.shapes() if st == s) for s in worker.states.policy.candidate_steps()
+        s: sum(1 for st, _ in worker.iteration_graphs.shapes() if st == s)
+        for s in worker.states.policy.candidate_steps()
     }
     assert counts == {0: 2, 1: 3, 2: 1, 3: 1, 5: 1}  # sizes 1, 2, 4, 8: steps 1 at 2 (slot "2") and 4, 8 (slot "4")
-    before = worker.iteration.shapes()
+    before = worker.iteration_graphs.shapes()
     plain = Engine(
         EngineConfig(str(pair[0]), page_size=4, device="cuda", attention_backend="triton", cuda_graph_max_bs=8)
     )
     params = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
     got = _staggered(eng, params)
-    assert eng.executor.adaptive_snapshot()["switches"] > 0 and worker.iteration.hits > 0
-    assert worker.iteration.shapes() == before  # switching swapped states; nothing was captured
+    assert eng.executor.adaptive_snapshot()["switches"] > 0 and worker.iteration_graphs.hits > 0
+    assert worker.iteration_graphs.shapes() == before  # switching swapped states; nothing was captured
     assert worker.target.graph_stats.captures == len(worker.target.graph_shapes())
     torch.cuda.synchronize()
     want = _staggered(plain, params)
@@ -177,9 +179,14 @@ def test_0_step_iterations_leave_the_head_a_backlog_that_changes_nothing(
     runs = []
     for ring in (False, True):
         eng = _engine(
-            pair, config_path, overlap=overlap, future_map_debug=True, cuda_graph_max_bs=8, cuda_graph_padded_eager=True
+            pair,
+            config_path,
+            {"batch_catch_up": ring},
+            overlap=overlap,
+            future_map_debug=True,
+            cuda_graph_max_bs=8,
+            cuda_graph_padded_eager=True,
         )
-        eng.executor.batch_catch_up = ring
         out = _staggered(eng, params)
         stats, backlog = eng.executor.spec_stats(), eng.executor.backlog
         assert backlog is not None and backlog.depth == depth

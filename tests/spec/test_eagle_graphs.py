@@ -33,6 +33,6 @@ def test_precaptured_graphs_serve_every_decode_forward(pair, topk, ntok) -> None
     # nothing new was needed: verify, draft steps and draft-extend all hit pre-captured graphs
     assert (worker.target.graph_stats.captures, worker.draft.graph_stats.captures) == captured
     if topk == 1:  # whole iterations, one graph each
-        assert worker.iteration is not None and worker.iteration.hits > 0
+        assert worker.iteration_graphs is not None and worker.iteration_graphs.hits > 0
     else:
         assert worker.target.graph_stats.hits > 0 and worker.draft.graph_stats.hits > 0

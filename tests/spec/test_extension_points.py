@@ -11,7 +11,7 @@ import torch
 import spec.registry as registry
 from engine.core import ForwardMode, SamplingParams
 from engine.engine import Engine, EngineConfig
-from engine.executor import PlainExecutor
+from engine.worker import PlainExecutor
 from engine.future_map import FutureMap
 from spec.config import SpecConfig
 from spec.eagle_worker import EagleWorker
@@ -175,7 +175,7 @@ def test_verify_width_from_the_hook_sets_windows_graphs_and_kv(pair, plugin, cls
     assert [o.output_ids for o in eng.generate(PROMPTS, GREEDY)] == _want(target)  # exact
     assert windows and all(c.extend_lens_cpu == [width] * len(c.extend_lens_cpu) for c in windows)
     assert all(bool((c.qo_indptr.diff() == width).all()) for c in windows)  # attention metadata
-    iteration = eng.executor.iteration if isinstance(eng.executor, EagleWorker) else None
+    iteration = eng.executor.iteration_graphs if isinstance(eng.executor, EagleWorker) else None
     if iteration is not None:  # a chain: whole iterations, one graph each, at width W
         assert iteration.hits > 0
     else:

@@ -76,5 +76,5 @@ def build_draft_input(batch: Batch, last_tokens: Any, future_map: FutureMap | No
     for r in batch.reqs:
         r.spec_state = None
     if future_map is not None:
-        seed_prebuilt(batch, future_map, di.relay_payload())
+        seed_prebuilt(batch, future_map, di)
     return di

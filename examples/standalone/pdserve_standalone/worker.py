@@ -23,21 +23,20 @@ import torch
 from spec.api import (
     Batch,
     BatchRelay,
-    DraftInput,
+    DecodePlan,
     EngineParts,
     ForwardMode,
-    FutureMap,
     HandoffCodec,
     HostCopy,
     KVPool,
     ModelRunner,
     RelayPayload,
-    Req,
     Sampler,
     SpecConfig,
     SpecConfigError,
     SpecStats,
     StepOutput,
+    WorkerBase,
     accepted_rows,
     build_input_ids,
     chain_tree,
@@ -53,7 +52,6 @@ from spec.api import (
     sampled_output,
     sampling_reqs,
     scatter_to_batch,
-    seed_prebuilt_rows,
     shifted_tokens,
     to_device,
     verify_window,
@@ -74,7 +72,7 @@ def top1(runner: ModelRunner, hidden: torch.Tensor) -> tuple[torch.Tensor, torch
     return torch.topk(probs, 1, dim=-1)
 
 
-class StandaloneWorker:
+class StandaloneWorker(WorkerBase):
     def __init__(
         self,
         target: ModelRunner,
@@ -84,11 +82,10 @@ class StandaloneWorker:
         draft_width: int,
         draft_mode: ForwardMode,
     ) -> None:
-        self.target, self.draft, self.sampler = target, draft, sampler
+        super().__init__(target, sampler)
+        self.target, self.draft = target, draft
         self.width, self.draft_width, self.draft_mode = width, draft_width, draft_mode
-        self.active = (width, draft_width)  # this decode batch's widths (narrower near the limit)
         self.stats = SpecStats(max_drafts=width - 1)
-        self._future_map: FutureMap | None = None
 
     @classmethod
     def create(cls, parts: EngineParts, cfg: SpecConfig, algorithm: Any) -> "StandaloneWorker":
@@ -127,25 +124,18 @@ class StandaloneWorker:
         mode = ForwardMode.TARGET_VERIFY if allowed else ForwardMode.DRAFT_EXTEND
         return cls(parts.runner, draft, parts.sampler, width, draft_width, mode)
 
-    # ---- Executor protocol ----
-    def bind_future_map(self, future_map: FutureMap) -> None:
-        self._future_map = future_map
-
-    @property
-    def future_map(self) -> FutureMap:
-        assert self._future_map is not None, "the scheduler binds the FutureMap at start-up"
-        return self._future_map
-
+    # ---- the hooks it changes (the rest are WorkerBase's) ----
     def kv_tokens_per_decode(self) -> int:
         return max(self.width, self.draft_width)
 
-    def decode_window(self, batch_size: int, room: int) -> int:
-        w = max(1, min(self.width, room))
-        self.active = (w, max(w, min(self.draft_width, room)))
-        return max(self.active)
+    def activate_step_by_batch(self, batch_size: int) -> int:
+        return self.width - 1
 
-    def supports_overlap(self) -> bool:
-        return True
+    def plan_decode(self, batch_size: int, room: int) -> DecodePlan:
+        """The configured widths, narrower near the context limit; (verify, draft) travel with the batch."""
+        w = max(1, min(self.activate_step_by_batch(batch_size) + 1, room))
+        widths = (w, max(w, min(self.draft_width, room)))
+        return DecodePlan(max(widths), w - 1, widths)
 
     def capture_cuda_graphs(self) -> None:
         self.target.capture(ForwardMode.TARGET_VERIFY, self.width)
@@ -155,15 +145,6 @@ class StandaloneWorker:
         self.target.freeze_graphs()
         self.draft.freeze_graphs()
 
-    def on_admit(self, req: Req) -> None:
-        self.sampler.on_admit(req)
-
-    def adopt_prebuilt(self, reqs: list[Req], draft_input: DraftInput, relay: BatchRelay) -> None:
-        seed_prebuilt_rows(reqs, draft_input, relay)
-
-    def on_release(self, req: Req) -> None:
-        req.spec_state = None
-
     def extra_kv_pools(self) -> list[KVPool]:
         return [self.draft.pool]
 
@@ -172,13 +153,6 @@ class StandaloneWorker:
 
     def spec_stats(self) -> SpecStats:
         return self.stats
-
-    def adaptive_snapshot(self) -> dict[str, Any] | None:
-        return None
-
-    @torch.inference_mode()
-    def step(self, batch: Batch, relay: BatchRelay) -> StepOutput:
-        return self.collect(self.launch(batch, relay))
 
     @torch.inference_mode()
     def launch(self, batch: Batch, relay: BatchRelay) -> Pending:
@@ -217,7 +191,7 @@ class StandaloneWorker:
 
     # ---- decode ----
     def _decode(self, batch: Batch, relay: BatchRelay) -> Pending:
-        reqs, (w, wd) = batch.reqs, self.active
+        reqs, (w, wd) = batch.reqs, batch.plan.state
         bs, slots, bound = len(reqs), [r.slot for r in reqs], batch.prefix_lens
         seq = relay.resolve_seq_lens()
         r = relay.resolve()
