@@ -72,16 +72,7 @@ class PlainDecoding:
     def create_worker(self, parts: "EngineParts") -> "Executor":
         return PlainExecutor(parts.runner, parts.sampler)
 
-    def create_future_map(
-        self,
-        max_running_requests: int,
-        chunked_prefill_size: int,
-        context_len: int,
-        device: torch.device | str,
-        *,
-        debug: bool = False,
-    ) -> FutureMap:
-        return plain_future_map(max_running_requests, chunked_prefill_size, context_len, device, debug=debug)
+    create_future_map = staticmethod(plain_future_map)
 
     def describe(self) -> dict[str, Any]:
         return {"algorithm": self.name}

@@ -2,9 +2,10 @@
 
 A plugin subclasses `CustomSpecAlgo`, answers the extension points it cares about, and returns an
 `Executor` from `create_worker`, usually a `WorkerBase` subclass that overrides only the hooks its
-algorithm changes (`plan_decode` for its decode windows, `launch` / `collect`). The names below are what such a worker needs: the engine's
-vocabulary and model runner, the FutureMap relay the scheduler hands each launch, the handoff
-codec protocol for PD, verification helpers that keep output exact, and the conformance kit.
+algorithm changes (`plan_decode` for its decode windows, `launch` / `collect`). The names below
+are what such a worker needs: the engine's vocabulary and model runner, the FutureMap relay the
+scheduler hands each launch, the handoff codec protocol for PD, verification helpers that keep
+output exact, and the conformance kit.
 Examples: spec/ngram.py (in tree) and examples/standalone (an installable package).
 """
 

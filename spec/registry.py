@@ -146,7 +146,8 @@ class SpeculativeAlgorithm:
 
 
 class _NoSpec(SpeculativeAlgorithm):
-    """Plain decoding under its registry name: the engine's own PlainDecoding does the work."""
+    """Plain decoding under its registry name: the engine's own PlainDecoding does the work (its
+    FutureMap, which relays no top-k or hidden state, follows from the hooks below)."""
 
     name = "NONE"
     _plain = PlainDecoding()
@@ -162,19 +163,6 @@ class _NoSpec(SpeculativeAlgorithm):
 
     def needs_draft_model(self) -> bool:
         return False
-
-    def create_future_map(
-        self,
-        max_running_requests: int,
-        chunked_prefill_size: int,
-        context_len: int,
-        device: Any,
-        *,
-        debug: bool = False,
-    ) -> "FutureMap":
-        return self._plain.create_future_map(
-            max_running_requests, chunked_prefill_size, context_len, device, debug=debug
-        )
 
     def create_worker(self, parts: "EngineParts", config: "SpecConfig") -> "Executor":
         return self._plain.create_worker(parts)
