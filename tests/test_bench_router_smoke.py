@@ -8,6 +8,8 @@ import pytest
 
 from bench.router_overhead import MAX_TOKENS, format_tables, run
 
+pytestmark = pytest.mark.slow  # a real router process and node processes
+
 
 def test_router_overhead_quick_smoke() -> None:
     start = time.perf_counter()

@@ -19,7 +19,7 @@ from tests.deploy.livekit import FlakyDecode, Prometheus, drive, get_json, orpha
 from tests.deploy.promkit import REPO, binary, dashboard_queries, recording_rules
 from fixtures.procs import Node
 
-pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")]
 
 NODE_START_S = 240.0  # four processes importing torch and loading the pair on 2 shared cores
 READY_S = 120.0
