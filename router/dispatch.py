@@ -22,7 +22,7 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncGenerator
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -119,7 +119,7 @@ class _Attempt:
         # ~0 when the router relayed the prefill's own token (no wait on the decode)
         stage.labels("first_decode").observe(max(0.0, now - self.prefill_done_at))
 
-    async def events(self) -> AsyncIterator[TokenEvent | FinishEvent]:
+    async def events(self) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
         t, relay, loop = self.d.timeouts, TokenRelay(self.rid), asyncio.get_running_loop()
         # The decode's first message is due first_token_s after the request, whichever leg gave
         # the client its first token; each later one inter_token_s after the one before.
@@ -201,8 +201,8 @@ class _Attempt:
             msg = read.result()
         except grpc.aio.AioRpcError as e:
             pt = self.prefill_task
-            if pt is not None and pt.done() and not pt.cancelled() and pt.result() is not None:
-                raise await self._attribute(pt.result()) from None  # the decode only followed
+            if pt is not None and pt.done() and not pt.cancelled() and (failure := pt.result()) is not None:
+                raise await self._attribute(failure) from None  # the decode only followed
             raise rpc_failure(e, "decode", self.decode, self.prefill) from None
         if msg is grpc.aio.EOF:
             raise LegFailed(
@@ -233,14 +233,9 @@ class _Attempt:
             self.d.keep(self.prefill_task)  # may outlive a finished decode stream by a moment
         if self.finished:
             return
-        legs = [n for n in (self.prefill, self.decode) if n is not None and n.stub is not None]
-        aborts = [
-            n.stub.Abort(
-                pb.AbortRequest(request_id=self.rid, reason=reason),  # type: ignore[union-attr]
-                timeout=self.d.timeouts.abort_s,
-            )
-            for n in legs
-        ]
+        stubs = [stub for n in (self.prefill, self.decode) if n is not None and (stub := n.stub) is not None]
+        request = pb.AbortRequest(request_id=self.rid, reason=reason)
+        aborts = [stub.Abort(request, timeout=self.d.timeouts.abort_s) for stub in stubs]
         task = asyncio.ensure_future(asyncio.gather(*aborts, return_exceptions=True))
         try:  # shielded: a second cancel of the consumer must not drop the aborts
             await asyncio.wait_for(asyncio.shield(task), self.d.timeouts.abort_s)
@@ -311,7 +306,7 @@ class PDDispatcher:
         recent = self._last_success is not None and time.monotonic() - self._last_success <= self.ready_window_s
         return recent and pair_available(self.registry)
 
-    async def generate(self, job: GenerationJob) -> AsyncIterator[TokenEvent | FinishEvent]:
+    async def generate(self, job: GenerationJob) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
         job_started = time.monotonic()
         blamed: set[str] = set()  # never again for this job
         tried: set[str] = set()  # avoided when another choice exists

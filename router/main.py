@@ -14,6 +14,7 @@ import uvicorn
 from common.tokenizer import Tokenizer, load_chat_template
 from router.app import create_app
 from router.breaker import CircuitBreaker
+from router.contract import ModelCard
 from router.dispatch import PDDispatcher, StageTimeouts
 from router.nodes import DnsSource, NodeRegistry, parse_node_lists
 from router.policy import make_policy
@@ -103,7 +104,7 @@ async def run_router(cfg: RouterConfig) -> None:
         await registry.stop()
 
 
-async def _wait_model(registry: NodeRegistry, timeout: float, stop: asyncio.Event):  # type: ignore[no-untyped-def]
+async def _wait_model(registry: NodeRegistry, timeout: float, stop: asyncio.Event) -> ModelCard:
     """The model card from the first node that answers; a clear error if none does in time."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:

@@ -90,7 +90,7 @@ def parse_node_lists(prefill: Sequence[str], decode: Sequence[str], colocated: S
 def resolve_headless(name: str, port: int) -> list[str]:
     """Every address behind a DNS name (a Kubernetes headless service lists one per pod)."""
     infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)
-    hosts = sorted({info[4][0] for info in infos})
+    hosts = sorted({str(info[4][0]) for info in infos})  # IPv4/IPv6 sockaddrs: (host, port, ...)
     return [f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h in hosts]
 
 

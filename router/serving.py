@@ -10,7 +10,7 @@ import asyncio
 import json
 import time
 from contextlib import suppress
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, TypeVar
 
 import anyio
 from fastapi import Request
@@ -44,7 +44,7 @@ class Fanout:
         self._tasks = [asyncio.create_task(self._pump(i, job)) for i, job in enumerate(self._jobs)]
 
     async def _pump(self, i: int, job: GenerationJob) -> None:
-        it: AsyncIterator[TokenEvent | FinishEvent] | None = None
+        it: AsyncGenerator[TokenEvent | FinishEvent, None] | None = None
         try:
             it = self._dispatcher.generate(job)
             async for event in it:
@@ -57,9 +57,8 @@ class Fanout:
         except Exception as e:  # a dispatcher bug must still end the request, with a 502
             self._queue.put_nowait((i, DispatchError(502, f"dispatch failed: {type(e).__name__}: {e}")))
         finally:
-            aclose = getattr(it, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            if it is not None:
+                await it.aclose()
 
     async def next(self) -> Item | None:
         """The next event of a live job; None once every job finished; raises a job's DispatchError."""

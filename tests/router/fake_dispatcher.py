@@ -14,7 +14,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Iterator
+from typing import AsyncGenerator, Callable, Iterator
 
 import uvicorn
 from fastapi import FastAPI
@@ -62,7 +62,7 @@ class FakeDispatcher:
     def ready(self) -> bool:
         return self.is_ready
 
-    def generate(self, job: GenerationJob) -> AsyncIterator[TokenEvent | FinishEvent]:
+    def generate(self, job: GenerationJob) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
         self.jobs.append(job)
         return self._run(job, self.script(job))
 
@@ -90,7 +90,7 @@ class FakeDispatcher:
         out.append(FinishEvent(reason, len(job.input_ids), len(ids), matched, s.disaggregated))
         return out
 
-    async def _run(self, job: GenerationJob, s: Script) -> AsyncIterator[TokenEvent | FinishEvent]:
+    async def _run(self, job: GenerationJob, s: Script) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
         self.started.append(job.request_id)
         events = self.events_for(job, s)
         try:
