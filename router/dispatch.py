@@ -1,9 +1,9 @@
 """PDDispatcher: the router's node side (router.contract.Dispatcher).
 
 One job = one or more attempts. An attempt picks a (prefill, decode) pair, invents a random
-int32 bootstrap room and sends the same GenerateRequest to both legs at once. The client sees the
-decode stream; the prefill leg runs in the background and its failure ends the decode leg. The
-prefill answers with the first token once its KV write to the decode completed: unless logprobs
+positive int32 bootstrap room and sends the same GenerateRequest to both legs at once. The client
+sees the decode stream; the prefill leg runs in the background and its failure ends the decode
+leg. The prefill answers with the first token once its KV write to the decode completed: unless logprobs
 are asked for (the prefill's answer carries none), that token goes to the client at once when the
 decode has not sent it yet, and the decode's copy is skipped (router/relay.py). Before the first
 event an attempt that fails is retried with backoff on a new pair (the failing node excluded) and
@@ -44,7 +44,10 @@ from router.relay import TokenRelay
 
 log = logging.getLogger(__name__)
 
-MAX_ROOM = 2**31 - 1  # SMG's gRPC rooms are int32; 0 is avoided (it reads as "unset")
+# The widest room both channels carry: the scheduler API's DisaggregatedParams.bootstrap_room is
+# an int32 (SGLang's own 63-bit rooms do not fit it); pdserve's KV control carries a uint64. 0 is
+# avoided: it reads as "unset".
+MAX_ROOM = 2**31 - 1
 
 
 @dataclass(frozen=True)
