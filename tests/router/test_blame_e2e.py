@@ -24,7 +24,10 @@ from router.breaker import BreakerState
 from fixtures.procs import Node
 from tests.router.stack import Stack, start_stack
 
-pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")
+pytestmark = [
+    pytest.mark.slow,  # real node processes
+    pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed"),
+]
 
 OPEN, CLOSED = int(BreakerState.OPEN), int(BreakerState.CLOSED)  # the breaker gauge's values
 FIRST_TOKEN_S = 8.0

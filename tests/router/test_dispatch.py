@@ -360,6 +360,7 @@ def test_registry_background_refresh_marks_nodes_down_and_up() -> None:
 # --- real nodes ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_dispatch_against_real_prefill_and_decode(tiny_llama_dir: Any) -> None:
     from engine.kv_transfer import nixl_available
 

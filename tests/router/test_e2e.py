@@ -28,7 +28,10 @@ from common.tokenizer import Tokenizer
 from fixtures.pdkit import stub, wait_idle
 from tests.router.stack import Stack, decode_node, start_stack, wait_status
 
-pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")
+pytestmark = [
+    pytest.mark.slow,  # real node processes
+    pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed"),
+]
 
 CONTEXT = 4096  # the tiny Llama with a longer context: a disconnect test needs a long generation
 PROMPT = "def fibonacci(n):"
