@@ -87,6 +87,12 @@ class _Attempt:
         self.started_at = time.monotonic()
         self.prefill_done_at: float | None = None
 
+    def nodes(self) -> str:
+        """The attempt's nodes, for log lines."""
+        if self.prefill is None:
+            return f"{self.decode.role} node {self.decode.address}"
+        return f"prefill node {self.prefill.address} and decode node {self.decode.address}"
+
     async def _prefill_leg(self, req: pb.GenerateRequest) -> LegFailed | None:
         """Drains the prefill stream, keeping the first token of its GenerateComplete; returns
         (rather than raises) its failure, read by `_read`."""
@@ -345,8 +351,9 @@ class PDDispatcher:
             except LegFailed as f:
                 attempt.blame, attempt.blame_reason = {node.address for node in f.blame}, f.reason
                 reason = f"{f.reason}: {f.error.message}"
-                if started:
+                if started:  # the client has part of the answer: no retry, and one line saying why
                     f.error.before_first_token = False
+                    log.warning("request %s failed mid-stream on %s: %s", attempt.rid, attempt.nodes(), reason)
                     raise f.error from None
                 if not f.retryable:
                     raise f.error from None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from contextlib import suppress
 from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, TypeVar
@@ -20,6 +21,8 @@ from router.contract import Dispatcher, DispatchError, FinishEvent, GenerationJo
 from router.errors import APIError, from_dispatch_error
 from router.metrics import RouterMetrics
 from router.text import RequestOutput
+
+log = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
 ABORT_WAIT_S = 5.0  # how long closing a request waits for its jobs' iterators to abort
@@ -55,6 +58,7 @@ class Fanout:
         except DispatchError as e:
             self._queue.put_nowait((i, e))
         except Exception as e:  # a dispatcher bug must still end the request, with a 502
+            log.exception("dispatching %s failed", job.request_id)
             self._queue.put_nowait((i, DispatchError(502, f"dispatch failed: {type(e).__name__}: {e}")))
         finally:
             if it is not None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -196,6 +197,23 @@ def test_no_retry_after_the_first_token() -> None:
                     seen.append(ev)
             assert e.value.before_first_token is False and e.value.status == 502
             assert seen == [TokenEvent((11,))] and not spare.requests
+
+    run(main())
+
+
+def test_a_mid_stream_failure_is_one_warning_naming_the_request_the_nodes_and_the_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def main() -> None:
+        p, flaky = FakeNode("prefill"), FakeNode("decode", Behaviour(fail_after=1))
+        async with cluster(p, flaky) as reg:
+            with caplog.at_level(logging.WARNING, logger="router"), pytest.raises(DispatchError):
+                await collect(dispatcher(reg), job("req-mid"))
+            lines = [r for r in caplog.records if "mid-stream" in r.getMessage()]
+            assert len(lines) == 1 and lines[0].levelno == logging.WARNING, caplog.text
+            message = lines[0].getMessage()
+            assert "req-mid" in message and p.address in message and flaky.address in message, message
+            assert "decode_failed" in message and "UNAVAILABLE" in message, message
 
     run(main())
 
