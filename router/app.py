@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
+from common.defaults import DEFAULT_MAX_QUEUE
 from common.tokenizer import Tokenizer
 from router.chat import render as render_chat
 from router.contract import Dispatcher, DispatchError, GenerationJob, ModelCard
@@ -63,7 +64,7 @@ def create_app(
     served_model: str,
     api_keys: set[str] | frozenset[str] = frozenset(),
     max_body_bytes: int = 1 << 20,
-    max_queue: int = 256,
+    max_queue: int = DEFAULT_MAX_QUEUE,
     metrics_registry: CollectorRegistry | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app; empty `api_keys` means no authentication; more than `max_queue`

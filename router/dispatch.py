@@ -28,6 +28,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
+from common.defaults import DEFAULT_FIRST_TOKEN_TIMEOUT, DEFAULT_INTER_TOKEN_TIMEOUT, DEFAULT_PREFILL_TIMEOUT
 from common.sampling import SamplingParams
 from router.contract import (
     DispatchError,
@@ -52,12 +53,16 @@ MAX_ROOM = 2**31 - 1
 
 @dataclass(frozen=True)
 class StageTimeouts:
-    prefill_s: float = 60.0  # the whole prefill leg: queue, forward, KV write
-    first_token_s: float = 90.0  # request sent -> first decode message (prefill + transfer + adoption)
-    inter_token_s: float = 60.0  # between two decode messages
-    abort_s: float = 2.0  # the Abort RPCs sent on cancel or failure
-    probe_s: float = 60.0  # one whole readiness probe
-    health_s: float = 1.0  # a health check asking whose fault a failure is (a stopped node never answers)
+    """Seconds each stage of an attempt may take; the first three are the router's flags of the same names."""
+
+    prefill_timeout: float = DEFAULT_PREFILL_TIMEOUT  # the whole prefill leg: queue, forward, KV write
+    # request sent -> first decode message (prefill + transfer + adoption)
+    first_token_timeout: float = DEFAULT_FIRST_TOKEN_TIMEOUT
+    inter_token_timeout: float = DEFAULT_INTER_TOKEN_TIMEOUT  # between two decode messages
+    abort_timeout: float = 2.0  # the Abort RPCs sent on cancel or failure
+    probe_timeout: float = 60.0  # one whole readiness probe
+    # a health check asking whose fault a failure is (a stopped node never answers)
+    health_timeout: float = 1.0
 
 
 class _Attempt:
@@ -100,7 +105,7 @@ class _Attempt:
         self.prefill.inflight += 1  # here, not at creation: a task cancelled unstarted runs no finally
         first: int | None = None
         try:
-            async for msg in self.prefill.stub.Generate(req, timeout=self.d.timeouts.prefill_s):
+            async for msg in self.prefill.stub.Generate(req, timeout=self.d.timeouts.prefill_timeout):
                 if msg.HasField("complete") and msg.complete.output_ids:
                     first = msg.complete.output_ids[0]
         except grpc.aio.AioRpcError as e:
@@ -130,11 +135,11 @@ class _Attempt:
 
     async def events(self) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
         t, relay, loop = self.d.timeouts, TokenRelay(self.rid), asyncio.get_running_loop()
-        # The decode's first message is due first_token_s after the request, whichever leg gave
-        # the client its first token; each later one inter_token_s after the one before.
-        first_by, spoke = loop.time() + t.first_token_s, False
+        # The decode's first message is due first_token_timeout after the request, whichever leg gave
+        # the client its first token; each later one inter_token_timeout after the one before.
+        first_by, spoke = loop.time() + t.first_token_timeout, False
         while True:
-            budget = t.inter_token_s if spoke else t.first_token_s
+            budget = t.inter_token_timeout if spoke else t.first_token_timeout
             deadline = loop.time() + budget if spoke else first_by
             msg = await self._read(deadline, budget, self.relay_first and relay.sent == 0)
             if msg is None:  # the prefill answered before the decode streamed a token
@@ -187,7 +192,11 @@ class _Attempt:
                     return await self._message(read)
                 if not done:
                     raise await stage_timeout(
-                        self.prefill, self.decode, pt is not None and not pt.done(), budget_s, self.d.timeouts.health_s
+                        self.prefill,
+                        self.decode,
+                        pt is not None and not pt.done(),
+                        budget_s,
+                        self.d.timeouts.health_timeout,
                     )
                 if (failure := pt.result()) is not None:  # type: ignore[union-attr]
                     raise await self._attribute(failure)
@@ -226,7 +235,7 @@ class _Attempt:
         return msg
 
     async def _attribute(self, failure: LegFailed) -> LegFailed:
-        return await prefill_failure(failure, self.decode, self.d.timeouts.health_s)
+        return await prefill_failure(failure, self.decode, self.d.timeouts.health_timeout)
 
     async def close(self, reason: str) -> None:
         """End the attempt: on failure or cancel stop both legs and Abort them; give verdicts."""
@@ -244,10 +253,10 @@ class _Attempt:
             return
         stubs = [stub for n in (self.prefill, self.decode) if n is not None and (stub := n.stub) is not None]
         request = pb.AbortRequest(request_id=self.rid, reason=reason)
-        aborts = [stub.Abort(request, timeout=self.d.timeouts.abort_s) for stub in stubs]
+        aborts = [stub.Abort(request, timeout=self.d.timeouts.abort_timeout) for stub in stubs]
         task = asyncio.ensure_future(asyncio.gather(*aborts, return_exceptions=True))
         try:  # shielded: a second cancel of the consumer must not drop the aborts
-            await asyncio.wait_for(asyncio.shield(task), self.d.timeouts.abort_s)
+            await asyncio.wait_for(asyncio.shield(task), self.d.timeouts.abort_timeout)
         except asyncio.TimeoutError:
             self.d.keep(task)
         except asyncio.CancelledError:
@@ -398,7 +407,7 @@ class PDDispatcher:
             f"probe-{uuid.uuid4().hex[:16]}", self.probe_input_ids, SamplingParams(max_new_tokens=1, temperature=0.0)
         )
         try:
-            async with asyncio.timeout(self.timeouts.probe_s):
+            async with asyncio.timeout(self.timeouts.probe_timeout):
                 async for _ in self.generate(job):
                     pass
         except (DispatchError, TimeoutError) as e:

@@ -177,7 +177,7 @@ def test_hanging_decode_times_out_and_is_retried() -> None:
         async with cluster(p, hung, good) as reg:
             # a stopped decode: silent to health checks too, and its prefill never gets to write
             hung.b.silent = True
-            timeouts = StageTimeouts(prefill_s=5, first_token_s=0.5, inter_token_s=5, abort_s=2)
+            timeouts = StageTimeouts(prefill_timeout=5, first_token_timeout=0.5, inter_token_timeout=5, abort_timeout=2)
             events = await collect(dispatcher(reg, timeouts=timeouts), job())
             assert isinstance(events[-1], FinishEvent) and len(good.requests) == 1
             await until(lambda: bool(hung.cancelled))
@@ -364,7 +364,7 @@ def test_registry_background_refresh_marks_nodes_down_and_up() -> None:
     async def main() -> None:
         p, d = FakeNode("prefill"), FakeNode("decode")
         async with cluster(p, d, refresh=False) as reg:
-            reg.refresh_s = 0.05
+            reg.refresh_interval = 0.05
             await reg.start()
             assert [n.address for n in reg.nodes("decode")] == [d.address]
             d.b.healthy = False

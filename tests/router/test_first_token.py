@@ -125,7 +125,9 @@ def test_a_decode_silent_after_the_early_token_times_out_within_the_first_token_
         hold = asyncio.Event()  # never set: the decode adopts nothing
         p, d = FakeNode("prefill"), FakeNode("decode", Behaviour(hold_first=hold))
         async with cluster(p, d) as reg:
-            quick = StageTimeouts(prefill_s=5, first_token_s=0.5, inter_token_s=5, abort_s=1, health_s=0.5)
+            quick = StageTimeouts(
+                prefill_timeout=5, first_token_timeout=0.5, inter_token_timeout=5, abort_timeout=1, health_timeout=0.5
+            )
             gen = dispatcher(reg, timeouts=quick).generate(job("slow"))
             assert await _next(gen) == TokenEvent((11,))
             with pytest.raises(DispatchError) as e:
