@@ -13,7 +13,7 @@ from fastapi import FastAPI
 
 from common.config import RouterOptions
 from common.tokenizer import Tokenizer, load_chat_template
-from router.app import create_app
+from router.app import RouterApp
 from router.breaker import CircuitBreaker
 from router.contract import ModelCard
 from router.dispatch import PDDispatcher, StageTimeouts
@@ -55,7 +55,7 @@ async def run_router(options: RouterOptions) -> None:
         tokenizer = own_tokenizer or Tokenizer.from_dir(card.tokenizer_path)
         if template is not None:
             tokenizer.set_chat_template(template)
-        app = create_app(
+        router = RouterApp(
             dispatcher,
             tokenizer,
             served_model=options.served_model or card.name,
@@ -63,7 +63,7 @@ async def run_router(options: RouterOptions) -> None:
             max_queue=options.max_queue,
             metrics_registry=dispatcher.metrics_registry,
         )
-        await _serve(app, options, stop)
+        await _serve(router.app, options, stop)
     finally:
         await dispatcher.close()
         await registry.stop()

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from common.tokenizer import Tokenizer
-from router.app import create_app
+from router.app import RouterApp
 from router.contract import DispatchError, FinishEvent, TokenEvent
 from router.dispatch import PDDispatcher, StageTimeouts
 from tests.router.fake_nodes import Behaviour, FakeNode, cluster, dispatcher, job, run, until
@@ -172,7 +172,7 @@ def test_http_text_and_usage_with_the_early_token(tok: Tokenizer, stream: bool) 
         async with cluster(p, d) as reg:
             metrics = CollectorRegistry()
             disp: PDDispatcher = dispatcher(reg, metrics_registry=metrics)
-            app = create_app(disp, tok, served_model="fake-model", metrics_registry=metrics)
+            app = RouterApp(disp, tok, served_model="fake-model", metrics_registry=metrics).app
             body = {
                 "model": "fake-model",
                 "prompt": [5, 6, 7, 8],
