@@ -16,7 +16,8 @@ from common.config import EngineOptions, GenerateOptions, SpeculativeOptions
 
 if TYPE_CHECKING:
     from engine.core import SamplingParams
-    from engine.engine import Engine, EngineConfig
+    from engine.config import EngineConfig
+    from engine.engine import Engine
     from pdserve.models import ModelChoice
     from spec.config import SpecConfig
     from spec.registry import AlgorithmBinding
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 def engine_config(options: EngineOptions, choice: ModelChoice) -> EngineConfig:
     """A node's EngineConfig: its flags, the model `choice` (pdserve.models.resolve) and the fast
     path; `options.device` already resolved from auto."""
-    from engine.engine import EngineConfig
+    from engine.config import EngineConfig
 
     return EngineConfig(
         model=str(choice.model),
@@ -42,7 +43,7 @@ def engine_config(options: EngineOptions, choice: ModelChoice) -> EngineConfig:
 
 def generate_config(options: GenerateOptions, choice: ModelChoice) -> EngineConfig:
     """The EngineConfig of `pdserve generate` (the model already resolved into `choice`)."""
-    from engine.engine import EngineConfig
+    from engine.config import EngineConfig
 
     check_device(options.device)
     # The engine seeds per-request seeds from this, so a batch is reproducible yet every
