@@ -11,9 +11,20 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+
 from common.defaults import (
     DEFAULT_BOOTSTRAP_PORT,
+    DEFAULT_BREAKER_COOLDOWN,
+    DEFAULT_BREAKER_FAILURES,
+    DEFAULT_CHUNKED_PREFILL_SIZE,
+    DEFAULT_FIRST_TOKEN_TIMEOUT,
+    DEFAULT_INTER_TOKEN_TIMEOUT,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_RUNNING,
     DEFAULT_MEM_FRACTION_STATIC,
+    DEFAULT_PAGE_SIZE,
+    DEFAULT_PREFILL_TIMEOUT,
+    DEFAULT_REFRESH_INTERVAL,
 )
 
 ENV_PREFIX = "PDSERVE_"
@@ -68,7 +79,7 @@ class EngineOptions:
     )
     dtype: Optional[str] = opt(None, "float32, bfloat16 or float16.")
     device: str = opt("auto", "torch device: auto (cuda:0 when a GPU is present, else cpu), cpu or cuda:N.")
-    page_size: int = opt(16, "Tokens per KV cache page.")
+    page_size: int = opt(DEFAULT_PAGE_SIZE, "Tokens per KV cache page.")
     max_total_tokens: Optional[int] = opt(
         None,
         "KV cache capacity in tokens (default: what --mem-fraction-static leaves on a GPU; 16384 on a CPU, "
@@ -79,8 +90,8 @@ class EngineOptions:
         "Share of the GPU's total memory for weights + KV cache, in (0, 1]; the rest "
         "is left for activations and CUDA graphs. Sizes the KV cache when --max-total-tokens is not given.",
     )
-    max_running: int = opt(64, "Most requests in flight.", aliases=("--max-running-requests",))
-    chunked_prefill_size: int = opt(2048, "Prefill token budget per step (chunked prefill).")
+    max_running: int = opt(DEFAULT_MAX_RUNNING, "Most requests in flight.", aliases=("--max-running-requests",))
+    chunked_prefill_size: int = opt(DEFAULT_CHUNKED_PREFILL_SIZE, "Prefill token budget per step (chunked prefill).")
     attention_backend: str = opt(
         "auto", "Attention backend: auto (triton on GPUs, torch on CPU), torch or triton.", panel=PANEL_FAST
     )
@@ -246,17 +257,24 @@ class RouterOptions:
         "template itself inline (anything holding {{ or {%).",
     )
     api_key: list[str] = opt([], "Accepted API key (repeatable; PDSERVE_API_KEY takes key1,key2).", separator=",")
-    max_queue: int = opt(256, "Most requests in flight before 503.")
+    max_queue: int = opt(DEFAULT_MAX_QUEUE, "Most requests in flight before 503.")
     prefill_dns: list[str] = opt([], "Headless service NAME:PORT,BOOTSTRAP_PORT whose addresses are prefill nodes.")
     decode_dns: list[str] = opt([], "Headless service NAME:PORT whose addresses are decode nodes.")
     first_token_timeout: float = opt(
-        90.0, "Seconds from sending a request to its first decode message (prefill + transfer)."
+        DEFAULT_FIRST_TOKEN_TIMEOUT, "Seconds from sending a request to its first decode message (prefill + transfer)."
     )
-    inter_token_timeout: float = opt(60.0, "Seconds between two decode messages.")
-    prefill_timeout: float = opt(60.0, "Seconds for a whole prefill leg.")
-    refresh_interval: float = opt(2.0, "Seconds between node health/load refreshes.")
-    breaker_failures: int = opt(3, "Consecutive failures that open a node's circuit breaker.")
-    breaker_cooldown: float = opt(10.0, "Seconds an open breaker waits before letting one request probe the node.")
+    inter_token_timeout: float = opt(DEFAULT_INTER_TOKEN_TIMEOUT, "Seconds between two decode messages.")
+    prefill_timeout: float = opt(DEFAULT_PREFILL_TIMEOUT, "Seconds for a whole prefill leg.")
+    refresh_interval: float = opt(DEFAULT_REFRESH_INTERVAL, "Seconds between node health/load refreshes.")
+    breaker_failures: int = opt(DEFAULT_BREAKER_FAILURES, "Consecutive failures that open a node's circuit breaker.")
+    breaker_cooldown: float = opt(
+        DEFAULT_BREAKER_COOLDOWN, "Seconds an open breaker waits before letting one request probe the node."
+    )
+
+    @property
+    def api_keys(self) -> frozenset[str]:
+        """The accepted API keys (--api-key, repeatable); empty: no authentication."""
+        return frozenset(self.api_key)
 
 
 @dataclass(frozen=True)
@@ -302,5 +320,5 @@ class GenerateOptions:
     stop: list[str] = opt([], "Stop string (repeatable); the output ends before it.")
     dtype: Optional[str] = opt(None, "float32, bfloat16 or float16 (default: the checkpoint's).")
     device: str = opt("cpu", "torch device, e.g. cpu or cuda.")
-    page_size: int = opt(16, "Tokens per KV cache page.")
+    page_size: int = opt(DEFAULT_PAGE_SIZE, "Tokens per KV cache page.")
     chat: bool = opt(False, "Wrap each prompt as a user message with the chat template.", negatable=False)

@@ -17,6 +17,21 @@ DEFAULT_MEM_FRACTION_STATIC = 0.85
 # (SGLang's --disaggregation-bootstrap-port default, which SMG also assumes).
 DEFAULT_BOOTSTRAP_PORT = 8998
 
+# How an engine batches, unless told (--page-size, --max-running, --chunked-prefill-size).
+DEFAULT_PAGE_SIZE = 16
+DEFAULT_MAX_RUNNING = 64
+DEFAULT_CHUNKED_PREFILL_SIZE = 2048
+
+# The router's flags whose defaults its components share, in seconds where a time. The first token
+# is due later than the next ones: it waits for the prefill's forward and KV transfer too.
+DEFAULT_PREFILL_TIMEOUT = 60.0
+DEFAULT_FIRST_TOKEN_TIMEOUT = 90.0
+DEFAULT_INTER_TOKEN_TIMEOUT = 60.0
+DEFAULT_REFRESH_INTERVAL = 2.0
+DEFAULT_BREAKER_FAILURES = 3
+DEFAULT_BREAKER_COOLDOWN = 10.0
+DEFAULT_MAX_QUEUE = 256
+
 
 ROWS_PLACES = ("kv", "host")  # --kv-handoff-rows
 
@@ -40,7 +55,17 @@ def check_sgl_mode(mode: str) -> str:
 
 __all__ = [
     "DEFAULT_BOOTSTRAP_PORT",
+    "DEFAULT_BREAKER_COOLDOWN",
+    "DEFAULT_BREAKER_FAILURES",
+    "DEFAULT_CHUNKED_PREFILL_SIZE",
+    "DEFAULT_FIRST_TOKEN_TIMEOUT",
+    "DEFAULT_INTER_TOKEN_TIMEOUT",
+    "DEFAULT_MAX_QUEUE",
+    "DEFAULT_MAX_RUNNING",
     "DEFAULT_MEM_FRACTION_STATIC",
+    "DEFAULT_PAGE_SIZE",
+    "DEFAULT_PREFILL_TIMEOUT",
+    "DEFAULT_REFRESH_INTERVAL",
     "ROWS_PLACES",
     "SGL_MODES",
     "check_rows_place",

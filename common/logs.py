@@ -54,8 +54,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        if getattr(record, "request_id", None):
-            out["request_id"] = record.request_id
+        if rid := getattr(record, "request_id", None):
+            out["request_id"] = rid
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
         return json.dumps(out, ensure_ascii=False)

@@ -1,6 +1,8 @@
 """Turning the CLI's config schemas into an engine: model defaults, speculative binding, device checks.
 
-Imported only inside commands (it reaches torch through the engine).
+Each schema becomes the engine's EngineConfig in one function here (`engine_config` for a node's
+EngineOptions, `generate_config` for `pdserve generate`). Imported only inside commands (it reaches
+torch through the engine).
 """
 
 from __future__ import annotations
@@ -8,59 +10,100 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from common.config import EngineOptions, SpeculativeOptions
+from common.config import EngineOptions, GenerateOptions, SpeculativeOptions
 
 if TYPE_CHECKING:
     from engine.core import SamplingParams
-    from engine.engine import Engine, EngineConfig
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from pdserve.models import ModelChoice
     from spec.config import SpecConfig
     from spec.registry import AlgorithmBinding
 
 
-def engine_config(model: Path, *, dtype: str | None, device: str, page_size: int, seed: int | None) -> EngineConfig:
-    """The EngineConfig for `generate` (the model already resolved by pdserve.models.resolve)."""
-    from engine.engine import EngineConfig
+def engine_config(options: EngineOptions, choice: ModelChoice) -> EngineConfig:
+    """A node's EngineConfig: its flags, the model `choice` (pdserve.models.resolve) and the fast
+    path; `options.device` already resolved from auto."""
+    from engine.config import EngineConfig
 
-    _check_device(device)
+    return EngineConfig(
+        model=str(choice.model),
+        dtype=choice.dtype,
+        device=options.device,
+        page_size=options.page_size,
+        max_total_tokens=options.max_total_tokens,
+        mem_fraction_static=options.mem_fraction_static,
+        max_running=options.max_running,
+        chunked_prefill_size=options.chunked_prefill_size,
+        **options.fast_path(),
+    )
+
+
+def generate_config(options: GenerateOptions, choice: ModelChoice) -> EngineConfig:
+    """The EngineConfig of `pdserve generate` (the model already resolved into `choice`)."""
+    from engine.config import EngineConfig
+
+    check_device(options.device)
     # The engine seeds per-request seeds from this, so a batch is reproducible yet every
     # prompt samples differently (a shared SamplingParams.seed would make them identical).
-    return EngineConfig(model=str(model), dtype=dtype, device=device, page_size=page_size, seed=seed)
+    return EngineConfig(
+        model=str(choice.model),
+        dtype=choice.dtype,
+        device=options.device,
+        page_size=options.page_size,
+        seed=options.seed,
+    )
 
 
-def _check_device(device: str) -> None:
-    """Refuse a malformed or absent device up front; torch would fail deep in model loading
-    with a RuntimeError or AssertionError that names neither the option nor the device."""
-    import torch
+def check_device(device: str) -> None:
+    """engine.config.check_device (cpu or an existing cuda device), its error naming the flag."""
+    from engine.config import check_device as engine_check_device
 
     try:
-        dev = torch.device(device)
-    except RuntimeError:
-        dev = None
-    # The engine has CPU and CUDA paths only (DESIGN.md §3); other torch backends fail deep inside.
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {device!r} is not supported; use cpu, cuda or cuda:N")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device!r}: CUDA is not available in this torch build or machine")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(f"--device {device!r}: only {torch.cuda.device_count()} CUDA device(s)")
+        engine_check_device(device)
+    except ValueError as e:
+        raise ValueError(f"--device: {e}") from None
 
 
-def sampling_params(
-    *, max_new_tokens: int, temperature: float, top_p: float, top_k: int, min_p: float, stop: list[str] | None
-) -> SamplingParams:
-    """SamplingParams validates every field and raises InvalidRequest naming the bad one."""
+def sampling_params(options: GenerateOptions) -> SamplingParams:
+    """`pdserve generate`'s sampling flags; SamplingParams raises InvalidRequest naming a bad one."""
     from engine.core import SamplingParams
 
     return SamplingParams(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        stop=tuple(stop or ()),
+        max_new_tokens=options.max_new_tokens,
+        temperature=options.temperature,
+        top_p=options.top_p,
+        top_k=options.top_k,
+        min_p=options.min_p,
+        stop=tuple(options.stop),
     )
+
+
+def choose_model(
+    model: Path | None, dtype: str | None, device: str, spec: SpeculativeOptions
+) -> tuple[ModelChoice, AlgorithmBinding]:
+    """What to load (the built-in pair's defaults applied) and its speculative binding, checked
+    before the (slow) model load."""
+    from pdserve.models import resolve
+
+    choice = resolve(
+        model,
+        algorithm=spec.algorithm,
+        draft_model_path=spec.draft_model_path,
+        num_steps=spec.num_steps,
+        dtype=dtype,
+        device=device,
+        adaptive=spec.adaptive,
+    )
+    binding = bind_algorithm(
+        spec_config(
+            choice.algorithm,
+            **{**spec.given(), "draft_model_path": choice.draft_model_path, "num_steps": choice.num_steps},
+        )
+    )
+    return choice, binding
 
 
 def spec_config(algorithm: str | None, **options: object) -> SpecConfig:
@@ -131,40 +174,14 @@ def limit_cpu_threads(device: str) -> None:
         torch.set_num_threads(1)
 
 
-def build_node(engine: EngineOptions, spec: SpeculativeOptions) -> tuple["Engine", Any]:
+def build_node(engine: EngineOptions, spec: SpeculativeOptions) -> tuple[Engine, AlgorithmBinding]:
     """Load the engine for a node (threaded scheduler IO); returns (engine, algorithm binding)."""
-    from engine.engine import Engine, EngineConfig, check_device
+    from engine.engine import Engine
     from engine.loop import ThreadedIO
-    from pdserve.models import resolve
 
     # Once, here: the model defaults, the fast path and the engine all read the resolved name.
     engine = dataclasses.replace(engine, device=resolve_device(engine.device))
     check_device(engine.device)
     limit_cpu_threads(engine.device)
-    choice = resolve(
-        engine.model,
-        algorithm=spec.algorithm,
-        draft_model_path=spec.draft_model_path,
-        num_steps=spec.num_steps,
-        dtype=engine.dtype,
-        device=engine.device,
-        adaptive=spec.adaptive,
-    )
-    binding = bind_algorithm(
-        spec_config(
-            choice.algorithm,
-            **{**spec.given(), "draft_model_path": choice.draft_model_path, "num_steps": choice.num_steps},
-        )
-    )
-    cfg = EngineConfig(
-        model=str(choice.model),
-        dtype=choice.dtype,
-        device=engine.device,
-        page_size=engine.page_size,
-        max_total_tokens=engine.max_total_tokens,
-        mem_fraction_static=engine.mem_fraction_static,
-        max_running=engine.max_running,
-        chunked_prefill_size=engine.chunked_prefill_size,
-        **engine.fast_path(),
-    )
-    return Engine(cfg, algorithm=binding, io=ThreadedIO()), binding
+    choice, binding = choose_model(engine.model, engine.dtype, engine.device, spec)
+    return Engine(engine_config(engine, choice), algorithm=binding, io=ThreadedIO()), binding

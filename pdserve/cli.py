@@ -128,43 +128,15 @@ def generate(opts: GenerateOptions, spec: SpeculativeOptions) -> None:
     """Generate text for one prompt (streamed) or several (batched) with the in-process engine."""
     from common.tokenizer import TokenizerFileNotFoundError
     from engine.config import ModelLoadError
-    from pdserve.build import bind_algorithm, build_engine, engine_config, sampling_params, spec_config
+    from pdserve.build import build_engine, choose_model, generate_config, sampling_params
 
     prompt = opts.prompt
     try:
         # Validate sampling and speculative options before the (slow) model load, so typos
         # fail fast; only a bad draft head directory is found during the load.
-        params = sampling_params(
-            max_new_tokens=opts.max_new_tokens,
-            temperature=opts.temperature,
-            top_p=opts.top_p,
-            top_k=opts.top_k,
-            min_p=opts.min_p,
-            stop=opts.stop,
-        )
-        from pdserve.models import resolve
-
-        choice = resolve(
-            opts.model,
-            algorithm=spec.algorithm,
-            draft_model_path=spec.draft_model_path,
-            num_steps=spec.num_steps,
-            dtype=opts.dtype,
-            device=opts.device,
-            adaptive=spec.adaptive,
-        )
-        binding = bind_algorithm(
-            spec_config(
-                choice.algorithm,
-                **{**spec.given(), "draft_model_path": choice.draft_model_path, "num_steps": choice.num_steps},
-            )
-        )
-        engine = build_engine(
-            engine_config(
-                choice.model, dtype=choice.dtype, device=opts.device, page_size=opts.page_size, seed=opts.seed
-            ),
-            binding,
-        )
+        params = sampling_params(opts)
+        choice, binding = choose_model(opts.model, opts.dtype, opts.device, spec)
+        engine = build_engine(generate_config(opts, choice), binding)
         inputs = prompt_inputs(engine, prompt, opts.chat)
         start = time.perf_counter()
         if len(inputs) == 1:

@@ -175,43 +175,15 @@ def register(app: typer.Typer) -> None:
             dep.stop()
 
     @app.command()
-    @with_options(o=RouterOptions, log=LogOptions)
-    def router(o: RouterOptions, log: LogOptions) -> None:
+    @with_options(options=RouterOptions, log=LogOptions)
+    def router(options: RouterOptions, log: LogOptions) -> None:
         """The OpenAI-compatible router in front of prefill/decode (and colocated) nodes."""
         import asyncio
 
-        from router.dispatch import StageTimeouts
-        from router.main import RouterConfig, run_router
+        from router.main import run_router
 
         _setup_logging(log)
         try:  # not _run: that one knows engine errors, and the router must not import the engine
-            asyncio.run(
-                run_router(
-                    RouterConfig(
-                        o.host,
-                        o.port,
-                        tuple(o.prefill),
-                        tuple(o.decode),
-                        tuple(o.colocated),
-                        o.prefill_policy,
-                        o.decode_policy,
-                        o.served_model,
-                        frozenset(o.api_key),
-                        o.max_queue,
-                        prefill_dns=tuple(o.prefill_dns),
-                        decode_dns=tuple(o.decode_dns),
-                        timeouts=StageTimeouts(
-                            prefill_s=o.prefill_timeout,
-                            first_token_s=o.first_token_timeout,
-                            inter_token_s=o.inter_token_timeout,
-                        ),
-                        refresh_s=o.refresh_interval,
-                        breaker_failures=o.breaker_failures,
-                        breaker_cooldown_s=o.breaker_cooldown,
-                        tokenizer=str(o.tokenizer) if o.tokenizer else None,
-                        chat_template=o.chat_template,
-                    )
-                )
-            )
+            asyncio.run(run_router(options))
         except (RuntimeError, ValueError, OSError) as e:
             fail(e)

@@ -11,6 +11,8 @@ import enum
 import time
 from typing import Callable
 
+from common.defaults import DEFAULT_BREAKER_COOLDOWN, DEFAULT_BREAKER_FAILURES
+
 
 class BreakerState(enum.IntEnum):
     """Values are what the router's breaker-state gauge reports; SMG's `smg_worker_cb_state` uses
@@ -23,7 +25,10 @@ class BreakerState(enum.IntEnum):
 
 class CircuitBreaker:
     def __init__(
-        self, failure_threshold: int = 3, cooldown_s: float = 10.0, clock: Callable[[], float] = time.monotonic
+        self,
+        failure_threshold: int = DEFAULT_BREAKER_FAILURES,
+        cooldown_s: float = DEFAULT_BREAKER_COOLDOWN,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if failure_threshold < 1:
             raise ValueError("failure_threshold must be at least 1")

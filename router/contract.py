@@ -10,7 +10,7 @@ No torch anywhere in the router.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import AsyncGenerator, Protocol
 
 from common.sampling import SamplingParams
 
@@ -64,8 +64,8 @@ class ModelCard:
 
 
 class Dispatcher(Protocol):
-    def generate(self, job: GenerationJob) -> AsyncIterator[TokenEvent | FinishEvent]:
-        """Events of one request; cancelling the iterator aborts both legs."""
+    def generate(self, job: GenerationJob) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
+        """Events of one request; cancelling or closing the generator aborts both legs."""
 
     def model(self) -> ModelCard | None:
         """The served model, once some node answered GetModelInfo."""

@@ -1,9 +1,9 @@
 """PDDispatcher: the router's node side (router.contract.Dispatcher).
 
 One job = one or more attempts. An attempt picks a (prefill, decode) pair, invents a random
-int32 bootstrap room and sends the same GenerateRequest to both legs at once. The client sees the
-decode stream; the prefill leg runs in the background and its failure ends the decode leg. The
-prefill answers with the first token once its KV write to the decode completed: unless logprobs
+positive int32 bootstrap room and sends the same GenerateRequest to both legs at once. The client
+sees the decode stream; the prefill leg runs in the background and its failure ends the decode
+leg. The prefill answers with the first token once its KV write to the decode completed: unless logprobs
 are asked for (the prefill's answer carries none), that token goes to the client at once when the
 decode has not sent it yet, and the decode's copy is skipped (router/relay.py). Before the first
 event an attempt that fails is retried with backoff on a new pair (the failing node excluded) and
@@ -22,12 +22,13 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncGenerator
 
 import grpc
 from prometheus_client import CollectorRegistry
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
+from common.defaults import DEFAULT_FIRST_TOKEN_TIMEOUT, DEFAULT_INTER_TOKEN_TIMEOUT, DEFAULT_PREFILL_TIMEOUT
 from common.sampling import SamplingParams
 from router.contract import (
     DispatchError,
@@ -44,17 +45,24 @@ from router.relay import TokenRelay
 
 log = logging.getLogger(__name__)
 
-MAX_ROOM = 2**31 - 1  # SMG's gRPC rooms are int32; 0 is avoided (it reads as "unset")
+# The widest room both channels carry: the scheduler API's DisaggregatedParams.bootstrap_room is
+# an int32 (SGLang's own 63-bit rooms do not fit it); pdserve's KV control carries a uint64. 0 is
+# avoided: it reads as "unset".
+MAX_ROOM = 2**31 - 1
 
 
 @dataclass(frozen=True)
 class StageTimeouts:
-    prefill_s: float = 60.0  # the whole prefill leg: queue, forward, KV write
-    first_token_s: float = 90.0  # request sent -> first decode message (prefill + transfer + adoption)
-    inter_token_s: float = 60.0  # between two decode messages
-    abort_s: float = 2.0  # the Abort RPCs sent on cancel or failure
-    probe_s: float = 60.0  # one whole readiness probe
-    health_s: float = 1.0  # a health check asking whose fault a failure is (a stopped node never answers)
+    """Seconds each stage of an attempt may take; the first three are the router's flags of the same names."""
+
+    prefill_timeout: float = DEFAULT_PREFILL_TIMEOUT  # the whole prefill leg: queue, forward, KV write
+    # request sent -> first decode message (prefill + transfer + adoption)
+    first_token_timeout: float = DEFAULT_FIRST_TOKEN_TIMEOUT
+    inter_token_timeout: float = DEFAULT_INTER_TOKEN_TIMEOUT  # between two decode messages
+    abort_timeout: float = 2.0  # the Abort RPCs sent on cancel or failure
+    probe_timeout: float = 60.0  # one whole readiness probe
+    # a health check asking whose fault a failure is (a stopped node never answers)
+    health_timeout: float = 1.0
 
 
 class _Attempt:
@@ -84,6 +92,12 @@ class _Attempt:
         self.started_at = time.monotonic()
         self.prefill_done_at: float | None = None
 
+    def nodes(self) -> str:
+        """The attempt's nodes, for log lines."""
+        if self.prefill is None:
+            return f"{self.decode.role} node {self.decode.address}"
+        return f"prefill node {self.prefill.address} and decode node {self.decode.address}"
+
     async def _prefill_leg(self, req: pb.GenerateRequest) -> LegFailed | None:
         """Drains the prefill stream, keeping the first token of its GenerateComplete; returns
         (rather than raises) its failure, read by `_read`."""
@@ -91,7 +105,7 @@ class _Attempt:
         self.prefill.inflight += 1  # here, not at creation: a task cancelled unstarted runs no finally
         first: int | None = None
         try:
-            async for msg in self.prefill.stub.Generate(req, timeout=self.d.timeouts.prefill_s):
+            async for msg in self.prefill.stub.Generate(req, timeout=self.d.timeouts.prefill_timeout):
                 if msg.HasField("complete") and msg.complete.output_ids:
                     first = msg.complete.output_ids[0]
         except grpc.aio.AioRpcError as e:
@@ -119,13 +133,13 @@ class _Attempt:
         # ~0 when the router relayed the prefill's own token (no wait on the decode)
         stage.labels("first_decode").observe(max(0.0, now - self.prefill_done_at))
 
-    async def events(self) -> AsyncIterator[TokenEvent | FinishEvent]:
+    async def events(self) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
         t, relay, loop = self.d.timeouts, TokenRelay(self.rid), asyncio.get_running_loop()
-        # The decode's first message is due first_token_s after the request, whichever leg gave
-        # the client its first token; each later one inter_token_s after the one before.
-        first_by, spoke = loop.time() + t.first_token_s, False
+        # The decode's first message is due first_token_timeout after the request, whichever leg gave
+        # the client its first token; each later one inter_token_timeout after the one before.
+        first_by, spoke = loop.time() + t.first_token_timeout, False
         while True:
-            budget = t.inter_token_s if spoke else t.first_token_s
+            budget = t.inter_token_timeout if spoke else t.first_token_timeout
             deadline = loop.time() + budget if spoke else first_by
             msg = await self._read(deadline, budget, self.relay_first and relay.sent == 0)
             if msg is None:  # the prefill answered before the decode streamed a token
@@ -178,7 +192,11 @@ class _Attempt:
                     return await self._message(read)
                 if not done:
                     raise await stage_timeout(
-                        self.prefill, self.decode, pt is not None and not pt.done(), budget_s, self.d.timeouts.health_s
+                        self.prefill,
+                        self.decode,
+                        pt is not None and not pt.done(),
+                        budget_s,
+                        self.d.timeouts.health_timeout,
                     )
                 if (failure := pt.result()) is not None:  # type: ignore[union-attr]
                     raise await self._attribute(failure)
@@ -201,8 +219,8 @@ class _Attempt:
             msg = read.result()
         except grpc.aio.AioRpcError as e:
             pt = self.prefill_task
-            if pt is not None and pt.done() and not pt.cancelled() and pt.result() is not None:
-                raise await self._attribute(pt.result()) from None  # the decode only followed
+            if pt is not None and pt.done() and not pt.cancelled() and (failure := pt.result()) is not None:
+                raise await self._attribute(failure) from None  # the decode only followed
             raise rpc_failure(e, "decode", self.decode, self.prefill) from None
         if msg is grpc.aio.EOF:
             raise LegFailed(
@@ -217,7 +235,7 @@ class _Attempt:
         return msg
 
     async def _attribute(self, failure: LegFailed) -> LegFailed:
-        return await prefill_failure(failure, self.decode, self.d.timeouts.health_s)
+        return await prefill_failure(failure, self.decode, self.d.timeouts.health_timeout)
 
     async def close(self, reason: str) -> None:
         """End the attempt: on failure or cancel stop both legs and Abort them; give verdicts."""
@@ -233,17 +251,12 @@ class _Attempt:
             self.d.keep(self.prefill_task)  # may outlive a finished decode stream by a moment
         if self.finished:
             return
-        legs = [n for n in (self.prefill, self.decode) if n is not None and n.stub is not None]
-        aborts = [
-            n.stub.Abort(
-                pb.AbortRequest(request_id=self.rid, reason=reason),  # type: ignore[union-attr]
-                timeout=self.d.timeouts.abort_s,
-            )
-            for n in legs
-        ]
+        stubs = [stub for n in (self.prefill, self.decode) if n is not None and (stub := n.stub) is not None]
+        request = pb.AbortRequest(request_id=self.rid, reason=reason)
+        aborts = [stub.Abort(request, timeout=self.d.timeouts.abort_timeout) for stub in stubs]
         task = asyncio.ensure_future(asyncio.gather(*aborts, return_exceptions=True))
         try:  # shielded: a second cancel of the consumer must not drop the aborts
-            await asyncio.wait_for(asyncio.shield(task), self.d.timeouts.abort_s)
+            await asyncio.wait_for(asyncio.shield(task), self.d.timeouts.abort_timeout)
         except asyncio.TimeoutError:
             self.d.keep(task)
         except asyncio.CancelledError:
@@ -311,7 +324,7 @@ class PDDispatcher:
         recent = self._last_success is not None and time.monotonic() - self._last_success <= self.ready_window_s
         return recent and pair_available(self.registry)
 
-    async def generate(self, job: GenerationJob) -> AsyncIterator[TokenEvent | FinishEvent]:
+    async def generate(self, job: GenerationJob) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
         job_started = time.monotonic()
         blamed: set[str] = set()  # never again for this job
         tried: set[str] = set()  # avoided when another choice exists
@@ -347,8 +360,9 @@ class PDDispatcher:
             except LegFailed as f:
                 attempt.blame, attempt.blame_reason = {node.address for node in f.blame}, f.reason
                 reason = f"{f.reason}: {f.error.message}"
-                if started:
+                if started:  # the client has part of the answer: no retry, and one line saying why
                     f.error.before_first_token = False
+                    log.warning("request %s failed mid-stream on %s: %s", attempt.rid, attempt.nodes(), reason)
                     raise f.error from None
                 if not f.retryable:
                     raise f.error from None
@@ -393,7 +407,7 @@ class PDDispatcher:
             f"probe-{uuid.uuid4().hex[:16]}", self.probe_input_ids, SamplingParams(max_new_tokens=1, temperature=0.0)
         )
         try:
-            async with asyncio.timeout(self.timeouts.probe_s):
+            async with asyncio.timeout(self.timeouts.probe_timeout):
                 async for _ in self.generate(job):
                     pass
         except (DispatchError, TimeoutError) as e:

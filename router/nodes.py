@@ -21,9 +21,9 @@ from google.protobuf import json_format
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
-from router.breaker import CircuitBreaker
-from common.defaults import DEFAULT_BOOTSTRAP_PORT
+from common.defaults import DEFAULT_BOOTSTRAP_PORT, DEFAULT_REFRESH_INTERVAL
 from common.sampling import SamplingParams
+from router.breaker import CircuitBreaker
 from router.contract import GenerationJob, ModelCard, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def parse_node_lists(prefill: Sequence[str], decode: Sequence[str], colocated: S
 def resolve_headless(name: str, port: int) -> list[str]:
     """Every address behind a DNS name (a Kubernetes headless service lists one per pod)."""
     infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)
-    hosts = sorted({info[4][0] for info in infos})
+    hosts = sorted({str(info[4][0]) for info in infos})  # IPv4/IPv6 sockaddrs: (host, port, ...)
     return [f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h in hosts]
 
 
@@ -216,7 +216,7 @@ class DnsSource:
 
 
 class NodeRegistry:
-    """One channel and stub per node, refreshed every `refresh_s` by a background task. Nodes come
+    """One channel and stub per node, refreshed every `refresh_interval` seconds by a background task. Nodes come
     from static specs and from DNS sources. A DNS-discovered address that no longer resolves is
     forgotten once no request of ours runs on it (a draining pod keeps its streams), so pods that
     come and go leave no channels or metric series behind; static nodes are never forgotten."""
@@ -225,12 +225,12 @@ class NodeRegistry:
         self,
         specs: Iterable[NodeSpec],
         *,
-        refresh_s: float = 2.0,
+        refresh_interval: float = DEFAULT_REFRESH_INTERVAL,
         rpc_timeout_s: float = 1.0,
         breaker: Callable[[], CircuitBreaker] = CircuitBreaker,
         dns: Iterable[DnsSource] = (),
     ) -> None:
-        self.refresh_s, self.rpc_timeout_s = refresh_s, rpc_timeout_s
+        self.refresh_interval, self.rpc_timeout_s = refresh_interval, rpc_timeout_s
         self._breaker = breaker
         self.dns = list(dns)
         self.states = [NodeState(spec, breaker()) for spec in specs]
@@ -274,7 +274,7 @@ class NodeRegistry:
 
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self.refresh_s)
+            await asyncio.sleep(self.refresh_interval)
             try:
                 await self.refresh_once()
             except Exception:  # a bug here must not stop the refresh for good

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-from typing import Collection, Protocol, Sequence
+from typing import Callable, Collection, Protocol, Sequence
 
 from router.contract import GenerationJob
 from router.nodes import NodeRegistry, NodeState, compatible
@@ -89,8 +89,12 @@ def _hash_ids(ids: Sequence[int]) -> int:
     return _hash_bytes(b"".join(i.to_bytes(4, "little", signed=False) for i in ids))
 
 
-PREFILL_POLICIES = {"round_robin": RoundRobin, "least_load": LeastLoad, "prefix_aware": PrefixAware}
-DECODE_POLICIES = {"round_robin": RoundRobin, "least_load": LeastLoad}
+PREFILL_POLICIES: dict[str, Callable[[], Policy]] = {
+    "round_robin": RoundRobin,
+    "least_load": LeastLoad,
+    "prefix_aware": PrefixAware,
+}
+DECODE_POLICIES: dict[str, Callable[[], Policy]] = {"round_robin": RoundRobin, "least_load": LeastLoad}
 
 
 def make_policy(role: str, name: str) -> Policy:

@@ -134,8 +134,9 @@ class CompletionRequest(_Sampling):
         if isinstance(p, str):
             return [p]
         if p and isinstance(p[0], int):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+            return [list(p)]
+        # the rest is all strings or all id lists (validation refuses a mix): the filter drops nothing
+        return [x for x in p if not isinstance(x, int)]
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.echo and self.logprobs is not None:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from contextlib import suppress
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, TypeVar
 
 import anyio
 from fastapi import Request
@@ -20,6 +21,8 @@ from router.contract import Dispatcher, DispatchError, FinishEvent, GenerationJo
 from router.errors import APIError, from_dispatch_error
 from router.metrics import RouterMetrics
 from router.text import RequestOutput
+
+log = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
 ABORT_WAIT_S = 5.0  # how long closing a request waits for its jobs' iterators to abort
@@ -44,7 +47,7 @@ class Fanout:
         self._tasks = [asyncio.create_task(self._pump(i, job)) for i, job in enumerate(self._jobs)]
 
     async def _pump(self, i: int, job: GenerationJob) -> None:
-        it: AsyncIterator[TokenEvent | FinishEvent] | None = None
+        it: AsyncGenerator[TokenEvent | FinishEvent, None] | None = None
         try:
             it = self._dispatcher.generate(job)
             async for event in it:
@@ -55,11 +58,11 @@ class Fanout:
         except DispatchError as e:
             self._queue.put_nowait((i, e))
         except Exception as e:  # a dispatcher bug must still end the request, with a 502
+            log.exception("dispatching %s failed", job.request_id)
             self._queue.put_nowait((i, DispatchError(502, f"dispatch failed: {type(e).__name__}: {e}")))
         finally:
-            aclose = getattr(it, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            if it is not None:
+                await it.aclose()
 
     async def next(self) -> Item | None:
         """The next event of a live job; None once every job finished; raises a job's DispatchError."""

@@ -317,6 +317,7 @@ def test_cli_imports_stay_light() -> None:
 # ---- against a live `pdserve up` (router + prefill + decode processes) -------------------------
 
 
+@pytest.mark.slow
 def test_bench_serving_against_live_pdserve_up(
     tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -14,13 +14,15 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Iterator
+from typing import AsyncGenerator, Callable, Iterator, TypeVar
 
 import uvicorn
-from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 from common.tokenizer import Tokenizer
 from router.contract import DispatchError, FinishEvent, GenerationJob, ModelCard, TokenEvent
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -62,7 +64,7 @@ class FakeDispatcher:
     def ready(self) -> bool:
         return self.is_ready
 
-    def generate(self, job: GenerationJob) -> AsyncIterator[TokenEvent | FinishEvent]:
+    def generate(self, job: GenerationJob) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
         self.jobs.append(job)
         return self._run(job, self.script(job))
 
@@ -90,7 +92,7 @@ class FakeDispatcher:
         out.append(FinishEvent(reason, len(job.input_ids), len(ids), matched, s.disaggregated))
         return out
 
-    async def _run(self, job: GenerationJob, s: Script) -> AsyncIterator[TokenEvent | FinishEvent]:
+    async def _run(self, job: GenerationJob, s: Script) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
         self.started.append(job.request_id)
         events = self.events_for(job, s)
         try:
@@ -118,7 +120,7 @@ class FakeDispatcher:
 
 
 @contextmanager
-def server(app: FastAPI) -> Iterator[str]:
+def server(app: ASGIApp) -> Iterator[str]:
     """A real uvicorn server on an ephemeral 127.0.0.1 port, in a thread; stopped on exit."""
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -142,6 +144,17 @@ def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.01)
     return cond()
+
+
+def wait_until(cond: Callable[[], T | None], timeout: float, what: str, interval: float = 0.01) -> T:
+    """Poll `cond` until it gives something truthy and return that; an AssertionError naming `what`
+    once `timeout` seconds passed without it."""
+    deadline = time.monotonic() + timeout
+    while not (got := cond()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout} s for {what}")
+        time.sleep(interval)
+    return got
 
 
 def sse_lines(body: str) -> list[str]:

@@ -206,7 +206,9 @@ async def cluster(*nodes: FakeNode, refresh: bool = True) -> AsyncIterator[NodeR
 
 # --- test helpers -----------------------------------------------------------------------------
 
-FAST = StageTimeouts(prefill_s=5.0, first_token_s=5.0, inter_token_s=5.0, abort_s=2.0, probe_s=10.0)
+FAST = StageTimeouts(
+    prefill_timeout=5.0, first_token_timeout=5.0, inter_token_timeout=5.0, abort_timeout=2.0, probe_timeout=10.0
+)
 
 
 def run(coro: Awaitable[Any], timeout: float = 30.0) -> Any:

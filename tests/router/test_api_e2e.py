@@ -16,7 +16,10 @@ import pytest
 from engine.kv_transfer import nixl_available
 from tests.router.stack import Stack, start_stack
 
-pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")
+pytestmark = [
+    pytest.mark.slow,  # real node processes
+    pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed"),
+]
 
 # The built-in model ends this file at once: greedy, its first token is EOS.
 ENDS_AT_ONCE = 'if __name__ == "__main__":\n    unittest.main()\n'

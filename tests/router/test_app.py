@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from common.tokenizer import Tokenizer
-from router.app import create_app
+from router.app import RouterApp
 from router.contract import DispatchError, GenerationJob
 from tests.router.fake_dispatcher import FakeDispatcher, Script, server, sse_lines, wait_for
 
@@ -34,7 +34,7 @@ def make(
 ) -> tuple[FastAPI, FakeDispatcher]:
     app_kw = {k: kw.pop(k) for k in ("api_keys", "max_body_bytes", "max_queue") if k in kw}
     fake = FakeDispatcher(tok, script or (lambda job: Script(reply=REPLY)), **kw)
-    return create_app(fake, tok, served_model=MODEL, **app_kw), fake
+    return RouterApp(fake, tok, served_model=MODEL, **app_kw).app, fake
 
 
 def stream_text(payloads: list[str], chat: bool) -> dict[int, str]:

@@ -12,7 +12,9 @@ from router.contract import DispatchError, FinishEvent
 from router.dispatch import StageTimeouts
 from tests.router.fake_nodes import Behaviour, FakeNode, cluster, collect, dispatcher, job, run, until
 
-QUICK = StageTimeouts(prefill_s=30, first_token_s=0.5, inter_token_s=5, abort_s=1, health_s=0.5)
+QUICK = StageTimeouts(
+    prefill_timeout=30, first_token_timeout=0.5, inter_token_timeout=5, abort_timeout=1, health_timeout=0.5
+)
 
 
 def _charged(metrics: CollectorRegistry, node: FakeNode, reason: str) -> float:

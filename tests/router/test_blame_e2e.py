@@ -13,7 +13,7 @@ import signal
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import httpx
 import pytest
@@ -22,9 +22,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.kv_transfer import nixl_available
 from router.breaker import BreakerState
 from fixtures.procs import Node
+from tests.router.fake_dispatcher import wait_until
 from tests.router.stack import Stack, start_stack
 
-pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")
+pytestmark = [
+    pytest.mark.slow,  # real node processes
+    pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed"),
+]
 
 OPEN, CLOSED = int(BreakerState.OPEN), int(BreakerState.CLOSED)  # the breaker gauge's values
 FIRST_TOKEN_S = 8.0
@@ -98,6 +102,17 @@ def _post_many(stack: Stack, n: int) -> list[httpx.Response]:
         return list(pool.map(one, range(n)))
 
 
+def _past_the_open_breaker(stack: Stack) -> Callable[[], httpx.Response | None]:
+    """A request that reached a node, or None while the router had no pair to send it to."""
+
+    def post() -> httpx.Response | None:
+        body = {"model": "pycoder", "prompt": "x", "max_tokens": 2}
+        r = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=60)
+        return None if r.status_code == 503 and r.json()["error"]["code"] == "no_available_pair" else r
+
+    return post
+
+
 def test_a_stopped_decode_is_blamed_not_its_prefill(stack: Stack) -> None:
     stuck, healthy = stack.decodes
     before = _metrics(stack.url)
@@ -139,8 +154,9 @@ def test_a_stopped_then_killed_prefill_is_blamed_not_its_decodes(stack: Stack) -
     finally:
         if prefill.proc.poll() is None:
             os.killpg(prefill.proc.pid, signal.SIGCONT)
-    time.sleep(COOLDOWN_S + 0.5)  # half-open: one request may probe the prefill again
-    r = httpx.post(f"{stack.url}/v1/completions", json={"model": "pycoder", "prompt": "x", "max_tokens": 2}, timeout=60)
+    # Open, the breaker leaves no pair (503 no_available_pair, nothing charged); after the cool-down
+    # it is half-open and lets one request probe the prefill again.
+    r = wait_until(_past_the_open_breaker(stack), COOLDOWN_S + 30, "the prefill's breaker to half-open", 0.2)
     assert r.status_code in (502, 504) and r.json()["error"]["code"].startswith("prefill_"), r.text
     m2 = _metrics(stack.url)
     reasons = {dict(labels)["reason"]: v for (name, labels), v in m2.items() if name == "pdserve_router_retries_total"}

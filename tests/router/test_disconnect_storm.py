@@ -17,7 +17,10 @@ from engine.kv_transfer import nixl_available
 from fixtures.pdkit import stub, wait_idle
 from tests.router.stack import start_stack
 
-pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")
+pytestmark = [
+    pytest.mark.slow,  # real node processes
+    pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed"),
+]
 BURSTS, PER_BURST = 5, 36  # concurrency 36 per burst
 MODES = ("before_headers", "after_headers", "mid_stream", "whole")
 

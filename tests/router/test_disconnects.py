@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import logging
 import socket
-import time
 from pathlib import Path
 from typing import Iterator
 
 import httpx
 import pytest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.tokenizer import Tokenizer
-from tests.router.fake_dispatcher import Script, server, wait_for
+from tests.router.fake_dispatcher import Script, server, wait_for, wait_until
 from tests.router.test_app import MODEL, make
 
 
@@ -75,24 +75,41 @@ def _disconnects(url: str, stage: str) -> float:
     return _metric(url, f'pdserve_router_client_disconnects_total{{stage="{stage}"}}')
 
 
-def send_partial_body(url: str, path: str = "/v1/chat/completions") -> None:
-    """Headers announcing a large body, a few bytes of it, then a closed socket."""
+class BodyReads:
+    """The app behind a counter of its receive() calls: the app asks for body bytes through them, so
+    a new call means it is reading a request's body."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app, self.calls = app, 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def counted() -> Message:
+            self.calls += 1
+            return await receive()
+
+        await self.app(scope, counted, send)
+
+
+def send_partial_body(url: str, reads: BodyReads, path: str = "/v1/chat/completions") -> None:
+    """Headers announcing a large body, a few bytes of it, then, once the app reads it, a closed socket."""
     host, port = url.removeprefix("http://").split(":")
+    before = reads.calls
     with socket.create_connection((host, int(port)), timeout=5) as s:
         s.sendall(
             f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
             "Content-Length: 100000\r\n\r\n".encode()
             + b'{"model": "tiny-chat", "mess'
         )
-        time.sleep(0.2)  # the app is reading the body now
+        wait_until(lambda: reads.calls > before, 5.0, "the app to read the request body")
 
 
 def test_disconnect_while_the_body_is_read(tok: Tokenizer, logs: _Records) -> None:
     app, fake = make(tok)
-    with server(app) as url:
+    reads = BodyReads(app)
+    with server(reads) as url:
         logs.attach()
         for _ in range(2):
-            send_partial_body(url)
+            send_partial_body(url, reads)
         assert wait_for(lambda: _disconnects(url, "body") == 2), logs.text()
         assert httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 200
         status_500 = _metric(url, 'pdserve_router_requests_total{endpoint="/v1/chat/completions",status="500"}')

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -176,7 +177,7 @@ def test_hanging_decode_times_out_and_is_retried() -> None:
         async with cluster(p, hung, good) as reg:
             # a stopped decode: silent to health checks too, and its prefill never gets to write
             hung.b.silent = True
-            timeouts = StageTimeouts(prefill_s=5, first_token_s=0.5, inter_token_s=5, abort_s=2)
+            timeouts = StageTimeouts(prefill_timeout=5, first_token_timeout=0.5, inter_token_timeout=5, abort_timeout=2)
             events = await collect(dispatcher(reg, timeouts=timeouts), job())
             assert isinstance(events[-1], FinishEvent) and len(good.requests) == 1
             await until(lambda: bool(hung.cancelled))
@@ -196,6 +197,23 @@ def test_no_retry_after_the_first_token() -> None:
                     seen.append(ev)
             assert e.value.before_first_token is False and e.value.status == 502
             assert seen == [TokenEvent((11,))] and not spare.requests
+
+    run(main())
+
+
+def test_a_mid_stream_failure_is_one_warning_naming_the_request_the_nodes_and_the_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def main() -> None:
+        p, flaky = FakeNode("prefill"), FakeNode("decode", Behaviour(fail_after=1))
+        async with cluster(p, flaky) as reg:
+            with caplog.at_level(logging.WARNING, logger="router"), pytest.raises(DispatchError):
+                await collect(dispatcher(reg), job("req-mid"))
+            lines = [r for r in caplog.records if "mid-stream" in r.getMessage()]
+            assert len(lines) == 1 and lines[0].levelno == logging.WARNING, caplog.text
+            message = lines[0].getMessage()
+            assert "req-mid" in message and p.address in message and flaky.address in message, message
+            assert "decode_failed" in message and "UNAVAILABLE" in message, message
 
     run(main())
 
@@ -346,7 +364,7 @@ def test_registry_background_refresh_marks_nodes_down_and_up() -> None:
     async def main() -> None:
         p, d = FakeNode("prefill"), FakeNode("decode")
         async with cluster(p, d, refresh=False) as reg:
-            reg.refresh_s = 0.05
+            reg.refresh_interval = 0.05
             await reg.start()
             assert [n.address for n in reg.nodes("decode")] == [d.address]
             d.b.healthy = False
@@ -360,6 +378,7 @@ def test_registry_background_refresh_marks_nodes_down_and_up() -> None:
 # --- real nodes ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_dispatch_against_real_prefill_and_decode(tiny_llama_dir: Any) -> None:
     from engine.kv_transfer import nixl_available
 

@@ -26,9 +26,13 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from engine.kv_transfer import nixl_available
 from common.tokenizer import Tokenizer
 from fixtures.pdkit import stub, wait_idle
+from tests.router.fake_dispatcher import wait_until
 from tests.router.stack import Stack, decode_node, start_stack, wait_status
 
-pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")
+pytestmark = [
+    pytest.mark.slow,  # real node processes
+    pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed"),
+]
 
 CONTEXT = 4096  # the tiny Llama with a longer context: a disconnect test needs a long generation
 PROMPT = "def fibonacci(n):"
@@ -283,7 +287,7 @@ def _stream(url: str, model: str, i: int, out: dict[int, dict[str, Any]], max_to
             httpx.Client(timeout=httpx.Timeout(45, connect=5)) as h,
             h.stream("POST", f"{url}/v1/completions", json=body) as r,
         ):
-            rec["status"] = r.status_code
+            rec["status"], rec["request_id"] = r.status_code, r.headers.get("x-request-id")
             if r.status_code != 200:
                 rec["body"] = r.read().decode()
                 return
@@ -373,6 +377,16 @@ def test_decode_killed_under_load_then_ready_follows_the_nodes(stack: Stack) -> 
     assert all(outcomes[i] == "ok" for i in range(early, 12)), outcomes
     for i, o in outcomes.items():  # only a stream that had its first byte may end in an error event
         assert o == "ok" or out[i]["first"] < killed_at + 2.0, (i, out[i]["first"] - killed_at)
+    for i in (i for i, o in outcomes.items() if o == "error_event"):  # each is a router line: who, where, why
+        rid, victim_address = out[i]["request_id"], f"127.0.0.1:{victim_port}"
+        wait_until(
+            lambda: any(
+                "WARNING" in line and f"request {rid} failed mid-stream" in line and victim_address in line
+                for line in stack.router.lines
+            ),
+            10,
+            f"the router's mid-stream failure line of {rid}",
+        )
     retried = _retries(stack.url) - retries_before
     survivor = stack.decodes[1]
     wait_idle(stub(survivor.ports["scheduler"]), 20)

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from common.tokenizer import Tokenizer
-from router.app import create_app
+from router.app import RouterApp
 from router.contract import DispatchError, FinishEvent, TokenEvent
 from router.dispatch import PDDispatcher, StageTimeouts
 from tests.router.fake_nodes import Behaviour, FakeNode, cluster, dispatcher, job, run, until
@@ -125,7 +125,9 @@ def test_a_decode_silent_after_the_early_token_times_out_within_the_first_token_
         hold = asyncio.Event()  # never set: the decode adopts nothing
         p, d = FakeNode("prefill"), FakeNode("decode", Behaviour(hold_first=hold))
         async with cluster(p, d) as reg:
-            quick = StageTimeouts(prefill_s=5, first_token_s=0.5, inter_token_s=5, abort_s=1, health_s=0.5)
+            quick = StageTimeouts(
+                prefill_timeout=5, first_token_timeout=0.5, inter_token_timeout=5, abort_timeout=1, health_timeout=0.5
+            )
             gen = dispatcher(reg, timeouts=quick).generate(job("slow"))
             assert await _next(gen) == TokenEvent((11,))
             with pytest.raises(DispatchError) as e:
@@ -170,7 +172,7 @@ def test_http_text_and_usage_with_the_early_token(tok: Tokenizer, stream: bool) 
         async with cluster(p, d) as reg:
             metrics = CollectorRegistry()
             disp: PDDispatcher = dispatcher(reg, metrics_registry=metrics)
-            app = create_app(disp, tok, served_model="fake-model", metrics_registry=metrics)
+            app = RouterApp(disp, tok, served_model="fake-model", metrics_registry=metrics).app
             body = {
                 "model": "fake-model",
                 "prompt": [5, 6, 7, 8],

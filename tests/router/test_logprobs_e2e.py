@@ -13,7 +13,10 @@ from engine.kv_transfer import nixl_available
 from fixtures.procs import Node
 from tests.router.stack import start_stack, wait_status
 
-pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")
+pytestmark = [
+    pytest.mark.slow,  # real node processes
+    pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed"),
+]
 PROMPTS = ["def fibonacci(n):\n", "import os\n\n"]
 TOL = 1e-3
 

@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from common.tokenizer import Tokenizer
-from router.app import create_app
+from router.app import RouterApp
 from router.contract import DispatchError
 from tests.router.fake_dispatcher import FakeDispatcher, Script, server, wait_for
 
@@ -30,7 +30,7 @@ def tok(tiny_llama_dir: Path) -> Tokenizer:
 
 def make(tok: Tokenizer, script: Any = None, **app_kw: Any) -> tuple[TestClient, FakeDispatcher]:
     fake = FakeDispatcher(tok, script or (lambda job: Script()))
-    app = create_app(fake, tok, served_model=MODEL, **app_kw)
+    app = RouterApp(fake, tok, served_model=MODEL, **app_kw).app
     return TestClient(app, raise_server_exceptions=False), fake
 
 
@@ -106,7 +106,7 @@ def test_an_id_reused_while_in_flight_gets_unique_node_ids(tok: Tokenizer) -> No
     """A proxy retrying a timed-out request resends its id; the nodes must still see distinct ids."""
     _, fake = make(tok)
     fake.script = lambda job: Script(hang=len(fake.jobs) == 1)  # the first request never finishes
-    app = create_app(fake, tok, served_model=MODEL)
+    app = RouterApp(fake, tok, served_model=MODEL).app
     with server(app) as url:
 
         def first() -> None:

@@ -16,7 +16,10 @@ from engine.kv_transfer import nixl_available
 from fixtures.procs import Node
 from tests.router.stack import Stack, start_stack
 
-pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")
+pytestmark = [
+    pytest.mark.slow,  # real node processes
+    pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed"),
+]
 
 LOGS = ("--log-format", "json", "--log-level", "debug")
 

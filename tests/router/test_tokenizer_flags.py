@@ -16,6 +16,8 @@ from common.tokenizer import Tokenizer
 from fixtures.procs import Node
 from tests.router.fake_nodes import FakeNode
 
+pytestmark = pytest.mark.slow  # a real router process
+
 TEMPLATE = "{% for m in messages %}<<{{ m.role }}|{{ m.content }}>>{% endfor %}ASSISTANT:"
 MESSAGES = [{"role": "user", "content": "hi there"}]
 
