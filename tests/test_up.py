@@ -57,6 +57,7 @@ def _pgrep(pattern: str) -> list[int]:
     return [int(p) for p in r.stdout.split()]
 
 
+@pytest.mark.slow
 def test_up_serves_and_ctrl_c_stops_every_child(tiny_llama_dir: Path, tmp_path: Path) -> None:
     model = str(tiny_llama_dir)  # a unique tmp path: it names exactly this deployment's nodes
     stderr = open(tmp_path / "up.stderr", "w")  # noqa: SIM115 - closed in the finally below

@@ -27,6 +27,7 @@ from tests.engine.kv_transfer_kit import (
 )
 
 
+@pytest.mark.slow  # a child process owns the destination
 @needs_nixl
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -82,6 +83,7 @@ def test_nixl_refuses_incompatible_layout() -> None:
                 t.add_peer(t.metadata(), bad)
 
 
+@pytest.mark.slow  # a child process owns the destination
 @needs_nixl
 @pytest.mark.parametrize("sgl", ["off", "on"])
 def test_nixl_two_process_write(sgl: str) -> None:
@@ -118,6 +120,7 @@ def test_nixl_two_process_write(sgl: str) -> None:
         aux.check()
 
 
+@pytest.mark.slow  # a child process owns the destination
 @needs_nixl
 def test_nixl_dead_peer_fails_fast_and_restarted_peer_reconnects() -> None:
     with nixl_pair(SMALL, "doomed") as (t, child, _, aux, peer):
@@ -146,6 +149,7 @@ def test_nixl_dead_peer_fails_fast_and_restarted_peer_reconnects() -> None:
             reborn.kill()
 
 
+@pytest.mark.slow  # a child process owns the destination
 @needs_nixl
 def test_nixl_64mib_bandwidth() -> None:
     """Informative: prints the one-off bandwidth of a 64 MiB write (run with -s to see it)."""

@@ -11,6 +11,7 @@ from engine.core import SamplingParams
 from engine.engine import Engine, EngineConfig
 from fixtures.procs import Node
 
+pytestmark = pytest.mark.slow
 PROMPT = [5, 17, 42, 7, 99, 3]
 
 
