@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 from dataclasses import dataclass, field
@@ -69,6 +70,26 @@ async def run_node(
     # (a full collection over the engine's objects is milliseconds on the decode path).
     gc.collect()
     gc.freeze()
+    try:
+        await _serve(role, engine, binding, host, port, metrics_port, served_model_name, stop)
+    finally:
+        # Back to the collector: frozen objects are not collected even at exit, so cycles among
+        # them that hold native objects (Triton's nanobind bindings) would still be alive when
+        # nanobind checks for leaks at shutdown, and it would report each one of them.
+        gc.unfreeze()
+
+
+async def _serve(
+    role: NodeRole,
+    engine: Engine,
+    binding: Any,
+    host: str,
+    port: int,
+    metrics_port: int | None,
+    served_model_name: str | None,
+    stop: asyncio.Event,
+) -> None:
+    """Serve until `stop`, then stop cleanly: the servers, the role's steps, the engine loop."""
     loop = EngineLoop(engine).start()
     parts = role.attach(loop, binding)
     info = node_info(engine, parts.info_role, served_model_name, pairing_protocol=parts.pairing_protocol)
