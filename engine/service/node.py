@@ -44,8 +44,9 @@ class NodeRole(Protocol):
 
     name: str  # the metrics label and the log's name: "colocated", "prefill" or "decode"
 
-    def attach(self, loop: EngineLoop, binding: Any) -> RoleParts:
-        """Build the role's handler over the running engine loop (`binding`: the algorithm's)."""
+    def attach(self, loop: EngineLoop, binding: Any, host: str) -> RoleParts:
+        """Build the role's handler over the running engine loop (`binding`: the algorithm's);
+        whatever it listens on, it listens on `host` only."""
         ...
 
     async def start(self, host: str, health: Any) -> tuple[list[grpc.aio.Server], str]:
@@ -91,7 +92,7 @@ async def _serve(
 ) -> None:
     """Serve until `stop`, then stop cleanly: the servers, the role's steps, the engine loop."""
     loop = EngineLoop(engine).start()
-    parts = role.attach(loop, binding)
+    parts = role.attach(loop, binding, host)
     info = node_info(engine, parts.info_role, served_model_name, pairing_protocol=parts.pairing_protocol)
     servicer = SchedulerServicer(info, loop, parts.handler)
     api, api_port = await start_server([scheduler_service(servicer)], host, port, watch=servicer.health)

@@ -54,14 +54,17 @@ def test_nixl_vram_pages_and_row_in_one_transfer(sgl: str) -> None:
 @needs_nixl
 def test_nixl_sgl_modes_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """ "auto" batches only GPU KV (host memory: off); the mode, not the inherited environment,
-    decides, and the environment is left as it was; a bad mode names the flag."""
-    from engine.kv_transfer.nixl import SGL_ENV, NixlTransport
+    decides, and the environment is left as it was (also the UCX device list a listen host sets
+    for the backend's creation); a bad mode names the flag."""
+    from engine.kv_transfer.nixl import NET_DEVICES_ENV, SGL_ENV, NixlTransport
 
     monkeypatch.setenv(SGL_ENV, "1")
+    monkeypatch.delenv(NET_DEVICES_ENV, raising=False)
     for mode, batched in [("auto", False), ("off", False), ("on", True)]:
-        with NixlTransport(f"sgl-{mode}-{os.getpid()}", make_pools(SMALL, fill=False), make_aux(SMALL), sgl=mode) as t:
+        pools, aux = make_pools(SMALL, fill=False), make_aux(SMALL)
+        with NixlTransport(f"sgl-{mode}-{os.getpid()}", pools, aux, sgl=mode, listen_host="127.0.0.1") as t:
             assert t.batched is batched
-        assert os.environ[SGL_ENV] == "1"
+        assert os.environ[SGL_ENV] == "1" and NET_DEVICES_ENV not in os.environ
     with pytest.raises(ValueError, match="--kv-write-sgl must be one of off, on, auto, got 'yes'"):
         NixlTransport(f"sgl-bad-{os.getpid()}", make_pools(SMALL, fill=False), make_aux(SMALL), sgl="yes")
 
