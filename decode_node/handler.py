@@ -22,7 +22,7 @@ from engine.service.metrics import KV_TRANSFER_BYTES, KV_TRANSFER_FAILURES, KV_T
 from engine.service import convert
 from engine.service.stream import RequestFailed, RequestStream
 from decode_node.inflight import DecodeRequest, InFlight, Stage
-from decode_node.peers import PeerError, PeerManager
+from decode_node.peers import Peer, PeerError, PeerManager
 from decode_node.completion import CompletionWaiter
 from pdserve.v1 import kv_control_pb2 as kpb
 from spec.draft_input import DisaggHandoffError
@@ -53,6 +53,7 @@ class DecodeHandler:
         self.pd, self.endpoint, self.peers, self.waiter = pd, endpoint, peers, waiter
         self.binding, self.timeouts = binding, timeouts
         self.pending = InFlight(pd, endpoint.rows, waiter, quarantine_s=timeouts.waiting_s)
+        self._aborting: set[asyncio.Future[None]] = set()  # AbortRoom calls under way
 
     async def generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -188,13 +189,21 @@ class DecodeHandler:
 
     def _give_up(self, dr: DecodeRequest, reason: str, bootstrap: tuple[str, int]) -> None:
         """Free what the request holds and, unless its write already landed, tell the prefill
-        (best effort, if connected) so its leg ends now too instead of at its own deadline."""
+        (if connected) so its leg ends now too instead of at its own deadline. Pages a write may
+        land in wait in quarantine for the prefill's answer (see decode_node/inflight.py)."""
         dr.abort_reason = dr.abort_reason or reason
         tell = dr.stage < Stage.COMMITTED
         self.pending.settle(dr)
         peer = dr.peer or self.peers.connected(*bootstrap)
         if tell and peer is not None and peer.alive:
-            asyncio.ensure_future(_abort_room(peer, dr.room, reason))
+            task = asyncio.ensure_future(self._abort_room(peer, dr.room, reason))
+            self._aborting.add(task)  # held until done: the loop keeps only weak references
+            task.add_done_callback(self._aborting.discard)
+
+    async def _abort_room(self, peer: Peer, room: int, reason: str) -> None:
+        writes = await self.peers.abort_room(peer, room, reason)
+        if writes == kpb.ROOM_WRITES_NONE_IN_FLIGHT:
+            self.pending.writes_over(room, "the prefill has no write of the room in flight")
 
     def abort(self, request_id: str, reason: str) -> bool:
         """Wherever the request is: before its Generate, reserving, transferring, or in the engine."""
@@ -218,13 +227,6 @@ class DecodeHandler:
 def _check_aborted(dr: DecodeRequest) -> None:
     if dr.aborted.is_set():
         raise RequestFailed(dr.abort_reason or "aborted", "aborted")
-
-
-async def _abort_room(peer: Any, room: int, reason: str) -> None:
-    try:
-        await peer.stub.AbortRoom(kpb.AbortRoomRequest(room=room, reason=reason[:200]), timeout=1.0)
-    except Exception:  # noqa: BLE001 - an unreachable prefill has its own deadlines
-        log.debug("AbortRoom for room %d failed", room, exc_info=True)
 
 
 def _kind(e: BaseException) -> str:

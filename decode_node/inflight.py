@@ -7,9 +7,12 @@ client cancel, Abort RPC, at any await), `settle` returns exactly what its stage
 
 * NEW / RESERVED / COMMITTED: the row (if any) and the pages now (a release queued on the
   scheduler thread after any reservation still queued, so nothing is missed);
-* SENT: a write may still be on its way into those pages. They stay in quarantine until the
-  room's completion or failure notification arrives (or the prefill is declared dead, or a
-  deadline passes), and are freed then, so a late write never lands in pages someone else got;
+* SENT: a write may be on its way into those pages. They stay in quarantine until the prefill
+  proves no write can land any more, and are freed then, so a late write never lands in pages
+  someone else got. The proof is the prefill's answer to the room's abort (it never started a
+  write, and now never will; or every write of it ended), or the room's completion or failure
+  notification (sent once its writes ended); a prefill declared dead, or the deadline, is the
+  backstop;
 * ADOPTED: an engine abort, queued after the adoption itself.
 
 An Abort RPC that arrives before the request's Generate (it overtook the router's first message)
@@ -29,6 +32,7 @@ from decode_node.completion import CompletionWaiter
 from engine.core import InvalidRequest, Req
 from engine.disagg import DisaggEngine
 from engine.kv_transfer import HandoffRows
+from engine.service.tombstones import Tombstones
 
 log = logging.getLogger(__name__)
 TOMBSTONE_TTL_S = 60.0
@@ -61,17 +65,16 @@ class InFlight:
     def __init__(self, pd: DisaggEngine, rows: HandoffRows, waiter: CompletionWaiter, quarantine_s: float) -> None:
         self.pd, self.rows, self.waiter, self.quarantine_s = pd, rows, waiter, quarantine_s
         self.live: dict[str, DecodeRequest] = {}
-        self._tombstones: dict[str, tuple[str, float]] = {}  # rid -> (reason, expiry)
+        self._tombstones: Tombstones[str] = Tombstones(TOMBSTONE_TTL_S)
         self.quarantined: dict[int, DecodeRequest] = {}  # room -> request whose pages wait
 
     def begin(self, req: Req, room: int) -> DecodeRequest:
-        self._expire_tombstones()
         if req.rid in self.live or self.pd.in_flight(req.rid):
             raise InvalidRequest(f"request id {req.rid!r} is already in flight on this node")
         dr = DecodeRequest(req, room)
-        tomb = self._tombstones.pop(req.rid, None)
-        if tomb is not None:
-            dr.abort_reason = tomb[0]
+        reason = self._tombstones.pop(req.rid)
+        if reason is not None:
+            dr.abort_reason = reason
             dr.aborted.set()
         self.live[req.rid] = dr
         return dr
@@ -83,7 +86,7 @@ class InFlight:
         """Abort RPC: wherever the request is, it ends; one that has not arrived yet ends on arrival."""
         dr = self.live.get(rid)
         if dr is None:
-            self._tombstones[rid] = (reason, time.monotonic() + TOMBSTONE_TTL_S)
+            self._tombstones.add(rid, reason)
             self.pd.abort(rid, reason)  # adopted already, or unknown: the engine ignores unknown ids
             return
         dr.abort_reason = dr.abort_reason or reason
@@ -102,6 +105,12 @@ class InFlight:
             return
         self.waiter.forget(dr.room)
         self._free(dr)
+
+    def writes_over(self, room: int, why: str) -> None:
+        """The prefill proved that no write into `room`'s pages can land any more: a quarantine
+        of them ends now (the same path as the room's failure notification)."""
+        if room in self.quarantined:
+            self.waiter.resolve(room, "abort", why)
 
     def handed_over(self, dr: DecodeRequest) -> None:
         """The scheduler thread owns the request now (adoption queued); a later Abort RPC for it
@@ -140,11 +149,6 @@ class InFlight:
                 self.quarantine_s,
             )
             self.waiter.resolve(dr.room, "fail", "quarantine deadline")
-
-    def _expire_tombstones(self) -> None:
-        now = time.monotonic()
-        for rid in [r for r, (_, t) in self._tombstones.items() if t < now]:
-            del self._tombstones[rid]
 
     # ---- reporting ----
     def counts(self) -> dict[str, int]:

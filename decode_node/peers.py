@@ -33,6 +33,7 @@ from pdserve.v1 import kv_control_pb2_grpc as kpb_grpc
 
 log = logging.getLogger(__name__)
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+ABORT_ROOM_TIMEOUT_S = 1.0  # per attempt; the prefill answers without waiting on anything
 
 
 class PeerError(RuntimeError):
@@ -168,6 +169,28 @@ class PeerManager:
         if peer.heartbeat is not None and peer.heartbeat is not asyncio.current_task():
             peer.heartbeat.cancel()
         asyncio.ensure_future(peer.channel.close())
+
+    async def abort_room(self, peer: Peer, room: int, reason: str) -> kpb.RoomWrites:
+        """Tell the prefill to give up on `room`; returns what it says about writes into the
+        room's destination (UNSPECIFIED when it cannot be asked: its notification, its death
+        or the decode's deadline then frees the pages). A lost answer is asked again (the abort
+        is idempotent): it is what lets the decode free the pages at once."""
+        p = self.policy
+        try:
+            async for attempt in AsyncRetrying(
+                stop=stop_after_attempt(3) | stop_after_delay(p.rpc_timeout_s),
+                wait=wait_exponential_jitter(initial=0.05, max=0.5, jitter=0.05),
+                retry=retry_if_exception(_retryable),
+                reraise=True,
+            ):
+                with attempt:
+                    ack = await peer.stub.AbortRoom(
+                        kpb.AbortRoomRequest(room=room, reason=reason[:200]), timeout=ABORT_ROOM_TIMEOUT_S
+                    )
+                    return ack.writes
+        except grpc.aio.AioRpcError as e:
+            log.debug("AbortRoom for room %d at %s: %s", room, peer.address, _describe(e))
+        return kpb.ROOM_WRITES_UNSPECIFIED
 
     async def close(self) -> None:
         for peer in list(self._peers.values()):

@@ -26,7 +26,7 @@ class DecodeRole:
         self.transport, self.timeouts, self.policy, self.rows_at = transport, timeouts, policy, rows_at
         self._pump: asyncio.Task[None] | None = None
 
-    def attach(self, loop: EngineLoop, binding: Any) -> RoleParts:
+    def attach(self, loop: EngineLoop, binding: Any, host: str) -> RoleParts:
         engine = loop.engine
         pd = DisaggEngine.over(loop)
         endpoint = build_endpoint(
@@ -37,6 +37,7 @@ class DecodeRole:
             spec_algorithm=binding.name,
             draft_model_dir=binding.config.draft_model_path,
             rows_at=self.rows_at,
+            host=host,
         )
         self.waiter = CompletionWaiter(endpoint.transport)
         peers = PeerManager(endpoint, self.policy, on_dead=self.waiter.fail_peer)

@@ -1,9 +1,11 @@
 """`pdserve up`: a whole local deployment (prefill and decode nodes + the router) in one command.
 
 Children are real processes on 127.0.0.1 started through this same CLI; each prints a READY line
-with its ports. We wait (bounded) for every READY, then for the router's /ready, print the URL
-and an example request, and on Ctrl-C / SIGTERM stop everything (SIGTERM, then SIGKILL).
-Torch-free: the parent only launches and watches.
+with its ports (every node serves /metrics on a port of its own). We wait (bounded) for every
+READY, then for the router's /ready, print the nodes' metrics URLs, the URL and an example
+request, and on Ctrl-C / SIGTERM stop everything: the router first, so it never sees its nodes go
+away, then the nodes (SIGTERM, then SIGKILL past a grace period). Torch-free: the parent only
+launches and watches.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class Child:
     lines: list[str] = field(default_factory=list)
     ports: dict[str, int] = field(default_factory=dict)
     ready: threading.Event = field(default_factory=threading.Event)
+    pumping: threading.Thread | None = None  # reads its output until it exits
 
     def pump(self, echo: bool) -> None:
         assert self.proc.stdout is not None
@@ -80,7 +83,8 @@ class Deployment:
             start_new_session=True,
         )
         child = Child(name, proc)
-        threading.Thread(target=child.pump, args=(self.cfg.verbose,), daemon=True).start()
+        child.pumping = threading.Thread(target=child.pump, args=(self.cfg.verbose,), daemon=True)
+        child.pumping.start()
         self.children.append(child)
         return child
 
@@ -90,11 +94,14 @@ class Deployment:
                 tail = "\n".join(child.lines[-20:])
                 raise RuntimeError(f"{child.name} did not start:\n{tail}")
 
-    def start(self, progress: Callable[[str], None]) -> str:
+    def start(self, progress: Callable[[str], None], announce: Callable[[str], None] = print) -> str:
+        """Start every node, then the router; wait for its /ready and return its URL. `announce`
+        gets one line per node with the URL of its /metrics."""
         cfg = self.cfg
         deadline = time.monotonic() + cfg.start_timeout_s
         model = ["--model", cfg.model] if cfg.model else []
-        common = [*model, "--host", cfg.host, "--port", "0", *cfg.node_args, *cfg.log_args]
+        # every node serves /metrics (any free port, named on its READY line) for its KV and queue gauges
+        common = [*model, "--host", cfg.host, "--port", "0", "--metrics-port", "0", *cfg.node_args, *cfg.log_args]
         plans = self._colocated_plans(common) if cfg.colocated else self._pd_plans(common)
         nodes = []
         for wave in _waves(plans, sizes_kv_itself=_sizes_kv_itself(cfg.node_args)):
@@ -117,7 +124,14 @@ class Deployment:
         url = f"http://{cfg.host}:{router.ports['http']}"
         progress("waiting for a first completion (/ready)")
         _wait_http_ok(f"{url}/ready", deadline, router)
+        for name, metrics in self.metrics_urls().items():
+            announce(f"{name} metrics: {metrics}")
         return url
+
+    def metrics_urls(self) -> dict[str, str]:
+        """Each started node's /metrics URL, by node name."""
+        host = self.cfg.host
+        return {c.name: f"http://{host}:{c.ports['metrics']}/metrics" for c in self.children if "metrics" in c.ports}
 
     def _colocated_plans(self, common: list[str]) -> list[NodePlan]:
         devices = _devices(self.cfg.device, self.cfg.colocated)
@@ -146,16 +160,11 @@ class Deployment:
         return _local(device) if self.cfg.isolate_gpus else device
 
     def stop(self, grace_s: float = 10.0) -> None:
-        for c in self.children:
-            if c.proc.poll() is None:
-                os.killpg(c.proc.pid, signal.SIGTERM)
-        end = time.monotonic() + grace_s
-        for c in self.children:
-            try:
-                c.proc.wait(max(0.1, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(c.proc.pid, signal.SIGKILL)
-                c.proc.wait(5)
+        """The router first (a router that outlives a node reports it down and fails its
+        requests), then every node; each group gets SIGTERM and `grace_s` before SIGKILL."""
+        router = [c for c in self.children if c.name == "router"]
+        _terminate(router, grace_s)
+        _terminate([c for c in self.children if c not in router], grace_s)
 
     def watch(self, stop: threading.Event) -> str | None:
         """Block until `stop` or until a child dies; returns the dead child's name."""
@@ -167,6 +176,22 @@ class Deployment:
 
 
 NodePlan = tuple[str, list[str], str]  # (name, CLI args, device)
+
+
+def _terminate(children: list[Child], grace_s: float) -> None:
+    """SIGTERM every child still running, then wait for them all; SIGKILL whoever outlives the grace."""
+    for c in children:
+        if c.proc.poll() is None:
+            os.killpg(c.proc.pid, signal.SIGTERM)
+    end = time.monotonic() + grace_s
+    for c in children:
+        try:
+            c.proc.wait(max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(c.proc.pid, signal.SIGKILL)
+            c.proc.wait(5)
+        if c.pumping is not None:  # its last lines (how it stopped) are echoed before we go on
+            c.pumping.join(max(0.1, end - time.monotonic()))
 
 
 def _sizes_kv_itself(node_args: tuple[str, ...]) -> bool:

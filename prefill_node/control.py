@@ -52,6 +52,9 @@ class KVControlServicer(kpb_grpc.KVControlServicer):
     ) -> kpb.DestinationAck:
         if request.decode_agent not in self.peers:
             return kpb.DestinationAck(accepted=False, error="unknown decode agent: handshake first")
+        left = context.time_remaining()
+        if left is not None and left <= 0:  # the decode gave up on this call (and aborts the room)
+            return kpb.DestinationAck(accepted=False, error="the destination came after its call's deadline")
         room = self.rooms.get_or_create(request.room)
         if room.reason:
             return kpb.DestinationAck(accepted=False, error=f"room {request.room} failed: {room.reason}")
@@ -62,11 +65,14 @@ class KVControlServicer(kpb_grpc.KVControlServicer):
         return kpb.DestinationAck(accepted=True)
 
     async def AbortRoom(self, request: kpb.AbortRoomRequest, context: grpc.aio.ServicerContext) -> kpb.AbortRoomAck:
-        # An abort may overtake the router's prefill leg: keep a failed room (it expires with the
-        # orphan TTL) so that leg fails at once instead of waiting for a destination.
-        room = self.rooms.get_or_create(request.room)
-        idle = room.state not in (KVPoll.TRANSFERRING, KVPoll.SUCCESS)  # no write posted into its pages
-        room.fail(f"aborted by decode: {request.reason or 'no reason given'}")
-        if idle:  # a failed room never posts one: the decode may free its pages now
+        """Fail the room and say whether the decode may free its destination now. No await from
+        here to the answer, and every post checks for a failed room first: when the answer is
+        "none in flight", no write of the room can be posted afterwards either."""
+        # An abort may overtake the destination or the router's prefill leg: an unknown room is
+        # kept as failed (for the orphan TTL), so either is refused when it comes.
+        room = self.rooms.abort(request.room, f"aborted by decode: {request.reason or 'no reason given'}")
+        if room.writing:  # the writer's end tells the decode (completion or failure notification)
+            return kpb.AbortRoomAck(writes=kpb.ROOM_WRITES_IN_FLIGHT)
+        if room.state is KVPoll.FAILED:  # also as a notification, for a decode that ignores the answer
             room.tell_decode(self.endpoint.transport, room.reason)
-        return kpb.AbortRoomAck()
+        return kpb.AbortRoomAck(writes=kpb.ROOM_WRITES_NONE_IN_FLIGHT)

@@ -40,6 +40,7 @@ from engine.service.metrics import (
     KV_WRITES,
 )
 from engine.service.stream import RequestFailed
+from engine.service.tombstones import Tombstones
 from prefill_node.rooms import Room, RoomTable
 from prefill_node.writer import RoomWriter, WriteFailed
 
@@ -65,6 +66,7 @@ class PrefillHandler:
         self.pd, self.endpoint, self.rooms, self.timeouts = pd, endpoint, rooms, timeouts
         self.send_chunks = send_chunks  # chunked prefill: each chunk's pages leave as it finishes
         self._live_ids: set[str] = set()
+        self._aborted: Tombstones[str] = Tombstones(ttl_s=timeouts.bootstrap_s)  # ids aborted before their Generate
 
     async def generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -85,10 +87,12 @@ class PrefillHandler:
         room = self.rooms.get_or_create(request.disaggregated_params.bootstrap_room)
         if room.request_id:
             raise InvalidRequest(f"bootstrap_room {room.room} is already in use")
+        self._refuse_if_aborted(req, room)
         self._live_ids.add(req.rid)
         room.request_id = req.rid
         room.deadline = time.monotonic() + self.timeouts.bootstrap_s
         writer = RoomWriter(self.endpoint.transport, room, self.timeouts.transfer_s, self.send_chunks)
+        room.writes = writer
         try:
             first, held = await self._compute(req, room, writer)
             await self._wait_destination(room)  # usually here long before the prompt is done
@@ -111,6 +115,17 @@ class PrefillHandler:
             else:
                 self.rooms.forget(room)
         yield convert.complete(req.rid, [first], FinishReason.LENGTH, len(req.prompt_ids))
+
+    def _refuse_if_aborted(self, req: Req, room: Room) -> None:
+        """A request whose abort came first (by id from the router, or its room from the decode)
+        ends here, before it computes or holds anything; its room stays failed so a destination
+        that comes later is refused too."""
+        why = self._aborted.pop(req.rid)
+        if why is not None:
+            self.rooms.abort(room.room, why)
+        if room.state is KVPoll.FAILED:
+            KV_TRANSFER_FAILURES.labels("prefill", "aborted").inc()
+            raise RequestFailed(f"room {room.room} was aborted before its request arrived: {room.reason}", "aborted")
 
     def _end_room(self, req: Req, room: Room) -> None:
         self.pd.release(req)
@@ -215,9 +230,11 @@ class PrefillHandler:
     def abort(self, request_id: str, reason: str) -> bool:
         self.pd.abort(request_id, reason)
         room = self.rooms.by_request(request_id)
-        if room is not None:
-            room.fail(reason)
-        return room is not None
+        if room is None:  # its Generate has not come (yet): it ends on arrival
+            self._aborted.add(request_id, reason)
+            return False
+        room.fail(reason)
+        return True
 
     def inflight(self) -> int:
         return len(self.rooms)  # rooms hold KV until their write ends (hold_kv)

@@ -37,7 +37,7 @@ class PrefillRole:
         self.send_chunks, self.rows_at, self.sgl = send_chunks, rows_at, sgl
         self._janitor: asyncio.Task[None] | None = None
 
-    def attach(self, loop: EngineLoop, binding: Any) -> RoleParts:
+    def attach(self, loop: EngineLoop, binding: Any, host: str) -> RoleParts:
         engine = loop.engine
         pd = DisaggEngine.over(loop)
         self.endpoint = build_endpoint(
@@ -48,6 +48,7 @@ class PrefillRole:
             spec_algorithm=binding.name,
             draft_model_dir=binding.config.draft_model_path,
             rows_at=self.rows_at,
+            host=host,
             sgl=self.sgl,
         )
         self.rooms = RoomTable(orphan_ttl_s=self.timeouts.bootstrap_s)

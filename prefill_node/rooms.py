@@ -1,4 +1,4 @@
-"""Prefill-side rooms: one per request, from Generate (or an early destination) to its end."""
+"""Prefill-side rooms: one per request, from Generate (or an early destination or abort) to its end."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.kv_transfer import KVPoll, KVTransport, failure_tag
 
@@ -20,6 +21,15 @@ class Destination:
     num_tokens: int
 
 
+class Writes(Protocol):
+    """The room's writer, as far as an abort needs it (prefill_node.writer.RoomWriter)."""
+
+    @property
+    def in_flight(self) -> bool:
+        """May a write of the room still land in the decode's pages (posted, or being posted)?"""
+        ...
+
+
 @dataclass
 class Room:
     room: int
@@ -32,6 +42,13 @@ class Room:
     failed: asyncio.Event = field(default_factory=asyncio.Event)
     created: float = field(default_factory=time.monotonic)
     finished_at: float | None = None  # perf_counter when the engine finished the prompt (metrics)
+    writes: Writes | None = None  # set once a Generate owns the room
+
+    @property
+    def writing(self) -> bool:
+        """A write into the destination may still land. Once the room has failed this can only
+        go from True to False: every post checks for FAILED first, with no await in between."""
+        return self.writes is not None and self.writes.in_flight
 
     def fail(self, reason: str) -> None:
         """Failed is sticky; a finished transfer stays a success."""
@@ -66,6 +83,15 @@ class RoomTable:
             r = self._rooms[room] = Room(room, deadline=time.monotonic() + self.orphan_ttl_s)
         return r
 
+    def abort(self, number: int, reason: str) -> Room:
+        """Fail the room, creating it if unknown (not arrived yet, or gone): a destination or a
+        Generate for it that comes within the TTL is then refused before anything is written."""
+        room = self.get_or_create(number)
+        room.fail(reason)
+        if not room.request_id:  # else the Generate's end keeps it (the deadline is its own)
+            room.deadline = time.monotonic() + self.orphan_ttl_s
+        return room
+
     def get(self, room: int) -> Room | None:
         return self._rooms.get(room)
 
@@ -77,9 +103,14 @@ class RoomTable:
         return next((r for r in self._rooms.values() if r.request_id == request_id), None)
 
     def expire_orphans(self) -> int:
-        """Destinations whose Generate never came: drop them after the TTL."""
+        """Destinations whose Generate never came, and failed rooms: drop them after the TTL. A
+        room with a write still in flight stays: an abort of it must hear that it is writing."""
         now = time.monotonic()
-        dead = [r for r in self._rooms.values() if r.deadline < now and (not r.request_id or r.state is KVPoll.FAILED)]
+        dead = [
+            r
+            for r in self._rooms.values()
+            if r.deadline < now and (not r.request_id or r.state is KVPoll.FAILED) and not r.writing
+        ]
         for r in dead:
             r.fail("no request arrived for this room")
             del self._rooms[r.room]

@@ -61,9 +61,10 @@ class RoomWriter:
         self._drainer: asyncio.Task | None = None
 
     @property
-    def posted(self) -> bool:
-        """A write of this room may still be landing in the decode's pages."""
-        return bool(self._posted)
+    def in_flight(self) -> bool:
+        """A write of this room may still land in the decode's pages: posted and not yet ended,
+        or being posted in a poller thread."""
+        return bool(self._posted) or bool(self._posting)
 
     # ---- chunks (progress offered from the scheduler thread) ----
     def offer(self, progress: KVProgress, loop: asyncio.AbstractEventLoop) -> None:

@@ -66,7 +66,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
     },
     "DestinationAck": {"accepted": True, "error": "none"},
     "AbortRoomRequest": {"room": 42, "reason": "client went away"},
-    "AbortRoomAck": {},
+    "AbortRoomAck": {"writes": pb.ROOM_WRITES_IN_FLIGHT},
 }
 
 

@@ -1,6 +1,7 @@
 """`pdserve up` end to end: a real local deployment (prefill + decode + router processes) comes up,
-prints its URL and a curl line that works, serves a completion, and on Ctrl-C (SIGINT to its
-process group) takes every child down with it. Bounded waits; leftovers are killed by pid."""
+prints every node's metrics URL, its URL and a curl line that works, serves a completion, and on
+Ctrl-C (SIGINT to its process group) takes every child down with it, the router first. Bounded
+waits; leftovers are killed by pid."""
 
 from __future__ import annotations
 
@@ -57,11 +58,12 @@ def _pgrep(pattern: str) -> list[int]:
     return [int(p) for p in r.stdout.split()]
 
 
+@pytest.mark.slow
 def test_up_serves_and_ctrl_c_stops_every_child(tiny_llama_dir: Path, tmp_path: Path) -> None:
     model = str(tiny_llama_dir)  # a unique tmp path: it names exactly this deployment's nodes
     stderr = open(tmp_path / "up.stderr", "w")  # noqa: SIM115 - closed in the finally below
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--port", "0", "--model", model],
+        [sys.executable, "-m", "pdserve.cli", "up", "--port", "0", "--model", model, "--verbose"],
         cwd=REPO,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
         stdout=subprocess.PIPE,
@@ -94,9 +96,19 @@ def test_up_serves_and_ctrl_c_stops_every_child(tiny_llama_dir: Path, tmp_path: 
     try:
         start = time.monotonic()
         deadline = start + UP_TIMEOUT_S
+        before = []
         while not (line := next_line(deadline)).startswith("pdserve is up: "):
-            pass
+            before.append(line)
         up_s = time.monotonic() - start
+        metrics = dict(ln.split(" metrics: ") for ln in before if " metrics: " in ln)
+        assert sorted(metrics) == ["decode-0", "prefill-0"], before
+        for name, metrics_url in metrics.items():  # the KV and queue gauges the dashboards read
+            assert metrics_url.startswith("http://127.0.0.1:") and metrics_url.endswith("/metrics")
+            with urllib.request.urlopen(metrics_url, timeout=10) as r:
+                text = r.read().decode()
+            role = name.split("-")[0]
+            assert f'pdserve_kv_cache_used_tokens{{role="{role}"}}' in text, text[:2000]
+            assert f'pdserve_node_waiting_requests{{role="{role}"}}' in text
         url = line.split()[3]
         assert url.startswith("http://127.0.0.1:") and line.endswith(f"(OpenAI API under {url}/v1)")
 
@@ -133,6 +145,11 @@ def test_up_serves_and_ctrl_c_stops_every_child(tiny_llama_dir: Path, tmp_path: 
             assert time.monotonic() - stopped < STOP_TIMEOUT_S, f"children left after Ctrl-C: {left}"
             time.sleep(0.1)
         assert _pgrep(model) == []
+        stderr.flush()
+        logs = (tmp_path / "up.stderr").read_text()  # every child's log (--verbose)
+        assert "[router]" in logs and "[prefill-0]" in logs and "[decode-0]" in logs
+        # the router stopped before its nodes: it never saw one go away
+        assert not [ln for ln in logs.splitlines() if " is down" in ln], logs[-3000:]
         print(f"up: ready in {up_s:.1f} s; stopped with every child in {time.monotonic() - stopped:.1f} s")
     finally:
         if proc.poll() is None:
@@ -165,3 +182,51 @@ def test_nodes_sharing_a_gpu_load_in_turn_with_cumulative_memory_shares() -> Non
     assert _waves(cpu, sizes_kv_itself=False) == [cpu]
     assert _sizes_kv_itself(("--max-total-tokens", "4096")) and _sizes_kv_itself(("--mem-fraction-static=0.5",))
     assert not _sizes_kv_itself(("--page-size", "16"))
+
+
+STUB = """
+import signal, sys, time
+name, log = sys.argv[1], sys.argv[2]
+def bye(*_):
+    with open(log, "a") as f:
+        f.write(f"{name} got SIGTERM\\n")
+    time.sleep(0.2)  # a clean stop takes a moment: nobody may be stopped meanwhile
+    with open(log, "a") as f:
+        f.write(f"{name} exited\\n")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, bye)
+print("READY", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def test_stop_takes_the_router_down_before_any_node(tmp_path: Path) -> None:
+    """Stand-in children that log their SIGTERM and exit: the router has exited before any node
+    is told to stop, and every node is stopped."""
+    from pdserve.up import Child, Deployment, UpConfig
+
+    log = tmp_path / "stops.log"
+    dep = Deployment(UpConfig(None))
+    try:
+        for name in ("prefill-0", "decode-0", "router"):  # the order `start` spawns them in
+            proc = subprocess.Popen(
+                [sys.executable, "-c", STUB, name, str(log)],
+                stdout=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+            assert proc.stdout is not None and proc.stdout.readline().startswith("READY")
+            dep.children.append(Child(name, proc))
+        dep.stop(grace_s=10.0)
+        lines = log.read_text().splitlines()
+        assert lines[:2] == ["router got SIGTERM", "router exited"], lines
+        assert sorted(lines[2:]) == sorted(
+            f"{n} {e}" for n in ("prefill-0", "decode-0") for e in ("got SIGTERM", "exited")
+        )
+        assert all(c.proc.returncode == 0 for c in dep.children)
+    finally:
+        for c in dep.children:
+            if c.proc.poll() is None:
+                os.killpg(c.proc.pid, signal.SIGKILL)
+                c.proc.wait(5)

@@ -37,17 +37,20 @@ def build_endpoint(
     draft_model_dir: str | None,
     rows_at: str = "kv",
     sgl: str = "off",
+    host: str | None = None,
 ) -> Endpoint:
     """`rows_at`: "kv" keeps the handoff rows on the KV pools' device, so on GPUs a request's row
     rides in its pages' NIXL transfer (one stage); "host" keeps them in host memory, whose write
     is a second stage posted when the pages' stage completes. Peers may differ: each side's
     layout tells the other its rows' memory kind. `sgl` (NIXL only): how writes are posted, see
-    --kv-write-sgl; it matters where writes start, on prefill nodes."""
+    --kv-write-sgl; it matters where writes start, on prefill nodes. `host` (NIXL only): the
+    address the node serves on; the transport listens there only."""
     check_rows_place(rows_at)
     pools = pd.kv_pools()
     handoff = HandoffRows(pd.handoff_bytes, rows, device=pools[0].buffer.device if rows_at == "kv" else "cpu")
     name = f"pdserve-{role}-{uuid.uuid4().hex[:12]}"
-    transport = create_transport(kind, name, pools, handoff, **({"sgl": sgl} if kind == "nixl" else {}))
+    options = {"sgl": sgl, "listen_host": host} if kind == "nixl" else {}
+    transport = create_transport(kind, name, pools, handoff, **options)
     cfg = pd.config
     kv_layout = f"{KV_LAYOUT};" + ";".join(
         f"{p.num_layers}x2x{p.num_kv_heads}x{p.head_dim}:{str(p.buffer.dtype).removeprefix('torch.')}" for p in pools

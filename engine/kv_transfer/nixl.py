@@ -15,6 +15,8 @@ does. Off by default until a GPU run measures it (bench/gpu/kv_bandwidth.py).
 
 Safety: descriptors are rebuilt from plain (addr, len, dev) numbers in the peer's MemoryLayout;
 nothing received from the network is ever unpickled (NIXL's serialized descs are pickles).
+Listening: NIXL runs no listener thread (metadata travels over the nodes' own gRPC), and UCX's TCP
+listeners stay on the interface of the node's --host (`listen_host`, engine/kv_transfer/interfaces.py).
 Failure: a NIXL error while posting raises TransferError; one seen while polling (or a transfer
 outliving `xfer_timeout_s`) makes `poll` return FAILED with the text in `last_error(handle)`.
 """
@@ -39,12 +41,13 @@ from common.defaults import check_sgl_mode
 from engine.kv_cache import KVPool
 from engine.kv_transfer.rows import HandoffRows
 from engine.kv_transfer.base import KVPoll, MemoryLayout, TransferError, TransferRequest, completion_tag
+from engine.kv_transfer.backend_env import NET_DEVICES_ENV, SGL_ENV, create_backend
+from engine.kv_transfer.interfaces import ucx_net_devices
 from engine.kv_transfer.layout import coalesce_runs, kv_regions, run_descs, tensor_mem_type
 
 log = logging.getLogger(__name__)
+__all__ = ["NET_DEVICES_ENV", "SGL_ENV", "NixlTransport", "create_backend"]
 _MEM_TYPES = ("DRAM", "VRAM")
-SGL_ENV = "NIXL_UCX_SGL_ENABLE"  # NIXL reads it when a UCX backend is created
-_ENV_LOCK = threading.Lock()  # the environment is the process's: one backend creation at a time
 
 
 @dataclass(eq=False)
@@ -64,21 +67,6 @@ class NixlXfer:
 
 def _err(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
-
-
-def create_backend(agent: Any, backend: str, params: dict[str, str], sgl: bool) -> None:
-    """Create `backend` with NIXL's UCX SGL switch set for this creation only (NIXL takes it
-    from the environment), so the transport's `sgl` decides, not whatever the process inherited."""
-    with _ENV_LOCK:
-        before = os.environ.get(SGL_ENV)
-        os.environ[SGL_ENV] = "1" if sgl else "0"
-        try:
-            agent.create_backend(backend, params)
-        finally:
-            if before is None:
-                os.environ.pop(SGL_ENV, None)
-            else:
-                os.environ[SGL_ENV] = before
 
 
 def _md_agent_name(md: bytes) -> str | None:
@@ -106,6 +94,7 @@ class NixlTransport:
         xfer_timeout_s: float = 60.0,
         progress_thread: bool = False,
         sgl: str = "off",
+        listen_host: str | None = None,
     ) -> None:
         self._name, self._pools, self._aux = name, list(pools), aux
         self._timeout = xfer_timeout_s
@@ -122,8 +111,13 @@ class NixlTransport:
         # thread by default: NIXL's busy-polls a whole core, and both sides already drive
         # progress by polling transfers and draining notifications themselves. A receiver that
         # cannot call drain_notifications() regularly must pass progress_thread=True.
+        # No listener thread: metadata travels over the node's own KV control channel (gRPC, on
+        # the node's --host), so NIXL itself never listens.
         cfg = nixl_agent_config(
-            backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT, enable_prog_thread=progress_thread
+            backends=[],
+            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+            enable_prog_thread=progress_thread,
+            enable_listen_thread=False,
         )
         self._agent: Any = nixl_agent(name, cfg)
         if backend not in self._agent.get_plugin_list():
@@ -131,7 +125,9 @@ class NixlTransport:
         # "auto": batched on GPUs, where a copy per descriptor is what a write costs; host memory
         # gains nothing from it (UCX copies host memory on the CPU either way)
         self.batched = sgl == "on" or (sgl == "auto" and kv_mem == "VRAM")
-        create_backend(self._agent, backend, dict(backend_params or {}), self.batched)
+        # UCX listens on every interface its TCP transport uses: only on `listen_host`'s
+        net_devices = ucx_net_devices(listen_host) if listen_host is not None else None
+        create_backend(self._agent, backend, dict(backend_params or {}), self.batched, net_devices)
         log.info(
             "NIXL agent %s: KV in %s, each write posted as %s",
             name,

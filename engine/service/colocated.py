@@ -52,7 +52,7 @@ class ColocatedRole:
 
     name = "colocated"
 
-    def attach(self, loop: EngineLoop, binding: Any) -> RoleParts:
+    def attach(self, loop: EngineLoop, binding: Any, host: str) -> RoleParts:
         return RoleParts(ColocatedHandler(loop), info_role="null", on_stop=[loop.stop])
 
     async def start(self, host: str, health: Any) -> tuple[list[grpc.aio.Server], str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 from dataclasses import dataclass, field
@@ -43,8 +44,9 @@ class NodeRole(Protocol):
 
     name: str  # the metrics label and the log's name: "colocated", "prefill" or "decode"
 
-    def attach(self, loop: EngineLoop, binding: Any) -> RoleParts:
-        """Build the role's handler over the running engine loop (`binding`: the algorithm's)."""
+    def attach(self, loop: EngineLoop, binding: Any, host: str) -> RoleParts:
+        """Build the role's handler over the running engine loop (`binding`: the algorithm's);
+        whatever it listens on, it listens on `host` only."""
         ...
 
     async def start(self, host: str, health: Any) -> tuple[list[grpc.aio.Server], str]:
@@ -69,8 +71,28 @@ async def run_node(
     # (a full collection over the engine's objects is milliseconds on the decode path).
     gc.collect()
     gc.freeze()
+    try:
+        await _serve(role, engine, binding, host, port, metrics_port, served_model_name, stop)
+    finally:
+        # Back to the collector: frozen objects are not collected even at exit, so cycles among
+        # them that hold native objects (Triton's nanobind bindings) would still be alive when
+        # nanobind checks for leaks at shutdown, and it would report each one of them.
+        gc.unfreeze()
+
+
+async def _serve(
+    role: NodeRole,
+    engine: Engine,
+    binding: Any,
+    host: str,
+    port: int,
+    metrics_port: int | None,
+    served_model_name: str | None,
+    stop: asyncio.Event,
+) -> None:
+    """Serve until `stop`, then stop cleanly: the servers, the role's steps, the engine loop."""
     loop = EngineLoop(engine).start()
-    parts = role.attach(loop, binding)
+    parts = role.attach(loop, binding, host)
     info = node_info(engine, parts.info_role, served_model_name, pairing_protocol=parts.pairing_protocol)
     servicer = SchedulerServicer(info, loop, parts.handler)
     api, api_port = await start_server([scheduler_service(servicer)], host, port, watch=servicer.health)

@@ -1,10 +1,20 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class RoomWrites(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROOM_WRITES_UNSPECIFIED: _ClassVar[RoomWrites]
+    ROOM_WRITES_NONE_IN_FLIGHT: _ClassVar[RoomWrites]
+    ROOM_WRITES_IN_FLIGHT: _ClassVar[RoomWrites]
+ROOM_WRITES_UNSPECIFIED: RoomWrites
+ROOM_WRITES_NONE_IN_FLIGHT: RoomWrites
+ROOM_WRITES_IN_FLIGHT: RoomWrites
 
 class Region(_message.Message):
     __slots__ = ("addr", "item_bytes", "count", "device_id")
@@ -109,5 +119,7 @@ class AbortRoomRequest(_message.Message):
     def __init__(self, room: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class AbortRoomAck(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("writes",)
+    WRITES_FIELD_NUMBER: _ClassVar[int]
+    writes: RoomWrites
+    def __init__(self, writes: _Optional[_Union[RoomWrites, str]] = ...) -> None: ...

@@ -72,7 +72,8 @@ class KVControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AbortRoom(self, request, context):
-        """AbortRoom gives up on a room; either side may call it, and it is idempotent.
+        """AbortRoom gives up on a room; either side may call it, and it is idempotent. The answer
+        says whether the decode may free the room's destination at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

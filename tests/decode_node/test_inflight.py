@@ -109,3 +109,21 @@ def test_a_request_id_already_live_is_refused_and_the_first_keeps_going() -> Non
     with pytest.raises(InvalidRequest, match="already in flight"):
         pending.begin(_req("in-engine"), 3)  # adopted by the engine, no longer in `live`
     assert pending.live["dup"] is first and not first.aborted.is_set()
+
+
+def test_the_prefills_word_that_nothing_is_in_flight_ends_a_quarantine_at_once() -> None:
+    async def run() -> None:
+        inflight, pd, rows, waiter = _setup()
+        dr = inflight.begin(_req("z"), room=9)
+        dr.row, dr.stage = rows.alloc(), Stage.SENT
+        waiter.expect(9, "prefill-agent")
+        inflight.settle(dr)
+        inflight.writes_over(10, "another room")  # not this one: it stays
+        await asyncio.sleep(0)
+        assert pd.released == [] and rows.num_used == 1
+        inflight.writes_over(9, "the prefill has no write of the room in flight")
+        await asyncio.sleep(0)
+        assert pd.released == ["z"] and rows.num_used == 0 and not inflight.room_in_use(9)
+        assert len(waiter) == 0
+
+    asyncio.run(run())

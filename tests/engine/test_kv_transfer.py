@@ -198,3 +198,55 @@ def _timer_slack() -> int:
     if not sys.platform.startswith("linux"):
         return -1
     return int(ctypes.CDLL(None).prctl(30, 0, 0, 0, 0))  # PR_GET_TIMERSLACK
+
+
+def test_ucx_is_kept_off_every_interface_not_holding_the_host() -> None:
+    """Excluded, not named: RDMA devices (not interfaces) stay usable; a wildcard host, or one
+    on the only interface with an address, restricts nothing."""
+    from ipaddress import ip_address as ip
+
+    from engine.kv_transfer.interfaces import ucx_net_devices
+
+    nics = {
+        "lo": {ip("127.0.0.1"), ip("::1")},
+        "eth0": {ip("192.0.2.2"), ip("fd00::2")},
+        "eth1": {ip("198.51.100.7")},
+        "ifb0": set(),  # up, no address: UCX has no use for it and warns when it is named
+    }
+    assert ucx_net_devices("127.0.0.1", nics) == "^eth0,eth1"
+    assert ucx_net_devices("127.0.0.2", nics) == "^eth0,eth1"  # the loopback interface's too
+    assert ucx_net_devices("::1", nics) == "^eth0,eth1"
+    assert ucx_net_devices("192.0.2.2", nics) == "^eth1,lo"
+    assert ucx_net_devices("fd00::2", nics) == "^eth1,lo"
+    for anywhere in ("0.0.0.0", "::", ""):
+        assert ucx_net_devices(anywhere, nics) is None
+    assert ucx_net_devices("203.0.113.9", nics) is None  # nobody's: the node's own bind decides
+    assert ucx_net_devices("127.0.0.1", {"lo": {ip("127.0.0.1")}}) is None
+
+
+def test_this_machines_interfaces_include_loopback() -> None:
+    from engine.kv_transfer.interfaces import interface_addresses
+
+    found = interface_addresses()
+    assert any(addr.is_loopback for addrs in found.values() for addr in addrs), found
+
+
+def test_a_backend_gets_its_environment_for_its_creation_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from engine.kv_transfer.backend_env import NET_DEVICES_ENV, SGL_ENV, create_backend
+
+    seen: dict[str, str | None] = {}
+
+    class Agent:  # what NIXL reads while it creates the backend
+        def create_backend(self, backend: str, params: dict[str, str]) -> None:
+            seen.update({key: os.environ.get(key) for key in (SGL_ENV, NET_DEVICES_ENV)})
+
+    monkeypatch.delenv(SGL_ENV, raising=False)
+    monkeypatch.delenv(NET_DEVICES_ENV, raising=False)
+    create_backend(Agent(), "UCX", {}, True, "^eth0")
+    assert seen == {SGL_ENV: "1", NET_DEVICES_ENV: "^eth0"}
+    assert SGL_ENV not in os.environ and NET_DEVICES_ENV not in os.environ
+    monkeypatch.setenv(NET_DEVICES_ENV, "mlx5_0:1")  # an operator's own choice wins
+    create_backend(Agent(), "UCX", {}, False, "^eth0")
+    assert seen == {SGL_ENV: "0", NET_DEVICES_ENV: "mlx5_0:1"} and os.environ[NET_DEVICES_ENV] == "mlx5_0:1"

@@ -27,6 +27,7 @@ from tests.engine.kv_transfer_kit import (
 )
 
 
+@pytest.mark.slow  # a child process owns the destination
 @needs_nixl
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -53,14 +54,17 @@ def test_nixl_vram_pages_and_row_in_one_transfer(sgl: str) -> None:
 @needs_nixl
 def test_nixl_sgl_modes_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """ "auto" batches only GPU KV (host memory: off); the mode, not the inherited environment,
-    decides, and the environment is left as it was; a bad mode names the flag."""
-    from engine.kv_transfer.nixl import SGL_ENV, NixlTransport
+    decides, and the environment is left as it was (also the UCX device list a listen host sets
+    for the backend's creation); a bad mode names the flag."""
+    from engine.kv_transfer.nixl import NET_DEVICES_ENV, SGL_ENV, NixlTransport
 
     monkeypatch.setenv(SGL_ENV, "1")
+    monkeypatch.delenv(NET_DEVICES_ENV, raising=False)
     for mode, batched in [("auto", False), ("off", False), ("on", True)]:
-        with NixlTransport(f"sgl-{mode}-{os.getpid()}", make_pools(SMALL, fill=False), make_aux(SMALL), sgl=mode) as t:
+        pools, aux = make_pools(SMALL, fill=False), make_aux(SMALL)
+        with NixlTransport(f"sgl-{mode}-{os.getpid()}", pools, aux, sgl=mode, listen_host="127.0.0.1") as t:
             assert t.batched is batched
-        assert os.environ[SGL_ENV] == "1"
+        assert os.environ[SGL_ENV] == "1" and NET_DEVICES_ENV not in os.environ
     with pytest.raises(ValueError, match="--kv-write-sgl must be one of off, on, auto, got 'yes'"):
         NixlTransport(f"sgl-bad-{os.getpid()}", make_pools(SMALL, fill=False), make_aux(SMALL), sgl="yes")
 
@@ -82,6 +86,7 @@ def test_nixl_refuses_incompatible_layout() -> None:
                 t.add_peer(t.metadata(), bad)
 
 
+@pytest.mark.slow  # a child process owns the destination
 @needs_nixl
 @pytest.mark.parametrize("sgl", ["off", "on"])
 def test_nixl_two_process_write(sgl: str) -> None:
@@ -118,6 +123,7 @@ def test_nixl_two_process_write(sgl: str) -> None:
         aux.check()
 
 
+@pytest.mark.slow  # a child process owns the destination
 @needs_nixl
 def test_nixl_dead_peer_fails_fast_and_restarted_peer_reconnects() -> None:
     with nixl_pair(SMALL, "doomed") as (t, child, _, aux, peer):
@@ -146,6 +152,7 @@ def test_nixl_dead_peer_fails_fast_and_restarted_peer_reconnects() -> None:
             reborn.kill()
 
 
+@pytest.mark.slow  # a child process owns the destination
 @needs_nixl
 def test_nixl_64mib_bandwidth() -> None:
     """Informative: prints the one-off bandwidth of a 64 MiB write (run with -s to see it)."""

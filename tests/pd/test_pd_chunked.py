@@ -15,7 +15,7 @@ from fixtures.pdkit import pd_generate, request, start_pair, stub, wait_idle
 from tests.pd.test_pd_metrics import scrape
 from fixtures.procs import Node
 
-pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")]
 CHUNK, PAGE = 8, 4
 PROMPTS = [list(range(3, 60)), [7, 9, 11] * 13, list(range(200, 232))]  # 57, 39, 32 tokens
 

@@ -14,7 +14,7 @@ from fixtures.tiny_model import write_tiny_model
 from fixtures.pdkit import pd_generate, request, start_pair, stub, wait_idle
 from fixtures.procs import Node
 
-pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")]
 PROMPTS = [[5, 17, 42, 7, 99, 3, 11, 250], [300] * 5, list(range(100, 121)), [8, 1]]
 
 

@@ -1,26 +1,42 @@
 """PD under faults: late and missing prefills, killed nodes, abort storms, mismatched pairs.
-Every wait is bounded; every node is killed at the end; pools must end fully free."""
+Every wait is bounded (polled, never slept); every node is killed at the end; pools must end fully
+free, and after aborts within a second."""
 
 from __future__ import annotations
 
 import random
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 from engine.kv_transfer import nixl_available
-from fixtures.pdkit import free_port, pd_generate, request, start_pair, stub, wait_idle
+from fixtures.pdkit import Legs, busy, free_port, load, pd_generate, request, start_pair, stub, wait_idle
 from fixtures.procs import Node
+from fixtures.waiting import wait_until
 
-pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")]
 IDS = [5, 17, 42, 7, 99, 3, 11, 250]
+FREE_AFTER_ABORT_S = 1.0  # an abort frees what it holds at once: no deadline is waited out
 
 
 def _decode(model, *extra):
     return Node(["decode", "--model", str(model), "--port", "0", "--page-size", "4", *extra]).wait_ready(120)
+
+
+def _failed_handshakes(metrics_port: int) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    lines = [ln for ln in text.splitlines() if ln.startswith('pdserve_bootstrap_attempts_total{result="failed"}')]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+def _transfers(node) -> int:
+    """Decode requests whose destination went to the prefill (their pages may be written)."""
+    return load(node).disaggregation.decode_transfer_queue_reqs
 
 
 def _prefill(model, boot_port, *extra):
@@ -44,7 +60,17 @@ def test_decode_started_first_connects_when_the_prefill_comes_up(tiny_llama_dir)
     boot = free_port()
     # host rows on the decode, rows beside the KV on the prefill: each side's layout names its
     # rows' memory kind, so the two need not agree
-    decode = _decode(tiny_llama_dir, "--connect-attempts", "30", "--connect-timeout", "60", "--kv-handoff-rows", "host")
+    decode = _decode(
+        tiny_llama_dir,
+        "--connect-attempts",
+        "30",
+        "--connect-timeout",
+        "60",
+        "--kv-handoff-rows",
+        "host",
+        "--metrics-port",
+        "0",
+    )
     prefill = None
     try:
         d = stub(decode.ports["scheduler"])
@@ -52,7 +78,8 @@ def test_decode_started_first_connects_when_the_prefill_comes_up(tiny_llama_dir)
         req = request("late", IDS, 5, boot)
         t = threading.Thread(target=lambda: box.update(r=list(d.Generate(req, timeout=90))))
         t.start()
-        time.sleep(2.0)  # the decode is retrying with backoff meanwhile
+        # the prefill comes up only once the decode has tried and is retrying with backoff
+        wait_until(lambda: _failed_handshakes(decode.ports["metrics"]), 60, "a failed handshake attempt")
         prefill = _prefill(tiny_llama_dir, boot).wait_ready(120)
         list(stub(prefill.ports["scheduler"]).Generate(req, timeout=60))
         t.join(90)
@@ -111,7 +138,7 @@ def test_killed_prefill_fails_the_decode_request_and_frees_its_reservation(tiny_
 
         t = threading.Thread(target=orphan)
         t.start()
-        time.sleep(1.0)
+        wait_until(lambda: _transfers(d), 30, "the orphan's destination sent to the prefill")
         prefill.kill()
         start = time.monotonic()
         t.join(30)
@@ -130,13 +157,14 @@ def test_killed_decode_lets_the_prefill_free_its_pages(tiny_llama_dir):
     decode = _decode(tiny_llama_dir)
     try:
         p, d = stub(prefill.ports["scheduler"]), stub(decode.ports["scheduler"])
-        long_ids = list(range(1, 400))
-        box: dict = {}
-        t = threading.Thread(target=lambda: box.update(r=pd_generate(p, d, request("k", long_ids, 10, boot), 30)))
-        t.start()
-        time.sleep(0.3)
+        req = request("k", list(range(1, 400)), 10, boot)
+        # the decode dies while the prefill, holding its destination, runs the prompt and writes
+        decode_leg = Legs(req, decode=d, timeout=30)
+        wait_until(lambda: load(p).disaggregation.prefill_prealloc_queue_reqs, 30, "the destination at the prefill")
+        prefill_leg = Legs(req, prefill=p, timeout=30)
         decode.kill()
-        t.join(40)
+        prefill_leg.join(40)
+        decode_leg.join(40)
         wait_idle(p, timeout=15)  # within the prefill's own deadlines
     finally:
         prefill.kill()
@@ -144,39 +172,55 @@ def test_killed_decode_lets_the_prefill_free_its_pages(tiny_llama_dir):
 
 
 def test_random_aborts_of_many_requests_leave_both_pools_free(tiny_llama_dir):
+    """Aborts at random moments of the handoff: Abort RPCs to either node or both, and clients
+    that hang up (both calls cancelled, both nodes told), some before the prefill saw anything
+    of the request. Both pools are free within a second of the last abort or request end."""
     prefill, decode = start_pair(str(tiny_llama_dir), "--max-running", "16")
     try:
         p, d = stub(prefill.ports["scheduler"]), stub(decode.ports["scheduler"])
         boot = prefill.ports["bootstrap"]
         rng = random.Random(0)
         results = {"ok": 0, "err": 0}
+        events: list[float] = []  # monotonic times of aborts and request ends
         lock = threading.Lock()
+
+        def abort_rpcs(i: int) -> None:
+            for s in rng.sample([p, d], rng.randrange(1, 3)):
+                s.Abort(pb.AbortRequest(request_id=f"a{i}", reason="test"), timeout=10)
+            with lock:
+                events.append(time.monotonic())
+
+        def hang_up(legs: Legs) -> None:
+            legs.drop()
+            with lock:
+                events.append(time.monotonic())
 
         def one(i: int) -> None:
             ids = [rng.randrange(1, 500) for _ in range(rng.randrange(2, 40))]
             req = request(
                 f"a{i}", ids, 1000 + i, boot, max_new=rng.randrange(1, 24), temperature=rng.choice([0.0, 1.0])
             )
-            timer = threading.Timer(
-                rng.uniform(0.0, 0.6),
-                lambda: [
-                    s.Abort(pb.AbortRequest(request_id=f"a{i}", reason="test"), timeout=10)
-                    for s in rng.sample([p, d], rng.randrange(1, 3))
-                ],
-            )
-            if rng.random() < 0.7:
-                timer.start()
             t0 = time.monotonic()
+            legs = Legs(req, prefill=p, decode=d, timeout=60)
+            if rng.random() < 0.3:  # the client hangs up, often before the prefill saw anything
+                timer = threading.Timer(
+                    rng.choice([0.0, rng.uniform(0.0, 0.04), rng.uniform(0.0, 0.6)]), hang_up, [legs]
+                )
+            else:
+                timer = threading.Timer(rng.uniform(0.0, 0.6), abort_rpcs, [i])
+            aborted = rng.random() < 0.7
+            if aborted:
+                timer.start()
             try:
-                pd_generate(p, d, req, timeout=60)
+                out = legs.join(60)
                 with lock:
-                    results["ok"] += 1
-            except grpc.RpcError:
-                with lock:
-                    results["err"] += 1
+                    results["err" if isinstance(out["d"], grpc.RpcError) else "ok"] += 1
             finally:
                 timer.cancel()
+                if aborted:  # an abort under way is over (and noted) before the request counts as ended
+                    timer.join(10)
                 with lock:
+                    events.append(time.monotonic())
                     results.setdefault("slow", []).append(round(time.monotonic() - t0, 2))
 
         threads = []
@@ -191,11 +235,22 @@ def test_random_aborts_of_many_requests_leave_both_pools_free(tiny_llama_dir):
         # every request ends (success or error) well inside the nodes' deadlines: an abort on
         # either leg reaches the other side instead of leaving it to time out
         assert max(results["slow"]) < 10.0, sorted(results["slow"])[-5:]
+        _assert_free_soon(p, d, max(events))
         wait_idle(p, timeout=40)
         wait_idle(d, timeout=40)
     finally:
         prefill.kill()
         decode.kill()
+
+
+def _assert_free_soon(p, d, since: float) -> None:
+    """Both pools free (nothing held, queued or in transfer) within FREE_AFTER_ABORT_S of `since`."""
+    wait_until(
+        lambda: (load(p), load(d)),
+        since + FREE_AFTER_ABORT_S - time.monotonic(),
+        f"both pools free within {FREE_AFTER_ABORT_S} s of the last abort",
+        done=lambda loads: not any(busy(x) for x in loads),
+    )
 
 
 @pytest.mark.parametrize(

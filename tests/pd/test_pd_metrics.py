@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.kv_transfer import nixl_available
 from fixtures.pdkit import pd_generate, request, start_pair, stub, wait_idle
 
-pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")]
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:

@@ -34,6 +34,7 @@ from engine.kv_transfer import nixl_available
 from fixtures.pdkit import free_port, start_pair, stub, wait_idle
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("smg") is None, reason="smg (the SMG gateway) is not installed"),
     pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed"),
 ]

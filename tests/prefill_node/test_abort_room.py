@@ -1,5 +1,6 @@
-"""Prefill-side aborts of a room: the decode hears at once when no write into its pages is posted,
-and only from the write's own end when one is."""
+"""Prefill-side aborts of a room: the answer (and, for older decodes, a notification) says at once
+when no write into its pages is in flight or can be posted any more; with one in flight the decode
+hears only from the write's own end. A room aborted before it arrived refuses what comes later."""
 
 from __future__ import annotations
 
@@ -26,8 +27,22 @@ class FakeEndpoint:
         self.transport = Recorder()
 
 
-def _abort(servicer: KVControlServicer, room: int) -> None:
-    asyncio.run(servicer.AbortRoom(kpb.AbortRoomRequest(room=room, reason="client left"), None))
+class Writing:
+    """A room's writer with a write posted and not yet ended."""
+
+    in_flight = True
+
+
+class Context:
+    """The servicer context as SendDestination reads it: a call with time left."""
+
+    def time_remaining(self) -> float | None:
+        return 5.0
+
+
+def _abort(servicer: KVControlServicer, room: int) -> int:
+    ack = asyncio.run(servicer.AbortRoom(kpb.AbortRoomRequest(room=room, reason="client left"), None))
+    return ack.writes
 
 
 def _servicer() -> tuple[KVControlServicer, RoomTable, Recorder]:
@@ -39,7 +54,7 @@ def test_abort_of_a_room_without_a_posted_write_tells_the_decode_at_once() -> No
     servicer, rooms, transport = _servicer()
     room = rooms.get_or_create(7)
     room.destination = Destination("decode-a", [1, 2], 0, 20)  # destination, no Generate yet
-    _abort(servicer, 7)
+    assert _abort(servicer, 7) == kpb.ROOM_WRITES_NONE_IN_FLIGHT
     assert room.state is KVPoll.FAILED
     [(peer, msg)] = transport.sent
     kind, number, reason = parse_tag(msg)
@@ -50,15 +65,53 @@ def test_abort_during_a_posted_write_waits_for_the_write() -> None:
     servicer, rooms, transport = _servicer()
     room = rooms.get_or_create(8)
     room.destination = Destination("decode-a", [1], 0, 4)
-    room.state = KVPoll.TRANSFERRING
-    _abort(servicer, 8)
+    room.state, room.writes = KVPoll.TRANSFERRING, Writing()
+    assert _abort(servicer, 8) == kpb.ROOM_WRITES_IN_FLIGHT
     assert room.state is KVPoll.FAILED and transport.sent == []
+    room.writes.in_flight = False  # ended: a second abort (idempotent) may free at once
+    assert _abort(servicer, 8) == kpb.ROOM_WRITES_NONE_IN_FLIGHT
+
+
+def test_abort_between_chunk_writes_frees_at_once() -> None:
+    """A room that wrote chunks but has none in flight never posts another once failed."""
+    servicer, rooms, transport = _servicer()
+    room = rooms.get_or_create(10)
+    room.destination, room.request_id = Destination("decode-a", [1, 2], 0, 8), "r10"
+    room.state, room.writes = KVPoll.TRANSFERRING, Writing()
+    room.writes.in_flight = False
+    assert _abort(servicer, 10) == kpb.ROOM_WRITES_NONE_IN_FLIGHT
+    assert [parse_tag(m)[:2] for _, m in transport.sent] == [("fail", 10)]
 
 
 def test_abort_before_any_destination_has_no_one_to_tell() -> None:
     servicer, rooms, transport = _servicer()
-    _abort(servicer, 9)
+    assert _abort(servicer, 9) == kpb.ROOM_WRITES_NONE_IN_FLIGHT  # the answer is the decode's word
     assert rooms.get(9).state is KVPoll.FAILED and transport.sent == []
+
+
+def test_a_destination_after_the_rooms_abort_is_refused() -> None:
+    """The decode's destination call and its abort race (the call was cancelled in flight): an
+    abort that came first keeps the room failed, so the destination never gets written."""
+    servicer, rooms, _ = _servicer()
+    servicer.peers.add("decode-a")
+    _abort(servicer, 13)
+    dest = kpb.DestinationRequest(room=13, decode_agent="decode-a", pages=[1], aux_row=0, num_tokens=4)
+    ack = asyncio.run(servicer.SendDestination(dest, Context()))  # type: ignore[arg-type]
+    assert not ack.accepted and "aborted by decode" in ack.error
+    assert rooms.get(13).destination is None
+
+
+def test_an_aborted_room_outlives_its_ttl_while_a_write_is_in_flight() -> None:
+    import time
+
+    servicer, rooms, _ = _servicer()
+    room = rooms.get_or_create(14)
+    room.request_id, room.writes = "r14", Writing()
+    _abort(servicer, 14)
+    room.deadline = time.monotonic() - 1.0
+    assert rooms.expire_orphans() == 0 and rooms.get(14) is room
+    room.writes.in_flight = False
+    assert rooms.expire_orphans() == 1 and rooms.get(14) is None
 
 
 def test_a_destination_that_came_in_time_outlives_a_long_prompt() -> None:

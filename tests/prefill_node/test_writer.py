@@ -205,7 +205,7 @@ def test_the_prompts_end_takes_over_a_chunk_write_still_in_flight_at_once() -> N
         writer = RoomWriter(t, _room(), 5.0, per_chunk=True)  # type: ignore[arg-type]
         await _feed(writer, _progress((7, 8)))
         await asyncio.sleep(0.02)
-        assert t.released == [] and writer.posted
+        assert t.released == [] and writer.in_flight
         t.left[1] = 3  # it lands now: three more polls
         t0 = time.perf_counter()
         sent = await writer.settle_chunks()

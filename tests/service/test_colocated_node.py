@@ -11,6 +11,7 @@ from engine.core import SamplingParams
 from engine.engine import Engine, EngineConfig
 from fixtures.procs import Node
 
+pytestmark = pytest.mark.slow
 PROMPT = [5, 17, 42, 7, 99, 3]
 
 
@@ -106,6 +107,7 @@ def test_cancelled_stream_frees_its_pages(stub):
 def test_sigterm_stops_cleanly(tiny_llama_dir):
     n = Node(["serve", "--model", str(tiny_llama_dir), "--port", "0"]).wait_ready()
     assert n.stop() == 0
+    assert not [line for line in n.lines if "leaked" in line], "\n".join(n.lines[-40:])  # nanobind's exit report
 
 
 def test_sglang_flag_names_and_env_vars_configure_a_node(tiny_llama_dir):
