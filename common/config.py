@@ -14,10 +14,14 @@ from typing import Any, Optional
 
 from common.defaults import (
     DEFAULT_BOOTSTRAP_PORT,
+    DEFAULT_BOOTSTRAP_TIMEOUT,
     DEFAULT_BREAKER_COOLDOWN,
     DEFAULT_BREAKER_FAILURES,
     DEFAULT_CHUNKED_PREFILL_SIZE,
+    DEFAULT_CONNECT_ATTEMPTS,
+    DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_FIRST_TOKEN_TIMEOUT,
+    DEFAULT_HEARTBEAT_INTERVAL,
     DEFAULT_INTER_TOKEN_TIMEOUT,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_RUNNING,
@@ -25,6 +29,8 @@ from common.defaults import (
     DEFAULT_PAGE_SIZE,
     DEFAULT_PREFILL_TIMEOUT,
     DEFAULT_REFRESH_INTERVAL,
+    DEFAULT_TRANSFER_TIMEOUT,
+    DEFAULT_WAITING_TIMEOUT,
 )
 
 ENV_PREFIX = "PDSERVE_"
@@ -205,8 +211,8 @@ class PrefillRole:
         DEFAULT_BOOTSTRAP_PORT, "KV control port decode nodes connect to.", aliases=("--disaggregation-bootstrap-port",)
     )
     kv_transport: str = opt("nixl", "KV transfer backend (nixl).", aliases=("--disaggregation-transfer-backend",))
-    bootstrap_timeout: float = opt(30.0, "Seconds to wait for a destination.")
-    transfer_timeout: float = opt(30.0, "Seconds a KV write may take.")
+    bootstrap_timeout: float = opt(DEFAULT_BOOTSTRAP_TIMEOUT, "Seconds to wait for a destination.")
+    transfer_timeout: float = opt(DEFAULT_TRANSFER_TIMEOUT, "Seconds a KV write may take.")
     kv_handoff_rows: str = opt("kv", _ROWS_HELP)
     kv_write_sgl: str = opt("off", _SGL_HELP)
     kv_send_chunks: bool = opt(
@@ -225,10 +231,10 @@ class DecodeRole:
     port: int = opt(30002, "Scheduler API (gRPC) port.")
     kv_transport: str = opt("nixl", "KV transfer backend (nixl).", aliases=("--disaggregation-transfer-backend",))
     kv_handoff_rows: str = opt("kv", _ROWS_HELP)
-    waiting_timeout: float = opt(60.0, "Seconds to wait for a prefill's KV.")
-    connect_attempts: int = opt(8, "Handshake attempts per prefill.")
-    connect_timeout: float = opt(30.0, "Total seconds to reach a prefill.")
-    heartbeat_interval: float = opt(2.0, "Seconds between prefill health checks.")
+    waiting_timeout: float = opt(DEFAULT_WAITING_TIMEOUT, "Seconds to wait for a prefill's KV.")
+    connect_attempts: int = opt(DEFAULT_CONNECT_ATTEMPTS, "Handshake attempts per prefill.")
+    connect_timeout: float = opt(DEFAULT_CONNECT_TIMEOUT, "Total seconds to reach a prefill.")
+    heartbeat_interval: float = opt(DEFAULT_HEARTBEAT_INTERVAL, "Seconds between prefill health checks.")
     metrics_port: Optional[int] = opt(None, "Serve Prometheus /metrics on this port (0: any free).")
 
 

@@ -1,7 +1,7 @@
 """Defaults and value checks shared by the flag schemas, the engine and the router (torch-free).
 
-The engine and the router import these, never the CLI's schema module (common/config.py), which
-builds its flags on top of them.
+The CLI's schema module (common/config.py) builds its flags on top of these; the engine imports
+them from here, never the schema, and so do the router's components that need a default.
 """
 
 from __future__ import annotations
@@ -16,6 +16,16 @@ DEFAULT_MEM_FRACTION_STATIC = 0.85
 # The KV control port a prefill node listens on and decode nodes dial, when none is named
 # (SGLang's --disaggregation-bootstrap-port default, which SMG also assumes).
 DEFAULT_BOOTSTRAP_PORT = 8998
+
+# The PD handoff's bounds, in seconds (prefill: --bootstrap-timeout, --transfer-timeout; decode:
+# --waiting-timeout, --connect-attempts, --connect-timeout, --heartbeat-interval). A decode waits
+# longer for KV than a prefill waits for a destination: the KV comes after the prompt's forward.
+DEFAULT_BOOTSTRAP_TIMEOUT = 30.0
+DEFAULT_TRANSFER_TIMEOUT = 30.0
+DEFAULT_WAITING_TIMEOUT = 60.0
+DEFAULT_CONNECT_ATTEMPTS = 8
+DEFAULT_CONNECT_TIMEOUT = 30.0
+DEFAULT_HEARTBEAT_INTERVAL = 2.0
 
 # How an engine batches, unless told (--page-size, --max-running, --chunked-prefill-size).
 DEFAULT_PAGE_SIZE = 16

@@ -13,7 +13,7 @@ import grpc
 import torch
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
-from common.defaults import DEFAULT_BOOTSTRAP_PORT
+from common.defaults import DEFAULT_BOOTSTRAP_PORT, DEFAULT_WAITING_TIMEOUT
 from engine.core import InvalidRequest
 from engine.disagg import DisaggEngine
 from engine.handoff import HandoffError, HandoffHeader
@@ -36,8 +36,8 @@ PREFILL_FAULTS = frozenset({"prefill_unreachable", "rpc_error", "waiting_timeout
 
 @dataclass(frozen=True)
 class DecodeTimeouts:
-    prealloc_s: float = 30.0  # waiting for free pages / a handoff row
-    waiting_s: float = 60.0  # destination sent -> write completed
+    prealloc_timeout: float = 30.0  # waiting for free pages / a handoff row
+    waiting_timeout: float = DEFAULT_WAITING_TIMEOUT  # destination sent -> write completed
 
 
 class DecodeHandler:
@@ -52,7 +52,7 @@ class DecodeHandler:
     ) -> None:
         self.pd, self.endpoint, self.peers, self.waiter = pd, endpoint, peers, waiter
         self.binding, self.timeouts = binding, timeouts
-        self.pending = InFlight(pd, endpoint.rows, waiter, quarantine_s=timeouts.waiting_s)
+        self.pending = InFlight(pd, endpoint.rows, waiter, quarantine_s=timeouts.waiting_timeout)
         self._aborting: set[asyncio.Future[None]] = set()  # AbortRoom calls under way
 
     async def generate(
@@ -92,7 +92,7 @@ class DecodeHandler:
     async def _reserve(self, dr: DecodeRequest) -> None:
         """A handoff row, a slot and pages for the prompt; waits (bounded) for capacity."""
         rows, req = self.endpoint.rows, dr.req
-        deadline = time.monotonic() + self.timeouts.prealloc_s
+        deadline = time.monotonic() + self.timeouts.prealloc_timeout
         while True:
             _check_aborted(dr)
             dr.row = rows.alloc()
@@ -104,7 +104,8 @@ class DecodeHandler:
                 dr.row = None
             if time.monotonic() > deadline:
                 raise RequestFailed(
-                    f"no KV capacity for {len(req.prompt_ids)} prompt tokens within {self.timeouts.prealloc_s:.0f} s",
+                    f"no KV capacity for {len(req.prompt_ids)} prompt tokens "
+                    f"within {self.timeouts.prealloc_timeout:.0f} s",
                     "no_capacity",
                 )
             try:  # an abort ends the wait at once
@@ -128,7 +129,7 @@ class DecodeHandler:
                     pages=pages,
                     aux_row=dr.row,
                     num_tokens=len(req.prompt_ids),
-                    deadline_unix_s=time.time() + self.timeouts.waiting_s,
+                    deadline_unix_s=time.time() + self.timeouts.waiting_timeout,
                 ),
                 timeout=self.peers.policy.rpc_timeout_s,
             )
@@ -139,16 +140,20 @@ class DecodeHandler:
                 raise RequestFailed(f"prefill refused the destination: {ack.error}", "destination_refused")
             abort = asyncio.ensure_future(dr.aborted.wait())
             try:
-                await asyncio.wait({done, abort}, timeout=self.timeouts.waiting_s, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    {done, abort}, timeout=self.timeouts.waiting_timeout, return_when=asyncio.FIRST_COMPLETED
+                )
             finally:
                 abort.cancel()
         except asyncio.TimeoutError:
             raise RequestFailed(
-                f"no KV from the prefill within {self.timeouts.waiting_s:.0f} s", "waiting_timeout"
+                f"no KV from the prefill within {self.timeouts.waiting_timeout:.0f} s", "waiting_timeout"
             ) from None
         _check_aborted(dr)
         if not done.done():
-            raise RequestFailed(f"no KV from the prefill within {self.timeouts.waiting_s:.0f} s", "waiting_timeout")
+            raise RequestFailed(
+                f"no KV from the prefill within {self.timeouts.waiting_timeout:.0f} s", "waiting_timeout"
+            )
         kind, reason = done.result()
         KV_TRANSFER_SECONDS.labels("decode").observe(time.perf_counter() - sent)
         if kind != "done":

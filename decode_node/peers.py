@@ -23,6 +23,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
+from common.defaults import DEFAULT_CONNECT_ATTEMPTS, DEFAULT_CONNECT_TIMEOUT, DEFAULT_HEARTBEAT_INTERVAL
 from common.fingerprint import Fingerprint, first_mismatch
 from common.logs import context_without_request
 from engine.kv_transfer.endpoint import Endpoint
@@ -42,10 +43,10 @@ class PeerError(RuntimeError):
 
 @dataclass(frozen=True)
 class PeerPolicy:
-    connect_attempts: int = 8
-    connect_total_s: float = 30.0
+    connect_attempts: int = DEFAULT_CONNECT_ATTEMPTS
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
     rpc_timeout_s: float = 5.0
-    heartbeat_s: float = 2.0
+    heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL
     heartbeat_failures: int = 3
 
 
@@ -89,7 +90,7 @@ class PeerManager:
         p = self.policy
         try:
             async for attempt in AsyncRetrying(
-                stop=stop_after_attempt(p.connect_attempts) | stop_after_delay(p.connect_total_s),
+                stop=stop_after_attempt(p.connect_attempts) | stop_after_delay(p.connect_timeout),
                 wait=wait_exponential_jitter(initial=0.1, max=2.0, jitter=0.2),
                 retry=retry_if_exception(_retryable),
                 reraise=False,
@@ -145,7 +146,7 @@ class PeerManager:
         health = health_pb2_grpc.HealthStub(peer.channel)
         misses = 0
         while peer.alive:
-            await asyncio.sleep(self.policy.heartbeat_s)
+            await asyncio.sleep(self.policy.heartbeat_interval)
             try:
                 r = await health.Check(
                     health_pb2.HealthCheckRequest(service="pdserve.v1.KVControl"), timeout=self.policy.rpc_timeout_s

@@ -9,7 +9,12 @@ from typing import Any
 
 import torch
 
-from common.defaults import DEFAULT_MEM_FRACTION_STATIC
+from common.defaults import (
+    DEFAULT_CHUNKED_PREFILL_SIZE,
+    DEFAULT_MAX_RUNNING,
+    DEFAULT_MEM_FRACTION_STATIC,
+    DEFAULT_PAGE_SIZE,
+)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -140,14 +145,14 @@ class EngineConfig:
     model: str
     dtype: str | None = None  # default: the checkpoint's torch_dtype
     device: str = "cpu"
-    page_size: int = 16
+    page_size: int = DEFAULT_PAGE_SIZE
     # KV capacity in tokens (rounded down to whole pages). None: sized from mem_fraction_static on
     # GPUs (engine/kv_budget.py), kv_budget.CPU_KV_TOKENS on a CPU. A fixed default here keeps
     # scripts and tests that hold several engines in one process from each claiming the device.
     max_total_tokens: int | None = 16384
     mem_fraction_static: float = DEFAULT_MEM_FRACTION_STATIC  # share of the device for weights + KV
-    max_running: int = 64
-    chunked_prefill_size: int = 2048
+    max_running: int = DEFAULT_MAX_RUNNING
+    chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL_SIZE
     max_context_len: int | None = None  # default: the model's max_position_embeddings
     attention_backend: str = "torch"
     seed: int | None = None  # seeds the draw of per-request seeds for unseeded requests

@@ -91,7 +91,7 @@ def register(app: typer.Typer) -> None:
         from prefill_node.handler import PrefillTimeouts
         from prefill_node.role import PrefillRole as Prefill
 
-        timeouts = PrefillTimeouts(bootstrap_s=role.bootstrap_timeout, transfer_s=role.transfer_timeout)
+        timeouts = PrefillTimeouts(bootstrap_timeout=role.bootstrap_timeout, transfer_timeout=role.transfer_timeout)
         _run(
             Prefill(
                 role.bootstrap_port,
@@ -120,11 +120,13 @@ def register(app: typer.Typer) -> None:
 
         policy = PeerPolicy(
             connect_attempts=role.connect_attempts,
-            connect_total_s=role.connect_timeout,
-            heartbeat_s=role.heartbeat_interval,
+            connect_timeout=role.connect_timeout,
+            heartbeat_interval=role.heartbeat_interval,
         )
         _run(
-            Decode(role.kv_transport, DecodeTimeouts(waiting_s=role.waiting_timeout), policy, role.kv_handoff_rows),
+            Decode(
+                role.kv_transport, DecodeTimeouts(waiting_timeout=role.waiting_timeout), policy, role.kv_handoff_rows
+            ),
             engine,
             spec,
             log,
@@ -165,6 +167,8 @@ def register(app: typer.Typer) -> None:
                 url = dep.start(lambda msg: status.update(msg))
             typer.echo(f"pdserve is up: {url}  (OpenAI API under {url}/v1)")
             typer.echo(example_curl(url, served_model(url)))
+            for name, metrics in dep.metrics_urls().items():  # KV and queue gauges per node
+                typer.echo(f"{name} metrics: {metrics}")
             typer.echo("Ctrl-C stops everything.", err=True)
             dead = dep.watch(stop)
             if dead is not None:

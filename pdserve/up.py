@@ -94,9 +94,8 @@ class Deployment:
                 tail = "\n".join(child.lines[-20:])
                 raise RuntimeError(f"{child.name} did not start:\n{tail}")
 
-    def start(self, progress: Callable[[str], None], announce: Callable[[str], None] = print) -> str:
-        """Start every node, then the router; wait for its /ready and return its URL. `announce`
-        gets one line per node with the URL of its /metrics."""
+    def start(self, progress: Callable[[str], None]) -> str:
+        """Start every node, then the router; wait for its /ready and return its URL."""
         cfg = self.cfg
         deadline = time.monotonic() + cfg.start_timeout_s
         model = ["--model", cfg.model] if cfg.model else []
@@ -124,8 +123,6 @@ class Deployment:
         url = f"http://{cfg.host}:{router.ports['http']}"
         progress("waiting for a first completion (/ready)")
         _wait_http_ok(f"{url}/ready", deadline, router)
-        for name, metrics in self.metrics_urls().items():
-            announce(f"{name} metrics: {metrics}")
         return url
 
     def metrics_urls(self) -> dict[str, str]:

@@ -23,6 +23,7 @@ from typing import AsyncIterator
 import grpc
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
+from common.defaults import DEFAULT_BOOTSTRAP_TIMEOUT, DEFAULT_TRANSFER_TIMEOUT
 from engine.core import FinishReason, InvalidRequest, Req
 from engine.disagg import DisaggEngine
 from engine.handoff import HandoffError
@@ -49,9 +50,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PrefillTimeouts:
-    bootstrap_s: float = 30.0  # Generate -> destination from the decode node
-    compute_s: float = 300.0  # Generate -> first token
-    transfer_s: float = 30.0  # write posted -> completed
+    bootstrap_timeout: float = DEFAULT_BOOTSTRAP_TIMEOUT  # Generate -> destination from the decode node
+    compute_timeout: float = 300.0  # Generate -> first token
+    transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT  # write posted -> completed
 
 
 class PrefillHandler:
@@ -66,7 +67,9 @@ class PrefillHandler:
         self.pd, self.endpoint, self.rooms, self.timeouts = pd, endpoint, rooms, timeouts
         self.send_chunks = send_chunks  # chunked prefill: each chunk's pages leave as it finishes
         self._live_ids: set[str] = set()
-        self._aborted: Tombstones[str] = Tombstones(ttl_s=timeouts.bootstrap_s)  # ids aborted before their Generate
+        self._aborted: Tombstones[str] = Tombstones(
+            ttl_s=timeouts.bootstrap_timeout
+        )  # ids aborted before their Generate
 
     async def generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -90,8 +93,8 @@ class PrefillHandler:
         self._refuse_if_aborted(req, room)
         self._live_ids.add(req.rid)
         room.request_id = req.rid
-        room.deadline = time.monotonic() + self.timeouts.bootstrap_s
-        writer = RoomWriter(self.endpoint.transport, room, self.timeouts.transfer_s, self.send_chunks)
+        room.deadline = time.monotonic() + self.timeouts.bootstrap_timeout
+        writer = RoomWriter(self.endpoint.transport, room, self.timeouts.transfer_timeout, self.send_chunks)
         room.writes = writer
         try:
             first, held = await self._compute(req, room, writer)
@@ -141,7 +144,8 @@ class PrefillHandler:
                 await asyncio.wait_for(room.arrived.wait(), max(left, 0.0))
         except asyncio.TimeoutError:
             raise RequestFailed(
-                f"no destination from the decode node within {self.timeouts.bootstrap_s:.0f} s", "bootstrap_timeout"
+                f"no destination from the decode node within {self.timeouts.bootstrap_timeout:.0f} s",
+                "bootstrap_timeout",
             ) from None
         if room.state is KVPoll.FAILED:
             raise RequestFailed(room.reason, "aborted")
@@ -164,7 +168,7 @@ class PrefillHandler:
         self.pd.submit(req, on_update)  # an abort (client or decode) finishes it as ABORT
         watch = asyncio.ensure_future(self._abort_on_room_failure(req, room))
         try:
-            upd = await asyncio.wait_for(done, self.timeouts.compute_s)
+            upd = await asyncio.wait_for(done, self.timeouts.compute_timeout)
         finally:
             watch.cancel()
         if upd.finish_reason is FinishReason.ABORT or room.state is KVPoll.FAILED:

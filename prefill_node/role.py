@@ -51,7 +51,7 @@ class PrefillRole:
             host=host,
             sgl=self.sgl,
         )
-        self.rooms = RoomTable(orphan_ttl_s=self.timeouts.bootstrap_s)
+        self.rooms = RoomTable(orphan_ttl_s=self.timeouts.bootstrap_timeout)
         handler = PrefillHandler(pd, self.endpoint, self.rooms, self.timeouts, self.send_chunks)
         return RoleParts(
             handler,

@@ -96,19 +96,9 @@ def test_up_serves_and_ctrl_c_stops_every_child(tiny_llama_dir: Path, tmp_path: 
     try:
         start = time.monotonic()
         deadline = start + UP_TIMEOUT_S
-        before = []
         while not (line := next_line(deadline)).startswith("pdserve is up: "):
-            before.append(line)
+            pass
         up_s = time.monotonic() - start
-        metrics = dict(ln.split(" metrics: ") for ln in before if " metrics: " in ln)
-        assert sorted(metrics) == ["decode-0", "prefill-0"], before
-        for name, metrics_url in metrics.items():  # the KV and queue gauges the dashboards read
-            assert metrics_url.startswith("http://127.0.0.1:") and metrics_url.endswith("/metrics")
-            with urllib.request.urlopen(metrics_url, timeout=10) as r:
-                text = r.read().decode()
-            role = name.split("-")[0]
-            assert f'pdserve_kv_cache_used_tokens{{role="{role}"}}' in text, text[:2000]
-            assert f'pdserve_node_waiting_requests{{role="{role}"}}' in text
         url = line.split()[3]
         assert url.startswith("http://127.0.0.1:") and line.endswith(f"(OpenAI API under {url}/v1)")
 
@@ -117,6 +107,16 @@ def test_up_serves_and_ctrl_c_stops_every_child(tiny_llama_dir: Path, tmp_path: 
         assert curl[:3] == ["curl", "-s", f"{url}/v1/completions"], curl
         assert curl[3:5] == ["-H", "Content-Type: application/json"] and curl[5] == "-d" and len(curl) == 7, curl
         body = json.loads(curl[6])
+        after = [next_line(time.monotonic() + 10) for _ in range(2)]  # then each node's /metrics
+        metrics = dict(ln.split(" metrics: ") for ln in after if " metrics: " in ln)
+        assert sorted(metrics) == ["decode-0", "prefill-0"], after
+        for name, metrics_url in metrics.items():  # the KV and queue gauges the dashboards read
+            assert metrics_url.startswith("http://127.0.0.1:") and metrics_url.endswith("/metrics")
+            with urllib.request.urlopen(metrics_url, timeout=10) as r:
+                text = r.read().decode()
+            role = name.split("-")[0]
+            assert f'pdserve_kv_cache_used_tokens{{role="{role}"}}' in text, text[:2000]
+            assert f'pdserve_node_waiting_requests{{role="{role}"}}' in text
         with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
             assert body["model"] == json.load(r)["data"][0]["id"]
         assert isinstance(body["prompt"], str) and body["prompt"] and body["max_tokens"] >= 1

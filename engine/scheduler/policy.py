@@ -6,6 +6,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+from common.defaults import DEFAULT_CHUNKED_PREFILL_SIZE, DEFAULT_MAX_RUNNING
 from engine.core import Batch, DecodePlan, ForwardMode, Req, ReqState
 from engine.kv_cache import KVCacheManager
 from engine.page_allocator import OutOfPages
@@ -27,9 +28,9 @@ class DecodePlanner(Protocol):
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    max_running: int = 64
+    max_running: int = DEFAULT_MAX_RUNNING
     # tokens one EXTEND batch may compute; prompts longer than this are chunked
-    chunked_prefill_size: int = 2048
+    chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL_SIZE
     # KV tokens kept free per running request at admission, so decode does not retract at once
     decode_reserve_tokens: int = 16
     # positions a request may ever hold: decode windows shrink to stay inside (None: no limit)

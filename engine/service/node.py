@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 class RoleParts:
     """What a role adds to the shared runtime once the engine loop runs."""
 
-    handler: Any  # the Generate handler the scheduler servicer calls (see servicer.Handler)
+    handler: Any  # the Generate handler the scheduler servicer calls (see servicer.GenerateHandler)
     info_role: str  # GetModelInfo's role: "prefill", "decode" or "null" (colocated)
     pairing_protocol: str | None = None
     describe: str = ""  # for the start-up log line (the speculative setup)

@@ -146,17 +146,6 @@ def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
     return cond()
 
 
-def wait_until(cond: Callable[[], T | None], timeout: float, what: str, interval: float = 0.01) -> T:
-    """Poll `cond` until it gives something truthy and return that; an AssertionError naming `what`
-    once `timeout` seconds passed without it."""
-    deadline = time.monotonic() + timeout
-    while not (got := cond()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {timeout} s for {what}")
-        time.sleep(interval)
-    return got
-
-
 def sse_lines(body: str) -> list[str]:
     """The `data:` payloads of an event stream, checking its framing."""
     events = [e for e in body.split("\n\n") if e]

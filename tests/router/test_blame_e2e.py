@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.kv_transfer import nixl_available
 from router.breaker import BreakerState
 from fixtures.procs import Node
-from tests.router.fake_dispatcher import wait_until
+from fixtures.waiting import wait_until
 from tests.router.stack import Stack, start_stack
 
 pytestmark = [
@@ -156,7 +156,7 @@ def test_a_stopped_then_killed_prefill_is_blamed_not_its_decodes(stack: Stack) -
             os.killpg(prefill.proc.pid, signal.SIGCONT)
     # Open, the breaker leaves no pair (503 no_available_pair, nothing charged); after the cool-down
     # it is half-open and lets one request probe the prefill again.
-    r = wait_until(_past_the_open_breaker(stack), COOLDOWN_S + 30, "the prefill's breaker to half-open", 0.2)
+    r = wait_until(_past_the_open_breaker(stack), COOLDOWN_S + 30, "the prefill's breaker to half-open", every=0.2)
     assert r.status_code in (502, 504) and r.json()["error"]["code"].startswith("prefill_"), r.text
     m2 = _metrics(stack.url)
     reasons = {dict(labels)["reason"]: v for (name, labels), v in m2.items() if name == "pdserve_router_retries_total"}

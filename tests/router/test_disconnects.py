@@ -13,7 +13,8 @@ import pytest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.tokenizer import Tokenizer
-from tests.router.fake_dispatcher import Script, server, wait_for, wait_until
+from fixtures.waiting import wait_until
+from tests.router.fake_dispatcher import Script, server, wait_for
 from tests.router.test_app import MODEL, make
 
 

@@ -26,7 +26,7 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from engine.kv_transfer import nixl_available
 from common.tokenizer import Tokenizer
 from fixtures.pdkit import stub, wait_idle
-from tests.router.fake_dispatcher import wait_until
+from fixtures.waiting import wait_until
 from tests.router.stack import Stack, decode_node, start_stack, wait_status
 
 pytestmark = [
