@@ -10,6 +10,7 @@ import torch
 
 from engine.core import Req
 from engine.h2d import to_device
+from engine.noise import signed64, uniform_noise
 
 _MIN_TEMPERATURE = 1e-6  # positive temperatures below this are clamped (logits / T must stay finite)
 
@@ -22,50 +23,6 @@ def plain_argmax_ok(reqs: list[Req]) -> bool:
         if not p.is_greedy or p.has_penalties or p.min_new_tokens or p.logit_bias or p.logprobs or p.top_logprobs:
             return False
     return True
-
-
-def _s64(x: int) -> int:
-    """A Python int wrapped to the signed int64 value with the same low 64 bits."""
-    return ((x + 2**63) % 2**64) - 2**63
-
-
-_GOLDEN = _s64(0x9E3779B97F4A7C15)  # splitmix64 increment
-_MIX1 = _s64(0xBF58476D1CE4E5B9)
-_MIX2 = _s64(0x94D049BB133111EB)
-_POS_MUL = _s64(0xD6E8FEB86659FD93)
-_STREAM_MUL = _s64(0xC2B2AE3D27D4EB4F)
-
-
-def _srl_(z: torch.Tensor, s: int, out: torch.Tensor) -> torch.Tensor:
-    """Logical right shift of int64 `z` by `s` into `out` (torch's >> is arithmetic, so mask)."""
-    torch.bitwise_right_shift(z, s, out=out)
-    return out.bitwise_and_((1 << (64 - s)) - 1)
-
-
-def _mix64_(z: torch.Tensor, tmp: torch.Tensor | None = None) -> torch.Tensor:
-    """splitmix64 finaliser applied in place to int64 `z` (multiplication wraps mod 2^64)."""
-    t = torch.empty_like(z) if tmp is None else tmp
-    z.bitwise_xor_(_srl_(z, 30, t)).mul_(_MIX1)
-    z.bitwise_xor_(_srl_(z, 27, t)).mul_(_MIX2)
-    return z.bitwise_xor_(_srl_(z, 31, t))
-
-
-def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int, stream: int = 0) -> torch.Tensor:
-    """(rows,) int64 seeds and positions -> (rows, vocab_size) float32 uniforms in the open (0, 1).
-
-    Element [r, v] is a pure function of (seeds[r], positions[r], v, stream): a splitmix64 hash
-    of a per-row key and the vocab counter, so it is the same on any device and in any batch.
-    """
-    seeds = seeds.to(torch.int64)
-    key = seeds + _s64((stream + 1) * _STREAM_MUL)
-    key = _mix64_(key)
-    key = _mix64_(key.bitwise_xor_(positions.to(device=seeds.device, dtype=torch.int64) * _POS_MUL))
-    idx = torch.arange(1, vocab_size + 1, device=seeds.device, dtype=torch.int64).mul_(_GOLDEN)
-    z = key[:, None] + idx[None, :]
-    tmp = torch.empty_like(z)
-    _mix64_(z, tmp)
-    bits = _srl_(z, 41, tmp)  # top 23 bits: (k + 0.5) / 2^23 is exact in float32 and < 1
-    return bits.to(torch.float32).add_(0.5).mul_(1.0 / (1 << 23))
 
 
 @dataclass(slots=True)
@@ -214,7 +171,7 @@ class Sampler:
             [
                 top_k,
                 [q.slot for q in reqs],
-                [_s64(q.sampling_seed) for q in reqs],
+                [signed64(q.sampling_seed) for q in reqs],
                 positions if positions is not None else [len(q.prompt_ids) + len(q.output_ids) for q in reqs],
             ],
             dtype=torch.int64,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampler import uniform_noise
+from engine.noise import uniform_noise
 from spec.tree import DraftTree
 
 COIN_STREAM = 2  # noise streams distinct from the plain sampler's (stream 0)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from engine.core import Req
-from engine.sampler import uniform_noise
+from engine.noise import uniform_noise
 from spec.api import CustomSpecAlgo, EngineParts, SpecConfig, SpeculativeAlgorithm
 from spec.eagle_worker import EagleWorker
 

@@ -28,7 +28,6 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -43,41 +42,22 @@ from engine.kv_transfer.rows import HandoffRows
 from engine.kv_transfer.base import KVPoll, MemoryLayout, TransferError, TransferRequest, completion_tag
 from engine.kv_transfer.backend_env import NET_DEVICES_ENV, SGL_ENV, create_backend
 from engine.kv_transfer.interfaces import ucx_net_devices
+from engine.kv_transfer.nixl_handles import (
+    NixlXfer,
+    as_str,
+    as_xfer,
+    aux_desc,
+    check_items,
+    err_text,
+    fail_xfer,
+    md_agent_name,
+    release_all,
+)
 from engine.kv_transfer.layout import coalesce_runs, kv_regions, run_descs, tensor_mem_type
 
 log = logging.getLogger(__name__)
 __all__ = ["NET_DEVICES_ENV", "SGL_ENV", "NixlTransport", "create_backend"]
 _MEM_TYPES = ("DRAM", "VRAM")
-
-
-@dataclass(eq=False)
-class NixlXfer:
-    """A posted write: NIXL handles posted in order; only the last one carries the tag."""
-
-    room: int
-    peer: str
-    stages: list[Any]
-    deadline: float
-    nbytes: int
-    stage: int = 0
-    state: KVPoll = KVPoll.TRANSFERRING
-    error: str | None = None
-    started: float = field(default_factory=time.monotonic)
-
-
-def _err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
-
-
-def _md_agent_name(md: bytes) -> str | None:
-    """The agent name inside NIXL metadata ("nixlSerDes|Agent" + u64 length + name), or None
-    if the format is not what nixl-cu13 1.5 writes. Only a hint: NIXL still parses the bytes."""
-    head = b"nixlSerDes|Agent"
-    if not md.startswith(head) or len(md) < len(head) + 8:
-        return None
-    n = int.from_bytes(md[len(head) : len(head) + 8], "little")
-    raw = md[len(head) + 8 : len(head) + 8 + n]
-    return raw.decode(errors="replace") if 0 < n == len(raw) else None
 
 
 class NixlTransport:
@@ -175,24 +155,24 @@ class NixlTransport:
             agent = self._live_agent()
             if bytes(metadata) == bytes(agent.get_agent_metadata()):
                 raise TransferError(f"peer metadata is our own agent's ({self._name!r})")
-            hint = _md_agent_name(metadata)
+            hint = md_agent_name(metadata)
             if hint in self._peer_md and self._peer_md[hint] != bytes(metadata):
                 # A restarted peer (same name, new metadata): NIXL refuses to load over the stale
                 # entry (NIXL_ERR_NOT_ALLOWED), so forget the old endpoint first.
                 self._forget(hint)
             try:
-                name = self._as_str(agent.add_remote_agent(metadata))
+                name = as_str(agent.add_remote_agent(metadata))
             except Exception as e:  # e.g. a peer that took our agent name: names must be unique
                 raise TransferError(
                     f"cannot load peer metadata into {self._name!r} (an agent "
-                    f"named {hint!r} already loaded?): {_err(e)}"
+                    f"named {hint!r} already loaded?): {err_text(e)}"
                 ) from e
             try:
                 # Pre-warm: the first transfer otherwise pays 15-40 ms of connection setup.
                 agent.make_connection(name)
             except Exception as e:
                 self._forget(name)
-                raise TransferError(f"cannot connect to peer {name!r}: {_err(e)}") from e
+                raise TransferError(f"cannot connect to peer {name!r}: {err_text(e)}") from e
             self._peers[name], self._peer_md[name] = layout, bytes(metadata)
             return name
 
@@ -207,7 +187,7 @@ class NixlTransport:
             try:
                 self._agent.remove_remote_agent(name)
             except Exception as e:  # already gone: nothing left to undo
-                log.debug("remove_remote_agent(%s): %s", name, _err(e))
+                log.debug("remove_remote_agent(%s): %s", name, err_text(e))
 
     # ---- data path ----
     def write(self, req: TransferRequest) -> NixlXfer:
@@ -217,11 +197,11 @@ class NixlTransport:
             if peer is None:
                 raise TransferError(f"room {req.room}: unknown peer {req.peer!r}")
             me = self._layout
-            self._check_items("source page", req.src_pages, min((r.count for r in me.kv), default=0))
-            self._check_items("destination page", req.dst_pages, min((r.count for r in peer.kv), default=0))
+            check_items("source page", req.src_pages, min((r.count for r in me.kv), default=0))
+            check_items("destination page", req.dst_pages, min((r.count for r in peer.kv), default=0))
             if req.src_aux_row is not None and req.dst_aux_row is not None:
-                self._check_items("source aux row", [req.src_aux_row], me.aux.count)
-                self._check_items("destination aux row", [req.dst_aux_row], peer.aux.count)
+                check_items("source aux row", [req.src_aux_row], me.aux.count)
+                check_items("destination aux row", [req.dst_aux_row], peer.aux.count)
             try:
                 src_start, dst_start, lengths = coalesce_runs(req.src_pages, req.dst_pages)
             except ValueError as e:
@@ -233,9 +213,9 @@ class NixlTransport:
             if req.src_aux_row is not None and req.dst_aux_row is not None:
                 parts.append(
                     (
-                        self._aux_desc(me, req.src_aux_row),
+                        aux_desc(me, req.src_aux_row),
                         me.aux_mem_type,
-                        self._aux_desc(peer, req.dst_aux_row),
+                        aux_desc(peer, req.dst_aux_row),
                         peer.aux_mem_type,
                     )
                 )
@@ -265,28 +245,28 @@ class NixlTransport:
                         )
                     )
             except Exception as e:
-                self._release_all(stages)
-                raise TransferError(f"room {req.room} -> {req.peer}: {_err(e)}") from e
+                release_all(stages)
+                raise TransferError(f"room {req.room} -> {req.peer}: {err_text(e)}") from e
             nbytes = int(sum(int(p[0][:, 1].sum()) for p in parts))
             x = NixlXfer(req.room, req.peer, stages, time.monotonic() + self._timeout, nbytes)
             self._post(agent, x)
             if x.state == KVPoll.FAILED:
-                self._release_all(stages)
+                release_all(stages)
                 raise TransferError(x.error or "transfer failed")
             self._live.add(x)
             return x
 
     def poll(self, handle: object) -> KVPoll:
-        x = self._xfer(handle)
+        x = as_xfer(handle)
         with self._lock:
             if x.state != KVPoll.TRANSFERRING:
                 return x.state
             if self._agent is None:
-                return self._fail(x, "transport closed")
+                return fail_xfer(x, "transport closed")
             try:
                 st = self._agent.check_xfer_state(x.stages[x.stage])
             except Exception as e:
-                return self._fail(x, _err(e))
+                return fail_xfer(x, err_text(e))
             if st == "DONE":
                 x.stage += 1
                 if x.stage == len(x.stages):
@@ -294,22 +274,22 @@ class NixlTransport:
                 else:
                     self._post(self._agent, x)
             elif st == "ERR":
-                self._fail(x, f"NIXL reported an error in stage {x.stage}")
+                fail_xfer(x, f"NIXL reported an error in stage {x.stage}")
             elif time.monotonic() > x.deadline:
-                self._fail(x, f"timed out after {self._timeout:.1f}s")
+                fail_xfer(x, f"timed out after {self._timeout:.1f}s")
             return x.state
 
     def last_error(self, handle: object) -> str | None:
-        return self._xfer(handle).error
+        return as_xfer(handle).error
 
     def release(self, handle: object) -> None:
-        x = self._xfer(handle)
+        x = as_xfer(handle)
         with self._lock:
             self._live.discard(x)
-            self._release_all(x.stages)
+            release_all(x.stages)
             x.stages = []
             if x.state == KVPoll.TRANSFERRING:
-                self._fail(x, "released while in flight")
+                fail_xfer(x, "released while in flight")
 
     # ---- control messages ----
     def notify(self, peer: str, message: bytes) -> None:
@@ -317,7 +297,7 @@ class NixlTransport:
             try:
                 self._live_agent().send_notif(peer, message)
             except Exception as e:  # best effort by contract: the peer may already be gone
-                log.warning("notify %s failed: %s", peer, _err(e))
+                log.warning("notify %s failed: %s", peer, err_text(e))
 
     def drain_notifications(self) -> list[tuple[str, bytes]]:
         with self._lock:
@@ -326,9 +306,9 @@ class NixlTransport:
             try:
                 notifs = self._agent.get_new_notifs()
             except Exception as e:
-                log.warning("get_new_notifs failed: %s", _err(e))
+                log.warning("get_new_notifs failed: %s", err_text(e))
                 return []
-        return [(self._as_str(p), bytes(m)) for p, msgs in notifs.items() for m in msgs]
+        return [(as_str(p), bytes(m)) for p, msgs in notifs.items() for m in msgs]
 
     def close(self) -> None:
         with self._lock:
@@ -336,22 +316,22 @@ class NixlTransport:
             if agent is None:
                 return
             for x in list(getattr(self, "_live", ())):
-                self._release_all(x.stages)
+                release_all(x.stages)
                 x.stages = []
                 if x.state == KVPoll.TRANSFERRING:
-                    self._fail(x, "transport closed")
+                    fail_xfer(x, "transport closed")
             self._live = set()
             for name in list(getattr(self, "_peers", {})):
                 try:
                     agent.remove_remote_agent(name)
                 except Exception as e:
-                    log.debug("remove_remote_agent(%s): %s", name, _err(e))
+                    log.debug("remove_remote_agent(%s): %s", name, err_text(e))
             self._peers, self._peer_md = {}, {}
             for reg in self._regs:
                 try:
                     agent.deregister_memory(reg)
                 except Exception as e:
-                    log.warning("deregister_memory failed: %s", _err(e))
+                    log.warning("deregister_memory failed: %s", err_text(e))
             self._regs = []
         # Dropping the last reference destroys the agent (UCX workers, progress thread).
         del agent
@@ -374,50 +354,12 @@ class NixlTransport:
             try:
                 st = agent.transfer(x.stages[x.stage])
             except Exception as e:
-                self._fail(x, f"room {x.room} -> {x.peer}: {_err(e)}")
+                fail_xfer(x, f"room {x.room} -> {x.peer}: {err_text(e)}")
                 return
             if st == "ERR":
-                self._fail(x, f"room {x.room} -> {x.peer}: posting stage {x.stage} failed")
+                fail_xfer(x, f"room {x.room} -> {x.peer}: posting stage {x.stage} failed")
                 return
             if st != "DONE":
                 return
             x.stage += 1
         x.state = KVPoll.SUCCESS
-
-    @staticmethod
-    def _fail(x: NixlXfer, why: str) -> KVPoll:
-        if x.state != KVPoll.SUCCESS:
-            x.state = KVPoll.FAILED
-            x.error = x.error or why
-        return x.state
-
-    @staticmethod
-    def _release_all(stages: list[Any]) -> None:
-        for h in stages:
-            try:
-                h.release()
-            except Exception as e:  # an in-flight handle NIXL could not cancel; it keeps it
-                log.warning("releasing a NIXL transfer handle failed: %s", _err(e))
-
-    @staticmethod
-    def _xfer(handle: object) -> NixlXfer:
-        if not isinstance(handle, NixlXfer):
-            raise TypeError(f"not a NixlTransport handle: {handle!r}")
-        return handle
-
-    @staticmethod
-    def _as_str(name: str | bytes) -> str:
-        return name.decode() if isinstance(name, bytes) else str(name)
-
-    @staticmethod
-    def _aux_desc(layout: MemoryLayout, row: int) -> np.ndarray:
-        a = layout.aux
-        return np.array([[a.addr + row * a.item_bytes, a.item_bytes, a.device_id]], dtype=np.uint64)
-
-    @staticmethod
-    def _check_items(what: str, items: Sequence[int], count: int) -> None:
-        # Item 0 (page or row) is reserved padding: a request never owns it, so seeing it is a bug.
-        arr = np.asarray(items, dtype=np.int64)
-        bad = arr[(arr <= 0) | (arr >= count)]
-        if bad.size:
-            raise TransferError(f"{what} {int(bad[0])} out of range 1..{count - 1}")

@@ -22,6 +22,7 @@ from engine.core import Batch, FinishReason, ForwardMode, Req, ReqState, StepOut
 from engine.executor import Executor
 from engine.future_map import DraftInput, FutureMap
 from engine.device_event import DeviceEvent
+from engine.scheduler.inflight import mark_launched, unmark_launched
 from engine.scheduler.kv_progress import KVProgress, needs_fence, record_fence
 from engine.scheduler.policy import BatchPolicy
 from engine.scheduler.stats import DurationHistogram, LaunchTimes
@@ -165,7 +166,7 @@ class Scheduler:
         return updates
 
     def _run(self, batch: Batch) -> list[RequestUpdate]:
-        self._mark_launched(batch)
+        mark_launched(batch)
         self.stats["steps"] += 1
         relay = self.future_map.batch([r.slot for r in batch.reqs])
         device = self.kv.req_to_token.device
@@ -279,27 +280,10 @@ class Scheduler:
         self._release(req)
 
     # ---- in-flight bookkeeping ----
-    @staticmethod
-    def _window(batch: Batch, n: int) -> int:
-        return n if batch.mode is ForwardMode.EXTEND else batch.window
-
-    def _mark_launched(self, batch: Batch) -> None:
-        batch.epochs = [r.epoch for r in batch.reqs]
-        for req, n, s in zip(batch.reqs, batch.extend_lens, batch.sample):
-            req.inflight += 1
-            req.inflight_len += self._window(batch, n)
-            req.inflight_samples += int(s)
-
-    def _unmark(self, batch: Batch, i: int) -> None:
-        req = batch.reqs[i]
-        req.inflight -= 1
-        req.inflight_len -= self._window(batch, batch.extend_lens[i])
-        req.inflight_samples -= int(batch.sample[i])
-
     def _abandon(self, batch: Batch) -> None:
         """A batch whose results will never be processed (its step failed)."""
         for i, req in enumerate(batch.reqs):
-            self._unmark(batch, i)
+            unmark_launched(batch, i)
             if req.release_pending and not req.inflight:
                 self._release(req)
 
@@ -318,7 +302,7 @@ class Scheduler:
     # ---- output ----
     def _complete(self, batch: Batch, out: StepOutput) -> list[RequestUpdate]:
         updates, decoded = [], 0
-        # _unmark inlined: this loop runs once per request per step on the host's critical path
+        # unmark_launched inlined: this loop runs once per request per step on the host's critical path
         extend, window = batch.mode is ForwardMode.EXTEND, batch.window
         for i, (req, n, s, epoch) in enumerate(zip(batch.reqs, batch.extend_lens, batch.sample, batch.epochs)):
             req.inflight -= 1

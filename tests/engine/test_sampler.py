@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine.core import Req, SamplingParams
-from engine.sampler import Sampler, uniform_noise
+from engine.noise import uniform_noise
+from engine.sampler import Sampler
 
 V = 50
 

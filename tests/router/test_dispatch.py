@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from router.breaker import BreakerState, CircuitBreaker
 from router.contract import DispatchError, FinishEvent, TokenEvent
-from router.dispatch import MAX_ROOM, StageTimeouts
+from router.attempt import MAX_ROOM, StageTimeouts
 from router.nodes import NodeSpec, NodeState, parse_node_lists, resolve_headless
 from router.policy import LeastLoad, PrefixAware, RoundRobin, make_policy, select_pair
 from tests.router.fake_nodes import Behaviour, FakeNode, cluster, collect, dispatcher, job, run, until

@@ -1,0 +1,34 @@
+"""What a launched, not yet collected batch adds to its requests: the overlap scheduler's counts.
+
+The host knows what a batch in flight will add only as counts: KV tokens (exact for extend and
+plain decode, an upper bound under speculation: the batch's planned window) and tokens it will
+sample. A request's pages and slot go back only once no batch in flight holds it.
+"""
+
+from __future__ import annotations
+
+from engine.core import Batch, ForwardMode
+
+
+def launched_window(batch: Batch, n: int) -> int:
+    """KV slots a request with `n` query tokens may write in `batch`."""
+    return n if batch.mode is ForwardMode.EXTEND else batch.window
+
+
+def mark_launched(batch: Batch) -> None:
+    batch.epochs = [r.epoch for r in batch.reqs]
+    for req, n, s in zip(batch.reqs, batch.extend_lens, batch.sample):
+        req.inflight += 1
+        req.inflight_len += launched_window(batch, n)
+        req.inflight_samples += int(s)
+
+
+def unmark_launched(batch: Batch, i: int) -> None:
+    """Request `i` of `batch` no longer waits for it (collected, or its step failed)."""
+    req = batch.reqs[i]
+    req.inflight -= 1
+    req.inflight_len -= launched_window(batch, batch.extend_lens[i])
+    req.inflight_samples -= int(batch.sample[i])
+
+
+__all__ = ["launched_window", "mark_launched", "unmark_launched"]
