@@ -10,80 +10,29 @@ they open no sockets. A wildcard host (0.0.0.0, ::) restricts nothing.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import ipaddress
 import logging
 import socket
 
+import psutil
+
 log = logging.getLogger(__name__)
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-IFF_UP = 0x1  # <net/if.h>
-
-
-class _Sockaddr(ctypes.Structure):
-    _fields_ = [("sa_family", ctypes.c_ushort), ("sa_data", ctypes.c_uint8 * 14)]
-
-
-class _SockaddrIn(ctypes.Structure):
-    _fields_ = [
-        ("sin_family", ctypes.c_ushort),
-        ("sin_port", ctypes.c_uint16),
-        ("sin_addr", ctypes.c_uint8 * 4),
-        ("sin_zero", ctypes.c_uint8 * 8),
-    ]
-
-
-class _SockaddrIn6(ctypes.Structure):
-    _fields_ = [
-        ("sin6_family", ctypes.c_ushort),
-        ("sin6_port", ctypes.c_uint16),
-        ("sin6_flowinfo", ctypes.c_uint32),
-        ("sin6_addr", ctypes.c_uint8 * 16),
-        ("sin6_scope_id", ctypes.c_uint32),
-    ]
-
-
-class _Ifaddrs(ctypes.Structure):
-    pass
-
-
-_Ifaddrs._fields_ = [
-    ("ifa_next", ctypes.POINTER(_Ifaddrs)),
-    ("ifa_name", ctypes.c_char_p),
-    ("ifa_flags", ctypes.c_uint),
-    ("ifa_addr", ctypes.POINTER(_Sockaddr)),
-    ("ifa_netmask", ctypes.POINTER(_Sockaddr)),
-    ("ifa_ifu", ctypes.POINTER(_Sockaddr)),
-    ("ifa_data", ctypes.c_void_p),
-]
 
 
 def interface_addresses() -> dict[str, set[IPAddress]]:
-    """Every network interface that is up, with its IPv4/IPv6 addresses (getifaddrs(3))."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    head = ctypes.POINTER(_Ifaddrs)()
-    if libc.getifaddrs(ctypes.byref(head)) != 0:
-        raise OSError(ctypes.get_errno(), "getifaddrs failed")
-    out: dict[str, set[IPAddress]] = {}
-    try:
-        node = head
-        while node:
-            entry = node.contents
-            up = bool(entry.ifa_flags & IFF_UP)  # UCX leaves down interfaces out itself
-            addrs = out.setdefault(entry.ifa_name.decode(), set()) if up else set()
-            if up and entry.ifa_addr:
-                family = entry.ifa_addr.contents.sa_family
-                if family == socket.AF_INET:
-                    raw = ctypes.cast(entry.ifa_addr, ctypes.POINTER(_SockaddrIn)).contents.sin_addr
-                    addrs.add(ipaddress.IPv4Address(bytes(raw)))
-                elif family == socket.AF_INET6:
-                    raw6 = ctypes.cast(entry.ifa_addr, ctypes.POINTER(_SockaddrIn6)).contents.sin6_addr
-                    addrs.add(ipaddress.IPv6Address(bytes(raw6)))
-            node = entry.ifa_next
-    finally:
-        libc.freeifaddrs(head)
-    return out
+    """Every network interface that is up, with its IPv4/IPv6 addresses (UCX leaves down ones out
+    itself)."""
+    stats = psutil.net_if_stats()
+    return {
+        name: {
+            ipaddress.ip_address(a.address.split("%", 1)[0])
+            for a in addrs
+            if a.family in (socket.AF_INET, socket.AF_INET6)
+        }
+        for name, addrs in psutil.net_if_addrs().items()
+        if name in stats and stats[name].isup
+    }
 
 
 def host_addresses(host: str) -> set[IPAddress]:

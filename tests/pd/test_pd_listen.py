@@ -1,70 +1,38 @@
 """Nodes listen only where told: started with --host 127.0.0.1, every TCP or UDP socket a prefill
 or decode node has bound for listening (gRPC, /metrics, UCX's own listeners under NIXL) is on a
-loopback address, also after a request has moved KV between them. Read from /proc, bounded."""
+loopback address, also after a request has moved KV between them. Read with psutil, bounded."""
 
 from __future__ import annotations
 
 import ipaddress
-import os
-from pathlib import Path
+import socket
 
+import psutil
 import pytest
 
 from engine.kv_transfer import nixl_available
 from fixtures.pdkit import pd_generate, request, start_pair, stub
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")]
-TCP_LISTEN = "0A"  # include/net/tcp_states.h
-
-
-def _address(hex_ip: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
-    """/proc/net/* writes an address as 32-bit words in host (little-endian) order."""
-    raw = bytes.fromhex(hex_ip)
-    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    return ipaddress.ip_address(words)
-
-
-def _socket_inodes(pid: int) -> set[str]:
-    out = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:  # closed meanwhile
-            continue
-        if target.startswith("socket:["):
-            out.add(target[len("socket:[") : -1])
-    return out
 
 
 def listening(pid: int) -> list[tuple[str, ipaddress.IPv4Address | ipaddress.IPv6Address, int]]:
     """(protocol, address, port) of every TCP socket of `pid` in LISTEN and every UDP socket it
     has bound to a port."""
-    inodes, found = _socket_inodes(pid), []
-    for proto in ("tcp", "tcp6", "udp", "udp6"):
-        table = Path(f"/proc/{pid}/net/{proto}")
-        if not table.exists():  # no IPv6 in this kernel
+    found = []
+    for conn in psutil.Process(pid).net_connections(kind="inet"):
+        if not conn.laddr or not conn.laddr.port:
             continue
-        for line in table.read_text().splitlines()[1:]:
-            fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            hex_ip, hex_port = local.split(":")
-            if inode not in inodes or int(hex_port, 16) == 0:
-                continue
-            if proto.startswith("tcp") and state != TCP_LISTEN:
-                continue
-            found.append((proto, _address(hex_ip), int(hex_port, 16)))
+        if conn.type == socket.SOCK_STREAM and conn.status != psutil.CONN_LISTEN:
+            continue
+        proto = "tcp" if conn.type == socket.SOCK_STREAM else "udp"
+        found.append((proto, ipaddress.ip_address(conn.laddr.ip.split("%", 1)[0]), conn.laddr.port))
     return found
 
 
 def _loopback(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
     mapped = addr.ipv4_mapped if isinstance(addr, ipaddress.IPv6Address) else None
     return (mapped or addr).is_loopback
-
-
-def test_address_parsing() -> None:
-    assert _address("0100007F") == ipaddress.ip_address("127.0.0.1")
-    assert _address("0000000000000000FFFF00000100007F") == ipaddress.ip_address("::ffff:127.0.0.1")
-    assert _address("00000000000000000000000001000000") == ipaddress.ip_address("::1")
 
 
 def test_nodes_started_on_loopback_listen_on_loopback_only(tiny_llama_dir) -> None:
