@@ -60,7 +60,7 @@ def test_dockerfile_is_multistage_nonroot_and_pinned(name: str) -> None:
 def test_constraints_pin_every_direct_dependency() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     deps = list(project["dependencies"])
-    for extra in ("router", "triton"):
+    for extra in ("router", "node", "triton"):
         deps += project.get("optional-dependencies", {}).get(extra, [])
     pinned = {
         re.split(r"==", line)[0].lower()
