@@ -132,7 +132,11 @@ class PeerManager:
         if diff is not None:  # the prefill checks too; this guards against an older prefill
             await channel.close()
             raise PeerError(f"incompatible pair: {diff}")
-        await asyncio.to_thread(ep.transport.add_peer, resp.nixl_metadata, layout_from_proto(resp.layout))
+        # the prefill initiates every write and notification, and connects from its side during
+        # this handshake: the decode only loads its metadata
+        await asyncio.to_thread(
+            ep.transport.add_peer, resp.nixl_metadata, layout_from_proto(resp.layout), connect=False
+        )
         peer = Peer(address, resp.prefill_agent, channel, stub)
         old = self._peers.get(address)
         if old is not None:

@@ -128,6 +128,8 @@ class PrefillHandler:
             self.rooms.abort(room.room, why)
         if room.state is KVPoll.FAILED:
             KV_TRANSFER_FAILURES.labels("prefill", "aborted").inc()
+            # nothing of it was ever written: a decode holding its destination frees it now
+            room.tell_decode(self.endpoint.transport, room.reason)
             raise RequestFailed(f"room {room.room} was aborted before its request arrived: {room.reason}", "aborted")
 
     def _end_room(self, req: Req, room: Room) -> None:

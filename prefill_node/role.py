@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import grpc
 
 from common.fingerprint import pairing_protocol
 from engine.disagg import DisaggEngine
+from engine.kv_transfer import KVTransport
 from engine.kv_transfer.endpoint import build_endpoint
 from engine.loop import EngineLoop
 from engine.service.node import RoleParts
@@ -17,6 +19,9 @@ from pdserve.v1 import kv_control_pb2_grpc as kpb_grpc
 from prefill_node.control import KVControlServicer
 from prefill_node.handler import PrefillHandler, PrefillTimeouts
 from prefill_node.rooms import RoomTable
+
+
+log = logging.getLogger(__name__)
 
 
 class PrefillRole:
@@ -69,7 +74,7 @@ class PrefillRole:
             "pdserve.v1.KVControl",
         )
         boot, boot_port = await start_server([control], host, self.bootstrap_port, watch=health)
-        self._janitor = asyncio.create_task(_expire_orphans(self.rooms))
+        self._janitor = asyncio.create_task(_expire_orphans(self.rooms, self.endpoint.transport))
         return [boot], f" bootstrap={host}:{boot_port}"
 
     def _stop_janitor(self) -> None:
@@ -77,7 +82,18 @@ class PrefillRole:
             self._janitor.cancel()
 
 
-async def _expire_orphans(rooms: RoomTable) -> None:
+JANITOR_TICK_S = 0.05
+
+
+async def _expire_orphans(rooms: RoomTable, transport: KVTransport) -> None:
+    """Rooms past their TTL go, and a decode still holding one's destination is told (no write
+    into it can land: a room with one in flight is kept). Each tick also drives the transport:
+    with no progress thread a notification sent on a connection no write has used yet (a failed
+    room's, before anything was written) only goes out while the sender progresses, and a
+    prefill otherwise progresses only while it polls its writes."""
     while True:
-        await asyncio.sleep(1.0)
-        rooms.expire_orphans()
+        await asyncio.sleep(JANITOR_TICK_S)
+        for message in transport.drain_notifications():  # a prefill expects none
+            log.debug("ignoring a notification to the prefill: %r", message)
+        for room in rooms.expire_orphans():
+            room.tell_decode(transport, room.reason)

@@ -102,9 +102,10 @@ class RoomTable:
     def by_request(self, request_id: str) -> Room | None:
         return next((r for r in self._rooms.values() if r.request_id == request_id), None)
 
-    def expire_orphans(self) -> int:
-        """Destinations whose Generate never came, and failed rooms: drop them after the TTL. A
-        room with a write still in flight stays: an abort of it must hear that it is writing."""
+    def expire_orphans(self) -> list[Room]:
+        """Destinations whose Generate never came, and failed rooms: drop them after the TTL and
+        return them. A room with a write still in flight stays: an abort of it must hear that it
+        is writing."""
         now = time.monotonic()
         dead = [
             r
@@ -114,7 +115,7 @@ class RoomTable:
         for r in dead:
             r.fail("no request arrived for this room")
             del self._rooms[r.room]
-        return len(dead)
+        return dead
 
     def __len__(self) -> int:
         return len(self._rooms)

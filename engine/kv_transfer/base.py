@@ -94,8 +94,9 @@ class KVTransport(Protocol):
 
     def layout(self) -> MemoryLayout: ...
 
-    def add_peer(self, metadata: bytes, layout: MemoryLayout) -> str:
-        """Connect to a peer from its metadata; returns the peer's name. Idempotent."""
+    def add_peer(self, metadata: bytes, layout: MemoryLayout, *, connect: bool = True) -> str:
+        """Load a peer from its metadata, connecting to it now when `connect` (the side that
+        initiates transfers); returns the peer's name. Idempotent."""
 
     def remove_peer(self, name: str) -> None: ...
 

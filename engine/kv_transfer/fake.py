@@ -79,7 +79,7 @@ class FakeTransport:
     def layout(self) -> MemoryLayout:
         return self._layout
 
-    def add_peer(self, metadata: bytes, layout: MemoryLayout) -> str:
+    def add_peer(self, metadata: bytes, layout: MemoryLayout, *, connect: bool = True) -> str:
         if not metadata.startswith(_PREFIX):
             raise TransferError("not fake-agent metadata")
         why = self._layout.compatible_with(layout)

@@ -145,7 +145,7 @@ class NixlTransport:
     def peer_layout(self, name: str) -> MemoryLayout | None:
         return self._peers.get(name)
 
-    def add_peer(self, metadata: bytes, layout: MemoryLayout) -> str:
+    def add_peer(self, metadata: bytes, layout: MemoryLayout, *, connect: bool = True) -> str:
         why = self._layout.compatible_with(layout)
         if why is None and (layout.mem_type not in _MEM_TYPES or layout.aux_mem_type not in _MEM_TYPES):
             why = f"unknown memory kind ({layout.mem_type}, {layout.aux_mem_type})"
@@ -168,8 +168,11 @@ class NixlTransport:
                     f"named {hint!r} already loaded?): {err_text(e)}"
                 ) from e
             try:
-                # Pre-warm: the first transfer otherwise pays 15-40 ms of connection setup.
-                agent.make_connection(name)
+                # Pre-warm: the first transfer otherwise pays 15-40 ms of connection setup. One
+                # side only: both connecting at once makes UCX's TCP transport refuse one of the
+                # two, and a notification sent before any write then never arrives.
+                if connect:
+                    agent.make_connection(name)
             except Exception as e:
                 self._forget(name)
                 raise TransferError(f"cannot connect to peer {name!r}: {err_text(e)}") from e

@@ -60,6 +60,23 @@ def test_a_destination_sent_for_a_prefill_leg_that_never_came_is_freed_at_once(p
     wait_idle(p, timeout=5)
 
 
+def test_an_abort_at_the_prefill_alone_before_its_leg_frees_the_decodes_destination(pair):
+    """Only the prefill hears the abort, by id, while the decode already sent its destination and
+    the prefill leg is still on its way. The late leg is refused and the decode told at once:
+    it frees its pages instead of waiting out its own deadline."""
+    p, d, boot = pair
+    req = request("prefill-only-1", IDS, 503, boot)
+    legs = Legs(req, decode=d)
+    wait_until(lambda: load(d).disaggregation.decode_transfer_queue_reqs, 30, "the destination sent")
+    p.Abort(pb.AbortRequest(request_id=req.request_id, reason="test"), timeout=10)
+    with pytest.raises(grpc.RpcError) as e:
+        list(p.Generate(req, timeout=10))
+    assert "aborted before its request arrived" in e.value.details()
+    refused = time.monotonic()
+    _free_within([d, p], FREE_AFTER_ABORT_S, refused)
+    assert isinstance(legs.join(10)["d"], grpc.RpcError)  # the decode leg ends with the failure
+
+
 def test_an_abort_by_id_before_either_leg_ends_both_on_arrival(pair):
     p, d, boot = pair
     for s in (p, d):
