@@ -47,7 +47,7 @@ def make_client(cfg: EndpointConfig, max_connections: int) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=cfg.base_url.rstrip("/"), headers=headers, timeout=timeout, limits=limits)
 
 
-def request_body(cfg: EndpointConfig, prompt: str, max_tokens: int) -> dict[str, Any]:
+def request_body(cfg: EndpointConfig, prompt: str | list[int], max_tokens: int) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": cfg.model,
         "max_tokens": max_tokens,
@@ -55,6 +55,8 @@ def request_body(cfg: EndpointConfig, prompt: str, max_tokens: int) -> dict[str,
         "temperature": cfg.temperature,
     }
     if cfg.endpoint == "chat":
+        if not isinstance(prompt, str):
+            raise ValueError("token-id prompts need the completions endpoint")
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
         body["prompt"] = prompt
@@ -79,10 +81,11 @@ async def send(
     rec = RequestRecord(req.index, req.input_len, req.output_len)
     start = clock()
     rec.start = start - t0
+    limit = cfg.timeout_s if req.timeout_s is None else req.timeout_s
     try:
-        await asyncio.wait_for(_stream(client, cfg, req, rec, start, clock), cfg.timeout_s)
+        await asyncio.wait_for(_stream(client, cfg, req, rec, start, clock), limit)
     except asyncio.TimeoutError:
-        rec.error = f"timeout after {cfg.timeout_s:g} s"
+        rec.error = f"timeout after {limit:g} s"
     except httpx.HTTPError as e:
         rec.error = f"{type(e).__name__}: {e}"[:300]
     except (ValueError, KeyError, TypeError) as e:  # malformed JSON or a chunk of the wrong shape

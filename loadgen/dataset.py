@@ -9,6 +9,8 @@ give or take one or two at the cut (BPE merges across the boundary), and the cha
 its template's tokens on top. Without a tokenizer the length is approximated: N tokens ~ N * 4
 characters (CHARS_PER_TOKEN), the usual rule of thumb for BPE tokenizers on English and code.
 Either way the server's `usage.prompt_tokens` (when it sends usage) records the true count.
+A prompt may also be a list of token ids (the completions endpoint takes them as they are): its
+length is then exact.
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ class TextTokenizer(Protocol):
 @dataclass(frozen=True)
 class BenchRequest:
     index: int
-    prompt: str
+    prompt: str | list[int]  # text, or token ids (completions endpoint only)
     input_len: int  # requested prompt tokens
     output_len: int  # max_tokens sent
+    timeout_s: float | None = None  # this request's whole-time limit instead of the endpoint's
 
 
 def load_corpus(root: Path | None = None, max_chars: int = CORPUS_MAX_CHARS) -> str:

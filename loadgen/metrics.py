@@ -1,4 +1,10 @@
-"""Per-request timing records and the serving metrics computed from them (pure, clock-free)."""
+"""Per-request timing records and the serving metrics computed from them (pure, clock-free).
+
+SLO attainment is the share of a load point's requests (failed ones included) that meet every
+limit of the SLO. Goodput is DistServe's: the highest request rate, among the rates swept, whose
+attainment is at least 90% (GOODPUT_MIN_ATTAINMENT); a load point's `good_throughput` is the
+requests per second that met the SLO there.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +12,12 @@ import math
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 SLO_METRICS = ("ttft", "tpot", "itl", "e2e")
 _UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}  # a bare number means milliseconds
 PERCENTILES = (50, 90, 99)
+GOODPUT_MIN_ATTAINMENT = 0.9  # DistServe's attainment goal
 
 
 @dataclass
@@ -95,6 +102,19 @@ def meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
     return all(measured[k] is None or measured[k] <= limit for k, limit in slo.items())
 
 
+def slo_attainment(records: list[RequestRecord], slo: dict[str, float]) -> float:
+    """Share of `records` that succeeded within every limit of `slo` (0 for no records)."""
+    return sum(meets_slo(r, slo) for r in records) / len(records) if records else 0.0
+
+
+def goodput(points: Iterable[tuple[float, float]], min_attainment: float = GOODPUT_MIN_ATTAINMENT) -> float | None:
+    """The highest request rate among `points` ((rate, SLO attainment) pairs) whose attainment is at
+    least `min_attainment`; None when none is. Taken as swept: a lower rate that missed does not
+    disqualify a higher one that met it. An infinite rate (everything at once) is not a rate: skipped."""
+    rates = [rate for rate, attained in points if attained >= min_attainment and math.isfinite(rate)]
+    return max(rates, default=None)
+
+
 def summarize(records: list[RequestRecord], duration_s: float, slo: dict[str, float] | None = None) -> dict[str, Any]:
     """The metrics of one load point; throughputs divide by the point's wall time."""
     ok = [r for r in records if r.ok]
@@ -112,8 +132,9 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: dict[str, fl
         "request_throughput": rate(len(ok)),
         "input_throughput": rate(in_tokens),
         "output_throughput": rate(out_tokens),
-        "goodput": rate(len(good)),
+        "good_throughput": rate(len(good)),
         "good_requests": len(good),
+        "slo_attainment": len(good) / len(records) if records else 0.0,
         "slo": dict(slo or {}),
         "ttft_ms": distribution_ms([r.ttft for r in ok if r.ttft is not None]),
         "tpot_ms": distribution_ms([t for r in ok if (t := r.tpot()) is not None]),

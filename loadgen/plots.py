@@ -9,7 +9,7 @@ LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_
 STATS = ("mean", "median", "p90", "p99")
 THROUGHPUTS = (
     ("request_throughput", "requests/s"),
-    ("goodput", "goodput (requests/s in SLO)"),
+    ("good_throughput", "requests/s within the SLO"),
     ("output_throughput", "output tokens/s"),
 )
 
@@ -52,8 +52,11 @@ def plot_throughput(report: dict[str, Any], path: Path) -> Path:
     fig, axes = plt.subplots(1, len(THROUGHPUTS), figsize=(14, 4))
     slo = report.get("config", {}).get("slo_s") or {}
     for ax, (key, title) in zip(axes, THROUGHPUTS):
-        if key == "goodput" and slo:
+        if key == "good_throughput" and slo:
             title += "\n" + ", ".join(f"{k} <= {v * 1e3:g} ms" for k, v in slo.items())
+            best = (report.get("goodput") or {}).get("req_s")
+            if best is not None:
+                title += f"; goodput {best:g} req/s"
         ax.plot(xs, [p["metrics"][key] for p in report["points"]], marker="o")
         ax.set(title=title, xlabel=name, xticks=xs, xticklabels=labels)
         ax.set_ylim(bottom=0)

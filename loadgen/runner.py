@@ -33,7 +33,11 @@ class BenchOptions:
     concurrency: Optional[str] = opt(None, "Fixed concurrencies to sweep, e.g. 1,4,16.")
     seed: int = opt(0, "Seed for lengths, prompts and arrivals.")
     warmup: int = opt(0, "Uncounted requests sent before the sweep.")
-    slo: Optional[str] = opt(None, "Goodput SLO, e.g. ttft=500ms,tpot=50ms (also itl, e2e).")
+    slo: Optional[str] = opt(
+        None,
+        "SLO, e.g. ttft=500ms,tpot=50ms (also itl, e2e): each point's attainment, and the goodput "
+        "(the highest swept rate with >= 90% of requests within it).",
+    )
     ignore_eos: bool = opt(
         True, "Send ignore_eos so outputs are as long as asked (--no-ignore-eos for servers that refuse it)."
     )

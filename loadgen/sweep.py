@@ -16,7 +16,7 @@ import httpx
 
 from loadgen.client import Clock, EndpointConfig, make_client, send, served_model
 from loadgen.dataset import BenchRequest
-from loadgen.metrics import RequestRecord, summarize
+from loadgen.metrics import GOODPUT_MIN_ATTAINMENT, RequestRecord, goodput, summarize
 
 MAX_POOL = 1024  # an unbounded rate would otherwise open one connection per request
 
@@ -147,7 +147,15 @@ async def run_sweep(
         "warmup": warm,
         "dataset": cfg.dataset,
     }
-    return {"started_at": started, "config": config, "points": points}
+    return {"started_at": started, "config": config, "points": points, "goodput": sweep_goodput(cfg, points)}
+
+
+def sweep_goodput(cfg: SweepConfig, points: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Goodput over a swept set of Poisson rates under an SLO (None for concurrency sweeps or no SLO)."""
+    if not cfg.slo or cfg.loads[0].kind != "rate":
+        return None
+    pairs = [(load.value, p["metrics"]["slo_attainment"]) for load, p in zip(cfg.loads, points)]
+    return {"req_s": goodput(pairs), "min_attainment": GOODPUT_MIN_ATTAINMENT}
 
 
 async def _model_id(client: httpx.AsyncClient, cfg: EndpointConfig) -> str:
@@ -184,7 +192,7 @@ def write_report(report: dict[str, Any], out_dir: Path) -> Path:
 def format_summary(report: dict[str, Any]) -> str:
     """A plain-text table, one row per load point."""
     head = (
-        f"{'load':>12} {'ok':>5} {'fail':>5} {'req/s':>8} {'out tok/s':>10} {'goodput':>8} "
+        f"{'load':>12} {'ok':>5} {'fail':>5} {'req/s':>8} {'out tok/s':>10} {'in SLO':>7} {'good/s':>7} "
         f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'ITL p99':>8} {'E2E p99':>9}  (ms)"
     )
     rows = [head]
@@ -192,12 +200,17 @@ def format_summary(report: dict[str, Any]) -> str:
         m, load = p["metrics"], p["load"]
         rows.append(
             f"{load['kind'][:4] + ' ' + _num(load['value']):>12} {m['completed']:>5} {m['failed']:>5} "
-            f"{m['request_throughput']:>8.2f} {m['output_throughput']:>10.1f} {m['goodput']:>8.2f} "
+            f"{m['request_throughput']:>8.2f} {m['output_throughput']:>10.1f} "
+            f"{m['slo_attainment']:>7.0%} {m['good_throughput']:>7.2f} "
             f"{_ms(m['ttft_ms']['median']):>9} {_ms(m['ttft_ms']['p99']):>9} "
             f"{_ms(m['tpot_ms']['median']):>9} {_ms(m['itl_ms']['p99']):>8} {_ms(m['e2e_ms']['p99']):>9}"
         )
         for err, count in m["errors"].items():
             rows.append(f"{'':>12} {count} failed: {err}")
+    if report.get("goodput"):
+        g = report["goodput"]
+        best = "none of the rates" if g["req_s"] is None else f"{g['req_s']:g} req/s"
+        rows.append(f"goodput (highest rate with >= {g['min_attainment']:.0%} of requests within the SLO): {best}")
     return "\n".join(rows)
 
 

@@ -21,8 +21,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from loadgen.client import EndpointConfig, make_client, request_body, send
 from loadgen.runner import BenchOptions, run_bench
 from loadgen.dataset import CHARS_PER_TOKEN, BenchRequest, cut_prompt, random_requests, sample_lengths
-from loadgen.metrics import RequestRecord, meets_slo, parse_slo, percentile, summarize
-from loadgen.sweep import LoadPoint, arrival_times, parse_loads, run_point
+from loadgen.metrics import RequestRecord, goodput, meets_slo, parse_slo, percentile, slo_attainment, summarize
+from loadgen.sweep import LoadPoint, arrival_times, format_summary, parse_loads, run_point
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -59,8 +59,18 @@ def test_summary_metrics_exact() -> None:
     assert m["itl_ms"]["n"] == 4 and m["itl_ms"]["mean"] == pytest.approx(125)  # 100,100,200,100
     assert m["itl_ms"]["max"] == pytest.approx(200), itl
     assert m["e2e_ms"]["median"] == pytest.approx(400)
-    # Goodput: rec 0 (TTFT 100 ms, TPOT 100 ms > 90) fails tpot; rec 1 fails ttft; rec 2 passes.
-    assert m["good_requests"] == 1 and m["goodput"] == 0.5
+    # SLO: rec 0 (TTFT 100 ms, TPOT 100 ms > 90) fails tpot; rec 1 fails ttft; rec 2 passes; rec 3 failed.
+    assert m["good_requests"] == 1 and m["good_throughput"] == 0.5 and m["slo_attainment"] == 0.25
+    assert slo_attainment(recs, parse_slo("ttft=250ms,tpot=0.09s")) == 0.25 and slo_attainment([], {}) == 0.0
+
+
+def test_goodput_is_the_highest_swept_rate_with_90_percent_attainment() -> None:
+    assert goodput([(1.0, 1.0), (2.0, 0.95), (4.0, 0.5), (8.0, 0.1)]) == 2.0
+    assert goodput([(1.0, 0.9)]) == 1.0  # the bound itself counts
+    assert goodput([(1.0, 0.89), (2.0, 0.2)]) is None
+    assert goodput([(1.0, 1.0), (2.0, 0.8), (3.0, 0.92)]) == 3.0  # as swept, not the first miss
+    assert goodput([(1.0, 1.0), (math.inf, 1.0)]) == 1.0  # everything at once is not a rate
+    assert goodput([(1.0, 0.6), (2.0, 0.5)], min_attainment=0.5) == 2.0
 
 
 def test_slo_parsing_and_vacuous_limits() -> None:
@@ -176,6 +186,9 @@ def test_request_body_options() -> None:
     assert body["top_k"] == 1 and body["stream"] is True
     with pytest.raises(ValueError):
         EndpointConfig("http://x", "m", endpoint="embeddings")
+    assert request_body(cfg, [5, 6, 7], 3)["prompt"] == [5, 6, 7]  # token ids go as they are
+    with pytest.raises(ValueError, match="completions endpoint"):
+        request_body(EndpointConfig("http://x", "m", endpoint="chat"), [5, 6], 3)
 
 
 # ---- the client against an in-process fake OpenAI server ---------------------------------------
@@ -271,11 +284,13 @@ def test_refused_connection_and_timeout_are_records(fake_server: str) -> None:
         async with make_client(cfg, 1) as c1, make_client(slow, 1) as c2:
             a = await send(c1, cfg, BenchRequest(0, "p", 1, 2), t0=time.perf_counter())
             b = await send(c2, slow, BenchRequest(1, "p", 1, 50), t0=time.perf_counter())
-            return [a, b]
+            own = BenchRequest(2, "p", 1, 50, timeout_s=0.03)  # its own limit wins over the endpoint's
+            c = await send(c2, EndpointConfig(fake_server, "m", timeout_s=10), own, t0=time.perf_counter())
+            return [a, b, c]
 
-    refused, timed_out = asyncio.run(go())
+    refused, timed_out, own_limit = asyncio.run(go())
     assert refused.error and refused.error.startswith("ConnectError")
-    assert timed_out.error == "timeout after 0.05 s"
+    assert timed_out.error == "timeout after 0.05 s" and own_limit.error == "timeout after 0.03 s"
 
 
 def test_run_bench_end_to_end_on_fake_server(fake_server: str, tmp_path: Path) -> None:
@@ -298,8 +313,11 @@ def test_run_bench_end_to_end_on_fake_server(fake_server: str, tmp_path: Path) -
     assert [p["load"]["value"] for p in report["points"]] == [50, "inf"]
     for p in report["points"]:
         m = p["metrics"]
-        assert m["completed"] == 4 and m["total_output_tokens"] == 24 and m["goodput"] == m["request_throughput"]
+        assert m["completed"] == 4 and m["total_output_tokens"] == 24
+        assert m["good_throughput"] == m["request_throughput"] and m["slo_attainment"] == 1.0
         assert len(p["requests"]) == 4 and all(r["output_tokens"] == 6 for r in p["requests"])
+    assert report["goodput"] == {"req_s": 50, "min_attainment": 0.9}  # inf is not a rate
+    assert "goodput (highest rate with >= 90% of requests within the SLO): 50 req/s" in format_summary(report)
     assert all(f.stat().st_size > 10_000 for f in files[1:])
 
 
@@ -372,7 +390,7 @@ def test_bench_serving_against_live_pdserve_up(
     (point,) = report["points"]
     m = point["metrics"]
     assert m["completed"] == 5 and m["failed"] == 0 and m["total_output_tokens"] == 5 * 6  # ignore_eos
-    assert m["ttft_ms"]["p99"] >= m["ttft_ms"]["median"] > 0 and m["goodput"] > 0
+    assert m["ttft_ms"]["p99"] >= m["ttft_ms"]["median"] > 0 and m["good_throughput"] > 0
     for r in point["requests"]:
         assert r["output_tokens"] == 6 and abs(r["prompt_tokens"] - 24) <= 3  # cut with the tokenizer
     assert (out / "latency.png").stat().st_size > 10_000 and (out / "throughput.png").stat().st_size > 10_000
