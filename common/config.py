@@ -306,6 +306,11 @@ class UpOptions:
     decode: int = opt(1, "Number of decode nodes.")
     colocated: int = opt(0, "Run this many colocated nodes instead of prefill/decode (the PD baseline).")
     device: str = opt("auto", "auto (GPUs when present), cpu or cuda.")
+    isolate_gpus: bool = opt(
+        True,
+        "Each node sees only its own GPU (CUDA_VISIBLE_DEVICES). --no-isolate-gpus: every node sees "
+        "every GPU and gets --device cuda:N, which PD needs for GPU-to-GPU KV copies (CUDA IPC over NVLink).",
+    )
     verbose: bool = opt(False, "Echo the nodes' logs.", negatable=False)
 
 

@@ -156,6 +156,7 @@ def register(app: typer.Typer) -> None:
             tuple(spec.argv()),
             opts.verbose,
             colocated=opts.colocated,
+            isolate_gpus=opts.isolate_gpus,
             log_args=("--log-level", log.log_level, "--log-format", log.log_format),
         )
         dep, stop = Deployment(cfg), threading.Event()

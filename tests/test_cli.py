@@ -284,3 +284,25 @@ def test_up_passes_the_log_options_to_every_child(monkeypatch: pytest.MonkeyPatc
     res = CliRunner().invoke(app, ["up", "--log-format", "json", "--log-level", "debug"])
     assert res.exit_code == 1 and "stop here" in res.output
     assert seen["cfg"].log_args == ("--log-level", "debug", "--log-format", "json")  # type: ignore[attr-defined]
+
+
+def test_up_isolates_gpus_unless_told_not_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each node sees only its GPU by default; --no-isolate-gpus lets PD nodes see each other's."""
+    import pdserve.up as up
+
+    seen: list[bool] = []
+
+    class FakeDeployment:
+        def __init__(self, cfg: up.UpConfig) -> None:
+            seen.append(cfg.isolate_gpus)
+
+        def start(self, progress: object) -> str:
+            raise RuntimeError("stop here")
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(up, "Deployment", FakeDeployment)
+    for args in (["up"], ["up", "--no-isolate-gpus"]):
+        assert CliRunner().invoke(app, args).exit_code == 1
+    assert seen == [True, False]
