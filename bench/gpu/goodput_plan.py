@@ -1,0 +1,149 @@
+"""Planning the goodput sweep (pure): the adaptive ladder of Poisson rates, requests per rate, when
+a request can no longer meet the SLO, and each curve's share of the time budget.
+
+The ladder picks each curve's next rate from the attainments measured so far, in this order:
+1. until some rate meets the loose SLO's target (90%), halve below the lowest rate tried;
+2. until a rate above the highest one meeting it is well below the target (past the knee), climb
+   from the highest rate tried: x`climb` while every rate so far met the target, x`past_knee`
+   once one missed (overloaded points are the slowest to run, so it steps gently past the knee);
+3. sharpen: the geometric middle of the widest bracket (highest rate meeting the target, lowest
+   rate above it) of either SLO while it is wider than `resolution`; the tight SLO, whose knee is
+   lower, may first need a rate below the lowest tried;
+4. if only one rate has missed above the highest that met it, climb once more: the curve ends
+   after two rates past its knee (one of them well below the target), so a single bad point
+   does not end it.
+The loose SLO drives steps 1, 2 and 4: every request within the tight SLO is within the loose one,
+so past the loose knee the tight curve is too. A curve ends at `max_points` or when nothing is left.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from loadgen.metrics import GOODPUT_MIN_ATTAINMENT
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One swept rate's attainment under each SLO."""
+
+    rate: float
+    loose: float
+    tight: float
+
+
+@dataclass(frozen=True)
+class Ladder:
+    start: float = 4.0  # requests/s
+    climb: float = 2.0
+    past_knee: float = 1.3
+    target: float = GOODPUT_MIN_ATTAINMENT
+    well_below: float = 0.6  # "well below the target": the curve has passed its knee here
+    min_rate: float = 0.5
+    max_rate: float = 512.0
+    max_points: int = 6
+    resolution: float = 1.25  # a bracket whose ends are closer than this ratio is left as it is
+
+
+def _round(rate: float) -> float:
+    return float(f"{rate:.3g}")  # readable rates; a repeat of a tried one is then caught exactly
+
+
+def next_rate(ladder: Ladder, done: Sequence[Measured]) -> float | None:
+    """The next rate to measure on this curve, or None when it is finished."""
+    if len(done) >= ladder.max_points:
+        return None
+    if not done:
+        return ladder.start
+    tried = {m.rate for m in done}
+    down = _round(min(tried) / ladder.climb)
+    can_go_down = down >= ladder.min_rate and down not in tried
+    loose = {m.rate: m.loose for m in done}
+    met = [r for r, a in loose.items() if a >= ladder.target]
+    if not met:  # step 1 (None: missed even at the lowest rate allowed)
+        return down if can_go_down else None
+    above = [r for r in loose if r > max(met)]  # every one of them missed
+    factor = ladder.past_knee if any(a < ladder.target for a in loose.values()) else ladder.climb
+    up = _round(min(ladder.max_rate, max(tried) * factor))
+    can_go_up = max(tried) < ladder.max_rate and up not in tried
+    if can_go_up and not any(loose[r] < ladder.well_below for r in above):
+        return up  # step 2: not past the knee yet
+    sharper = _sharpen(ladder, done, down if can_go_down else None)
+    if sharper is not None:
+        return sharper  # step 3
+    return up if can_go_up and len(above) < 2 else None  # a second miss past the knee
+
+
+def _sharpen(ladder: Ladder, done: Sequence[Measured], down: float | None) -> float | None:
+    """The geometric middle of the widest bracket wider than `resolution` (the loose SLO's first
+    on a tie), or `down` for an SLO no rate has met yet."""
+    tried = {m.rate for m in done}
+    brackets: list[tuple[float, int, float]] = []  # (width, loose first, rate)
+    for order, slo in enumerate(("loose", "tight")):
+        attained = {m.rate: getattr(m, slo) for m in done}
+        met = [r for r, a in attained.items() if a >= ladder.target]
+        if not met:
+            if down is not None:
+                brackets.append((ladder.climb, -order, down))
+            continue
+        lo = max(met)
+        above = [r for r in attained if r > lo]
+        if above and min(above) / lo > ladder.resolution:
+            mid = _round(math.sqrt(lo * min(above)))
+            if lo < mid < min(above) and mid not in tried:
+                brackets.append((min(above) / lo, -order, mid))
+    return max(brackets)[2] if brackets else None
+
+
+def requests_at(rate: float, window_s: float, least: int, most: int) -> int:
+    """Requests sent at `rate`: about `window_s` of Poisson arrivals, within [least, most]."""
+    return max(least, min(most, math.ceil(rate * window_s)))
+
+
+def cut_after_s(slo: dict[str, float], output_len: int) -> float:
+    """Seconds after which a request of `output_len` tokens can no longer meet `slo` (seconds, with
+    ttft and tpot): within both limits it ends by ttft + tpot * (output_len - 1). A tenth and a
+    quarter second more, for the client's own timing."""
+    return (slo["ttft"] + slo["tpot"] * max(0, output_len - 1)) * 1.1 + 0.25
+
+
+def curve_deadline(now: float, deadline: float, curves_left: int, reserve_s: float) -> float:
+    """When the next curve should end: an equal share of what the budget has left once `reserve_s`
+    (the deployments still to start and stop) is set aside."""
+    return now + max(0.0, deadline - now - reserve_s) / max(1, curves_left)
+
+
+def point_estimate_s(n: int, rate: float, tail_s: float) -> float:
+    """A point's expected wall time: its arrivals, then the last requests' tail."""
+    return n / rate + tail_s
+
+
+@dataclass
+class Budget:
+    """The run's time: each curve gets an equal share of what is left once the deployments still
+    to start and stop (and the current one's stop) are set aside."""
+
+    deadline: float  # time.monotonic() at which the whole run should be done
+    curves_per_deployment: int
+    deployments_left: int  # counting the one being measured
+    start_s: float  # one deployment's start: a guess until one is measured
+    stop_s: float  # and its stop
+    curves_done_here: int = 0
+
+    def started(self, start_s: float) -> None:
+        self.start_s = start_s  # the next deployment loads the same model
+
+    def curve_end(self, now: float) -> float:
+        later = self.deployments_left - 1
+        curves_left = later * self.curves_per_deployment + self.curves_per_deployment - self.curves_done_here
+        reserve = later * (self.start_s + self.stop_s) + self.stop_s
+        return curve_deadline(now, self.deadline, curves_left, reserve)
+
+    def curve_done(self) -> None:
+        self.curves_done_here += 1
+
+    def deployment_done(self) -> None:
+        self.deployments_left -= 1
+        self.curves_done_here = 0

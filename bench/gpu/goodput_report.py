@@ -1,0 +1,152 @@
+"""The goodput benchmark's results: each measured point under both SLOs, each deployment's goodput,
+the JSON layout, a text summary and the attainment plot (one panel per workload and SLO)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from bench.common import write_report
+from loadgen.metrics import GOODPUT_MIN_ATTAINMENT, RequestRecord, goodput, summarize
+
+DEPLOYMENTS = ("pd", "colocated")
+SLO_NAMES = ("loose", "tight")
+GOODPUT_DEFINITION = (
+    f"the highest swept Poisson rate (requests/s) at which at least {GOODPUT_MIN_ATTAINMENT:.0%} of the "
+    "requests met both the TTFT and the TPOT limit (DistServe's); null when no swept rate did"
+)
+
+
+def _percentiles(dist: dict[str, Any]) -> dict[str, float | None]:
+    return {"p50": dist["median"], "p90": dist["p90"], "p99": dist["p99"]}
+
+
+def point_entries(
+    deployment: str, rate: float, records: list[RequestRecord], wall_s: float, slos: dict[str, dict[str, float]]
+) -> dict[str, dict[str, Any]]:
+    """One measured point as an entry per SLO: the same requests, judged by each SLO (latency
+    percentiles are over the requests that completed; a request cut at the loose SLO's bound
+    counts as outside both SLOs)."""
+    out = {}
+    for name, slo in slos.items():
+        m = summarize(records, wall_s, slo)
+        out[name] = {
+            "deployment": deployment,
+            "rate": rate,
+            "attainment": m["slo_attainment"],
+            "requests": m["requests"],
+            "completed": m["completed"],
+            "failed": m["failed"],
+            "cut": sum(1 for r in records if r.error is not None and r.error.startswith("timeout")),
+            "request_throughput": m["request_throughput"],
+            "output_throughput": m["output_throughput"],
+            "good_throughput": m["good_throughput"],
+            "duration_s": wall_s,
+            "ttft_ms": _percentiles(m["ttft_ms"]),
+            "tpot_ms": _percentiles(m["tpot_ms"]),
+            "errors": m["errors"],
+        }
+    return out
+
+
+class Results:
+    """The report being built; `write` may run after every curve (a cut-short run keeps its points)."""
+
+    def __init__(self, header: dict[str, Any]) -> None:
+        self.data: dict[str, Any] = {**header, "deployments": {}, "workloads": {}}
+
+    def workload(self, name: str, info: dict[str, Any]) -> None:
+        self.data["workloads"].setdefault(name, {**info, **{s: {"points": []} for s in SLO_NAMES}, "curves": {}})
+
+    def deployment(self, name: str, info: dict[str, Any]) -> None:
+        self.data["deployments"].setdefault(name, {}).update(info)
+
+    def add_point(self, workload: str, entries: dict[str, dict[str, Any]], **extra: Any) -> None:
+        for slo, entry in entries.items():
+            self.data["workloads"][workload][slo]["points"].append({**entry, **extra})
+
+    def curve(self, workload: str, deployment: str, **info: Any) -> None:
+        """About one curve: its warm-up, why it ended (the ladder was done, or time or points ran out)."""
+        self.data["workloads"][workload]["curves"].setdefault(deployment, {}).update(info)
+
+    def finish(self) -> dict[str, Any]:
+        """Goodput per workload, SLO and deployment from the points, and the summary; returns the data."""
+        summary: dict[str, dict[str, Any]] = {}
+        for wname, w in self.data["workloads"].items():
+            for slo in SLO_NAMES:
+                block = w[slo]
+                for dep in DEPLOYMENTS:
+                    mine = [p for p in block["points"] if p["deployment"] == dep]
+                    best = goodput((p["rate"], p["attainment"]) for p in mine)
+                    block[f"{dep}_goodput"] = best
+                    # met at the highest rate tried: the knee lies above it, not measured
+                    block[f"{dep}_goodput_is_lower_bound"] = best is not None and best >= max(p["rate"] for p in mine)
+            summary[wname] = {dep: w["loose"][f"{dep}_goodput"] for dep in DEPLOYMENTS}
+        self.data["highest_rate_within_loose_slo"] = summary
+        return self.data
+
+    def write(self, out_dir: Path, gpu: str) -> tuple[Path, Path | None]:
+        """goodput_<gpu>.json and, when matplotlib is there, goodput_<gpu>.png beside it."""
+        path = out_dir / f"goodput_{gpu}.json"
+        write_report(path, self.finish())
+        try:
+            png = plot(self.data, out_dir / f"goodput_{gpu}.png")
+        except ImportError:  # the bench extra (matplotlib) is not installed: the JSON is the result
+            png = None
+        return path, png
+
+
+def summary_text(data: dict[str, Any]) -> str:
+    """One line per workload and SLO: each deployment's goodput and PD's over colocated."""
+    rows = [f"{'workload':<14} {'SLO':<6} {'PD req/s':>9} {'coloc req/s':>12} {'PD/coloc':>9}"]
+    for wname, w in data["workloads"].items():
+        for slo in SLO_NAMES:
+            pd, co = w[slo]["pd_goodput"], w[slo]["colocated_goodput"]
+            ratio = f"{pd / co:.2f}" if pd is not None and co else "-"
+            rows.append(f"{wname:<14} {slo:<6} {_rate(pd):>9} {_rate(co):>12} {ratio:>9}")
+    return "\n".join(rows)
+
+
+def _rate(value: float | None) -> str:
+    return "none" if value is None else f"{value:g}"
+
+
+def plot(data: dict[str, Any], path: Path) -> Path:
+    """Attainment against rate, PD and colocated, the target line; one panel per workload and SLO."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
+
+    workloads = list(data["workloads"])
+    fig, axes = plt.subplots(len(workloads), 2, figsize=(11, 3.4 * len(workloads)), squeeze=False)
+    colors = {"pd": "tab:blue", "colocated": "tab:orange"}
+    for row, wname in zip(axes, workloads):
+        for ax, slo in zip(row, SLO_NAMES):
+            block = data["workloads"][wname][slo]
+            for dep in DEPLOYMENTS:
+                pts = sorted((p["rate"], p["attainment"]) for p in block["points"] if p["deployment"] == dep)
+                if pts:
+                    best = block.get(f"{dep}_goodput")
+                    label = f"{dep} (goodput {_rate(best)})"
+                    ax.plot(*zip(*pts), marker="o", color=colors[dep], label=label)
+                    if best is not None:
+                        ax.axvline(best, color=colors[dep], linestyle=":", alpha=0.6)
+            ax.axhline(GOODPUT_MIN_ATTAINMENT, color="gray", linestyle="--", linewidth=1)
+            limits = data.get("slos", {}).get(slo, {})
+            spec = ", ".join(f"{k.removesuffix('_ms').upper()} <= {v:g} ms" for k, v in limits.items())
+            ax.set(title=f"{wname}, {slo} SLO ({spec})", xlabel="request rate (req/s, Poisson)", ylabel="attainment")
+            rates = sorted({p["rate"] for p in block["points"]})
+            if rates:
+                ax.set_xscale("log")  # the ladder's rates are geometric
+                ax.set_xticks(rates, [f"{r:g}" for r in rates], fontsize=7)
+                ax.minorticks_off()
+            ax.set_ylim(-0.02, 1.02)
+            ax.grid(alpha=0.3)
+            if block["points"]:
+                ax.legend(fontsize=8)
+    fig.suptitle(f"SLO attainment, PD 1P1D vs two colocated replicas ({data.get('device', '?')})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,196 @@
+"""The goodput benchmark's pure parts (bench/gpu/goodput_*.py): workloads, the rate ladder, the time
+budget, goodput from points, the report's layout and plot, the checkpoint writer at a small shape."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.gpu import goodput_plan as plan
+from bench.gpu.goodput_report import DEPLOYMENTS, SLO_NAMES, Results, point_entries, summary_text
+from bench.gpu.goodput_workloads import FIRST_ID, WORKLOADS, Lengths, make_requests
+from loadgen.metrics import RequestRecord, goodput
+
+LOOSE, TIGHT = {"ttft": 0.5, "tpot": 0.025}, {"ttft": 0.25, "tpot": 0.015}
+
+
+# ---- workloads ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", sorted(WORKLOADS))
+def test_workloads_are_seeded_and_within_their_bounds(kind: str) -> None:
+    for w in WORKLOADS[kind]:
+        reqs = make_requests(w, 300, seed=7, vocab=4096)
+        assert reqs == make_requests(w, 300, seed=7, vocab=4096)  # the same in every process
+        assert reqs != make_requests(w, 300, seed=8, vocab=4096)
+        assert [r.index for r in reqs] == list(range(300))
+        for r in reqs:
+            assert isinstance(r.prompt, list) and len(r.prompt) == r.input_len  # exact: token ids
+            assert all(FIRST_ID <= i < 4096 for i in r.prompt)
+            assert w.prompt.low <= r.input_len <= w.prompt.most and w.output.low <= r.output_len <= w.output.most
+        ins = sorted(r.input_len for r in reqs)
+        if w.prompt.sigma == 0:
+            assert set(ins) == {w.prompt.median} and {r.output_len for r in reqs} == {w.output.median}
+        else:  # long-tailed: about half below the median, a tail well above it
+            assert ins[0] < w.prompt.median < ins[-1] and 0.35 < ins.index(w.prompt.median) / 300 < 0.65
+            assert ins[-1] > 3 * w.prompt.median
+    names = [w.name for w in WORKLOADS[kind]]
+    assert names == ["prefill_heavy", "decode_heavy", "chat_mix"]
+
+
+def test_gpu_workloads_are_the_asked_ones() -> None:
+    fixed = {w.name: (w.prompt.median, w.output.median) for w in WORKLOADS["llama8b"] if w.prompt.sigma == 0}
+    assert fixed == {"prefill_heavy": (2048, 150), "decode_heavy": (1024, 256)}
+
+
+def test_lengths_refuse_nonsense() -> None:
+    for bad in ((10, 0.0, 11, 20), (10, -1.0, 1, 20), (30, 1.0, 1, 20)):
+        with pytest.raises(ValueError):
+            Lengths(*bad)
+    with pytest.raises(ValueError, match="no ids"):
+        make_requests(WORKLOADS["tiny"][0], 1, 0, vocab=FIRST_ID)
+
+
+# ---- the rate ladder and the time budget --------------------------------------------------------
+
+
+def _sweep(ladder: plan.Ladder, knee_loose: float, knee_tight: float) -> list[plan.Measured]:
+    """Run the ladder against curves that hold up to their knee and fall fast after it."""
+
+    def attained(rate: float, knee: float) -> float:
+        return 1.0 if rate <= knee else max(0.0, 1.0 - 3.0 * (rate - knee) / knee)
+
+    done: list[plan.Measured] = []
+    while (rate := plan.next_rate(ladder, done)) is not None:
+        done.append(plan.Measured(rate, attained(rate, knee_loose), attained(rate, knee_tight)))
+    return done
+
+
+def test_the_ladder_climbs_past_the_knee_then_sharpens_both_slos() -> None:
+    done = _sweep(plan.Ladder(), knee_loose=20, knee_tight=8)
+    # x2 while every rate holds; 32 is well below; the loose bracket (16, 32), then the tight (8, 16)
+    assert [m.rate for m in done] == [4, 8, 16, 32, 22.6, 11.3]
+    assert goodput((m.rate, m.loose) for m in done) == 16 and goodput((m.rate, m.tight) for m in done) == 8
+
+
+def test_the_ladder_goes_down_when_the_first_rate_misses_and_ends_past_two_misses() -> None:
+    done = _sweep(plan.Ladder(max_points=20), knee_loose=3, knee_tight=1)
+    rates = [m.rate for m in done]
+    assert rates[:2] == [4, 2] and len(set(rates)) == len(rates)
+    above = [m for m in done if m.rate > goodput((m.rate, m.loose) for m in done)]
+    assert len(above) >= 2 and any(m.loose < 0.6 for m in above)  # past the knee, well below once
+    lo, hi = 2.83, min(m.rate for m in above)
+    assert goodput((m.rate, m.loose) for m in done) == lo and hi / lo <= plan.Ladder().resolution
+
+
+def test_the_ladder_stops_at_its_limits() -> None:
+    assert [m.rate for m in _sweep(plan.Ladder(), knee_loose=0.1, knee_tight=0.1)] == [4, 2, 1, 0.5]
+    assert len(_sweep(plan.Ladder(max_points=3), 20, 8)) == 3
+    capped = _sweep(plan.Ladder(max_rate=50), knee_loose=1000, knee_tight=1000)
+    assert [m.rate for m in capped] == [4, 8, 16, 32, 50]  # never past max_rate, nothing to sharpen
+    assert plan.next_rate(plan.Ladder(start=3), []) == 3
+
+
+def test_requests_cut_and_budget() -> None:
+    assert plan.requests_at(0.5, 6, 24, 200) == 24 and plan.requests_at(10, 6, 24, 200) == 60
+    assert plan.requests_at(100, 6, 24, 200) == 200
+    # within both limits a 150-token request ends by 0.5 + 149 * 0.025 s; it is cut a little later
+    assert plan.cut_after_s(LOOSE, 150) == pytest.approx((0.5 + 149 * 0.025) * 1.1 + 0.25)
+    assert plan.point_estimate_s(60, 10, 2.5) == 8.5
+    budget = plan.Budget(deadline=100.0, curves_per_deployment=3, deployments_left=2, start_s=10, stop_s=5)
+    assert budget.curve_end(0.0) == pytest.approx((100 - 15 - 5) / 6)  # one more start + stop, this stop
+    budget.curve_done()
+    assert budget.curve_end(40.0) == pytest.approx(40 + (60 - 20) / 5)
+    budget.deployment_done()
+    assert budget.curve_end(90.0) == pytest.approx(90 + 5 / 3)
+    assert plan.curve_deadline(99.0, 100.0, 2, 50.0) == 99.0  # out of time: the curve ends at once
+
+
+# ---- points, goodput and the report -----------------------------------------------------------
+
+
+def _record(i: int, ttft: float, tpot: float, tokens: int = 11, error: str | None = None) -> RequestRecord:
+    e2e = ttft + tpot * (tokens - 1)
+    return RequestRecord(i, 8, tokens, ttft=ttft, chunk_times=[ttft, e2e], e2e=e2e, output_tokens=tokens, error=error)
+
+
+def test_a_point_is_judged_by_each_slo_on_the_same_requests() -> None:
+    records = [
+        _record(0, 0.1, 0.010),  # within both
+        _record(1, 0.3, 0.010),  # TTFT over the tight limit only
+        _record(2, 0.1, 0.020),  # TPOT over the tight limit only
+        _record(3, 0.6, 0.010),  # over both
+        RequestRecord(4, 8, 11, error="timeout after 4.5 s"),  # cut: within neither
+    ]
+    entries = point_entries("pd", 4.0, records, 2.0, {"loose": LOOSE, "tight": TIGHT})
+    assert entries["loose"]["attainment"] == 3 / 5 and entries["tight"]["attainment"] == 1 / 5
+    for e in entries.values():
+        assert (e["deployment"], e["rate"], e["requests"], e["completed"], e["cut"]) == ("pd", 4.0, 5, 4, 1)
+        assert e["request_throughput"] == 2.0 and e["output_throughput"] == 22.0
+        for key in ("ttft_ms", "tpot_ms"):
+            assert e[key]["p50"] <= e[key]["p90"] <= e[key]["p99"]
+    assert entries["loose"]["ttft_ms"]["p50"] == pytest.approx(200)
+
+
+def _results(curves: dict[str, list[tuple[float, float, float]]]) -> Results:
+    """Results of one workload from (rate, loose, tight) attainments per deployment."""
+    results = Results({"device": "cpu", "slos": {"loose": {"ttft_ms": 500.0}, "tight": {"ttft_ms": 250.0}}})
+    results.workload("w", {"description": "test"})
+    for dep, points in curves.items():
+        for rate, loose, tight in points:
+            for slo, share in (("loose", loose), ("tight", tight)):
+                # ten requests, `share` of them within the SLO (the rest over its TTFT limit)
+                limit = {"loose": LOOSE, "tight": TIGHT}[slo]
+                recs = [_record(i, 0.01 if i < round(share * 10) else 1.0, 0.001) for i in range(10)]
+                results.add_point("w", {slo: point_entries(dep, rate, recs, 1.0, {slo: limit})[slo]}, drained=True)
+    return results
+
+
+def test_goodput_follows_the_definition_from_the_points(tmp_path: Path) -> None:
+    results = _results(
+        {
+            "pd": [(2, 1.0, 1.0), (4, 1.0, 0.8), (8, 0.9, 0.2), (16, 0.3, 0.0)],
+            "colocated": [(2, 1.0, 0.5), (4, 1.0, 0.4), (8, 1.0, 0.1)],
+        }
+    )
+    path, png = results.write(tmp_path, "cpu")
+    data = json.loads(path.read_text())
+    assert path.name == "goodput_cpu.json" and png is not None and png.stat().st_size > 10_000
+    assert data["device"] == "cpu" and set(data["workloads"]) == {"w"}
+    block = data["workloads"]["w"]
+    assert (block["loose"]["pd_goodput"], block["loose"]["colocated_goodput"]) == (8, 8)
+    assert (block["tight"]["pd_goodput"], block["tight"]["colocated_goodput"]) == (2, None)
+    assert block["loose"]["colocated_goodput_is_lower_bound"] and not block["loose"]["pd_goodput_is_lower_bound"]
+    assert data["highest_rate_within_loose_slo"] == {"w": {"pd": 8, "colocated": 8}}
+    for slo in SLO_NAMES:
+        for dep in DEPLOYMENTS:
+            mine = [(p["rate"], p["attainment"]) for p in block[slo]["points"] if p["deployment"] == dep]
+            assert block[slo][f"{dep}_goodput"] == max((r for r, a in mine if a >= 0.9), default=None)
+    assert "w              tight          2         none         -" in summary_text(data)
+
+
+# ---- the deployment and the checkpoint ----------------------------------------------------------
+
+
+def test_the_checkpoint_writer_at_a_small_shape(tmp_path: Path) -> None:
+    from bench.gpu.goodput_model import write_llama8b_dir
+    from engine.loader import load_model
+
+    shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16)  # fmt: skip
+    path = write_llama8b_dir(tmp_path / "ckpt", **shape)
+    config = json.loads((path / "config.json").read_text())
+    assert config["vocab_size"] == 4096 and config["rope_scaling"]["rope_type"] == "llama3"
+    model, cfg = load_model(path, device="cpu")
+    assert cfg.vocab_size == 4096 and cfg.num_layers == 3
+    layers = model.model.layers
+    assert all(p.dtype.is_floating_point for p in model.parameters())
+    assert (layers[0].mlp.down_proj.weight == layers[2].mlp.down_proj.weight).all()  # one draw, every layer
+    stamp = (path / "config.json").stat().st_mtime_ns
+    assert write_llama8b_dir(path, **shape) == path and (path / "config.json").stat().st_mtime_ns == stamp
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "weights.bin").write_text("x")
+    with pytest.raises(FileExistsError):
+        write_llama8b_dir(tmp_path / "theirs", **shape)
