@@ -1,18 +1,26 @@
-"""The goodput benchmark's pure parts (bench/gpu/goodput_*.py): workloads, the rate ladder, the time
-budget, goodput from points, the report's layout and plot, the checkpoint writer at a small shape."""
+"""The goodput benchmark (bench/gpu/goodput*.py): its pure parts (workloads, the rate ladder, the
+time budget, goodput from points, the report's layout and plot, the checkpoint writer at a small
+shape) fast, and one end-to-end run on CPU (tiny model, --quick) through real `pdserve up`s."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
+import subprocess
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from bench.gpu import goodput_plan as plan
 from bench.gpu.goodput_report import DEPLOYMENTS, SLO_NAMES, Results, point_entries, summary_text
+from bench.gpu.goodput_up import busy_requests, up_argv
 from bench.gpu.goodput_workloads import FIRST_ID, WORKLOADS, Lengths, make_requests
 from loadgen.metrics import RequestRecord, goodput
 
+REPO = Path(__file__).resolve().parent.parent
 LOOSE, TIGHT = {"ttft": 0.5, "tpot": 0.025}, {"ttft": 0.25, "tpot": 0.015}
 
 
@@ -174,6 +182,33 @@ def test_goodput_follows_the_definition_from_the_points(tmp_path: Path) -> None:
 # ---- the deployment and the checkpoint ----------------------------------------------------------
 
 
+def test_both_deployments_start_the_same_way_but_for_their_topology() -> None:
+    pd, co = up_argv("pd", Path("/m"), ["--device", "cuda"]), up_argv("colocated", Path("/m"), ["--device", "cuda"])
+    assert pd[2:] == ["pdserve.cli", "up", "--model", "/m", "--port", "0", "--no-isolate-gpus", "--verbose",
+                      "--prefill", "1", "--decode", "1", "--device", "cuda"]  # fmt: skip
+    assert co[pd.index("--prefill") : pd.index("--prefill") + 2] == ["--colocated", "2"]
+
+
+def test_busy_requests_read_every_node_gauge() -> None:
+    texts = {
+        "http://p/metrics": 'pdserve_node_waiting_requests{role="prefill"} 1.0\n'
+        'pdserve_node_request_slots_used{role="prefill"} 0.0\n'
+        'pdserve_pd_queue_requests{role="prefill",queue="transfer"} 2.0\n'
+        'pdserve_node_running_requests_total{role="prefill"} 9.0\n',
+        "http://d/metrics": 'pdserve_node_request_slots_used{role="decode"} 3.0\n',
+        "http://idle/metrics": 'pdserve_node_waiting_requests{role="colocated"} 0.0\n',
+    }
+    transport = httpx.MockTransport(lambda req: httpx.Response(200, text=texts[str(req.url)]))
+
+    async def go() -> tuple[int, int]:
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await busy_requests(client, ["http://p/metrics", "http://d/metrics"]), await busy_requests(
+                client, ["http://idle/metrics"]
+            )
+
+    assert asyncio.run(go()) == (6, 0)
+
+
 def test_the_checkpoint_writer_at_a_small_shape(tmp_path: Path) -> None:
     from bench.gpu.goodput_model import write_llama8b_dir
     from engine.loader import load_model
@@ -194,3 +229,68 @@ def test_the_checkpoint_writer_at_a_small_shape(tmp_path: Path) -> None:
     (tmp_path / "theirs" / "weights.bin").write_text("x")
     with pytest.raises(FileExistsError):
         write_llama8b_dir(tmp_path / "theirs", **shape)
+
+
+# ---- end to end on CPU --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_goodput_bench_end_to_end_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench.gpu.goodput import main
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # five torch processes on two cores, one at a time
+    model = tmp_path / "tiny-model"  # a unique path: it names exactly this run's node processes
+    out = tmp_path / "out"
+    # SLOs this CPU meets at low rates and misses at higher ones, so the ladder has to work
+    slos = ["--slo-loose", "ttft=60ms,tpot=6ms", "--slo-tight", "ttft=25ms,tpot=3ms"]
+    args = [
+        "--model",
+        "tiny",
+        "--quick",
+        "--out",
+        str(out),
+        "--model-dir",
+        str(model),
+        "--log-dir",
+        str(tmp_path),
+        *slos,
+    ]
+    start = time.monotonic()
+    try:
+        code = main(args)
+    finally:
+        r = subprocess.run(["pgrep", "-f", str(model)], capture_output=True, text=True, timeout=10)
+        left = r.stdout.split()
+        for pid in left:  # every deployment should be down already; never leave one behind
+            subprocess.run(["kill", "-9", pid], timeout=10, check=False)
+    assert code == 0 and not left, left
+    assert time.monotonic() - start < 150
+    data = json.loads((out / "goodput_cpu.json").read_text())
+    assert (out / "goodput_cpu.png").stat().st_size > 10_000
+    assert data["device"] == "cpu" and set(data["deployments"]) == set(DEPLOYMENTS)
+    assert all("error" not in d and d["start_s"] > 0 for d in data["deployments"].values())
+    assert list(data["workloads"]) == ["prefill_heavy", "decode_heavy", "chat_mix"]
+    for wname, w in data["workloads"].items():
+        assert set(w) >= {"loose", "tight"}
+        for slo in SLO_NAMES:
+            block = w[slo]
+            assert {"pd_goodput", "colocated_goodput", "points"} <= set(block)
+            for dep in DEPLOYMENTS:
+                mine = [p for p in block["points"] if p["deployment"] == dep]
+                assert mine, (wname, slo, dep)  # every curve has at least its first rate
+                best = max((p["rate"] for p in mine if p["attainment"] >= 0.9), default=None)
+                assert block[f"{dep}_goodput"] == best
+            for p in block["points"]:
+                assert 0.0 <= p["attainment"] <= 1.0 and p["requests"] >= 6 and p["drained"]
+                assert p["completed"] + p["failed"] == p["requests"] and p["request_throughput"] >= 0
+                for key in ("ttft_ms", "tpot_ms"):  # over completed requests (a loaded CPU may cut all)
+                    pcts = [p[key][q] for q in ("p50", "p90", "p99")]
+                    assert 0 < pcts[0] <= pcts[1] <= pcts[2] if p["completed"] else pcts == [None] * 3
+                assert not math.isnan(p["output_throughput"])
+        # the same runs judged twice: identical points but for attainment
+        judged = ("attainment", "good_throughput")
+        loose, tight = ([{k: v for k, v in p.items() if k not in judged} for p in w[s]["points"]] for s in SLO_NAMES)
+        assert loose == tight
+    assert data["highest_rate_within_loose_slo"] == {
+        name: {dep: w["loose"][f"{dep}_goodput"] for dep in DEPLOYMENTS} for name, w in data["workloads"].items()
+    }

@@ -1,0 +1,224 @@
+"""Goodput of PD 1P1D against two colocated replicas behind the same router, under Poisson load.
+
+Each deployment is a real `pdserve up` (fast path on: Triton attention, CUDA graphs, overlap),
+measured alone on the GPUs: start it, sweep every workload, stop it, start the other. For each
+workload and deployment the Poisson rate is swept adaptively (bench/gpu/goodput_plan.py) and the
+same runs are judged by two SLOs, loose (TTFT 500 ms, TPOT 25 ms) and tight (TTFT 250 ms,
+TPOT 15 ms). Per point: attainment (the share of requests meeting both limits; failed ones count
+as missing), TTFT and TPOT p50/p90/p99 over completed requests, requests/s and output tokens/s.
+
+Goodput (loadgen/metrics.py, DistServe's definition) is the highest swept rate whose attainment
+is at least 90%; under the loose SLO it is each deployment's "highest rate within the loose SLO"
+(`highest_rate_within_loose_slo`). A request is cancelled once it can no longer meet the loose SLO
+(as a client with a deadline would): overloaded points then end instead of draining a backlog,
+and the next point starts on an idle deployment (the nodes' gauges are polled until empty).
+
+Model: Llama-3.1-8B's shape, random bf16 weights, the built-in tokenizer's 4,096-token vocabulary
+(bench/gpu/goodput_model.py), plain decoding (`--eagle`: EAGLE with a random head, whose drafts
+are mostly rejected: the speculative path's cost, not its gain). Prompts are token ids of exact
+lengths (bench/gpu/goodput_workloads.py). On a CPU (`--model tiny`, the default without GPUs) a
+tiny model and tiny lengths run the same code.
+
+Writes OUT/goodput_<gpu>.json and OUT/goodput_<gpu>.png after every curve; each deployment's
+`pdserve up --verbose` log goes to LOG_DIR. Run on two GPUs (about 9 minutes; `--quick` about 5):
+  NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+    python -m bench.gpu.goodput --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from bench.gpu import goodput_plan as plan
+from bench.gpu.goodput_report import GOODPUT_DEFINITION, Results, summary_text
+from bench.gpu.goodput_run import RunSettings, measure_deployment
+from bench.gpu.goodput_up import LABELS, TOPOLOGIES, UpProcess, node_env, up_argv
+from bench.gpu.goodput_workloads import WORKLOADS, length_stats, make_requests, with_time_limits
+from loadgen.metrics import parse_slo
+
+SLOS = {"loose": "ttft=500ms,tpot=25ms", "tight": "ttft=250ms,tpot=15ms"}
+# (window_s, least, most requests per point, points per curve, budget_s) by model and --quick
+SIZES = {
+    ("llama8b", False): (6.0, 24, 200, 6, 540.0),
+    ("llama8b", True): (4.0, 16, 120, 4, 300.0),
+    ("tiny", False): (3.0, 8, 24, 5, 240.0),
+    ("tiny", True): (2.0, 6, 12, 3, 90.0),
+}
+START_RATE = {"llama8b": 4.0, "tiny": 4.0}  # requests/s
+# one deployment's start (a guess until one is measured) and stop, seconds
+START_GUESS_S = {"llama8b": 90.0, "tiny": 10.0}
+STOP_S = {"llama8b": 15.0, "tiny": 5.0}
+START_TIMEOUT_S = {"llama8b": 300.0, "tiny": 120.0}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu.goodput", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("bench/results"), help="folder for the JSON and PNG")
+    p.add_argument("--model", choices=("auto", "llama8b", "tiny"), default="auto", help="auto: llama8b on GPUs")
+    p.add_argument("--model-dir", type=Path, help="where the checkpoint is (written there when missing)")
+    p.add_argument("--quick", action="store_true", help="fewer, shorter points and a shorter budget")
+    p.add_argument("--workloads", default=None, help="comma-separated subset (default: all three)")
+    p.add_argument("--deployments", default="pd,colocated", help="comma-separated, measured in this order")
+    p.add_argument("--max-running", type=int, default=None, help="the nodes' --max-running (default: theirs)")
+    p.add_argument("--eagle", action="store_true", help="EAGLE with a random draft head in both deployments")
+    p.add_argument("--device", default="auto", help="pdserve up --device")
+    p.add_argument("--budget-s", type=float, default=None, help="whole run's time budget in seconds")
+    p.add_argument("--start-rate", type=float, default=None, help="first rate of every curve (req/s)")
+    p.add_argument("--max-points", type=int, default=None, help="most rates per curve")
+    p.add_argument("--slo-loose", default=SLOS["loose"])
+    p.add_argument("--slo-tight", default=SLOS["tight"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-dir", type=Path, default=None, help="pdserve up logs (default: a temporary folder)")
+    return p.parse_args(argv)
+
+
+def gpu_names() -> list[str]:
+    """The GPUs nvidia-smi lists (none on a CPU host); the parent never touches CUDA itself."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+
+
+def short_name(device: str) -> str:
+    """ "NVIDIA H100 80GB HBM3" -> "h100"; "cpu" stays."""
+    parts = device.split()
+    return parts[1].lower() if len(parts) > 1 and parts[0] == "NVIDIA" else parts[0].lower()
+
+
+def prepare_model(kind: str, model_dir: Path | None, eagle: bool) -> tuple[Path, list[str]]:
+    """The checkpoint directory (written if needed) and the speculative flags for `pdserve up`."""
+    root = model_dir or Path(tempfile.gettempdir()) / f"pdserve-goodput-{kind}"
+    if kind == "llama8b":
+        from bench.gpu.goodput_model import MARKER, write_llama8b_dir
+
+        theirs = (root / "config.json").is_file() and not (root / MARKER).is_file()
+        target = root if theirs else write_llama8b_dir(root)  # a checkpoint given with --model-dir: as it is
+    else:
+        from fixtures.tiny_model import write_tiny_model
+
+        target = root if (root / "config.json").is_file() else write_tiny_model(root, num_heads=4, num_kv_heads=2)
+    if not eagle:
+        return target, []
+    from fixtures.tiny_eagle import write_tiny_eagle_head
+
+    inter = 14336 if kind == "llama8b" else 128  # a draft layer of the target's width
+    head_dir = Path(tempfile.mkdtemp(prefix="pdserve-goodput-eagle-"))  # never inside a given checkpoint
+    head = write_tiny_eagle_head(head_dir, target, "eagle", intermediate_size=inter)
+    return target, ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(head)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # SIGTERM (a job's time limit) unwinds like Ctrl-C, so the deployment in flight is stopped
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return run(args, argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """The whole benchmark; returns the exit code (1: a deployment failed, its error is in the report)."""
+    started = time.monotonic()
+    gpus = gpu_names()
+    kind = args.model if args.model != "auto" else ("llama8b" if gpus else "tiny")
+    device = gpus[0] if gpus else "cpu"
+    settings, budget_s = run_settings(args, kind)
+    model, spec_flags = prepare_model(kind, args.model_dir, args.eagle)
+    from common.tokenizer import Tokenizer  # torch-free
+
+    vocab = Tokenizer.from_dir(model).vocab_size
+    chosen = args.workloads.split(",") if args.workloads else [w.name for w in WORKLOADS[kind]]
+    workloads = [w for w in WORKLOADS[kind] if w.name in chosen]
+    deployments = [d for d in args.deployments.split(",") if d]
+    if not workloads or not deployments or any(d not in TOPOLOGIES for d in deployments):
+        raise SystemExit(f"unknown workloads {args.workloads!r} or deployments {args.deployments!r}")
+    cut = lambda n: plan.cut_after_s(settings.slos["loose"], n)  # noqa: E731
+    requests = {w.name: with_time_limits(make_requests(w, settings.most, args.seed, vocab), cut) for w in workloads}
+    results = Results(header(args, argv, device, gpus, kind, model, vocab, spec_flags, settings, budget_s))
+    for w in workloads:
+        results.workload(w.name, {"description": w.describe(), "sent": length_stats(requests[w.name])})
+    budget = plan.Budget(started + budget_s, len(workloads), len(deployments), START_GUESS_S[kind], STOP_S[kind])
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-goodput-logs-"))
+    failed, gpu = False, short_name(device)
+    for dep in deployments:
+        argv_up = up_argv(dep, model, [*spec_flags, "--device", args.device])
+        log = log_dir / f"{dep}.log"
+        results.deployment(dep, {"label": LABELS[dep], "command": " ".join(argv_up[2:]), "log": str(log)})
+        t0 = time.monotonic()
+        try:
+            with UpProcess(dep, argv_up, node_env(args.max_running), log) as up:
+                up.start(timeout_s=START_TIMEOUT_S[kind])
+                budget.started(time.monotonic() - t0)
+                results.deployment(dep, {"start_s": time.monotonic() - t0})
+                print(f"[goodput] {dep} up at {up.url} in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+                measure_deployment(up, dep, workloads, requests, settings, budget, results, args.out, gpu)
+        except RuntimeError as e:  # one deployment failing leaves the other's results
+            failed = True
+            results.deployment(dep, {"error": str(e)[-2000:]})
+            print(f"[goodput] {dep} failed: {e}", file=sys.stderr, flush=True)
+        budget.deployment_done()
+    results.data["wall_s"] = time.monotonic() - started
+    path, png = results.write(args.out, gpu)
+    print(summary_text(results.data))
+    print(f"plot: {png}" if png else "no plot (matplotlib is not installed)")
+    return 1 if failed else 0
+
+
+def run_settings(args: argparse.Namespace, kind: str) -> tuple[RunSettings, float]:
+    """The sweep's settings (sizes by model and --quick, flags over them) and the time budget."""
+    window, least, most, points, budget = SIZES[(kind, args.quick)]
+    slos = {"loose": parse_slo(args.slo_loose), "tight": parse_slo(args.slo_tight)}
+    for name, slo in slos.items():
+        if set(slo) != {"ttft", "tpot"}:
+            raise SystemExit(f"the {name} SLO needs a ttft and a tpot limit, and only those")
+    ladder = plan.Ladder(start=args.start_rate or START_RATE[kind], max_points=args.max_points or points)
+    return RunSettings(ladder, window, least, most, slos, args.seed), args.budget_s or budget
+
+
+def header(
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    device: str,
+    gpus: list[str],
+    kind: str,
+    model: Path,
+    vocab: int,
+    spec_flags: list[str],
+    settings: RunSettings,
+    budget_s: float,
+) -> dict[str, Any]:
+    """What the report says about the run before any point."""
+    return {
+        "device": device,
+        "gpus": gpus,
+        "command": "python -m bench.gpu.goodput " + " ".join(sys.argv[1:] if argv is None else argv),
+        "model": {"kind": kind, "dir": str(model), "vocab": vocab, "speculative": " ".join(spec_flags) or "none"},
+        "slos": {name: {f"{k}_ms": v * 1e3 for k, v in slo.items()} for name, slo in settings.slos.items()},
+        "goodput_definition": GOODPUT_DEFINITION,
+        "settings": {
+            "ladder": asdict(settings.ladder),
+            "window_s": settings.window_s,
+            "requests_per_point": [settings.least, settings.most],
+            "budget_s": budget_s,
+            "max_running": args.max_running,
+            "quick": args.quick,
+            "seed": args.seed,
+        },
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Measuring one started deployment: per workload a warm-up, then the ladder's rates one after
+another, each a loadgen Poisson point on the workload's first requests, then a wait until the
+nodes are idle; every point is judged by both SLOs and goes into the results at once."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import httpx
+
+from bench.gpu import goodput_plan as plan
+from bench.gpu.goodput_report import Results, point_entries
+from bench.gpu.goodput_up import UpProcess, wait_idle
+from bench.gpu.goodput_workloads import Workload
+from loadgen.client import EndpointConfig, make_client, served_model
+from loadgen.dataset import BenchRequest
+from loadgen.sweep import LoadPoint, arrival_times, run_point
+
+WARMUP = 8  # requests per workload and deployment before its curve: its prompt shapes compiled once
+WARMUP_OUTPUT = 16  # tokens each (decode shapes are warm from start-up's graph capture)
+DRAIN_S = 30.0  # longest wait for the nodes to go idle between points
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    ladder: plan.Ladder
+    window_s: float  # about this many seconds of arrivals per point
+    least: int  # requests per point, at least
+    most: int  # and at most
+    slos: dict[str, dict[str, float]]  # "loose" and "tight", seconds
+    seed: int
+
+
+def measure_deployment(
+    up: UpProcess,
+    deployment: str,
+    workloads: list[Workload],
+    requests: dict[str, list[BenchRequest]],
+    settings: RunSettings,
+    budget: plan.Budget,
+    results: Results,
+    out_dir: Path,
+    gpu: str,
+) -> None:
+    """Every workload's curve on this deployment; results written after each curve."""
+
+    async def run() -> None:
+        endpoint = EndpointConfig(up.url, "")  # each request carries its own time limit
+        async with make_client(endpoint, settings.most + WARMUP) as client:
+            endpoint = replace(endpoint, model=await served_model(client))
+            for w in workloads:
+                end = budget.curve_end(time.monotonic())
+                ended = await _curve(client, endpoint, up, deployment, w, requests[w.name], settings, end, results)
+                results.curve(w.name, deployment, ended=ended)
+                budget.curve_done()
+                results.write(out_dir, gpu)
+
+    asyncio.run(run())
+
+
+async def _curve(
+    client: httpx.AsyncClient,
+    endpoint: EndpointConfig,
+    up: UpProcess,
+    deployment: str,
+    workload: Workload,
+    requests: list[BenchRequest],
+    settings: RunSettings,
+    end: float,
+    results: Results,
+) -> str:
+    """One deployment's curve for one workload, until the ladder is done or `end`; returns why it ended."""
+    metrics = list(up.metrics.values())
+    warm = [replace(r, output_len=min(r.output_len, WARMUP_OUTPUT), timeout_s=None) for r in requests[:WARMUP]]
+    records, _ = await run_point(client, endpoint, warm, LoadPoint("concurrency", 4))
+    results.curve(workload.name, deployment, warmup_failed=sum(not r.ok for r in records))
+    await wait_idle(client, metrics, DRAIN_S)
+    done: list[plan.Measured] = []
+    tail_s = max(r.timeout_s or 0.0 for r in requests[:WARMUP])  # the worst case, until a point is seen
+    while (rate := plan.next_rate(settings.ladder, done)) is not None:
+        if not up.alive():
+            raise RuntimeError(f"`pdserve up` ({deployment}) exited:\n{up.log_tail()}")
+        n = plan.requests_at(rate, settings.window_s, settings.least, settings.most)
+        if time.monotonic() + plan.point_estimate_s(n, rate, tail_s) > end:
+            return "time budget"
+        seed = settings.seed + round(rate * 1000)  # the same arrivals for both deployments at a rate
+        records, wall = await run_point(client, endpoint, requests[:n], LoadPoint("rate", rate), seed=seed)
+        tail_s = max(0.0, wall - arrival_times(n, rate, seed)[-1])
+        drained = await wait_idle(client, metrics, DRAIN_S)
+        entries = point_entries(deployment, rate, records, wall, settings.slos)
+        results.add_point(workload.name, entries, drained=drained)
+        done.append(plan.Measured(rate, entries["loose"]["attainment"], entries["tight"]["attainment"]))
+        print(
+            f"[goodput] {deployment} {workload.name} {rate:g} req/s x {n}: attainment "
+            f"loose {done[-1].loose:.0%} tight {done[-1].tight:.0%} ({wall:.1f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return "max points" if len(done) >= settings.ladder.max_points else "ladder done"
