@@ -20,7 +20,7 @@ lengths (bench/gpu/goodput_workloads.py). On a CPU (`--model tiny`, the default 
 tiny model and tiny lengths run the same code.
 
 Writes OUT/goodput_<gpu>.json and OUT/goodput_<gpu>.png after every curve; each deployment's
-`pdserve up --verbose` log goes to LOG_DIR. Run on two GPUs (about 9 minutes; `--quick` about 5):
+`pdserve up --verbose` log goes to LOG_DIR. Run on two GPUs (9-10 minutes; `--quick` about 5):
   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
     python -m bench.gpu.goodput --out bench/results
 """
