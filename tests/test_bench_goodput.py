@@ -231,6 +231,20 @@ def test_the_checkpoint_writer_at_a_small_shape(tmp_path: Path) -> None:
         write_llama8b_dir(tmp_path / "theirs", **shape)
 
 
+@pytest.mark.slow
+def test_a_deployment_that_cannot_start_is_an_error_with_its_log(tmp_path: Path) -> None:
+    from bench.gpu.goodput_up import UpProcess, node_env
+
+    missing = tmp_path / "no-such-model"
+    up = UpProcess("pd", up_argv("pd", missing, ["--device", "cpu"]), node_env(None), tmp_path / "pd.log")
+    with pytest.raises(RuntimeError, match="did not come up") as err, up:
+        up.start(timeout_s=60)
+    assert str(missing) in str(err.value)  # the nodes' complaint, from the log's tail
+    assert not up.alive()
+    r = subprocess.run(["pgrep", "-f", str(missing)], capture_output=True, text=True, timeout=10)
+    assert r.stdout.split() == []
+
+
 # ---- end to end on CPU --------------------------------------------------------------------------
 
 

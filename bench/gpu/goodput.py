@@ -37,6 +37,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from bench.gpu import goodput_plan as plan
 from bench.gpu.goodput_report import GOODPUT_DEFINITION, Results, summary_text
 from bench.gpu.goodput_run import RunSettings, measure_deployment
@@ -165,7 +167,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
                 results.deployment(dep, {"start_s": time.monotonic() - t0})
                 print(f"[goodput] {dep} up at {up.url} in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
                 measure_deployment(up, dep, workloads, requests, settings, budget, results, args.out, gpu)
-        except RuntimeError as e:  # one deployment failing leaves the other's results
+        except (RuntimeError, OSError, httpx.HTTPError) as e:  # one deployment failing leaves the other's results
             failed = True
             results.deployment(dep, {"error": str(e)[-2000:]})
             print(f"[goodput] {dep} failed: {e}", file=sys.stderr, flush=True)

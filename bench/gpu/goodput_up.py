@@ -70,6 +70,7 @@ class UpProcess:
         self.proc: subprocess.Popen[str] | None = None
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._log: IO[str] | None = None
+        self._children: list[psutil.Process] = []  # router and nodes, as seen once it was up
 
     def __enter__(self) -> UpProcess:
         return self
@@ -103,6 +104,7 @@ class UpProcess:
                 self.url = m.group(1)
             elif m := _METRICS.match(line):
                 self.metrics[m.group(1)] = m.group(2)
+        self._children = _descendants(self.proc.pid)  # kept: if it dies, its children are orphans
         return self.url
 
     def _pump(self) -> None:
@@ -125,10 +127,7 @@ class UpProcess:
         proc = self.proc
         if proc is None:
             return
-        try:
-            started = psutil.Process(proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            started = []
+        started = {c.pid: c for c in [*self._children, *_descendants(proc.pid)]}.values()
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             try:
@@ -136,7 +135,7 @@ class UpProcess:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
-        _, alive = psutil.wait_procs(started, timeout=10)
+        _, alive = psutil.wait_procs(list(started), timeout=10)
         for child in alive:
             try:
                 child.kill()
@@ -145,7 +144,15 @@ class UpProcess:
         psutil.wait_procs(alive, timeout=10)
         if self._log is not None:
             self._log.close()
+            self._log = None
         self.proc = None
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
 
 
 async def busy_requests(client: httpx.AsyncClient, metrics_urls: Sequence[str]) -> int:
