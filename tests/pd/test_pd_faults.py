@@ -126,8 +126,8 @@ def test_killed_prefill_fails_the_decode_request_and_frees_its_reservation(tiny_
     prefill = _prefill(tiny_llama_dir, boot).wait_ready(120)
     decode = _decode(tiny_llama_dir, "--heartbeat-interval", "0.5", "--waiting-timeout", "30")
     try:
-        d = stub(decode.ports["scheduler"])
-        list(pd_generate(stub(prefill.ports["scheduler"]), d, request("warm", IDS, 8, boot))[0])
+        p, d = stub(prefill.ports["scheduler"]), stub(decode.ports["scheduler"])
+        list(pd_generate(p, d, request("warm", IDS, 8, boot))[0])
         box: dict = {}
 
         def orphan() -> None:  # the router's prefill leg never arrives: the decode waits for KV
@@ -139,6 +139,9 @@ def test_killed_prefill_fails_the_decode_request_and_frees_its_reservation(tiny_
         t = threading.Thread(target=orphan)
         t.start()
         wait_until(lambda: _transfers(d), 30, "the orphan's destination sent to the prefill")
+        # the prefill holds it (its ack may still be on the wire; a kill then fails the send, not the wait)
+        wait_until(lambda: load(p).disaggregation.prefill_prealloc_queue_reqs, 30, "the destination at the prefill")
+        time.sleep(0.5)
         prefill.kill()
         start = time.monotonic()
         t.join(30)
