@@ -168,11 +168,17 @@ class EngineConfig:
     # with cuda_graph_max_bs > 0 off CUDA: run those forwards through the graphs' padded static
     # buffers without capturing (the CPU test path of the graph code)
     cuda_graph_padded_eager: bool = False
+    # Running requests come first and prompt chunks alternate with decode steps, sized to keep
+    # this time per output token (engine/scheduler/tpot_guard.py); a decode node running prompts
+    # itself sets it. None: prompts first, in chunks of chunked_prefill_size.
+    tpot_guard_ms: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_total_tokens", "max_running", "chunked_prefill_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tpot_guard_ms is not None and self.tpot_guard_ms < 0:
+            raise ValueError(f"tpot_guard_ms must be >= 0, got {self.tpot_guard_ms}")
         check_fraction(self.mem_fraction_static)
         check_device(self.device)
 

@@ -25,6 +25,8 @@ from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import BatchPolicy, PolicyConfig, RequestUpdate, Scheduler, SchedulerConfig
+from engine.scheduler.rates import NodeRates
+from engine.scheduler.tpot_guard import TpotGuard
 from engine.scheduler.updates import SchedulerIO
 from common.detokenize import TextAssembler
 from common.tokenizer import Tokenizer
@@ -148,14 +150,19 @@ class Engine:
         maybe_enable_cuda_graphs(runner, config.cuda_graph_max_bs, config.cuda_graph_padded_eager)
         if self.executor.kv_tokens_per_decode() > MAX_DECODE_WINDOW:
             raise ValueError(f"a decode step may not write more than {MAX_DECODE_WINDOW} tokens")
+        self.rates = NodeRates()
+        guard = None
+        if config.tpot_guard_ms:
+            guard = TpotGuard(config.tpot_guard_ms / 1000, self.rates, config.chunked_prefill_size)
         policy = BatchPolicy(
             PolicyConfig(config.max_running, config.chunked_prefill_size, max_context_len=self.max_context_len),
             self.kv,
             self.executor,
+            guard,
         )
         self.io: SchedulerIO = io or _LocalIO()
         stops = SchedulerConfig(mc.eos_token_ids, self.max_context_len, config.overlap, config.future_map_debug)
-        self.scheduler = Scheduler(policy, self.executor, self.io, stops, self.algorithm)
+        self.scheduler = Scheduler(policy, self.executor, self.io, stops, self.algorithm, self.rates)
         if config.cuda_graph_max_bs > 0:  # after the scheduler bound the FutureMap graphs read
             self.executor.capture_cuda_graphs()  # at start-up, so first requests do not pay for captures
 

@@ -10,6 +10,7 @@ from common.defaults import DEFAULT_CHUNKED_PREFILL_SIZE, DEFAULT_MAX_RUNNING
 from engine.core import Batch, DecodePlan, ForwardMode, Req, ReqState
 from engine.kv_cache import KVCacheManager
 from engine.page_allocator import OutOfPages
+from engine.scheduler.tpot_guard import TpotGuard
 
 ReqHook = Callable[[Req], None]
 
@@ -40,13 +41,23 @@ class PolicyConfig:
 class BatchPolicy:
     """Prefill first (new and partially prefilled requests), otherwise one decode step for all.
 
+    With a TPOT guard (a decode node that also runs prompts) decoding requests come first: prompt
+    chunks sized by the guard alternate with decode steps, so a prompt never stalls decoding for
+    longer than the guard allows.
+
     Admission reserves pages for a request's whole remaining prompt plus a decode reserve, so a
     chunked prefill never stalls halfway for lack of pages; decode grows pages step by step and
     retracts the newest request when the pool runs dry.
     """
 
-    def __init__(self, cfg: PolicyConfig, kv: KVCacheManager, planner: DecodePlanner) -> None:
-        self.cfg, self.kv, self.planner = cfg, kv, planner
+    def __init__(
+        self, cfg: PolicyConfig, kv: KVCacheManager, planner: DecodePlanner, guard: TpotGuard | None = None
+    ) -> None:
+        self.cfg, self.kv, self.planner, self.guard = cfg, kv, planner, guard
+        self._chunk_ran = False  # the last batch was a prompt chunk (the guard's alternation)
+        # prompt tokens queued and not computed yet (waiting requests, unfinished chunks), as of
+        # the last prompt batch formed; load reports read it from other threads
+        self.queued_prompt_tokens = 0
         self.kv_tokens_per_decode = planner.kv_tokens_per_decode()
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admitted: prefilling or decoding, in admission order
@@ -58,10 +69,19 @@ class BatchPolicy:
         solo = self._solo_batch(on_admit, on_retract)
         if solo is not None:
             return solo
-        batch = self._prefill_batch(on_admit)
+        decoding = self._decoding()
+        budget = self.cfg.chunked_prefill_size
+        if self.guard is not None and decoding:
+            if self._chunk_ran:  # a decode step between two prompt chunks
+                self._chunk_ran = False
+                return self._decode_batch(on_retract, decoding)
+            budget = self.guard.chunk_tokens(len(decoding))
+        batch = self._prefill_batch(on_admit, budget)
         if batch is not None:
+            self._chunk_ran = True
             return batch
-        return self._decode_batch(on_retract, self._decoding())
+        self._chunk_ran = False
+        return self._decode_batch(on_retract, decoding)
 
     def _solo_batch(self, on_admit: ReqHook, on_retract: ReqHook) -> Batch | None:
         """A request under suspicion (engine.scheduler isolates the members of a failed batch)
@@ -85,18 +105,19 @@ class BatchPolicy:
         return None
 
     # ---- prefill ----
-    def _prefill_batch(self, on_admit: ReqHook) -> Batch | None:
-        budget = self.cfg.chunked_prefill_size
+    def _prefill_batch(self, on_admit: ReqHook, budget: int) -> Batch | None:
         reqs: list[Req] = []
         lens: list[int] = []
+        queued = sum(r.num_uncomputed for r in self.waiting)
         for req in self.running:  # continue chunked prefills first
-            if budget <= 0:
-                break
             if req.needs_extend:
-                n = min(req.num_uncomputed, budget)
-                reqs.append(req)
-                lens.append(n)
-                budget -= n
+                queued += req.num_uncomputed
+                if budget > 0:
+                    n = min(req.num_uncomputed, budget)
+                    reqs.append(req)
+                    lens.append(n)
+                    budget -= n
+        self.queued_prompt_tokens = queued
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
             req = self.waiting[0]
             if req.solo or not self._try_admit(req):  # a suspect is admitted alone (_solo_batch)

@@ -25,6 +25,7 @@ from engine.device_event import DeviceEvent
 from engine.scheduler.inflight import mark_launched, unmark_launched
 from engine.scheduler.kv_progress import KVProgress, needs_fence, record_fence
 from engine.scheduler.policy import BatchPolicy
+from engine.scheduler.rates import NodeRates
 from engine.scheduler.stats import DurationHistogram, LaunchTimes
 from engine.scheduler.updates import RequestUpdate, SchedulerIO
 
@@ -50,6 +51,7 @@ class SchedulerConfig:
 class _Launched:
     batch: Batch
     handle: Any
+    at: float  # perf_counter at launch
 
 
 class Scheduler:
@@ -62,10 +64,13 @@ class Scheduler:
         io: SchedulerIO,
         config: SchedulerConfig,
         algorithm: EngineAlgorithm | None = None,
+        rates: NodeRates | None = None,
     ) -> None:
         """`algorithm` builds the FutureMap (plain decoding's when None); the KV pool is the
-        policy's."""
+        policy's; `rates` receives every batch's timing (the policy's TPOT guard may read it)."""
         self.policy, self.executor, self.io, self.kv = policy, executor, io, policy.kv
+        self.rates = rates if rates is not None else NodeRates()
+        self._last_done = 0.0  # perf_counter when the last batch's results reached the host
         self.eos_token_ids = frozenset(config.eos_token_ids)
         self.max_context_len = config.max_context_len
         self.future_map = self._init_overlap(algorithm or PlainDecoding(), config.overlap, config.future_map_debug)
@@ -178,6 +183,7 @@ class Scheduler:
                 self._abandon(batch)
                 return self._isolate(batch, e)
             self.launch_time.observe(batch.mode, time.perf_counter() - t0)
+            self._time(batch, out, t0)
             updates = self._complete(batch, out)
             if needs_fence(batch):
                 updates += self._chunk_progress(batch, record_fence(device))
@@ -194,7 +200,7 @@ class Scheduler:
             # so the last chunk's pages would leave only as the prompt ends.
             self.io.publish(self._chunk_progress(batch, record_fence(device)))
         updates = self._collect_inflight()
-        self._inflight = _Launched(batch, handle)
+        self._inflight = _Launched(batch, handle, t0)
         return updates
 
     def _chunk_progress(self, batch: Batch, fence: DeviceEvent) -> list[RequestUpdate]:
@@ -217,7 +223,16 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - isolated below: only its cause fails
             self._abandon(launched.batch)
             return self._isolate(launched.batch, e)
+        self._time(launched.batch, out, launched.at)
         return self._complete(launched.batch, out)  # its KV progress went out at launch
+
+    def _time(self, batch: Batch, out: StepOutput, launched_at: float) -> None:
+        """Charge the batch the time from its launch, or from the previous batch's end when it
+        queued behind it on the device, to its results reaching the host."""
+        now = time.perf_counter()
+        seconds, self._last_done = now - max(launched_at, self._last_done), now
+        tokens = batch.num_tokens if batch.mode is ForwardMode.EXTEND else sum(len(t) for t in out.tokens)
+        self.rates.observe(batch.mode, len(batch.reqs), tokens, seconds)
 
     def _isolate(self, batch: Batch, err: Exception) -> list[RequestUpdate]:
         """A step failed. A request alone in its batch is the cause: it fails, and only it. In

@@ -1,0 +1,157 @@
+"""Measured speed of this node: prompt tokens/s, decode step time by batch size, tokens per step.
+
+The scheduler times every batch from launch (or the previous batch's end, whichever is later) to
+the moment its results are on the host, so with overlap on each batch is charged only its own
+device time. The figures feed the TPOT guard (engine/scheduler/tpot_guard.py), the load report
+the router decides each request's prefill path from, and the sizing gauges.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from engine.core import ForwardMode
+
+# Each observation keeps this share of what came before: recent batches dominate, one odd batch
+# (a first-touch compile, a tiny probe) fades within a few dozen.
+DECAY = 0.9
+# Batch sizes are bucketed by powers of two: decode step time grows slowly with batch size.
+MAX_BUCKET = 1 << 12
+RATE_WINDOW_S = 10.0
+
+
+def bucket(batch_size: int) -> int:
+    """The power of two at or above `batch_size` (1, 2, 4, ...)."""
+    return 1 << max(0, batch_size - 1).bit_length()
+
+
+class _Decayed:
+    """A ratio of exponentially decayed sums (e.g. tokens over seconds)."""
+
+    __slots__ = ("num", "den")
+
+    def __init__(self) -> None:
+        self.num = self.den = 0.0
+
+    def add(self, num: float, den: float) -> None:
+        self.num = self.num * DECAY + num
+        self.den = self.den * DECAY + den
+
+    def ratio(self) -> float:
+        return self.num / self.den if self.den > 0 else 0.0
+
+
+class RecentRate:
+    """Events per second over the last `window_s` seconds (per-second bins)."""
+
+    def __init__(self, window_s: float = RATE_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._bins: deque[list[float]] = deque()  # [second, count]
+        self._start = time.monotonic()
+
+    def add(self, count: float, now: float | None = None) -> None:
+        second = float(int(now if now is not None else time.monotonic()))
+        if self._bins and self._bins[-1][0] == second:
+            self._bins[-1][1] += count
+        else:
+            self._bins.append([second, count])
+        self._trim(second)
+
+    def per_second(self, now: float | None = None) -> float:
+        now = now if now is not None else time.monotonic()
+        self._trim(now)
+        span = min(self.window_s, max(1.0, now - self._start))
+        return sum(c for _, c in list(self._bins)) / span
+
+    def _trim(self, now: float) -> None:
+        while self._bins and self._bins[0][0] <= now - self.window_s:
+            self._bins.popleft()
+
+
+class NodeRates:
+    """What this node's batches measured; written by the scheduler thread, read by any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._prefill = _Decayed()  # prompt tokens / seconds of prompt batches
+        self._steps: dict[int, _Decayed] = {}  # bucket -> seconds / decode steps
+        self._per_step = _Decayed()  # tokens a request gains / decode steps
+        self._decode_tokens = RecentRate()  # demand served: tokens emitted, prompt tokens computed
+        self._prompt_tokens = RecentRate()
+
+    def observe(self, mode: ForwardMode, batch_size: int, tokens: int, seconds: float) -> None:
+        """One batch: its mode, requests, tokens (computed prompt tokens, or tokens emitted by a
+        decode step) and the device seconds it took."""
+        if seconds <= 0 or batch_size <= 0:
+            return
+        with self._lock:
+            if mode is ForwardMode.EXTEND:
+                self._prefill.add(tokens, seconds)
+                self._prompt_tokens.add(tokens)
+            elif mode is ForwardMode.DECODE:
+                self._steps.setdefault(min(bucket(batch_size), MAX_BUCKET), _Decayed()).add(seconds, 1.0)
+                self._per_step.add(tokens / batch_size, 1.0)
+                self._decode_tokens.add(tokens)
+
+    def prefill_tokens_per_s(self) -> float:
+        """Prompt tokens per second of computing prompts (0: none measured)."""
+        with self._lock:
+            return self._prefill.ratio()
+
+    def recent_decode_tokens_per_s(self) -> float:
+        """Tokens emitted per second over the last few seconds."""
+        with self._lock:
+            return self._decode_tokens.per_second()
+
+    def recent_prompt_tokens_per_s(self) -> float:
+        """Prompt tokens computed per second over the last few seconds."""
+        with self._lock:
+            return self._prompt_tokens.per_second()
+
+    def decode_tokens_per_step(self) -> float:
+        """Tokens a request gains per decode step: 1 plain, the accept length speculative (0: unknown)."""
+        with self._lock:
+            return self._per_step.ratio()
+
+    def step_times(self) -> dict[int, float]:
+        """Measured decode step seconds by batch-size bucket."""
+        with self._lock:
+            return {b: d.ratio() for b, d in sorted(self._steps.items())}
+
+    def decode_step_s(self, batch_size: int) -> float | None:
+        """Decode step seconds at `batch_size`: linear between the measured buckets around it,
+        extended along the last two beyond them (None: nothing measured)."""
+        return interpolate(self.step_times(), batch_size)
+
+    def decode_capacity_tokens_per_s(self, max_running: int) -> float:
+        """Decode tokens/s at `max_running` requests, from the step-time line (0: unknown)."""
+        step, per_step = self.decode_step_s(max_running), self.decode_tokens_per_step()
+        return max_running * per_step / step if step and per_step else 0.0
+
+    def snapshot(self, max_running: int) -> dict[str, object]:
+        """The figures a load report carries (the router's `perf`)."""
+        return {
+            "prefill_tokens_per_s": self.prefill_tokens_per_s(),
+            "decode_step_s": {str(b): s for b, s in self.step_times().items()},
+            "decode_tokens_per_step": self.decode_tokens_per_step(),
+            "decode_capacity_tokens_per_s": self.decode_capacity_tokens_per_s(max_running),
+        }
+
+
+def interpolate(points: dict[int, float], x: int) -> float | None:
+    """Piecewise-linear through `points` (x -> y), extended along the last two past the largest;
+    below the smallest, its y (a smaller batch's step is no slower: an upper bound)."""
+    if not points:
+        return None
+    xs = sorted(points)
+    if len(xs) == 1 or x <= xs[0]:
+        return points[xs[0]]
+    if x >= xs[-1]:
+        lo, hi = xs[-2], xs[-1]
+    else:
+        hi = next(b for b in xs if b >= x)
+        lo = xs[xs.index(hi) - 1]
+    slope = (points[hi] - points[lo]) / (hi - lo)
+    return max(0.0, points[lo] + slope * (x - lo))

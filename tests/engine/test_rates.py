@@ -1,0 +1,50 @@
+"""Node rates: batch-size buckets, the step-time line, decayed ratios and recent per-second rates."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.core import ForwardMode
+from engine.scheduler.rates import NodeRates, RecentRate, bucket, interpolate
+
+
+def test_buckets_are_powers_of_two_at_or_above():
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 100)] == [1, 2, 4, 4, 8, 8, 16, 128]
+
+
+def test_step_time_is_linear_between_and_beyond_the_measured_sizes():
+    points = {1: 0.010, 4: 0.013, 16: 0.025}
+    assert interpolate({}, 3) is None
+    assert interpolate({8: 0.02}, 100) == 0.02
+    assert interpolate(points, 2) == pytest.approx(0.011)
+    assert interpolate(points, 10) == pytest.approx(0.019)
+    assert interpolate(points, 32) == pytest.approx(0.041)  # along the last two
+    assert interpolate({2: 0.01, 4: 0.03}, 1) == 0.01  # below the smallest: its time, an upper bound
+    assert interpolate({2: 0.03, 4: 0.01}, 64) == 0.0  # never negative
+
+
+def test_rates_follow_recent_batches():
+    rates = NodeRates()
+    assert rates.prefill_tokens_per_s() == 0 and rates.decode_step_s(4) is None
+    rates.observe(ForwardMode.EXTEND, 2, 1000, 0.1)
+    assert rates.prefill_tokens_per_s() == pytest.approx(10_000)
+    for _ in range(50):  # the node got faster: old batches fade
+        rates.observe(ForwardMode.EXTEND, 2, 2000, 0.1)
+    assert rates.prefill_tokens_per_s() == pytest.approx(20_000, rel=0.01)
+    rates.observe(ForwardMode.DECODE, 4, 10, 0.02)  # 2.5 tokens per request per step
+    rates.observe(ForwardMode.DECODE, 16, 40, 0.04)
+    assert rates.step_times() == {4: pytest.approx(0.02), 16: pytest.approx(0.04)}
+    assert rates.decode_tokens_per_step() == pytest.approx(2.5)
+    # at 64 requests: a step of 0.02 + 60 * 0.02 / 12 s, 2.5 tokens each
+    assert rates.decode_capacity_tokens_per_s(64) == pytest.approx(64 * 2.5 / 0.12)
+    rates.observe(ForwardMode.DECODE, 4, 10, 0.0)  # an untimed batch changes nothing
+    assert rates.step_times()[4] == pytest.approx(0.02)
+
+
+def test_recent_rate_counts_the_window_only():
+    r = RecentRate(window_s=10)
+    r._start = 0.0
+    for t in range(20):
+        r.add(100, now=float(t))
+    assert r.per_second(now=19.5) == pytest.approx(100 * 10 / 10)
+    assert r.per_second(now=40.0) == 0.0
