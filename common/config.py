@@ -23,6 +23,7 @@ from common.defaults import (
     DEFAULT_FIRST_TOKEN_TIMEOUT,
     DEFAULT_HEARTBEAT_INTERVAL,
     DEFAULT_INTER_TOKEN_TIMEOUT,
+    DEFAULT_LOCAL_PREFILL_TPOT_MS,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_RUNNING,
     DEFAULT_MEM_FRACTION_STATIC,
@@ -235,6 +236,11 @@ class DecodeRole:
     connect_attempts: int = opt(DEFAULT_CONNECT_ATTEMPTS, "Handshake attempts per prefill.")
     connect_timeout: float = opt(DEFAULT_CONNECT_TIMEOUT, "Total seconds to reach a prefill.")
     heartbeat_interval: float = opt(DEFAULT_HEARTBEAT_INTERVAL, "Seconds between prefill health checks.")
+    local_prefill_tpot_ms: float = opt(
+        DEFAULT_LOCAL_PREFILL_TPOT_MS,
+        "Prompts sent here without a prefill (the router's local path) run in chunks between decode "
+        "steps, keeping running requests within this time per output token; 0 refuses them.",
+    )
     metrics_port: Optional[int] = opt(None, "Serve Prometheus /metrics on this port (0: any free).")
 
 

@@ -81,3 +81,7 @@ __all__ = [
     "check_rows_place",
     "check_sgl_mode",
 ]
+
+# A decode node runs prompts the router sends it without a prefill (its local path) in chunks
+# alternating with decode steps, keeping its running requests within this time per output token.
+DEFAULT_LOCAL_PREFILL_TPOT_MS = 25.0

@@ -1,5 +1,6 @@
 """Decode Generate: reserve pages + a handoff row, send the destination, wait for the write,
-check the room echo, rebuild the draft input, join the running batch and stream tokens."""
+check the room echo, rebuild the draft input, join the running batch and stream tokens; or, for a
+request with no bootstrap (the router's local path), run its prompt here, between decode steps."""
 
 from __future__ import annotations
 
@@ -49,9 +50,10 @@ class DecodeHandler:
         waiter: CompletionWaiter,
         binding: AlgorithmBinding,
         timeouts: DecodeTimeouts,
+        local_prefill: bool = True,
     ) -> None:
         self.pd, self.endpoint, self.peers, self.waiter = pd, endpoint, peers, waiter
-        self.binding, self.timeouts = binding, timeouts
+        self.binding, self.timeouts, self.local_prefill = binding, timeouts, local_prefill
         self.pending = InFlight(pd, endpoint.rows, waiter, quarantine_s=timeouts.waiting_timeout)
         self._aborting: set[asyncio.Future[None]] = set()  # AbortRoom calls under way
 
@@ -62,13 +64,22 @@ class DecodeHandler:
         params = convert.sampling_params(request, pd.max_context_len)
         req = pd.make_request(list(request.tokenized.input_ids), params, request.request_id or None)
         dp = request.disaggregated_params
-        if not dp.bootstrap_host:
-            raise InvalidRequest("a decode node needs disaggregated_params.bootstrap_host")
+        stream = RequestStream(pd, req, request.stream, pd.tokenizer, pd.eos_token_ids)
+        if not dp.bootstrap_host:  # local prefill: the engine runs the prompt between decode steps
+            if not self.local_prefill:
+                raise InvalidRequest(
+                    "this decode node does not run prompts itself (--local-prefill-tpot-ms 0): "
+                    "send disaggregated_params.bootstrap_host"
+                )
+            self.pending.begin_local(req)
+            pd.submit(req, stream.on_update)
+            async for resp in stream.responses():
+                yield resp
+            return
         if self.pending.room_in_use(dp.bootstrap_room):
             raise InvalidRequest(f"bootstrap_room {dp.bootstrap_room} is already in use on this decode node")
         dr = self.pending.begin(req, dp.bootstrap_room)
         bootstrap = (dp.bootstrap_host, dp.bootstrap_port or DEFAULT_BOOTSTRAP_PORT)
-        stream = RequestStream(pd, req, request.stream, pd.tokenizer, pd.eos_token_ids)
         try:
             dr.peer = await self.peers.get(*bootstrap)
             await self._reserve(dr)

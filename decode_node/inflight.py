@@ -32,6 +32,7 @@ from decode_node.completion import CompletionWaiter
 from engine.core import InvalidRequest, Req
 from engine.disagg import DisaggEngine
 from engine.kv_transfer import HandoffRows
+from engine.service.stream import RequestFailed
 from engine.service.tombstones import Tombstones
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,15 @@ class InFlight:
             dr.aborted.set()
         self.live[req.rid] = dr
         return dr
+
+    def begin_local(self, req: Req) -> None:
+        """A prompt this node runs itself goes straight to the engine, which owns it from then on;
+        an abort that overtook it ends it here."""
+        if req.rid in self.live or self.pd.in_flight(req.rid):
+            raise InvalidRequest(f"request id {req.rid!r} is already in flight on this node")
+        reason = self._tombstones.pop(req.rid)
+        if reason is not None:
+            raise RequestFailed(f"aborted before it arrived: {reason}", "aborted")
 
     def room_in_use(self, room: int) -> bool:
         return any(d.room == room and d.stage >= Stage.SENT for d in self.live.values()) or room in self.quarantined

@@ -22,8 +22,16 @@ class DecodeRole:
 
     name = "decode"
 
-    def __init__(self, transport: str, timeouts: DecodeTimeouts, policy: PeerPolicy, rows_at: str = "kv") -> None:
+    def __init__(
+        self,
+        transport: str,
+        timeouts: DecodeTimeouts,
+        policy: PeerPolicy,
+        rows_at: str = "kv",
+        local_prefill_tpot_ms: float = 0.0,
+    ) -> None:
         self.transport, self.timeouts, self.policy, self.rows_at = transport, timeouts, policy, rows_at
+        self.local_prefill_tpot_ms = local_prefill_tpot_ms  # 0: prompts without a prefill are refused
         self._pump: asyncio.Task[None] | None = None
 
     def attach(self, loop: EngineLoop, binding: Any, host: str) -> RoleParts:
@@ -41,7 +49,8 @@ class DecodeRole:
         )
         self.waiter = CompletionWaiter(endpoint.transport)
         peers = PeerManager(endpoint, self.policy, on_dead=self.waiter.fail_peer)
-        handler = DecodeHandler(pd, endpoint, peers, self.waiter, binding, self.timeouts)
+        local = self.local_prefill_tpot_ms > 0
+        handler = DecodeHandler(pd, endpoint, peers, self.waiter, binding, self.timeouts, local_prefill=local)
         return RoleParts(
             handler,
             info_role="decode",

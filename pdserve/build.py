@@ -174,8 +174,11 @@ def limit_cpu_threads(device: str) -> None:
         torch.set_num_threads(1)
 
 
-def build_node(engine: EngineOptions, spec: SpeculativeOptions) -> tuple[Engine, AlgorithmBinding]:
-    """Load the engine for a node (threaded scheduler IO); returns (engine, algorithm binding)."""
+def build_node(
+    engine: EngineOptions, spec: SpeculativeOptions, tpot_guard_ms: float | None = None
+) -> tuple[Engine, AlgorithmBinding]:
+    """Load the engine for a node (threaded scheduler IO; `tpot_guard_ms`: a decode node's guard
+    for the prompts it runs itself); returns (engine, algorithm binding)."""
     from engine.engine import Engine
     from engine.loop import ThreadedIO
 
@@ -184,4 +187,5 @@ def build_node(engine: EngineOptions, spec: SpeculativeOptions) -> tuple[Engine,
     check_device(engine.device)
     limit_cpu_threads(engine.device)
     choice, binding = choose_model(engine.model, engine.dtype, engine.device, spec)
-    return Engine(engine_config(engine, choice), algorithm=binding, io=ThreadedIO()), binding
+    config = dataclasses.replace(engine_config(engine, choice), tpot_guard_ms=tpot_guard_ms)
+    return Engine(config, algorithm=binding, io=ThreadedIO()), binding

@@ -41,6 +41,7 @@ def _run(
     host: str,
     port: int,
     metrics_port: int | None,
+    tpot_guard_ms: float | None = None,
 ) -> None:
     """Run a node through engine.service.node.run_node; expected failures are one line and exit 2."""
     import asyncio
@@ -54,7 +55,7 @@ def _run(
         asyncio.run(
             run_node(
                 role,
-                lambda: build_node(engine, spec),
+                lambda: build_node(engine, spec, tpot_guard_ms),
                 host,
                 port,
                 metrics_port,
@@ -123,9 +124,16 @@ def register(app: typer.Typer) -> None:
             connect_timeout=role.connect_timeout,
             heartbeat_interval=role.heartbeat_interval,
         )
+        local = role.local_prefill_tpot_ms
+        if local < 0:
+            fail(ValueError(f"--local-prefill-tpot-ms must be >= 0, got {local:g}"))
         _run(
             Decode(
-                role.kv_transport, DecodeTimeouts(waiting_timeout=role.waiting_timeout), policy, role.kv_handoff_rows
+                role.kv_transport,
+                DecodeTimeouts(waiting_timeout=role.waiting_timeout),
+                policy,
+                role.kv_handoff_rows,
+                local_prefill_tpot_ms=local,
             ),
             engine,
             spec,
@@ -133,6 +141,7 @@ def register(app: typer.Typer) -> None:
             role.host,
             role.port,
             role.metrics_port,
+            tpot_guard_ms=local or None,
         )
 
     @app.command()

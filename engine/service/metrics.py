@@ -128,6 +128,50 @@ class EngineCollector(Collector):
             eng.load_seconds,
         )
         yield from self._speculative()
+        yield from self._rates()
+
+    def _rates(self) -> Iterator[Metric]:
+        """Load against capacity, for sizing the prefill and decode tiers (engine/scheduler/rates.py)."""
+        eng, role = self.engine, self.role
+        rates = eng.rates
+        yield _gauge(
+            "pdserve_node_waiting_prompt_tokens",
+            "Prompt tokens queued and not computed yet (waiting requests and unfinished chunks)",
+            role,
+            eng.scheduler.policy.queued_prompt_tokens,
+        )
+        yield _gauge(
+            "pdserve_node_prefill_capacity_tokens_per_second",
+            "Measured prompt tokens per second of computing prompts (0: none measured yet)",
+            role,
+            rates.prefill_tokens_per_s(),
+        )
+        yield _gauge(
+            "pdserve_node_decode_capacity_tokens_per_second",
+            "Decode tokens per second at --max-running requests, from the measured step times (0: unknown)",
+            role,
+            rates.decode_capacity_tokens_per_s(eng.config.max_running),
+        )
+        yield _gauge(
+            "pdserve_node_prompt_tokens_per_second",
+            "Prompt tokens computed per second over the last 10 s",
+            role,
+            rates.recent_prompt_tokens_per_s(),
+        )
+        yield _gauge(
+            "pdserve_node_decode_tokens_per_second",
+            "Tokens emitted by decode steps per second over the last 10 s",
+            role,
+            rates.recent_decode_tokens_per_s(),
+        )
+        steps = GaugeMetricFamily(
+            "pdserve_node_decode_step_seconds",
+            "Measured decode step time by batch-size bucket (a power of two at or above the batch size)",
+            labels=["role", "batch_size"],
+        )
+        for size, seconds in rates.step_times().items():
+            steps.add_metric([role, str(size)], seconds)
+        yield steps
 
     def _pd_queues(self) -> Iterator[Metric]:
         disagg = self.handler.disaggregation_metrics() if self.handler is not None else None

@@ -118,7 +118,9 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetServerInfoResponse:
         args = struct_pb2.Struct()
-        args.update({**self.info.server_args, "disaggregation_mode": self.info.role})
+        args.update({**self.info.server_args, "disaggregation_mode": self.info.role, "perf": self._perf()})
+        if self.info.role == "decode":  # it runs prompts sent without a prefill (the router's local path)
+            args.update({"local_prefill": bool(self.loop.engine.config.tpot_guard_ms)})
         if self.info.pairing_protocol:
             args.update({"pairing_protocol": self.info.pairing_protocol})
         sched = self.loop.engine.scheduler
@@ -130,6 +132,14 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             uptime_seconds=time.time() - self.info.started,
             max_total_num_tokens=self.loop.engine.kv.allocator.total * self.loop.engine.kv.page_size,
         )
+
+    def _perf(self) -> dict[str, Any]:
+        """What this node measured of its own speed (engine/scheduler/rates.py), and its TPOT guard:
+        the router decides each request's prefill path from these."""
+        config = self.loop.engine.config
+        perf = self.loop.engine.rates.snapshot(config.max_running)
+        perf["tpot_guard_s"] = config.tpot_guard_ms / 1000 if config.tpot_guard_ms else None
+        return perf
 
     async def GetLoads(self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext) -> pb.GetLoadsResponse:
         eng = self.loop.engine
@@ -145,6 +155,8 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             max_total_num_tokens=total,
             token_usage=used / max(total, 1),
             max_running_requests=eng.config.max_running,
+            num_waiting_uncached_tokens=policy.queued_prompt_tokens,
+            gen_throughput=eng.rates.recent_decode_tokens_per_s(),
         )
         stats = eng.executor.spec_stats()
         if stats is not None:

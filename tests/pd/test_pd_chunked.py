@@ -11,7 +11,7 @@ import pytest
 
 from engine.kv_transfer import nixl_available
 from fixtures.tiny_eagle import write_tiny_eagle_head
-from fixtures.pdkit import pd_generate, request, start_pair, stub, wait_idle
+from fixtures.pdkit import Legs, local_request, pd_generate, request, start_pair, stub, wait_idle
 from tests.pd.test_pd_metrics import scrape
 from fixtures.procs import Node
 
@@ -64,6 +64,20 @@ def test_chunk_writes_overlap_the_prompt_and_keep_pd_equal_to_colocated(tiny_lla
         assert m[("pdserve_kv_write_pages_total", kind("final"))] <= len(PROMPTS) * (CHUNK // PAGE + 1)
         assert m[("pdserve_kv_handoff_tail_seconds_count", ())] == len(PROMPTS)
         assert ("one scatter-gather list" in "\n".join(prefill.lines)) == bool(spec)
+        # the decode node runs the same prompts itself, in chunks between the decode steps of a
+        # PD request in flight: the same tokens and acceptance
+        background = Legs(request("bg", PROMPTS[0], 600, boot, max_new=200), prefill=p, decode=d, timeout=120)
+        for i, ids in enumerate(PROMPTS):
+            want = list(c.Generate(request(f"c{i}", ids, 0, 0, max_new=16), timeout=60))[-1].complete
+            local = list(d.Generate(local_request(f"local{i}", ids, max_new=16), timeout=60))[-1].complete
+            assert list(local.output_ids) == list(want.output_ids), ("local", i)
+            assert (local.spec_accepted_tokens, local.spec_draft_tokens) == (
+                want.spec_accepted_tokens,
+                want.spec_draft_tokens,
+            ), ("local", i)
+        assert background.join(120)["d"][-1].HasField("complete")
+        wait_idle(p)
+        wait_idle(d)
     finally:
         for n in (colo, prefill, decode):
             n.kill()

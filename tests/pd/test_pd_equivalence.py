@@ -1,6 +1,7 @@
 """PD output equals colocated output (real processes, real NIXL over UCX), with and without
-speculation (built-ins, the bundled n-gram plugin and the out-of-tree STANDALONE plugin);
-acceptance in PD equals colocated; every page returns to both pools."""
+speculation (built-ins, the bundled n-gram plugin and the out-of-tree STANDALONE plugin), on
+both paths: the prefill node's, and the decode node running the prompt itself; acceptance equals
+colocated's; every page returns to both pools."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import importlib.util
 from engine.kv_transfer import nixl_available
 from fixtures.tiny_eagle import write_tiny_eagle_head
 from fixtures.tiny_model import write_tiny_model
-from fixtures.pdkit import pd_generate, request, start_pair, stub, wait_idle
+from fixtures.pdkit import local_request, pd_generate, request, start_pair, stub, wait_idle
 from fixtures.procs import Node
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")]
@@ -59,6 +60,12 @@ def test_pd_equals_colocated(models, mode):
                 want.spec_draft_tokens,
             ), (mode, i)
             assert list(box["p"][-1].complete.output_ids) == [want.output_ids[0]]
+            local = list(d.Generate(local_request(f"local{i}", ids, max_new=24), timeout=60))[-1].complete
+            assert list(local.output_ids) == list(want.output_ids), (mode, i, "local")
+            assert (local.spec_accepted_tokens, local.spec_draft_tokens) == (
+                want.spec_accepted_tokens,
+                want.spec_draft_tokens,
+            ), (mode, i, "local")
         streamed, _ = pd_generate(p, d, request("s", PROMPTS[0], 999, boot, max_new=24, stream=True))
         tokens = [t for r in streamed if r.HasField("chunk") for t in r.chunk.token_ids]
         assert tokens == list(streamed[-1].complete.output_ids)

@@ -14,7 +14,18 @@ import pytest
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 from engine.kv_transfer import nixl_available
-from fixtures.pdkit import Legs, busy, free_port, load, pd_generate, request, start_pair, stub, wait_idle
+from fixtures.pdkit import (
+    Legs,
+    busy,
+    free_port,
+    load,
+    local_request,
+    pd_generate,
+    request,
+    start_pair,
+    stub,
+    wait_idle,
+)
 from fixtures.procs import Node
 from fixtures.waiting import wait_until
 
@@ -177,7 +188,9 @@ def test_killed_decode_lets_the_prefill_free_its_pages(tiny_llama_dir):
 def test_random_aborts_of_many_requests_leave_both_pools_free(tiny_llama_dir):
     """Aborts at random moments of the handoff: Abort RPCs to either node or both, and clients
     that hang up (both calls cancelled, both nodes told), some before the prefill saw anything
-    of the request. Both pools are free within a second of the last abort or request end."""
+    of the request; a third of the requests take the local path (the decode node runs the prompt
+    itself, between the others' decode steps). Both pools are free within a second of the last
+    abort or request end."""
     prefill, decode = start_pair(str(tiny_llama_dir), "--max-running", "16")
     try:
         p, d = stub(prefill.ports["scheduler"]), stub(decode.ports["scheduler"])
@@ -200,11 +213,12 @@ def test_random_aborts_of_many_requests_leave_both_pools_free(tiny_llama_dir):
 
         def one(i: int) -> None:
             ids = [rng.randrange(1, 500) for _ in range(rng.randrange(2, 40))]
-            req = request(
-                f"a{i}", ids, 1000 + i, boot, max_new=rng.randrange(1, 24), temperature=rng.choice([0.0, 1.0])
-            )
+            sampling = {"max_new": rng.randrange(1, 24), "temperature": rng.choice([0.0, 1.0])}
             t0 = time.monotonic()
-            legs = Legs(req, prefill=p, decode=d, timeout=60)
+            if rng.random() < 0.3:  # the decode node runs the prompt itself (the router's local path)
+                legs = Legs(local_request(f"a{i}", ids, **sampling), decode=d, timeout=60)
+            else:
+                legs = Legs(request(f"a{i}", ids, 1000 + i, boot, **sampling), prefill=p, decode=d, timeout=60)
             if rng.random() < 0.3:  # the client hangs up, often before the prefill saw anything
                 timer = threading.Timer(
                     rng.choice([0.0, rng.uniform(0.0, 0.04), rng.uniform(0.0, 0.6)]), hang_up, [legs]
