@@ -308,3 +308,24 @@ def test_goodput_bench_end_to_end_on_cpu(tmp_path: Path, monkeypatch: pytest.Mon
     assert data["highest_rate_within_loose_slo"] == {
         name: {dep: w["loose"][f"{dep}_goodput"] for dep in DEPLOYMENTS} for name, w in data["workloads"].items()
     }
+
+
+def test_node_and_router_expositions_are_read_for_each_point():
+    from bench.gpu.goodput_up import SIGNALS, samples
+
+    text = "\n".join(
+        [
+            "# HELP pdserve_node_prompt_tokens_per_second x",
+            'pdserve_node_prompt_tokens_per_second{role="prefill"} 31250.5',
+            'pdserve_node_decode_capacity_tokens_per_second{role="decode"} 4.1e3',
+            'pdserve_router_prefill_path_total{path="local"} 7.0',
+            "pdserve_router_ready 1.0",
+        ]
+    )
+    got = samples(text)
+    assert got[0] == ("pdserve_node_prompt_tokens_per_second", 'role="prefill"', 31250.5)
+    assert ("pdserve_router_ready", "", 1.0) in got and len(got) == 4
+    assert {name for name, _, _ in got} & set(SIGNALS) == {
+        "pdserve_node_prompt_tokens_per_second",
+        "pdserve_node_decode_capacity_tokens_per_second",
+    }

@@ -1,6 +1,8 @@
 """Goodput of PD 1P1D against two colocated replicas behind the same router, under Poisson load.
 
-Each deployment is a real `pdserve up` (fast path on: Triton attention, CUDA graphs, overlap),
+Deployments: `pd` (1P1D, the router choosing each prompt's node: the prefill node, or the decode
+node between its decode steps), `colocated` (two replicas) and, on request, `pd_remote` (1P1D with
+every prompt on the prefill node). Each is a real `pdserve up` (fast path on: Triton attention, CUDA graphs, overlap),
 measured alone on the GPUs: start it, sweep every workload, stop it, start the other. For each
 workload and deployment the Poisson rate is swept adaptively (bench/gpu/goodput_plan.py) and the
 same runs are judged by two SLOs, loose (TTFT 500 ms, TPOT 25 ms) and tight (TTFT 250 ms,
@@ -68,7 +70,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-dir", type=Path, help="where the checkpoint is (written there when missing)")
     p.add_argument("--quick", action="store_true", help="fewer, shorter points and a shorter budget")
     p.add_argument("--workloads", default=None, help="comma-separated subset (default: all three)")
-    p.add_argument("--deployments", default="pd,colocated", help="comma-separated, measured in this order")
+    p.add_argument(
+        "--deployments",
+        default="pd,colocated",
+        help="comma-separated, measured in this order: pd (the router picks each prompt's node), "
+        "colocated, pd_remote (every prompt on the prefill node)",
+    )
     p.add_argument("--max-running", type=int, default=None, help="the nodes' --max-running (default: theirs)")
     p.add_argument("--eagle", action="store_true", help="EAGLE with a random draft head in both deployments")
     p.add_argument("--device", default="auto", help="pdserve up --device")

@@ -9,7 +9,7 @@ from typing import Any
 from bench.common import write_report
 from loadgen.metrics import GOODPUT_MIN_ATTAINMENT, RequestRecord, goodput, summarize
 
-DEPLOYMENTS = ("pd", "colocated")
+DEPLOYMENTS = ("pd", "colocated")  # always reported (null when not measured); others when measured
 SLO_NAMES = ("loose", "tight")
 GOODPUT_DEFINITION = (
     f"the highest swept Poisson rate (requests/s) at which at least {GOODPUT_MIN_ATTAINMENT:.0%} of the "
@@ -72,16 +72,17 @@ class Results:
     def finish(self) -> dict[str, Any]:
         """Goodput per workload, SLO and deployment from the points, and the summary; returns the data."""
         summary: dict[str, dict[str, Any]] = {}
+        deployments = reported(self.data)
         for wname, w in self.data["workloads"].items():
             for slo in SLO_NAMES:
                 block = w[slo]
-                for dep in DEPLOYMENTS:
+                for dep in deployments:
                     mine = [p for p in block["points"] if p["deployment"] == dep]
                     best = goodput((p["rate"], p["attainment"]) for p in mine)
                     block[f"{dep}_goodput"] = best
                     # met at the highest rate tried: the knee lies above it, not measured
                     block[f"{dep}_goodput_is_lower_bound"] = best is not None and best >= max(p["rate"] for p in mine)
-            summary[wname] = {dep: w["loose"][f"{dep}_goodput"] for dep in DEPLOYMENTS}
+            summary[wname] = {dep: w["loose"][f"{dep}_goodput"] for dep in deployments}
         self.data["highest_rate_within_loose_slo"] = summary
         return self.data
 
@@ -96,14 +97,22 @@ class Results:
         return path, png
 
 
+def reported(data: dict[str, Any]) -> list[str]:
+    """The deployments a report has goodput entries for: PD and colocated, then any other measured."""
+    return [*DEPLOYMENTS, *(d for d in data.get("deployments", {}) if d not in DEPLOYMENTS)]
+
+
 def summary_text(data: dict[str, Any]) -> str:
     """One line per workload and SLO: each deployment's goodput and PD's over colocated."""
-    rows = [f"{'workload':<14} {'SLO':<6} {'PD req/s':>9} {'coloc req/s':>12} {'PD/coloc':>9}"]
+    others = [d for d in reported(data) if d not in DEPLOYMENTS]
+    head = "".join(f" {d + ' req/s':>16}" for d in others)
+    rows = [f"{'workload':<14} {'SLO':<6} {'PD req/s':>9} {'coloc req/s':>12} {'PD/coloc':>9}{head}"]
     for wname, w in data["workloads"].items():
         for slo in SLO_NAMES:
             pd, co = w[slo]["pd_goodput"], w[slo]["colocated_goodput"]
             ratio = f"{pd / co:.2f}" if pd is not None and co else "-"
-            rows.append(f"{wname:<14} {slo:<6} {_rate(pd):>9} {_rate(co):>12} {ratio:>9}")
+            extra = "".join(f" {_rate(w[slo].get(d + '_goodput')):>16}" for d in others)
+            rows.append(f"{wname:<14} {slo:<6} {_rate(pd):>9} {_rate(co):>12} {ratio:>9}{extra}")
     return "\n".join(rows)
 
 
@@ -120,18 +129,18 @@ def plot(data: dict[str, Any], path: Path) -> Path:
 
     workloads = list(data["workloads"])
     fig, axes = plt.subplots(len(workloads), 2, figsize=(11, 3.4 * len(workloads)), squeeze=False)
-    colors = {"pd": "tab:blue", "colocated": "tab:orange"}
+    colors = {"pd": "tab:blue", "colocated": "tab:orange", "pd_remote": "tab:green"}
     for row, wname in zip(axes, workloads):
         for ax, slo in zip(row, SLO_NAMES):
             block = data["workloads"][wname][slo]
-            for dep in DEPLOYMENTS:
+            for dep in reported(data):
                 pts = sorted((p["rate"], p["attainment"]) for p in block["points"] if p["deployment"] == dep)
                 if pts:
                     best = block.get(f"{dep}_goodput")
                     label = f"{dep} (goodput {_rate(best)})"
-                    ax.plot(*zip(*pts), marker="o", color=colors[dep], label=label)
+                    ax.plot(*zip(*pts), marker="o", color=colors.get(dep), label=label)
                     if best is not None:
-                        ax.axvline(best, color=colors[dep], linestyle=":", alpha=0.6)
+                        ax.axvline(best, color=colors.get(dep), linestyle=":", alpha=0.6)
             ax.axhline(GOODPUT_MIN_ATTAINMENT, color="gray", linestyle="--", linewidth=1)
             limits = data.get("slos", {}).get(slo, {})
             spec = ", ".join(f"{k.removesuffix('_ms').upper()} <= {v:g} ms" for k, v in limits.items())

@@ -26,12 +26,17 @@ import httpx
 import psutil
 
 REPO = Path(__file__).resolve().parents[2]
-TOPOLOGIES = {"pd": ("--prefill", "1", "--decode", "1"), "colocated": ("--colocated", "2")}
-LABELS = {
-    "pd": "PD 1P1D: prefill node on GPU 0, decode node on GPU 1",
-    "colocated": "two colocated replicas, one per GPU",
+TOPOLOGIES = {
+    "pd": ("--prefill", "1", "--decode", "1", "--pd-prefill-policy", "auto"),
+    "colocated": ("--colocated", "2"),
+    "pd_remote": ("--prefill", "1", "--decode", "1", "--pd-prefill-policy", "remote"),
 }
-NODES = {"pd": 2, "colocated": 2}  # /metrics lines `pdserve up` prints
+LABELS = {
+    "pd": "PD 1P1D: prefill node on GPU 0, decode node on GPU 1; the router picks each prompt's node",
+    "colocated": "two colocated replicas, one per GPU",
+    "pd_remote": "PD 1P1D with every prompt on the prefill node",
+}
+NODES = {"pd": 2, "colocated": 2, "pd_remote": 2}  # /metrics lines `pdserve up` prints
 _UP = re.compile(r"^pdserve is up: (\S+)")
 _METRICS = re.compile(r"^(\S+) metrics: (\S+)$")
 # a request a node still holds: queued, running, or (PD) reserving or receiving KV
@@ -164,6 +169,51 @@ async def busy_requests(client: httpx.AsyncClient, metrics_urls: Sequence[str]) 
         resp.raise_for_status()
         total += sum(float(v) for v in _BUSY.findall(resp.text))
     return int(total)
+
+
+# what each node says of its load against capacity at a point's end (engine/service/metrics.py)
+SIGNALS = (
+    "pdserve_node_prompt_tokens_per_second",
+    "pdserve_node_prefill_capacity_tokens_per_second",
+    "pdserve_node_decode_tokens_per_second",
+    "pdserve_node_decode_capacity_tokens_per_second",
+)
+_SAMPLE = re.compile(r"^(pdserve_\w+)(?:\{([^}]*)\})? ([0-9.eE+-]+|NaN)$", re.M)
+
+
+def samples(text: str) -> list[tuple[str, str, float]]:
+    """(name, labels, value) of every sample in a Prometheus exposition."""
+    return [(m[1], m[2] or "", float(m[3])) for m in _SAMPLE.finditer(text)]
+
+
+async def node_signals(client: httpx.AsyncClient, metrics: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Per node, the load-against-capacity gauges now (the last 10 s for the rates)."""
+    out: dict[str, dict[str, float]] = {}
+    for node, url in metrics.items():
+        try:
+            resp = await client.get(url)
+            resp.raise_for_status()
+        except httpx.HTTPError:
+            continue  # a node that does not answer now has no figures for this point
+        found = {name.removeprefix("pdserve_node_"): v for name, _, v in samples(resp.text) if name in SIGNALS}
+        out[node] = found
+    return out
+
+
+async def path_counts(client: httpx.AsyncClient, router_url: str) -> dict[str, float]:
+    """The router's requests by prefill path so far (pdserve_router_prefill_path_total)."""
+    try:
+        resp = await client.get(f"{router_url.rstrip('/')}/metrics")
+        resp.raise_for_status()
+    except httpx.HTTPError:
+        return {}
+    counts: dict[str, float] = {}
+    for name, labels, value in samples(resp.text):
+        if name == "pdserve_router_prefill_path_total":
+            path = re.search(r'path="([^"]*)"', labels)
+            if path:
+                counts[path[1]] = value
+    return counts
 
 
 async def wait_idle(client: httpx.AsyncClient, metrics_urls: Sequence[str], timeout_s: float) -> bool:
