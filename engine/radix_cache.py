@@ -1,0 +1,195 @@
+"""Radix tree of cached KV pages, keyed by token ids one whole page per edge; LRU eviction.
+
+Matching works at page granularity: a request reuses whole pages whose tokens (and everything
+before them) equal its own. One node per page keeps it simple and loses nothing: a partial page
+is never shared (its KV would be overwritten by whoever owns it next), so a longer edge could
+only be split at page boundaries anyway.
+
+Ownership: the tree owns the pages of its nodes. A request that matched a prefix holds a
+reference on every node of the path (`lock`); while any reference is held the node's page is
+never evicted. When a request ends, `insert` adopts its full pages that the tree does not hold
+yet; the caller frees the rest of the request's pages (the partial last page, and pages whose
+tokens the tree already held: duplicates computed concurrently).
+
+Speculative drafts shift by one: EAGLE's draft KV at position i is computed from token i + 1.
+With `shift=1` a node also records the token that followed its page when its KV was computed,
+and a match uses the page only if the request continues with that same token; otherwise the
+draft's KV at the page's last position would belong to another continuation.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+
+@dataclass(eq=False)
+class Node:
+    key: tuple[int, ...]  # the page's tokens; () at the root
+    page: int  # the KV page holding them (0 at the root)
+    parent: Node | None
+    next_token: int | None = None  # the token after the page when its KV was computed (None: none)
+    refs: int = 0  # requests reading this page now
+    last_used: int = 0  # a tick of the cache's clock
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Match:
+    nodes: tuple[Node, ...]  # the path, root excluded, one node per matched page
+
+    @property
+    def pages(self) -> list[int]:
+        return [n.page for n in self.nodes]
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+
+class RadixCache:
+    """Cached pages by token prefix; `free_pages` gives evicted and unused pages back to the pool."""
+
+    def __init__(self, page_size: int, free_pages: Callable[[list[int]], None], shift: int = 0) -> None:
+        if shift not in (0, 1):
+            raise ValueError(f"shift must be 0 or 1, got {shift}")
+        self.page_size, self.free_pages, self.shift = page_size, free_pages, shift
+        self.root = Node((), 0, None, refs=1)  # never evicted
+        self.num_pages = 0  # pages the tree owns
+        self.num_evictable = 0  # of them, pages no request reads (refs == 0)
+        self._clock = itertools.count(1)
+        self.stats = {"matched_tokens": 0, "inserted_pages": 0, "evicted_pages": 0}
+
+    # ---- lookup ----
+    def match(self, tokens: Sequence[int], limit: int | None = None) -> Match:
+        """The longest cached path of whole pages that `tokens` starts with, covering at most
+        `limit` tokens (a request recomputes at least its last prompt token, for its logits)."""
+        ps, limit = self.page_size, len(tokens) if limit is None else min(limit, len(tokens))
+        path: list[Node] = []
+        node, tick = self.root, next(self._clock)
+        for start in range(0, limit - ps + 1, ps):
+            child = node.children.get(tuple(tokens[start : start + ps]))
+            if child is None or not self._continues(child, tokens, start + ps):
+                break
+            child.last_used = tick
+            path.append(child)
+            node = child
+        return Match(tuple(path))
+
+    def _continues(self, node: Node, tokens: Sequence[int], end: int) -> bool:
+        """Without a shift every page is whole; with one, the draft's KV at the page's last position
+        is this request's only if the token after the page is the one it was computed with."""
+        if not self.shift:
+            return True
+        return end < len(tokens) and node.next_token == tokens[end]
+
+    # ---- references ----
+    def lock(self, match: Match) -> None:
+        for node in match.nodes:
+            if node.refs == 0:
+                self.num_evictable -= 1
+            node.refs += 1
+        self.stats["matched_tokens"] += len(match) * self.page_size
+
+    def unlock(self, match: Match) -> None:
+        for node in match.nodes:
+            if node.refs <= 0:
+                raise RuntimeError(f"page {node.page} unlocked more often than locked")
+            node.refs -= 1
+            if node.refs == 0:
+                self.num_evictable += 1
+
+    # ---- insertion ----
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], num_tokens: int) -> list[int]:
+        """Cache the first `num_tokens` tokens of a sequence whose KV lives in `pages` (page j holds
+        tokens [j*page_size, (j+1)*page_size)); only whole pages are cached. `num_tokens` covers
+        at least the prefix the sequence matched (whose pages are the tree's already). Returns
+        the pages the caller must free: its pages the tree did not adopt (a partial page, or
+        tokens the tree held already under another page) and any cached copy this one replaced."""
+        ps = self.page_size
+        whole = min(num_tokens, len(tokens), len(pages) * ps) // ps
+        node, tick, unused = self.root, next(self._clock), []
+        for j in range(whole):
+            key = tuple(tokens[j * ps : (j + 1) * ps])
+            nxt = tokens[(j + 1) * ps] if (j + 1) * ps < num_tokens else None
+            child = node.children.get(key)
+            if child is None:
+                child = Node(key, pages[j], node, next_token=nxt, last_used=tick)
+                node.children[key] = child
+                self.num_pages += 1
+                self.num_evictable += 1
+                self.stats["inserted_pages"] += 1
+            elif child.page != pages[j]:
+                if self.shift and child.next_token is None and nxt is not None and child.refs == 0:
+                    # the cached copy's last draft position was never computed: keep this one
+                    unused.append(child.page)
+                    child.page, child.next_token = pages[j], nxt
+                else:
+                    unused.append(pages[j])
+            child.last_used = tick
+            node = child
+        unused.extend(pages[whole:])
+        return unused
+
+    # ---- eviction ----
+    def evict(self, num_pages: int) -> int:
+        """Free up to `num_pages` pages no request reads, least recently used leaves first;
+        returns how many were freed."""
+        if num_pages <= 0 or not self.num_evictable:
+            return 0
+        heap = [(n.last_used, id(n), n) for n in self._leaves() if n.refs == 0]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while heap and len(freed) < num_pages:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            assert parent is not None and not node.children and node.refs == 0
+            del parent.children[node.key]
+            freed.append(node.page)
+            if parent is not self.root and not parent.children and parent.refs == 0:
+                heapq.heappush(heap, (parent.last_used, id(parent), parent))
+        self.num_pages -= len(freed)
+        self.num_evictable -= len(freed)
+        self.stats["evicted_pages"] += len(freed)
+        if freed:
+            self.free_pages(freed)
+        return len(freed)
+
+    def clear(self) -> int:
+        """Evict every page no request reads."""
+        return self.evict(self.num_evictable)
+
+    def _leaves(self) -> list[Node]:
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            elif node is not self.root:
+                out.append(node)
+        return out
+
+    # ---- checks ----
+    def pages(self) -> list[int]:
+        """Every page the tree owns."""
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node.page)
+            stack.extend(node.children.values())
+        return out
+
+    def check(self) -> None:
+        """The counters add up; a referenced node's ancestors are referenced at least as often."""
+        nodes, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            stack.extend(node.children.values())
+            parent = node.parent
+            assert parent is not None and parent.children.get(node.key) is node
+            assert parent is self.root or parent.refs >= node.refs, (parent.refs, node.refs)
+        assert len(nodes) == self.num_pages, (len(nodes), self.num_pages)
+        assert sum(n.refs == 0 for n in nodes) == self.num_evictable
+        assert len({n.page for n in nodes}) == len(nodes), "a page cached twice"
