@@ -99,6 +99,12 @@ class EngineOptions:
     )
     max_running: int = opt(DEFAULT_MAX_RUNNING, "Most requests in flight.", aliases=("--max-running-requests",))
     chunked_prefill_size: int = opt(DEFAULT_CHUNKED_PREFILL_SIZE, "Prefill token budget per step (chunked prefill).")
+    disable_radix_cache: bool = opt(
+        False,
+        "Keep no prefix cache: every prompt is computed whole (by default finished requests' KV "
+        "pages are kept by token prefix, reused by later requests, and evicted when space is needed).",
+        negatable=False,
+    )
     attention_backend: str = opt(
         "auto", "Attention backend: auto (triton on GPUs, torch on CPU), torch or triton.", panel=PANEL_FAST
     )

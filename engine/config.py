@@ -172,6 +172,9 @@ class EngineConfig:
     # this time per output token (engine/scheduler/tpot_guard.py); a decode node running prompts
     # itself sets it. None: prompts first, in chunks of chunked_prefill_size.
     tpot_guard_ms: float | None = None
+    # Keep finished requests' KV pages by token prefix and reuse them (engine/radix_cache.py);
+    # off: every prompt is computed whole (`--disable-radix-cache`).
+    radix_cache: bool = True
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_total_tokens", "max_running", "chunked_prefill_size"):

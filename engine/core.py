@@ -83,6 +83,7 @@ class Req:
     inflight_samples: int = 0
     epoch: int = 0  # bumped on retraction / finish: results launched before are discarded
     release_pending: bool = False  # KV and slot go back once the last in-flight batch is collected
+    cached_tokens: int = 0  # prompt tokens its last admission found in the prefix cache
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output without concatenating the whole sequence."""

@@ -148,6 +148,8 @@ class Engine:
         self.parts = EngineParts(config, mc, runner, self.kv, sampler, self.device, self.dtype)
         self.executor = check_executor(self.algorithm.create_worker(self.parts), self.algorithm.name)
         maybe_enable_cuda_graphs(runner, config.cuda_graph_max_bs, config.cuda_graph_padded_eager)
+        if config.radix_cache:
+            self.kv.enable_prefix_cache(self.executor.prefix_cache_shift())
         if self.executor.kv_tokens_per_decode() > MAX_DECODE_WINDOW:
             raise ValueError(f"a decode step may not write more than {MAX_DECODE_WINDOW} tokens")
         self.rates = NodeRates()

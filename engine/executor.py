@@ -79,6 +79,15 @@ class Executor(Protocol):
         """A request gave its KV slot back (finished, aborted or retracted), after every
         in-flight forward that used it was collected."""
 
+    def prefix_cache_shift(self) -> int:
+        """How the prefix cache keys this algorithm's KV: 0 when every pool's KV at a position
+        depends on the tokens up to it; 1 when a draft's KV at position i also reads token i + 1
+        (EAGLE), so a cached page is reused only before the token it was computed with."""
+
+    def cacheable_tokens(self, req: Req) -> int:
+        """Leading positions of `req` whose KV is final in every pool this algorithm keeps (the
+        prefix cache takes their whole pages when the request gives its slot back)."""
+
     def capture_cuda_graphs(self) -> None:
         """Capture every decode-loop forward's graphs at start-up (no-op when graphs are off),
         then freeze its runners: a shape not captured runs eagerly, never captured mid-serving."""

@@ -1,10 +1,15 @@
-"""Paged KV cache: request table and KV pools over the page allocator's ids.
+"""Paged KV cache: request table and KV pools over the page allocator's ids, and the prefix cache.
 
 Layout: one tensor per pool shaped (layers, 2, pages, page_size, kv_heads, head_dim), so each
 (layer, k|v, page) is one contiguous region: one descriptor for a NIXL transfer. Token slot
 `s` lives in page `s // page_size` at offset `s % page_size`. Page 0 is never handed out: padded
 entries (graph padding, request row 0) point at it and may scribble there harmlessly.
 A draft model's pool uses the same page ids, so one page list addresses both pools.
+
+With a prefix cache (engine/radix_cache.py) a request's first pages may be the cache's: matched
+at admission, read-only and referenced while the request runs, never freed by it. When it ends,
+its whole pages with final KV go to the cache, and the cache's unreferenced pages count as
+available: allocation evicts them, least recently used first, when the free pages run short.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import torch
 from engine.core import Req
 from engine.h2d import to_device
 from engine.page_allocator import OutOfPages, PageAllocator
+from engine.radix_cache import Match, RadixCache
 
 
 # Tokens one decode step may write beyond seq_len (a speculative verify window).
@@ -85,6 +91,24 @@ class KVCacheManager:
         self.req_to_token = torch.zeros(cfg.max_reqs + 1, cfg.max_context_len, dtype=torch.int64, device=device)
         self._free_slots = list(range(cfg.max_reqs, 0, -1))
         self._pages: dict[int, list[int]] = {}  # slot -> pages in order
+        self.cache: RadixCache | None = None
+        self._matched: dict[int, Match] = {}  # slot -> the cached prefix it reads
+
+    def enable_prefix_cache(self, shift: int) -> RadixCache:
+        """Cache finished requests' pages by token prefix (`shift`: see engine/radix_cache.py)."""
+        self.cache = RadixCache(self.page_size, self.allocator.free, shift)
+        return self.cache
+
+    # ---- capacity ----
+    @property
+    def num_available(self) -> int:
+        """Pages an allocation may have: free ones and cached ones no request reads."""
+        return self.allocator.num_free + (self.cache.num_evictable if self.cache else 0)
+
+    @property
+    def num_held(self) -> int:
+        """Pages requests hold or read (cached pages nobody reads are not counted)."""
+        return self.allocator.total - self.num_available
 
     # ---- request slots ----
     @property
@@ -95,7 +119,7 @@ class KVCacheManager:
         return -(-num_tokens // self.page_size)
 
     def can_admit(self, num_tokens: int) -> bool:
-        return bool(self._free_slots) and self.pages_for(num_tokens) <= self.allocator.num_free
+        return bool(self._free_slots) and self.pages_for(num_tokens) <= self.num_available
 
     def assign_slot(self, req: Req) -> None:
         if req.slot:
@@ -106,7 +130,40 @@ class KVCacheManager:
         self._pages[req.slot] = []
         req.num_pages = 0
 
+    # ---- the cached prefix ----
+    def match_prefix(self, req: Req) -> Match | None:
+        """The cached whole pages `req`'s tokens start with, leaving at least its last token to
+        compute (its logits); None without a cache."""
+        if self.cache is None:
+            return None
+        return self.cache.match(req.tokens(0, req.total_len), limit=req.total_len - 1)
+
+    def adopt_prefix(self, req: Req, match: Match) -> None:
+        """`req` (a slot, no pages yet) reads the matched pages: their KV counts as computed."""
+        assert self.cache is not None and req.slot and not self._pages[req.slot], req.rid
+        if not len(match):
+            return
+        self.cache.lock(match)
+        self._matched[req.slot] = match
+        pages = match.pages
+        self._pages[req.slot] = list(pages)
+        req.num_pages = len(pages)
+        slots = self._slots_of_pages(pages)
+        self.req_to_token[req.slot, : slots.numel()] = slots
+        req.seq_len = len(pages) * self.page_size
+
+    def cached_tokens(self, req: Req) -> int:
+        """Tokens of `req`'s prefix that came from the cache."""
+        match = self._matched.get(req.slot)
+        return len(match) * self.page_size if match is not None else 0
+
     # ---- pages ----
+    def _alloc(self, n: int) -> list[int]:
+        short = n - self.allocator.num_free
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short)
+        return self.allocator.alloc(n)
+
     def reserve(self, req: Req, num_tokens: int) -> None:
         """Make sure `req` owns pages covering token positions [0, num_tokens)."""
         if num_tokens > self.cfg.max_context_len:
@@ -115,7 +172,7 @@ class KVCacheManager:
         need = self.pages_for(num_tokens) - len(pages)
         if need <= 0:
             return
-        new = self.allocator.alloc(need)
+        new = self._alloc(need)
         start = len(pages)
         pages.extend(new)
         req.num_pages = len(pages)
@@ -131,12 +188,22 @@ class KVCacheManager:
             del pages[keep:]
             req.num_pages = len(pages)
 
-    def release(self, req: Req) -> None:
-        """Free every page and the slot of `req`; safe to call twice."""
+    def release(self, req: Req, cacheable: int = 0) -> None:
+        """Give back every page and the slot of `req`; safe to call twice. With a cache, its
+        first `cacheable` tokens (final KV in every pool) go to it, in whole pages."""
         if not req.slot:
             return
         pages = self._pages.pop(req.slot)
-        self.allocator.free(pages)
+        match = self._matched.pop(req.slot, None)
+        matched = len(match) if match is not None else 0
+        if self.cache is not None and max(cacheable, matched * self.page_size) >= self.page_size:
+            # never less than the prefix it read: those pages are the cache's already
+            cacheable = max(cacheable, matched * self.page_size)
+            self.allocator.free(self.cache.insert(req.tokens(0, req.total_len), pages, cacheable))
+        else:
+            self.allocator.free(pages[matched:])
+        if match is not None:
+            self.cache.unlock(match)  # type: ignore[union-attr]
         self.req_to_token[req.slot].zero_()
         self._free_slots.append(req.slot)
         req.slot, req.num_pages, req.seq_len = 0, 0, 0
@@ -150,11 +217,17 @@ class KVCacheManager:
         return to_device(slots, self.req_to_token.device)  # no stall behind a forward in flight
 
     def check(self) -> None:
+        """Every used page is a request's own or the cache's, exactly once."""
         self.allocator.check()
-        owned = sum(len(p) for p in self._pages.values())
-        assert owned == self.allocator.num_used, (owned, self.allocator.num_used)
+        owned = sum(len(p) for p in self._pages.values()) - sum(len(m) for m in self._matched.values())
+        cached = 0
+        if self.cache is not None:
+            self.cache.check()
+            cached = self.cache.num_pages
+        assert owned + cached == self.allocator.num_used, (owned, cached, self.allocator.num_used)
         assert len(self._free_slots) + len(self._pages) == self.cfg.max_reqs
 
     @property
     def all_free(self) -> bool:
-        return self.allocator.num_used == 0 and len(self._free_slots) == self.cfg.max_reqs
+        """No request holds or reads a page or a slot (the cache may keep pages nobody reads)."""
+        return self.num_held == 0 and len(self._free_slots) == self.cfg.max_reqs

@@ -112,7 +112,8 @@ class RadixCache:
         node, tick, unused = self.root, next(self._clock), []
         for j in range(whole):
             key = tuple(tokens[j * ps : (j + 1) * ps])
-            nxt = tokens[(j + 1) * ps] if (j + 1) * ps < num_tokens else None
+            # the token the draft's KV at the page's last position was computed with (if any)
+            nxt = tokens[(j + 1) * ps] if (j + 1) * ps < len(tokens) else None
             child = node.children.get(key)
             if child is None:
                 child = Node(key, pages[j], node, next_token=nxt, last_used=tick)

@@ -76,6 +76,12 @@ class WorkerBase:
     def on_release(self, req: Req) -> None:
         req.spec_state = None
 
+    def prefix_cache_shift(self) -> int:
+        return 0
+
+    def cacheable_tokens(self, req: Req) -> int:
+        return req.seq_len  # the target's KV of every committed token
+
     def extra_kv_pools(self) -> list[KVPool]:
         return []
 

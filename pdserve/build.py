@@ -37,6 +37,7 @@ def engine_config(options: EngineOptions, choice: ModelChoice) -> EngineConfig:
         mem_fraction_static=options.mem_fraction_static,
         max_running=options.max_running,
         chunked_prefill_size=options.chunked_prefill_size,
+        radix_cache=not options.disable_radix_cache,
         **options.fast_path(),
     )
 

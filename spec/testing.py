@@ -75,7 +75,7 @@ def _expect(ok: bool, check: str, detail: str) -> None:
 def _assert_returned(engine: Engine, check: str) -> None:
     _expect(not engine.scheduler.has_work, check, "the engine still has work after every request ended")
     engine.kv.check()
-    _expect(engine.kv.all_free, check, f"{engine.kv.allocator.num_used} KV pages still in use")
+    _expect(engine.kv.all_free, check, f"{engine.kv.num_held} KV pages still in use")
     _expect(engine.scheduler.future_map.rows_free(), check, "FutureMap rows not released")
 
 

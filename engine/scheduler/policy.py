@@ -139,9 +139,17 @@ class BatchPolicy:
             return False
         need = req.total_len + self.kv_tokens_per_decode
         headroom = sum(self.kv.pages_for(self.cfg.decode_reserve_tokens) for _ in self.running)
-        if self.kv.pages_for(need) + headroom > self.kv.allocator.num_free or not self.kv.num_free_slots:
+        match = self.kv.match_prefix(req)
+        hit = len(match) if match is not None else 0
+        # cached pages it reads are no longer available to anyone else (nor to itself)
+        taken = sum(n.refs == 0 for n in match.nodes) if match is not None else 0
+        if self.kv.pages_for(need) - hit + headroom > self.kv.num_available - taken or not self.kv.num_free_slots:
             return False
         self.kv.assign_slot(req)
+        if match is not None:
+            self.kv.adopt_prefix(req, match)
+            if not req.output_ids:  # the prompt's own hit (a retracted request re-reads its output too)
+                req.cached_tokens = min(hit * self.kv.page_size, len(req.prompt_ids))
         self.kv.reserve(req, req.total_len)
         req.state = ReqState.RUNNING
         return True
@@ -155,7 +163,7 @@ class BatchPolicy:
         """Would the next decode batch run out of pages? (The overlap scheduler then collects
         the batch in flight first: its finished requests' pages are what retraction lacks.)"""
         # O(1) first: no request can need more than its window's pages plus one partial page
-        free = self.kv.allocator.num_free
+        free = self.kv.num_available
         if len(self.running) * (self.kv.pages_for(self.kv_tokens_per_decode) + 1) <= free:
             return False
         if any(r.needs_extend for r in self.running):
@@ -163,7 +171,7 @@ class BatchPolicy:
         need = sum(
             max(0, self.kv.pages_for(r.sched_len + self.kv_tokens_per_decode) - r.num_pages) for r in self._decoding()
         )
-        return need > self.kv.allocator.num_free
+        return need > self.kv.num_available
 
     def _room(self, reqs: list[Req]) -> int:
         """Positions the batch's tightest request has left before the context limit (>= 1: a

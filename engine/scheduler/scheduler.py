@@ -26,7 +26,7 @@ from engine.scheduler.inflight import mark_launched, unmark_launched
 from engine.scheduler.kv_progress import KVProgress, needs_fence, record_fence
 from engine.scheduler.policy import BatchPolicy
 from engine.scheduler.rates import NodeRates
-from engine.scheduler.stats import DurationHistogram, LaunchTimes
+from engine.scheduler.stats import CACHED_TOKEN_BUCKETS, COUNTERS, DurationHistogram, LaunchTimes
 from engine.scheduler.updates import RequestUpdate, SchedulerIO
 
 
@@ -76,15 +76,8 @@ class Scheduler:
         self.future_map = self._init_overlap(algorithm or PlainDecoding(), config.overlap, config.future_map_debug)
         self.reqs: dict[str, Req] = {}
         self._inflight: _Launched | None = None
-        self.stats = {
-            "steps": 0,
-            "retractions": 0,
-            "decode_tokens": 0,
-            "prefill_tokens": 0,
-            "discarded": 0,
-            "overlap_syncs": 0,
-            "failed_steps": 0,
-        }
+        self.stats = dict.fromkeys(COUNTERS, 0)
+        self.cached_per_request = DurationHistogram(CACHED_TOKEN_BUCKETS)  # tokens, not seconds
         self.queue_time = DurationHistogram()  # waiting -> admitted, per admission (node metrics)
         self.prompt_time = DurationHistogram()  # first admission -> first token (node metrics)
         self.launch_time = LaunchTimes()  # host time per batch launch (node metrics)
@@ -281,7 +274,11 @@ class Scheduler:
     def _on_admit(self, req: Req) -> None:
         now = time.monotonic()
         self.queue_time.observe(now - req.queued_at)
-        req.admitted_at = req.admitted_at or now
+        if not req.admitted_at:  # the first admission: what its prompt found in the prefix cache
+            req.admitted_at = now
+            self.stats["admitted_prompt_tokens"] += len(req.prompt_ids)
+            self.stats["cached_prompt_tokens"] += req.cached_tokens
+            self.cached_per_request.observe(req.cached_tokens)
         self.executor.on_admit(req)
 
     def _on_retract(self, req: Req) -> None:
@@ -310,9 +307,10 @@ class Scheduler:
             req.release_pending = True
             return
         req.release_pending = False
+        cacheable = self.executor.cacheable_tokens(req)  # before the executor forgets the request
         self.executor.on_release(req)
         self.future_map.invalidate(torch.tensor([req.slot], dtype=torch.int64))
-        self.kv.release(req)
+        self.kv.release(req, cacheable)
 
     # ---- output ----
     def _complete(self, batch: Batch, out: StepOutput) -> list[RequestUpdate]:
@@ -358,7 +356,7 @@ class Scheduler:
             if reason is not None:
                 req.finish(reason)
                 break
-        upd = RequestUpdate(req.rid, kept, prompt_tokens=len(req.prompt_ids))
+        upd = RequestUpdate(req.rid, kept, prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens)
         if out.logprobs is not None:
             upd.logprobs = out.logprobs[i][: len(kept)]
             req.output_logprobs.extend(upd.logprobs)
@@ -402,4 +400,12 @@ class Scheduler:
 
     @staticmethod
     def _final_update(req: Req) -> RequestUpdate:
-        return RequestUpdate(req.rid, [], True, req.finish_reason, req.finish_detail, prompt_tokens=len(req.prompt_ids))
+        return RequestUpdate(
+            req.rid,
+            [],
+            True,
+            req.finish_reason,
+            req.finish_detail,
+            prompt_tokens=len(req.prompt_ids),
+            cached_tokens=req.cached_tokens,
+        )

@@ -11,6 +11,21 @@ from engine.core import ForwardMode
 # (a long prompt chunk, launched layer by layer).
 LAUNCH_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 # Queue time spans sub-millisecond (idle node) to minutes (a saturated one).
+# The scheduler's counters (Scheduler.stats); admitted and cached prompt tokens count each request
+# once, at its first admission.
+COUNTERS = (
+    "steps",
+    "retractions",
+    "decode_tokens",
+    "prefill_tokens",
+    "discarded",
+    "overlap_syncs",
+    "failed_steps",
+    "admitted_prompt_tokens",
+    "cached_prompt_tokens",
+)
+# Prompt tokens a request found in the prefix cache: none, a system prompt, a long conversation.
+CACHED_TOKEN_BUCKETS = (0.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0)
 QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 

@@ -21,6 +21,7 @@ class RequestUpdate:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of them, found in the prefix cache
     accepted_drafts: int | None = None
     kv_progress: KVProgress | None = None  # hold_kv requests: pages final after a prompt chunk
     held_pages: tuple[int, ...] | None = None  # a hold_kv request that finished: all its pages

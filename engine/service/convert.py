@@ -63,8 +63,11 @@ def chunk(
     completion_tokens: int,
     logprobs: list[float] | None = None,
     top: list | None = None,
+    cached_tokens: int = 0,
 ) -> pb.GenerateResponse:
-    c = pb.GenerateStreamChunk(token_ids=tokens, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+    c = pb.GenerateStreamChunk(
+        token_ids=tokens, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cached_tokens=cached_tokens
+    )
     if logprobs:
         c.output_logprobs.CopyFrom(output_logprobs(tokens, logprobs, top))
     return pb.GenerateResponse(request_id=rid, chunk=c)
@@ -81,11 +84,13 @@ def complete(
     matched_stop: int | str | None = None,
     accepted_drafts: int = 0,
     verifies: int = 0,
+    cached_tokens: int = 0,
 ) -> pb.GenerateResponse:
     c = pb.GenerateComplete(
         output_ids=output_ids,
         finish_reason=finish_reason(reason),
         prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
         completion_tokens=len(output_ids),
         spec_accepted_tokens=accepted_drafts,
         spec_draft_tokens=verifies,

@@ -36,8 +36,8 @@ def leaked_capacity(engine: Any, holder: CapacityHolder | None) -> str | None:
     if kv.num_free_slots == 0:
         return f"all {kv.cfg.max_reqs} request slots are held with nothing running"
     need = 1 + engine.executor.kv_tokens_per_decode()
-    if kv.pages_for(need) > kv.allocator.num_free:
-        return f"{kv.allocator.num_used} KV pages are held with nothing running"
+    if kv.pages_for(need) > kv.num_available:
+        return f"{kv.num_held} KV pages are held with nothing running"
     return holder.stuck_reason() if holder is not None else None
 
 

@@ -73,8 +73,13 @@ class EngineCollector(Collector):
             "pdserve_node_running_requests", "Requests with KV in the running batch", role, len(policy.running)
         )
         yield _gauge("pdserve_node_waiting_requests", "Requests queued for admission", role, len(policy.waiting))
-        used, total = kv.allocator.num_used * kv.page_size, kv.allocator.total * kv.page_size
-        yield _gauge("pdserve_kv_cache_used_tokens", "KV cache tokens in use (whole pages)", role, used)
+        used, total = kv.num_held * kv.page_size, kv.allocator.total * kv.page_size
+        yield _gauge(
+            "pdserve_kv_cache_used_tokens",
+            "KV cache tokens requests hold or read (whole pages; cached pages nobody reads are free)",
+            role,
+            used,
+        )
         yield _gauge("pdserve_kv_cache_capacity_tokens", "KV cache capacity in tokens", role, total)
         yield _gauge(
             "pdserve_kv_cache_usage_ratio", "KV cache tokens in use / capacity", role, used / total if total else 0.0
@@ -129,6 +134,49 @@ class EngineCollector(Collector):
         )
         yield from self._speculative()
         yield from self._rates()
+        yield from self._prefix_cache()
+
+    def _prefix_cache(self) -> Iterator[Metric]:
+        """What prompts found in the prefix cache, and what the cache holds."""
+        eng, role = self.engine, self.role
+        stats = eng.scheduler.stats
+        yield _counter(
+            "pdserve_node_admitted_prompt_tokens",
+            "Prompt tokens of admitted requests (at their first admission)",
+            role,
+            stats["admitted_prompt_tokens"],
+        )
+        yield _counter(
+            "pdserve_node_cached_prompt_tokens",
+            "Of them, tokens found in the prefix cache (not computed)",
+            role,
+            stats["cached_prompt_tokens"],
+        )
+        yield _histogram(
+            "pdserve_node_cached_prompt_tokens_per_request",
+            "Prompt tokens each request found in the prefix cache",
+            role,
+            eng.scheduler.cached_per_request,
+        )
+        cache = eng.kv.cache
+        if cache is None:  # --disable-radix-cache
+            return
+        yield _gauge("pdserve_prefix_cache_pages", "KV pages the prefix cache holds", role, cache.num_pages)
+        yield _gauge(
+            "pdserve_prefix_cache_evictable_pages",
+            "Of them, pages no running request reads (given to new requests when space runs short)",
+            role,
+            cache.num_evictable,
+        )
+        yield _counter(
+            "pdserve_prefix_cache_inserted_pages", "Pages the prefix cache took", role, cache.stats["inserted_pages"]
+        )
+        yield _counter(
+            "pdserve_prefix_cache_evicted_pages",
+            "Pages the prefix cache gave back for lack of space (least recently used first)",
+            role,
+            cache.stats["evicted_pages"],
+        )
 
     def _rates(self) -> Iterator[Metric]:
         """Load against capacity, for sizing the prefill and decode tiers (engine/scheduler/rates.py)."""

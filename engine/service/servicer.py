@@ -144,7 +144,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
     async def GetLoads(self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext) -> pb.GetLoadsResponse:
         eng = self.loop.engine
         policy, kv = eng.scheduler.policy, eng.kv
-        used = kv.allocator.num_used * kv.page_size
+        used = kv.num_held * kv.page_size  # cached pages nobody reads are free to take
         total = kv.allocator.total * kv.page_size
         load = pb.SchedulerLoad(
             dp_rank=0,
@@ -156,6 +156,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             token_usage=used / max(total, 1),
             max_running_requests=eng.config.max_running,
             num_waiting_uncached_tokens=policy.queued_prompt_tokens,
+            cache_hit_rate=_hit_rate(eng.scheduler.stats),
             gen_throughput=eng.rates.recent_decode_tokens_per_s(),
         )
         stats = eng.executor.spec_stats()
@@ -178,3 +179,9 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         KV events off for that worker; the generated stub answers the same code but raises
         NotImplementedError, which grpc logs as an ERROR with a traceback."""
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV cache events are not published")
+
+
+def _hit_rate(stats: dict[str, int]) -> float:
+    """The share of admitted prompt tokens found in the prefix cache, since start."""
+    admitted = stats["admitted_prompt_tokens"]
+    return stats["cached_prompt_tokens"] / admitted if admitted else 0.0

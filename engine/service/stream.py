@@ -64,7 +64,13 @@ class RequestStream:
                 self._record(upd)
                 if upd.tokens and self.stream:
                     yield convert.chunk(
-                        rid, upd.tokens, n_prompt, len(self.output_ids), upd.logprobs or None, upd.top_logprobs or None
+                        rid,
+                        upd.tokens,
+                        n_prompt,
+                        len(self.output_ids),
+                        upd.logprobs or None,
+                        upd.top_logprobs or None,
+                        cached_tokens=upd.cached_tokens,
                     )
                 if finished:
                     self.finished = True
@@ -82,6 +88,7 @@ class RequestStream:
                         matched_stop=matched,
                         accepted_drafts=self.accepted_drafts,
                         verifies=self.verifies,
+                        cached_tokens=upd.cached_tokens,
                     )
                     return
         finally:
