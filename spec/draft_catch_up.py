@@ -96,6 +96,11 @@ class DraftBacklog:
         pending, depth = self.pending, self.depth
         return any(pending.get(r, 0) >= depth for r in rids)
 
+    def pending_of(self, rid: str) -> int:
+        """Tokens of `rid` whose draft KV is not written yet (its newest positions)."""
+        self._fold()
+        return self.pending.get(rid, 0)
+
     def forget(self, rid: str) -> None:
         """A request left, or its draft state was rebuilt (prefill, PD adoption)."""
         if self._run_len and rid in self._run:  # others' counts need no fold: arrivals stay cheap

@@ -203,6 +203,14 @@ class EagleWorker(WorkerBase):
         super().on_release(req)
         self._fresh_draft_state([req])
 
+    def prefix_cache_shift(self) -> int:
+        return 1  # the head's KV at position i is computed from token i + 1
+
+    def cacheable_tokens(self, req: Req) -> int:
+        """The draft's KV lags the target's by the request's backlog (0-step iterations)."""
+        backlog = self.backlog
+        return req.seq_len - (backlog.pending_of(req.rid) if backlog is not None else 0)
+
     def _fresh_draft_state(self, reqs: list[Req]) -> None:
         """The request's FutureMap row holds a complete draft state (or it left)."""
         backlog = self.backlog

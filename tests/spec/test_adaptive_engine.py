@@ -211,3 +211,65 @@ def test_the_shadow_scores_use_the_first_draft_a_drafting_iteration_would_make(p
     slots, pos = torch.arange(6), torch.arange(6) + 10
     _, top = worker.picker.guess(worker.draft.model, g, 1, slots, pos)
     assert torch.equal(worker.picker.pick(worker.draft.model, g, slots, pos), top[:, 0])
+
+
+def _two_rounds(eng: Engine, params: SamplingParams) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Staggered requests, then each one's follow-up (its prompt, its reply and three tokens)
+    staggered again: the follow-ups find their history in the prefix cache."""
+    first = _staggered(eng, params)
+    got: dict[str, list[int]] = {}
+    accepted: dict[str, int] = {}
+    pending, step = [(i, p + first[f"r{i}"] + [3, 1, 4]) for i, p in enumerate(PROMPTS)], 0
+    while pending or not eng.idle:
+        if pending and step % 6 == 0:
+            i, p = pending.pop(0)
+            rid = eng.add_request(p, params, rid=f"f{i}")
+            got[rid], accepted[rid] = [], 0
+        for d in eng.step():
+            got[d.rid].extend(d.token_ids)
+            accepted[d.rid] += d.accepted_drafts or 0
+        step += 1
+    return {**first, **got}, accepted
+
+
+def _cached_paths(cache) -> list[tuple[list[int], list[int], int]]:
+    """(tokens, pages, next token) of every root-to-leaf path of a prefix cache."""
+    out, stack = [], [(cache.root, [], [])]
+    while stack:
+        node, tokens, pages = stack.pop()
+        if not node.children and node is not cache.root:
+            out.append((tokens, pages, node.next_token))
+        for child in node.children.values():
+            stack.append((child, tokens + list(child.key), pages + [child.page]))
+    return out
+
+
+def test_cached_pages_hold_the_same_kv_as_a_fresh_prefill(pair, config_path) -> None:
+    """0-step iterations leave the head's KV behind the target's; the cache takes only positions
+    whose KV is final in both pools. Every cached page's target and draft KV equals what a
+    prefill of its tokens (and the token after them) computes, and follow-ups give the uncached
+    run's tokens and accepted drafts."""
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    # whole-iteration graphs (padded, eager on a CPU): where 0-step iterations leave a backlog
+    kw = {"cuda_graph_max_bs": 8, "cuda_graph_padded_eager": True, "future_map_debug": True}
+    runs = {}
+    for cache in (False, True):
+        eng = _engine(pair, config_path, radix_cache=cache, **kw)
+        runs[cache] = _two_rounds(eng, params)
+        assert eng.executor.adaptive_snapshot()["slots"][-1]["batches"] > 0  # the 0-step slot ran
+    assert runs[True] == runs[False]
+    assert eng.kv.cache.stats["matched_tokens"] > 0
+    fresh = _engine(pair, None)  # fixed steps: a prefill writes the head's KV at every position
+    pools = lambda e: [e.parts.runner.pool, *e.executor.extra_kv_pools()]  # noqa: E731
+    paths = _cached_paths(eng.kv.cache)
+    assert len(paths) >= 4
+    for tokens, pages, nxt in paths:
+        prompt = tokens + ([nxt] if nxt is not None else [])
+        fresh.generate([prompt], SamplingParams(max_new_tokens=1, temperature=0.0))
+        want = fresh.kv.cache.match(prompt + [0], limit=len(tokens)).pages
+        assert len(want) == len(pages)
+        checked = pages if nxt is not None else pages[:-1]  # a page whose last draft position was never computed
+        for mine, theirs in zip(pools(eng), pools(fresh)):
+            got = mine.buffer[:, :, checked]
+            ref = theirs.buffer[:, :, want[: len(checked)]]
+            assert torch.allclose(got, ref, atol=1e-4), (len(tokens), (got - ref).abs().max())
