@@ -19,7 +19,12 @@ from engine.core import InvalidRequest
 from engine.disagg import DisaggEngine
 from engine.handoff import HandoffError, HandoffHeader
 from engine.kv_transfer.endpoint import Endpoint, room_echo
-from engine.service.metrics import KV_TRANSFER_BYTES, KV_TRANSFER_FAILURES, KV_TRANSFER_SECONDS
+from engine.service.metrics import (
+    KV_TRANSFER_BYTES,
+    KV_TRANSFER_FAILURES,
+    KV_TRANSFER_SECONDS,
+    KV_TRANSFER_SKIPPED_PAGES,
+)
 from engine.service import convert
 from engine.service.stream import RequestFailed, RequestStream
 from decode_node.inflight import DecodeRequest, InFlight, Stage
@@ -127,7 +132,7 @@ class DecodeHandler:
     async def _receive(self, dr: DecodeRequest) -> tuple[HandoffHeader, Any]:
         req, room, peer = dr.req, dr.room, dr.peer
         assert dr.row is not None
-        pages = await asyncio.wrap_future(self.pd.page_list(req))
+        pages, cached = await asyncio.wrap_future(self.pd.destination(req))
         _check_aborted(dr)
         done = self.waiter.expect(room, peer.agent)
         dr.stage = Stage.SENT  # from here a write may land in these pages: settle quarantines them
@@ -141,6 +146,7 @@ class DecodeHandler:
                     aux_row=dr.row,
                     num_tokens=len(req.prompt_ids),
                     deadline_unix_s=time.time() + self.timeouts.waiting_timeout,
+                    cached_pages=cached,
                 ),
                 timeout=self.peers.policy.rpc_timeout_s,
             )
@@ -178,7 +184,9 @@ class DecodeHandler:
         dr.row = None
         if echo != room_echo(room):  # a stale or foreign row: never commit it
             raise RequestFailed(f"handoff row echo {echo} does not match room {room}", "echo_mismatch")
-        KV_TRANSFER_BYTES.labels("decode").inc(len(pages) * self.pd.kv_bytes_per_page + self.endpoint.rows.row_bytes)
+        written = len(pages) - cached
+        KV_TRANSFER_BYTES.labels("decode").inc(written * self.pd.kv_bytes_per_page + self.endpoint.rows.row_bytes)
+        KV_TRANSFER_SKIPPED_PAGES.inc(cached)
         try:
             return self.pd.decode_handoff(payload)
         except HandoffError as e:

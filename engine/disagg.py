@@ -18,7 +18,6 @@ from engine.core import Batch, ForwardMode, Req, SamplingParams, StepOutput
 from engine.future_map import DraftInput
 from engine.handoff import HandoffCodec, HandoffHeader, decode_row, encode_row
 from engine.kv_cache import KVPool
-from engine.page_allocator import OutOfPages
 from engine.scheduler import RequestUpdate
 from engine.loop import EngineLoop, UpdateCallback
 from common.tokenizer import Tokenizer
@@ -114,22 +113,21 @@ class DisaggEngine:
         return self._call(lambda: self._reserve(req))
 
     def _reserve(self, req: Req) -> bool:
+        """The prompt's first pages come from the prefix cache when it has them: the prefill
+        node then writes only the rest."""
         eng = self._engine
-        kv = eng.kv
         need = len(req.prompt_ids) + eng.executor.kv_tokens_per_decode()
-        if not kv.can_admit(need):
-            return False
-        kv.assign_slot(req)
-        try:
-            kv.reserve(req, len(req.prompt_ids))
-        except OutOfPages:
-            kv.release(req)
-            return False
-        return True
+        return eng.kv.admit(req, len(req.prompt_ids), need)
 
     def page_list(self, req: Req) -> Future:
         """Future[list[int]]: the request's pages in order."""
         return self._call(lambda: self._engine.kv.page_list(req))
+
+    def destination(self, req: Req) -> Future:
+        """Future[(pages, cached)]: the request's pages in order, and how many leading ones are
+        the prefix cache's (held already: no write may land in them)."""
+        kv = self._engine.kv
+        return self._call(lambda: (kv.page_list(req), kv.cached_pages(req)))
 
     def release(self, req: Req) -> Future:
         """Return the request's pages and slot (deferred while a forward still uses them)."""

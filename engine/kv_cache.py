@@ -152,6 +152,32 @@ class KVCacheManager:
         self.req_to_token[req.slot, : slots.numel()] = slots
         req.seq_len = len(pages) * self.page_size
 
+    def admit(self, req: Req, reserve_tokens: int, need_tokens: int, headroom_pages: int = 0) -> bool:
+        """A slot, the cached prefix and pages for [0, reserve_tokens), if `need_tokens` (less what
+        the cache has) and `headroom_pages` fit in what is available; False leaves `req` as it was."""
+        if not self._free_slots:
+            return False
+        match = self.match_prefix(req)
+        hit = len(match) if match is not None else 0
+        # cached pages it reads are no longer available to anyone else (nor to itself)
+        taken = sum(n.refs == 0 for n in match.nodes) if match is not None else 0
+        if self.pages_for(need_tokens) - hit + headroom_pages > self.num_available - taken:
+            return False
+        self.assign_slot(req)
+        if match is not None:
+            self.adopt_prefix(req, match)
+        try:
+            self.reserve(req, reserve_tokens)
+        except OutOfPages:
+            self.release(req)
+            return False
+        return True
+
+    def cached_pages(self, req: Req) -> int:
+        """Leading pages of `req` that are the cache's (read, never written)."""
+        match = self._matched.get(req.slot)
+        return len(match) if match is not None else 0
+
     def cached_tokens(self, req: Req) -> int:
         """Tokens of `req`'s prefix that came from the cache."""
         match = self._matched.get(req.slot)

@@ -60,7 +60,14 @@ class KVControlServicer(kpb_grpc.KVControlServicer):
             return kpb.DestinationAck(accepted=False, error=f"room {request.room} failed: {room.reason}")
         if room.destination is not None:
             return kpb.DestinationAck(accepted=False, error=f"room {request.room} already has a destination")
-        room.destination = Destination(request.decode_agent, list(request.pages), request.aux_row, request.num_tokens)
+        if request.cached_pages > len(request.pages):
+            return kpb.DestinationAck(
+                accepted=False,
+                error=f"{request.cached_pages} cached pages of a destination of {len(request.pages)}",
+            )
+        room.destination = Destination(
+            request.decode_agent, list(request.pages), request.aux_row, request.num_tokens, request.cached_pages
+        )
         room.arrived.set()
         return kpb.DestinationAck(accepted=True)
 

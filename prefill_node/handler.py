@@ -117,7 +117,9 @@ class PrefillHandler:
                 room.deadline = time.monotonic() + self.rooms.orphan_ttl_s
             else:
                 self.rooms.forget(room)
-        yield convert.complete(req.rid, [first], FinishReason.LENGTH, len(req.prompt_ids))
+        yield convert.complete(
+            req.rid, [first], FinishReason.LENGTH, len(req.prompt_ids), cached_tokens=req.cached_tokens
+        )
 
     def _refuse_if_aborted(self, req: Req, room: Room) -> None:
         """A request whose abort came first (by id from the router, or its room from the decode)
@@ -229,9 +231,10 @@ class PrefillHandler:
         KV_HANDOFF_TAIL_SECONDS.observe(now - computed)
         KV_WRITES.labels("chunk").inc(writer.partial_writes)
         KV_WRITES.labels("final").inc()
-        KV_WRITE_PAGES.labels("chunk").inc(sent)
+        KV_WRITE_PAGES.labels("chunk").inc(writer.partial_pages)
         KV_WRITE_PAGES.labels("final").inc(need - sent)
-        KV_TRANSFER_BYTES.labels("prefill").inc(need * pd.kv_bytes_per_page + rows.row_bytes)
+        written = writer.partial_pages + need - sent  # the decode's cached pages are not written
+        KV_TRANSFER_BYTES.labels("prefill").inc(written * pd.kv_bytes_per_page + rows.row_bytes)
 
     def abort(self, request_id: str, reason: str) -> bool:
         self.pd.abort(request_id, reason)

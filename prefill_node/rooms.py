@@ -19,6 +19,7 @@ class Destination:
     pages: list[int]
     aux_row: int
     num_tokens: int
+    cached_pages: int = 0  # leading pages the decode holds already (its prefix cache): never written
 
 
 class Writes(Protocol):

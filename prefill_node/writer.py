@@ -50,6 +50,7 @@ class RoomWriter:
         self.transport, self.room, self.timeout_s, self.per_chunk = transport, room, timeout_s, per_chunk
         self.sent = 0  # leading pages covered by posted partial writes
         self.partial_writes = 0
+        self.partial_pages = 0  # pages those partial writes carried
         self._posted: list[tuple[object, float]] = []  # (handle, deadline) of writes not yet ended
         self._pending: list[KVProgress] = []
         self._wake = asyncio.Event()
@@ -59,6 +60,12 @@ class RoomWriter:
         self._error: WriteFailed | None = None
         self._on_idle: list[Callable[[], None]] = []
         self._drainer: asyncio.Task | None = None
+
+    @property
+    def floor(self) -> int:
+        """Leading pages the decode holds already (none before its destination arrived)."""
+        dest = self.room.destination
+        return dest.cached_pages if dest is not None else 0
 
     @property
     def in_flight(self) -> bool:
@@ -134,18 +141,18 @@ class RoomWriter:
             await self._end_posted()
             self.sent = 0
             return
-        if len(progress.pages) <= self.sent or self._error is not None:
+        if len(progress.pages) <= max(self.sent, self.floor) or self._error is not None:
             return
         await asyncio.to_thread(progress.fence.synchronize)
         dest, room = self.room.destination, self.room
         if dest is None or room.state is KVPoll.FAILED:
             return
-        end = len(progress.pages)
+        start, end = max(self.sent, self.floor), len(progress.pages)
         room.state = KVPoll.TRANSFERRING  # a write into its pages is posted from here on
         try:  # posted and polled once: _until_wake_ending_chunks ends it
             await self._post(
                 TransferRequest(
-                    room.room, dest.peer, list(progress.pages[self.sent :]), dest.pages[self.sent : end], None, None
+                    room.room, dest.peer, list(progress.pages[start:end]), dest.pages[start:end], None, None
                 ),
                 urgent=False,
             )
@@ -153,6 +160,7 @@ class RoomWriter:
             self._error = WriteFailed(f"KV chunk write failed: {e}", "transfer_error")
             return
         self.partial_writes += 1
+        self.partial_pages += end - start
         self.sent = end
 
     def _post(self, request: TransferRequest, urgent: bool) -> asyncio.Future:
@@ -198,7 +206,7 @@ class RoomWriter:
             self.sent = 0
         if self._error is not None:
             raise self._error
-        return self.sent
+        return max(self.sent, self.floor)
 
     # ---- the final write ----
     async def write_final(self, src_pages: list[int], dst_pages: list[int], src_row: int, dst_row: int) -> None:

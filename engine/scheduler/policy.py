@@ -139,18 +139,10 @@ class BatchPolicy:
             return False
         need = req.total_len + self.kv_tokens_per_decode
         headroom = sum(self.kv.pages_for(self.cfg.decode_reserve_tokens) for _ in self.running)
-        match = self.kv.match_prefix(req)
-        hit = len(match) if match is not None else 0
-        # cached pages it reads are no longer available to anyone else (nor to itself)
-        taken = sum(n.refs == 0 for n in match.nodes) if match is not None else 0
-        if self.kv.pages_for(need) - hit + headroom > self.kv.num_available - taken or not self.kv.num_free_slots:
+        if not self.kv.admit(req, req.total_len, need, headroom):
             return False
-        self.kv.assign_slot(req)
-        if match is not None:
-            self.kv.adopt_prefix(req, match)
-            if not req.output_ids:  # the prompt's own hit (a retracted request re-reads its output too)
-                req.cached_tokens = min(hit * self.kv.page_size, len(req.prompt_ids))
-        self.kv.reserve(req, req.total_len)
+        if not req.output_ids:  # the prompt's own hit (a retracted request re-reads its output too)
+            req.cached_tokens = min(self.kv.cached_tokens(req), len(req.prompt_ids))
         req.state = ReqState.RUNNING
         return True
 

@@ -50,6 +50,10 @@ KV_WRITES = Counter(
 KV_WRITE_PAGES = Counter(
     "pdserve_kv_write_pages", "KV pages written to decode nodes, by write kind (chunk or final)", ["kind"]
 )
+KV_TRANSFER_SKIPPED_PAGES = Counter(
+    "pdserve_kv_transfer_skipped_pages",
+    "Decode: prompt pages its prefix cache held already, so the prefill node did not write them",
+)
 KV_TRANSFER_FAILURES = Counter(
     "pdserve_kv_transfer_failures", "PD requests that failed before decoding, by reason", ["role", "reason"]
 )

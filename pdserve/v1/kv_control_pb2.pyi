@@ -85,7 +85,7 @@ class HandshakeResponse(_message.Message):
     def __init__(self, prefill_agent: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[MemoryLayout, _Mapping]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ...) -> None: ...
 
 class DestinationRequest(_message.Message):
-    __slots__ = ("room", "request_id", "decode_agent", "pages", "aux_row", "num_tokens", "deadline_unix_s")
+    __slots__ = ("room", "request_id", "decode_agent", "pages", "aux_row", "num_tokens", "deadline_unix_s", "cached_pages")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_AGENT_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class DestinationRequest(_message.Message):
     AUX_ROW_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
     room: int
     request_id: str
     decode_agent: str
@@ -100,7 +101,8 @@ class DestinationRequest(_message.Message):
     aux_row: int
     num_tokens: int
     deadline_unix_s: float
-    def __init__(self, room: _Optional[int] = ..., request_id: _Optional[str] = ..., decode_agent: _Optional[str] = ..., pages: _Optional[_Iterable[int]] = ..., aux_row: _Optional[int] = ..., num_tokens: _Optional[int] = ..., deadline_unix_s: _Optional[float] = ...) -> None: ...
+    cached_pages: int
+    def __init__(self, room: _Optional[int] = ..., request_id: _Optional[str] = ..., decode_agent: _Optional[str] = ..., pages: _Optional[_Iterable[int]] = ..., aux_row: _Optional[int] = ..., num_tokens: _Optional[int] = ..., deadline_unix_s: _Optional[float] = ..., cached_pages: _Optional[int] = ...) -> None: ...
 
 class DestinationAck(_message.Message):
     __slots__ = ("accepted", "error")
