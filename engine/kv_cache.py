@@ -133,10 +133,13 @@ class KVCacheManager:
     # ---- the cached prefix ----
     def match_prefix(self, req: Req) -> Match | None:
         """The cached whole pages `req`'s tokens start with, leaving at least its last token to
-        compute (its logits); None without a cache."""
+        compute (its logits); None without a cache. A request with output (retracted) keeps two:
+        with one left it would look like a decoding request, whose next input the FutureMap
+        holds, while its row was invalidated when it gave its pages back."""
         if self.cache is None:
             return None
-        return self.cache.match(req.tokens(0, req.total_len), limit=req.total_len - 1)
+        keep = 2 if req.output_ids else 1
+        return self.cache.match(req.tokens(0, req.total_len), limit=req.total_len - keep)
 
     def adopt_prefix(self, req: Req, match: Match) -> None:
         """`req` (a slot, no pages yet) reads the matched pages: their KV counts as computed."""

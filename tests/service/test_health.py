@@ -14,6 +14,8 @@ def _engine(running: int = 0, waiting: int = 0, free_slots: int = 4, free_pages:
         cfg=SimpleNamespace(max_reqs=4),
         page_size=4,
         allocator=SimpleNamespace(num_free=free_pages, num_used=10 - free_pages),
+        num_available=free_pages,  # no prefix cache here: what is free is what is available
+        num_held=10 - free_pages,
         pages_for=lambda n: -(-n // 4),
     )
     policy = SimpleNamespace(running=[0] * running, waiting=[0] * waiting)

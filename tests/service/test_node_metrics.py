@@ -10,7 +10,8 @@ from prometheus_client import CollectorRegistry
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 from engine.core import ForwardMode
-from engine.scheduler.stats import DurationHistogram, LaunchTimes
+from engine.scheduler.rates import NodeRates
+from engine.scheduler.stats import CACHED_TOKEN_BUCKETS, COUNTERS, DurationHistogram, LaunchTimes
 from engine.service.metrics import EngineCollector
 from engine.spec_stats import SpecStats
 
@@ -20,7 +21,12 @@ def _engine(executor: Any) -> Any:
     for s in (0.005, 0.05, 0.05, 3.0):
         hist.observe(s)
     kv = SimpleNamespace(
-        allocator=SimpleNamespace(num_used=3, total=12), page_size=16, cfg=SimpleNamespace(max_reqs=8), num_free_slots=6
+        allocator=SimpleNamespace(num_used=3, total=12),
+        num_held=3,
+        cache=None,  # --disable-radix-cache: no cache gauges
+        page_size=16,
+        cfg=SimpleNamespace(max_reqs=8),
+        num_free_slots=6,
     )
     prompt = DurationHistogram((0.01, 0.1, 1.0))
     prompt.observe(0.02)
@@ -32,14 +38,23 @@ def _engine(executor: Any) -> Any:
     ]:
         launches.observe(mode, seconds)
     sched = SimpleNamespace(
-        policy=SimpleNamespace(running=[1, 2], waiting=[3]),
+        policy=SimpleNamespace(running=[1, 2], waiting=[3], queued_prompt_tokens=0),
         queue_time=hist,
         prompt_time=prompt,
         launch_time=launches,
-        stats={"retractions": 4},
+        stats={**dict.fromkeys(COUNTERS, 0), "retractions": 4},
+        cached_per_request=DurationHistogram(CACHED_TOKEN_BUCKETS),
     )
     io = SimpleNamespace(finished_counts=lambda: {"stop": 5, "abort": 2})
-    return SimpleNamespace(scheduler=sched, kv=kv, io=io, executor=executor, load_seconds=1.5)
+    return SimpleNamespace(
+        scheduler=sched,
+        kv=kv,
+        io=io,
+        executor=executor,
+        load_seconds=1.5,
+        rates=NodeRates(),
+        config=SimpleNamespace(max_running=8),
+    )
 
 
 def _registry(engine: Any, role: str, handler: Any = None) -> CollectorRegistry:
