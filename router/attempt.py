@@ -24,7 +24,8 @@ from router.contract import (
 )
 from router.blame import LegFailed, prefill_failure, rpc_failure, stage_timeout
 from router.metrics import DispatchMetrics
-from router.nodes import NodeState, build_request
+from router.nodes import NodeState
+from router.wire import build_request
 from router.relay import TokenRelay
 
 log = logging.getLogger(__name__)
