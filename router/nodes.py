@@ -24,6 +24,7 @@ from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 from common.defaults import DEFAULT_BOOTSTRAP_PORT, DEFAULT_REFRESH_INTERVAL
 from router.breaker import CircuitBreaker
 from router.contract import ModelCard
+from router.perf import NodePerf, PromptLedger
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,14 @@ class NodeState:
     inflight: int = 0  # this router's requests on the node not yet finished
     error: str = ""
     last_seen: float = 0.0
+    # What the prefill path decision reads (router/prefill_path.py); unknown until the node reports it.
+    perf: NodePerf = field(default_factory=NodePerf)
+    local_prefill: bool = False  # a decode that runs prompts sent to it without a prefill
+    waiting_prompt_tokens: int = 0  # prompt tokens queued on the node, not computed yet
+    max_tokens: int = 0  # KV cache capacity in tokens (0: not reported)
+    kv_transfer_s: float = 0.0  # the KV transfer latency a decode reports (0: unknown)
+    loads_at: float = 0.0  # monotonic time the last load report was asked for
+    prompts: PromptLedger = field(default_factory=PromptLedger)  # our prompts without a first token yet
 
     @property
     def address(self) -> str:
@@ -305,7 +314,7 @@ class NodeRegistry:
         except grpc.aio.AioRpcError as e:
             if e.code() != grpc.StatusCode.UNIMPLEMENTED:  # optional for SGLang workers
                 raise
-            s.pairing_protocol = None
+            s.pairing_protocol, s.perf, s.local_prefill = None, NodePerf(), False
             return
         args = json_format.MessageToDict(info.server_args)
         mode = args.get("disaggregation_mode")
@@ -313,9 +322,11 @@ class NodeRegistry:
             raise _Down(f"configured as {s.role} but serves disaggregation_mode={mode}")
         protocol = args.get("pairing_protocol")
         s.pairing_protocol = str(protocol) if protocol not in (None, "") else None
+        s.perf, s.local_prefill = NodePerf.parse(args.get("perf")), args.get("local_prefill") is True
 
     async def _loads(self, s: NodeState) -> None:
         assert s.stub is not None
+        asked = time.monotonic()  # prompts sent while the report is on its way count as not in it
         try:
             resp = await s.stub.GetLoads(pb.GetLoadsRequest(), timeout=self.rpc_timeout_s)
         except grpc.aio.AioRpcError as e:
@@ -325,6 +336,10 @@ class NodeRegistry:
         s.running = sum(x.num_running_reqs for x in resp.loads)
         s.waiting = sum(x.num_waiting_reqs for x in resp.loads)
         s.used_tokens = sum(x.num_used_tokens for x in resp.loads)
+        s.waiting_prompt_tokens = sum(x.num_waiting_uncached_tokens for x in resp.loads)
+        s.max_tokens = sum(x.max_total_num_tokens for x in resp.loads)
+        latency_ms = max((x.disaggregation.kv_transfer_latency_ms for x in resp.loads), default=0.0)
+        s.kv_transfer_s, s.loads_at = max(0.0, latency_ms) / 1000, asked
 
 
 class _Down(Exception):
