@@ -261,6 +261,13 @@ class RouterOptions:
     colocated: list[str] = opt([], "Colocated node HOST:PORT, used when no PD pair is available (repeatable).")
     prefill_policy: str = opt("prefix_aware", "round_robin, least_load or prefix_aware.")
     decode_policy: str = opt("least_load", "round_robin or least_load.")
+    pd_prefill_policy: str = opt(
+        "remote",
+        "Where prompts run: remote (a prefill node, then the KV moves to the decode), local (the decode "
+        "node runs the prompt between its decode steps, within its TPOT guard; decodes that do not are "
+        "paired as before), or auto (per request, the path with the smaller TTFT estimated from the "
+        "nodes' measured rates and queues).",
+    )
     served_model: Optional[str] = opt(
         None, "Model id clients send (default: the nodes').", aliases=("--served-model-name",)
     )

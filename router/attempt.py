@@ -24,7 +24,8 @@ from router.contract import (
 )
 from router.blame import LegFailed, prefill_failure, rpc_failure, stage_timeout
 from router.metrics import DispatchMetrics
-from router.nodes import NodeState, build_request
+from router.nodes import NodeState
+from router.wire import build_request
 from router.relay import TokenRelay
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,9 @@ class AttemptContext:
 
 
 class PDAttempt:
-    """One try of one job on one pair (or one colocated node when `prefill` is None)."""
+    """One try of one job on one pair, or on one node alone when `prefill` is None: a colocated
+    node, or a decode that runs the prompt itself (the local path; no bootstrap is sent, failures
+    are the decode's, and there is no prefill token to relay)."""
 
     def __init__(
         self, d: AttemptContext, job: GenerationJob, prefill: NodeState | None, decode: NodeState, request_id: str
@@ -83,6 +86,10 @@ class PDAttempt:
         if prefill is not None:
             self.prefill_task = asyncio.create_task(self._prefill_leg(req), name=f"prefill-{request_id}")
         decode.inflight += 1
+        # The node that computes the prompt holds it as queued work until the first token: the
+        # prefill on the remote path, the decode (or colocated node) when it runs the prompt itself.
+        self.prompt_node = prefill if prefill is not None else decode
+        self.prompt_node.prompts.add(self, len(job.input_ids), time.monotonic())
         self.blame: set[str] = set()
         self.blame_reason = ""
         self.finished = False
@@ -119,6 +126,7 @@ class PDAttempt:
 
     def observe_first_token(self, job_started: float) -> None:
         """TTFT stages of this attempt (router/metrics.py says what each one holds)."""
+        self.prompt_node.prompts.settle(self)
         now, stage = time.monotonic(), self.d.metrics.ttft_stage
         stage.labels("queue").observe(self.started_at - job_started)
         if self.prefill is not None:
@@ -237,6 +245,7 @@ class PDAttempt:
     async def close(self, reason: str) -> None:
         """End the attempt: on failure or cancel stop both legs and Abort them; give verdicts."""
         self.decode.inflight -= 1
+        self.prompt_node.prompts.settle(self)
         if not self.finished:
             self._drop_read()  # pending when the job ended right after the prefill's token
             self.call.cancel()

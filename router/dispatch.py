@@ -10,7 +10,9 @@ event an attempt that fails is retried with backoff on a new pair (the failing n
 a new room; after it, a failure ends the job, so a decode that fails after the prefill's token
 went out ends the job with an error. Closing the iterator sends Abort to both legs. With no PD
 pair, a colocated node (if any) serves the job alone. Which node a failure is charged to is
-router/blame.py's decision.
+router/blame.py's decision. The prefill path policy (router/prefill_path.py) may instead send the
+prompt to the decode node alone (local: no bootstrap, the decode runs it between its decode steps);
+each attempt, retries included, decides again.
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ from router.contract import (
     TokenEvent,
 )
 from router.blame import LegFailed
-from router.metrics import DispatchMetrics
-from router.nodes import NodeRegistry, NodeState
-from router.policy import Policy, pair_available, select_colocated, select_pair
+from router.metrics import DispatchMetrics, PathMetrics
+from router.nodes import NodeRegistry
+from router.policy import Policy, pair_available
+from router.prefill_path import POLICIES, REASONS, Route, select_route
+from router.sizing import TierBalance
 from router.attempt import DEFAULT_STAGE_TIMEOUTS, AttemptContext, PDAttempt, StageTimeouts
 
 log = logging.getLogger(__name__)
@@ -57,8 +61,12 @@ class PDDispatcher:
         probe_input_ids: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8),
         auto_probe: bool = True,
         metrics_registry: CollectorRegistry | None = None,
+        path_policy: str = "remote",
     ) -> None:
+        if path_policy not in POLICIES:
+            raise ValueError(f"unknown prefill path policy {path_policy!r} (choose from {', '.join(POLICIES)})")
         self.registry, self.prefill_policy, self.decode_policy = registry, prefill_policy, decode_policy
+        self.path_policy = path_policy
         self.max_attempts, self.timeouts = max(1, max_attempts), timeouts
         self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
         self.ready_window_s, self.probe_interval_s, self.probe_input_ids = (
@@ -71,6 +79,9 @@ class PDDispatcher:
         self.metrics = DispatchMetrics(self.metrics_registry)
         self._attempt_ctx = AttemptContext(timeouts, self.metrics, self.keep)
         self.metrics.ready.set_function(lambda: float(self.ready()))
+        self.path_metrics = PathMetrics(self.metrics_registry, REASONS)
+        self.balance = TierBalance(registry)
+        self.path_metrics.bind(self.balance)
         self._last_success: float | None = None
         self._last_probe = -float("inf")
         self._probe_task: asyncio.Task[bool] | None = None
@@ -85,7 +96,7 @@ class PDDispatcher:
         """A handoff succeeded lately AND a healthy compatible pair (or colocated node) is there now:
         a recent success alone would keep a router with every decode dead "ready" for the window."""
         recent = self._last_success is not None and time.monotonic() - self._last_success <= self.ready_window_s
-        return recent and pair_available(self.registry)
+        return recent and pair_available(self.registry, local=self.path_policy != "remote")
 
     async def generate(self, job: GenerationJob) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
         job_started = time.monotonic()
@@ -96,8 +107,8 @@ class PDDispatcher:
             if last is not None:
                 self.metrics.retries.labels(last.reason).inc()
                 await asyncio.sleep(min(self.backoff_max_s, self.backoff_s * 2 ** (n - 1)) * random.uniform(0.5, 1.0))
-            target = self._pick(job, blamed | tried) or self._pick(job, blamed)
-            if target is None:
+            route = self._pick(job, blamed | tried) or self._pick(job, blamed)
+            if route is None:
                 if last is not None:
                     raise last.error
                 raise DispatchError(
@@ -106,8 +117,9 @@ class PDDispatcher:
                     code="no_available_pair",
                     retry_after_s=1.0,
                 )
-            prefill, decode = target
+            prefill, decode = route.prefill, route.decode
             self.metrics.pairs.labels(prefill.address if prefill else "-", decode.address).inc()
+            self._observe_route(route, len(job.input_ids))
             attempt = PDAttempt(
                 self._attempt_ctx, job, prefill, decode, job.request_id if n == 0 else f"{job.request_id}-retry{n}"
             )
@@ -115,8 +127,10 @@ class PDDispatcher:
             started, reason = False, "client cancelled"
             try:
                 async for event in events:
-                    if not started and isinstance(event, TokenEvent):
-                        attempt.observe_first_token(job_started)
+                    if isinstance(event, TokenEvent):
+                        if not started:
+                            attempt.observe_first_token(job_started)
+                        self.balance.outputs.add(len(event.token_ids))
                     started = True
                     if isinstance(event, FinishEvent) and event.finish_reason != "abort":
                         self._last_success = time.monotonic()  # before the yield: the consumer may stop here
@@ -147,23 +161,34 @@ class PDDispatcher:
         assert last is not None
         raise last.error
 
-    def _pick(self, job: GenerationJob, exclude: set[str]) -> tuple[NodeState | None, NodeState] | None:
-        """A PD pair if any; else a colocated node; breaker slots are claimed here."""
+    def _pick(self, job: GenerationJob, exclude: set[str]) -> Route | None:
+        """A route (router/prefill_path.py) whose breaker slots are claimed here."""
         for _ in range(4):  # a half-open probe slot taken meanwhile: choose again
-            pair = select_pair(self.registry, self.prefill_policy, self.decode_policy, job, exclude)
-            if pair is not None:
-                prefill, decode = pair
-                if prefill.breaker.acquire():
-                    if decode.breaker.acquire():
-                        return prefill, decode
-                    prefill.breaker.release()
-                continue
-            node = select_colocated(self.registry, self.decode_policy, job, exclude)
-            if node is None:
+            route = select_route(self.registry, self.prefill_policy, self.decode_policy, self.path_policy, job, exclude)
+            if route is None:
                 return None
-            if node.breaker.acquire():
-                return None, node
+            taken = []
+            for node in (route.prefill, route.decode):
+                if node is not None:
+                    if not node.breaker.acquire():
+                        break
+                    taken.append(node)
+            else:
+                return route
+            for node in taken:
+                node.breaker.release()
         return None
+
+    def _observe_route(self, route: Route, prompt_tokens: int) -> None:
+        d = route.decision
+        self.path_metrics.observe(
+            route.path,
+            d.reason if d is not None else None,
+            d.remote_s if d is not None else None,
+            d.local_s if d is not None else None,
+        )
+        if route.path != "colocated":  # the tiers' demand: colocated nodes are in neither
+            self.balance.prompts.add(prompt_tokens)
 
     async def probe(self) -> bool:
         """One tiny real request (one token) through a pair, so readiness needs no user traffic."""
@@ -189,7 +214,7 @@ class PDDispatcher:
             stale
             and (self._probe_task is None or self._probe_task.done())
             and now - self._last_probe >= self.probe_interval_s
-            and pair_available(self.registry)
+            and pair_available(self.registry, local=self.path_policy != "remote")
         ):
             self._probe_task = asyncio.create_task(self.probe(), name="readiness-probe")
 

@@ -48,6 +48,7 @@ async def run_router(options: RouterOptions) -> None:
         make_policy("prefill", options.prefill_policy),
         make_policy("decode", options.decode_policy),
         timeouts=_timeouts(options),
+        path_policy=options.pd_prefill_policy,
     )
     await registry.start()
     try:

@@ -6,7 +6,8 @@ registry would refuse the duplicate names) and /metrics exposes exactly that reg
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import functools
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from router.nodes import NodeState
@@ -133,6 +134,20 @@ class ResponseCounter:
         await self.app(scope, receive, counting_send)
 
 
+class Balance(Protocol):
+    """The tiers' load and capacity, in tokens per second (router/sizing.py's TierBalance)."""
+
+    def prefill_demand(self) -> float: ...
+
+    def prefill_capacity(self) -> float: ...
+
+    def decode_demand(self) -> float: ...
+
+    def decode_capacity(self) -> float: ...
+
+    def ratio(self) -> float: ...
+
+
 _STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -225,3 +240,73 @@ class DispatchMetrics:
                 if (node, r) == (address, role):
                     self.node_failures.remove(node, r, reason)
         self._known = now
+
+
+class PathMetrics:
+    """Which prefill path requests took and why (router/prefill_path.py), and the tiers' load against
+    capacity (router/sizing.py). Label values come from fixed sets, so series stay bounded."""
+
+    def __init__(self, registry: CollectorRegistry, reasons: tuple[str, ...]) -> None:
+        self.paths = Counter(
+            "pdserve_router_prefill_path",
+            "Dispatches by where the prompt ran: remote (a prefill node), local (its decode node), "
+            "colocated (a colocated node); a retry counts again",
+            ["path"],
+            registry=registry,
+        )
+        self.estimates = Histogram(
+            "pdserve_router_prefill_path_estimate_seconds",
+            "Estimated TTFT of each path when the router chose the path (every estimate known then)",
+            ["path"],
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.decisions = Counter(
+            "pdserve_router_prefill_path_decisions",
+            "Prefill path decisions by reason",
+            ["reason"],
+            registry=registry,
+        )
+        for path in ("remote", "local", "colocated"):  # every series from the start: rates need a zero
+            self.paths.labels(path)
+        for reason in reasons:
+            self.decisions.labels(reason)
+        g = functools.partial(Gauge, registry=registry)
+        self.prefill_demand = g(
+            "pdserve_router_prefill_demand_tokens_per_second",
+            "Prompt tokens this router dispatched per second over the last 60 s (remote and local paths)",
+        )
+        self.prefill_capacity = g(
+            "pdserve_router_prefill_capacity_tokens_per_second",
+            "Sum of the healthy prefill nodes' measured prompt rates",
+        )
+        self.decode_demand = g(
+            "pdserve_router_decode_demand_tokens_per_second",
+            "Output tokens this router streamed per second over the last 60 s",
+        )
+        self.decode_capacity = g(
+            "pdserve_router_decode_capacity_tokens_per_second",
+            "Sum of the healthy decode nodes' estimated decode capacities",
+        )
+        self.balanced_ratio = g(
+            "pdserve_router_balanced_prefill_decode_ratio",
+            "Prefill nodes per decode node that would balance the current load: (prefill demand / mean "
+            "prefill node capacity) / (decode demand / mean decode node capacity); NaN while unknown",
+        )
+
+    def bind(self, balance: Balance) -> None:
+        """The sizing gauges read `balance` at scrape time."""
+        self.prefill_demand.set_function(balance.prefill_demand)
+        self.prefill_capacity.set_function(balance.prefill_capacity)
+        self.decode_demand.set_function(balance.decode_demand)
+        self.decode_capacity.set_function(balance.decode_capacity)
+        self.balanced_ratio.set_function(balance.ratio)
+
+    def observe(self, path: str, reason: str | None, remote_s: float | None, local_s: float | None) -> None:
+        """One dispatch: its path, and the decision behind it when one was made (not for colocated)."""
+        self.paths.labels(path).inc()
+        if reason is not None:
+            self.decisions.labels(reason).inc()
+        for label, seconds in (("remote", remote_s), ("local", local_s)):
+            if seconds is not None:
+                self.estimates.labels(label).observe(seconds)

@@ -3,8 +3,8 @@ background refresh (health, model card, pairing fingerprint, load) that marks no
 
 Nodes speak the SGLang scheduler API (`SglangScheduler`). A prefill's bootstrap port is not in its
 server info, so the operator names it next to the address, as SMG does
-(`--prefill host:port,BOOTSTRAP_PORT`). Also here: the translation between router jobs/events
-and the scheduler API's messages (`build_request`, `token_event`).
+(`--prefill host:port,BOOTSTRAP_PORT`). The translation between router jobs/events and the
+scheduler API's messages is router/wire.py.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
 from common.defaults import DEFAULT_BOOTSTRAP_PORT, DEFAULT_REFRESH_INTERVAL
-from common.sampling import SamplingParams
 from router.breaker import CircuitBreaker
-from router.contract import GenerationJob, ModelCard, TokenEvent
+from router.contract import ModelCard
+from router.perf import NodePerf, PromptLedger
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,14 @@ class NodeState:
     inflight: int = 0  # this router's requests on the node not yet finished
     error: str = ""
     last_seen: float = 0.0
+    # What the prefill path decision reads (router/prefill_path.py); unknown until the node reports it.
+    perf: NodePerf = field(default_factory=NodePerf)
+    local_prefill: bool = False  # a decode that runs prompts sent to it without a prefill
+    waiting_prompt_tokens: int = 0  # prompt tokens queued on the node, not computed yet
+    max_tokens: int = 0  # KV cache capacity in tokens (0: not reported)
+    kv_transfer_s: float = 0.0  # the KV transfer latency a decode reports (0: unknown)
+    loads_at: float = 0.0  # monotonic time the last load report was asked for
+    prompts: PromptLedger = field(default_factory=PromptLedger)  # our prompts without a first token yet
 
     @property
     def address(self) -> str:
@@ -139,57 +147,6 @@ def _model_card(info: pb.GetModelInfoResponse) -> ModelCard:
         max_context_length=info.max_context_length,
         eos_token_ids=tuple(info.eos_token_ids),
     )
-
-
-def build_request(job: GenerationJob, request_id: str, room: int, prefill: NodeState | None) -> pb.GenerateRequest:
-    """The GenerateRequest both legs get (SMG sends them identical)."""
-    s: SamplingParams = job.sampling
-    sp = pb.SamplingParams(
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        min_p=s.min_p,
-        frequency_penalty=s.frequency_penalty,
-        presence_penalty=s.presence_penalty,
-        repetition_penalty=s.repetition_penalty,
-        max_new_tokens=s.max_new_tokens,
-        min_new_tokens=s.min_new_tokens,
-        stop=list(s.stop),
-        stop_token_ids=list(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-        n=1,
-        skip_special_tokens=s.skip_special_tokens,
-        spaces_between_special_tokens=True,
-    )
-    for token, bias in s.logit_bias:  # keyed by the id as a string, as in OpenAI's JSON
-        sp.logit_bias[str(token)] = bias
-    if s.seed is not None:  # SGLang's place for a sampling seed
-        sp.custom_params.update({"seed": s.seed})
-    req = pb.GenerateRequest(
-        request_id=request_id,
-        tokenized=pb.TokenizedInput(input_ids=list(job.input_ids)),
-        sampling_params=sp,
-        return_logprob=s.logprobs,
-        top_logprobs_num=s.top_logprobs,
-        logprob_start_len=-1,
-        stream=True,
-    )
-    if prefill is not None:
-        req.disaggregated_params.CopyFrom(
-            pb.DisaggregatedParams(
-                bootstrap_host=prefill.spec.host,
-                bootstrap_port=prefill.spec.bootstrap_port or DEFAULT_BOOTSTRAP_PORT,
-                bootstrap_room=room,
-            )
-        )
-    return req
-
-
-def token_event(ids: list[int], lp: pb.OutputLogProbs | None) -> TokenEvent:
-    if lp is None or not lp.token_logprobs:
-        return TokenEvent(tuple(ids))
-    top = tuple(tuple(zip(t.token_ids, t.values)) for t in lp.top_logprobs)
-    return TokenEvent(tuple(ids), tuple(lp.token_logprobs), top)
 
 
 @dataclass(frozen=True)
@@ -357,7 +314,7 @@ class NodeRegistry:
         except grpc.aio.AioRpcError as e:
             if e.code() != grpc.StatusCode.UNIMPLEMENTED:  # optional for SGLang workers
                 raise
-            s.pairing_protocol = None
+            s.pairing_protocol, s.perf, s.local_prefill = None, NodePerf(), False
             return
         args = json_format.MessageToDict(info.server_args)
         mode = args.get("disaggregation_mode")
@@ -365,9 +322,11 @@ class NodeRegistry:
             raise _Down(f"configured as {s.role} but serves disaggregation_mode={mode}")
         protocol = args.get("pairing_protocol")
         s.pairing_protocol = str(protocol) if protocol not in (None, "") else None
+        s.perf, s.local_prefill = NodePerf.parse(args.get("perf")), args.get("local_prefill") is True
 
     async def _loads(self, s: NodeState) -> None:
         assert s.stub is not None
+        asked = time.monotonic()  # prompts sent while the report is on its way count as not in it
         try:
             resp = await s.stub.GetLoads(pb.GetLoadsRequest(), timeout=self.rpc_timeout_s)
         except grpc.aio.AioRpcError as e:
@@ -377,6 +336,10 @@ class NodeRegistry:
         s.running = sum(x.num_running_reqs for x in resp.loads)
         s.waiting = sum(x.num_waiting_reqs for x in resp.loads)
         s.used_tokens = sum(x.num_used_tokens for x in resp.loads)
+        s.waiting_prompt_tokens = sum(x.num_waiting_uncached_tokens for x in resp.loads)
+        s.max_tokens = sum(x.max_total_num_tokens for x in resp.loads)
+        latency_ms = max((x.disaggregation.kv_transfer_latency_ms for x in resp.loads), default=0.0)
+        s.kv_transfer_s, s.loads_at = max(0.0, latency_ms) / 1000, asked
 
 
 class _Down(Exception):

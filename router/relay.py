@@ -8,7 +8,7 @@ import logging
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 from router.contract import TokenEvent
-from router.nodes import token_event
+from router.wire import token_event
 
 log = logging.getLogger(__name__)
 

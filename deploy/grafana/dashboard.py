@@ -247,6 +247,69 @@ ROWS: list[tuple[str, list[Panel]]] = [
         ],
     ),
     (
+        "Prefill path and tier balance",
+        [
+            Panel(
+                "Requests by prefill path",
+                "reqps",
+                "Where prompts ran: remote (a prefill node), local (the decode node, between its decode steps), "
+                "colocated; and why the router chose (--pd-prefill-policy).",
+                [
+                    (f"sum by (path) (rate(pdserve_router_prefill_path_total[{W}]))", "{{path}}"),
+                    (
+                        f"sum by (reason) (rate(pdserve_router_prefill_path_decisions_total[{W}]))",
+                        "reason {{reason}}",
+                    ),
+                ],
+            ),
+            Panel(
+                "Estimated TTFT by prefill path",
+                "s",
+                "The router's TTFT estimate for each path when it chose one, from the nodes' measured rates "
+                "and queues; compare with the measured TTFT.",
+                [
+                    (_q(p, "pdserve_router_prefill_path_estimate_seconds", "le, path"), f"p{int(p * 100)} {{{{path}}}}")
+                    for p in (0.5, 0.9)
+                ],
+            ),
+            Panel(
+                "Prefill tier: demand vs capacity",
+                "short",
+                "Prompt tokens/s the routers dispatched (60 s window, remote and local) against the healthy "
+                "prefill nodes' measured prompt rates.",
+                [
+                    ("sum(pdserve_router_prefill_demand_tokens_per_second)", "demand tok/s"),
+                    ("max(pdserve_router_prefill_capacity_tokens_per_second)", "capacity tok/s"),
+                ],
+            ),
+            Panel(
+                "Decode tier: demand vs capacity",
+                "short",
+                "Output tokens/s the routers streamed (60 s window) against the healthy decode nodes' estimated "
+                "decode capacity.",
+                [
+                    ("sum(pdserve_router_decode_demand_tokens_per_second)", "demand tok/s"),
+                    ("max(pdserve_router_decode_capacity_tokens_per_second)", "capacity tok/s"),
+                ],
+            ),
+            Panel(
+                "Prefill:decode node ratio",
+                "short",
+                "Prefill nodes per decode node that would balance the current load, (prefill demand / "
+                "capacity per prefill node) / (decode demand / capacity per decode node), against the "
+                "ratio deployed. Routers answer NaN (left out here) while a rate is unmeasured or nothing decodes.",
+                [
+                    ("avg(pdserve_router_balanced_prefill_decode_ratio >= 0)", "balanced"),
+                    (
+                        'count(pdserve_node_waiting_prompt_tokens{role="prefill"}) '
+                        '/ count(pdserve_node_waiting_prompt_tokens{role="decode"})',
+                        "deployed",
+                    ),
+                ],
+            ),
+        ],
+    ),
+    (
         "Router health",
         [
             Panel(
@@ -310,7 +373,7 @@ def build() -> str:
         .tags(["pdserve", "llm", "disaggregated"])
         .description(
             "pdserve router and prefill/decode nodes: traffic, TTFT by stage, KV cache, "
-            "PD queues, speculative acceptance, KV transfer, retries and breakers."
+            "PD queues, speculative acceptance, KV transfer, prefill paths and tier balance, retries and breakers."
         )
         .refresh("30s")
         .time("now-1h", "now")

@@ -152,14 +152,27 @@ def test_autoscalers_and_budgets_select_their_groups() -> None:
     [hpa] = by_kind(objs, "HorizontalPodAutoscaler")
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{BASE}-router"}
     assert "replicas" not in work["router"]["spec"]  # the HPA owns it
-    [so] = by_kind(objs, "ScaledObject")
-    ref = so["spec"]["scaleTargetRef"]
-    assert (ref["kind"], ref["name"]) == (work["decode"]["kind"], work["decode"]["metadata"]["name"])
-    assert "replicas" not in work["decode"]["spec"] and work["prefill"]["spec"]["replicas"] == 2
-    [trigger] = so["spec"]["triggers"]
-    query = trigger["metadata"]["query"]
-    assert trigger["type"] == "prometheus" and "pdserve_node_waiting_requests" in query
-    assert 'queue="prealloc"' in query and f'namespace="{NAMESPACE}"' in query
+    scaled = {so["spec"]["scaleTargetRef"]["name"]: so for so in by_kind(objs, "ScaledObject")}
+    assert set(scaled) == {work[g]["metadata"]["name"] for g in GROUPS}
+    for group in GROUPS:
+        so = scaled[work[group]["metadata"]["name"]]
+        assert so["spec"]["scaleTargetRef"]["kind"] == work[group]["kind"]
+        assert "replicas" not in work[group]["spec"]  # KEDA owns it
+        [trigger] = so["spec"]["triggers"]
+        query = trigger["metadata"]["query"]
+        assert trigger["type"] == "prometheus" and f'namespace="{NAMESPACE}"' in query
+        assert f'pod=~"{BASE}-{group}-.*"' in query
+    decode_query = scaled[f"{BASE}-decode"]["spec"]["triggers"][0]["metadata"]
+    assert "pdserve_node_waiting_requests" in decode_query["query"] and 'queue="prealloc"' in decode_query["query"]
+    prefill_query = scaled[f"{BASE}-prefill"]["spec"]["triggers"][0]["metadata"]
+    assert 'pdserve_node_waiting_prompt_tokens{role="prefill"' in prefill_query["query"]
+    assert prefill_query["threshold"] == "32768" and scaled[f"{BASE}-prefill"]["spec"]["maxReplicaCount"] == 8
+    # Off by default: one ScaledObject (decode), and the prefill group keeps its replicas.
+    only_decode = objects({"keda": {"enabled": True}})
+    assert [so["spec"]["scaleTargetRef"]["name"] for so in by_kind(only_decode, "ScaledObject")] == [f"{BASE}-decode"]
+    assert _workloads(only_decode)["prefill"]["spec"]["replicas"] == 1
+    prefill_only = objects({"keda": {"prefill": {"enabled": True}}})
+    assert [so["metadata"]["name"] for so in by_kind(prefill_only, "ScaledObject")] == [f"{BASE}-prefill"]
     assert work["prefill"]["spec"]["serviceName"] == f"{BASE}-prefill"  # StatefulSet in this file
     pdbs = by_kind(objs, "PodDisruptionBudget")
     for component, workload in work.items():
@@ -211,6 +224,8 @@ def test_every_process_takes_the_flags_the_chart_gives_it(objs: list[dict[str, A
         if component != "router":
             assert params["device"] == "auto" and 0 < params["mem_fraction_static"] <= 1
             assert params["max_total_tokens"] is None  # sized from the memory fraction
+        else:
+            assert params["pd_prefill_policy"] == "remote"
 
 
 def test_default_values_use_the_built_in_pair_without_rdma() -> None:

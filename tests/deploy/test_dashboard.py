@@ -53,6 +53,14 @@ def test_panels_cover_the_issue_list() -> None:
         "pdserve_kv_transfer_failures_total",
         "pdserve_router_retries_total",
         "pdserve_router_breaker_state",
+        "pdserve_router_prefill_path_total",
+        "pdserve_router_prefill_path_decisions_total",
+        "pdserve_router_prefill_path_estimate_seconds_bucket",
+        "pdserve_router_prefill_demand_tokens_per_second",
+        "pdserve_router_prefill_capacity_tokens_per_second",
+        "pdserve_router_decode_demand_tokens_per_second",
+        "pdserve_router_decode_capacity_tokens_per_second",
+        "pdserve_router_balanced_prefill_decode_ratio",
     ]:
         assert metric in text, metric
     for p in panels:

@@ -82,6 +82,8 @@ def test_dashboard_and_rules_on_a_live_stack(tmp_path: Path) -> None:
                 f"127.0.0.1:{decode.ports['scheduler']}",
                 "--decode",
                 flaky.address,
+                "--pd-prefill-policy",  # estimates behind every choice (the dashboard's prefill path panels)
+                "auto",
             ]
         )
         colo_router = Node(

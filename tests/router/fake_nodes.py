@@ -1,8 +1,8 @@
 """Fake in-process SglangScheduler nodes for router tests: a prefill that completes with one token
 once its decode took the room, a decode (or colocated node) that streams scripted tokens, with
-switches for failures and hangs. Every RPC is recorded (Generate requests, Aborts, streams the
-client cancelled). Also the small async helpers the dispatch tests share (run, job, dispatcher,
-collect, until)."""
+switches for failures and hangs and the loads and measured rates they report. Every RPC is
+recorded (Generate requests, Aborts, streams the client cancelled). Also the small async helpers
+the dispatch tests share (run, job, dispatcher, collect, until)."""
 
 from __future__ import annotations
 
@@ -52,6 +52,13 @@ class Behaviour:
     chunks: bool = True  # a decode streams chunks; False: only its GenerateComplete, with every token
     running: int = 0
     waiting: int = 0
+    # What nodes report for the prefill path decision; None: the key is absent (an older node).
+    perf: dict[str, Any] | None = None  # GetServerInfo's server_args["perf"]
+    local_prefill: bool | None = None  # server_args["local_prefill"] (decode nodes)
+    waiting_prompt_tokens: int = 0  # GetLoads' num_waiting_uncached_tokens
+    used_tokens: int = 0
+    max_tokens: int = 0
+    kv_transfer_ms: float = 0.0  # GetLoads' disaggregation.kv_transfer_latency_ms
 
 
 class FakeNode(pbg.SglangSchedulerServicer):
@@ -179,12 +186,24 @@ class FakeNode(pbg.SglangSchedulerServicer):
         args.update({"disaggregation_mode": self.b.mode or MODES[self.role]})
         if self.b.pairing_protocol is not None:
             args.update({"pairing_protocol": self.b.pairing_protocol})
+        if self.b.perf is not None:
+            args.update({"perf": self.b.perf})
+        if self.b.local_prefill is not None:
+            args.update({"local_prefill": self.b.local_prefill})
         return pb.GetServerInfoResponse(server_args=args, server_type="grpc")
 
     async def GetLoads(self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext) -> pb.GetLoadsResponse:
-        return pb.GetLoadsResponse(
-            loads=[pb.SchedulerLoad(num_running_reqs=self.b.running, num_waiting_reqs=self.b.waiting)]
+        b = self.b
+        load = pb.SchedulerLoad(
+            num_running_reqs=b.running,
+            num_waiting_reqs=b.waiting,
+            num_used_tokens=b.used_tokens,
+            max_total_num_tokens=b.max_tokens,
+            num_waiting_uncached_tokens=b.waiting_prompt_tokens,
         )
+        if b.kv_transfer_ms:
+            load.disaggregation.CopyFrom(pb.DisaggregationMetrics(kv_transfer_latency_ms=b.kv_transfer_ms))
+        return pb.GetLoadsResponse(loads=[load])
 
 
 @contextlib.asynccontextmanager

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from common.tokenizer import Tokenizer
 from router.extensions import _REFUSED_CHAT, _REFUSED_SAMPLING
-from router.nodes import build_request
+from router.wire import build_request
 from tests.router.fake_dispatcher import Script, server, sse_lines
 from tests.router.test_app import MODEL, check_error, make, stream_text
 

@@ -1,0 +1,179 @@
+"""Where a request's prompt runs: on a prefill node (remote) or on its decode node (local), from measured rates.
+
+Pure functions over NodeState; no I/O. A decode node that runs a prompt itself alternates prompt
+chunks with decode steps, keeping its running requests within its TPOT guard T: one step plus one
+chunk may last T * a seconds (a: tokens a request gains per step), so the chunk gets
+c = T * a - step(B) seconds of each cycle and the prompt advances at rate * c / (T * a). Remote
+TTFT is the prefill's queue plus the prompt at its rate, plus the KV transfer when the decode
+reports it. The smaller estimate wins; an unmeasured prefill tier is measured first (remote).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Collection, Sequence
+
+from router.contract import GenerationJob
+from router.nodes import NodeRegistry, NodeState
+from router.policy import Policy, select_colocated, select_pair
+
+POLICIES = ("remote", "local", "auto")
+
+# Why a path was taken: a fixed set, because each one is a metric label value.
+POLICY = "policy"  # --pd-prefill-policy remote or local said so
+FASTER_REMOTE = "faster_remote"
+FASTER_LOCAL = "faster_local"
+REMOTE_UNMEASURED = "remote_unmeasured"  # the prefill has no measured rate yet: measure it first
+LOCAL_UNMEASURED = "local_unmeasured"  # no rate (or no step time) to estimate the local path with
+LOCAL_REFUSED = "local_refused"  # the decode runs no prompts itself (older node, or guard off)
+DECODE_AT_BUDGET = "decode_at_budget"  # its decode steps alone fill the TPOT budget
+KV_HEADROOM = "kv_headroom"  # the decode's free KV does not hold prompt + output
+NO_PREFILL = "no_prefill"  # no usable prefill: local or nothing
+REASONS = (
+    POLICY,
+    FASTER_REMOTE,
+    FASTER_LOCAL,
+    REMOTE_UNMEASURED,
+    LOCAL_UNMEASURED,
+    LOCAL_REFUSED,
+    DECODE_AT_BUDGET,
+    KV_HEADROOM,
+    NO_PREFILL,
+)
+
+
+@dataclass(frozen=True)
+class PathDecision:
+    path: str | None  # "remote" | "local"; None: neither can take the request
+    remote_s: float | None  # estimated TTFT on the prefill (None: unknown or impossible)
+    local_s: float | None  # estimated TTFT on the decode (None: unknown or impossible)
+    reason: str  # one of REASONS
+
+
+@dataclass(frozen=True)
+class LocalEstimate:
+    """The local path's TTFT (None: unknown) or why it cannot be taken (`refusal`, a reason)."""
+
+    seconds: float | None = None
+    refusal: str | None = None
+
+
+def tier_rate(prefills: Sequence[NodeState]) -> float:
+    """Mean measured prompt rate of the prefill tier (0: none measured). A decode that has run no
+    prompt yet borrows it (same model, same GPUs); otherwise local would never be tried, so never measured."""
+    rates = [p.perf.prefill_tokens_per_s for p in prefills if p.perf.prefill_tokens_per_s > 0]
+    return sum(rates) / len(rates) if rates else 0.0
+
+
+def remote_ttft(prefill: NodeState, decode: NodeState | None, prompt_tokens: int) -> float | None:
+    """The prompt's wait and compute on `prefill` plus the KV transfer to `decode` (None: rate unmeasured)."""
+    rate = prefill.perf.prefill_tokens_per_s
+    if rate <= 0:
+        return None
+    queued = prefill.waiting_prompt_tokens + prefill.prompts.since(prefill.loads_at) + prompt_tokens
+    return queued / rate + (decode.kv_transfer_s if decode is not None else 0.0)
+
+
+def local_ttft(decode: NodeState, prompt_tokens: int, max_new_tokens: int, borrowed_rate: float) -> LocalEstimate:
+    """The prompt run on `decode` between its decode steps; `borrowed_rate` stands in for an unmeasured node's rate."""
+    perf = decode.perf
+    guard = perf.tpot_guard_s
+    if not decode.local_prefill or guard is None:
+        return LocalEstimate(refusal=LOCAL_REFUSED)
+    # Prompts queued there hold no KV yet, ours included; 0 capacity means the node never said.
+    free = decode.max_tokens - decode.used_tokens - decode.prompts.total()
+    if free < prompt_tokens + max(0, max_new_tokens):
+        return LocalEstimate(refusal=KV_HEADROOM)
+    rate = perf.prefill_tokens_per_s or borrowed_rate
+    # Other routers' requests show in the report, ours sent since the report in our count.
+    batch = max(decode.running, decode.inflight)
+    if batch == 0:
+        local_rate = rate
+    else:
+        step = perf.step_s(batch)
+        if step is None:
+            return LocalEstimate()
+        cycle = guard * max(1.0, perf.decode_tokens_per_step)
+        chunk = cycle - step
+        if chunk <= 0:
+            return LocalEstimate(refusal=DECODE_AT_BUDGET)
+        local_rate = rate * chunk / cycle
+    if local_rate <= 0:
+        return LocalEstimate()
+    queued = decode.waiting_prompt_tokens + decode.prompts.since(decode.loads_at) + prompt_tokens
+    return LocalEstimate(seconds=queued / local_rate)
+
+
+def decide(
+    policy: str,
+    prefill: NodeState | None,
+    decode: NodeState,
+    prompt_tokens: int,
+    max_new_tokens: int,
+    prefill_tier: Sequence[NodeState] = (),
+) -> PathDecision:
+    """Remote (on `prefill`) or local (on `decode`) for one request; path None when neither can take
+    it (the caller falls back to a colocated node). `prefill` is the one the prefill policy picked,
+    None when no usable prefill pairs with `decode`; `prefill_tier` the healthy prefills whose rates
+    an unmeasured decode borrows. With no prefill, local is taken when only its rates are unknown."""
+    if policy == "remote":
+        return PathDecision("remote" if prefill is not None else None, None, None, POLICY if prefill else NO_PREFILL)
+    local = local_ttft(decode, prompt_tokens, max_new_tokens, tier_rate(prefill_tier))
+    if policy == "local":
+        # The operator asked for it: the node's own admission and guard are the only limits.
+        if local.refusal == LOCAL_REFUSED:
+            return PathDecision(None, None, None, LOCAL_REFUSED)
+        return PathDecision("local", None, local.seconds, POLICY)
+    if prefill is None:
+        return PathDecision(None if local.refusal else "local", None, local.seconds, local.refusal or NO_PREFILL)
+    remote = remote_ttft(prefill, decode, prompt_tokens)
+    if local.refusal is not None:
+        return PathDecision("remote", remote, None, local.refusal)
+    if remote is None:  # cold start: measure the prefill tier first
+        return PathDecision("remote", None, local.seconds, REMOTE_UNMEASURED)
+    if local.seconds is None:
+        return PathDecision("remote", remote, None, LOCAL_UNMEASURED)
+    if local.seconds < remote:
+        return PathDecision("local", remote, local.seconds, FASTER_LOCAL)
+    return PathDecision("remote", remote, local.seconds, FASTER_REMOTE)
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one attempt goes: a pair (remote), a decode alone (local) or a colocated node."""
+
+    prefill: NodeState | None
+    decode: NodeState
+    path: str  # "remote" | "local" | "colocated"
+    decision: PathDecision | None = None  # None: no choice of path was made (colocated)
+
+
+def select_route(
+    registry: NodeRegistry,
+    prefill_policy: Policy,
+    decode_policy: Policy,
+    path_policy: str,
+    job: GenerationJob,
+    exclude: Collection[str] = (),
+) -> Route | None:
+    """The pair the policies pick and, unless the path policy is remote, the path `decide` picks on
+    it; with no pair (or path policy local), a decode that runs prompts itself, chosen by the decode
+    policy; then a colocated node; None when nothing can take the job."""
+    prompt, max_new = len(job.input_ids), job.sampling.max_new_tokens
+    tier = registry.nodes("prefill")
+    if path_policy != "local" and (pair := select_pair(registry, prefill_policy, decode_policy, job, exclude)):
+        prefill, decode = pair
+        d = decide(path_policy, prefill, decode, prompt, max_new, tier)
+        return Route(prefill if d.path == "remote" else None, decode, d.path or "remote", d)
+    if path_policy != "remote":
+        locals_ = [n for n in registry.nodes("decode") if n.usable() and n.local_prefill and n.address not in exclude]
+        if locals_:
+            decode = decode_policy.choose(locals_, job)
+            d = decide(path_policy, None, decode, prompt, max_new, tier)
+            if d.path == "local":
+                return Route(None, decode, "local", d)
+        if path_policy == "local" and (pair := select_pair(registry, prefill_policy, decode_policy, job, exclude)):
+            # no decode runs prompts itself: today's pairs rather than no answer
+            return Route(*pair, "remote", PathDecision("remote", None, None, LOCAL_REFUSED))
+    node = select_colocated(registry, decode_policy, job, exclude)
+    return Route(None, node, "colocated") if node is not None else None

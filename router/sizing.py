@@ -1,0 +1,94 @@
+"""Load against capacity of the prefill and decode tiers, and the prefill:decode node ratio that would balance it."""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from typing import Callable, Sequence
+
+from router.nodes import NodeRegistry
+
+WINDOW_S = 60.0
+
+
+class RateWindow:
+    """Events per second over the last `window_s` seconds, in one-second buckets (bounded memory
+    at any traffic). Until the window has filled once, the time since the first event divides."""
+
+    def __init__(self, window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s, self.clock = window_s, clock
+        self._buckets: collections.deque[list[float]] = collections.deque()  # [second, count], oldest first
+        self._first: float | None = None
+
+    def add(self, n: float) -> None:
+        now = self.clock()
+        if self._first is None:
+            self._first = now
+        second = math.floor(now)
+        if self._buckets and self._buckets[-1][0] == second:
+            self._buckets[-1][1] += n
+        else:
+            self._buckets.append([second, n])
+        self._trim(now)
+
+    def per_second(self) -> float:
+        now = self.clock()
+        self._trim(now)
+        if self._first is None:
+            return 0.0
+        span = min(self.window_s, max(1.0, now - self._first))
+        return sum(n for _, n in self._buckets) / span
+
+    def _trim(self, now: float) -> None:
+        while self._buckets and self._buckets[0][0] <= now - self.window_s - 1:
+            self._buckets.popleft()
+
+
+def _mean_capacity(capacities: Sequence[float]) -> float:
+    measured = [c for c in capacities if c > 0]
+    return sum(measured) / len(measured) if measured else 0.0
+
+
+def balanced_ratio(
+    prefill_demand: float, prefill_capacities: Sequence[float], decode_demand: float, decode_capacities: Sequence[float]
+) -> float:
+    """Prefill nodes per decode node that would carry the current load: (prefill demand / mean
+    prefill node capacity) / (decode demand / mean decode node capacity). NaN when unknown: no
+    decode demand, or no measured capacity in either tier."""
+    per_prefill, per_decode = _mean_capacity(prefill_capacities), _mean_capacity(decode_capacities)
+    if per_prefill <= 0 or per_decode <= 0 or decode_demand <= 0:
+        return math.nan
+    return (prefill_demand / per_prefill) / (decode_demand / per_decode)
+
+
+class TierBalance:
+    """Prompt tokens dispatched (either path) and output tokens streamed, against the healthy
+    nodes' measured capacities; read by the router's sizing gauges at scrape time."""
+
+    def __init__(self, registry: NodeRegistry, clock: Callable[[], float] = time.monotonic) -> None:
+        self.registry = registry
+        self.prompts, self.outputs = RateWindow(clock=clock), RateWindow(clock=clock)
+
+    def _prefill_capacities(self) -> list[float]:
+        return [n.perf.prefill_tokens_per_s for n in self.registry.nodes("prefill")]  # healthy ones
+
+    def _decode_capacities(self) -> list[float]:
+        return [n.perf.decode_capacity_tokens_per_s for n in self.registry.nodes("decode")]
+
+    def prefill_demand(self) -> float:
+        return self.prompts.per_second()
+
+    def decode_demand(self) -> float:
+        return self.outputs.per_second()
+
+    def prefill_capacity(self) -> float:
+        return sum(self._prefill_capacities())
+
+    def decode_capacity(self) -> float:
+        return sum(self._decode_capacities())
+
+    def ratio(self) -> float:
+        return balanced_ratio(
+            self.prefill_demand(), self._prefill_capacities(), self.decode_demand(), self._decode_capacities()
+        )

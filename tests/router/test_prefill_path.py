@@ -1,0 +1,212 @@
+"""The prefill path decision on scripted node states: remote vs local TTFT estimates, what makes local
+impossible or unknown, the path policies; the perf report's parsing and the sizing arithmetic."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from router.nodes import NodeSpec, NodeState
+from router.perf import NodePerf, PromptLedger
+from router.prefill_path import (
+    DECODE_AT_BUDGET,
+    FASTER_LOCAL,
+    FASTER_REMOTE,
+    KV_HEADROOM,
+    LOCAL_REFUSED,
+    LOCAL_UNMEASURED,
+    NO_PREFILL,
+    POLICY,
+    REMOTE_UNMEASURED,
+    decide,
+    local_ttft,
+    remote_ttft,
+    tier_rate,
+)
+from router.sizing import RateWindow, balanced_ratio
+
+RATE = 10_000.0  # prompt tokens/s of every measured node here
+GUARD = 0.025  # the decode's TPOT guard
+
+
+def prefill(queued: int = 0, rate: float = RATE, **kw: Any) -> NodeState:
+    return NodeState(
+        NodeSpec("prefill", "p:1", 9),
+        healthy=True,
+        waiting_prompt_tokens=queued,
+        perf=NodePerf(prefill_tokens_per_s=rate),
+        **kw,
+    )
+
+
+def decode(
+    running: int = 0,
+    queued: int = 0,
+    rate: float = RATE,
+    steps: tuple[tuple[int, float], ...] = ((1, 0.005), (8, 0.010), (64, 0.020)),
+    per_step: float = 1.0,
+    guard: float | None = GUARD,
+    local: bool = True,
+    max_tokens: int = 100_000,
+    used: int = 0,
+) -> NodeState:
+    perf = NodePerf(prefill_tokens_per_s=rate, decode_step_s=steps, decode_tokens_per_step=per_step, tpot_guard_s=guard)
+    return NodeState(
+        NodeSpec("decode", "d:1"),
+        healthy=True,
+        running=running,
+        waiting_prompt_tokens=queued,
+        perf=perf,
+        local_prefill=local,
+        max_tokens=max_tokens,
+        used_tokens=used,
+    )
+
+
+def test_idle_decode_takes_a_prompt_a_saturated_prefill_would_queue() -> None:
+    d = decide("auto", prefill(queued=200_000), decode(), 1000, 100)
+    assert d.path == "local" and d.reason == FASTER_LOCAL
+    assert d.remote_s == pytest.approx(201_000 / RATE) and d.local_s == pytest.approx(1000 / RATE)
+
+
+def test_idle_prefill_beats_a_busy_decode() -> None:
+    # 8 running: step 10 ms of the 25 ms budget, so prompts get 15/25 of the node's rate
+    d = decide("auto", prefill(), decode(running=8), 1000, 100)
+    assert d.path == "remote" and d.reason == FASTER_REMOTE
+    assert d.remote_s == pytest.approx(0.1) and d.local_s == pytest.approx(1000 / (RATE * 0.6))
+
+
+def test_decode_at_its_tpot_budget_cannot_take_prompts() -> None:
+    # 64 running: a 20 ms step of a 20 ms budget leaves nothing for a chunk
+    busy = decode(running=64, guard=0.02)
+    assert local_ttft(busy, 10, 10, 0.0).refusal == DECODE_AT_BUDGET
+    d = decide("auto", prefill(queued=10**7), busy, 10, 10)
+    assert d.path == "remote" and d.reason == DECODE_AT_BUDGET and d.local_s is None
+
+
+def test_speculation_stretches_the_cycle_and_steps_interpolate() -> None:
+    # 36 running: linear between 8 (10 ms) and 64 (20 ms) is 15 ms; a = 2 doubles the 25 ms cycle
+    est = local_ttft(decode(running=36, per_step=2.0), 500, 10, 0.0)
+    assert est.seconds == pytest.approx(500 / (RATE * (0.05 - 0.015) / 0.05))
+    perf = NodePerf(decode_step_s=((1, 0.005), (4, 0.008), (8, 0.012)))
+    assert perf.step_s(1) == perf.step_s(0) == 0.005  # below the smallest: its time
+    assert perf.step_s(6) == pytest.approx(0.010)
+    assert perf.step_s(16) == pytest.approx(0.020)  # along the last two
+    assert NodePerf(decode_step_s=((4, 0.01),)).step_s(32) == 0.01
+    assert NodePerf().step_s(4) is None
+
+
+def test_unmeasured_rates() -> None:
+    # cold prefill tier, known local: still remote, so the prefill tier gets measured first
+    d = decide("auto", prefill(rate=0.0, queued=10**6), decode(), 100, 10)
+    assert (d.path, d.reason, d.remote_s) == ("remote", REMOTE_UNMEASURED, None) and d.local_s is not None
+    # both unknown
+    d = decide("auto", prefill(rate=0.0), decode(rate=0.0), 100, 10)
+    assert (d.path, d.remote_s, d.local_s) == ("remote", None, None)
+    # decoding with no step time measured: local unknown
+    d = decide("auto", prefill(queued=10**6), decode(running=3, steps=()), 100, 10)
+    assert (d.path, d.reason, d.local_s) == ("remote", LOCAL_UNMEASURED, None)
+    # a decode that ran no prompt yet borrows the prefill tier's mean rate
+    tier = [prefill(rate=8000.0), prefill(rate=12000.0), prefill(rate=0.0)]
+    assert tier_rate(tier) == 10000.0 and tier_rate([]) == 0.0
+    d = decide("auto", prefill(queued=10**6), decode(rate=0.0), 1000, 10, tier)
+    assert d.path == "local" and d.local_s == pytest.approx(0.1)
+
+
+def test_kv_headroom_and_router_in_flight() -> None:
+    assert local_ttft(decode(max_tokens=1000, used=850), 50, 100, 0.0).seconds is not None
+    assert local_ttft(decode(max_tokens=1000, used=851), 50, 100, 0.0).refusal == KV_HEADROOM
+    assert local_ttft(decode(max_tokens=0), 1, 1, 0.0).refusal == KV_HEADROOM  # capacity never reported
+    d = decode(max_tokens=1000)
+    d.prompts.add("earlier", 900, 0.0)  # ours, queued there, holding no KV yet
+    assert local_ttft(d, 50, 100, 0.0).refusal == KV_HEADROOM
+    dec = decide("auto", prefill(queued=10**6), d, 50, 100)
+    assert dec.path == "remote" and dec.reason == KV_HEADROOM
+
+
+def test_in_flight_prompts_count_until_the_next_report() -> None:
+    p = prefill(queued=1000, loads_at=10.0)
+    p.prompts.add("before", 5000, 9.0)  # in the report's queued count already
+    p.prompts.add("after", 2000, 11.0)
+    assert remote_ttft(p, None, 1000) == pytest.approx((1000 + 2000 + 1000) / RATE)
+    ledger = PromptLedger()
+    ledger.add("a", 10, 0.0)
+    ledger.settle("a")
+    ledger.settle("a")  # twice: still nothing, never negative
+    ledger.settle("never added")
+    assert ledger.total() == 0 and ledger.since(0.0) == 0
+
+
+def test_kv_transfer_latency_adds_to_remote() -> None:
+    d = decode()
+    d.kv_transfer_s = 0.05
+    assert remote_ttft(prefill(), d, 1000) == pytest.approx(0.15)
+
+
+def test_decodes_that_refuse_local_prompts() -> None:
+    for refusing in (decode(local=False), decode(guard=None)):
+        assert local_ttft(refusing, 1, 1, RATE).refusal == LOCAL_REFUSED
+        d = decide("auto", prefill(queued=10**7), refusing, 1, 1)
+        assert (d.path, d.reason) == ("remote", LOCAL_REFUSED)
+        assert decide("local", None, refusing, 1, 1).path is None
+        assert decide("auto", None, refusing, 1, 1).path is None  # then colocated, or 503
+
+
+def test_no_prefill() -> None:
+    d = decide("auto", None, decode(running=8), 100, 10)
+    assert (d.path, d.reason) == ("local", NO_PREFILL) and d.local_s is not None
+    # only its rates unknown: local anyway (the only way they get measured)
+    d = decide("auto", None, decode(rate=0.0), 100, 10)
+    assert (d.path, d.local_s) == ("local", None)
+    d = decide("auto", None, decode(max_tokens=10), 100, 10)
+    assert (d.path, d.reason) == (None, KV_HEADROOM)
+    assert decide("remote", None, decode(), 100, 10).path is None
+
+
+def test_policies_remote_and_local() -> None:
+    d = decide("remote", prefill(queued=10**7), decode(), 100, 10)
+    assert (d.path, d.reason, d.remote_s, d.local_s) == ("remote", POLICY, None, None)
+    d = decide("local", prefill(), decode(running=64, guard=0.02), 100, 10)
+    assert (d.path, d.reason) == ("local", POLICY)  # the operator's choice: the node's guard limits it
+
+
+def test_perf_report_is_parsed_defensively() -> None:
+    good = {
+        "prefill_tokens_per_s": 5000,
+        "decode_step_s": {"1": 0.004, "8": 0.009, "2": 0.005},
+        "decode_tokens_per_step": 2.5,
+        "decode_capacity_tokens_per_s": 900.0,
+        "tpot_guard_s": 0.025,
+    }
+    assert NodePerf.parse(good) == NodePerf(5000.0, ((1, 0.004), (2, 0.005), (8, 0.009)), 2.5, 900.0, 0.025)
+    bad = {
+        "prefill_tokens_per_s": "fast",
+        "decode_step_s": {"x": 1.0, "4": -1.0, "0": 0.1, "16": "slow", "2.0": 0.003},
+        "decode_tokens_per_step": float("nan"),
+        "decode_capacity_tokens_per_s": True,
+        "tpot_guard_s": None,
+    }
+    assert NodePerf.parse(bad) == NodePerf(decode_step_s=((2, 0.003),))
+    for garbage in (None, [], "perf", 3, {"decode_step_s": [1, 2]}, {"tpot_guard_s": -1}):
+        assert NodePerf.parse(garbage) == NodePerf()
+
+
+def test_rate_window_and_balanced_ratio() -> None:
+    now = [1000.0]
+    w = RateWindow(60.0, clock=lambda: now[0])
+    assert w.per_second() == 0.0
+    w.add(100)
+    now[0] += 10
+    w.add(200)
+    assert w.per_second() == pytest.approx(300 / 10)  # the window is not full yet
+    now[0] += 55
+    assert w.per_second() == pytest.approx(200 / 60)  # the first event left the window
+    now[0] += 61
+    assert w.per_second() == 0.0
+    # 2 prefill nodes' worth of prompts per 1 decode node's worth of output: ratio 2
+    assert balanced_ratio(20_000, [10_000, 10_000], 1_000, [1_000, 0.0]) == pytest.approx(2.0)
+    assert math.isnan(balanced_ratio(20_000, [0.0], 1_000, [1_000]))
+    assert math.isnan(balanced_ratio(20_000, [10_000], 0.0, [1_000]))
+    assert balanced_ratio(0.0, [10_000], 10.0, [1_000]) == 0.0

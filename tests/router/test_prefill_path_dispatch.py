@@ -1,0 +1,193 @@
+"""PDDispatcher's prefill path against fake nodes reporting loads and measured rates: remote vs local
+under auto, the path policies, prompt tokens in flight, retries deciding again, and the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from common.config import RouterOptions
+from router.contract import DispatchError, FinishEvent
+from router.perf import NodePerf
+from router.policy import pair_available
+from tests.router.fake_nodes import Behaviour, FakeNode, cluster, collect, dispatcher, job, run, until
+
+RATE = 10_000.0
+
+
+def measured(rate: float = RATE, guard: float | None = 0.025, capacity: float = 1000.0, **steps: float) -> dict:
+    """A perf report as nodes send it; `steps` are decode step seconds by batch size (b1=..., b8=...)."""
+    return {
+        "prefill_tokens_per_s": rate,
+        "decode_step_s": {k.removeprefix("b"): v for k, v in (steps or {"b1": 0.005, "b8": 0.010}).items()},
+        "decode_tokens_per_step": 1.0,
+        "decode_capacity_tokens_per_s": capacity,
+        "tpot_guard_s": guard,
+    }
+
+
+def prefill(**kw: Any) -> FakeNode:
+    return FakeNode("prefill", Behaviour(perf=measured(), **kw))
+
+
+def local_decode(**kw: Any) -> FakeNode:
+    """A decode that runs prompts sent without a bootstrap, idle, with room in its KV cache."""
+    return FakeNode("decode", Behaviour(**{"perf": measured(), "local_prefill": True, "max_tokens": 100_000, **kw}))
+
+
+def sample(metrics: CollectorRegistry, name: str, **labels: str) -> float:
+    value = metrics.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def test_nodes_report_rates_and_older_nodes_report_none() -> None:
+    async def main() -> None:
+        new = local_decode(waiting_prompt_tokens=700, used_tokens=30, kv_transfer_ms=12.0)
+        old = FakeNode("decode")
+        async with cluster(prefill(), new, old) as reg:
+            n = reg.get(new.address)
+            assert n.perf == NodePerf(RATE, ((1, 0.005), (8, 0.010)), 1.0, 1000.0, 0.025) and n.local_prefill
+            assert (n.waiting_prompt_tokens, n.used_tokens, n.max_tokens) == (700, 30, 100_000)
+            assert n.kv_transfer_s == pytest.approx(0.012) and n.loads_at > 0
+            o = reg.get(old.address)
+            assert o.perf == NodePerf() and not o.local_prefill and o.kv_transfer_s == 0.0
+            new.b.perf, new.b.local_prefill = None, None  # restarted as an older build
+            await reg.refresh_once()
+            assert n.perf == NodePerf() and not n.local_prefill
+
+    run(main())
+
+
+def test_auto_takes_the_faster_path() -> None:
+    async def main() -> None:
+        p, d = prefill(waiting_prompt_tokens=1_000_000), local_decode()
+        async with cluster(p, d) as reg:
+            metrics = CollectorRegistry()
+            disp = dispatcher(reg, metrics_registry=metrics, path_policy="auto")
+            events = await collect(disp, job())
+            # a 100 s prefill queue against an idle decode: the decode runs the prompt itself
+            assert not p.requests and not d.requests[0].HasField("disaggregated_params")
+            assert isinstance(events[-1], FinishEvent) and events[-1].disaggregated is False
+            assert len(events) == 4 and disp.ready()
+            # the prefill's queue drained; the decode is at its TPOT budget with 64 running
+            p.b.waiting_prompt_tokens = 0
+            d.b.running, d.b.perf = 64, measured(guard=0.02, b8=0.01, b64=0.02)
+            await reg.refresh_once()
+            await collect(disp, job("req-2"))
+            assert len(p.requests) == 1 and d.requests[1].HasField("disaggregated_params")
+            for path, n in (("remote", 1), ("local", 1), ("colocated", 0)):
+                assert sample(metrics, "pdserve_router_prefill_path_total", path=path) == n
+            assert sample(metrics, "pdserve_router_prefill_path_decisions_total", reason="faster_local") == 1
+            assert sample(metrics, "pdserve_router_prefill_path_decisions_total", reason="decode_at_budget") == 1
+            count = "pdserve_router_prefill_path_estimate_seconds_count"
+            assert sample(metrics, count, path="remote") == 2 and sample(metrics, count, path="local") == 1
+            assert sample(metrics, "pdserve_router_prefill_path_estimate_seconds_sum", path="local") == pytest.approx(
+                4 / RATE
+            )
+            await disp.close()
+
+    run(main())
+
+
+def test_prompt_tokens_count_in_flight_until_the_first_token() -> None:
+    async def main() -> None:
+        p, d = prefill(), local_decode(hold_first=asyncio.Event())
+        async with cluster(p, d) as reg:
+            pn, dn = reg.get(p.address), reg.get(d.address)
+            for policy, holder in (("local", dn), ("remote", pn)):
+                disp = dispatcher(reg, path_policy=policy)
+                d.b.hold_first = asyncio.Event()
+                p.b.hold_first = d.b.hold_first  # remote: neither leg answers until released
+                task = asyncio.create_task(collect(disp, job(ids=tuple(range(10)))))
+                await until(lambda: holder.prompts.total() == 10)
+                assert (pn.prompts.total() + dn.prompts.total()) == 10  # only where the prompt runs
+                d.b.hold_first.set()
+                await task
+                assert pn.prompts.total() == dn.prompts.total() == 0
+            # an attempt that ends without a first token gives its tokens back too
+            d.b.hold_first, d.b.fail_before_first = None, True
+            with pytest.raises(DispatchError):
+                await collect(dispatcher(reg, path_policy="local", max_attempts=1), job())
+            assert dn.prompts.total() == 0 and not dn.prompts.entries
+
+    run(main())
+
+
+def test_a_retry_decides_again_without_the_failed_decode() -> None:
+    async def main() -> None:
+        p = prefill(waiting_prompt_tokens=1_000_000)
+        fast = local_decode(fail_before_first=True)  # picked first (least load) and taken local
+        older = FakeNode("decode", Behaviour(perf=measured(), running=5))  # runs no prompts itself
+        async with cluster(p, fast, older) as reg:
+            metrics = CollectorRegistry()
+            events = await collect(dispatcher(reg, metrics_registry=metrics, path_policy="auto"), job())
+            assert isinstance(events[-1], FinishEvent) and events[-1].disaggregated is True
+            assert not fast.requests[0].HasField("disaggregated_params")
+            assert older.requests[0].HasField("disaggregated_params") and len(p.requests) == 1
+            assert reg.get(fast.address).breaker.failures == 1 and reg.get(p.address).breaker.failures == 0
+            assert sample(metrics, "pdserve_router_retries_total", reason="decode_failed") == 1
+            assert sample(metrics, "pdserve_router_prefill_path_decisions_total", reason="faster_local") == 1
+            assert sample(metrics, "pdserve_router_prefill_path_decisions_total", reason="local_refused") == 1
+
+    run(main())
+
+
+def test_path_policies_without_prefill_nodes_and_without_local_decodes() -> None:
+    async def main() -> None:
+        d = local_decode()
+        async with cluster(d) as reg:
+            assert not pair_available(reg) and pair_available(reg, local=True)
+            with pytest.raises(DispatchError) as e:  # remote: today's 503 with no pair
+                await collect(dispatcher(reg), job())
+            assert e.value.status == 503 and not d.requests
+            for policy in ("local", "auto"):
+                disp = dispatcher(reg, path_policy=policy)
+                await collect(disp, job(f"{policy}-1"))
+                assert not d.requests[-1].HasField("disaggregated_params") and disp.ready()
+        p, older = prefill(), FakeNode("decode", Behaviour(perf=measured()))
+        async with cluster(p, older) as reg:
+            metrics = CollectorRegistry()
+            await collect(dispatcher(reg, metrics_registry=metrics, path_policy="local"), job())
+            assert older.requests[0].HasField("disaggregated_params") and len(p.requests) == 1  # paired as before
+            assert sample(metrics, "pdserve_router_prefill_path_total", path="remote") == 1
+        with pytest.raises(ValueError):
+            dispatcher(None, path_policy="sometimes")
+        assert RouterOptions().pd_prefill_policy == "remote"
+
+    run(main())
+
+
+def test_sizing_gauges_and_exposition() -> None:
+    async def main() -> None:
+        p1, p2 = prefill(), FakeNode("prefill", Behaviour(perf=measured(rate=30_000.0)))
+        d = local_decode(waiting_prompt_tokens=0)
+        async with cluster(p1, p2, d) as reg:
+            metrics = CollectorRegistry()
+            disp = dispatcher(reg, metrics_registry=metrics, path_policy="auto")
+            assert sample(metrics, "pdserve_router_prefill_capacity_tokens_per_second") == 40_000.0
+            assert sample(metrics, "pdserve_router_decode_capacity_tokens_per_second") == 1000.0
+            assert math.isnan(sample(metrics, "pdserve_router_balanced_prefill_decode_ratio"))  # no demand yet
+            await collect(disp, job(ids=tuple(range(100))))  # 100 prompt tokens, 3 output tokens
+            prompts = sample(metrics, "pdserve_router_prefill_demand_tokens_per_second")
+            outputs = sample(metrics, "pdserve_router_decode_demand_tokens_per_second")
+            assert 0 < prompts <= 100 and 0 < outputs <= 3  # per second, over at least one second
+            ratio = sample(metrics, "pdserve_router_balanced_prefill_decode_ratio")
+            assert ratio == pytest.approx((prompts / 20_000) / (outputs / 1000))
+            text = generate_latest(metrics).decode()
+            for name in (
+                'pdserve_router_prefill_path_total{path="colocated"} 0.0',
+                'pdserve_router_prefill_path_decisions_total{reason="kv_headroom"} 0.0',
+                "pdserve_router_prefill_path_estimate_seconds_bucket",
+                "pdserve_router_prefill_demand_tokens_per_second",
+                "pdserve_router_prefill_capacity_tokens_per_second",
+                "pdserve_router_decode_demand_tokens_per_second",
+                "pdserve_router_decode_capacity_tokens_per_second",
+                "pdserve_router_balanced_prefill_decode_ratio",
+            ):
+                assert name in text, name
+
+    run(main())
