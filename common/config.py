@@ -330,6 +330,11 @@ class UpOptions:
         "Each node sees only its own GPU (CUDA_VISIBLE_DEVICES). --no-isolate-gpus: every node sees "
         "every GPU and gets --device cuda:N, which PD needs for GPU-to-GPU KV copies (CUDA IPC over NVLink).",
     )
+    pd_prefill_policy: str = opt(
+        "remote",
+        "Where the router runs each prompt (PD only): remote (the prefill node), local (the decode node) "
+        "or auto (whichever starts it sooner, from the nodes' measured rates).",
+    )
     verbose: bool = opt(False, "Echo the nodes' logs.", negatable=False)
 
 

@@ -85,3 +85,12 @@ __all__ = [
 # A decode node runs prompts the router sends it without a prefill (its local path) in chunks
 # alternating with decode steps, keeping its running requests within this time per output token.
 DEFAULT_LOCAL_PREFILL_TPOT_MS = 25.0
+# Where the router runs each PD prompt (router/prefill_path.py): the prefill node, the decode node,
+# or whichever starts it sooner.
+PD_PREFILL_POLICIES = ("remote", "local", "auto")
+
+
+def check_pd_prefill_policy(value: str) -> str:
+    if value not in PD_PREFILL_POLICIES:
+        raise ValueError(f"--pd-prefill-policy must be one of {', '.join(PD_PREFILL_POLICIES)}, got {value!r}")
+    return value

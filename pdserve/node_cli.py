@@ -19,7 +19,7 @@ from common.config import (
     SpeculativeOptions,
     UpOptions,
 )
-from common.defaults import check_rows_place, check_sgl_mode
+from common.defaults import check_pd_prefill_policy, check_rows_place, check_sgl_mode
 from pdserve.errors import fail
 from pdserve.flags import with_options
 
@@ -155,6 +155,11 @@ def register(app: typer.Typer) -> None:
 
         from pdserve.up import Deployment, UpConfig, example_curl, served_model
 
+        try:
+            check_pd_prefill_policy(opts.pd_prefill_policy)
+        except ValueError as e:
+            fail(e)
+
         cfg = UpConfig(
             str(opts.model) if opts.model else None,
             opts.host,
@@ -167,6 +172,7 @@ def register(app: typer.Typer) -> None:
             colocated=opts.colocated,
             isolate_gpus=opts.isolate_gpus,
             log_args=("--log-level", log.log_level, "--log-format", log.log_format),
+            pd_prefill_policy=opts.pd_prefill_policy,
         )
         dep, stop = Deployment(cfg), threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -63,6 +63,7 @@ class UpConfig:
     # gets `--device cuda:N`, which NIXL needs for GPU-to-GPU copies over NVLink (CUDA IPC).
     isolate_gpus: bool = True
     log_args: tuple[str, ...] = ()  # --log-level/--log-format for every child, router included
+    pd_prefill_policy: str = "remote"  # the router's --pd-prefill-policy (PD only)
 
 
 class Deployment:
@@ -110,6 +111,8 @@ class Deployment:
                 self._wait_ready(n, deadline)
             nodes += started
         router_args = ["router", "--host", cfg.host, "--port", str(cfg.port), *cfg.log_args]
+        if not cfg.colocated:
+            router_args += ["--pd-prefill-policy", cfg.pd_prefill_policy]
         for n in nodes:
             if n.name.startswith("prefill"):
                 router_args += ["--prefill", f"{cfg.host}:{n.ports['scheduler']},{n.ports['bootstrap']}"]

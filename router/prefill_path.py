@@ -13,11 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Collection, Sequence
 
+from common.defaults import PD_PREFILL_POLICIES
 from router.contract import GenerationJob
 from router.nodes import NodeRegistry, NodeState
 from router.policy import Policy, select_colocated, select_pair
 
-POLICIES = ("remote", "local", "auto")
+POLICIES = PD_PREFILL_POLICIES
 
 # Why a path was taken: a fixed set, because each one is a metric label value.
 POLICY = "policy"  # --pd-prefill-policy remote or local said so

@@ -185,8 +185,10 @@ def test_goodput_follows_the_definition_from_the_points(tmp_path: Path) -> None:
 def test_both_deployments_start_the_same_way_but_for_their_topology() -> None:
     pd, co = up_argv("pd", Path("/m"), ["--device", "cuda"]), up_argv("colocated", Path("/m"), ["--device", "cuda"])
     assert pd[2:] == ["pdserve.cli", "up", "--model", "/m", "--port", "0", "--no-isolate-gpus", "--verbose",
-                      "--prefill", "1", "--decode", "1", "--device", "cuda"]  # fmt: skip
+                      "--prefill", "1", "--decode", "1", "--pd-prefill-policy", "auto", "--device", "cuda"]  # fmt: skip
     assert co[pd.index("--prefill") : pd.index("--prefill") + 2] == ["--colocated", "2"]
+    remote = up_argv("pd_remote", Path("/m"))
+    assert remote[remote.index("--pd-prefill-policy") + 1] == "remote"
 
 
 def test_busy_requests_read_every_node_gauge() -> None:
@@ -296,6 +298,11 @@ def test_goodput_bench_end_to_end_on_cpu(tmp_path: Path, monkeypatch: pytest.Mon
                 assert block[f"{dep}_goodput"] == best
             for p in block["points"]:
                 assert 0.0 <= p["attainment"] <= 1.0 and p["requests"] >= 6 and p["drained"]
+                # every node's load against capacity, and (PD) the router's requests by path
+                assert len(p["nodes"]) == 2 and all("prompt_tokens_per_second" in v for v in p["nodes"].values())
+                if p["deployment"] == "pd":
+                    assert set(p["paths"]) == {"remote", "local", "colocated"}
+                    assert p["paths"]["remote"] + p["paths"]["local"] >= p["requests"]
                 assert p["completed"] + p["failed"] == p["requests"] and p["request_throughput"] >= 0
                 for key in ("ttft_ms", "tpot_ms"):  # over completed requests (a loaded CPU may cut all)
                     pcts = [p[key][q] for q in ("p50", "p90", "p99")]
