@@ -144,6 +144,7 @@ class RouterApp:
             prompt_tokens,
             top or 0,
             top is not None,
+            choices_per_prompt=req.n,
         )
         return await self._serve(request, COMPLETIONS, out, jobs, bool(req.stream), t0)
 
@@ -164,6 +165,7 @@ class RouterApp:
             len(ids),
             top or 0,
             top is not None,
+            choices_per_prompt=req.n,
         )
         return await self._serve(request, CHAT, out, jobs, bool(req.stream), t0)
 

@@ -78,6 +78,7 @@ class PDAttempt:
         # the first token (which has them) is the one the client gets.
         self.relay_first = prefill is not None and not (job.sampling.logprobs or job.sampling.top_logprobs)
         self.first_token: int | None = None  # the prefill's token, once its leg succeeded
+        self.prefill_cached = 0  # prompt tokens the prefill found in its prefix cache
         self.first_from_prefill = False  # the client's first token came from the prefill's answer
         self._next: asyncio.Future[pb.GenerateResponse] | None = None  # the decode read in flight
         assert decode.stub is not None
@@ -112,6 +113,7 @@ class PDAttempt:
             async for msg in self.prefill.stub.Generate(req, timeout=self.d.timeouts.prefill_timeout):
                 if msg.HasField("complete") and msg.complete.output_ids:
                     first = msg.complete.output_ids[0]
+                    self.prefill_cached = msg.complete.cached_tokens
         except grpc.aio.AioRpcError as e:
             return rpc_failure(e, "prefill", self.prefill, self.decode)
         except Exception as e:  # anything else still ends this attempt, not the router
@@ -174,6 +176,8 @@ class PDAttempt:
                 done.completion_tokens or len(done.output_ids),
                 matched,
                 self.prefill is not None,
+                # the prompt ran where its cache was read: on the prefill, or on the decode alone
+                self.prefill_cached if self.prefill is not None else done.cached_tokens,
             )
             return
 

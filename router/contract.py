@@ -37,6 +37,7 @@ class FinishEvent:
     completion_tokens: int
     matched_stop: int | str | None = None
     disaggregated: bool = True  # False when a colocated node served it
+    cached_tokens: int = 0  # prompt tokens the node that ran the prompt found in its prefix cache
 
 
 @dataclass

@@ -206,7 +206,7 @@ class Shapes:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "system_fingerprint": None}
 
-    def response(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
+    def response(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
         head = self._head("chat.completion" if self.chat else "text_completion")
         return {**head, "choices": choices, "usage": usage}
 
@@ -235,16 +235,17 @@ class Shapes:
         # With include_usage, OpenAI sends "usage": null on every chunk but the last one.
         return {**head, "choices": [choice], **({"usage": None} if self.include_usage else {})}
 
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         head = self._head("chat.completion.chunk" if self.chat else "text_completion")
         return {**head, "choices": [], "usage": usage}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

@@ -73,6 +73,7 @@ class ChoiceText:
         self.echo = options.echo
         self.text = ""  # generated text only (the echo is added where the choice is rendered)
         self.tokens = 0  # tokens consumed from the node (all of them, end ids included)
+        self.cached_tokens = 0  # of its prompt, found in the prefix cache (known at its finish)
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprob] = []
 
@@ -110,6 +111,7 @@ class ChoiceText:
 
     def finish(self, event: FinishEvent) -> Delta:
         """The node finished: release held-back text, cut at any stop string, settle the reason."""
+        self.cached_tokens = event.cached_tokens
         if self.finished:
             return Delta()
         out, hit = self._text.flush()
@@ -183,18 +185,32 @@ class RequestOutput:
     """All choices of one HTTP request, rendered in OpenAI's shapes (non-streamed or as chunks)."""
 
     def __init__(
-        self, shapes: Shapes, choices: list[ChoiceText], prompt_tokens: int, top_logprobs: int, logprobs: bool
+        self,
+        shapes: Shapes,
+        choices: list[ChoiceText],
+        prompt_tokens: int,
+        top_logprobs: int,
+        logprobs: bool,
+        choices_per_prompt: int = 1,
     ) -> None:
         self.shapes, self.choices, self.prompt_tokens = shapes, choices, prompt_tokens
         self._top, self._logprobs = top_logprobs, logprobs
+        self._per_prompt = max(1, choices_per_prompt)
         self.disaggregated = True  # false once any choice was served by a colocated node
 
     @property
     def completion_tokens(self) -> int:
         return sum(c.tokens for c in self.choices)
 
-    def usage(self) -> dict[str, int]:
-        return usage(self.prompt_tokens, self.completion_tokens)
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from a prefix cache, once per prompt (its choices ran it each:
+        the one that found most counts)."""
+        n = self._per_prompt
+        return sum(max(c.cached_tokens for c in self.choices[i : i + n]) for i in range(0, len(self.choices), n))
+
+    def usage(self) -> dict[str, Any]:
+        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
     def apply(self, index: int, event: TokenEvent | FinishEvent) -> Delta:
         if isinstance(event, TokenEvent):

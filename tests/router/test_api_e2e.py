@@ -126,3 +126,26 @@ def test_a_client_leaving_while_sending_its_body_is_one_line(stack: Stack) -> No
     assert sum("client disconnected while sending its request body" in line for line in logged) == 3, logged
     assert not any("Traceback" in line or "ClientDisconnect" in line or "ERROR" in line for line in logged), logged
     assert _metric(stack.url, 'pdserve_router_requests_total{endpoint="/v1/chat/completions",status="500"}') == 0
+
+
+def test_a_follow_up_turn_reports_its_cached_prompt_tokens(client: openai.OpenAI, stack: Stack) -> None:
+    """OpenAI's usage.prompt_tokens_details.cached_tokens, from the node that ran the prompt."""
+    messages: list[Any] = [{"role": "user", "content": "def fibonacci(n):\n    " * 6}]
+    first = client.chat.completions.create(model=stack.served_model, messages=messages, max_tokens=16, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "and now in C"},
+    ]
+    stream = client.chat.completions.create(
+        model=stack.served_model,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    usage = [c.usage for c in stream if c.usage is not None][-1]
+    # the prefill node cached the first turn's prompt: at least its whole pages come back
+    assert usage.prompt_tokens_details.cached_tokens >= (first.usage.prompt_tokens // 4 - 1) * 4
+    assert usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
