@@ -5,10 +5,14 @@ gives way and nothing is refused; every page is accounted for."""
 
 from __future__ import annotations
 
+import importlib.util
+import random
+
 import pytest
 
 from engine.core import SamplingParams
 from engine.engine import Engine, EngineConfig
+from fixtures.prefix_kv import assert_cached_kv_is_fresh
 from fixtures.tiny_eagle import write_tiny_eagle_head
 from fixtures.tiny_model import write_tiny_model
 from spec.config import SpecConfig
@@ -26,6 +30,8 @@ def models(tmp_path_factory):
         "target": target,
         "eagle": write_tiny_eagle_head(root / "h", target, "eagle", mode="repeat"),
         "eagle3": write_tiny_eagle_head(root / "h3", target, "eagle3", mode="random", draft_vocab_size=300),
+        # a draft that agrees with the target only sometimes: stale draft KV would show in acceptance
+        "standalone": write_tiny_model(root / "d", seed=2),
     }
 
 
@@ -35,10 +41,13 @@ SPECS = {
     "eagle_tree": ("EAGLE", "eagle", 3, 2, 5),
     "eagle3": ("EAGLE3", "eagle3", 3, 2, 5),
     "ngram": ("NGRAM", None, 3, 1, None),
+    "standalone": ("STANDALONE", "standalone", 3, 1, None),  # the out-of-tree example plugin
 }
 
 
 def make_engine(models, spec: str, cache: bool, **kw) -> Engine:
+    if spec == "standalone" and importlib.util.find_spec("pdserve_standalone") is None:
+        pytest.skip("pip install ./examples/standalone (make test does)")
     binding = None
     if SPECS[spec] is not None:
         algo, head, steps, topk, ntok = SPECS[spec]
@@ -83,6 +92,8 @@ def test_hits_change_no_token_and_no_acceptance(models, spec, overlap):
         results[cache] = (conversation(eng), shared_system_prompt(eng))
         if cache:
             assert eng.kv.cache.stats["matched_tokens"] >= 100  # later turns and the shared prompt hit
+            if not overlap:  # every cached page holds what a fresh prefill of its tokens computes
+                assert_cached_kv_is_fresh(eng, make_engine(models, spec, True), min_paths=3)
         settle(eng)
     assert results[True] == results[False]
 
@@ -100,4 +111,45 @@ def test_pressure_evicts_cached_pages_and_refuses_nothing(models):
         assert [o.output_ids for o in again] == [o.output_ids for o in want[-3:]]
         assert all(o.finish_reason == "length" for o in got + again)
         assert eng.kv.cache.stats["evicted_pages"] > 0 and eng.kv.cache.stats["matched_tokens"] > 0
+        settle(eng)
+
+
+def test_random_aborts_under_cache_pressure_leave_pool_and_cache_consistent(models):
+    """Requests sharing prefixes, a pool too small for them and their cache, aborts at random
+    moments (queued, mid-prompt, decoding): every step keeps the accounting exact, and at the end
+    nothing is held; the survivors' tokens equal an uncached run's."""
+    for spec in ("plain", "eagle"):
+        rng = random.Random(7)
+        base = [list(range(300, 300 + 24)), list(range(50, 70))]
+        prompts = [
+            rng.choice(base)[: rng.randrange(9, 21)] + [rng.randrange(1, 400) for _ in range(5)] for _ in range(40)
+        ]
+        small = {"max_total_tokens": 192, "max_running": 6}
+        want = {
+            i: o.output_ids for i, o in enumerate(make_engine(models, spec, False, **small).generate(prompts, GREEDY))
+        }
+        eng = make_engine(models, spec, True, **small)
+        got: dict[str, list[int]] = {}
+        ended: dict[str, str] = {}
+        rids = {}
+        pending = list(enumerate(prompts))
+        steps = 0
+        while pending or not eng.idle:
+            if pending and steps % 2 == 0:
+                i, p = pending.pop(0)
+                rids[eng.add_request(p, GREEDY, rid=f"r{i}")] = i
+            live = [r for r in rids if r not in ended]
+            if live and rng.random() < 0.15:
+                eng.abort(rng.choice(live))
+            for d in eng.step():
+                got.setdefault(d.rid, []).extend(d.token_ids)
+                if d.finished:
+                    ended[d.rid] = d.finish_reason.value
+            eng.kv.check()
+            steps += 1
+        assert len(ended) == len(prompts) and "abort" in ended.values()
+        for rid, reason in ended.items():
+            if reason != "abort":
+                assert got[rid] == want[rids[rid]], rid
+        assert eng.kv.cache.stats["matched_tokens"] > 0 and eng.kv.cache.stats["evicted_pages"] > 0
         settle(eng)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.core import SamplingParams
+from fixtures.prefix_kv import assert_cached_kv_is_fresh
 from engine.engine import Engine, EngineConfig
 from spec.config import SpecConfig, SpecConfigError
 from spec.registry import bind
@@ -232,18 +233,6 @@ def _two_rounds(eng: Engine, params: SamplingParams) -> tuple[dict[str, list[int
     return {**first, **got}, accepted
 
 
-def _cached_paths(cache) -> list[tuple[list[int], list[int], int]]:
-    """(tokens, pages, next token) of every root-to-leaf path of a prefix cache."""
-    out, stack = [], [(cache.root, [], [])]
-    while stack:
-        node, tokens, pages = stack.pop()
-        if not node.children and node is not cache.root:
-            out.append((tokens, pages, node.next_token))
-        for child in node.children.values():
-            stack.append((child, tokens + list(child.key), pages + [child.page]))
-    return out
-
-
 def test_cached_pages_hold_the_same_kv_as_a_fresh_prefill(pair, config_path) -> None:
     """0-step iterations leave the head's KV behind the target's; the cache takes only positions
     whose KV is final in both pools. Every cached page's target and draft KV equals what a
@@ -260,16 +249,4 @@ def test_cached_pages_hold_the_same_kv_as_a_fresh_prefill(pair, config_path) -> 
     assert runs[True] == runs[False]
     assert eng.kv.cache.stats["matched_tokens"] > 0
     fresh = _engine(pair, None)  # fixed steps: a prefill writes the head's KV at every position
-    pools = lambda e: [e.parts.runner.pool, *e.executor.extra_kv_pools()]  # noqa: E731
-    paths = _cached_paths(eng.kv.cache)
-    assert len(paths) >= 4
-    for tokens, pages, nxt in paths:
-        prompt = tokens + ([nxt] if nxt is not None else [])
-        fresh.generate([prompt], SamplingParams(max_new_tokens=1, temperature=0.0))
-        want = fresh.kv.cache.match(prompt + [0], limit=len(tokens)).pages
-        assert len(want) == len(pages)
-        checked = pages if nxt is not None else pages[:-1]  # a page whose last draft position was never computed
-        for mine, theirs in zip(pools(eng), pools(fresh)):
-            got = mine.buffer[:, :, checked]
-            ref = theirs.buffer[:, :, want[: len(checked)]]
-            assert torch.allclose(got, ref, atol=1e-4), (len(tokens), (got - ref).abs().max())
+    assert_cached_kv_is_fresh(eng, fresh, min_paths=4)
