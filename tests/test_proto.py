@@ -63,6 +63,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
         "aux_row": 7,
         "num_tokens": 77,
         "deadline_unix_s": 1.7e9 + 0.25,
+        "cached_pages": 2,
     },
     "DestinationAck": {"accepted": True, "error": "none"},
     "AbortRoomRequest": {"room": 42, "reason": "client went away"},
