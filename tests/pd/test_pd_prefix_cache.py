@@ -1,7 +1,8 @@
 """The prefix cache across the handoff (real processes, NIXL over UCX): a follow-up turn's prompt
 is computed on the prefill node only past what that node caches, the decode node receives only
-the pages its own cache lacks (it names how many it holds in the destination), and the output and
-acceptance equal colocated's; both pools end free."""
+the pages its own cache lacks (it names how many it holds in the destination), a turn the decode
+node runs itself computes only its new message, and output and acceptance equal colocated's;
+both pools end free."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import math
 import pytest
 
 from engine.kv_transfer import nixl_available
-from fixtures.pdkit import pd_generate, request, start_pair, stub, wait_idle
+from fixtures.pdkit import local_request, pd_generate, request, start_pair, stub, wait_idle
 from fixtures.procs import Node
 from fixtures.tiny_eagle import write_tiny_eagle_head
 from tests.pd.test_pd_metrics import scrape
@@ -64,6 +65,17 @@ def test_follow_up_turns_move_only_the_pages_the_decode_lacks(tiny_llama_dir, ea
                 assert skipped >= (len(history) - 5 - 1) // PAGE - 1, (turn, skipped)
                 assert first.cached_tokens > 0 and written < math.ceil(len(history) / PAGE) / 2
             history = history + list(done.output_ids)
+        # the next turn on the decode node alone: it holds every earlier turn (prompts and replies,
+        # target and draft KV) and computes only the new message
+        history = history + [9, 2, 6, 5]
+        want = list(c.Generate(request("c-local", history, 0, 0, max_new=12), timeout=60))[-1].complete
+        local = list(d.Generate(local_request("local", history, max_new=12), timeout=60))[-1].complete
+        assert list(local.output_ids) == list(want.output_ids)
+        assert (local.spec_accepted_tokens, local.spec_draft_tokens) == (
+            want.spec_accepted_tokens,
+            want.spec_draft_tokens,
+        )
+        assert local.cached_tokens >= (len(history) - 4 - 1) // PAGE * PAGE - PAGE
         wait_idle(p)
         wait_idle(d)
     finally:
