@@ -176,6 +176,32 @@ class KVCacheManager:
             return False
         return True
 
+    def share_prefix(self, req: Req, cacheable: int) -> None:
+        """A running request's prompt is computed: its first `cacheable` tokens' whole pages go to
+        the cache now, so requests arriving meanwhile with the same prefix read them. It keeps
+        reading them (referenced); pages whose tokens the cache held already stay its own."""
+        if self.cache is None or not req.slot:
+            return
+        old = self._matched.get(req.slot)
+        n = max(cacheable, len(old) * self.page_size if old is not None else 0)
+        if n < self.page_size:
+            return
+        tokens = req.tokens(0, req.total_len)
+        self.cache.insert(tokens, self._pages[req.slot], n, replace=False)
+        path = self.cache.path(tokens, n)
+        self.cache.lock(path, count_hit=False)  # before the old references go: nothing evictable meanwhile
+        if old is not None:
+            self.cache.unlock(old)
+        self._matched[req.slot] = path
+
+    def _shared(self, slot: int) -> int:
+        """Pages of the request in `slot` that are the cache's (it reads them, never frees them)."""
+        match = self._matched.get(slot)
+        if match is None:
+            return 0
+        pages = self._pages[slot]
+        return sum(node.page == pages[j] for j, node in enumerate(match.nodes))
+
     def cached_pages(self, req: Req) -> int:
         """Leading pages of `req` that are the cache's (read, never written)."""
         match = self._matched.get(req.slot)
@@ -248,7 +274,7 @@ class KVCacheManager:
     def check(self) -> None:
         """Every used page is a request's own or the cache's, exactly once."""
         self.allocator.check()
-        owned = sum(len(p) for p in self._pages.values()) - sum(len(m) for m in self._matched.values())
+        owned = sum(len(p) for p in self._pages.values()) - sum(self._shared(s) for s in self._matched)
         cached = 0
         if self.cache is not None:
             self.cache.check()

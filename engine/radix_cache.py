@@ -84,13 +84,26 @@ class RadixCache:
             return True
         return end < len(tokens) and node.next_token == tokens[end]
 
+    def path(self, tokens: Sequence[int], num_tokens: int) -> Match:
+        """The nodes holding `tokens`' first whole pages, at most `num_tokens` tokens, by their
+        tokens alone (no shift check: what a running request that inserted them reads)."""
+        ps, node, nodes = self.page_size, self.root, []
+        for start in range(0, min(num_tokens, len(tokens)) - ps + 1, ps):
+            child = node.children.get(tuple(tokens[start : start + ps]))
+            if child is None:
+                break
+            nodes.append(child)
+            node = child
+        return Match(tuple(nodes))
+
     # ---- references ----
-    def lock(self, match: Match) -> None:
+    def lock(self, match: Match, count_hit: bool = True) -> None:
         for node in match.nodes:
             if node.refs == 0:
                 self.num_evictable -= 1
             node.refs += 1
-        self.stats["matched_tokens"] += len(match) * self.page_size
+        if count_hit:
+            self.stats["matched_tokens"] += len(match) * self.page_size
 
     def unlock(self, match: Match) -> None:
         for node in match.nodes:
@@ -101,12 +114,14 @@ class RadixCache:
                 self.num_evictable += 1
 
     # ---- insertion ----
-    def insert(self, tokens: Sequence[int], pages: Sequence[int], num_tokens: int) -> list[int]:
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], num_tokens: int, replace: bool = True) -> list[int]:
         """Cache the first `num_tokens` tokens of a sequence whose KV lives in `pages` (page j holds
         tokens [j*page_size, (j+1)*page_size)); only whole pages are cached. `num_tokens` covers
         at least the prefix the sequence matched (whose pages are the tree's already). Returns
         the pages the caller must free: its pages the tree did not adopt (a partial page, or
-        tokens the tree held already under another page) and any cached copy this one replaced."""
+        tokens the tree held already under another page) and any cached copy this one replaced.
+        A request still running inserts with `replace=False`: it keeps every page it did not
+        give the tree, so none of the returned pages may be freed yet."""
         ps = self.page_size
         whole = min(num_tokens, len(tokens), len(pages) * ps) // ps
         node, tick, unused = self.root, next(self._clock), []
@@ -122,7 +137,7 @@ class RadixCache:
                 self.num_evictable += 1
                 self.stats["inserted_pages"] += 1
             elif child.page != pages[j]:
-                if self.shift and child.next_token is None and nxt is not None and child.refs == 0:
+                if replace and self.shift and child.next_token is None and nxt is not None and child.refs == 0:
                     # the cached copy's last draft position was never computed: keep this one
                     unused.append(child.page)
                     child.page, child.next_token = pages[j], nxt

@@ -331,17 +331,21 @@ class Scheduler:
             if req.solo:
                 req.solo -= 1  # one more step it ran without failing
             # KV of the computed window is committed; under speculation len(new) = accepted + 1
+            prompt_done = False
             if extend:
                 req.seq_len += n
                 self.stats["prefill_tokens"] += n
                 if new and not req.output_ids:  # the prompt's last chunk: its first token
                     self.prompt_time.observe(time.monotonic() - req.admitted_at)
+                    prompt_done = True
             else:
                 req.seq_len += len(new)
                 decoded += len(new)
             upd = self._append(req, new, out, i)
             if upd is not None:
                 updates.append(upd)
+            if prompt_done and not req.finished:  # others sharing its prefix may read it from now on
+                self.kv.share_prefix(req, self.executor.cacheable_tokens(req))
         self.stats["decode_tokens"] += decoded
         return updates
 

@@ -153,3 +153,32 @@ def test_random_aborts_under_cache_pressure_leave_pool_and_cache_consistent(mode
                 assert got[rid] == want[rids[rid]], rid
         assert eng.kv.cache.stats["matched_tokens"] > 0 and eng.kv.cache.stats["evicted_pages"] > 0
         settle(eng)
+
+
+@pytest.mark.parametrize("spec", ["plain", "eagle", "standalone"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_prompt_is_shared_as_soon_as_it_is_computed(models, spec, overlap):
+    """A request arriving while another with the same system prompt still decodes reads that
+    prompt's pages (the first request keeps reading them too); tokens equal the uncached run's."""
+    runs = {}
+    for cache in (False, True):
+        eng = make_engine(models, spec, cache, overlap=overlap)
+        first = eng.add_request(SYSTEM + [1, 2, 3], GREEDY, rid="first")
+        got: dict[str, list[int]] = {first: []}
+        while not got[first]:
+            for d in eng.step():
+                got[d.rid].extend(d.token_ids)
+            eng.kv.check()
+        later = [eng.add_request(SYSTEM + [i, 9], GREEDY, rid=f"later{i}") for i in range(3)]
+        got.update({r: [] for r in later})
+        while not eng.idle:
+            for d in eng.step():
+                got[d.rid].extend(d.token_ids)
+            eng.kv.check()
+        if cache:  # the later ones found the system prompt's 9 whole pages while the first decoded
+            assert eng.scheduler.stats["cached_prompt_tokens"] == 3 * 36
+            if not overlap:
+                assert_cached_kv_is_fresh(eng, make_engine(models, spec, True), min_paths=2)
+        runs[cache] = got
+        settle(eng)
+    assert runs[True] == runs[False]
