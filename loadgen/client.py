@@ -47,14 +47,20 @@ def make_client(cfg: EndpointConfig, max_connections: int) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=cfg.base_url.rstrip("/"), headers=headers, timeout=timeout, limits=limits)
 
 
-def request_body(cfg: EndpointConfig, prompt: str | list[int], max_tokens: int) -> dict[str, Any]:
+def request_body(
+    cfg: EndpointConfig, prompt: str | list[int], max_tokens: int, messages: tuple[dict[str, str], ...] | None = None
+) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": cfg.model,
         "max_tokens": max_tokens,
         "stream": True,
         "temperature": cfg.temperature,
     }
-    if cfg.endpoint == "chat":
+    if messages is not None:
+        if cfg.endpoint != "chat":
+            raise ValueError("a message list needs the chat endpoint")
+        body["messages"] = [dict(m) for m in messages]
+    elif cfg.endpoint == "chat":
         if not isinstance(prompt, str):
             raise ValueError("token-id prompts need the completions endpoint")
         body["messages"] = [{"role": "user", "content": prompt}]
@@ -78,7 +84,7 @@ async def send(
     client: httpx.AsyncClient, cfg: EndpointConfig, req: BenchRequest, t0: float, clock: Clock = time.perf_counter
 ) -> RequestRecord:
     """Send one streamed request; times are taken from `clock` (relative to the point's `t0`)."""
-    rec = RequestRecord(req.index, req.input_len, req.output_len)
+    rec = RequestRecord(req.index, req.input_len, req.output_len, reply="" if req.keep_reply else None)
     start = clock()
     rec.start = start - t0
     limit = cfg.timeout_s if req.timeout_s is None else req.timeout_s
@@ -100,7 +106,7 @@ async def send(
 async def _stream(
     client: httpx.AsyncClient, cfg: EndpointConfig, req: BenchRequest, rec: RequestRecord, start: float, clock: Clock
 ) -> None:
-    body = request_body(cfg, req.prompt, req.output_len)
+    body = request_body(cfg, req.prompt, req.output_len, req.messages)
     async with client.stream("POST", ENDPOINTS[cfg.endpoint], json=body) as resp:
         if resp.status_code != 200:
             text = (await resp.aread()).decode(errors="replace")
@@ -123,14 +129,19 @@ def _on_chunk(chunk: dict[str, Any], rec: RequestRecord, now: float) -> bool:
         err = chunk["error"]
         rec.error = "stream error: " + str(err.get("message", err) if isinstance(err, dict) else err)[:200]
         return False
-    if any(_content(choice) for choice in chunk.get("choices") or ()):
+    choices = chunk.get("choices") or ()
+    if any(_content(choice) for choice in choices):
         if rec.ttft is None:
             rec.ttft = now
         rec.chunk_times.append(now)
+        if rec.reply is not None:  # the answer only: reasoning is not sent back in the history
+            rec.reply += "".join(str(c.get("text") or (c.get("delta") or {}).get("content") or "") for c in choices)
     usage = chunk.get("usage")
     if usage:
         rec.output_tokens = int(usage.get("completion_tokens") or 0)
         rec.prompt_tokens = usage.get("prompt_tokens")
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        rec.cached_tokens = None if cached is None else int(cached)
     return True
 
 

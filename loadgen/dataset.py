@@ -38,6 +38,8 @@ class BenchRequest:
     input_len: int  # requested prompt tokens
     output_len: int  # max_tokens sent
     timeout_s: float | None = None  # this request's whole-time limit instead of the endpoint's
+    messages: tuple[dict[str, str], ...] | None = None  # chat endpoint: sent instead of `prompt`
+    keep_reply: bool = False  # collect the reply's text (a conversation's next turn needs it)
 
 
 def load_corpus(root: Path | None = None, max_chars: int = CORPUS_MAX_CHARS) -> str:

@@ -35,6 +35,15 @@ class RequestRecord:
     output_tokens: int = 0
     prompt_tokens: int | None = None
     error: str | None = None
+    # usage.prompt_tokens_details.cached_tokens; None when the server does not report it (not 0:
+    # "no reuse" and "unknown" must stay apart in the report).
+    cached_tokens: int | None = None
+    # Prefix-reuse workloads only (loadgen/workloads.py); left out of the JSON when None.
+    conversation: int | None = None
+    turn: int | None = None  # 1-based
+    prefix: int | None = None  # which shared system prompt
+    reusable_tokens: int | None = None  # prompt tokens a prefix cache could have served
+    reply: str | None = field(default=None, repr=False)  # kept only to build the next turn
 
     @property
     def ok(self) -> bool:
@@ -51,7 +60,12 @@ class RequestRecord:
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "tpot": self.tpot()}
+        out = {k: v for k, v in asdict(self).items() if v is not None or k not in _WORKLOAD_KEYS}
+        out.pop("reply", None)  # content, not a measurement: results.json stays small
+        return {**out, "tpot": self.tpot()}
+
+
+_WORKLOAD_KEYS = frozenset({"conversation", "turn", "prefix", "reusable_tokens", "reply"})
 
 
 def percentile(values: list[float], p: float) -> float:

@@ -10,13 +10,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import httpx
 
 from loadgen.client import Clock, EndpointConfig, make_client, send, served_model
 from loadgen.dataset import BenchRequest
 from loadgen.metrics import GOODPUT_MIN_ATTAINMENT, RequestRecord, goodput, summarize
+from loadgen.reuse import format_groups
 
 MAX_POOL = 1024  # an unbounded rate would otherwise open one connection per request
 
@@ -118,24 +119,76 @@ class SweepConfig:
 ProgressFactory = Callable[[str, int], Callable[[RequestRecord], None]]
 
 
+class Workload(Protocol):
+    """What one load point sends; the random workload (FixedRequests) and the prefix-reuse ones."""
+
+    def total(self) -> int: ...  # requests per load point (the progress bar's length)
+    def max_in_flight(self) -> int: ...  # the most requests one point can have open at once
+    def warmup_requests(self, n: int) -> list[BenchRequest]: ...
+
+    async def run(
+        self,
+        client: httpx.AsyncClient,
+        cfg: EndpointConfig,
+        load: LoadPoint,
+        point: int,
+        seed: int,
+        on_done: Callable[[RequestRecord], None] | None,
+    ) -> tuple[list[RequestRecord], float]: ...
+
+    def metrics(self, records: list[RequestRecord]) -> dict[str, Any]: ...  # extra keys of a point's metrics
+
+
+@dataclass
+class FixedRequests:
+    """The same requests at every load point (the random workload)."""
+
+    requests: list[BenchRequest]
+
+    def total(self) -> int:
+        return len(self.requests)
+
+    def max_in_flight(self) -> int:
+        return len(self.requests)
+
+    def warmup_requests(self, n: int) -> list[BenchRequest]:
+        return [self.requests[i % len(self.requests)] for i in range(n)] if self.requests else []
+
+    async def run(
+        self,
+        client: httpx.AsyncClient,
+        cfg: EndpointConfig,
+        load: LoadPoint,
+        point: int,
+        seed: int,
+        on_done: Callable[[RequestRecord], None] | None,
+    ) -> tuple[list[RequestRecord], float]:
+        return await run_point(client, cfg, self.requests, load, seed=seed, on_done=on_done)
+
+    def metrics(self, records: list[RequestRecord]) -> dict[str, Any]:
+        return {}
+
+
 async def run_sweep(
-    cfg: SweepConfig, requests: list[BenchRequest], progress: ProgressFactory | None = None
+    cfg: SweepConfig, requests: list[BenchRequest] | Workload, progress: ProgressFactory | None = None
 ) -> dict[str, Any]:
-    """Warm up, run every load point on the same requests, and return the whole report."""
+    """Warm up, run every load point of the workload (a request list: the same requests at every
+    point), and return the whole report."""
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    async with make_client(cfg.endpoint, cfg.pool_size(len(requests))) as client:
+    work = FixedRequests(requests) if isinstance(requests, list) else requests
+    async with make_client(cfg.endpoint, cfg.pool_size(work.max_in_flight())) as client:
         endpoint = cfg.endpoint
         if not endpoint.model:
             endpoint = EndpointConfig(**{**asdict(endpoint), "model": await _model_id(client, endpoint)})
-        warm = await _warmup(client, endpoint, requests, cfg.warmup)
+        warm = await _warmup(client, endpoint, work.warmup_requests(cfg.warmup))
         points = []
         for i, load in enumerate(cfg.loads):
-            on_done = progress(f"{load.kind} {load.label}", len(requests)) if progress else None
-            records, wall = await run_point(client, endpoint, requests, load, seed=cfg.seed + i, on_done=on_done)
+            on_done = progress(f"{load.kind} {load.label}", work.total()) if progress else None
+            records, wall = await work.run(client, endpoint, load, i, cfg.seed + i, on_done)
             points.append(
                 {
                     "load": load.to_json(),
-                    "metrics": summarize(records, wall, cfg.slo),
+                    "metrics": {**summarize(records, wall, cfg.slo), **work.metrics(records)},
                     "requests": [r.to_json() for r in records],
                 }
             )
@@ -169,13 +222,11 @@ async def _model_id(client: httpx.AsyncClient, cfg: EndpointConfig) -> str:
         ) from e
 
 
-async def _warmup(
-    client: httpx.AsyncClient, cfg: EndpointConfig, requests: list[BenchRequest], n: int
-) -> dict[str, Any]:
-    """`n` requests (reusing the first prompts, a few at a time), not counted; failures reported."""
-    if n <= 0 or not requests:
+async def _warmup(client: httpx.AsyncClient, cfg: EndpointConfig, batch: list[BenchRequest]) -> dict[str, Any]:
+    """The workload's warm-up requests (a few at a time), not counted; failures reported."""
+    n = len(batch)
+    if n == 0:
         return {"requests": 0, "failed": 0}
-    batch = [requests[i % len(requests)] for i in range(n)]
     records, _ = await run_point(client, cfg, batch, LoadPoint("concurrency", min(n, 8)))
     failed = [r.error for r in records if not r.ok]
     return {"requests": n, "failed": len(failed), "errors": sorted(set(f or "" for f in failed))[:5]}
@@ -205,6 +256,7 @@ def format_summary(report: dict[str, Any]) -> str:
             f"{_ms(m['ttft_ms']['median']):>9} {_ms(m['ttft_ms']['p99']):>9} "
             f"{_ms(m['tpot_ms']['median']):>9} {_ms(m['itl_ms']['p99']):>8} {_ms(m['e2e_ms']['p99']):>9}"
         )
+        rows += format_groups(m)  # per turn / per prefix use, for the prefix-reuse workloads
         for err, count in m["errors"].items():
             rows.append(f"{'':>12} {count} failed: {err}")
     if report.get("goodput"):

@@ -16,7 +16,17 @@ from trainer.options import TrainOptions
 
 @with_options(opts=BenchOptions)
 def bench(opts: BenchOptions) -> None:
-    """Benchmark an OpenAI-compatible server: streamed requests at swept load, latency/throughput report."""
+    """Benchmark an OpenAI-compatible server: streamed requests at swept load, latency/throughput report.
+
+    Workloads (--workload), all generated from --seed: random (default; independent prompts);
+    multi-turn (--num-prompts conversations of --turns turns, each turn resending the whole
+    history with the server's replies plus a new message, --think-time between turns; the
+    conversation is the unit of arrival); shared-prefix (each request starts with one of
+    --num-prefixes system prompts of --prefix-len tokens). The last two report TTFT/TPOT per turn
+    (or first vs repeated prefix) and the server's cached prompt tokens against the reusable ones:
+    a turn's previous prompt plus reply, or a prefix already sent (null when the server does not
+    report usage.prompt_tokens_details.cached_tokens).
+    """
     import httpx
 
     from loadgen.runner import run_bench
