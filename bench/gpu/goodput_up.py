@@ -68,8 +68,11 @@ def up_argv(deployment: str, model: Path, extra: Sequence[str] = ()) -> list[str
 class UpProcess:
     """A started `pdserve up`; `stop()` always runs (use it as a context manager)."""
 
-    def __init__(self, deployment: str, argv: list[str], env: dict[str, str], log: Path) -> None:
+    def __init__(
+        self, deployment: str, argv: list[str], env: dict[str, str], log: Path, nodes: int | None = None
+    ) -> None:
         self.deployment, self.argv, self.env, self.log_path = deployment, argv, env, log
+        self.nodes = nodes if nodes is not None else NODES[deployment]  # /metrics lines to wait for
         self.url = ""
         self.metrics: dict[str, str] = {}
         self.proc: subprocess.Popen[str] | None = None
@@ -98,7 +101,7 @@ class UpProcess:
         )
         threading.Thread(target=self._pump, daemon=True).start()
         deadline = time.monotonic() + timeout_s
-        while not self.url or len(self.metrics) < NODES[self.deployment]:
+        while not self.url or len(self.metrics) < self.nodes:
             try:
                 line = self._lines.get(timeout=max(0.01, deadline - time.monotonic()))
             except queue.Empty:

@@ -1,0 +1,189 @@
+"""The prefix cache against `--disable-radix-cache`, colocated and PD, with EAGLE on, in one run.
+
+Each deployment is a real `pdserve up` measured alone, started twice: cache on, then off. Two
+workloads run through `pdserve bench` (loadgen) on each:
+
+* multi-turn chat: conversations of `--turns` turns at a fixed concurrency; each turn's prompt is
+  the whole history (prompts and the replies the server gave) plus a new message, so history
+  grows by about `--turn-input-len` + `--output-len` tokens per turn. Reported: TTFT p50 per turn
+  (and over turns 3+), the share of reusable tokens the server reported as cached, and the
+  accepted draft length (from the decode or colocated node's counters);
+* no reuse: unrelated random prompts at the same concurrency, for the cache's cost (output
+  tokens/s with the cache against without).
+
+Ratios compare the two starts of one deployment in this run: TTFT p50 of turns 3+ without the
+cache over with it (goal >= 3), reuse (goal >= 0.9), accept length with over without (within
+1%), no-reuse throughput with over without (>= 0.97).
+
+On a CPU the built-in pair (EAGLE on) runs it; on GPUs the Llama-3.1-8B-shaped checkpoint with a
+random EAGLE head (bench/gpu/goodput_model.py), PD's nodes on two GPUs. Writes
+OUT/prefix_cache_<device>.json:
+  python -m bench.prefix_cache --out bench/results            # GPUs: about 8 minutes
+  python -m bench.prefix_cache --out /tmp/pc --quick           # a CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.common import write_report
+from bench.gpu.goodput import gpu_names, prepare_model, short_name
+from bench.gpu.goodput_up import UpProcess, samples
+from loadgen.runner import BenchOptions, run_bench
+
+TOPOLOGY = {"colocated": ("--colocated", "1"), "pd": ("--prefill", "1", "--decode", "1")}
+NODES = {"colocated": 1, "pd": 2}
+START_TIMEOUT_S = 900.0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--deployments", default="colocated,pd")
+    p.add_argument("--conversations", type=int, default=None, help="multi-turn conversations per run")
+    p.add_argument("--turns", type=int, default=10)
+    p.add_argument("--turn-input-len", type=int, default=None, help="tokens of each new message")
+    p.add_argument("--output-len", type=int, default=None, help="tokens of each reply")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="fewer, shorter conversations (a smoke run)")
+    p.add_argument("--log-dir", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def sizes(args: argparse.Namespace, gpu: bool) -> dict[str, int]:
+    """Lengths by device: on GPUs about 2K tokens of history growth over 10 turns."""
+    base = {"conversations": 8, "turn_input_len": 160, "output_len": 48} if gpu else {}
+    base = base or {"conversations": 4, "turn_input_len": 48, "output_len": 16}
+    if args.quick:
+        base = {"conversations": 2, "turn_input_len": 24, "output_len": 8}
+    given = {"conversations": args.conversations, "turn_input_len": args.turn_input_len, "output_len": args.output_len}
+    return {**base, **{k: v for k, v in given.items() if v is not None}}
+
+
+def spec_counters(metrics_urls: dict[str, str]) -> tuple[float, float]:
+    """(accepted drafts, verifies) summed over the decode and colocated nodes now."""
+    accepted = verifies = 0.0
+    for url in metrics_urls.values():
+        text = httpx.get(url, timeout=10).text
+        for name, labels, value in samples(text):
+            if 'role="prefill"' in labels:
+                continue
+            if name == "pdserve_spec_accepted_tokens_total":
+                accepted += value
+            elif name == "pdserve_spec_verifies_total":
+                verifies += value
+    return accepted, verifies
+
+
+def bench_options(url: str, out: Path, args: argparse.Namespace, size: dict[str, int], reuse: bool) -> BenchOptions:
+    common: dict[str, Any] = {
+        "base_url": url,
+        "concurrency": str(args.concurrency),
+        "output_len": size["output_len"],
+        "range_ratio": 0.0,
+        "seed": args.seed,
+        "out": out,
+        "plots": False,
+        "progress": False,
+        "timeout": 600.0,
+    }
+    if reuse:
+        return BenchOptions(
+            workload="multi-turn",
+            num_prompts=size["conversations"],
+            turns=args.turns,
+            input_len=size["turn_input_len"],
+            turn_input_len=size["turn_input_len"],
+            **common,
+        )
+    return BenchOptions(
+        num_prompts=size["conversations"] * args.turns,
+        input_len=size["turn_input_len"] * args.turns // 2,  # about the multi-turn prompts' mean length
+        **common,
+    )
+
+
+def measure(up: UpProcess, args: argparse.Namespace, size: dict[str, int], work: Path) -> dict[str, Any]:
+    """Both workloads on a started deployment: the multi-turn figures, acceptance, no-reuse throughput."""
+    acc0, ver0 = spec_counters(up.metrics)
+    chat, _ = run_bench(bench_options(up.url, work / "multi", args, size, reuse=True), progress=False)
+    acc1, ver1 = spec_counters(up.metrics)
+    plain, _ = run_bench(bench_options(up.url, work / "plain", args, size, reuse=False), progress=False)
+    m, p = chat["points"][0]["metrics"], plain["points"][0]["metrics"]
+    turns = {
+        k: {"ttft_ms_p50": g["ttft_ms"]["median"], "reuse_ratio": g["reuse_ratio"]} for k, g in m["by_turn"].items()
+    }
+    return {
+        "multi_turn": {
+            "requests": m["completed"],
+            "failed": m["failed"],
+            "by_turn": turns,
+            "prefix_cache": m["prefix_cache"],
+            "accept_length": 1 + (acc1 - acc0) / (ver1 - ver0) if ver1 > ver0 else None,
+        },
+        "no_reuse": {"output_throughput": p["output_throughput"], "failed": p["failed"]},
+    }
+
+
+def ratios(on: dict[str, Any], off: dict[str, Any]) -> dict[str, Any]:
+    """The goals' figures: cache on against off in one deployment."""
+    t_on, t_off = on["multi_turn"]["by_turn"]["3+"]["ttft_ms_p50"], off["multi_turn"]["by_turn"]["3+"]["ttft_ms_p50"]
+    a_on, a_off = on["multi_turn"]["accept_length"], off["multi_turn"]["accept_length"]
+    return {
+        "ttft_p50_turn3plus_speedup": t_off / t_on if t_on and t_off else None,
+        "reuse_ratio": on["multi_turn"]["prefix_cache"]["reuse_ratio"],
+        "accept_length_ratio": a_on / a_off if a_on and a_off else None,
+        "no_reuse_throughput_ratio": on["no_reuse"]["output_throughput"] / off["no_reuse"]["output_throughput"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    gpus = gpu_names()
+    device = gpus[0] if gpus else "cpu"
+    gpu = bool(gpus)
+    model_flags: list[str] = []
+    if gpu:  # the 8B shape with a random EAGLE head; on a CPU the built-in pair (EAGLE on)
+        model, spec = prepare_model("llama8b", None, eagle=True)
+        model_flags = ["--model", str(model), *spec, "--no-isolate-gpus", "--device", "auto"]
+    size = sizes(args, gpu)
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-prefix-logs-"))
+    data: dict[str, Any] = {"device": device, "sizes": {**size, "turns": args.turns, "concurrency": args.concurrency}}
+    data["command"] = "python -m bench.prefix_cache " + " ".join(argv if argv is not None else sys.argv[1:])
+    data["deployments"] = {}
+    started = time.monotonic()
+    for dep in [d for d in args.deployments.split(",") if d]:
+        runs: dict[str, Any] = {}
+        for state in ("cache", "no_cache"):
+            argv_up = [sys.executable, "-m", "pdserve.cli", "up", "--port", "0", "--verbose", *TOPOLOGY[dep]]
+            argv_up += model_flags
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            if state == "no_cache":
+                env["PDSERVE_DISABLE_RADIX_CACHE"] = "true"  # every node's --disable-radix-cache
+            with UpProcess(dep, argv_up, env, log_dir / f"{dep}-{state}.log", nodes=NODES[dep]) as up:
+                up.start(timeout_s=START_TIMEOUT_S)
+                runs[state] = measure(up, args, size, Path(tempfile.mkdtemp(prefix=f"pc-{dep}-{state}-")))
+            print(f"[prefix-cache] {dep} {state}: {runs[state]['multi_turn']['by_turn'].get('3+')}", file=sys.stderr)
+        runs["ratios"] = ratios(runs["cache"], runs["no_cache"])
+        data["deployments"][dep] = runs
+        write_report(args.out / f"prefix_cache_{short_name(device)}.json", data)
+    data["wall_s"] = time.monotonic() - started
+    path = args.out / f"prefix_cache_{short_name(device)}.json"
+    write_report(path, data)
+    for dep, runs in data["deployments"].items():
+        print(dep, runs["ratios"])
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
