@@ -187,7 +187,8 @@ class KVCacheManager:
         if n < self.page_size:
             return
         tokens = req.tokens(0, req.total_len)
-        self.cache.insert(tokens, self._pages[req.slot], n, replace=False)
+        # it keeps the pages the tree did not take; copies the tree gave up for its own are free
+        self.allocator.free(self.cache.insert(tokens, self._pages[req.slot], n).replaced)
         path = self.cache.path(tokens, n)
         self.cache.lock(path, count_hit=False)  # before the old references go: nothing evictable meanwhile
         if old is not None:
@@ -251,14 +252,14 @@ class KVCacheManager:
         pages = self._pages.pop(req.slot)
         match = self._matched.pop(req.slot, None)
         matched = len(match) if match is not None else 0
+        if match is not None:  # first: a copy only it read may be replaced by its own (below)
+            self.cache.unlock(match)  # type: ignore[union-attr]
         if self.cache is not None and max(cacheable, matched * self.page_size) >= self.page_size:
             # never less than the prefix it read: those pages are the cache's already
             cacheable = max(cacheable, matched * self.page_size)
-            self.allocator.free(self.cache.insert(req.tokens(0, req.total_len), pages, cacheable))
+            self.allocator.free(self.cache.insert(req.tokens(0, req.total_len), pages, cacheable).to_free)
         else:
             self.allocator.free(pages[matched:])
-        if match is not None:
-            self.cache.unlock(match)  # type: ignore[union-attr]
         self.req_to_token[req.slot].zero_()
         self._free_slots.append(req.slot)
         req.slot, req.num_pages, req.seq_len = 0, 0, 0

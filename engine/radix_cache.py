@@ -37,6 +37,17 @@ class Node:
 
 
 @dataclass(frozen=True)
+class Inserted:
+    unadopted: list[int]  # the caller's pages the tree did not take
+    replaced: list[int]  # the tree's pages it gave up for the caller's
+
+    @property
+    def to_free(self) -> list[int]:
+        """What a caller that is done with its pages frees."""
+        return self.unadopted + self.replaced
+
+
+@dataclass(frozen=True)
 class Match:
     nodes: tuple[Node, ...]  # the path, root excluded, one node per matched page
 
@@ -114,17 +125,18 @@ class RadixCache:
                 self.num_evictable += 1
 
     # ---- insertion ----
-    def insert(self, tokens: Sequence[int], pages: Sequence[int], num_tokens: int, replace: bool = True) -> list[int]:
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], num_tokens: int) -> Inserted:
         """Cache the first `num_tokens` tokens of a sequence whose KV lives in `pages` (page j holds
         tokens [j*page_size, (j+1)*page_size)); only whole pages are cached. `num_tokens` covers
-        at least the prefix the sequence matched (whose pages are the tree's already). Returns
-        the pages the caller must free: its pages the tree did not adopt (a partial page, or
-        tokens the tree held already under another page) and any cached copy this one replaced.
-        A request still running inserts with `replace=False`: it keeps every page it did not
-        give the tree, so none of the returned pages may be freed yet."""
+        at least the prefix the sequence matched (whose pages are the tree's already). Returns the
+        caller's pages the tree did not adopt (a partial page, or tokens the tree held already
+        under another page) and the cached copies it replaced (whose last draft position was
+        never computed, where this sequence's was; only copies no request reads)."""
         ps = self.page_size
         whole = min(num_tokens, len(tokens), len(pages) * ps) // ps
-        node, tick, unused = self.root, next(self._clock), []
+        node, tick = self.root, next(self._clock)
+        unadopted: list[int] = []
+        replaced: list[int] = []
         for j in range(whole):
             key = tuple(tokens[j * ps : (j + 1) * ps])
             # the token the draft's KV at the page's last position was computed with (if any)
@@ -137,16 +149,15 @@ class RadixCache:
                 self.num_evictable += 1
                 self.stats["inserted_pages"] += 1
             elif child.page != pages[j]:
-                if replace and self.shift and child.next_token is None and nxt is not None and child.refs == 0:
-                    # the cached copy's last draft position was never computed: keep this one
-                    unused.append(child.page)
+                if self.shift and child.next_token is None and nxt is not None and child.refs == 0:
+                    replaced.append(child.page)  # keep this copy: its last draft position is known
                     child.page, child.next_token = pages[j], nxt
                 else:
-                    unused.append(pages[j])
+                    unadopted.append(pages[j])
             child.last_used = tick
             node = child
-        unused.extend(pages[whole:])
-        return unused
+        unadopted.extend(pages[whole:])
+        return Inserted(unadopted, replaced)
 
     # ---- eviction ----
     def evict(self, num_pages: int) -> int:

@@ -182,3 +182,36 @@ def test_a_prompt_is_shared_as_soon_as_it_is_computed(models, spec, overlap):
         runs[cache] = got
         settle(eng)
     assert runs[True] == runs[False]
+
+
+def test_every_turn_reads_the_whole_history_even_when_a_reply_ends_on_a_page_boundary():
+    """A speculative step may accept past max_new_tokens: the KV then covers a token the reply
+    dropped, so the page the reply ends exactly on is cached without the token after it and the
+    next turn (whose token there is its new message) cannot use that copy. It computes that one
+    page again, and its own copy, whose next token is known, replaces the cached one, so later
+    turns read it: every turn reads its whole history but at most that page. (The built-in pair:
+    its drafts are accepted often enough to run past the limit.)"""
+    import pdserve.models as builtin
+
+    spec = bind(SpecConfig("EAGLE", str(builtin.BUILTIN_DRAFT), 4, 1))
+    eng = Engine(EngineConfig(str(builtin.BUILTIN_TARGET), page_size=16), algorithm=spec)
+    short = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    history = [314, 270, 908, 204, 487, 2642, 877, 270, 908, 286]  # 10 + 6: the reply ends a page
+    overshoot = 0
+    release = eng.kv.release
+
+    def counting(req, cacheable=0):
+        nonlocal overshoot
+        overshoot += req.seq_len >= req.total_len  # KV past the last kept token
+        return release(req, cacheable)
+
+    eng.kv.release = counting  # type: ignore[method-assign]
+    for turn in range(6):
+        before = eng.scheduler.stats["cached_prompt_tokens"]
+        out = eng.generate([history], short)[0]
+        cached = eng.scheduler.stats["cached_prompt_tokens"] - before
+        if turn >= 1:  # every page of the last sequence, but at most the one its reply ended on
+            assert cached >= len(history) - 10 - 16, (turn, cached, len(history))
+        history = history + out.output_ids + [1000 + turn, 31, 32, 33, 34, 35, 36, 37, 38, 39]  # 16 more
+    assert overshoot >= 1  # the case this is about happened
+    eng.kv.check()

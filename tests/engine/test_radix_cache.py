@@ -21,7 +21,7 @@ def cache(shift: int = 0) -> tuple[RadixCache, list[int]]:
 def test_match_takes_whole_pages_of_the_longest_cached_prefix():
     c, freed = cache()
     seq = list(range(100, 111))  # 11 tokens: two whole pages and a partial one
-    assert c.insert(seq, [7, 8, 9], len(seq)) == [9]  # the partial page is not cached
+    assert c.insert(seq, [7, 8, 9], len(seq)).to_free == [9]  # the partial page is not cached
     assert c.num_pages == 2 and c.num_evictable == 2
     assert c.match(seq).pages == [7, 8]
     assert c.match(seq[:8] + [0, 0]).pages == [7, 8]
@@ -35,9 +35,9 @@ def test_branches_share_their_common_pages_and_duplicates_come_back():
     c, _ = cache()
     a = [1, 2, 3, 4, 5, 6, 7, 8]
     b = [1, 2, 3, 4, 9, 9, 9, 9]
-    assert c.insert(a, [10, 11], 8) == []
+    assert c.insert(a, [10, 11], 8).to_free == []
     # b computed its first page again (it ran beside a): the tree keeps its own copy
-    assert c.insert(b, [20, 21], 8) == [20]
+    assert c.insert(b, [20, 21], 8).to_free == [20]
     assert c.match(b).pages == [10, 21] and c.num_pages == 3
     c.check()
 
@@ -86,9 +86,9 @@ def test_with_a_shift_a_page_is_reused_only_before_the_same_next_token():
     assert c.match(seq[:8]).pages == [10]  # no token after it: the same
     # a sequence that ended at the boundary left no next token; a later one that knows it replaces it
     d, _ = cache(shift=1)
-    assert d.insert(seq[:8], [10, 11], 8) == []
+    assert d.insert(seq[:8], [10, 11], 8).to_free == []
     assert d.match(seq).pages == [10]
-    assert d.insert(seq, [20, 21, 22], 9) == [20, 11, 22]
+    assert d.insert(seq, [20, 21, 22], 9).to_free == [20, 22, 11]
     assert d.match(seq).pages == [10, 21]
     d.check()
 
@@ -113,7 +113,7 @@ def test_a_random_walk_never_frees_a_referenced_page_and_accounting_adds_up():
             running.append((tokens, m.pages + pool.alloc(need), m))
         elif op < 0.85 and running:  # finish: insert, free what the tree did not adopt, unlock
             tokens, pages, m = running.pop(rng.randrange(len(running)))
-            for p in c.insert(tokens, pages, len(tokens)):
+            for p in c.insert(tokens, pages, len(tokens)).to_free:
                 pool.free([p])
             c.unlock(m)
         else:
@@ -129,7 +129,7 @@ def test_a_random_walk_never_frees_a_referenced_page_and_accounting_adds_up():
         assert not (held - reading) & cached
         assert pool.num_used == len(held | cached), step
     for tokens, pages, m in running:
-        for p in c.insert(tokens, pages, len(tokens)):
+        for p in c.insert(tokens, pages, len(tokens)).to_free:
             pool.free([p])
         c.unlock(m)
     c.clear()
