@@ -20,7 +20,7 @@ from loadgen.client import Clock, EndpointConfig, send
 from loadgen.dataset import BenchRequest, TextTokenizer, random_requests
 from loadgen.metrics import RequestRecord
 from loadgen.reuse import mark_shared_prefix, multi_turn_metrics, multi_turn_reusable, shared_prefix_metrics
-from loadgen.sweep import LoadPoint, arrival_times, run_point
+from loadgen.sweep import LoadPoint, run_point, under_load
 from loadgen.workloads import Conversation, conversations, shared_prefix_requests, turn_request
 
 WARMUP_SEED = 1_000_003  # warm-up prompts from their own seed: they must not prime the measured prefixes
@@ -36,21 +36,14 @@ async def run_conversations(
     clock: Clock = time.perf_counter,
     on_done: Callable[[RequestRecord], None] | None = None,
 ) -> tuple[list[RequestRecord], float]:
-    """Run every conversation under `load`; records in (conversation, turn) order, and wall time."""
-    t0 = clock()
-    gate = asyncio.Semaphore(int(load.value)) if load.kind == "concurrency" else None
-    arrivals = arrival_times(len(convs), load.value, seed) if load.kind == "rate" else [0.0] * len(convs)
+    """Run every conversation under `load` (a conversation is the unit of arrival and holds its
+    concurrency slot through its think times); records in (conversation, turn) order, and wall time."""
 
-    async def one(conv: Conversation, at: float) -> list[RequestRecord]:
-        if at > 0:
-            await asyncio.sleep(max(0.0, t0 + at - clock()))
-        if gate is None:
-            return await converse(client, cfg, conv, t0, clock, on_done)
-        async with gate:
-            return await converse(client, cfg, conv, t0, clock, on_done)
+    async def one(conv: Conversation, t0: float) -> list[RequestRecord]:
+        return await converse(client, cfg, conv, t0, clock, on_done)
 
-    per_conv = await asyncio.gather(*(one(c, at) for c, at in zip(convs, arrivals)))
-    return [rec for recs in per_conv for rec in recs], clock() - t0
+    per_conv, wall = await under_load(convs, load, one, seed=seed, clock=clock)
+    return [rec for recs in per_conv for rec in recs], wall
 
 
 async def converse(

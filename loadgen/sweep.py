@@ -10,7 +10,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol, Sequence, TypeVar
 
 import httpx
 
@@ -18,6 +18,9 @@ from loadgen.client import Clock, EndpointConfig, make_client, send, served_mode
 from loadgen.dataset import BenchRequest
 from loadgen.metrics import GOODPUT_MIN_ATTAINMENT, RequestRecord, goodput, summarize
 from loadgen.reuse import format_groups
+
+U = TypeVar("U")
+R = TypeVar("R")
 
 MAX_POOL = 1024  # an unbounded rate would otherwise open one connection per request
 
@@ -81,24 +84,35 @@ async def run_point(
     on_done: Callable[[RequestRecord], None] | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """Send every request under `load`; returns the records (in request order) and wall time."""
-    t0 = clock()
-    gate = asyncio.Semaphore(int(load.value)) if load.kind == "concurrency" else None
-    arrivals = arrival_times(len(requests), load.value, seed) if load.kind == "rate" else [0.0] * len(requests)
 
-    async def one(req: BenchRequest, at: float) -> RequestRecord:
-        if at > 0:
-            await asyncio.sleep(max(0.0, t0 + at - clock()))
-        if gate is None:
-            rec = await send(client, cfg, req, t0, clock)
-        else:
-            async with gate:
-                rec = await send(client, cfg, req, t0, clock)
+    async def one(req: BenchRequest, t0: float) -> RequestRecord:
+        rec = await send(client, cfg, req, t0, clock)
         if on_done is not None:
             on_done(rec)
         return rec
 
-    records = await asyncio.gather(*(one(r, at) for r, at in zip(requests, arrivals)))
-    return list(records), clock() - t0
+    return await under_load(requests, load, one, seed=seed, clock=clock)
+
+
+async def under_load(
+    units: Sequence[U], load: LoadPoint, work: Callable[[U, float], Awaitable[R]], *, seed: int, clock: Clock
+) -> tuple[list[R], float]:
+    """Run `work(unit, t0)` for every unit as `load` says (Poisson arrivals of units, or at most
+    that many at once); returns the results in unit order and the wall time."""
+    t0 = clock()
+    gate = asyncio.Semaphore(int(load.value)) if load.kind == "concurrency" else None
+    arrivals = arrival_times(len(units), load.value, seed) if load.kind == "rate" else [0.0] * len(units)
+
+    async def one(unit: U, at: float) -> R:
+        if at > 0:
+            await asyncio.sleep(max(0.0, t0 + at - clock()))
+        if gate is None:
+            return await work(unit, t0)
+        async with gate:
+            return await work(unit, t0)
+
+    results = await asyncio.gather(*(one(u, at) for u, at in zip(units, arrivals)))
+    return list(results), clock() - t0
 
 
 @dataclass
