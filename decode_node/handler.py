@@ -59,6 +59,7 @@ class DecodeHandler:
     ) -> None:
         self.pd, self.endpoint, self.peers, self.waiter = pd, endpoint, peers, waiter
         self.binding, self.timeouts, self.local_prefill = binding, timeouts, local_prefill
+        self.transfer_ms: float | None = None  # recent destination-sent -> KV-landed time (EWMA)
         self.pending = InFlight(pd, endpoint.rows, waiter, quarantine_s=timeouts.waiting_timeout)
         self._aborting: set[asyncio.Future[None]] = set()  # AbortRoom calls under way
 
@@ -71,10 +72,12 @@ class DecodeHandler:
         dp = request.disaggregated_params
         stream = RequestStream(pd, req, request.stream, pd.tokenizer, pd.eos_token_ids)
         if not dp.bootstrap_host:  # local prefill: the engine runs the prompt between decode steps
-            if not self.local_prefill:
-                raise InvalidRequest(
+            if not self.local_prefill:  # the router retries elsewhere: a node's setting, not the request's fault
+                raise RequestFailed(
                     "this decode node does not run prompts itself (--local-prefill-tpot-ms 0): "
-                    "send disaggregated_params.bootstrap_host"
+                    "send disaggregated_params.bootstrap_host",
+                    "local_refused",
+                    blame="decode",
                 )
             self.pending.begin_local(req)
             pd.submit(req, stream.on_update)
@@ -172,7 +175,10 @@ class DecodeHandler:
                 f"no KV from the prefill within {self.timeouts.waiting_timeout:.0f} s", "waiting_timeout"
             )
         kind, reason = done.result()
-        KV_TRANSFER_SECONDS.labels("decode").observe(time.perf_counter() - sent)
+        waited = time.perf_counter() - sent
+        KV_TRANSFER_SECONDS.labels("decode").observe(waited)
+        if kind == "done":  # what routers add to a remote prompt's time to first token
+            self.transfer_ms = waited * 1000 if self.transfer_ms is None else 0.8 * self.transfer_ms + 200 * waited
         if kind != "done":
             raise RequestFailed(
                 f"prefill reported: {reason or kind}", "aborted" if kind == "abort" else "prefill_failed"
@@ -244,7 +250,10 @@ class DecodeHandler:
     def disaggregation_metrics(self) -> pb.DisaggregationMetrics:
         c = self.pending.counts()
         return pb.DisaggregationMetrics(
-            mode="decode", decode_prealloc_queue_reqs=c["prealloc"], decode_transfer_queue_reqs=c["transfer"]
+            mode="decode",
+            decode_prealloc_queue_reqs=c["prealloc"],
+            decode_transfer_queue_reqs=c["transfer"],
+            kv_transfer_latency_ms=self.transfer_ms or 0.0,
         )
 
 

@@ -37,6 +37,7 @@ def test_nodes_report_their_measured_rates_and_the_decode_its_guard(tiny_llama_d
         assert perf["decode_step_s"] and all(float(v) > 0 for v in perf["decode_step_s"].values())
         assert perf["decode_capacity_tokens_per_s"] > 0
         assert load(d).gen_throughput > 0 and load(d).num_waiting_uncached_tokens == 0
+        assert load(d).disaggregation.kv_transfer_latency_ms > 0  # what routers add to a remote prompt
         m = scrape(decode.ports["metrics"])
         role = (("role", "decode"),)
         assert m[("pdserve_node_prefill_capacity_tokens_per_second", role)] > 0
@@ -57,7 +58,7 @@ def test_a_decode_node_with_the_guard_off_refuses_prompts_without_a_prefill(tiny
         d = stub(decode.ports["scheduler"])
         with pytest.raises(grpc.RpcError) as e:
             list(d.Generate(local_request("local", IDS), timeout=30))
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE  # a router tries another node
         assert "--local-prefill-tpot-ms 0" in e.value.details()
         assert _server_args(d)["local_prefill"] is False
         wait_idle(d)
