@@ -22,7 +22,9 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
+
+from common.prefix_hash import ROOT, block_hash
 
 
 @dataclass(eq=False)
@@ -34,6 +36,7 @@ class Node:
     refs: int = 0  # requests reading this page now
     last_used: int = 0  # a tick of the cache's clock
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    hash: int = ROOT  # the chained hash of the path up to and including this page (ROOT at the root)
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,16 @@ class Match:
         return len(self.nodes)
 
 
+class CacheListener(Protocol):
+    """Told of pages the tree gains and drops, on the thread that changes it."""
+
+    def stored(self, parent: int, blocks: list[tuple[int, tuple[int, ...]]]) -> None:
+        """A chain of new pages, (hash, tokens) each, the first a child of the page hashed `parent`."""
+
+    def removed(self, hashes: list[int]) -> None:
+        """Pages the tree dropped (evicted or cleared)."""
+
+
 class RadixCache:
     """Cached pages by token prefix; `free_pages` gives evicted and unused pages back to the pool."""
 
@@ -71,6 +84,20 @@ class RadixCache:
         self.num_evictable = 0  # of them, pages no request reads (refs == 0)
         self._clock = itertools.count(1)
         self.stats = {"matched_tokens": 0, "inserted_pages": 0, "evicted_pages": 0}
+        self.listener: CacheListener | None = None
+
+    def set_listener(self, listener: CacheListener | None) -> None:
+        """Report changes to `listener` from now on; it first hears of every page cached already,
+        parents before children, so its view starts complete. Call it on the thread that mutates the tree."""
+        self.listener = listener
+        if listener is None:
+            return
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            assert node.parent is not None
+            listener.stored(node.parent.hash, [(node.hash, node.key)])
+            stack.extend(node.children.values())
 
     # ---- lookup ----
     def match(self, tokens: Sequence[int], limit: int | None = None) -> Match:
@@ -137,14 +164,16 @@ class RadixCache:
         node, tick = self.root, next(self._clock)
         unadopted: list[int] = []
         replaced: list[int] = []
+        created: list[Node] = []  # new nodes form one chain: a new node has no children to walk into
         for j in range(whole):
             key = tuple(tokens[j * ps : (j + 1) * ps])
             # the token the draft's KV at the page's last position was computed with (if any)
             nxt = tokens[(j + 1) * ps] if (j + 1) * ps < len(tokens) else None
             child = node.children.get(key)
             if child is None:
-                child = Node(key, pages[j], node, next_token=nxt, last_used=tick)
+                child = Node(key, pages[j], node, next_token=nxt, last_used=tick, hash=block_hash(node.hash, key))
                 node.children[key] = child
+                created.append(child)
                 self.num_pages += 1
                 self.num_evictable += 1
                 self.stats["inserted_pages"] += 1
@@ -157,6 +186,10 @@ class RadixCache:
             child.last_used = tick
             node = child
         unadopted.extend(pages[whole:])
+        if created and self.listener is not None:
+            first = created[0].parent
+            assert first is not None
+            self.listener.stored(first.hash, [(n.hash, n.key) for n in created])
         return Inserted(unadopted, replaced)
 
     # ---- eviction ----
@@ -168,12 +201,14 @@ class RadixCache:
         heap = [(n.last_used, id(n), n) for n in self._leaves() if n.refs == 0]
         heapq.heapify(heap)
         freed: list[int] = []
+        gone: list[int] = []  # their hashes, for the listener
         while heap and len(freed) < num_pages:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             assert parent is not None and not node.children and node.refs == 0
             del parent.children[node.key]
             freed.append(node.page)
+            gone.append(node.hash)
             if parent is not self.root and not parent.children and parent.refs == 0:
                 heapq.heappush(heap, (parent.last_used, id(parent), parent))
         self.num_pages -= len(freed)
@@ -181,6 +216,8 @@ class RadixCache:
         self.stats["evicted_pages"] += len(freed)
         if freed:
             self.free_pages(freed)
+            if self.listener is not None:
+                self.listener.removed(gone)
         return len(freed)
 
     def clear(self) -> int:
@@ -216,6 +253,7 @@ class RadixCache:
             stack.extend(node.children.values())
             parent = node.parent
             assert parent is not None and parent.children.get(node.key) is node
+            assert node.hash == block_hash(parent.hash, node.key)
             assert parent is self.root or parent.refs >= node.refs, (parent.refs, node.refs)
         assert len(nodes) == self.num_pages, (len(nodes), self.num_pages)
         assert sum(n.refs == 0 for n in nodes) == self.num_evictable
