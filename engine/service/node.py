@@ -94,7 +94,7 @@ async def _serve(
     loop = EngineLoop(engine).start()
     parts = role.attach(loop, binding, host)
     info = node_info(engine, parts.info_role, served_model_name, pairing_protocol=parts.pairing_protocol)
-    servicer = SchedulerServicer(info, loop, parts.handler)
+    servicer = SchedulerServicer(info, loop, parts.handler, stopping=stop)
     api, api_port = await start_server([scheduler_service(servicer)], host, port, watch=servicer.health)
     servers, extra = await role.start(host, servicer.health)
     log.info(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -11,16 +12,20 @@ import grpc
 from google.protobuf import struct_pb2
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
+from smg_grpc_proto.generated import common_pb2 as cpb
 
 from common.logs import bind_request_id
 from engine.core import InvalidRequest
 from engine.service.health import HealthWatch, leaked_capacity
+from engine.service.kv_events import KvEventLog, subscribe
 from engine.service.stream import RequestFailed
 from engine.loop import EngineLoop
 
 log = logging.getLogger(__name__)
 # trailing metadata naming the role at fault; router/blame.py reads the same key (it cannot import this)
 BLAME_KEY = "pdserve-blame"
+KV_EVENT_INTERVAL_S = 0.05  # how stale a subscriber's view of the prefix cache may be
+FLUSH_TIMEOUT_S = 10.0  # a FlushCache the scheduler thread does not run by then fails
 
 
 @dataclass
@@ -58,9 +63,16 @@ class GenerateHandler(Protocol):
 
 
 class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
-    def __init__(self, info: NodeInfo, loop: EngineLoop, handler: GenerateHandler) -> None:
+    def __init__(
+        self, info: NodeInfo, loop: EngineLoop, handler: GenerateHandler, stopping: asyncio.Event | None = None
+    ) -> None:
         self.info, self.loop, self.handler = info, loop, handler
         self.health = HealthWatch(lambda: loop.alive, lambda: leaked_capacity(loop.engine, handler))
+        self.stopping = stopping  # set when the node shuts down: KV event streams end then
+        cache = loop.engine.kv.cache
+        self.kv_events = KvEventLog(cache.page_size) if cache is not None else None
+        if cache is not None:  # the cache changes on the scheduler thread only: attach it there
+            loop.call(lambda: cache.set_listener(self.kv_events))
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -174,11 +186,39 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             loads=[load],
         )
 
-    async def SubscribeKvEvents(self, request: Any, context: grpc.aio.ServicerContext) -> None:
-        """Not offered. SMG calls it once per worker at registration and, on UNIMPLEMENTED, turns
-        KV events off for that worker; the generated stub answers the same code but raises
-        NotImplementedError, which grpc logs as an ERROR with a traceback."""
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV cache events are not published")
+    async def SubscribeKvEvents(
+        self, request: cpb.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[cpb.KvEventBatch]:
+        """The prefix cache's pages as KV events (engine/service/kv_events.py). Without a cache
+        (--disable-radix-cache) there is nothing to publish: UNIMPLEMENTED, on which SMG turns
+        events off for the worker and our router counts no cache hits on it."""
+        if self.kv_events is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no prefix cache: KV cache events are not published")
+            return
+        async for batch in subscribe(self.kv_events, request.start_sequence_number, KV_EVENT_INTERVAL_S, self.stopping):
+            yield batch
+
+    async def FlushCache(
+        self, request: cpb.FlushCacheRequest, context: grpc.aio.ServicerContext
+    ) -> cpb.FlushCacheResponse:
+        """Drop every cached page no request reads, now: pages running requests read stay cached
+        (they are never freed under a request), so there is no need to wait for the node to go idle
+        and `timeout_s` is not used."""
+        cache = self.loop.engine.kv.cache
+        if cache is None:
+            return cpb.FlushCacheResponse(success=True, message="no prefix cache: nothing to flush")
+
+        def flush() -> tuple[int, int]:  # on the scheduler thread, between steps
+            return cache.clear(), cache.num_pages
+
+        try:
+            dropped, kept = await asyncio.wait_for(asyncio.wrap_future(self.loop.call(flush)), FLUSH_TIMEOUT_S)
+        except TimeoutError:
+            return cpb.FlushCacheResponse(
+                success=False, message=f"the scheduler did not flush within {FLUSH_TIMEOUT_S:.0f} s"
+            )
+        log.info("flushed %d cached pages (%d read by running requests stay)", dropped, kept)
+        return cpb.FlushCacheResponse(success=True, message=f"flushed {dropped} cached pages; {kept} in use stay")
 
 
 def _hit_rate(stats: dict[str, int]) -> float:
