@@ -7,7 +7,7 @@ registry would refuse the duplicate names) and /metrics exposes exactly that reg
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 if TYPE_CHECKING:
     from router.nodes import NodeState
@@ -20,6 +20,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 # Latency buckets: TTFT and e2e span milliseconds (cached prefixes, tiny models) to minutes (long
 # generations); inter-token latency lives between a millisecond and a second.
@@ -310,3 +312,51 @@ class PathMetrics:
         for label, seconds in (("remote", remote_s), ("local", local_s)):
             if seconds is not None:
                 self.estimates.labels(label).observe(seconds)
+
+
+_HIT_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
+
+
+class IndexedBlocks(Protocol):
+    """The router's KV index (router/kv_index.py): what it holds per node."""
+
+    def indexed_blocks(self) -> list[tuple[str, str, int]]:
+        """(address, role, cached blocks) per followed node."""
+        ...
+
+
+class CacheRouteMetrics:
+    """What the prefix_aware policy works from: each routed request's expected cache hit where its
+    prompt runs, and per node the blocks its KV event stream reported cached (read at scrape time,
+    so a forgotten node's series goes with it)."""
+
+    def __init__(self, registry: CollectorRegistry, index: IndexedBlocks) -> None:
+        self.expected_hit = Histogram(
+            "pdserve_router_expected_cache_hit_tokens",
+            "Prompt tokens the node chosen to run a request's prompt was expected to hold in its prefix "
+            "cache (from its KV events); a retry counts again",
+            buckets=_HIT_BUCKETS,
+            registry=registry,
+        )
+        registry.register(_IndexedBlocksCollector(index))
+
+
+class _IndexedBlocksCollector(Collector):
+    def __init__(self, index: IndexedBlocks) -> None:
+        self.index = index
+
+    def _family(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "pdserve_router_indexed_kv_blocks",
+            "KV blocks (pages) a node's event stream reported in its prefix cache",
+            labels=["node", "role"],
+        )
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield self._family()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = self._family()
+        for address, role, blocks in self.index.indexed_blocks():
+            family.add_metric([address, role], blocks)
+        yield family

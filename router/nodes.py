@@ -14,7 +14,7 @@ import logging
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 import grpc
 from google.protobuf import json_format
@@ -115,6 +115,7 @@ class NodeState:
     waiting_prompt_tokens: int = 0  # prompt tokens queued on the node, not computed yet
     max_tokens: int = 0  # KV cache capacity in tokens (0: not reported)
     kv_transfer_s: float = 0.0  # the KV transfer latency a decode reports (0: unknown)
+    page_size: int = 0  # tokens per KV page, from GetServerInfo's server_args (0: not reported)
     loads_at: float = 0.0  # monotonic time the last load report was asked for
     prompts: PromptLedger = field(default_factory=PromptLedger)  # our prompts without a first token yet
 
@@ -172,6 +173,15 @@ class DnsSource:
         )
 
 
+class Follower(Protocol):
+    """Keeps something per node beside the refresh (router/kv_index.py's event streams)."""
+
+    def sync(self, states: Sequence[NodeState]) -> None:
+        """The registry's nodes now (each with its stub): follow new ones, forget gone ones."""
+
+    async def stop(self) -> None: ...
+
+
 class NodeRegistry:
     """One channel and stub per node, refreshed every `refresh_interval` seconds by a background task. Nodes come
     from static specs and from DNS sources. A DNS-discovered address that no longer resolves is
@@ -186,10 +196,12 @@ class NodeRegistry:
         rpc_timeout_s: float = 1.0,
         breaker: Callable[[], CircuitBreaker] = CircuitBreaker,
         dns: Iterable[DnsSource] = (),
+        followers: Iterable[Follower] = (),
     ) -> None:
         self.refresh_interval, self.rpc_timeout_s = refresh_interval, rpc_timeout_s
         self._breaker = breaker
         self.dns = list(dns)
+        self.followers = list(followers)  # synced after each round's connect, stopped with the registry
         self.states = [NodeState(spec, breaker()) for spec in specs]
         self.card: ModelCard | None = None
         self.listeners: list[Callable[[], None]] = []  # called after each refresh round
@@ -224,6 +236,8 @@ class NodeRegistry:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        for follower in self.followers:  # before the channels they read close
+            await follower.stop()
         await asyncio.gather(*(c.close() for c in self._channels.values()), return_exceptions=True)
         self._channels.clear()
         for s in self.states:
@@ -276,6 +290,8 @@ class NodeRegistry:
     async def refresh_once(self) -> None:
         await self.discover()
         self._connect()
+        for follower in self.followers:
+            follower.sync(self.states)
         await asyncio.gather(*(self._refresh(s) for s in self.states))
         for listener in self.listeners:
             listener()
@@ -323,6 +339,8 @@ class NodeRegistry:
         protocol = args.get("pairing_protocol")
         s.pairing_protocol = str(protocol) if protocol not in (None, "") else None
         s.perf, s.local_prefill = NodePerf.parse(args.get("perf")), args.get("local_prefill") is True
+        page = args.get("page_size")  # a JSON number: a float once through the Struct
+        s.page_size = int(page) if isinstance(page, (int, float)) and page > 0 else 0
 
     async def _loads(self, s: NodeState) -> None:
         assert s.stub is not None
