@@ -259,8 +259,10 @@ class RouterOptions:
     prefill: list[str] = opt([], "Prefill node HOST:PORT,BOOTSTRAP_PORT (repeatable).")
     decode: list[str] = opt([], "Decode node HOST:PORT (repeatable).")
     colocated: list[str] = opt([], "Colocated node HOST:PORT, used when no PD pair is available (repeatable).")
-    prefill_policy: str = opt("prefix_aware", "round_robin, least_load or prefix_aware.")
-    decode_policy: str = opt("least_load", "round_robin or least_load.")
+    prefill_policy: str = opt(
+        "prefix_aware", "round_robin, least_load or prefix_aware (routes by the nodes' published prefix caches)."
+    )
+    decode_policy: str = opt("least_load", "round_robin, least_load or prefix_aware (also picks colocated nodes).")
     pd_prefill_policy: str = opt(
         "remote",
         "Where prompts run: remote (a prefill node, then the KV moves to the decode), local (the decode "

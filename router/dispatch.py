@@ -35,7 +35,8 @@ from router.contract import (
     TokenEvent,
 )
 from router.blame import LegFailed
-from router.metrics import DispatchMetrics, PathMetrics
+from router.kv_index import KvIndex
+from router.metrics import CacheRouteMetrics, DispatchMetrics, PathMetrics
 from router.nodes import NodeRegistry
 from router.policy import Policy, pair_available
 from router.prefill_path import POLICIES, REASONS, Route, select_route
@@ -62,6 +63,7 @@ class PDDispatcher:
         auto_probe: bool = True,
         metrics_registry: CollectorRegistry | None = None,
         path_policy: str = "remote",
+        kv_index: KvIndex | None = None,
     ) -> None:
         if path_policy not in POLICIES:
             raise ValueError(f"unknown prefill path policy {path_policy!r} (choose from {', '.join(POLICIES)})")
@@ -82,6 +84,8 @@ class PDDispatcher:
         self.path_metrics = PathMetrics(self.metrics_registry, REASONS)
         self.balance = TierBalance(registry)
         self.path_metrics.bind(self.balance)
+        self.kv_index = kv_index  # the expected hit of each routed prompt, when nodes' caches are followed
+        self.cache_metrics = CacheRouteMetrics(self.metrics_registry, kv_index) if kv_index is not None else None
         self._last_success: float | None = None
         self._last_probe = -float("inf")
         self._probe_task: asyncio.Task[bool] | None = None
@@ -119,7 +123,7 @@ class PDDispatcher:
                 )
             prefill, decode = route.prefill, route.decode
             self.metrics.pairs.labels(prefill.address if prefill else "-", decode.address).inc()
-            self._observe_route(route, len(job.input_ids))
+            self._observe_route(route, job)
             attempt = PDAttempt(
                 self._attempt_ctx, job, prefill, decode, job.request_id if n == 0 else f"{job.request_id}-retry{n}"
             )
@@ -179,7 +183,11 @@ class PDDispatcher:
                 node.breaker.release()
         return None
 
-    def _observe_route(self, route: Route, prompt_tokens: int) -> None:
+    def _observe_route(self, route: Route, job: GenerationJob) -> None:
+        prompt_tokens = len(job.input_ids)
+        if self.kv_index is not None and self.cache_metrics is not None:
+            runs_prompt = route.prefill if route.path == "remote" and route.prefill is not None else route.decode
+            self.cache_metrics.expected_hit.observe(self.kv_index.expected_hit(runs_prompt, job))
         d = route.decision
         self.path_metrics.observe(
             route.path,

@@ -17,6 +17,7 @@ from router.app import RouterApp
 from router.breaker import CircuitBreaker
 from router.contract import ModelCard
 from router.dispatch import PDDispatcher, StageTimeouts
+from router.kv_index import KvIndex
 from router.nodes import DnsSource, NodeRegistry, parse_node_lists
 from router.policy import make_policy
 
@@ -36,19 +37,23 @@ async def run_router(options: RouterOptions) -> None:
     # Both fail before any waiting for nodes: a bad path or template is a start-up error.
     template = load_chat_template(options.chat_template) if options.chat_template else None
     own_tokenizer = Tokenizer.from_dir(options.tokenizer) if options.tokenizer else None
+    # the nodes' KV event streams are followed only for a policy that reads them
+    index = KvIndex() if "prefix_aware" in (options.prefill_policy, options.decode_policy) else None
     registry = NodeRegistry(
         parse_node_lists(options.prefill, options.decode, options.colocated),
         dns=dns,
         refresh_interval=options.refresh_interval,
         breaker=functools.partial(CircuitBreaker, options.breaker_failures, options.breaker_cooldown),
+        followers=[index] if index is not None else [],
     )
     # before the first refresh: its listener starts the readiness probe as soon as a pair is up
     dispatcher = PDDispatcher(
         registry,
-        make_policy("prefill", options.prefill_policy),
-        make_policy("decode", options.decode_policy),
+        make_policy("prefill", options.prefill_policy, index),
+        make_policy("decode", options.decode_policy, index),
         timeouts=_timeouts(options),
         path_policy=options.pd_prefill_policy,
+        kv_index=index,
     )
     await registry.start()
     try:

@@ -1,8 +1,24 @@
-"""Node selection: prefill policies (round_robin, least_load, prefix_aware), decode policies
-(round_robin, least_load), and pair selection (a decode first, then a compatible prefill).
+"""Node selection: prefill and decode policies (round_robin, least_load, prefix_aware), and pair
+selection (a decode first, then a compatible prefill). Colocated nodes use the decode policy.
 
 Policies see only usable candidates (healthy, breaker closed or probing, not excluded) and
 always return one of them; an empty candidate list is the caller's "no pair" case.
+
+prefix_aware against least_load: least_load spreads requests evenly, so every node computes every
+shared prefix (a system prompt, a conversation's history) again, once per node and again after
+each eviction. prefix_aware sends a request where the nodes' published caches (router/kv_index.py)
+hold most of its prompt, and gives up that hit only when the holder is busier by more than the
+hit is worth: score = expected hit tokens - tokens_per_request x outstanding requests (running +
+waiting as the node reported them, plus ours sent since). Defaults: 256 tokens per request for
+prefill nodes (a queued request is a prompt ahead of ours: a 2k-token hit outweighs 8 more
+requests than an idle node has), 64 for decode and colocated nodes (one more running request
+slows a decode step by little, and a hit there also saves moving the history's KV).
+It trades balance for compute: under a skewed mix (one hot prefix) the holder runs hotter than
+its peers until the penalty moves traffic away, so tail latency can be worse than least_load's;
+with little reuse it behaves as least_load. Cold prefixes (no node holds any of the request) of
+at least `prefix_tokens` tokens go to the consistent-hash owner of their first `prefix_tokens`
+tokens unless it is `balance_threshold` requests busier than the lightest, so a burst sharing a
+new system prompt lands on one node before any cache reports it; shorter ones go to least_load.
 """
 
 from __future__ import annotations
@@ -49,28 +65,58 @@ class LeastLoad:
         return self._tie.choose([n for n in nodes if n.load == lightest], job)
 
 
+class HitEstimator(Protocol):
+    def expected_hit(self, node: NodeState, job: GenerationJob) -> int:
+        """Prompt tokens of `job` that `node`'s prefix cache is believed to hold."""
+        ...
+
+
 class PrefixAware:
-    """Requests sharing their first `prefix_tokens` tokens go to the same prefill (its radix
-    cache holds that prefix) by consistent hashing over the candidates, so adding or losing a
-    node moves only its share of prefixes. Short prompts, and a sticky node that is much busier
-    than the lightest (`balance_threshold` more outstanding requests), go to least-load."""
+    """The node with the best expected hit less its load penalty (module docstring); with no hit
+    anywhere (or no `index`), consistent hashing over the candidates on the first `prefix_tokens`
+    tokens, so adding or losing a node moves only its share of prefixes. Short prompts, and a
+    sticky node `balance_threshold` requests busier than the lightest, go to least-load."""
 
     name = "prefix_aware"
 
-    def __init__(self, prefix_tokens: int = 128, balance_threshold: int = 32, replicas: int = 64) -> None:
+    def __init__(
+        self,
+        index: HitEstimator | None = None,
+        prefix_tokens: int = 128,
+        balance_threshold: int = 32,
+        tokens_per_request: int = 256,
+        replicas: int = 64,
+    ) -> None:
+        self.index, self.tokens_per_request = index, tokens_per_request
         self.prefix_tokens, self.balance_threshold, self.replicas = prefix_tokens, balance_threshold, replicas
         self.fallback = LeastLoad()
         self._ring_key: tuple[str, ...] = ()
         self._ring: list[tuple[int, str]] = []
 
     def choose(self, nodes: Sequence[NodeState], job: GenerationJob) -> NodeState:
+        if self.index is not None:
+            hits = [self.index.expected_hit(n, job) for n in nodes]
+            if any(hits):
+                owner = self._sticky(nodes, job)
+                w = self.tokens_per_request
+
+                def score(i: int) -> tuple[int, int, int, bool]:
+                    # ties: the larger hit (less compute overall), then the lighter node, then the owner
+                    n = nodes[i]
+                    return hits[i] - w * n.load, hits[i], -n.load, n.address == owner
+
+                return nodes[max(range(len(nodes)), key=score)]
         if len(job.input_ids) < self.prefix_tokens:
             return self.fallback.choose(nodes, job)
-        address = self._owner(tuple(sorted(n.address for n in nodes)), _hash_ids(job.input_ids[: self.prefix_tokens]))
+        address = self._sticky(nodes, job)
         sticky = next(n for n in nodes if n.address == address)
         if sticky.load - min(n.load for n in nodes) > self.balance_threshold:
             return self.fallback.choose(nodes, job)
         return sticky
+
+    def _sticky(self, nodes: Sequence[NodeState], job: GenerationJob) -> str:
+        """The consistent-hash owner of the job's first `prefix_tokens` tokens among `nodes`."""
+        return self._owner(tuple(sorted(n.address for n in nodes)), _hash_ids(job.input_ids[: self.prefix_tokens]))
 
     def _owner(self, addresses: tuple[str, ...], key: int) -> str:
         if addresses != self._ring_key:  # rebuilt only when the candidate set changes
@@ -94,13 +140,16 @@ PREFILL_POLICIES: dict[str, Callable[[], Policy]] = {
     "least_load": LeastLoad,
     "prefix_aware": PrefixAware,
 }
-DECODE_POLICIES: dict[str, Callable[[], Policy]] = {"round_robin": RoundRobin, "least_load": LeastLoad}
+DECODE_POLICIES: dict[str, Callable[[], Policy]] = dict(PREFILL_POLICIES)  # a follow-up turn to its history
 
 
-def make_policy(role: str, name: str) -> Policy:
+def make_policy(role: str, name: str, index: HitEstimator | None = None) -> Policy:
+    """A policy by name; prefix_aware reads `index` (without one it only hashes prefixes)."""
     table = PREFILL_POLICIES if role == "prefill" else DECODE_POLICIES
     if name not in table:
         raise ValueError(f"unknown {role} policy {name!r} (choose from {', '.join(table)})")
+    if name == "prefix_aware":
+        return PrefixAware(index, tokens_per_request=256 if role == "prefill" else 64)
     return table[name]()
 
 

@@ -115,7 +115,7 @@ def test_pair_selection_never_forms_incompatible_pairs() -> None:
     assert select_pair(Reg([a, d]), rr, rr, job()) == (a, d)  # type: ignore[arg-type]
     assert select_pair(Reg([a, d]), rr, rr, job(), exclude={"pa:1"}) is None  # type: ignore[arg-type]
     with pytest.raises(ValueError):
-        make_policy("decode", "prefix_aware")
+        make_policy("decode", "most_cache")
 
 
 # --- PDDispatcher against fake nodes -------------------------------------------------------
