@@ -167,8 +167,12 @@ class PDDispatcher:
 
     def _pick(self, job: GenerationJob, exclude: set[str]) -> Route | None:
         """A route (router/prefill_path.py) whose breaker slots are claimed here."""
+        index = self.kv_index
+        cached = (lambda node: index.expected_hit(node, job)) if index is not None else (lambda node: 0)
         for _ in range(4):  # a half-open probe slot taken meanwhile: choose again
-            route = select_route(self.registry, self.prefill_policy, self.decode_policy, self.path_policy, job, exclude)
+            route = select_route(
+                self.registry, self.prefill_policy, self.decode_policy, self.path_policy, job, exclude, cached
+            )
             if route is None:
                 return None
             taken = []

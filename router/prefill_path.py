@@ -11,7 +11,7 @@ reports it. The smaller estimate wins; an unmeasured prefill tier is measured fi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection, Sequence
+from typing import Callable, Collection, Sequence
 
 from common.defaults import PD_PREFILL_POLICIES
 from router.contract import GenerationJob
@@ -112,14 +112,18 @@ def decide(
     prompt_tokens: int,
     max_new_tokens: int,
     prefill_tier: Sequence[NodeState] = (),
+    cached: Callable[[NodeState], int] = lambda node: 0,
 ) -> PathDecision:
     """Remote (on `prefill`) or local (on `decode`) for one request; path None when neither can take
     it (the caller falls back to a colocated node). `prefill` is the one the prefill policy picked,
     None when no usable prefill pairs with `decode`; `prefill_tier` the healthy prefills whose rates
-    an unmeasured decode borrows. With no prefill, local is taken when only its rates are unknown."""
+    an unmeasured decode borrows; `cached(node)` the prompt tokens a node is expected to hold in its
+    prefix cache (router/kv_index.py), which it does not compute: a follow-up turn goes where its
+    history is. With no prefill, local is taken when only its rates are unknown."""
     if policy == "remote":
         return PathDecision("remote" if prefill is not None else None, None, None, POLICY if prefill else NO_PREFILL)
-    local = local_ttft(decode, prompt_tokens, max_new_tokens, tier_rate(prefill_tier))
+    # at least its last token is always computed; a page of the hit may be EAGLE's to recompute
+    local = local_ttft(decode, max(1, prompt_tokens - cached(decode)), max_new_tokens, tier_rate(prefill_tier))
     if policy == "local":
         # The operator asked for it: the node's own admission and guard are the only limits.
         if local.refusal == LOCAL_REFUSED:
@@ -127,7 +131,7 @@ def decide(
         return PathDecision("local", None, local.seconds, POLICY)
     if prefill is None:
         return PathDecision(None if local.refusal else "local", None, local.seconds, local.refusal or NO_PREFILL)
-    remote = remote_ttft(prefill, decode, prompt_tokens)
+    remote = remote_ttft(prefill, decode, max(1, prompt_tokens - cached(prefill)))
     if local.refusal is not None:
         return PathDecision("remote", remote, None, local.refusal)
     if remote is None:  # cold start: measure the prefill tier first
@@ -156,6 +160,7 @@ def select_route(
     path_policy: str,
     job: GenerationJob,
     exclude: Collection[str] = (),
+    cached: Callable[[NodeState], int] = lambda node: 0,
 ) -> Route | None:
     """The pair the policies pick and, unless the path policy is remote, the path `decide` picks on
     it; with no pair (or path policy local), a decode that runs prompts itself, chosen by the decode
@@ -164,13 +169,13 @@ def select_route(
     tier = registry.nodes("prefill")
     if path_policy != "local" and (pair := select_pair(registry, prefill_policy, decode_policy, job, exclude)):
         prefill, decode = pair
-        d = decide(path_policy, prefill, decode, prompt, max_new, tier)
+        d = decide(path_policy, prefill, decode, prompt, max_new, tier, cached)
         return Route(prefill if d.path == "remote" else None, decode, d.path or "remote", d)
     if path_policy != "remote":
         locals_ = [n for n in registry.nodes("decode") if n.usable() and n.local_prefill and n.address not in exclude]
         if locals_:
             decode = decode_policy.choose(locals_, job)
-            d = decide(path_policy, None, decode, prompt, max_new, tier)
+            d = decide(path_policy, None, decode, prompt, max_new, tier, cached)
             if d.path == "local":
                 return Route(None, decode, "local", d)
         if path_policy == "local" and (pair := select_pair(registry, prefill_policy, decode_policy, job, exclude)):

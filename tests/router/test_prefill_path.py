@@ -210,3 +210,19 @@ def test_rate_window_and_balanced_ratio() -> None:
     assert math.isnan(balanced_ratio(20_000, [0.0], 1_000, [1_000]))
     assert math.isnan(balanced_ratio(20_000, [10_000], 0.0, [1_000]))
     assert balanced_ratio(0.0, [10_000], 10.0, [1_000]) == 0.0
+
+
+def test_a_follow_up_goes_where_its_history_is_cached() -> None:
+    """A busy decode that holds the conversation beats an idle prefill that must compute it all;
+    the same prompt without the decode's hit stays remote."""
+    p, d = prefill(), decode(running=8)  # local runs at 15/25 of the rate
+    held = {"d:1": 3900}  # of a 4,000-token prompt: the earlier turns, on the decode
+    cached = lambda node: held.get(node.address, 0)  # noqa: E731
+    d_hit = decide("auto", p, d, 4000, 100, cached=cached)
+    assert d_hit.path == "local" and d_hit.reason == FASTER_LOCAL
+    assert d_hit.remote_s == pytest.approx(0.4) and d_hit.local_s == pytest.approx(100 / (RATE * 0.6))
+    assert decide("auto", p, d, 4000, 100).path == "remote"
+    # the prefill holding it instead: remote, computing only the rest
+    held = {"p:1": 3900}
+    d_p = decide("auto", p, d, 4000, 100, cached=cached)
+    assert d_p.path == "remote" and d_p.remote_s == pytest.approx(0.01)
