@@ -333,6 +333,17 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 ],
             ),
             Panel(
+                "Router: expected cache hit and indexed pages",
+                "short",
+                "Prompt tokens each routed request was expected to find cached on the node that ran it "
+                "(p50, p90), and the pages each node's published cache holds as the router follows it.",
+                [
+                    (_q(0.5, "pdserve_router_expected_cache_hit_tokens"), "expected hit p50"),
+                    (_q(0.9, "pdserve_router_expected_cache_hit_tokens"), "expected hit p90"),
+                    ("max by (node, role) (pdserve_router_indexed_kv_blocks)", "indexed {{role}} {{node}}"),
+                ],
+            ),
+            Panel(
                 "Pages cached, evicted and not transferred",
                 "short",
                 "Pages per second the cache took and gave back, and prompt pages decode nodes held already "
