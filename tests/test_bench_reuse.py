@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import socket
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -15,8 +13,9 @@ from typing import Any, AsyncIterator, Iterator
 
 import httpx
 import pytest
-from fastapi import FastAPI, Request  # module level: FastAPI resolves the string annotations here
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import FastAPI  # module level: FastAPI resolves the string annotations here
+
+from fixtures.fake_openai import add_generation_routes, serving, sse
 from typer.testing import CliRunner
 
 from loadgen.client import EndpointConfig
@@ -151,10 +150,6 @@ def _cached(state: FakeState, tokens: list[str]) -> int:
     return min(best, len(tokens) - 1) // PAGE * PAGE  # whole pages, and never the last prompt token
 
 
-def _sse(obj: Any) -> bytes:
-    return f"data: {json.dumps(obj)}\n\n".encode()
-
-
 def _fake_app(state: FakeState) -> Any:
     app = FastAPI()
 
@@ -171,51 +166,25 @@ def _fake_app(state: FakeState) -> Any:
             await asyncio.sleep(0.002)
             piece = " " + word  # the leading space keeps a transcript's words apart
             choice = {"delta": {"content": piece}} if chat else {"text": piece}
-            yield _sse({"choices": [{"index": 0, **choice}]})
+            yield sse({"choices": [{"index": 0, **choice}]})
         state.exchanges.append((body, "".join(" " + w for w in words)))
         state.cache.append(tokens + words)
         usage: dict[str, Any] = {"prompt_tokens": len(tokens), "completion_tokens": n}
         if not body.get("fake_no_cached_tokens"):
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
         if (body.get("stream_options") or {}).get("include_usage"):
-            yield _sse({"choices": [], "usage": usage})
+            yield sse({"choices": [], "usage": usage})
         yield b"data: [DONE]\n\n"
 
-    async def handle(request: Request, chat: bool) -> Any:
-        body = await request.json()
-        if body["max_tokens"] == 13:
-            return JSONResponse({"error": {"message": "no capacity"}}, status_code=503)
-        return StreamingResponse(stream(body, chat), media_type="text/event-stream")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Any:
-        return await handle(request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Any:
-        return await handle(request, chat=True)
-
+    add_generation_routes(app, stream)
     return app
 
 
 @pytest.fixture(scope="module")
 def fake() -> Iterator[tuple[str, FakeState]]:
-    import uvicorn
-
     state = FakeState()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(_fake_app(state), log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "fake server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", state
-    server.should_exit = True
-    thread.join(10)
-    sock.close()
+    with serving(_fake_app(state)) as url:
+        yield url, state
 
 
 def _opts(url: str, tmp_path: Path, **kw: Any) -> BenchOptions:

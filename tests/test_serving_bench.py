@@ -8,15 +8,15 @@ import json
 import math
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
 import httpx
 import pytest
-from fastapi import FastAPI, Request  # module level: FastAPI resolves the string annotations here
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import FastAPI  # module level: FastAPI resolves the string annotations here
+
+from fixtures.fake_openai import add_generation_routes, serving, sse
 
 from loadgen.client import EndpointConfig, make_client, request_body, send
 from loadgen.runner import BenchOptions, run_bench
@@ -136,10 +136,6 @@ class FakeClock:
         return self.now
 
 
-def _sse(obj: Any) -> bytes:
-    return f"data: {json.dumps(obj)}\n\n".encode()
-
-
 def test_stream_timings_exact_with_fake_clock() -> None:
     clock = FakeClock()
     # (seconds that pass before the event, event): role-only delta, 3 content chunks, usage.
@@ -154,7 +150,7 @@ def test_stream_timings_exact_with_fake_clock() -> None:
     async def body() -> AsyncIterator[bytes]:
         for dt, event in script:
             clock.now += dt
-            yield _sse(event)
+            yield sse(event)
         yield b"data: [DONE]\n\n"
 
     seen: list[dict[str, Any]] = []
@@ -208,48 +204,22 @@ def _fake_app() -> Any:
         for i in range(n):
             await asyncio.sleep(CHUNK_DELAY_S)
             if n == 14 and i == 2:  # an error event in the middle of the stream
-                yield _sse({"error": {"message": "node died", "code": 500}})
+                yield sse({"error": {"message": "node died", "code": 500}})
                 return
             choice = {"delta": {"content": f"t{i} "}} if chat else {"text": f"t{i} "}
-            yield _sse({"choices": [{"index": 0, **choice}]})
+            yield sse({"choices": [{"index": 0, **choice}]})
         if (body.get("stream_options") or {}).get("include_usage"):
-            yield _sse({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": n}})
+            yield sse({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": n}})
         yield b"data: [DONE]\n\n"
 
-    async def handle(request: Request, chat: bool) -> Any:
-        body = await request.json()
-        if body["max_tokens"] == 13:
-            return JSONResponse({"error": {"message": "no capacity"}}, status_code=503)
-        return StreamingResponse(stream(body, chat), media_type="text/event-stream")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Any:
-        return await handle(request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Any:
-        return await handle(request, chat=True)
-
+    add_generation_routes(app, stream)
     return app
 
 
 @pytest.fixture(scope="module")
 def fake_server() -> Iterator[str]:
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))  # ephemeral port, known before the server starts
-    server = uvicorn.Server(uvicorn.Config(_fake_app(), log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "fake server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(10)
-    sock.close()
+    with serving(_fake_app()) as url:
+        yield url
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
