@@ -27,7 +27,7 @@ from engine.scheduler.kv_progress import KVProgress, needs_fence, record_fence
 from engine.scheduler.policy import BatchPolicy
 from engine.scheduler.rates import NodeRates
 from engine.scheduler.stats import CACHED_TOKEN_BUCKETS, COUNTERS, DurationHistogram, LaunchTimes
-from engine.scheduler.updates import RequestUpdate, SchedulerIO
+from engine.scheduler.updates import RequestUpdate, SchedulerIO, final_update
 
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class Scheduler:
         for req in new:
             if req.rid in self.reqs:
                 req.finish(FinishReason.ABORT, f"duplicate request id {req.rid!r}")
-                self.io.publish([self._final_update(req)])
+                self.io.publish([final_update(req)])
                 continue
             self.reqs[req.rid] = req
             req.queued_at = time.monotonic()
@@ -392,7 +392,7 @@ class Scheduler:
             self._release(req)
         req.state = ReqState.FINISHED
         self.reqs.pop(req.rid, None)
-        upd = self._final_update(req)
+        upd = final_update(req)
         if req.hold_kv and req.slot and req.finish_reason is not FinishReason.ABORT:
             upd.held_pages = tuple(self.kv.page_list(req))  # whoever ships them needs no round trip
         return upd
@@ -401,15 +401,3 @@ class Scheduler:
         """Return a request's pages and slot (also for held requests once their transfer ends);
         deferred while a forward in flight still uses them."""
         self._release(req)
-
-    @staticmethod
-    def _final_update(req: Req) -> RequestUpdate:
-        return RequestUpdate(
-            req.rid,
-            [],
-            True,
-            req.finish_reason,
-            req.finish_detail,
-            prompt_tokens=len(req.prompt_ids),
-            cached_tokens=req.cached_tokens,
-        )

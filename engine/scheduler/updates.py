@@ -27,6 +27,19 @@ class RequestUpdate:
     held_pages: tuple[int, ...] | None = None  # a hold_kv request that finished: all its pages
 
 
+def final_update(req: Req) -> RequestUpdate:
+    """The update that ends `req` (its finish reason and counts, no new tokens)."""
+    return RequestUpdate(
+        req.rid,
+        [],
+        True,
+        req.finish_reason,
+        req.finish_detail,
+        prompt_tokens=len(req.prompt_ids),
+        cached_tokens=req.cached_tokens,
+    )
+
+
 class SchedulerIO(Protocol):
     """Where requests come from and updates go to (in-process queues, or a node's gRPC servicer)."""
 
