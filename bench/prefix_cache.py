@@ -40,6 +40,9 @@ from bench.gpu.goodput_up import UpProcess, samples
 from loadgen.runner import BenchOptions, run_bench
 
 TOPOLOGY = {"colocated": ("--colocated", "1"), "pd": ("--prefill", "1", "--decode", "1")}
+# PD's router weighs each path by what its node caches: a follow-up turn may run on the decode node
+# that holds the conversation (its prompts and replies), where the prefill node holds only prompts
+PD_FLAGS = ("--pd-prefill-policy", "auto")
 NODES = {"colocated": 1, "pd": 2}
 START_TIMEOUT_S = 900.0
 
@@ -165,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         runs: dict[str, Any] = {}
         for state in ("cache", "no_cache"):
             argv_up = [sys.executable, "-m", "pdserve.cli", "up", "--port", "0", "--verbose", *TOPOLOGY[dep]]
+            argv_up += list(PD_FLAGS) if dep == "pd" else []
             argv_up += model_flags
             env = {**os.environ, "PYTHONUNBUFFERED": "1"}
             if state == "no_cache":

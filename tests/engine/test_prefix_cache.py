@@ -102,7 +102,7 @@ def test_pressure_evicts_cached_pages_and_refuses_nothing(models):
     # 40 pages of 4 tokens: a few requests' worth; many distinct prompts leave far more cached
     for spec in ("plain", "eagle"):
         small = {"max_total_tokens": 160, "max_running": 4}
-        prompts = [[(7 * i + j) % 500 + 1 for j in range(20 + i % 9)] for i in range(24)]
+        prompts = [[(7 * i + j) % 500 + 1 for j in range(20 + i % 9)] for i in range(16)]
         want = make_engine(models, spec, False, **small).generate(prompts, GREEDY)
         eng = make_engine(models, spec, True, **small)
         got = eng.generate(prompts, GREEDY)
@@ -122,7 +122,7 @@ def test_random_aborts_under_cache_pressure_leave_pool_and_cache_consistent(mode
         rng = random.Random(7)
         base = [list(range(300, 300 + 24)), list(range(50, 70))]
         prompts = [
-            rng.choice(base)[: rng.randrange(9, 21)] + [rng.randrange(1, 400) for _ in range(5)] for _ in range(40)
+            rng.choice(base)[: rng.randrange(9, 21)] + [rng.randrange(1, 400) for _ in range(5)] for _ in range(24)
         ]
         small = {"max_total_tokens": 192, "max_running": 6}
         want = {
