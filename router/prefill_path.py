@@ -173,11 +173,12 @@ def select_route(
         return Route(prefill if d.path == "remote" else None, decode, d.path or "remote", d)
     if path_policy != "remote":
         locals_ = [n for n in registry.nodes("decode") if n.usable() and n.local_prefill and n.address not in exclude]
-        if locals_:
+        while locals_:  # the decode policy's choice first; one without KV headroom passes to the next
             decode = decode_policy.choose(locals_, job)
             d = decide(path_policy, None, decode, prompt, max_new, tier, cached)
             if d.path == "local":
                 return Route(None, decode, "local", d)
+            locals_.remove(decode)
         if path_policy == "local" and (pair := select_pair(registry, prefill_policy, decode_policy, job, exclude)):
             # no decode runs prompts itself: today's pairs rather than no answer
             return Route(*pair, "remote", PathDecision("remote", None, None, LOCAL_REFUSED))

@@ -154,6 +154,14 @@ def test_path_policies_without_prefill_nodes_and_without_local_decodes() -> None
             await collect(dispatcher(reg, metrics_registry=metrics, path_policy="local"), job())
             assert older.requests[0].HasField("disaggregated_params") and len(p.requests) == 1  # paired as before
             assert sample(metrics, "pdserve_router_prefill_path_total", path="remote") == 1
+        # no prefill, the decode policy's first choice full: the next decode that has room takes it
+        # (least-load always picks the idle one, whose KV holds 5 tokens: no room for 4 + 3)
+        full, roomy = local_decode(max_tokens=5), local_decode(running=3)
+        async with cluster(full, roomy) as reg:
+            disp = dispatcher(reg, path_policy="auto")
+            for i in range(4):
+                await collect(disp, job(f"full-{i}"))
+            assert not full.requests and len(roomy.requests) == 4
         with pytest.raises(ValueError):
             dispatcher(None, path_policy="sometimes")
         assert RouterOptions().pd_prefill_policy == "remote"
