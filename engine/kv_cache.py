@@ -118,9 +118,6 @@ class KVCacheManager:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def can_admit(self, num_tokens: int) -> bool:
-        return bool(self._free_slots) and self.pages_for(num_tokens) <= self.num_available
-
     def assign_slot(self, req: Req) -> None:
         if req.slot:
             return
@@ -210,8 +207,7 @@ class KVCacheManager:
 
     def cached_tokens(self, req: Req) -> int:
         """Tokens of `req`'s prefix that came from the cache."""
-        match = self._matched.get(req.slot)
-        return len(match) * self.page_size if match is not None else 0
+        return self.cached_pages(req) * self.page_size
 
     # ---- pages ----
     def _alloc(self, n: int) -> list[int]:

@@ -78,8 +78,17 @@ class NodeRates:
         self._prefill = _Decayed()  # prompt tokens / seconds of prompt batches
         self._steps: dict[int, _Decayed] = {}  # bucket -> seconds / decode steps
         self._per_step = _Decayed()  # tokens a request gains / decode steps
+        self._last_done = 0.0  # perf_counter when the last batch's results reached the host
         self._decode_tokens = RecentRate()  # demand served: tokens emitted, prompt tokens computed
         self._prompt_tokens = RecentRate()
+
+    def batch_done(self, mode: ForwardMode, batch_size: int, tokens: int, launched_at: float) -> None:
+        """A batch's results reached the host (scheduler thread): it is charged the time from its
+        launch (perf_counter), or from the previous batch's end when it queued behind that one on
+        the device."""
+        now = time.perf_counter()
+        seconds, self._last_done = now - max(launched_at, self._last_done), now
+        self.observe(mode, batch_size, tokens, seconds)
 
     def observe(self, mode: ForwardMode, batch_size: int, tokens: int, seconds: float) -> None:
         """One batch: its mode, requests, tokens (computed prompt tokens, or tokens emitted by a

@@ -70,7 +70,6 @@ class Scheduler:
         policy's; `rates` receives every batch's timing (the policy's TPOT guard may read it)."""
         self.policy, self.executor, self.io, self.kv = policy, executor, io, policy.kv
         self.rates = rates if rates is not None else NodeRates()
-        self._last_done = 0.0  # perf_counter when the last batch's results reached the host
         self.eos_token_ids = frozenset(config.eos_token_ids)
         self.max_context_len = config.max_context_len
         self.future_map = self._init_overlap(algorithm or PlainDecoding(), config.overlap, config.future_map_debug)
@@ -220,12 +219,8 @@ class Scheduler:
         return self._complete(launched.batch, out)  # its KV progress went out at launch
 
     def _time(self, batch: Batch, out: StepOutput, launched_at: float) -> None:
-        """Charge the batch the time from its launch, or from the previous batch's end when it
-        queued behind it on the device, to its results reaching the host."""
-        now = time.perf_counter()
-        seconds, self._last_done = now - max(launched_at, self._last_done), now
         tokens = batch.num_tokens if batch.mode is ForwardMode.EXTEND else sum(len(t) for t in out.tokens)
-        self.rates.observe(batch.mode, len(batch.reqs), tokens, seconds)
+        self.rates.batch_done(batch.mode, len(batch.reqs), tokens, launched_at)
 
     def _isolate(self, batch: Batch, err: Exception) -> list[RequestUpdate]:
         """A step failed. A request alone in its batch is the cause: it fails, and only it. In
