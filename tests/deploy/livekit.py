@@ -16,7 +16,7 @@ import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import grpc
 import httpx
@@ -214,21 +214,23 @@ def orphan_decode(decode_port: int, bootstrap_port: int) -> None:
     raise AssertionError("an orphan decode leg completed")
 
 
-def drive(pd_url: str, colocated_url: str, model: str, waves: int = 4, pause_s: float = 3.0) -> None:
-    """Traffic in waves (so the pictures have a shape): completions and streamed chats through both
-    routers, plus one aborted stream and one bad request through the PD router."""
+def drive(pd_urls: Sequence[str], colocated_url: str, model: str, waves: int = 4, pause_s: float = 3.0) -> None:
+    """Traffic in waves (so the pictures have a shape): completions and streamed chats through the
+    PD routers in turn and the colocated one, plus one aborted stream and one bad request through
+    the first PD router."""
     timeout = httpx.Timeout(120.0, connect=10.0)
     with httpx.Client(timeout=timeout) as client, ThreadPoolExecutor(4) as pool:
         jobs = []
         for wave in range(waves):
             for i, prompt in enumerate(PROMPTS):
+                pd_url = pd_urls[(wave + i) % len(pd_urls)]
                 jobs.append(pool.submit(_completion, client, pd_url, model, prompt, 24 + 8 * wave))
                 if i % 2 == 0:
                     jobs.append(pool.submit(_chat_stream, client, pd_url, model, prompt, 24))
                     jobs.append(pool.submit(_completion, client, colocated_url, model, prompt, 24))
             if wave == 0:
-                jobs.append(pool.submit(_aborted, client, pd_url, model))
-                jobs.append(pool.submit(_bad_request, client, pd_url, model))
+                jobs.append(pool.submit(_aborted, client, pd_urls[0], model))
+                jobs.append(pool.submit(_bad_request, client, pd_urls[0], model))
             for j in jobs:
                 j.result(timeout=180)
             time.sleep(pause_s)

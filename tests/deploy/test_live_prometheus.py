@@ -1,4 +1,4 @@
-"""Live: a real Prometheus scrapes a real local stack (PD router -> prefill + decode, a colocated
+"""Live: a real Prometheus scrapes a real local stack (two PD routers -> prefill + decode, a colocated
 router -> colocated node, all with the built-in pair and EAGLE), traffic goes through, and every
 dashboard query and recording rule returns data; the dashboard picture is drawn from it.
 
@@ -55,6 +55,26 @@ def _node(role: str, *extra: str) -> Node:
     )
 
 
+def _pd_router(policy: str, prefill: Node, decode: Node, flaky: FlakyDecode) -> Node:
+    return Node(
+        [
+            "router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--prefill",
+            f"127.0.0.1:{prefill.ports['scheduler']},{prefill.ports['bootstrap']}",
+            "--decode",
+            f"127.0.0.1:{decode.ports['scheduler']}",
+            "--decode",
+            flaky.address,
+            "--pd-prefill-policy",
+            policy,
+        ]
+    )
+
+
 def test_dashboard_and_rules_on_a_live_stack(tmp_path: Path) -> None:
     prom_bin = binary("prometheus")
     procs: list[Node] = []
@@ -69,48 +89,35 @@ def test_dashboard_and_rules_on_a_live_stack(tmp_path: Path) -> None:
         flaky = FlakyDecode()
         for n in (prefill, decode, colocated):
             n.wait_ready(NODE_START_S)
-        pd_router = Node(
-            [
-                "router",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--prefill",
-                f"127.0.0.1:{prefill.ports['scheduler']},{prefill.ports['bootstrap']}",
-                "--decode",
-                f"127.0.0.1:{decode.ports['scheduler']}",
-                "--decode",
-                flaky.address,
-                "--pd-prefill-policy",  # estimates behind every choice (the dashboard's prefill path panels)
-                "auto",
-            ]
-        )
+        # Every request through the first PD router transfers KV (the transfer panels and rules);
+        # the second decides each prompt's node (the prefill path panels: estimates behind every
+        # choice), which on this stack may well be the decode node for all of them.
+        pd_routers = [_pd_router(policy, prefill, decode, flaky) for policy in ("remote", "auto")]
         colo_router = Node(
             ["router", "--host", "127.0.0.1", "--port", "0", "--colocated", f"127.0.0.1:{colocated.ports['scheduler']}"]
         )
-        procs += [pd_router, colo_router]
-        for r in (pd_router, colo_router):
+        procs += [*pd_routers, colo_router]
+        for r in (*pd_routers, colo_router):
             r.wait_ready(READY_S)
-        pd_url = f"http://127.0.0.1:{pd_router.ports['http']}"
+        pd_urls = [f"http://127.0.0.1:{r.ports['http']}" for r in pd_routers]
         colo_url = f"http://127.0.0.1:{colo_router.ports['http']}"
         prom = Prometheus(
             prom_bin,
             tmp_path,
             {
-                "pdserve-router": [f"127.0.0.1:{r.ports['http']}" for r in (pd_router, colo_router)],
+                "pdserve-router": [f"127.0.0.1:{r.ports['http']}" for r in (*pd_routers, colo_router)],
                 "pdserve-nodes": [f"127.0.0.1:{n.ports['metrics']}" for n in (prefill, decode, colocated)],
             },
         )
         prom.wait_ready()
-        for url in (pd_url, colo_url):
+        for url in (*pd_urls, colo_url):
             wait_http_ok(f"{url}/ready", READY_S)  # a real handoff went through
-        model = get_json(f"{pd_url}/v1/models")["data"][0]["id"]
+        model = get_json(f"{pd_urls[0]}/v1/models")["data"][0]["id"]
 
         start = time.time()
         with ThreadPoolExecutor(1) as pool:
             orphan = pool.submit(orphan_decode, decode.ports["scheduler"], prefill.ports["bootstrap"])
-            drive(pd_url, colo_url, model)
+            drive(pd_urls, colo_url, model)
             orphan.result(timeout=90)
         window = f"{int(time.time() - start) + 30}s"  # every query sees the whole traffic
 

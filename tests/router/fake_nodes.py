@@ -16,6 +16,7 @@ import grpc
 from google.protobuf import struct_pb2
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pbg
+from smg_grpc_proto.generated import common_pb2 as cpb
 
 from common.sampling import SamplingParams
 from router.contract import FinishEvent, GenerationJob, TokenEvent
@@ -204,6 +205,10 @@ class FakeNode(pbg.SglangSchedulerServicer):
         if b.kv_transfer_ms:
             load.disaggregation.CopyFrom(pb.DisaggregationMetrics(kv_transfer_latency_ms=b.kv_transfer_ms))
         return pb.GetLoadsResponse(loads=[load])
+
+    async def SubscribeKvEvents(self, request: cpb.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext) -> None:
+        # What an engine without a prefix cache answers: the router stops asking for a while.
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this node publishes no KV events")
 
 
 @contextlib.asynccontextmanager
