@@ -11,6 +11,26 @@ class InvalidRequest(ValueError):
     """A request a node refuses before doing any work; the message names the bad field."""
 
 
+# The grammar kinds a request may constrain its output with: the scheduler API's `constraint`
+# oneof (SamplingParams.regex / json_schema / ebnf_grammar / structural_tag), by our names.
+CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
+PROTO_CONSTRAINT_FIELDS = {
+    "json_schema": "json_schema",
+    "regex": "regex",
+    "ebnf": "ebnf_grammar",
+    "structural_tag": "structural_tag",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """A grammar the output must follow: `kind` one of CONSTRAINT_KINDS, `spec` its source text
+    (a JSON schema as JSON text, a regex, a Lark/EBNF grammar, or a structural tag as JSON text)."""
+
+    kind: str
+    spec: str
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Per-request decoding controls (the scheduler API's SamplingParams); `check` validates them."""
@@ -33,6 +53,7 @@ class SamplingParams:
     top_logprobs: int = 0
     skip_special_tokens: bool = True  # in the text stop strings are matched against
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), as OpenAI's
+    constraint: Constraint | None = None  # grammar-constrained output (None: free text)
 
     def check(self) -> None:
         """Raise InvalidRequest naming the first field out of range."""
@@ -80,6 +101,9 @@ class SamplingParams:
             "must map token ids >= 0 to biases in [-100, 100]",
             self.logit_bias,
         )
+        c = self.constraint
+        _check(c is None or c.kind in CONSTRAINT_KINDS, "constraint", f"must be one of {CONSTRAINT_KINDS}", c)
+        _check(c is None or bool(c.spec), "constraint", "must have a non-empty grammar", c)
 
     @property
     def is_greedy(self) -> bool:

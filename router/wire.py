@@ -5,7 +5,7 @@ from __future__ import annotations
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 from common.defaults import DEFAULT_BOOTSTRAP_PORT
-from common.sampling import SamplingParams
+from common.sampling import PROTO_CONSTRAINT_FIELDS, SamplingParams
 from router.contract import GenerationJob, TokenEvent
 from router.nodes import NodeState
 
@@ -32,6 +32,8 @@ def build_request(job: GenerationJob, request_id: str, room: int, prefill: NodeS
     )
     for token, bias in s.logit_bias:  # keyed by the id as a string, as in OpenAI's JSON
         sp.logit_bias[str(token)] = bias
+    if s.constraint is not None:  # the proto's `constraint` oneof
+        setattr(sp, PROTO_CONSTRAINT_FIELDS[s.constraint.kind], s.constraint.spec)
     if s.seed is not None:  # SGLang's place for a sampling seed
         sp.custom_params.update({"seed": s.seed})
     req = pb.GenerateRequest(

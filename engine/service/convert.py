@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
+from common.sampling import PROTO_CONSTRAINT_FIELDS, Constraint
 from engine.core import FinishReason, InvalidRequest, SamplingParams
 from engine.scheduler import RequestUpdate
 
@@ -34,7 +35,17 @@ def sampling_params(req: pb.GenerateRequest, max_new_tokens_cap: int) -> Samplin
         seed=_seed(sp),
         skip_special_tokens=sp.skip_special_tokens,
         logit_bias=_logit_bias(sp),
+        constraint=_constraint(sp),
     )
+
+
+def _constraint(sp: pb.SamplingParams) -> Constraint | None:
+    """The proto's `constraint` oneof, by our kind names."""
+    field = sp.WhichOneof("constraint")
+    if field is None:
+        return None
+    kind = next(k for k, f in PROTO_CONSTRAINT_FIELDS.items() if f == field)
+    return Constraint(kind, getattr(sp, field))
 
 
 def _logit_bias(sp: pb.SamplingParams) -> tuple[tuple[int, float], ...]:
