@@ -283,6 +283,11 @@ class RouterOptions:
         "Chat template used instead of the tokenizer's: a Jinja file, or the "
         "template itself inline (anything holding {{ or {%).",
     )
+    tool_call_parser: Optional[str] = opt(
+        None,
+        "How the model writes tool calls: hermes (Qwen, Hermes), llama3_json or mistral (default: the format "
+        "the chat template shows; without one, requests with tools are refused).",
+    )
     api_key: list[str] = opt([], "Accepted API key (repeatable; PDSERVE_API_KEY takes key1,key2).", separator=",")
     max_queue: int = opt(DEFAULT_MAX_QUEUE, "Most requests in flight before 503.")
     prefill_dns: list[str] = opt([], "Headless service NAME:PORT,BOOTSTRAP_PORT whose addresses are prefill nodes.")

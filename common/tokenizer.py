@@ -126,6 +126,11 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self._chat_templates)
 
+    @property
+    def chat_template_sources(self) -> tuple[str, ...]:
+        """The text of every chat template (the router reads the tool-call format from it)."""
+        return tuple(self._chat_templates.values())
+
     def set_chat_template(self, source: str) -> None:
         """Replace the tokenizer's chat templates (every name) with `source`, compiled now."""
         self._compiled = {"default": compile_chat_template(source, "--chat-template")}

@@ -1,8 +1,9 @@
 """The router's HTTP side: `RouterApp`, OpenAI /v1/completions and /v1/chat/completions over a `Dispatcher`.
 
 A request is authenticated, size-checked, parsed and validated (400s in OpenAI's shape), tokenized
-here (the router owns text), turned into one `GenerationJob` per choice and fanned out to the
-dispatcher. A stream is held back until its first event arrives, so a dispatch failure before it
+here (the router owns text), turned into one `GenerationJob` per choice (with the request's grammar
+constraint, if any) and fanned out to the dispatcher; with tools, a parser per choice turns its
+text into content and tool calls. A stream is held back until its first event arrives, so a dispatch failure before it
 still gets a real HTTP status; after it, errors become an SSE error event followed by [DONE]. A
 client that goes away (stream or not) cancels the dispatcher iterators, which aborts both legs; a
 disconnect is one log line and a count by stage (while its body was read, before the first token,
@@ -48,7 +49,10 @@ from router.protocol import (
 )
 from router.request_id import RequestIdMiddleware
 from router.serving import Serving, SSEResponse, until_disconnect
+from router.structured import request_constraints, single
 from router.text import ChoiceText, RequestOutput, TextOptions
+from router.tools.plan import plan_chat
+from router.tools.registry import resolve
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +73,8 @@ OpenAIRequest = TypeVar("OpenAIRequest", CompletionRequest, ChatCompletionReques
 class RouterApp:
     """The OpenAI-compatible app (`.app`) over a dispatcher. Empty `api_keys` means no authentication;
     more than `max_queue` generation requests in flight are shed with 503 + Retry-After;
-    `metrics_registry` lets the dispatcher's metrics appear on the same /metrics."""
+    `metrics_registry` lets the dispatcher's metrics appear on the same /metrics; `tool_call_parser`
+    names the model's tool-call format (None: the one its chat template shows, if any)."""
 
     def __init__(
         self,
@@ -81,8 +86,10 @@ class RouterApp:
         max_body_bytes: int = MAX_BODY_BYTES,
         max_queue: int = DEFAULT_MAX_QUEUE,
         metrics_registry: CollectorRegistry | None = None,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.dispatcher, self.tokenizer, self.served_model = dispatcher, tokenizer, served_model
+        self.tool_parser = resolve(tool_call_parser, tokenizer.chat_template_sources)
         self.max_body_bytes, self.max_queue = max_body_bytes, max_queue
         self.metrics = RouterMetrics(metrics_registry)
         self.keys = [k.encode() for k in api_keys]
@@ -121,6 +128,7 @@ class RouterApp:
             )
         rid, job_rid = response_ids("cmpl", req.client_request_id(), request)
         top = req.logprobs  # None: no logprobs; 0..5: the chosen token's plus that many alternatives
+        constraint = single(request_constraints(req))
         jobs: list[GenerationJob] = []
         echoes: list[str] = []
         prompt_tokens = 0
@@ -130,7 +138,7 @@ class RouterApp:
             ids = self._prompt_ids(p, req, card, "prompt", req.add_special_tokens is not False)
             max_new = _budget(len(ids), req, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, card, "prompt")
             prompt_tokens += len(ids)  # once per prompt, not per choice, as OpenAI counts
-            jobs += build_jobs(job_rid, len(prompts) * req.n, len(jobs), ids, req, max_new, top)
+            jobs += build_jobs(job_rid, len(prompts) * req.n, len(jobs), ids, req, max_new, top, constraint)
             # echo: the prompt as sent, or as the model saw it when given as ids or truncated
             echo = (
                 p
@@ -140,7 +148,7 @@ class RouterApp:
             echoes += [echo if req.echo else ""] * req.n
         out = RequestOutput(
             Shapes(False, rid, self.served_model, req.include_usage()),
-            self._choices(jobs, card, req, top is not None, echoes),
+            self._choices(jobs, card, req, top is not None, echoes, req.skip_special_tokens),
             prompt_tokens,
             top or 0,
             top is not None,
@@ -152,20 +160,23 @@ class RouterApp:
         """POST /v1/chat/completions: the messages rendered by the chat template, one job per choice."""
         t0 = time.monotonic()
         req, card = await self._parse(request, ChatCompletionRequest)
-        text, echo = render_chat(self.tokenizer, req)
+        tools, constraint = plan_chat(req, self.tool_parser, self.tokenizer.token_to_id)
+        text, echo = render_chat(self.tokenizer, req, tools.template_tools)
         # the template renders its own BOS: nothing is added unless the client asks (vLLM's default)
         ids = self._prompt_ids(text, req, card, "messages", bool(req.add_special_tokens))
         max_new = _budget(len(ids), req, req.max_new_tokens(), None, card, "messages")
         rid, job_rid = response_ids("chatcmpl", req.client_request_id(), request)
         top = (req.top_logprobs or 0) if req.logprobs else None
-        jobs = build_jobs(job_rid, req.n, 0, ids, req, max_new, top)
+        jobs = build_jobs(job_rid, req.n, 0, ids, req, max_new, top, constraint)
+        skip_special = tools.skip_special_tokens(req.skip_special_tokens)
         out = RequestOutput(
             Shapes(True, rid, self.served_model, req.include_usage()),
-            self._choices(jobs, card, req, top is not None, [echo] * len(jobs)),
+            self._choices(jobs, card, req, top is not None, [echo] * len(jobs), skip_special),
             len(ids),
             top or 0,
             top is not None,
             choices_per_prompt=req.n,
+            parsers=tools.parsers(len(jobs)),
         )
         return await self._serve(request, CHAT, out, jobs, bool(req.stream), t0)
 
@@ -210,9 +221,15 @@ class RouterApp:
         return ids
 
     def _choices(
-        self, jobs: list[GenerationJob], card: ModelCard, req: OpenAIRequest, logprobs: bool, echoes: list[str]
+        self,
+        jobs: list[GenerationJob],
+        card: ModelCard,
+        req: OpenAIRequest,
+        logprobs: bool,
+        echoes: list[str],
+        skip_special: bool,
     ) -> list[ChoiceText]:
-        """One text assembler per job: its stops, end ids and echo."""
+        """One text assembler per job: its stops, end ids, echo and special tokens shown or not."""
         eos = frozenset() if req.ignore_eos else frozenset(card.eos_token_ids or self.tokenizer.eos_token_ids)
         return [
             ChoiceText(
@@ -221,7 +238,7 @@ class RouterApp:
                 stop=j.sampling.stop,
                 logprobs=logprobs,
                 end_ids=eos | frozenset(j.sampling.stop_token_ids),
-                options=TextOptions(req.skip_special_tokens, req.include_stop_str(), req.min_tokens, echo),
+                options=TextOptions(skip_special, req.include_stop_str(), req.min_tokens, echo),
             )
             for j, echo in zip(jobs, echoes)
         ]

@@ -1,7 +1,8 @@
 """A chat request's prompt: messages checked, rendered by the chat template, and its echo text.
 
 The template gets the request's options (chat_template_kwargs, documents, add_generation_prompt,
-continue_final_message); `echo` puts the continued assistant message in front of the answer.
+continue_final_message) and its tools; `echo` puts the continued assistant message in front of the
+answer.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def _check_kwargs(kwargs: dict[str, Any]) -> None:
             )
 
 
-def render(tokenizer: Tokenizer, req: Any) -> tuple[str, str]:
+def render(tokenizer: Tokenizer, req: Any, tools: list[dict[str, Any]] | None = None) -> tuple[str, str]:
     """(prompt text, echo text) of a validated ChatCompletionRequest; 400s name the bad field."""
     messages = template_messages(req.messages)
     if req.continue_final_message and req.add_generation_prompt:
@@ -57,7 +58,11 @@ def render(tokenizer: Tokenizer, req: Any) -> tuple[str, str]:
     _check_kwargs(kwargs)
     try:
         text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=req.add_generation_prompt, documents=req.documents, **kwargs
+            messages,
+            add_generation_prompt=req.add_generation_prompt,
+            tools=tools,
+            documents=req.documents,
+            **kwargs,
         )
     except ChatTemplateError as e:
         raise bad_request(str(e), param="messages", code="invalid_messages") from e

@@ -4,7 +4,10 @@ Honoured (both endpoints): top_k, min_p, repetition_penalty, ignore_eos, stop_to
 nodes' sampler), min_tokens (the sampler bans EOS and stop token ids, and stop strings count only
 after it), skip_special_tokens (router-side detokenization), include_stop_str_in_output and
 SGLang's no_stop_trim (the stop string stays in the text), add_special_tokens (tokenization),
-truncate_prompt_tokens (the prompt's last k tokens), request_id and SGLang's rid (the response id).
+truncate_prompt_tokens (the prompt's last k tokens), request_id and SGLang's rid (the response id),
+and structured output: vLLM's guided_json, guided_regex, guided_choice, guided_grammar and
+structured_outputs, SGLang's json_schema, regex, ebnf and structural_tag (one grammar constraint
+the nodes decode under: router/structured.py).
 Honoured (chat): echo, add_generation_prompt, continue_final_message, chat_template_kwargs and
 documents (the chat template renderer). OpenAI's own logit_bias and seed are honoured by the
 nodes' sampler, and OpenAI's echo on /v1/completions by the router (not with logprobs: the nodes do
@@ -17,7 +20,7 @@ isolate), priority 0 (the default order), and SGLang's separate_reasoning / stre
 reasoning parser is configured, so the text comes back as generated, as SGLang does then).
 
 Refused with a 400 that names the field and why: what the engine cannot do (beam search, prompt
-logprobs, allowed_token_ids, bad_words, logits processors, structured/guided output, LoRA, hidden
+logprobs, allowed_token_ids, bad_words, logits processors, LoRA, hidden
 states, priority scheduling, multimodal processor options), per-request chat templates (refused
 by default in vLLM as well: a template is code the model's owner chose) and kv_transfer_params (the
 router runs the prefill/decode handoff itself).
@@ -31,22 +34,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
-_STRUCTURED = "structured (guided) output is not supported: the engine has no constrained decoding"
 _REFUSED_SAMPLING: dict[str, str] = {
     "use_beam_search": "beam search is not supported",
     "prompt_logprobs": "prompt logprobs are not supported: the nodes do not compute them",
     "allowed_token_ids": "allowed_token_ids is not supported by the engine's sampler",
     "bad_words": "bad_words is not supported by the engine's sampler",
     "logits_processors": "custom logits processors are not supported",
-    "guided_json": _STRUCTURED,
-    "guided_regex": _STRUCTURED,
-    "guided_choice": _STRUCTURED,
-    "guided_grammar": _STRUCTURED,
-    "structured_outputs": _STRUCTURED,
-    "regex": _STRUCTURED,
-    "json_schema": _STRUCTURED,
-    "ebnf": _STRUCTURED,
-    "structural_tag": _STRUCTURED,
     "lora_path": "LoRA adapters are not supported",
     "return_hidden_states": "hidden states are not returned by the nodes",
     "kv_transfer_params": "kv_transfer_params is not accepted: the router runs the prefill/decode handoff itself",
@@ -86,6 +79,16 @@ class SamplingExtensions(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # -1: the model's context length
     request_id: str | None = Field(None, min_length=1, max_length=256)
     rid: str | None = Field(None, min_length=1, max_length=256)  # SGLang's name for the same
+    # structured output: one grammar constraint (router/structured.py)
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    regex: Any = None
+    json_schema: Any = None
+    ebnf: Any = None
+    structural_tag: Any = None
     # accepted; no effect here (see the module docstring)
     spaces_between_special_tokens: bool = True
     length_penalty: float | None = None
@@ -97,15 +100,6 @@ class SamplingExtensions(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     logits_processors: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
-    regex: Any = None
-    json_schema: Any = None
-    ebnf: Any = None
-    structural_tag: Any = None
     lora_path: Any = None
     return_hidden_states: bool = False
     kv_transfer_params: Any = None

@@ -20,6 +20,7 @@ from router.dispatch import PDDispatcher, StageTimeouts
 from router.kv_index import KvIndex
 from router.nodes import DnsSource, NodeRegistry, parse_node_lists
 from router.policy import make_policy
+from router.tools.registry import parser_named
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ async def run_router(options: RouterOptions) -> None:
     # Both fail before any waiting for nodes: a bad path or template is a start-up error.
     template = load_chat_template(options.chat_template) if options.chat_template else None
     own_tokenizer = Tokenizer.from_dir(options.tokenizer) if options.tokenizer else None
+    if options.tool_call_parser:
+        parser_named(options.tool_call_parser)  # an unknown name fails here, not after the wait
     # the nodes' KV event streams are followed only for a policy that reads them
     index = KvIndex() if "prefix_aware" in (options.prefill_policy, options.decode_policy) else None
     registry = NodeRegistry(
@@ -68,6 +71,7 @@ async def run_router(options: RouterOptions) -> None:
             api_keys=options.api_keys,
             max_queue=options.max_queue,
             metrics_registry=dispatcher.metrics_registry,
+            tool_call_parser=options.tool_call_parser,
         )
         await _serve(router.app, options, stop)
     finally:

@@ -3,15 +3,18 @@
 OpenAI refuses, with a 400 that names the exact place (`messages[1].tool_call_id`): keys a role
 does not have, an unknown role, a missing or null content (assistant messages excepted when they
 carry tool calls), a tool message without `tool_call_id`, empty content arrays and unknown content
-part types. Those checks are mirrored here. What OpenAI accepts but this service cannot do is
-refused as unsupported, naming the field: non-text content parts, tool calls (so a tool or function
-result can never answer one) and audio references. The extras templates read are kept: `name`,
-`tool_call_id`, `refusal`, and the `reasoning_content` (or `reasoning`) that vLLM accepts on
-assistant messages for reasoning models' templates.
+part types, a tool message with no assistant `tool_calls` before it. Those checks are mirrored
+here. What OpenAI accepts but this service cannot do is refused as unsupported, naming the field:
+non-text content parts, the legacy `function_call` (so a function result can never answer one) and
+audio references. The extras templates read are kept: `name`, `tool_call_id`, `refusal`,
+`tool_calls` (each call's `arguments` given to the template as the object it encodes, as HF
+templates expect), and the `reasoning_content` (or `reasoning`) that vLLM accepts on assistant
+messages for reasoning models' templates.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from router.errors import APIError, bad_request
@@ -76,10 +79,13 @@ def template_messages(raw: list[Any]) -> list[dict[str, Any]]:
     """The messages as template dicts; APIError (400) for the first one OpenAI would refuse."""
     if not raw:
         raise bad_request("'messages' must hold at least one message.", param="messages", code="empty_messages")
-    return [_message(m, f"messages[{i}]") for i, m in enumerate(raw)]
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(raw):
+        out.append(_message(m, f"messages[{i}]", any("tool_calls" in o for o in out)))
+    return out
 
 
-def _message(m: Any, at: str) -> dict[str, Any]:
+def _message(m: Any, at: str, after_calls: bool) -> dict[str, Any]:
     if not isinstance(m, dict):
         raise _invalid_type(at, "an object", m)
     _known(m, _ANY_ROLE_KEYS, at)  # a key no message has (`{"": ""}`) is named before the role is checked
@@ -93,8 +99,10 @@ def _message(m: Any, at: str) -> dict[str, Any]:
     if role == "function" and "name" not in m:
         raise _missing(f"{at}.name")
     content = _content(m, role, at)
-    _refuse_tools(m, role, at)
+    _refuse_unsupported(m, role, at, after_calls)
     out = {k: v for k, v in m.items() if v is not None and k in _STRING_KEYS}
+    if role == "assistant" and m.get("tool_calls") is not None:
+        out["tool_calls"] = _tool_calls(m["tool_calls"], f"{at}.tool_calls")
     # "developer" is OpenAI's new name for "system"; open-model templates only know "system".
     out["role"] = "system" if role == "developer" else role
     out["content"] = content
@@ -172,14 +180,56 @@ def _part(p: Any, role: str, at: str) -> str:
     return p[kind] if kind == "text" else ""  # a refusal part is not model text
 
 
-def _refuse_tools(m: dict[str, Any], role: str, at: str) -> None:
-    """Tool calling is unsupported, so neither a call nor an answer to one can be in a chat."""
-    for key in ("tool_calls", "function_call", "audio"):
+def _tool_calls(calls: Any, at: str) -> list[dict[str, Any]]:
+    """An assistant message's tool calls as templates read them: arguments decoded when they are JSON."""
+    if not isinstance(calls, list):
+        raise _invalid_type(at, "an array", calls)
+    out = []
+    for j, call in enumerate(calls):
+        where = f"{at}[{j}]"
+        if not isinstance(call, dict):
+            raise _invalid_type(where, "an object", call)
+        _known(call, {"id", "type", "function"}, where)
+        for key in ("id", "type", "function"):
+            if key not in call:
+                raise _missing(f"{where}.{key}")
+        if call["type"] != "function":
+            raise bad_request(
+                f"Invalid value: {call['type']!r}. Supported values are: 'function'.",
+                param=f"{where}.type",
+                code="invalid_value",
+            )
+        fn = call["function"]
+        if not isinstance(fn, dict):
+            raise _invalid_type(f"{where}.function", "an object", fn)
+        _known(fn, {"name", "arguments"}, f"{where}.function")
+        for key in ("name", "arguments"):
+            if key not in fn:
+                raise _missing(f"{where}.function.{key}")
+            if not isinstance(fn[key], str):
+                raise _invalid_type(f"{where}.function.{key}", "a string", fn[key])
+        if not isinstance(call["id"], str):
+            raise _invalid_type(f"{where}.id", "a string", call["id"])
+        out.append({"id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": _args(fn)}})
+    return out
+
+
+def _args(fn: dict[str, Any]) -> Any:
+    try:
+        decoded = json.loads(fn["arguments"])
+    except ValueError:
+        return fn["arguments"]  # not JSON: the template gets the text as sent
+    return decoded if isinstance(decoded, dict) else fn["arguments"]
+
+
+def _refuse_unsupported(m: dict[str, Any], role: str, at: str, after_calls: bool) -> None:
+    """The legacy function calls and audio are refused; a tool result must answer earlier tool calls."""
+    for key in ("function_call", "audio"):
         if m.get(key) is not None:
-            what = "audio responses are" if key == "audio" else "tool calling is"
+            what = "audio responses are" if key == "audio" else "the legacy function_call is"
             raise _unsupported(f"{at}.{key}", f"'{at}.{key}': {what} not supported by this service.")
-    if role in ("tool", "function"):
-        # OpenAI's own rule; with tool calls refused above, no earlier message can satisfy it
+    if role == "function" or (role == "tool" and not after_calls):
+        # OpenAI's own rule; with function_call refused above, no message can satisfy it for a function
         raise bad_request(
             f"Invalid parameter: messages with role '{role}' must be a response to a preceding "
             f"message with '{'tool_calls' if role == 'tool' else 'function_call'}'.",

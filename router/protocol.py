@@ -3,8 +3,10 @@
 Strict typing (no "0.5" -> 0.5 coercion) and `extra="forbid"` match what OpenAI answers with a 400.
 Every documented OpenAI field is declared, even the ones the router does not act on, so a client
 written against the real API is never refused for sending them; the ones that would change the
-output in a way we cannot honour (suffix, tools, response formats other than text, ...) are
-refused explicitly in `unsupported()`, never silently dropped.
+output in a way we cannot honour (suffix, the legacy functions, audio, ...) are refused explicitly
+in `unsupported()`, never silently dropped. `response_format` and the structured-output extensions
+become a grammar constraint (router/structured.py), `tools` a parser and maybe one
+(router/tools/).
 
 The extensions vLLM and SGLang clients send are declared too (router/extensions.py says which are
 honoured, which change nothing here, and which are refused and why).
@@ -18,7 +20,7 @@ from typing import Any
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from common.sampling import SamplingParams
+from common.sampling import Constraint, SamplingParams
 from router.contract import GenerationJob, ModelCard
 from router.errors import APIError, bad_request
 from router.extensions import ChatExtensions, SamplingExtensions
@@ -57,6 +59,7 @@ class _Sampling(SamplingExtensions):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None  # router/structured.py reads it
 
     @field_validator("stop")
     @classmethod
@@ -91,7 +94,9 @@ class _Sampling(SamplingExtensions):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_spec(self, max_new_tokens: int, choice: int, top_logprobs: int | None) -> SamplingParams:
+    def sampling_spec(
+        self, max_new_tokens: int, choice: int, top_logprobs: int | None, constraint: Constraint | None = None
+    ) -> SamplingParams:
         """The node-side sampling of choice `choice`; `top_logprobs` None means no logprobs."""
         return SamplingParams(
             max_new_tokens=max_new_tokens,
@@ -112,6 +117,7 @@ class _Sampling(SamplingExtensions):
             top_logprobs=top_logprobs or 0,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.bias_pairs(),
+            constraint=constraint,
         )
 
     def unsupported(self) -> tuple[str, str] | None:
@@ -161,7 +167,6 @@ class ChatCompletionRequest(ChatExtensions, _Sampling):
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
@@ -182,12 +187,9 @@ class ChatCompletionRequest(ChatExtensions, _Sampling):
     def unsupported(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             return "top_logprobs", "top_logprobs requires logprobs to be true"
-        if self.tools or self.functions:
-            return ("tools" if self.tools else "functions"), "tool calling is not supported"
-        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
-            return "tool_choice", "tool calling is not supported"
-        if self.response_format and self.response_format.get("type") != "text":
-            return "response_format", "only response_format {'type': 'text'} is supported"
+        if self.functions or self.function_call not in (None, "none"):
+            legacy = "functions" if self.functions else "function_call"
+            return legacy, f"the legacy '{legacy}' is not supported: use 'tools' and 'tool_choice'"
         if self.modalities and self.modalities != ["text"]:
             return "modalities", "only the text modality is supported"
         for name in ("audio", "prediction", "web_search_options"):
@@ -210,9 +212,18 @@ class Shapes:
         head = self._head("chat.completion" if self.chat else "text_completion")
         return {**head, "choices": choices, "usage": usage}
 
-    def choice(self, index: int, text: str, logprobs: dict[str, Any] | None, finish: str | None) -> dict[str, Any]:
+    def choice(
+        self,
+        index: int,
+        text: str,
+        logprobs: dict[str, Any] | None,
+        finish: str | None,
+        tool_calls: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
         if self.chat:
-            message = {"role": "assistant", "content": text, "refusal": None}
+            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+            if tool_calls:  # OpenAI: null content beside tool calls when the model said nothing
+                message.update(content=text or None, tool_calls=tool_calls)
             return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
@@ -223,12 +234,15 @@ class Shapes:
         logprobs: dict[str, Any] | None = None,
         finish: str | None = None,
         role: bool = False,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         head = self._head("chat.completion.chunk" if self.chat else "text_completion")
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
@@ -307,14 +321,21 @@ def response_ids(prefix: str, client_id: str | None, request: Request) -> tuple[
 
 
 def build_jobs(
-    rid: str, total: int, start: int, ids: list[int], req: Any, max_new: int, top_logprobs: int | None
+    rid: str,
+    total: int,
+    start: int,
+    ids: list[int],
+    req: Any,
+    max_new: int,
+    top_logprobs: int | None,
+    constraint: Constraint | None = None,
 ) -> list[GenerationJob]:
     """The n jobs of one prompt; choice index = prompt index * n + j, as OpenAI numbers them."""
     return [
         GenerationJob(
             request_id=rid if total == 1 else f"{rid}-{start + j}",
             input_ids=tuple(ids),
-            sampling=req.sampling_spec(max_new, j, top_logprobs),
+            sampling=req.sampling_spec(max_new, j, top_logprobs, constraint),
             stream=bool(req.stream),
         )
         for j in range(req.n)

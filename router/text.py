@@ -5,7 +5,9 @@ Special tokens are shown or not (skip_special_tokens), a stop string is kept on 
 
 The router is the authority on text. Nodes also get the stop strings and may stop early, but what
 reaches the client is decided here, the same way for streamed and non-streamed responses (both use
-`ChoiceText`), so that the concatenated stream always equals the non-streamed text.
+`ChoiceText`), so that the concatenated stream always equals the non-streamed text. With tools, a
+parser per choice (router/tools/) splits that text into content and tool calls, again the same way
+for both.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from common.detokenize import TextAssembler
 from common.tokenizer import Tokenizer
 from router.contract import FinishEvent, TokenEvent
 from router.protocol import Shapes, usage
+from router.tools.base import ToolParser
 
 
 @dataclass(frozen=True)
@@ -30,10 +33,12 @@ class TokenLogprob:
 
 @dataclass
 class Delta:
-    """What one event adds to a choice: text safe to show now and the logprobs of its tokens."""
+    """What one event adds to a choice: text safe to show now, the logprobs of its tokens, and (with
+    tools) OpenAI tool-call delta entries."""
 
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -192,8 +197,10 @@ class RequestOutput:
         top_logprobs: int,
         logprobs: bool,
         choices_per_prompt: int = 1,
+        parsers: list[ToolParser] | None = None,
     ) -> None:
         self.shapes, self.choices, self.prompt_tokens = shapes, choices, prompt_tokens
+        self.parsers = parsers  # one tool-call parser per choice, or None
         self._top, self._logprobs = top_logprobs, logprobs
         self._per_prompt = max(1, choices_per_prompt)
         self.disaggregated = True  # false once any choice was served by a colocated node
@@ -214,9 +221,25 @@ class RequestOutput:
 
     def apply(self, index: int, event: TokenEvent | FinishEvent) -> Delta:
         if isinstance(event, TokenEvent):
-            return self.choices[index].feed(event)
-        self.disaggregated = self.disaggregated and event.disaggregated
-        return self.choices[index].finish(event)
+            delta = self.choices[index].feed(event)
+        else:
+            self.disaggregated = self.disaggregated and event.disaggregated
+            delta = self.choices[index].finish(event)
+        return delta if self.parsers is None else self._tool_delta(self.parsers[index], index, delta)
+
+    def _tool_delta(self, parser: ToolParser, index: int, delta: Delta) -> Delta:
+        """The choice's text split into content and tool calls by its parser."""
+        found = parser.feed(delta.text)
+        if self.choices[index].finished:
+            found += parser.finish()
+        return Delta(found.content, delta.logprobs, found.calls)
+
+    def finish_reason(self, index: int) -> str | None:
+        """The choice's finish reason; "tool_calls" when it stopped after calling tools."""
+        reason = self.choices[index].finish_reason
+        if reason == "stop" and self.parsers and self.parsers[index].calls:
+            return "tool_calls"
+        return reason
 
     def _render_logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
         if not self._logprobs:
@@ -224,13 +247,14 @@ class RequestOutput:
         return chat_logprobs(entries, self._top) if self.shapes.chat else completion_logprobs(entries)
 
     def response(self) -> dict[str, Any]:
-        return self.shapes.response(
-            [
-                self.shapes.choice(i, c.echo + c.text, self._render_logprobs(c.logprobs), c.finish_reason)
-                for i, c in enumerate(self.choices)
-            ],
-            self.usage(),
-        )
+        return self.shapes.response([self._choice(i, c) for i, c in enumerate(self.choices)], self.usage())
+
+    def _choice(self, i: int, c: ChoiceText) -> dict[str, Any]:
+        if self.parsers is None:
+            return self.shapes.choice(i, c.echo + c.text, self._render_logprobs(c.logprobs), c.finish_reason)
+        calls = [call.message_entry() for call in self.parsers[i].calls]
+        content = c.echo + self.parsers[i].content
+        return self.shapes.choice(i, content, self._render_logprobs(c.logprobs), self.finish_reason(i), calls)
 
     def opening_chunks(self) -> list[dict[str, Any]]:
         """The echoed text of each choice, streamed before anything it generates."""
@@ -239,9 +263,10 @@ class RequestOutput:
     def chunks(self, index: int, delta: Delta) -> list[dict[str, Any]]:
         """The chunks one applied event produces: its text/logprobs, then the finish if it finished."""
         out = []
-        if delta.text or delta.logprobs:
-            out.append(self.shapes.chunk(index, delta.text, self._render_logprobs(delta.logprobs)))
-        choice = self.choices[index]
-        if choice.finished:
-            out.append(self.shapes.chunk(index, finish=choice.finish_reason))
+        if delta.text or delta.logprobs or delta.tool_calls:
+            text = delta.text if delta.text or not delta.tool_calls else None
+            logprobs = self._render_logprobs(delta.logprobs)
+            out.append(self.shapes.chunk(index, text, logprobs, tool_calls=delta.tool_calls))
+        if self.choices[index].finished:
+            out.append(self.shapes.chunk(index, finish=self.finish_reason(index)))
         return out

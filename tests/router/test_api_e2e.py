@@ -101,7 +101,7 @@ def test_chat_fields_and_strict_messages(client: openai.OpenAI, stack: Stack) ->
     with httpx.Client(base_url=stack.url, timeout=30) as h:  # what the typed client will not send
         r2 = h.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "tool", "content": "x"}]})
         assert r2.status_code == 400 and r2.json()["error"]["param"] == "messages[0].tool_call_id"
-        r3 = h.post("/v1/completions", json={"model": model, "prompt": "x", "guided_json": {"type": "object"}})
+        r3 = h.post("/v1/completions", json={"model": model, "prompt": "x", "guided_json": {"type": "objekt"}})
         assert r3.status_code == 400 and r3.json()["error"]["param"] == "guided_json"
     stack.wait_all_idle(10)
 

@@ -264,6 +264,16 @@ BAD_CHAT = [
     (
         {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
         400,
+        "tools[0].function",
+        "missing_required_parameter",
+    ),
+    (  # the tiny model's template shows no tool-call format and no --tool-call-parser is given
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        },
+        400,
         "tools",
         "unsupported_parameter",
     ),

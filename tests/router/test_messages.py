@@ -57,13 +57,24 @@ REFUSED: list[tuple[list[Any], str, str]] = [  # messages, param, code
         "messages[0].content[0].type",
         "unsupported_value",
     ),
-    # tool calling is unsupported: neither a call nor an answer to one can be in a chat
-    ([U, {"role": "assistant", "tool_calls": CALL}], "messages[1].tool_calls", "unsupported_parameter"),
+    # tool calls are checked as OpenAI checks them; the legacy function_call stays unsupported
+    (
+        [U, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f"}}]}],
+        "messages[1].tool_calls[0].function.arguments",
+        "missing_required_parameter",
+    ),
+    ([U, {"role": "assistant", "tool_calls": {"id": "c1"}}], "messages[1].tool_calls", "invalid_type"),
+    (
+        [U, {"role": "assistant", "tool_calls": [{**CALL[0], "type": "custom"}]}],
+        "messages[1].tool_calls[0].type",
+        "invalid_value",
+    ),
     (
         [U, {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}],
         "messages[1].function_call",
         "unsupported_parameter",
     ),
+    # a tool result answers an earlier assistant message's tool calls
     ([U, {"role": "tool", "tool_call_id": "c1", "content": "42"}], "messages[1].role", "invalid_value"),
     ([U, {"role": "function", "name": "f", "content": "42"}], "messages[1].role", "invalid_value"),
     ([U, {"role": "assistant", "content": "x", "audio": {"id": "a1"}}], "messages[1].audio", "unsupported_parameter"),
@@ -108,6 +119,26 @@ def test_accepted_shapes_reach_the_template(tok: Tokenizer) -> None:
         ]
     )
     assert fake.jobs[0].input_ids == tuple(tok.encode(rendered, add_special_tokens=False))
+
+
+def test_a_tool_round_trip_reaches_the_template(tok: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Assistant tool calls (arguments decoded, as HF templates read them) and the tool's answer."""
+    app, fake = make(tok)
+    calls = [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
+        {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "not json"}},
+    ]
+    messages = [U, {"role": "assistant", "content": None, "tool_calls": calls}]
+    messages += [{"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    seen: list[Any] = []
+    monkeypatch.setattr(tok, "apply_chat_template", lambda m, *a, **k: seen.append(m) or "x")
+    r = TestClient(app).post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
+    assert r.status_code == 200, r.text
+    assert seen[0][1]["tool_calls"] == [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}},
+        {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "not json"}},
+    ]
+    assert seen[0][2] == {"role": "tool", "tool_call_id": "c1", "content": "42"}
 
 
 def test_openai_client_gets_typed_errors(tok: Tokenizer) -> None:
