@@ -65,11 +65,11 @@ def functions(tools: list[Any]) -> list[FunctionSpec]:
 
 
 def _function(tool: dict[str, Any], at: str) -> FunctionSpec:
-    _unknown_keys(tool, _TOOL_KEYS, at)
     if tool.get("type") != "function":
         raise bad_request(
             f"'{at}.type': only tools of type 'function' are supported.", param=f"{at}.type", code="unsupported_value"
         )
+    _unknown_keys(tool, _TOOL_KEYS, at)
     if "function" not in tool:
         raise _missing(f"{at}.function")
     fn = _object(tool["function"], f"{at}.function")
