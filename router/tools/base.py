@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Sequence
 
 from common.sampling import Constraint
+from router.tools.grammar import TokenId
 from router.tools.jsonscan import ObjectScan, scan_object, skip_ws
 from router.tools.schema import FunctionSpec
 
@@ -118,12 +119,13 @@ class ToolParser:
     # ---- constraints (overridden per format) ----
 
     @classmethod
-    def required_constraint(cls, functions: list[FunctionSpec], parallel: bool, token_id: Any) -> Constraint:
-        """The output is one call (or, with `parallel`, one or more) of these functions, in this format."""
+    def required_constraint(cls, functions: list[FunctionSpec], parallel: bool, token_id: TokenId) -> Constraint:
+        """The output is one call (or, with `parallel`, one or more) of these functions, in this format;
+        `token_id` finds the markers the vocabulary holds as single tokens."""
         raise NotImplementedError
 
     @classmethod
-    def auto_constraint(cls, functions: list[FunctionSpec]) -> Constraint:
+    def auto_constraint(cls, functions: list[FunctionSpec], token_id: TokenId) -> Constraint:
         """Free text in which every call of these functions, once started, follows its schema."""
         raise NotImplementedError
 

@@ -1,14 +1,17 @@
-"""The constraints tool calling sends to the nodes, in the shapes their grammar engine (llguidance) reads.
+"""The constraints tool calling sends to the nodes, in the grammar languages their engine (llguidance) reads.
 
 - A JSON schema per call: `{"name": {"const": NAME}, ARGS_KEY: <the function's parameters>}`, both
   required, nothing else; several functions are an `anyOf`.
 - `required` and named choices: the whole output is the format's call section. Pure JSON formats
   get a `json_schema` constraint; formats with marker text get an `ebnf` constraint, a Lark grammar
-  whose call objects are `%json {schema}` (llguidance embeds a JSON schema that way) and whose
-  special-token markers are `<[token id]>`.
-- `auto` with a `strict` tool: a `structural_tag` in SGLang's shape (`{"structures": [{"begin",
-  "schema", "end"}], "triggers": [...]}`): free text, and each call, once its trigger appears, held
-  to its schema. Strict functions are held to their parameters, the others to any JSON object.
+  whose call objects are `%json {schema}` (llguidance embeds a JSON schema that way).
+- `auto` with a `strict` tool: an `ebnf` constraint in the shape of llguidance's structural tags:
+  free text, and each call, once its trigger appears, held to its schema up to its end text.
+  Strict functions are held to their parameters, the others to any JSON object.
+
+A marker the vocabulary holds as one token is written `<[id]>`: llguidance treats added tokens as
+special, and a special token never matches the text of a string literal, so a literal
+"<tool_call>" would ban the very token the model emits.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from common.sampling import Constraint
 from router.tools.schema import FunctionSpec
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
+TokenId = Callable[[str], int | None]
 
 
 def call_schema(fn: FunctionSpec, args_key: str) -> dict[str, Any]:
@@ -48,14 +52,13 @@ def lark_json(schema: dict[str, Any]) -> str:
 
 
 def lark_string(text: str) -> str:
-    return json.dumps(text)  # a Lark string literal has JSON's escapes
+    return json.dumps(text, ensure_ascii=False)  # a Lark string literal has JSON's escapes
 
 
-def marker_token(marker: str, token_id: Callable[[str], int | None]) -> str:
-    """A marker in Lark: its token when the vocabulary has it as one (special tokens are matched by
-    id, never by their text), else its text."""
-    tid = token_id(marker)
-    return f"<[{tid}]>" if tid is not None else lark_string(marker)
+def marker(text: str, token_id: TokenId) -> str:
+    """A marker in Lark: its token when the vocabulary holds it as one, else its text."""
+    tid = token_id(text)
+    return f"<[{tid}]>" if tid is not None else lark_string(text)
 
 
 def json_constraint(schema: dict[str, Any]) -> Constraint:
@@ -66,9 +69,21 @@ def lark(*rules: str) -> Constraint:
     return Constraint("ebnf", "\n".join(rules) + "\n")
 
 
-def structural_tag(fns: list[FunctionSpec], begin: Callable[[str], str], end: str, trigger: str) -> Constraint:
-    structures = [{"begin": begin(f.name), "schema": f.parameters if f.strict else ANY_OBJECT, "end": end} for f in fns]
-    return Constraint("structural_tag", _compact({"structures": structures, "triggers": [trigger]}))
+def free_text_with_calls(fns: list[FunctionSpec], trigger: str, body: Callable[[FunctionSpec, str], str]) -> Constraint:
+    """Free text and calls: `trigger` (a Lark item) opens a call, `body(fn, schema)` the rest of it.
+
+    After a token trigger the text before it cannot contain it, so the split is plain; a text
+    trigger is a lazy lexeme (the text ends at its first occurrence), as llguidance's structural
+    tags do it."""
+    tags = [f"tag_{i}" for i in range(len(fns))]
+    rules = ["%llguidance {}", f"start: ({' | '.join(tags)})* TAG_TEXT", r"TAG_TEXT: /(.|\n)*/"]
+    for tag, fn in zip(tags, fns):
+        rest = body(fn, lark_json(fn.parameters if fn.strict else ANY_OBJECT))
+        if trigger.startswith("<["):
+            rules.append(f"{tag}: TAG_TEXT {trigger} {rest}")
+        else:
+            rules += [f"{tag}_trig[lazy]: TAG_TEXT {trigger}", f"{tag}: {tag}_trig {rest}"]
+    return lark(*rules)
 
 
 def _compact(obj: Any) -> str:

@@ -3,14 +3,14 @@ after `<|python_tag|>`), several separated by `;`."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from common.sampling import Constraint
 from router.tools import grammar
 from router.tools.base import WS, ToolParser
+from router.tools.grammar import TokenId
 from router.tools.schema import FunctionSpec
 
 PYTHON_TAG = "<|python_tag|>"
+HEAD = '{"name": '
 
 
 class Llama3JsonParser(ToolParser):
@@ -34,10 +34,14 @@ class Llama3JsonParser(ToolParser):
         return super().hold(text)
 
     @classmethod
-    def required_constraint(cls, functions: list[FunctionSpec], parallel: bool, token_id: Any) -> Constraint:
+    def required_constraint(cls, functions: list[FunctionSpec], parallel: bool, token_id: TokenId) -> Constraint:
         # One call, in the plain JSON the template asks for (Llama 3 templates take no parallel calls).
         return grammar.json_constraint(grammar.calls_schema(functions, "parameters"))
 
     @classmethod
-    def auto_constraint(cls, functions: list[FunctionSpec]) -> Constraint:
-        return grammar.structural_tag(functions, lambda name: f'{{"name": "{name}", "parameters": ', "}", '{"name": ')
+    def auto_constraint(cls, functions: list[FunctionSpec], token_id: TokenId) -> Constraint:
+        return grammar.free_text_with_calls(
+            functions,
+            grammar.lark_string(HEAD),
+            lambda fn, args: f'{grammar.lark_string(f""""{fn.name}", "parameters": """)} {args} "}}"',
+        )

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from common.sampling import Constraint
 from router.tools import grammar
 from router.tools.base import WS, ToolParser
+from router.tools.grammar import TokenId
 from router.tools.schema import FunctionSpec
 
 TOOL_CALLS = "[TOOL_CALLS]"
@@ -22,12 +21,15 @@ class MistralParser(ToolParser):
     id_prefix, id_length = "", 9  # Mistral's templates refuse other ids in the history
 
     @classmethod
-    def required_constraint(cls, functions: list[FunctionSpec], parallel: bool, token_id: Any) -> Constraint:
+    def required_constraint(cls, functions: list[FunctionSpec], parallel: bool, token_id: TokenId) -> Constraint:
         calls = grammar.lark_json(grammar.array_schema(functions, "arguments", parallel))
-        return grammar.lark(f"start: {grammar.marker_token(TOOL_CALLS, token_id)} {calls}")
+        return grammar.lark(f"start: {grammar.marker(TOOL_CALLS, token_id)} {calls}")
 
     @classmethod
-    def auto_constraint(cls, functions: list[FunctionSpec]) -> Constraint:
-        return grammar.structural_tag(
-            functions, lambda name: f'{TOOL_CALLS}[{{"name": "{name}", "arguments": ', "}]", TOOL_CALLS
+    def auto_constraint(cls, functions: list[FunctionSpec], token_id: TokenId) -> Constraint:
+        # one call per [TOOL_CALLS] here: a free-text grammar cannot hold a whole array to the schemas
+        return grammar.free_text_with_calls(
+            functions,
+            grammar.marker(TOOL_CALLS, token_id),
+            lambda fn, args: f'{grammar.lark_string(f"""[{{"name": "{fn.name}", "arguments": """)} {args} "}}]"',
         )

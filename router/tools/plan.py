@@ -3,7 +3,7 @@
 - `tool_choice` `none` (or no tools): the template gets no tools, nothing is parsed, nothing is
   constrained; the model answers in text, as OpenAI's `none` promises.
 - `auto`: the template gets the tools and the output is parsed; it is constrained only when a
-  tool says `strict: true` (a structural tag: free text, and calls held to their schemas).
+  tool says `strict: true` (free text, and calls held to their schemas: router/tools/grammar.py).
 - `required` and a named function: the output is constrained to the format's call section (one
   call for a named function or `parallel_tool_calls: false`).
 `parallel_tool_calls: false` also keeps only the first call parsed.
@@ -57,7 +57,7 @@ def plan_tools(req: Any, parser: type[ToolParser] | None, token_id: Callable[[st
     elif choice == "required":
         constraint = parser.required_constraint(specs, parallel, token_id)
     else:
-        constraint = parser.auto_constraint(specs) if any(f.strict for f in specs) else None
+        constraint = parser.auto_constraint(specs, token_id) if any(f.strict for f in specs) else None
     return ToolPlan(req.tools, parser, constraint, None if parallel else 1)
 
 

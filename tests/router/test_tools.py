@@ -112,7 +112,7 @@ def _hermes_call(name: str, args: dict[str, Any]) -> dict[str, Any]:
 def _lark(schema: dict[str, Any], parallel: bool) -> str:
     start = 'start: call ("\\n" call)*' if parallel else "start: call"
     body = json.dumps(schema, separators=(",", ":"))
-    return f'{start}\ncall: "<tool_call>\\n" %json {body} "\\n</tool_call>"\n'
+    return f'{start}\ncall: "<tool_call>" "\\n" %json {body} "\\n" "</tool_call>"\n'
 
 
 ANY_OF = {
@@ -155,7 +155,9 @@ def test_each_tool_choice(
     assert calls_of(out.choices[0].message) == expected and out.choices[0].finish_reason == "tool_calls"
 
 
-def test_auto_with_a_strict_tool_is_a_structural_tag(tok: Tokenizer) -> None:
+def test_auto_with_a_strict_tool_holds_calls_to_their_schemas(tok: Tokenizer) -> None:
+    """Free text, and after each <tool_call> a call: the strict one's parameters, any object for the other
+    (tests/router/test_tool_grammars.py runs these grammars in llguidance)."""
     app, fake = make(tok)
     strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}  # type: ignore[dict-item]
     r = TestClient(app).post(
@@ -163,22 +165,19 @@ def test_auto_with_a_strict_tool_is_a_structural_tag(tok: Tokenizer) -> None:
     )
     assert r.status_code == 200, r.text
     c = fake.jobs[0].sampling.constraint
-    assert c is not None and c.kind == "structural_tag"
-    assert json.loads(c.spec) == {
-        "structures": [
-            {
-                "begin": '<tool_call>\n{"name": "get_weather", "arguments": ',
-                "schema": WEATHER["function"]["parameters"],  # type: ignore[index]
-                "end": "}\n</tool_call>",
-            },
-            {
-                "begin": '<tool_call>\n{"name": "get_time", "arguments": ',
-                "schema": {"type": "object"},
-                "end": "}\n</tool_call>",
-            },
-        ],
-        "triggers": ["<tool_call>"],
-    }
+    assert c is not None and c.kind == "ebnf"
+    params = json.dumps(WEATHER["function"]["parameters"], separators=(",", ":"))  # type: ignore[index]
+    assert c.spec.splitlines() == [
+        "%llguidance {}",
+        "start: (tag_0 | tag_1)* TAG_TEXT",
+        r"TAG_TEXT: /(.|\n)*/",
+        'tag_0_trig[lazy]: TAG_TEXT "<tool_call>"',
+        'tag_0: tag_0_trig "\\n{\\"name\\": \\"get_weather\\", \\"arguments\\": " '
+        f'%json {params} "}}\\n" "</tool_call>"',
+        'tag_1_trig[lazy]: TAG_TEXT "<tool_call>"',
+        'tag_1: tag_1_trig "\\n{\\"name\\": \\"get_time\\", \\"arguments\\": " '
+        '%json {"type":"object"} "}\\n" "</tool_call>"',
+    ]
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 7])
