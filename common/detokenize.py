@@ -140,14 +140,19 @@ class StopStringMatcher:
         return "" if self.stopped else held
 
     def _partial_suffix_len(self, buf: str) -> int:
-        """Length of the longest suffix of `buf` that is a proper prefix of some stop string."""
-        best = 0
-        for s in self._stops:
-            for k in range(min(len(s) - 1, len(buf)), best, -1):
-                if buf.endswith(s[:k]):
-                    best = k
-                    break
-        return best
+        return partial_suffix_len(buf, self._stops)
+
+
+def partial_suffix_len(text: str, patterns: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `patterns` (text to
+    hold back: what comes next may complete the pattern)."""
+    best = 0
+    for s in patterns:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
 
 
 class TextAssembler:

@@ -17,8 +17,9 @@ import json
 import random
 import string
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
+from common.detokenize import partial_suffix_len
 from common.sampling import Constraint
 from router.tools.grammar import TokenId
 from router.tools.jsonscan import ObjectScan, scan_object, skip_ws
@@ -74,17 +75,6 @@ def match(text: str, i: int, pattern: Pattern) -> int | None:
         elif not optional:
             return _NO
     return i
-
-
-def _hold_length(text: str, markers: Sequence[str]) -> int:
-    """Length of the longest suffix of `text` that is the start of a marker."""
-    best = 0
-    for m in markers:
-        for k in range(min(len(m) - 1, len(text)), best, -1):
-            if text.endswith(m[:k]):
-                best = k
-                break
-    return best
 
 
 class ToolParser:
@@ -154,7 +144,7 @@ class ToolParser:
 
     def hold(self, text: str) -> int:
         """How much of the end of held content text may still turn out to open the call section."""
-        return _hold_length(text, self.markers)
+        return partial_suffix_len(text, self.markers)
 
     def _content_step(self, final: bool) -> ToolDelta:
         start = self.find_start(self._buf)

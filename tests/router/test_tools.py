@@ -5,7 +5,6 @@ distinct indexes), special-token markers, and bad tool requests as clear 400s.""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,12 +48,10 @@ EXPECTED = [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
 
 
 @pytest.fixture(scope="module")
-def tok(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    out = tmp_path_factory.mktemp("tools-tok")
-    for f in tiny_llama_dir.iterdir():
-        shutil.copy(f, out / f.name)
-    (out / "chat_template.jinja").write_text(TEMPLATE)
-    return Tokenizer.from_dir(out)
+def tok(tiny_llama_dir: Path) -> Tokenizer:
+    out = Tokenizer.from_dir(tiny_llama_dir)
+    out.set_chat_template(TEMPLATE)
+    return out
 
 
 def make(
