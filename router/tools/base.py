@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 from common.detokenize import partial_suffix_len
 from common.sampling import Constraint
 from router.tools.grammar import TokenId
-from router.tools.jsonscan import ObjectScan, scan_object, skip_ws
+from router.tools.jsonscan import Memo, ObjectScan, scan_object, skip_ws
 from router.tools.schema import FunctionSpec
 
 WS = None  # a pattern item: any whitespace, possibly none
@@ -101,6 +101,8 @@ class ToolParser:
         self._started = False  # the open call object has been sent as a call
         self._sent = 0  # argument characters sent for the open call
         self._over = False  # no call comes after this
+        self._finished = False
+        self._memo: Memo = {}  # call mode: how far open containers in the text were scanned
 
     @classmethod
     def new_id(cls) -> str:
@@ -127,6 +129,9 @@ class ToolParser:
 
     def finish(self) -> ToolDelta:
         """The choice ended: release what was held; a call section without one call is content."""
+        if self._finished:
+            return ToolDelta()
+        self._finished = True
         out = self._content_step(final=True) if self._marker is None else self._call_step(final=True)
         if self._marker is not None and not self.calls:
             out.content += self._say(self._marker + self._buf).content
@@ -181,7 +186,7 @@ class ToolParser:
         """Advance the open call object; True once it is complete (then look for the next)."""
         assert self._obj is not None
         try:
-            scan = scan_object(self._buf, self._obj)
+            scan = scan_object(self._buf, self._obj, self._memo)
             name, args, args_done = self._fields(scan)
         except ValueError:  # Malformed, or a string json cannot decode
             self._over = True

@@ -8,11 +8,16 @@ continuation could make valid at that point.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 _WS = " \t\r\n"
 _LITERALS = ("true", "false", "null")
 _NUMBER_CHARS = frozenset("0123456789+-.eE")
+_STRING_STOP = re.compile(r'["\\]')
+_STRUCTURAL = re.compile(r'[{}\[\]"]')
+# value start -> (depth, where to resume, inside a string) of a container scanned up to the text's end
+Memo = dict[int, tuple[int, int, bool]]
 
 
 class Malformed(ValueError):
@@ -27,22 +32,26 @@ def skip_ws(text: str, i: int) -> int:
 
 def string_end(text: str, i: int) -> int | None:
     """Index after the JSON string starting at text[i] (a quote); None if it is still open."""
-    j = i + 1
-    while j < len(text):
-        c = text[j]
-        if c == "\\":
-            j += 2
+    return _string_scan(text, i + 1)[0]
+
+
+def _string_scan(text: str, j: int) -> tuple[int | None, int]:
+    """(index after the closing quote or None, where to resume) for string content from text[j]."""
+    while (m := _STRING_STOP.search(text, j)) is not None:
+        if m.group() == "\\":
+            if m.start() + 1 >= len(text):
+                return None, m.start()  # the escaped character has not arrived
+            j = m.start() + 2
             continue
-        if c == '"':
-            return j + 1
-        j += 1
-    return None
+        return m.start() + 1, m.start() + 1
+    return None, len(text)
 
 
-def value_end(text: str, i: int) -> int | None:
+def value_end(text: str, i: int, memo: Memo | None = None) -> int | None:
     """Index after the JSON value starting at text[i] (no leading whitespace); None while open.
 
-    Only the nesting is checked; the caller parses the complete text with `json.loads`.
+    Only the nesting is checked; the caller parses the complete text with `json.loads`. `memo` keeps
+    where unfinished containers stopped, so text that only grows is scanned once.
     """
     if i >= len(text):
         return None
@@ -50,7 +59,7 @@ def value_end(text: str, i: int) -> int | None:
     if c == '"':
         return string_end(text, i)
     if c in "{[":
-        return _container_end(text, i)
+        return _container_end(text, i, {} if memo is None else memo)
     if c in _NUMBER_CHARS:
         j = i
         while j < len(text) and text[j] in _NUMBER_CHARS:
@@ -64,24 +73,29 @@ def value_end(text: str, i: int) -> int | None:
     raise Malformed(f"unexpected {c!r} where a JSON value should start")
 
 
-def _container_end(text: str, i: int) -> int | None:
-    depth, j = 0, i
-    while j < len(text):
-        c = text[j]
-        if c == '"':
-            end = string_end(text, j)
+def _container_end(text: str, i: int, memo: Memo) -> int | None:
+    # Resumes where the last scan of this container stopped, and jumps from one structural
+    # character to the next: arguments can be long (a file's text) and stream in a few characters
+    # at a time.
+    depth, j, in_string = memo.get(i, (0, i, False))
+    while True:
+        if in_string:
+            end, j = _string_scan(text, j)
             if end is None:
+                memo[i] = (depth, j, True)
                 return None
-            j = end
+            in_string = False
+        m = _STRUCTURAL.search(text, j)
+        if m is None:
+            memo[i] = (depth, len(text), False)
+            return None
+        j = m.start() + 1
+        if m.group() == '"':
+            in_string = True
             continue
-        if c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return j + 1
-        j += 1
-    return None
+        depth += 1 if m.group() in "{[" else -1
+        if depth == 0:
+            return j
 
 
 @dataclass(frozen=True)
@@ -99,7 +113,7 @@ class ObjectScan:
     end: int | None  # index after the closing brace, None while the object is open
 
 
-def scan_object(text: str, i: int) -> ObjectScan:
+def scan_object(text: str, i: int, memo: Memo | None = None) -> ObjectScan:
     """The members of the object starting at text[i] (a brace), as far as the text goes."""
     members: list[Member] = []
     j = skip_ws(text, i + 1)
@@ -120,7 +134,7 @@ def scan_object(text: str, i: int) -> ObjectScan:
         j = skip_ws(text, j + 1)
         if j >= len(text):
             break
-        end = value_end(text, j)
+        end = value_end(text, j, memo)
         members.append(Member(key, j, end))
         if end is None:
             break

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -161,3 +162,14 @@ def test_registry_and_detection() -> None:
     assert resolve("mistral", ["<tool_call>"]) is MistralParser and resolve(None, ["<tool_call>"]) is HermesParser
     with pytest.raises(ValueError, match="hermes"):
         parser_named("pythonic")
+
+
+def test_long_arguments_stream_in_linear_time() -> None:
+    """A file's text as an argument, a few characters per delta: each scan resumes where the last stopped."""
+    content = 'def f(x):\n    return "a\\\\b" + str(x)  # {[ ]}\n' * 250
+    text = "<tool_call>\n" + json.dumps({"name": "write", "arguments": {"path": "a.py", "content": content}})
+    parser = HermesParser()
+    t0 = time.perf_counter()
+    _, calls, _ = run(parser, [text[i : i + 3] for i in range(0, len(text), 3)])
+    assert time.perf_counter() - t0 < 1.5  # about 0.05 s; rescanning from the start took seconds
+    assert json.loads(calls[0][1])["content"] == content
