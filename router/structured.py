@@ -122,10 +122,24 @@ def _one(kind: str, value: Any, param: str) -> Constraint:
     if kind == "choice":
         return Constraint("regex", choice_regex(value, param))
     if kind == "structural_tag":
-        if isinstance(value, dict):
-            value = json.dumps(value, ensure_ascii=False)
-        return Constraint("structural_tag", _need_str(value, param))
+        return Constraint("structural_tag", _structural_tag(value, param))
     return Constraint(kind, _need_str(value, param))
+
+
+def _structural_tag(value: Any, param: str) -> str:
+    """SGLang's structural tag as JSON text: an object whose structures' schemas are valid."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise bad_request(f"'{param}' is not valid JSON ({e}).", param=param, code="invalid_value") from e
+    if not isinstance(value, dict):
+        raise bad_request(f"'{param}' must be a JSON object.", param=param, code="invalid_type")
+    structures = value.get("structures", [])
+    for k, s in enumerate(structures if isinstance(structures, list) else []):
+        if isinstance(s, dict) and "schema" in s:
+            check_json_schema(s["schema"], f"{param}.structures[{k}].schema")
+    return json.dumps(value, ensure_ascii=False)
 
 
 # extension field -> the kind of constraint it asks for

@@ -95,6 +95,13 @@ BAD: list[tuple[dict[str, Any], str, str]] = [  # fields, param, code
     ({"guided_json": [1]}, "guided_json", "invalid_json_schema"),
     ({"guided_json": {"properties": {"a": {"minimum": "zero"}}}}, "guided_json", "invalid_json_schema"),
     ({"regex": ""}, "regex", "invalid_type"),
+    ({"structural_tag": "{not json"}, "structural_tag", "invalid_value"),
+    ({"structural_tag": [TAG]}, "structural_tag", "invalid_type"),
+    (
+        {"structural_tag": {"structures": [{"begin": "<f>", "schema": {"type": 1}, "end": "</f>"}]}},
+        "structural_tag.structures[0].schema",
+        "invalid_json_schema",
+    ),
     ({"guided_choice": []}, "guided_choice", "invalid_value"),
     ({"guided_choice": ["a", 3]}, "guided_choice", "invalid_value"),
     ({"regex": "a", "ebnf": GRAMMAR}, "ebnf", "conflicting_constraints"),
