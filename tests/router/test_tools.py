@@ -295,3 +295,15 @@ def test_unknown_function_through_the_client(tok: Tokenizer) -> None:
                 tool_choice={"type": "function", "function": {"name": "launch"}},
             )
     assert e.value.param == "tool_choice.function.name" and "launch" in e.value.message
+
+
+def test_each_choice_has_its_own_parser(tok: Tokenizer) -> None:
+    """n choices, streamed: each reassembles its own calls, indexes counted per choice."""
+    app, _ = make(tok, chunk=2)
+    body = {"model": MODEL, "messages": U, "tools": TOOLS, "stream": True, "n": 2}
+    events = [json.loads(e) for e in sse_lines(TestClient(app).post("/v1/chat/completions", json=body).text)[:-1]]
+    names: dict[int, list[str]] = {0: [], 1: []}
+    for e in events:
+        for c in e["choices"]:
+            names[c["index"]] += [tc["function"]["name"] for tc in c["delta"].get("tool_calls", []) if "id" in tc]
+    assert names == {0: ["get_weather", "get_time"], 1: ["get_weather", "get_time"]}
