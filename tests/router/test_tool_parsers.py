@@ -173,3 +173,44 @@ def test_long_arguments_stream_in_linear_time() -> None:
     _, calls, _ = run(parser, [text[i : i + 3] for i in range(0, len(text), 3)])
     assert time.perf_counter() - t0 < 1.5  # about 0.05 s; rescanning from the start took seconds
     assert json.loads(calls[0][1])["content"] == content
+
+
+def _random_value(rng: random.Random, depth: int = 0) -> Any:
+    kind = rng.choice(["str", "int", "float", "bool", "null", "list", "dict"] if depth < 3 else ["str", "int"])
+    if kind == "str":
+        return "".join(rng.choice('ab {}[]"\\/\n\té世🎉,:') for _ in range(rng.randint(0, 8)))
+    if kind == "int":
+        return rng.randint(-1000, 10**6)
+    if kind == "float":
+        return rng.uniform(-1e3, 1e3)
+    if kind in ("bool", "null"):
+        return rng.choice([True, False]) if kind == "bool" else None
+    if kind == "list":
+        return [_random_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    return {f"k{i}": _random_value(rng, depth + 1) for i in range(rng.randint(0, 3))}
+
+
+FORMATS: dict[type[ToolParser], Any] = {
+    HermesParser: lambda calls: "\n".join(
+        f'<tool_call>\n{{"name": "{n}", "arguments": {json.dumps(a, ensure_ascii=False)}}}\n</tool_call>'
+        for n, a in calls
+    ),
+    Llama3JsonParser: lambda calls: "; ".join(
+        f'{{"name": "{n}", "parameters": {json.dumps(a, ensure_ascii=False)}}}' for n, a in calls
+    ),
+    MistralParser: lambda calls: (
+        "[TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in calls], ensure_ascii=False)
+    ),
+}
+
+
+@pytest.mark.parametrize("cls", list(FORMATS))
+def test_random_arguments_survive_random_cuts(cls: type[ToolParser]) -> None:
+    rng = random.Random(7)
+    for _ in range(60):
+        calls = [(f"f{i}", {f"a{j}": _random_value(rng) for j in range(rng.randint(0, 3))}) for i in range(3)]
+        text = FORMATS[cls](calls)
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 30))))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        _, got, _ = run(cls(), pieces)
+        assert [(n, json.loads(a)) for n, a in got] == calls
