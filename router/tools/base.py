@@ -27,7 +27,7 @@ from router.tools.schema import FunctionSpec
 
 WS = None  # a pattern item: any whitespace, possibly none
 Pattern = tuple[str | tuple[str, bool] | None, ...]  # literal (required), (literal, optional) or WS
-_NO = -1  # a pattern that cannot match: the call section is over
+NO = -1  # what cannot match: the call section is over
 
 _ID_CHARS = string.ascii_letters + string.digits
 
@@ -62,7 +62,7 @@ class ToolDelta:
 
 
 def match(text: str, i: int, pattern: Pattern) -> int | None:
-    """Index after `pattern` at text[i], None while the text may still complete it, _NO if it cannot."""
+    """Index after `pattern` at text[i], None while the text may still complete it, NO if it cannot."""
     for item in pattern:
         if item is WS:
             i = skip_ws(text, i)
@@ -73,7 +73,7 @@ def match(text: str, i: int, pattern: Pattern) -> int | None:
         elif lit.startswith(text[i:]):
             return None  # the text ends inside (or right before) the literal
         elif not optional:
-            return _NO
+            return NO
     return i
 
 
@@ -170,14 +170,20 @@ class ToolParser:
                 break
         return out
 
+    def locate(self) -> int | None:
+        """Where the next call object's brace is; None while unknown, NO when no call follows."""
+        at = match(self._buf, self._pos, self.between if self.calls else self.first)
+        if at is None or at == NO:
+            return at
+        if at >= len(self._buf):
+            return None
+        return at if self._buf[at] == "{" else NO
+
     def _next_object(self, final: bool) -> bool:
         """Find where the next call object starts; False while unknown (or never: then `_over`)."""
-        at = match(self._buf, self._pos, self.between if self.calls else self.first)
-        if at == _NO or (at is not None and at < len(self._buf) and self._buf[at] != "{"):
-            self._over = True
-            return False
-        if at is None or at >= len(self._buf):
-            self._over = final
+        at = self.locate()
+        if at is None or at == NO:
+            self._over = final or at == NO
             return False
         self._obj, self._started, self._sent = at, False, 0
         return True

@@ -39,7 +39,7 @@ def _with_markers(src: Path, out: Path, as_tokens: bool) -> Tokenizer:
     if as_tokens:
         hf = HFTokenizer.from_file(str(out / "tokenizer.json"))
         hf.add_tokens([AddedToken("<tool_call>", special=False), AddedToken("</tool_call>", special=False)])
-        hf.add_special_tokens(["[TOOL_CALLS]", "<|python_tag|>"])
+        hf.add_special_tokens(["[TOOL_CALLS]", "[ARGS]", "<|python_tag|>"])
         hf.save(str(out / "tokenizer.json"))
     return Tokenizer.from_dir(out)
 
@@ -81,7 +81,8 @@ def parsed(cls: type[ToolParser], text: str) -> list[tuple[str, str]]:
 
 
 def _tid(vocab: tuple[Tokenizer, Any]) -> Any:
-    return vocab[0].token_to_id
+    """Token ids, without [ARGS]: a vocabulary of Mistral's JSON-array format."""
+    return lambda t: None if t == "[ARGS]" else vocab[0].token_to_id(t)
 
 
 def test_hermes_required_and_named(vocab: tuple[Tokenizer, Any]) -> None:
@@ -122,6 +123,24 @@ def test_mistral_required_and_auto(vocab: tuple[Tokenizer, Any]) -> None:
     assert accepts(vocab, auto, "Plain answer.") and accepts(vocab, auto, f"Sure. {M1}")
     assert not accepts(vocab, auto, M1.replace("city", "town"))
     assert parsed(MistralParser, M2) == [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+
+
+def test_mistral_v11(vocab: tuple[Tokenizer, Any]) -> None:
+    """A vocabulary with an [ARGS] token writes calls as [TOOL_CALLS]NAME[ARGS]{...}."""
+    tid = vocab[0].token_to_id
+    if tid("[ARGS]") is None:
+        pytest.skip("v11 needs its control tokens")
+    one = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+    two = one + "[TOOL_CALLS]get_time[ARGS]{}"
+    parallel = MistralParser.required_constraint(FNS, True, tid)
+    assert accepts(vocab, parallel, one) and accepts(vocab, parallel, two)
+    assert not accepts(vocab, parallel, one.replace("city", "town"))
+    single = MistralParser.required_constraint(FNS, False, tid)
+    assert accepts(vocab, single, one) and not accepts(vocab, single, two)
+    auto = MistralParser.auto_constraint(FNS, tid)
+    assert accepts(vocab, auto, "Plain.") and accepts(vocab, auto, "Sure." + one)
+    assert not accepts(vocab, auto, "Sure." + one.replace("city", "town"))
+    assert parsed(MistralParser, two) == [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
 
 
 def test_structured_output_constraints(vocab: tuple[Tokenizer, Any]) -> None:

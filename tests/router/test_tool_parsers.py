@@ -50,6 +50,13 @@ CASES: list[tuple[type[ToolParser], str, str, list[tuple[str, str]]]] = [
         [("a", '{"x": [1, {"y": "}]"}]}'), ("b", "{}")],
     ),
     (MistralParser, "[TOOL_CALLS] not json", "[TOOL_CALLS] not json", []),
+    (
+        MistralParser,
+        f"On it.[TOOL_CALLS]get_weather[ARGS]{W}[TOOL_CALLS]get_time[ARGS]{{}}",
+        "On it.",
+        [("get_weather", W), ("get_time", "{}")],
+    ),
+    (MistralParser, "[TOOL_CALLS]bad name[ARGS]{}", "[TOOL_CALLS]bad name[ARGS]{}", []),
 ]
 
 
@@ -190,6 +197,10 @@ def _random_value(rng: random.Random, depth: int = 0) -> Any:
     return {f"k{i}": _random_value(rng, depth + 1) for i in range(rng.randint(0, 3))}
 
 
+class MistralV11(MistralParser):
+    """The same parser, fed Mistral's v11 format."""
+
+
 FORMATS: dict[type[ToolParser], Any] = {
     HermesParser: lambda calls: "\n".join(
         f'<tool_call>\n{{"name": "{n}", "arguments": {json.dumps(a, ensure_ascii=False)}}}\n</tool_call>'
@@ -201,6 +212,7 @@ FORMATS: dict[type[ToolParser], Any] = {
     MistralParser: lambda calls: (
         "[TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in calls], ensure_ascii=False)
     ),
+    MistralV11: lambda calls: "".join(f"[TOOL_CALLS]{n}[ARGS]{json.dumps(a, ensure_ascii=False)}" for n, a in calls),
 }
 
 
