@@ -249,3 +249,12 @@ def test_other_model_sources(source: str, key: str) -> None:
         volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
         assert key in volumes["model"]
         kv.validate(workload, KUBE_VERSION, strict=True)
+
+
+def test_the_tool_call_parser_reaches_the_router() -> None:
+    """model.toolCallParser becomes the router's --tool-call-parser, which the CLI takes; unset, none."""
+    for value, expected in (("hermes", ["hermes"]), ("", [])):
+        router = _workloads(objects({"model": {"toolCallParser": value}}))["router"]
+        args = next(containers(router))["args"]
+        assert flag(args, "--tool-call-parser") == expected
+        assert cli_params(args)["tool_call_parser"] == (value or None)
