@@ -1,6 +1,7 @@
 """The router's --tokenizer and --chat-template, through a real router process in front of a fake
 colocated node (in this process): the prompt the node receives is the one they make, and a bad
-template or path stops the router at start-up. Every wait is bounded."""
+template or path (or an unknown --tool-call-parser) stops the router at start-up. Every wait is
+bounded."""
 
 from __future__ import annotations
 
@@ -116,3 +117,13 @@ def test_a_missing_tokenizer_directory_stops_the_router(tmp_path: Path) -> None:
     finally:
         r.kill()
     assert any(line.startswith("error: ") and str(missing) in line for line in r.lines), r.lines[-5:]
+
+
+def test_an_unknown_tool_call_parser_stops_the_router() -> None:
+    r = Node(["router", "--port", "0", "--colocated", "127.0.0.1:9", "--tool-call-parser", "pythonic"])
+    try:
+        assert r.proc.wait(30) == 2
+    finally:
+        r.kill()
+    errors = [line for line in r.lines if line.startswith("error: ")]
+    assert len(errors) == 1 and "pythonic" in errors[0] and "hermes" in errors[0], r.lines[-5:]
