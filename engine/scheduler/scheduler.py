@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from engine.algorithm import EngineAlgorithm, PlainDecoding
+from engine.algorithm import EngineAlgorithm, PlainDecoding, slot_future_map
 from engine.core import Batch, FinishReason, ForwardMode, Req, ReqState, StepOutput
 from engine.executor import Executor
 from engine.future_map import DraftInput, FutureMap
@@ -86,15 +86,16 @@ class Scheduler:
         (plain decoding too: its next input tokens travel the same way), bound to the executor.
         Overlap runs only when the executor can run one batch ahead; never by algorithm name."""
         self.overlap = overlap and self.executor.supports_overlap()
-        cfg, device = self.policy.cfg, self.kv.req_to_token.device
-        future_map = algorithm.create_future_map(
-            cfg.max_running, cfg.chunked_prefill_size, self.max_context_len, device, debug=debug
+        cfg, table = self.policy.cfg, self.kv.req_to_token
+        future_map = slot_future_map(
+            algorithm,
+            cfg.max_running,
+            cfg.chunked_prefill_size,
+            self.max_context_len,
+            table.shape[0],
+            table.device,
+            debug,
         )
-        if future_map.num_rows < self.kv.req_to_token.shape[0]:
-            raise ValueError(
-                f"{algorithm.name}: create_future_map gave {future_map.num_rows} rows; "
-                f"{self.kv.req_to_token.shape[0]} request slots need one each"
-            )
         self.executor.bind_future_map(future_map)
         return future_map
 

@@ -1,0 +1,38 @@
+"""The leader rank's step-by-step instructions to its followers, over the group's host (gloo) link."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from engine.parallel.group import TpGroup
+
+Op = tuple[str, Any]
+STOP: Op = ("stop", None)
+
+
+class TpGroupFailed(RuntimeError):
+    """A rank died or a collective missed its deadline: the node cannot step again."""
+
+
+class PlanChannel:
+    """Ops in the order the leader runs them; each `send` is one broadcast every follower receives
+    before it runs the same device work (collectives must meet in the same order on every rank)."""
+
+    def __init__(self, group: TpGroup) -> None:
+        self.group = group
+
+    def send(self, ops: list[Op]) -> None:
+        self._broadcast(ops)
+
+    def recv(self) -> list[Op]:
+        return self._broadcast(None)
+
+    def _broadcast(self, ops: list[Op] | None) -> list[Op]:
+        box: list[Any] = [ops]
+        try:
+            dist.broadcast_object_list(box, src=0, group=self.group.cpu_group)
+        except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError, DistBackendError, ...
+            raise TpGroupFailed(f"tensor-parallel group broke: {type(e).__name__}: {e}") from e
+        return box[0]
