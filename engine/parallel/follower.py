@@ -119,6 +119,8 @@ def follower_main(
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        if "OMP_NUM_THREADS" not in os.environ:  # as the leader's node does: a few small host rows
+            torch.set_num_threads(1)
     group = init_tp_group(rank, size, init_method, device, config.tp_timeout_s)
     try:
         parts = build_rank(config, algorithm, device, group)
