@@ -71,3 +71,16 @@ def test_tp2_speculation_equals_plain_output_and_tp1_acceptance(
     assert acc2 == acc1
     if algo == "EAGLE":  # its head repeats the target: drafts are accepted, so acceptance is tested
         assert any(a > 0 for accepted in acc2 for a in accepted)
+
+
+def test_tp2_graph_path_equals_plain(models: dict[str, Path]) -> None:
+    """The CUDA-graph code path (padded static buffers, run uncaptured on the CPU) with the
+    collectives inside each forward, as the captured graphs hold them on GPUs."""
+    plain, _ = _run(models, None, 1)
+    spec = SpecConfig("EAGLE", str(models["EAGLE"]), 3)
+    graphs = {"cuda_graph_max_bs": 4, "cuda_graph_padded_eager": True, "overlap": True}
+    ids1, acc1 = _run(models, spec, 1, **graphs)
+    ids2, acc2 = _run(models, spec, 2, **graphs)
+    assert ids2 == plain and acc2 == acc1
+    plain2, _ = _run(models, None, 2, **graphs)
+    assert plain2 == plain
