@@ -84,3 +84,17 @@ def test_tp2_graph_path_equals_plain(models: dict[str, Path]) -> None:
     assert ids2 == plain and acc2 == acc1
     plain2, _ = _run(models, None, 2, **graphs)
     assert plain2 == plain
+
+
+def test_tp3_eagle_on_the_builtin_pair_equals_tp1() -> None:
+    """Three ranks: 6 heads over 2 KV heads (the middle rank holds both) and a padded vocabulary
+    block, with the built-in trained head drafting (so acceptance is high and varied)."""
+    from pdserve.models import BUILTIN_DRAFT, BUILTIN_DRAFT_STEPS, BUILTIN_TARGET
+
+    models = {"target": BUILTIN_TARGET}
+    spec = SpecConfig("EAGLE", str(BUILTIN_DRAFT), BUILTIN_DRAFT_STEPS)
+    plain, _ = _run(models, None, 1, dtype="float32")
+    ids1, acc1 = _run(models, spec, 1, dtype="float32", overlap=True)
+    ids3, acc3 = _run(models, spec, 3, dtype="float32", overlap=True)
+    assert ids1 == plain and ids3 == plain
+    assert acc3 == acc1 and sum(map(sum, acc3)) > 0
