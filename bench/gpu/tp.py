@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from bench.common import write_report
+from bench.gpu.engine_perf import steady_decode
 from bench.gpu.hw import copy_bandwidth, time_cuda
 from engine.core import SamplingParams
 from engine.engine import Engine, EngineConfig
@@ -39,27 +40,6 @@ def _sync() -> None:
 def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(10, vocab, (length,), generator=gen).tolist() for _ in range(n)]
-
-
-def _decode_rate(eng: Engine, bs: int, prompt_len: int, steps: int) -> dict[str, float]:
-    """Steady decode of `bs` requests: step time and output tokens per second."""
-    params = SamplingParams(max_new_tokens=steps + 16, temperature=0.0, ignore_eos=True)
-    rids = [eng.add_request(p, params) for p in _prompts(bs, prompt_len, eng.model_config.vocab_size)]
-    started: set[str] = set()
-    while len(started) < bs:
-        started.update(d.rid for d in eng.step() if d.token_ids)
-    for _ in range(4):
-        eng.step()
-    _sync()
-    t0 = time.perf_counter()
-    tokens = sum(len(d.token_ids) for _ in range(steps) for d in eng.step())
-    _sync()
-    secs = time.perf_counter() - t0
-    for rid in rids:
-        eng.abort(rid)
-    while not eng.idle:
-        eng.step()
-    return {"step_ms": secs / steps * 1e3, "tokens_per_s": tokens / secs}
 
 
 def _prefill_ms(eng: Engine, length: int) -> float:
@@ -92,10 +72,10 @@ def measure_engine(model: Path, tp: int, device: str, tiny: bool) -> dict[str, A
         steps = 8 if tiny else 64
         return {
             "tp": tp,
-            "decode_bs1": _decode_rate(eng, 1, 32 if tiny else 128, steps),
+            "decode_bs1": steady_decode(eng, 1, 32 if tiny else 128, steps, None),
             "prefill_ms": _prefill_ms(eng, prefill),
             "prefill_tokens": prefill,
-            "decode_bs64": _decode_rate(eng, 8 if tiny else 64, 32 if tiny else 128, steps),
+            "decode_bs64": steady_decode(eng, 8 if tiny else 64, 32 if tiny else 128, steps, None),
         }
     finally:
         eng.close()
