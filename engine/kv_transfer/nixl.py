@@ -151,6 +151,11 @@ class NixlTransport:
             why = f"unknown memory kind ({layout.mem_type}, {layout.aux_mem_type})"
         if why is not None:
             raise TransferError(f"peer layout is incompatible with {self._name!r}: {why}")
+        return self.load_agent(metadata, layout, connect=connect)
+
+    def load_agent(self, metadata: bytes, layout: MemoryLayout | None = None, *, connect: bool = True) -> str:
+        """Load a peer agent without comparing layouts (a tensor-parallel peer's ranks hold other
+        head slices: engine/kv_transfer/tp.py matches them); returns its name."""
         with self._lock:
             agent = self._live_agent()
             if bytes(metadata) == bytes(agent.get_agent_metadata()):
@@ -176,7 +181,8 @@ class NixlTransport:
             except Exception as e:
                 self._forget(name)
                 raise TransferError(f"cannot connect to peer {name!r}: {err_text(e)}") from e
-            self._peers[name], self._peer_md[name] = layout, bytes(metadata)
+            self._peers[name] = layout if layout is not None else self._layout
+            self._peer_md[name] = bytes(metadata)
             return name
 
     def remove_peer(self, name: str) -> None:
@@ -235,29 +241,54 @@ class NixlTransport:
                     )
                 ]
             tag = completion_tag(req.room) if req.is_final else b""  # partial writes notify no one
-            stages: list[Any] = []
-            try:
-                for i, (loc, loc_kind, rem, rem_kind) in enumerate(parts):
-                    stages.append(
-                        agent.initialize_xfer(
-                            "WRITE",
-                            agent.get_xfer_descs(loc, loc_kind),
-                            agent.get_xfer_descs(rem, rem_kind),
-                            req.peer,
-                            tag if i == len(parts) - 1 else b"",
-                        )
+            return self._post_parts(agent, req.room, req.peer, parts, tag)
+
+    def write_rows(
+        self,
+        room: int,
+        peer: str,
+        local: np.ndarray,
+        remote: np.ndarray,
+        tag: bytes = b"",
+        kinds: tuple[str, str] | None = None,
+    ) -> NixlXfer:
+        """Post one write of explicit (addr, len, dev) rows, by default KV memory to the peer's KV
+        memory (a tensor-parallel rank's head slices, engine/kv_transfer/tp.py; `kinds`: other
+        memory kinds, e.g. a handoff row's); `tag` notifies the peer on completion."""
+        with self._lock:
+            agent = self._live_agent()
+            layout = self._peers.get(peer)
+            if layout is None:
+                raise TransferError(f"room {room}: unknown peer {peer!r}")
+            loc_kind, rem_kind = kinds or (self._layout.mem_type, layout.mem_type)
+            parts = [(local, loc_kind, remote, rem_kind)]
+            return self._post_parts(agent, room, peer, parts, tag)
+
+    def _post_parts(self, agent: Any, room: int, peer: str, parts: list[Any], tag: bytes) -> NixlXfer:
+        """Initialise one NIXL write per part (the last tagged) and post the first (lock held)."""
+        stages: list[Any] = []
+        try:
+            for i, (loc, loc_kind, rem, rem_kind) in enumerate(parts):
+                stages.append(
+                    agent.initialize_xfer(
+                        "WRITE",
+                        agent.get_xfer_descs(loc, loc_kind),
+                        agent.get_xfer_descs(rem, rem_kind),
+                        peer,
+                        tag if i == len(parts) - 1 else b"",
                     )
-            except Exception as e:
-                release_all(stages)
-                raise TransferError(f"room {req.room} -> {req.peer}: {err_text(e)}") from e
-            nbytes = int(sum(int(p[0][:, 1].sum()) for p in parts))
-            x = NixlXfer(req.room, req.peer, stages, time.monotonic() + self._timeout, nbytes)
-            self._post(agent, x)
-            if x.state == KVPoll.FAILED:
-                release_all(stages)
-                raise TransferError(x.error or "transfer failed")
-            self._live.add(x)
-            return x
+                )
+        except Exception as e:
+            release_all(stages)
+            raise TransferError(f"room {room} -> {peer}: {err_text(e)}") from e
+        nbytes = int(sum(int(p[0][:, 1].sum()) for p in parts))
+        x = NixlXfer(room, peer, stages, time.monotonic() + self._timeout, nbytes)
+        self._post(agent, x)
+        if x.state == KVPoll.FAILED:
+            release_all(stages)
+            raise TransferError(x.error or "transfer failed")
+        self._live.add(x)
+        return x
 
     def poll(self, handle: object) -> KVPoll:
         x = as_xfer(handle)

@@ -22,9 +22,11 @@ class PlanChannel:
 
     def __init__(self, group: TpGroup) -> None:
         self.group = group
+        self.sent = 0  # messages broadcast so far (a follower's transfer waits until it applied as many)
 
     def send(self, ops: list[Op]) -> None:
         self._broadcast(ops)
+        self.sent += 1
 
     def recv(self) -> list[Op]:
         return self._broadcast(None)

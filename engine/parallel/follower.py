@@ -29,6 +29,10 @@ from engine.kv_cache import KVCacheManager
 from engine.parallel.channel import Op, PlanChannel, TpGroupFailed
 from engine.parallel.group import destroy_tp_group, init_tp_group
 from engine.parallel.mirror import ReqMirror, map_tensors
+from engine.parallel.transfer_service import AppliedPlans, TransferService
+from engine.kv_transfer.tp import pool_shapes
+from engine.loader import tp_layout
+from multiprocessing.connection import Connection
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +42,16 @@ _PLANS_KEPT = 64
 class Follower:
     """Applies the leader's ops to this rank's worker."""
 
-    def __init__(self, executor: Executor, kv: KVCacheManager, future_map: FutureMap, device: torch.device) -> None:
+    def __init__(
+        self,
+        executor: Executor,
+        kv: KVCacheManager,
+        future_map: FutureMap,
+        device: torch.device,
+        applied: AppliedPlans | None = None,
+    ) -> None:
         self.executor, self.kv, self.future_map = executor, kv, future_map
+        self.applied = applied or AppliedPlans(device)
         self.mirror = ReqMirror(device)
         self.device = device
         self.handles: deque[Any] = deque()
@@ -52,6 +64,7 @@ class Follower:
             if name == "stop":
                 return False
             getattr(self, f"_op_{name}")(payload)
+        self.applied.mark()
         return True
 
     def _op_table(self, writes: list[tuple[int, int | None, list[int] | None]]) -> None:
@@ -111,7 +124,13 @@ class Follower:
 
 
 def follower_main(
-    rank: int, size: int, init_method: str, config: EngineConfig, algorithm: EngineAlgorithm, device_name: str
+    rank: int,
+    size: int,
+    init_method: str,
+    config: EngineConfig,
+    algorithm: EngineAlgorithm,
+    device_name: str,
+    link: Connection,
 ) -> None:
     """The process of one follower rank (started by engine/parallel/ranks.py)."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp{rank} %(levelname)s %(name)s: %(message)s")
@@ -127,6 +146,9 @@ def follower_main(
         future_map = build_future_map(algorithm, config, parts.max_context_len, parts.parts.kv)
         parts.executor.bind_future_map(future_map)
         follower = Follower(parts.executor, parts.parts.kv, future_map, device)
+        pools = lambda: [parts.parts.runner.pool, *parts.executor.extra_kv_pools()]  # noqa: E731
+        heads = tp_layout(parts.parts.model_config, group).kv_heads
+        TransferService(link, pools, lambda: pool_shapes(pools(), heads), follower.applied)
         channel = PlanChannel(group)
         while follower.apply(channel.recv()):
             pass

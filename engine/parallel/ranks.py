@@ -25,6 +25,7 @@ from engine.parallel.channel import PlanChannel
 from engine.parallel.follower import follower_main
 from engine.parallel.group import NO_MULTICAST_ENV, SINGLE, TpGroup, destroy_tp_group, init_tp_group
 from engine.parallel.leader import TpLeaderExecutor
+from engine.parallel.links import RankLink
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,9 @@ def rank_device(device: torch.device, rank: int) -> str:
 class TpRanks:
     """The group of one node; on a single GPU a group of one with nothing to watch."""
 
-    def __init__(self, group: TpGroup, procs: list[BaseProcess]) -> None:
+    def __init__(self, group: TpGroup, procs: list[BaseProcess], links: list[RankLink] | None = None) -> None:
         self.group, self.procs = group, procs
+        self.links: list[RankLink] = links or []  # per follower: its KV transfer agent's requests
         self.failed: str | None = None
         self._leader: TpLeaderExecutor | None = None
         self._stopping = threading.Event()
@@ -59,19 +61,22 @@ class TpRanks:
             os.environ.setdefault(key, value)
         init = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA state
-        procs = []
+        procs, links = [], []
         for rank in range(1, config.tp_size):
-            args = (rank, config.tp_size, init, config, algorithm, rank_device(device, rank))
+            mine, theirs = ctx.Pipe()
+            args = (rank, config.tp_size, init, config, algorithm, rank_device(device, rank), theirs)
             p = ctx.Process(target=follower_main, args=args, name=f"pdserve-tp{rank}", daemon=True)
             p.start()
+            theirs.close()
             procs.append(p)
+            links.append(RankLink(rank, mine))
         try:
             group = init_tp_group(0, config.tp_size, init, device, config.tp_timeout_s)
         except Exception:
             for p in procs:
                 p.kill()
             raise
-        return TpRanks(group, procs)
+        return TpRanks(group, procs, links)
 
     def lead(self, executor: Executor, kv: KVCacheManager) -> Executor:
         """The executor the scheduler drives: the leader's worker, repeated on every follower."""
@@ -79,6 +84,10 @@ class TpRanks:
             return executor
         self._leader = TpLeaderExecutor(executor, PlanChannel(self.group), kv)
         return self._leader
+
+    def plans_sent(self) -> int:
+        """Plan messages the leader has broadcast (0 on one GPU)."""
+        return self._leader.channel.sent if self._leader is not None else 0
 
     def _watch(self) -> None:
         sentinels = {p.sentinel: p for p in self.procs}
