@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from engine.device_event import DeviceEvent, make_event
 from engine.kv_cache import KVPool
 from engine.kv_transfer import HandoffRows, KVPoll, TransferError, create_transport
 from engine.kv_transfer.tp_slices import PoolShape
@@ -36,12 +37,11 @@ class AppliedPlans:
         self.device = device
         self.count = 0
         self._cond = threading.Condition()
-        self._fences: deque[tuple[int, Any]] = deque(maxlen=256)
+        self._fences: deque[tuple[int, DeviceEvent]] = deque(maxlen=256)
 
     def mark(self) -> None:
-        fence = torch.cuda.Event() if self.device.type == "cuda" else None
-        if fence is not None:
-            fence.record()
+        fence = make_event(self.device, blocking=True)  # waited on from the transfer thread
+        fence.record()
         with self._cond:
             self.count += 1
             self._fences.append((self.count, fence))
@@ -53,7 +53,7 @@ class AppliedPlans:
                 return False
             fence = next((f for n, f in self._fences if n >= upto), None)
         if fence is not None:
-            fence.synchronize()  # the forward that wrote the pages has run on the device
+            fence.synchronize()  # the forwards that wrote the pages have run on the device
         return True
 
 
