@@ -51,6 +51,7 @@ from engine.kv_transfer.nixl_handles import (
     err_text,
     fail_xfer,
     md_agent_name,
+    post_stages,
     release_all,
 )
 from engine.kv_transfer.layout import coalesce_runs, kv_regions, run_descs, tensor_mem_type
@@ -283,7 +284,7 @@ class NixlTransport:
             raise TransferError(f"room {room} -> {peer}: {err_text(e)}") from e
         nbytes = int(sum(int(p[0][:, 1].sum()) for p in parts))
         x = NixlXfer(room, peer, stages, time.monotonic() + self._timeout, nbytes)
-        self._post(agent, x)
+        post_stages(agent, x)
         if x.state == KVPoll.FAILED:
             release_all(stages)
             raise TransferError(x.error or "transfer failed")
@@ -306,7 +307,7 @@ class NixlTransport:
                 if x.stage == len(x.stages):
                     x.state = KVPoll.SUCCESS
                 else:
-                    self._post(self._agent, x)
+                    post_stages(self._agent, x)
             elif st == "ERR":
                 fail_xfer(x, f"NIXL reported an error in stage {x.stage}")
             elif time.monotonic() > x.deadline:
@@ -381,19 +382,3 @@ class NixlTransport:
         if self._agent is None:
             raise TransferError(f"transport {self._name!r} is closed")
         return self._agent
-
-    def _post(self, agent: Any, x: NixlXfer) -> None:
-        """Post stage x.stage; a stage that completes inside the call moves on to the next."""
-        while x.stage < len(x.stages):
-            try:
-                st = agent.transfer(x.stages[x.stage])
-            except Exception as e:
-                fail_xfer(x, f"room {x.room} -> {x.peer}: {err_text(e)}")
-                return
-            if st == "ERR":
-                fail_xfer(x, f"room {x.room} -> {x.peer}: posting stage {x.stage} failed")
-                return
-            if st != "DONE":
-                return
-            x.stage += 1
-        x.state = KVPoll.SUCCESS
