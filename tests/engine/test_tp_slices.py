@@ -79,3 +79,32 @@ def test_descriptions_from_a_peer_are_checked() -> None:
     for bad in ({**good, "heads": [0, 1]}, {**good, "regions": "x"}, {k: v for k, v in good.items() if k != "sharded"}):
         with pytest.raises(TransferError):
             PoolShape.from_json(bad)
+
+
+class _Local:
+    """Just enough of a transport for TpTransport's handshake checks."""
+
+    name = "local"
+
+    def metadata(self) -> bytes:
+        return b"md"
+
+    def load_agent(self, metadata: bytes, layout: object = None, *, connect: bool = True) -> str:
+        return "peer"
+
+
+def test_pairs_that_cannot_map_head_for_head_are_refused_by_name() -> None:
+    from engine.kv_transfer.tp import TpTransport
+
+    pools = _ranks(1, None, None)[0]
+    mine = TpTransport(_Local(), pool_shapes(pools, range(KV_HEADS)))
+    fewer = TpTransport(_Local(), pool_shapes(pools[:1], range(KV_HEADS)))
+    with pytest.raises(TransferError, match="KV pools"):
+        mine.add_peer(fewer.metadata(), None)  # type: ignore[arg-type]
+    other = KVPool(LAYERS, PAGES, PAGE_SIZE, 1, HEAD_DIM, torch.float32, "cpu")
+    half = TpTransport(_Local(), pool_shapes([other, pools[1]], range(1)))
+    with pytest.raises(TransferError, match="holds heads"):
+        mine.add_peer(half.metadata(), None)  # type: ignore[arg-type]
+    with pytest.raises(TransferError, match="not a pdserve PD node"):
+        mine.add_peer(b"plain nixl metadata", None)  # type: ignore[arg-type]
+    assert mine.add_peer(TpTransport(_Local(), pool_shapes(pools, range(KV_HEADS))).metadata(), None) == "peer"  # type: ignore[arg-type]
