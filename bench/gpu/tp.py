@@ -17,7 +17,7 @@ import argparse
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -81,9 +81,10 @@ def measure_engine(model: Path, tp: int, device: str, tiny: bool) -> dict[str, A
         eng.close()
 
 
-def allreduce_us(nbytes: int, tp: int) -> float | None:
-    """NCCL all-reduce of `nbytes` (bf16) on `tp` GPUs, replayed from a CUDA graph of 64 of them;
-    None without enough GPUs."""
+def allreduce_us(nbytes: int, tp: int) -> dict[str, Any] | None:
+    """All-reduce of `nbytes` (bf16) on `tp` GPUs, replayed from a CUDA graph of 64 of them, by
+    NCCL and by PyTorch's one-shot all-reduce over symmetric (CUDA IPC) buffers; None without
+    enough GPUs. The engine keeps NCCL unless the one-shot kernel wins here."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < tp:
         return None
     ctx = torch.multiprocessing.get_context("spawn")
@@ -92,10 +93,10 @@ def allreduce_us(nbytes: int, tp: int) -> float | None:
     procs = [ctx.Process(target=_allreduce_rank, args=(r, tp, init, nbytes, result)) for r in range(tp)]
     for p in procs:
         p.start()
-    us = result.get(timeout=300)
+    times = result.get(timeout=300)
     for p in procs:
         p.join(60)
-    return float(us)
+    return dict(times)
 
 
 def _free_port() -> int:
@@ -112,21 +113,37 @@ def _allreduce_rank(rank: int, tp: int, init: str, nbytes: int, result: Any) -> 
     os.environ.update(NO_MULTICAST_ENV)
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=init, rank=rank, world_size=tp)
-    x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
-    for _ in range(3):
-        dist.all_reduce(x)
-    graph, n = torch.cuda.CUDAGraph(), 64
-    with torch.cuda.graph(graph):
-        for _ in range(n):
-            dist.all_reduce(x)
-    secs = time_cuda(graph.replay, iters=20)
+    times: dict[str, Any] = {"nccl_us": _graphed_us(lambda x: dist.all_reduce(x), nbytes)}
+    try:  # the IPC one-shot kernel: every rank reads every peer's buffer directly
+        import torch.distributed._symmetric_memory as symm_mem
+
+        group = dist.group.WORLD.group_name
+        buf = symm_mem.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+        symm_mem.rendezvous(buf, group)
+        one_shot = torch.ops.symm_mem.one_shot_all_reduce
+        times["one_shot_us"] = _graphed_us(lambda _: one_shot(buf, "sum", group), nbytes)
+    except Exception as e:  # noqa: BLE001 - recorded: a torch or driver without it
+        times["one_shot_error"] = f"{type(e).__name__}: {e}"
     if rank == 0:
-        result.put(secs / n * 1e6)
+        result.put(times)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def roofline(model: Path, tp2: dict[str, Any], ar_us: float | None, device: str) -> dict[str, Any]:
+def _graphed_us(op: Callable[[torch.Tensor], object], nbytes: int, n: int = 64) -> float:
+    """Microseconds per `op`, from a CUDA graph holding `n` of them back to back."""
+    x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        op(x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            op(x)
+    return time_cuda(graph.replay, iters=20) / n * 1e6
+
+
+def roofline(model: Path, tp2: dict[str, Any], allreduce: dict[str, Any] | None, device: str) -> dict[str, Any]:
     """TP 2's batch-1 step against reading half the weights at the copy bandwidth plus the
     step's all-reduces measured alone."""
     from engine.config import ModelConfig
@@ -139,9 +156,10 @@ def roofline(model: Path, tp2: dict[str, Any], ar_us: float | None, device: str)
     per_layer += 3 * cfg.hidden_size * cfg.intermediate_size
     weights = (cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size) * 2  # bf16; the head once
     bw = copy_bandwidth(torch.device(device)) if device.startswith("cuda") else None
+    ar_us = allreduce.get("nccl_us") if allreduce else None
     if bw is None or ar_us is None:
         return {"weights_bytes": weights}
-    floor_ms = weights / 2 / bw * 1e3 + ALLREDUCES_PER_STEP * cfg.num_layers * ar_us / 1e3
+    floor_ms = weights / 2 / bw * 1e3 + ALLREDUCES_PER_STEP * cfg.num_layers * ar_us / 1e3  # NCCL's
     step = tp2["decode_bs1"]["step_ms"]
     return {"weights_bytes": weights, "copy_bandwidth": bw, "floor_ms": floor_ms, "ratio": floor_ms / step}
 
@@ -175,7 +193,7 @@ def main() -> int:
         "device": gpu,
         "model": "tiny (CPU code path)" if args.tiny else "Llama-3.1-8B shape, random bf16 weights, vocab 4096",
         "runs": runs,
-        "allreduce_8KiB_us": ar,
+        "allreduce_8KiB": ar,
         "roofline": roofline(model, two, ar, device),
         "ratios": ratios,
         "goals": GOALS,
