@@ -8,7 +8,9 @@ import random
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import ContextManager, Iterator, Sequence
 
@@ -19,6 +21,8 @@ from engine.algorithm import EngineAlgorithm, EngineParts, PlainDecoding
 from engine.config import EngineConfig, ModelConfig, check_device, parse_dtype
 from engine.core import FinishReason, InvalidRequest, Req, SamplingParams, as_token_list
 from engine.executor import check_executor, maybe_enable_cuda_graphs
+from engine.grammar.base import CompiledGrammar
+from engine.grammar.compiler import GrammarCompiler, make_backend, new_matcher
 from engine.kv_budget import draft_footprint, kv_bytes_per_token, size_kv_cache
 from engine.kv_cache import MAX_DECODE_WINDOW, KVCacheConfig, KVCacheManager, KVPool
 from engine.loader import load_model
@@ -29,6 +33,7 @@ from engine.scheduler.rates import NodeRates
 from engine.scheduler.tpot_guard import TpotGuard
 from engine.scheduler.updates import SchedulerIO
 from common.detokenize import TextAssembler
+from common.sampling import Constraint
 from common.tokenizer import Tokenizer
 
 
@@ -123,6 +128,7 @@ class Engine:
         with on_device(self.device):
             self._build(config, algorithm, io)
         self.tokenizer = _maybe_tokenizer(Path(config.model))
+        self.grammars = self._grammar_compiler() if self.tokenizer is not None else None
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._texts: dict[str, TextAssembler] = {}
@@ -168,6 +174,19 @@ class Engine:
         if config.cuda_graph_max_bs > 0:  # after the scheduler bound the FutureMap graphs read
             self.executor.capture_cuda_graphs()  # at start-up, so first requests do not pay for captures
 
+    def _grammar_compiler(self) -> GrammarCompiler:
+        mc = self.model_config
+        return GrammarCompiler(
+            partial(make_backend, self.config.grammar_backend, self.config.model, mc.vocab_size, mc.eos_token_ids)
+        )
+
+    def compile_grammar(self, constraint: Constraint) -> Future[CompiledGrammar]:
+        """The constraint's grammar, compiled on the grammar worker (or from its cache); the
+        Future raises InvalidRequest naming what is wrong with a bad grammar."""
+        if self.grammars is None:
+            raise InvalidRequest("constrained output needs a tokenizer; this model directory has none")
+        return self.grammars.submit(constraint)
+
     def _kv_tokens(self, mc: ModelConfig) -> int:
         """The configured KV capacity, or what the device memory left by the weights holds for the
         target's KV and a draft's (the draft loads later, so its weights are counted up front)."""
@@ -190,6 +209,8 @@ class Engine:
     def _submit(self, prompt: str | Sequence[int], params: SamplingParams | None, rid: str | None = None) -> Req:
         params = params or SamplingParams()
         req = self.make_request(self._prompt_ids(prompt), params, rid)
+        if params.constraint is not None:  # the in-process API waits for its compile here
+            req.grammar = new_matcher(self.compile_grammar(params.constraint))
         if self.tokenizer is not None:
             self._texts[req.rid] = TextAssembler(
                 self.tokenizer, params.stop, req.prompt_ids, params.min_new_tokens, params.skip_special_tokens
@@ -207,6 +228,8 @@ class Engine:
             raise InvalidRequest(f"prompt has {len(ids)} tokens; the context length is {self.max_context_len}")
         if params.stop and self.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer; this model directory has none")
+        if params.constraint is not None and self.grammars is None:
+            raise InvalidRequest("constrained output needs a tokenizer; this model directory has none")
         rid = rid or f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         return Req(rid, list(ids), params, sampling_seed=seed)
