@@ -74,14 +74,14 @@ class LLGuidanceBackend:
         return cls((Path(model_dir) / "tokenizer.json").read_text(), vocab_size, eos_token_ids)
 
     def compile(self, kind: str, spec: str) -> LLGuidanceGrammar:
-        grammar = _grammar_text(kind, spec)
+        grammar = _grammar_text(kind, spec, self.tokenizer)
         m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if m.is_error():
             raise InvalidRequest(f"{kind} constraint: {_one_line(m.get_error())}")
         return LLGuidanceGrammar(m)
 
 
-def _grammar_text(kind: str, spec: str) -> str:
+def _grammar_text(kind: str, spec: str, tokenizer: llguidance.LLTokenizer) -> str:
     """llguidance's grammar for a constraint; InvalidRequest for text that is not even parseable."""
     try:
         if kind == "json_schema":
@@ -91,16 +91,17 @@ def _grammar_text(kind: str, spec: str) -> str:
         if kind == "ebnf":
             return llguidance.grammar_from("ebnf", spec)
         if kind == "structural_tag":
-            return _structural_tag(spec)
+            return _structural_tag(spec, tokenizer)
     except (ValueError, TypeError, KeyError, AssertionError) as e:
         raise InvalidRequest(f"{kind} constraint: {_one_line(str(e)) or type(e).__name__}") from None
     raise InvalidRequest(f"constraint kind {kind!r} is not supported by the llguidance backend")
 
 
-def _structural_tag(spec: str) -> str:
+def _structural_tag(spec: str, tokenizer: llguidance.LLTokenizer) -> str:
     """SGLang's structural tag ({"structures": [{"begin", "schema", "end"}], "triggers": [...]}):
     free text in which each begin string, once a trigger starts it, is followed by JSON of its
-    schema and then its end string."""
+    schema and then its end string. Triggers are matched as special tokens only where every one
+    is a special token of this vocabulary (Qwen's <tool_call>); elsewhere as text."""
     tag = json.loads(spec)
     if not isinstance(tag, dict) or not isinstance(tag.get("structures"), list) or not tag["structures"]:
         raise ValueError("expected an object with a non-empty 'structures' list")
@@ -110,7 +111,13 @@ def _structural_tag(spec: str) -> str:
         begin = s["begin"]
         trigger = next((t for t in triggers if begin.startswith(t)), begin)
         tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=s.get("schema", {}), end=s["end"]))
-    return llguidance.StructTag.to_grammar(tags)
+    special = all(_is_special(tokenizer, t.trigger) for t in tags)
+    return llguidance.StructTag.to_grammar(tags, assume_special=special)
+
+
+def _is_special(tokenizer: llguidance.LLTokenizer, text: str) -> bool:
+    ids = tokenizer.tokenize_bytes(text.encode(), parse_special=True)
+    return len(ids) == 1 and tokenizer.is_special_token(ids[0])
 
 
 def _one_line(msg: str) -> str:

@@ -195,3 +195,16 @@ def test_bad_grammar_fails_alone(model_dir):
     outs = eng.generate(PROMPTS[:1], [params(YES_NO)])  # the engine keeps serving
     assert outs[0].text in ("yes", "no")
     assert_all_returned(eng)
+
+
+def test_structural_tag_constrains_only_inside_the_tag(backend, model_dir):
+    tag = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<f>", "schema": SCHEMA, "end": "</f>"}],
+        "triggers": ["<f>"],
+    }
+    g = backend.compile("structural_tag", json.dumps(tag))
+    good = encode(model_dir, 'so <f>{"ok": true, "pick": "red"}</f>')
+    bad = encode(model_dir, 'so <f>{"ok": 1}</f>')
+    assert g.matcher().validate(good) == len(good)
+    assert g.matcher().validate(bad) < len(bad)
