@@ -138,3 +138,14 @@ def test_pd_constrained_equals_colocated(models, plain, name: str | None) -> Non
         pd.check_returned()
     finally:
         pd.close()
+
+
+@pytest.mark.parametrize("name", ["EAGLE", "EAGLE3", "NGRAM"])
+def test_forced_tokens_are_offered_as_drafts(models, plain, name: str) -> None:
+    """Jump-forward as a draft source: the JSON's keys and punctuation the schema forces are
+    drafted and accepted, so the object takes far fewer verifies than tokens (same output)."""
+    eng = _engine(models, name)
+    [o] = eng.generate(PROMPTS[1:2], GREEDY[1:2])
+    assert o.output_ids == plain[1] and o.finish_reason.value == "stop"
+    assert sum(o.accepted_drafts) >= len(o.output_ids) // 2
+    assert len(o.accepted_drafts) < len(o.output_ids) // 2
