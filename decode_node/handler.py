@@ -211,6 +211,12 @@ class DecodeHandler:
         req = dr.req
         _check_aborted(dr)
         req.output_ids, req.seq_len, req.handoff = [header.first_token], len(req.prompt_ids), state
+        if req.grammar is not None and req.grammar.validate([header.first_token]) != 1:  # checked, not taken
+            raise RequestFailed(
+                f"the prefill's first token {header.first_token} is outside this node's grammar "
+                "(do both sides run the same tokenizer and --grammar-backend?)",
+                "bad_handoff",
+            )
         try:
             draft_input = self.binding.algorithm.build_disagg_draft_input(
                 self.pd.prebuilt(req), self.binding.config, torch.tensor([header.first_token]), None

@@ -6,6 +6,7 @@ cannot be built fails only its request; every page returns to both pools."""
 from __future__ import annotations
 
 import json
+import threading
 
 import grpc
 import pytest
@@ -73,8 +74,33 @@ def test_pd_equals_colocated_under_constraints(models, mode):
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "foo" in e.value.details()
         got, _ = pd_generate(p, d, constrained(request("after", PROMPTS[0], 901, boot, max_new=32), FIELDS[0]))
         assert got[-1].complete.finish_reason == "stop"
+        if mode == "plain":
+            mismatched_grammars_fail_alone(p, d, boot)
         wait_idle(p)
         wait_idle(d)
     finally:
         for n in (colo, prefill, decode):
             n.kill()
+
+
+def mismatched_grammars_fail_alone(p, d, boot: int) -> None:
+    """The prefill's first token checked against the decode's own grammar before it is replayed:
+    two sides that built different grammars fail that request with a clear error, nothing leaks."""
+    box: dict[str, object] = {}
+
+    def leg(s, req, key):
+        try:
+            box[key] = list(s.Generate(req, timeout=60))
+        except grpc.RpcError as e:
+            box[key] = e
+
+    legs = [
+        threading.Thread(target=leg, args=(d, constrained(request("mm", PROMPTS[0], 950, boot), {"regex": "x+"}), "d")),
+        threading.Thread(target=leg, args=(p, constrained(request("mm", PROMPTS[0], 950, boot), {"regex": "y+"}), "p")),
+    ]
+    for t in legs:
+        t.start()
+    for t in legs:
+        t.join(60)
+    err = box["d"]
+    assert isinstance(err, grpc.RpcError) and "outside this node's grammar" in err.details(), err

@@ -140,7 +140,7 @@ def test_pd_constrained_equals_colocated(models, plain, name: str | None) -> Non
         pd.close()
 
 
-@pytest.mark.parametrize("name", ["EAGLE", "EAGLE3", "NGRAM"])
+@pytest.mark.parametrize("name", ["EAGLE", "EAGLE3", "NGRAM", "STANDALONE"])
 def test_forced_tokens_are_offered_as_drafts(models, plain, name: str) -> None:
     """Jump-forward as a draft source: the JSON's keys and punctuation the schema forces are
     drafted and accepted, so the object takes far fewer verifies than tokens (same output)."""
