@@ -75,7 +75,7 @@ class GrammarCompiler:
     def _forget_failure(self, key: tuple[str, str], fut: Future[CompiledGrammar]) -> None:
         """A failed compile is not cached: the error is the request's, not the grammar's forever
         (a resource limit may pass next time)."""
-        if fut.exception() is not None:
+        if fut.cancelled() or fut.exception() is not None:
             with self._lock:
                 if self._cache.get(key) is fut:
                     del self._cache[key]
@@ -102,5 +102,8 @@ def new_matcher(fut: Future[CompiledGrammar]) -> GrammarMatcher:
 
 async def await_matcher(fut: Future[CompiledGrammar]) -> GrammarMatcher:
     """`new_matcher` for an asyncio server: waits for the compile without blocking its event loop."""
-    await asyncio.wait((asyncio.wrap_future(fut),))
+    try:
+        await asyncio.wrap_future(fut)
+    except Exception:  # noqa: BLE001 - new_matcher re-raises it, as the request's error
+        pass
     return new_matcher(fut)

@@ -38,6 +38,9 @@ class LLGuidanceMatcher:
         return self._m.validate_tokens(list(tokens))
 
     def fill_mask(self, words: torch.Tensor) -> None:
+        # llguidance writes through the raw pointer: it must be this tensor's own memory
+        if words.dtype != torch.int32 or words.device.type != "cpu" or not words.is_contiguous():
+            raise ValueError("a mask row must be a contiguous int32 CPU tensor")
         self._m.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
 
     def is_finished(self) -> bool:
