@@ -21,6 +21,7 @@ from common.defaults import (
     DEFAULT_CONNECT_ATTEMPTS,
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_FIRST_TOKEN_TIMEOUT,
+    DEFAULT_GRAMMAR_BACKEND,
     DEFAULT_HEARTBEAT_INTERVAL,
     DEFAULT_INTER_TOKEN_TIMEOUT,
     DEFAULT_LOCAL_PREFILL_TPOT_MS,
@@ -116,6 +117,11 @@ class EngineOptions:
     )
     future_map_debug: bool = opt(
         False, "FutureMap debug mode: poison consumed rows and check every read.", panel=PANEL_FAST
+    )
+    grammar_backend: str = opt(
+        DEFAULT_GRAMMAR_BACKEND,
+        "Grammar library for constrained output (response_format, regex, ebnf, structural tags): "
+        "llguidance or xgrammar (bench/RESULTS.md compares them).",
     )
 
     def fast_path(self) -> dict[str, Any]:

@@ -11,9 +11,11 @@ import torch
 
 from common.defaults import (
     DEFAULT_CHUNKED_PREFILL_SIZE,
+    DEFAULT_GRAMMAR_BACKEND,
     DEFAULT_MAX_RUNNING,
     DEFAULT_MEM_FRACTION_STATIC,
     DEFAULT_PAGE_SIZE,
+    GRAMMAR_BACKENDS,
 )
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -180,6 +182,8 @@ class EngineConfig:
     # that has not completed fails the node rather than hanging it.
     tp_size: int = 1
     tp_timeout_s: float = 120.0
+    # the library constrained output is compiled and matched with (engine/grammar: llguidance or xgrammar)
+    grammar_backend: str = DEFAULT_GRAMMAR_BACKEND
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_total_tokens", "max_running", "chunked_prefill_size", "tp_size"):
@@ -189,6 +193,8 @@ class EngineConfig:
             raise ValueError(f"tpot_guard_ms must be >= 0, got {self.tpot_guard_ms}")
         check_fraction(self.mem_fraction_static)
         check_device(self.device)
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            raise ValueError(f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}")
 
 
 def check_device(name: str) -> torch.device:

@@ -16,11 +16,13 @@ import torch
 
 from engine.core import Batch, ForwardMode, Req, SamplingParams, StepOutput
 from engine.future_map import DraftInput
+from engine.grammar.base import CompiledGrammar
 from engine.handoff import HandoffCodec, HandoffHeader, decode_row, encode_row
 from engine.kv_cache import KVPool
 from engine.loader import tp_layout
 from engine.scheduler import RequestUpdate
 from engine.loop import EngineLoop, UpdateCallback
+from common.sampling import Constraint
 from common.tokenizer import Tokenizer
 
 
@@ -113,6 +115,11 @@ class DisaggEngine:
 
     def submit(self, req: Req, on_update: UpdateCallback) -> None:
         self._need_loop().submit(req, on_update)
+
+    def compile_grammar(self, constraint: Constraint) -> Future[CompiledGrammar]:
+        """The constraint's compiled grammar (engine.Engine.compile_grammar): each side of a
+        handoff compiles its own from the same constraint, or finds it in its cache."""
+        return self._engine.compile_grammar(constraint)
 
     def subscribe(self, rid: str, on_update: UpdateCallback) -> None:
         self._need_loop().io.subscribe(rid, on_update)

@@ -8,7 +8,9 @@ import random
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import ContextManager, Iterator, Sequence
 
@@ -19,12 +21,15 @@ from engine.build import build_rank
 from engine.config import EngineConfig, check_device, parse_dtype
 from engine.core import FinishReason, InvalidRequest, Req, SamplingParams, as_token_list
 from engine.executor import Executor
+from engine.grammar.base import CompiledGrammar
+from engine.grammar.compiler import GrammarCompiler, make_backend, new_matcher
 from engine.parallel.ranks import TpRanks
 from engine.scheduler import BatchPolicy, PolicyConfig, RequestUpdate, Scheduler, SchedulerConfig
 from engine.scheduler.rates import NodeRates
 from engine.scheduler.tpot_guard import TpotGuard
 from engine.scheduler.updates import SchedulerIO
 from common.detokenize import TextAssembler
+from common.sampling import Constraint
 from common.tokenizer import Tokenizer
 
 
@@ -119,6 +124,7 @@ class Engine:
         with on_device(self.device):
             self._build(config, algorithm, io)
         self.tokenizer = _maybe_tokenizer(Path(config.model))
+        self.grammars = self._grammar_compiler() if self.tokenizer is not None else None
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._texts: dict[str, TextAssembler] = {}
@@ -162,6 +168,19 @@ class Engine:
         """Stop the follower ranks (no-op on one GPU)."""
         self.ranks.stop()
 
+    def _grammar_compiler(self) -> GrammarCompiler:
+        mc = self.model_config
+        return GrammarCompiler(
+            partial(make_backend, self.config.grammar_backend, self.config.model, mc.vocab_size, mc.eos_token_ids)
+        )
+
+    def compile_grammar(self, constraint: Constraint) -> Future[CompiledGrammar]:
+        """The constraint's grammar, compiled on the grammar worker (or from its cache); the
+        Future raises InvalidRequest naming what is wrong with a bad grammar."""
+        if self.grammars is None:
+            raise InvalidRequest("constrained output needs a tokenizer; this model directory has none")
+        return self.grammars.submit(constraint)
+
     # ---- requests ----
     def add_request(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, rid: str | None = None
@@ -172,6 +191,8 @@ class Engine:
     def _submit(self, prompt: str | Sequence[int], params: SamplingParams | None, rid: str | None = None) -> Req:
         params = params or SamplingParams()
         req = self.make_request(self._prompt_ids(prompt), params, rid)
+        if params.constraint is not None:  # the in-process API waits for its compile here
+            req.grammar = new_matcher(self.compile_grammar(params.constraint))
         if self.tokenizer is not None:
             self._texts[req.rid] = TextAssembler(
                 self.tokenizer, params.stop, req.prompt_ids, params.min_new_tokens, params.skip_special_tokens
@@ -189,6 +210,8 @@ class Engine:
             raise InvalidRequest(f"prompt has {len(ids)} tokens; the context length is {self.max_context_len}")
         if params.stop and self.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer; this model directory has none")
+        if params.constraint is not None and self.grammars is None:
+            raise InvalidRequest("constrained output needs a tokenizer; this model directory has none")
         rid = rid or f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         return Req(rid, list(ids), params, sampling_seed=seed)

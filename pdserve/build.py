@@ -38,6 +38,7 @@ def engine_config(options: EngineOptions, choice: ModelChoice) -> EngineConfig:
         max_running=options.max_running,
         chunked_prefill_size=options.chunked_prefill_size,
         radix_cache=not options.disable_radix_cache,
+        grammar_backend=options.grammar_backend,
         **options.fast_path(),
     )
 

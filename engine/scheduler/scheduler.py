@@ -5,6 +5,11 @@ batch N+1 from what the host knows, then collects batch N, so the CPU work of on
 behind the device work of the previous one. Results arrive one iteration late: a request that
 finishes in batch N may already run in batch N+1, whose results for it are discarded, and its
 pages, slot and FutureMap row go back only after batch N+1 was collected (`Req.inflight`).
+
+Grammar-constrained requests are the exception: the mask a sampling step applies is built on the
+host from the request's matcher, which must already have taken every earlier token. So a batch
+in flight that samples for a constrained request is collected before the next batch is formed
+(one sync, the overlap given up while such requests run): no mask is ever built from stale state.
 """
 
 from __future__ import annotations
@@ -52,6 +57,11 @@ class _Launched:
     batch: Batch
     handle: Any
     at: float  # perf_counter at launch
+
+
+def _samples_grammar(launched: _Launched) -> bool:
+    """The batch samples a token a constrained request's next mask depends on."""
+    return any(r.grammar is not None for r, s in zip(launched.batch.reqs, launched.batch.sample) if s)
 
 
 class Scheduler:
@@ -150,8 +160,9 @@ class Scheduler:
             req = self.policy.waiting[0]
             req.finish(FinishReason.ABORT, f"request needs more KV than the whole pool ({req.total_len} tokens)")
             updates.append(self._finish(req))
-        if self._inflight is not None and self.policy.decode_needs_retraction():
-            # finished requests of the batch in flight hold the pages retraction would miss
+        if self._inflight is not None and (self.policy.decode_needs_retraction() or _samples_grammar(self._inflight)):
+            # finished requests of the batch in flight hold the pages retraction would miss; a
+            # constrained request's next mask needs the tokens the batch in flight samples
             self.stats["overlap_syncs"] += 1
             updates.extend(self._collect_inflight())
         batch = self.policy.next_batch(self._on_admit, self._on_retract)
@@ -352,9 +363,9 @@ class Scheduler:
         for tok in new:
             kept.append(tok)
             req.output_ids.append(tok)
-            reason = self._stop_reason(req, tok)
+            reason = self._grammar_reason(req, tok) or self._stop_reason(req, tok)
             if reason is not None:
-                req.finish(reason)
+                req.finish(reason, "" if reason is not FinishReason.ABORT else f"token {tok} is outside the grammar")
                 break
         upd = RequestUpdate(req.rid, kept, prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens)
         if out.logprobs is not None:
@@ -379,6 +390,16 @@ class Scheduler:
         if len(req.output_ids) >= p.max_new_tokens or req.total_len >= self.max_context_len:
             return FinishReason.LENGTH
         return None
+
+    def _grammar_reason(self, req: Req, tok: int) -> FinishReason | None:
+        """Advance a constrained request's matcher by its new token: STOP once the grammar has
+        taken its last token (what follows could only be EOS), ABORT if it refuses the token
+        (masks make that impossible; a broken invariant ends the request, not the node)."""
+        if req.grammar is None or (tok in self.eos_token_ids and not req.params.ignore_eos):
+            return None
+        if not req.grammar.advance((tok,)):
+            return FinishReason.ABORT
+        return FinishReason.STOP if req.grammar.is_finished() else None
 
     def _finish(self, req: Req) -> RequestUpdate:
         """Release everything a finished request holds and drop it from the scheduler."""
