@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import pickle
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -20,8 +21,8 @@ class PlanChannel:
     """Ops in the order the leader runs them; each `send` is one broadcast every follower receives
     before it runs the same device work (collectives must meet in the same order on every rank)."""
 
-    def __init__(self, group: TpGroup) -> None:
-        self.group = group
+    def __init__(self, group: TpGroup, on_broken: Callable[[str], None] = lambda why: None) -> None:
+        self.group, self.on_broken = group, on_broken
         self.sent = 0  # messages broadcast so far (a follower's transfer waits until it applied as many)
 
     def send(self, ops: list[Op]) -> None:
@@ -35,6 +36,10 @@ class PlanChannel:
         box: list[Any] = [ops]
         try:
             dist.broadcast_object_list(box, src=0, group=self.group.cpu_group)
+        except (TypeError, AttributeError, pickle.PicklingError):
+            raise  # an op that cannot be pickled: a bug of the caller's, the group is intact
         except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError, DistBackendError, ...
-            raise TpGroupFailed(f"tensor-parallel group broke: {type(e).__name__}: {e}") from e
+            why = f"tensor-parallel group broke: {type(e).__name__}: {e}"
+            self.on_broken(why)
+            raise TpGroupFailed(why) from e
         return box[0]

@@ -29,6 +29,11 @@ from engine.kv_cache import KVCacheManager
 from engine.parallel.channel import Op, PlanChannel, TpGroupFailed
 from engine.parallel.group import destroy_tp_group, init_tp_group
 from engine.parallel.mirror import ReqMirror, map_tensors
+from engine.grammar.base import GrammarMatcher
+from engine.grammar.compiler import GrammarCompiler, make_backend, new_matcher
+from common.sampling import Constraint
+from functools import partial
+from typing import Callable
 from engine.parallel.transfer_service import AppliedPlans, TransferService
 from engine.kv_transfer.tp import pool_shapes
 from engine.loader import tp_layout
@@ -49,10 +54,11 @@ class Follower:
         future_map: FutureMap,
         device: torch.device,
         applied: AppliedPlans | None = None,
+        grammar_for: Callable[[Constraint], GrammarMatcher] | None = None,
     ) -> None:
         self.executor, self.kv, self.future_map = executor, kv, future_map
         self.applied = applied or AppliedPlans(device)
-        self.mirror = ReqMirror(device)
+        self.mirror = ReqMirror(device, grammar_for)
         self.device = device
         self.handles: deque[Any] = deque()
         self.plans: dict[int, DecodePlan] = {}
@@ -145,7 +151,13 @@ def follower_main(
         parts = build_rank(config, algorithm, device, group)
         future_map = build_future_map(algorithm, config, parts.max_context_len, parts.parts.kv)
         parts.executor.bind_future_map(future_map)
-        follower = Follower(parts.executor, parts.parts.kv, future_map, device)
+        mc = parts.parts.model_config
+        compiler = GrammarCompiler(
+            partial(make_backend, config.grammar_backend, config.model, mc.vocab_size, mc.eos_token_ids)
+        )
+        follower = Follower(
+            parts.executor, parts.parts.kv, future_map, device, grammar_for=lambda c: new_matcher(compiler.submit(c))
+        )
         pools = lambda: [parts.parts.runner.pool, *parts.executor.extra_kv_pools()]  # noqa: E731
         heads = tp_layout(parts.parts.model_config, group).kv_heads
         TransferService(link, pools, lambda: pool_shapes(pools(), heads), follower.applied)

@@ -13,7 +13,9 @@ from typing import Any, Callable
 
 import torch
 
+from common.sampling import Constraint
 from engine.core import Req
+from engine.grammar.base import GrammarMatcher
 
 _BULKY = {
     "rid",
@@ -24,6 +26,7 @@ _BULKY = {
     "output_top_logprobs",
     "spec_state",
     "handoff",
+    "grammar",  # each rank keeps its own matcher (ReqMirror)
 }
 SCALARS = tuple(f.name for f in dataclasses.fields(Req) if f.name not in _BULKY)
 
@@ -59,11 +62,14 @@ class ReqEncoder:
 
 
 class ReqMirror:
-    """A follower's copies of the leader's requests."""
+    """A follower's copies of the leader's requests. A constrained request gets its own matcher
+    (`grammar_for`), kept at the tokens its output holds, as the leader's scheduler keeps its own:
+    this rank's sampler and drafts then mask exactly as the leader's do."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, grammar_for: Callable[[Constraint], GrammarMatcher] | None = None) -> None:
+        self.device, self.grammar_for = device, grammar_for
         self.reqs: dict[str, Req] = {}
+        self._taken: dict[str, int] = {}  # output tokens offered to each request's matcher
 
     def apply(self, enc: Encoded) -> Req:
         rid, scalars, start, tail, new, handoff = enc
@@ -77,10 +83,24 @@ class ReqMirror:
         req.output_ids.extend(tail)
         if handoff is not None:
             req.handoff = map_tensors(handoff, lambda t: t.to(self.device))
+        if req.params.constraint is not None:
+            self._sync_grammar(req)
         return req
+
+    def _sync_grammar(self, req: Req) -> None:
+        """Offer the matcher the output tokens it has not seen (one refused, as the leader's
+        scheduler refuses EOS and a token outside the grammar, is not consumed)."""
+        assert self.grammar_for is not None and req.params.constraint is not None
+        taken = self._taken.get(req.rid, 0)
+        if req.grammar is None or taken > len(req.output_ids):  # new, or output taken back: start over
+            req.grammar, taken = self.grammar_for(req.params.constraint), 0
+        for tok in req.output_ids[taken:]:
+            req.grammar.advance((tok,))
+        self._taken[req.rid] = len(req.output_ids)
 
     def forget(self, rid: str) -> None:
         self.reqs.pop(rid, None)
+        self._taken.pop(rid, None)
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

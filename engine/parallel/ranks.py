@@ -82,12 +82,17 @@ class TpRanks:
         """The executor the scheduler drives: the leader's worker, repeated on every follower."""
         if self.group.size == 1:
             return executor
-        self._leader = TpLeaderExecutor(executor, PlanChannel(self.group), kv)
+        self._leader = TpLeaderExecutor(executor, PlanChannel(self.group, self._broken), kv)
         return self._leader
 
     def plans_sent(self) -> int:
         """Plan messages the leader has broadcast (0 on one GPU)."""
         return self._leader.channel.sent if self._leader is not None else 0
+
+    def _broken(self, why: str) -> None:
+        if self.failed is None and not self._stopping.is_set():
+            self.failed = why
+            log.error("%s: this node cannot step again", why)
 
     def _watch(self) -> None:
         sentinels = {p.sentinel: p for p in self.procs}

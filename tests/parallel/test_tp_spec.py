@@ -98,3 +98,35 @@ def test_tp3_eagle_on_the_builtin_pair_equals_tp1() -> None:
     ids3, acc3 = _run(models, spec, 3, dtype="float32", overlap=True)
     assert ids1 == plain and ids3 == plain
     assert acc3 == acc1 and sum(map(sum, acc3)) > 0
+
+
+def test_tp2_constrained_output_equals_tp1(models: dict[str, Path]) -> None:
+    """Every rank masks as the leader does (each follower keeps its own matcher at the tokens its
+    mirror of the request holds): constrained EAGLE output, greedy and sampled, overlap on, equals
+    TP 1's, and conforms."""
+    import json
+    import re
+
+    from common.sampling import Constraint
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    constraints = [Constraint("regex", "(yes|no|maybe)"), Constraint("json_schema", json.dumps(schema))]
+    params = [
+        SamplingParams(max_new_tokens=24, temperature=t, seed=3, constraint=c) for c in constraints for t in (0.0, 0.8)
+    ]
+    spec = SpecConfig("EAGLE", str(models["EAGLE"]), 3)
+    outs = {}
+    for tp in (1, 2):
+        eng = Engine(
+            EngineConfig(str(models["target"]), page_size=4, max_total_tokens=1024, tp_size=tp, overlap=True),
+            algorithm=bind(spec),
+        )
+        try:
+            outs[tp] = [(o.output_ids, o.text) for o in eng.generate([PROMPTS[0]] * len(params), params)]
+        finally:
+            eng.close()
+    assert outs[2] == outs[1]
+    for (_, text), p in zip(outs[2], params):
+        assert text is not None
+        if p.constraint is not None and p.constraint.kind == "regex":
+            assert re.fullmatch("(yes|no|maybe)", text), text
