@@ -34,7 +34,21 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
+_RUNS: dict[tuple, tuple[list[list[int]], list[list[int]]]] = {}
+
+
 def _run(models: dict[str, Path], spec: SpecConfig | None, tp: int, **kw) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy outputs and acceptance; each configuration runs once per session (the references
+    several tests compare with are shared)."""
+    key = (str(models["target"]), repr(spec), tp, tuple(sorted(kw.items())))
+    if key not in _RUNS:
+        _RUNS[key] = _generate(models, spec, tp, **kw)
+    return _RUNS[key]
+
+
+def _generate(
+    models: dict[str, Path], spec: SpecConfig | None, tp: int, **kw
+) -> tuple[list[list[int]], list[list[int]]]:
     binding = bind(spec) if spec is not None else None
     eng = Engine(
         EngineConfig(str(models["target"]), page_size=4, max_total_tokens=1024, tp_size=tp, **kw), algorithm=binding
