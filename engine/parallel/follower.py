@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from collections import deque
@@ -140,6 +141,8 @@ def follower_main(
 ) -> None:
     """The process of one follower rank (started by engine/parallel/ranks.py)."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp{rank} %(levelname)s %(name)s: %(message)s")
+    # Ctrl-C in a terminal reaches the whole process group: the node stops its ranks itself
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent()
     device = torch.device(device_name)
     if device.type == "cuda":

@@ -24,7 +24,7 @@ class TpGroup:
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None  # device collectives (NCCL or gloo)
-    cpu_group: dist.ProcessGroup | None = None  # host messages (gloo): plans, health
+    cpu_group: dist.ProcessGroup | None = None  # host messages (gloo): the leader's plans, no deadline
 
     @property
     def is_leader(self) -> bool:
@@ -49,6 +49,7 @@ class TpGroup:
 
 
 SINGLE = TpGroup()
+PLAN_WAIT = datetime.timedelta(days=365)
 
 
 def init_tp_group(rank: int, size: int, init_method: str, device: torch.device, timeout_s: float) -> TpGroup:
@@ -63,8 +64,11 @@ def init_tp_group(rank: int, size: int, init_method: str, device: torch.device, 
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout, **kwargs)
-    cpu = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
-    return TpGroup(rank, size, dist.group.WORLD, cpu)
+    # The plan channel's own group: a follower waits on it for the leader's next step as long as
+    # the node is idle, so it has no deadline worth the name (a dead leader is seen otherwise: its
+    # socket closes, and followers exit with their parent); collectives keep `timeout_s`.
+    plans = dist.new_group(backend="gloo", timeout=PLAN_WAIT)
+    return TpGroup(rank, size, dist.group.WORLD, plans)
 
 
 def destroy_tp_group(group: TpGroup) -> None:

@@ -100,6 +100,7 @@ class TpRanks:
         if self._stopping.is_set():
             return
         p = sentinels[ready[0]]  # type: ignore[index]
+        p.join(1.0)  # the exit code is set once the process is reaped
         self.failed = f"tensor-parallel rank {self.procs.index(p) + 1} exited (code {p.exitcode})"
         log.error("%s: this node cannot step again", self.failed)
 

@@ -129,3 +129,16 @@ def test_a_dead_follower_fails_the_engine_within_its_deadline() -> None:
         assert time.monotonic() - started < 30.0
     finally:
         eng.close()
+
+
+def test_an_idle_group_outlives_its_collective_deadline() -> None:
+    """Followers wait for the next step without a deadline: a node idle for longer than
+    tp_timeout_s still serves (the deadline is for collectives that started)."""
+    eng = _engine(BUILTIN_TARGET, 2, tp_timeout_s=2.0)
+    try:
+        time.sleep(5.0)
+        assert eng.fatal is None
+        out = eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, temperature=0.0))
+        assert len(out[0].output_ids) == 4 and eng.fatal is None
+    finally:
+        eng.close()
