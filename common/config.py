@@ -30,6 +30,8 @@ from common.defaults import (
     DEFAULT_PAGE_SIZE,
     DEFAULT_PREFILL_TIMEOUT,
     DEFAULT_REFRESH_INTERVAL,
+    DEFAULT_TP_SIZE,
+    DEFAULT_TP_TIMEOUT_S,
     DEFAULT_TRANSFER_TIMEOUT,
     DEFAULT_WAITING_TIMEOUT,
 )
@@ -39,6 +41,7 @@ PANEL_SPEC = "Speculative decoding"
 PANEL_EAGLE = "Speculative decoding: EAGLE"
 PANEL_NGRAM = "Speculative decoding: n-gram"
 PANEL_FAST = "GPU fast path"
+PANEL_TP = "Tensor parallelism"
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,18 @@ class EngineOptions:
     )
     future_map_debug: bool = opt(
         False, "FutureMap debug mode: poison consumed rows and check every read.", panel=PANEL_FAST
+    )
+    tp_size: int = opt(
+        DEFAULT_TP_SIZE,
+        "Tensor-parallel ranks, one process and one GPU each: cuda:i..cuda:i+N-1 from --device cuda:i "
+        "(or every rank on the CPU over gloo). Colocated nodes only for now (`pdserve serve`).",
+        aliases=("--tensor-parallel-size",),
+        panel=PANEL_TP,
+    )
+    tp_timeout_s: float = opt(
+        DEFAULT_TP_TIMEOUT_S,
+        "Seconds a collective between ranks may take before the node is failed (NOT_SERVING) instead of hanging.",
+        panel=PANEL_TP,
     )
 
     def fast_path(self) -> dict[str, Any]:
