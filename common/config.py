@@ -352,6 +352,12 @@ class UpOptions:
         "Where the router runs each prompt (PD only): remote (the prefill node), local (the decode node) "
         "or auto (whichever starts it sooner, from the nodes' measured rates).",
     )
+    tp_size: int = opt(
+        DEFAULT_TP_SIZE,
+        "Tensor-parallel ranks per node: node k's ranks on GPUs k*N .. k*N+N-1 (refused when the machine "
+        "has fewer). Needs --colocated for now: prefill and decode nodes do not take TP > 1 yet.",
+        aliases=("--tensor-parallel-size",),
+    )
     verbose: bool = opt(False, "Echo the nodes' logs.", negatable=False)
 
 

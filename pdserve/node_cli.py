@@ -79,6 +79,16 @@ def _check_before_loading(role: str, engine: EngineOptions, rows_place: str = "k
         fail(e)
 
 
+def _check_up_tp(opts: UpOptions) -> None:
+    """`up --tp-size`: a size of at least 1, and (for now) colocated nodes only, refused before
+    anything starts; the GPU count is checked where GPUs are handed out (pdserve/up.py)."""
+    from pdserve.tp import check_tp_size, refuse_pd_tp
+
+    check_tp_size(opts.tp_size)
+    if not opts.colocated:
+        refuse_pd_tp("prefill", opts.tp_size)
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     @with_options(role=ServeRole, engine=EngineOptions, spec=SpeculativeOptions, log=LogOptions)
@@ -162,6 +172,7 @@ def register(app: typer.Typer) -> None:
 
         try:
             check_pd_prefill_policy(opts.pd_prefill_policy)
+            _check_up_tp(opts)
         except ValueError as e:
             fail(e)
 
@@ -178,6 +189,7 @@ def register(app: typer.Typer) -> None:
             isolate_gpus=opts.isolate_gpus,
             log_args=("--log-level", log.log_level, "--log-format", log.log_format),
             pd_prefill_policy=opts.pd_prefill_policy,
+            tp_size=opts.tp_size,
         )
         dep, stop = Deployment(cfg), threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -194,6 +206,8 @@ def register(app: typer.Typer) -> None:
             dead = dep.watch(stop)
             if dead is not None:
                 fail(f"{dead} exited unexpectedly; stopping the deployment", code=1)
+        except ValueError as e:  # a deployment this machine cannot hold (too few GPUs for --tp-size)
+            fail(e)
         except RuntimeError as e:
             fail(e, code=1)
         finally:

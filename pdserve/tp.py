@@ -11,9 +11,13 @@ class TpSetupError(ValueError):
     """A --tp-size this node or deployment cannot run; the message says what to change."""
 
 
-def check_tp_flags(tp_size: int, tp_timeout_s: float) -> None:
+def check_tp_size(tp_size: int) -> None:
     if tp_size < 1:
         raise TpSetupError(f"--tp-size must be >= 1, got {tp_size}")
+
+
+def check_tp_flags(tp_size: int, tp_timeout_s: float) -> None:
+    check_tp_size(tp_size)
     if not tp_timeout_s > 0:
         raise TpSetupError(f"--tp-timeout-s must be > 0, got {tp_timeout_s:g}")
 
