@@ -185,10 +185,12 @@ NodePlan = tuple[str, list[str], str]  # (name, CLI args, device)
 
 
 def _terminate(children: list[Child], grace_s: float) -> None:
-    """SIGTERM every child still running, then wait for them all; SIGKILL whoever outlives the grace."""
+    """SIGTERM every child still running, then wait for them all; SIGKILL whoever outlives the grace
+    (with its whole process group). SIGTERM goes to the child alone: a tensor-parallel node stops
+    its rank processes itself, in order, and ranks signalled with it would die mid-conversation."""
     for c in children:
         if c.proc.poll() is None:
-            os.killpg(c.proc.pid, signal.SIGTERM)
+            os.kill(c.proc.pid, signal.SIGTERM)
     end = time.monotonic() + grace_s
     for c in children:
         try:

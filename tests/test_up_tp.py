@@ -62,14 +62,16 @@ def test_pd_roles_and_bad_sizes_fail_before_anything_starts(monkeypatch: pytest.
 
 
 @pytest.mark.slow
-def test_colocated_tp2_deployment_serves_and_stops() -> None:
+def test_colocated_tp2_deployment_serves_and_stops(tmp_path: Path) -> None:
+    """Ctrl-C stops the node, which stops its rank: no rank sees its group break on the way out."""
+    stderr = open(tmp_path / "up.stderr", "w")  # noqa: SIM115 - closed in the finally below
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "up", "--colocated", "1", "--tp-size", "2", "--device", "cpu"]
-        + ["--port", "0"],
+        + ["--port", "0", "--verbose"],
         cwd=REPO,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=stderr,
         text=True,
         start_new_session=True,
     )
@@ -96,7 +98,11 @@ def test_colocated_tp2_deployment_serves_and_stops() -> None:
         assert proc.wait(60) == 0
         _, alive = psutil.wait_procs(procs, timeout=30)
         assert not alive, alive
+        stderr.flush()
+        logs = (tmp_path / "up.stderr").read_text()
+        assert "[colocated-0]" in logs and not [ln for ln in logs.splitlines() if "broke" in ln or "Traceback" in ln]
     finally:
+        stderr.close()
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
