@@ -57,3 +57,17 @@ def test_health_names_the_fault(loop) -> None:
     assert watch.check() is None
     loop.engine.ranks.failed = DEAD
     assert wait_until(watch.check, TIMEOUT, "unhealthy") == f"engine stopped: {DEAD}"
+
+
+def test_a_broken_group_halts_the_loop_even_with_every_rank_alive(loop) -> None:
+    """A collective past its deadline (a hung rank) raises from the step: no later step can meet
+    the other ranks, so the loop halts as for a dead one."""
+    from engine.parallel.channel import TpGroupFailed
+
+    def broken() -> None:
+        raise TpGroupFailed("tensor-parallel group broke: timed out")
+
+    loop.engine.scheduler.step = broken
+    loop.io._wake.set()
+    wait_until(lambda: loop.fault, TIMEOUT, "halted")
+    assert not loop.alive and "timed out" in (loop.fault or "") and loop.steps_failed == 1
