@@ -116,6 +116,8 @@ class Fingerprint:
     """Bytes per handoff row (room echo, the shared header, the algorithm's payload)."""
     version: str
     """pdserve version."""
+    tp_layout: str
+    """Tensor-parallel ranks and the target's KV heads each holds (`describe_tp_layout`)."""
 
     def to_proto(self) -> kv_control_pb2.Fingerprint:
         """The wire message for the KVControl handshake."""
@@ -143,9 +145,11 @@ def build_fingerprint(
     draft_model_dir: str | os.PathLike[str] | None,
     aux_row_bytes: int,
     *,
+    tp_size: int = 1,
     version: str | None = None,
 ) -> Fingerprint:
-    """Fingerprint of a node serving `model_dir` (and `draft_model_dir`, if any) this way.
+    """Fingerprint of a node serving `model_dir` (and `draft_model_dir`, if any) this way, over
+    `tp_size` tensor-parallel ranks.
 
     `version` defaults to the installed pdserve distribution's version (pyproject's, the same
     string as `pdserve.__version__`): the engine may not import the umbrella package itself
@@ -160,7 +164,30 @@ def build_fingerprint(
         draft_model_hash=model_hash(draft_model_dir) if draft_model_dir else "",
         aux_row_bytes=int(aux_row_bytes),
         version=version if version is not None else _pdserve_version(),
+        tp_layout=describe_tp_layout(model_dir, tp_size),
     )
+
+
+def describe_tp_layout(model_dir: str | os.PathLike[str], tp_size: int) -> str:
+    """ "tp=2;kv_heads=0-3,4-7": the ranks and the KV heads of the target each rank holds (ranges
+    overlap where KV heads are replicated). A KV write between nodes moves heads rank to rank, so
+    two nodes whose strings differ cannot pair without mapping heads between layouts."""
+    from common.tp_layout import TpLayout
+
+    config = Path(model_dir) / "config.json"
+    raw = json.loads(config.read_text())
+    try:
+        heads = int(raw["num_attention_heads"])
+        dims = (
+            heads,
+            int(raw.get("num_key_value_heads") or heads),
+            int(raw["intermediate_size"]),
+            int(raw["vocab_size"]),
+        )
+    except KeyError as e:
+        raise ValueError(f"{config}: missing {e.args[0]!r}, needed for the tensor-parallel layout") from None
+    per_rank = (TpLayout(r, tp_size, *dims).kv_heads for r in range(tp_size))
+    return f"tp={tp_size};kv_heads=" + ",".join(f"{kv.start}-{kv.stop - 1}" for kv in per_rank)
 
 
 def _pdserve_version() -> str:

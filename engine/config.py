@@ -16,6 +16,8 @@ from common.defaults import (
     DEFAULT_MEM_FRACTION_STATIC,
     DEFAULT_PAGE_SIZE,
     GRAMMAR_BACKENDS,
+    DEFAULT_TP_SIZE,
+    DEFAULT_TP_TIMEOUT_S,
 )
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -180,8 +182,8 @@ class EngineConfig:
     # Tensor parallelism: ranks (one process and one GPU each; cuda:i..cuda:i+tp_size-1 from the
     # configured cuda:i, or all on the CPU over gloo), and the deadline after which a collective
     # that has not completed fails the node rather than hanging it.
-    tp_size: int = 1
-    tp_timeout_s: float = 120.0
+    tp_size: int = DEFAULT_TP_SIZE
+    tp_timeout_s: float = DEFAULT_TP_TIMEOUT_S
     # the library constrained output is compiled and matched with (engine/grammar: llguidance or xgrammar)
     grammar_backend: str = DEFAULT_GRAMMAR_BACKEND
 

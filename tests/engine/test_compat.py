@@ -163,3 +163,17 @@ def test_pairing_protocol_equal_iff_fingerprints_equal(model_dir: Path) -> None:
     ]
     tokens = {pairing_protocol(v) for v in variants}
     assert token not in tokens and len(tokens) == len(variants)
+
+
+def test_tp_layout_names_each_ranks_kv_heads(model_dir: Path, tmp_path: Path) -> None:
+    """Nodes at different TP sizes, or whose ranks hold different KV heads, differ by name."""
+    from fixtures.tiny_model import write_tiny_model
+
+    one, two = _fingerprint(model_dir), _fingerprint(model_dir, tp_size=2)
+    assert (one.tp_layout, two.tp_layout) == ("tp=1;kv_heads=0-1", "tp=2;kv_heads=0-0,1-1")  # 4 heads, 2 KV
+    assert first_mismatch(one, two) == "tp_layout differs: prefill 'tp=1;kv_heads=0-1', decode 'tp=2;kv_heads=0-0,1-1'"
+    assert pairing_protocol(one) != pairing_protocol(two)
+    assert first_mismatch(two, _fingerprint(model_dir, tp_size=2)) is None
+    assert Fingerprint.from_proto(two.to_proto()) == two
+    few_kv = write_tiny_model(tmp_path / "mqa", seed=1, num_heads=4, num_kv_heads=1)
+    assert _fingerprint(few_kv, tp_size=4).tp_layout == "tp=4;kv_heads=0-0,0-0,0-0,0-0"  # replicated
