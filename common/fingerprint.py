@@ -117,7 +117,9 @@ class Fingerprint:
     version: str
     """pdserve version."""
     tp_layout: str
-    """Tensor-parallel ranks and the target's KV heads each holds (`describe_tp_layout`)."""
+    """Tensor-parallel ranks and the target's KV heads each holds (`describe_tp_layout`). Carried,
+    not compared (INFORMATIONAL): nodes of different TP sizes pair, their transports mapping heads
+    rank to rank, and refusing by name a pair whose heads cannot map (engine/kv_transfer/tp.py)."""
 
     def to_proto(self) -> kv_control_pb2.Fingerprint:
         """The wire message for the KVControl handshake."""
@@ -129,6 +131,10 @@ class Fingerprint:
     def from_proto(cls, msg: kv_control_pb2.Fingerprint) -> Fingerprint:
         """Read a wire message; unset fields read as proto3 defaults ("" and 0)."""
         return cls(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)})
+
+
+# Fields that describe a node without having to agree with its peer's
+INFORMATIONAL = frozenset({"tp_layout"})
 
 
 def _dtype_name(dtype: object) -> str:
@@ -170,8 +176,7 @@ def build_fingerprint(
 
 def describe_tp_layout(model_dir: str | os.PathLike[str], tp_size: int) -> str:
     """ "tp=2;kv_heads=0-3,4-7": the ranks and the KV heads of the target each rank holds (ranges
-    overlap where KV heads are replicated). A KV write between nodes moves heads rank to rank, so
-    two nodes whose strings differ cannot pair without mapping heads between layouts."""
+    overlap where KV heads are replicated); a KV write between nodes maps heads rank to rank."""
     from common.tp_layout import TpLayout
 
     config = Path(model_dir) / "config.json"
@@ -204,6 +209,8 @@ def _show(value: object) -> str:
 def first_mismatch(a: Fingerprint, b: Fingerprint, a_name: str = "prefill", b_name: str = "decode") -> str | None:
     """None when the fingerprints match, else e.g. "page_size differs: prefill 16, decode 4"."""
     for f in dataclasses.fields(Fingerprint):
+        if f.name in INFORMATIONAL:
+            continue
         va, vb = getattr(a, f.name), getattr(b, f.name)
         if va != vb:
             return f"{f.name} differs: {a_name} {_show(va)}, {b_name} {_show(vb)}"
@@ -216,5 +223,6 @@ def pairing_protocol(fp: Fingerprint) -> str:
     Equal fingerprints give equal tokens; any differing field gives a different one (64-bit
     truncated sha256, so collisions are negligible for this purpose).
     """
-    canonical = json.dumps(dataclasses.asdict(fp), sort_keys=True, separators=(",", ":"))
+    fields = {k: v for k, v in dataclasses.asdict(fp).items() if k not in INFORMATIONAL}
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return "pdserve-" + hashlib.sha256(canonical.encode()).hexdigest()[:16]

@@ -68,11 +68,10 @@ def _run(
 
 def _check_before_loading(role: str, engine: EngineOptions, rows_place: str = "kv", sgl_mode: str = "off") -> None:
     """Flag values the model load would only reach later: one line and exit 2, now."""
-    from pdserve.tp import check_tp_flags, refuse_pd_tp
+    from pdserve.tp import check_tp_flags
 
     try:
         check_tp_flags(engine.tp_size, engine.tp_timeout_s)
-        refuse_pd_tp(role, engine.tp_size)
         check_rows_place(rows_place)
         check_sgl_mode(sgl_mode)
     except ValueError as e:
@@ -80,13 +79,11 @@ def _check_before_loading(role: str, engine: EngineOptions, rows_place: str = "k
 
 
 def _check_up_tp(opts: UpOptions) -> None:
-    """`up --tp-size`: a size of at least 1, and (for now) colocated nodes only, refused before
-    anything starts; the GPU count is checked where GPUs are handed out (pdserve/up.py)."""
-    from pdserve.tp import check_tp_size, refuse_pd_tp
+    """`up --tp-size`: a size of at least 1, refused before anything starts; the GPU count is
+    checked where GPUs are handed out (pdserve/up.py)."""
+    from pdserve.tp import check_tp_size
 
     check_tp_size(opts.tp_size)
-    if not opts.colocated:
-        refuse_pd_tp("prefill", opts.tp_size)
 
 
 def register(app: typer.Typer) -> None:

@@ -1,11 +1,8 @@
-"""Tensor-parallel flags checked before anything loads: sizes, the GPUs they need, the roles that take them."""
+"""Tensor-parallel flags checked before anything loads: sizes and the GPUs they need."""
 
 from __future__ import annotations
 
 from pathlib import Path
-
-PD_ROLES = ("prefill", "decode")
-
 
 class TpSetupError(ValueError):
     """A --tp-size this node or deployment cannot run; the message says what to change."""
@@ -20,17 +17,6 @@ def check_tp_flags(tp_size: int, tp_timeout_s: float) -> None:
     check_tp_size(tp_size)
     if not tp_timeout_s > 0:
         raise TpSetupError(f"--tp-timeout-s must be > 0, got {tp_timeout_s:g}")
-
-
-def refuse_pd_tp(role: str, tp_size: int) -> None:
-    """Prefill and decode nodes run on one rank until the KV transfer moves every rank's shard: a TP
-    node would hand over only its leader's KV heads, and the decode would generate garbage."""
-    if role in PD_ROLES and tp_size > 1:
-        raise TpSetupError(
-            f"{role} node with --tp-size {tp_size}: PD with tensor parallelism is not supported yet "
-            f"(only rank 0's KV shard would reach the decode node). Serve the model from colocated "
-            f"nodes instead: `pdserve serve --tp-size {tp_size}`, or `pdserve up --colocated K --tp-size {tp_size}`."
-        )
 
 
 def check_gpus(device: str, tp_size: int, count: int) -> None:

@@ -73,6 +73,7 @@ def build_endpoint(
         spec_algorithm.upper(),
         draft_model_dir,
         handoff.row_bytes,
+        tp_size=ranks.group.size,
     )
     return Endpoint(transport, handoff, fp)
 

@@ -89,11 +89,11 @@ def test_gpus_follow_the_device() -> None:
     assert "nvidia.com/gpu" not in c["resources"]["limits"]  # the CPU demo stays GPU-free
 
 
-@pytest.mark.parametrize("group", ["prefill", "decode"])
-def test_pd_groups_refuse_tensor_parallelism(group: str) -> None:
-    with pytest.raises(Exception, match="PD with tensor parallelism is not supported yet") as e:
-        render({group: {"tpSize": 2}})
-    assert f"{group}.tpSize 2" in str(e.value) and "colocated.tpSize" in str(e.value)
+def test_prefill_and_decode_groups_take_their_own_tp_sizes() -> None:
+    docs = objects({"prefill": {"tpSize": 2}, "decode": {"tpSize": 1}})
+    _, p = _pod(docs, "Deployment", f"{BASE}-prefill")
+    _, d = _pod(docs, "Deployment", f"{BASE}-decode")
+    assert flag(p["args"], "--tp-size") == ["2"] and flag(d["args"], "--tp-size") == ["1"]
 
 
 @pytest.mark.parametrize(

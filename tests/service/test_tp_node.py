@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from typing import Iterator
 
@@ -20,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
-from fixtures.procs import REPO, Node
+from fixtures.procs import Node
 from fixtures.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -127,11 +125,3 @@ def test_sigterm_stops_a_tp2_node_and_its_ranks() -> None:
         assert not [ln for ln in node.lines if "group broke" in ln or "Traceback" in ln], node.lines[-30:]
     finally:
         node.kill()
-
-
-@pytest.mark.parametrize("module", ["prefill_node", "decode_node"])
-def test_pd_nodes_refuse_tp(module: str) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", module, "--tp-size", "2"], cwd=REPO, capture_output=True, text=True, timeout=60
-    )
-    assert out.returncode == 2 and "PD with tensor parallelism is not supported yet" in out.stderr, out.stderr
