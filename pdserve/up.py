@@ -65,7 +65,6 @@ class UpConfig:
     log_args: tuple[str, ...] = ()  # --log-level/--log-format for every child, router included
     pd_prefill_policy: str = "remote"  # the router's --pd-prefill-policy (PD only)
     # Tensor-parallel ranks per node: node k's ranks on GPUs k*tp_size .. k*tp_size + tp_size - 1
-    # (colocated nodes only for now: prefill and decode nodes refuse TP > 1).
     tp_size: int = 1
 
 
