@@ -26,6 +26,7 @@ from engine.service.metrics import (
     KV_TRANSFER_SKIPPED_PAGES,
 )
 from engine.service import convert
+from engine.service.grammar import attach_grammar
 from engine.service.stream import RequestFailed, RequestStream
 from decode_node.inflight import DecodeRequest, InFlight, Stage
 from decode_node.peers import Peer, PeerError, PeerManager
@@ -69,6 +70,10 @@ class DecodeHandler:
         pd = self.pd
         params = convert.sampling_params(request, pd.max_context_len)
         req = pd.make_request(list(request.tokenized.input_ids), params, request.request_id or None)
+        # Its own matcher, fresh: adoption replays the prefill's first token into it exactly once
+        # (Scheduler.adopt_prebuilt appends it like any sampled token). A grammar this side cannot
+        # build fails here, before any KV is reserved.
+        await attach_grammar(pd, req)
         dp = request.disaggregated_params
         stream = RequestStream(pd, req, request.stream, pd.tokenizer, pd.eos_token_ids)
         if not dp.bootstrap_host:  # local prefill: the engine runs the prompt between decode steps
@@ -206,6 +211,12 @@ class DecodeHandler:
         req = dr.req
         _check_aborted(dr)
         req.output_ids, req.seq_len, req.handoff = [header.first_token], len(req.prompt_ids), state
+        if req.grammar is not None and req.grammar.validate([header.first_token]) != 1:  # checked, not taken
+            raise RequestFailed(
+                f"the prefill's first token {header.first_token} is outside this node's grammar "
+                "(do both sides run the same tokenizer and --grammar-backend?)",
+                "bad_handoff",
+            )
         try:
             draft_input = self.binding.algorithm.build_disagg_draft_input(
                 self.pd.prebuilt(req), self.binding.config, torch.tensor([header.first_token]), None

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from common.sampling import InvalidRequest
 from common.sampling import SamplingParams as SamplingSchema
+
+if TYPE_CHECKING:
+    from engine.grammar.base import GrammarMatcher
 
 
 class ForwardMode(enum.IntEnum):
@@ -84,6 +87,9 @@ class Req:
     epoch: int = 0  # bumped on retraction / finish: results launched before are discarded
     release_pending: bool = False  # KV and slot go back once the last in-flight batch is collected
     cached_tokens: int = 0  # prompt tokens its last admission found in the prefix cache
+    # params.constraint's matcher, built before the request enters the scheduler; it has taken
+    # exactly the tokens in output_ids (the scheduler advances it as tokens are appended)
+    grammar: "GrammarMatcher | None" = None
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output without concatenating the whole sequence."""

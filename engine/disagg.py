@@ -16,10 +16,13 @@ import torch
 
 from engine.core import Batch, ForwardMode, Req, SamplingParams, StepOutput
 from engine.future_map import DraftInput
+from engine.grammar.base import CompiledGrammar
 from engine.handoff import HandoffCodec, HandoffHeader, decode_row, encode_row
 from engine.kv_cache import KVPool
+from engine.loader import tp_layout
 from engine.scheduler import RequestUpdate
 from engine.loop import EngineLoop, UpdateCallback
+from common.sampling import Constraint
 from common.tokenizer import Tokenizer
 
 
@@ -76,6 +79,22 @@ class DisaggEngine:
         return [self._engine.parts.runner.pool, *self._engine.executor.extra_kv_pools()]
 
     @property
+    def tp_kv_heads(self) -> range:
+        """The target's KV heads this node's leader rank holds (all of them on one GPU)."""
+        mc = self._engine.model_config
+        return tp_layout(mc, self._engine.ranks.group).kv_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        """The target's KV heads over every rank."""
+        return int(self._engine.model_config.num_kv_heads)
+
+    @property
+    def ranks(self) -> Any:
+        """The node's tensor-parallel ranks (engine/parallel/ranks.py)."""
+        return self._engine.ranks
+
+    @property
     def kv_bytes_per_page(self) -> int:
         """Bytes one page moves across every pool, layer and K/V."""
         return sum(p.page_bytes * p.num_layers * 2 for p in self.kv_pools())
@@ -96,6 +115,11 @@ class DisaggEngine:
 
     def submit(self, req: Req, on_update: UpdateCallback) -> None:
         self._need_loop().submit(req, on_update)
+
+    def compile_grammar(self, constraint: Constraint) -> Future[CompiledGrammar]:
+        """The constraint's compiled grammar (engine.Engine.compile_grammar): each side of a
+        handoff compiles its own from the same constraint, or finds it in its cache."""
+        return self._engine.compile_grammar(constraint)
 
     def subscribe(self, rid: str, on_update: UpdateCallback) -> None:
         self._need_loop().io.subscribe(rid, on_update)

@@ -1,5 +1,5 @@
-"""Batched token sampling: penalties, logit bias, min-token bans, temperature, top-k/top-p/min-p and
-seeded noise."""
+"""Batched token sampling: penalties, logit bias, min-token bans, grammar masks, temperature,
+top-k/top-p/min-p and seeded noise."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Sequence
 import torch
 
 from engine.core import Req
+from engine.grammar.bitmask import MaskRows, apply_token_mask, batch_masks
 from engine.h2d import to_device
 from engine.noise import signed64, uniform_noise
 
@@ -17,10 +18,12 @@ _MIN_TEMPERATURE = 1e-6  # positive temperatures below this are clamped (logits 
 
 def plain_argmax_ok(reqs: list[Req]) -> bool:
     """Requests whose next token is the argmax of the raw logits: greedy, with no penalties,
-    min_tokens bans, logit bias or logprobs to compute (what whole-step graphs may do alone)."""
+    min_tokens bans, logit bias, grammar or logprobs to compute (what whole-step graphs may do alone)."""
     for r in reqs:
         p = r.params
         if not p.is_greedy or p.has_penalties or p.min_new_tokens or p.logit_bias or p.logprobs or p.top_logprobs:
+            return False
+        if p.constraint is not None:
             return False
     return True
 
@@ -56,6 +59,7 @@ class SamplingBatch:
     bias_rows: torch.Tensor | None = None  # (pairs,) int64
     bias_ids: torch.Tensor | None = None  # (pairs,) int64
     bias_values: torch.Tensor | None = None  # (pairs,) float32
+    grammar: MaskRows | None = None  # rows a grammar constrains and their allowed-token masks
 
 
 @dataclass(slots=True)
@@ -141,6 +145,7 @@ class Sampler:
         rows_per_req: int = 1,
         positions: list[int] | None = None,
         row_positions: torch.Tensor | None = None,
+        grammar: MaskRows | None = None,
     ) -> SamplingBatch:
         """Device tensors for `reqs`, each request's values repeated over `rows_per_req` rows.
 
@@ -149,6 +154,9 @@ class Sampler:
         `output_ids` yet, and the seeded noise is keyed by that index. With several rows per
         request, row j defaults to position + j; `row_positions` (rows,) on the device replaces
         them all (a verify window knows each row's exact index there, tree depths included).
+        `grammar`: the constrained rows' masks; with one row per request they default to each
+        request's matcher as it stands (a verify window's rows need the drafts walked: the
+        caller's `window_masks`).
         """
         V, r = self.vocab_size, rows_per_req
         ps = [q.params for q in reqs]
@@ -188,6 +196,8 @@ class Sampler:
             raise RuntimeError("a request with penalties was never on_admit()-ed")
         bans = self._min_token_bans(reqs, r)
         bias = self._logit_bias(reqs, r)
+        if grammar is None and r == 1:
+            grammar = batch_masks([q.grammar for q in reqs], self.vocab_size, self.device)
         return SamplingBatch(
             temperature=floats[0],
             top_p=floats[1],
@@ -214,6 +224,7 @@ class Sampler:
             bias_rows=bias[0],
             bias_ids=bias[1],
             bias_values=bias[2],
+            grammar=grammar,
         )
 
     def _logit_bias(self, reqs: list[Req], r: int) -> tuple[torch.Tensor | None, ...]:
@@ -265,8 +276,9 @@ class Sampler:
 
     # ---- logits processing ---------------------------------------------------------------
     def _penalised(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-        """float32 copy of `logits` with repetition, frequency and presence penalties, logit bias and
-        the min-token bans applied (before greedy's argmax, so greedy rows obey them too)."""
+        """float32 copy of `logits` with repetition, frequency and presence penalties, logit bias, the
+        min-token bans and grammar masks applied (before greedy's argmax, so greedy rows obey them
+        too)."""
         if logits.dim() != 2 or logits.shape[0] != sb.num_rows:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {sb.num_rows} rows")
         x = self._apply_penalties(logits.to(torch.float32, copy=True), sb)
@@ -278,6 +290,8 @@ class Sampler:
             short = sb.positions.index_select(0, sb.ban_rows) < sb.ban_until
             kept = x[sb.ban_rows, sb.ban_ids]
             x.index_put_((sb.ban_rows, sb.ban_ids), torch.where(short, float("-inf"), kept))
+        if sb.grammar is not None:
+            apply_token_mask(x, sb.grammar)
         return x
 
     def _apply_penalties(self, x: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:

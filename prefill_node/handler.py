@@ -31,6 +31,7 @@ from engine.kv_transfer import KVPoll, TransferError
 from engine.kv_transfer.endpoint import Endpoint, room_echo
 from engine.scheduler import RequestUpdate
 from engine.service import convert
+from engine.service.grammar import attach_grammar
 from engine.service.metrics import (
     KV_HANDOFF_STAGE_SECONDS,
     KV_HANDOFF_TAIL_SECONDS,
@@ -83,6 +84,7 @@ class PrefillHandler:
             request.request_id or None,
         )
         req.hold_kv = True
+        await attach_grammar(pd, req)  # the first token is sampled under the grammar
         # Ids key the engine's updates and aborts: a second request with a live id (computing or
         # still writing its KV) is refused before it can touch the first one.
         if req.rid in self._live_ids:

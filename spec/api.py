@@ -40,6 +40,7 @@ from spec.config import MAX_WINDOW, SpecConfig, SpecConfigError
 from spec.draft_input import BonusDraftInput, DisaggHandoffError, bonus_draft_input, check_prebuilt, seed_prebuilt
 from spec.registry import CustomSpecAlgo, SpeculativeAlgorithm, SpecRegistryError, register
 from spec.tree import DraftTree, chain_tree
+from spec.jump_forward import forced_drafts, offer_forced_drafts
 from spec.rejection import VerifyResult
 from spec.windows import emitted_window, last_accepted_rows, shifted_tokens
 
@@ -83,11 +84,13 @@ __all__ = [
     "check_prebuilt",
     "emit_device",
     "emitted_window",
+    "forced_drafts",
     "host_output",
     "last_accepted_rows",
     "last_token_rows",
     "load_model",
     "maybe_enable_cuda_graphs",
+    "offer_forced_drafts",
     "register",
     "sample_positions",
     "sample_tokens",

@@ -38,6 +38,7 @@ from spec.draft_catch_up import DraftBacklog
 from spec.draft_input import EagleDraftInput, EagleVerifyInput
 from spec.eagle_draft import EagleModels, build_draft_tree
 from spec.eagle_steps import StepState
+from spec.jump_forward import offer_forced_drafts
 from spec.rejection import VerifyResult, verify_greedy
 from spec.tree import DraftTree
 from spec.verify_step import accepted_rows, emit_device, verify_window
@@ -49,11 +50,13 @@ Emitter = Callable[[VerifyResult, torch.Tensor, torch.Tensor], dict[str, torch.T
 
 @dataclass(frozen=True)
 class Flow:
-    """What differs between an iteration run for one batch and one captured whole."""
+    """What differs between an iteration run for one batch and one captured whole; `offer`
+    rewrites the drafted window before verification (the grammar's forced tokens as drafts)."""
 
     captured: bool
     verify: Verifier
     emit: Emitter
+    offer: Callable[[DraftTree], DraftTree] | None = None
 
 
 def _greedy_verify(tree: DraftTree, logits: torch.Tensor, seq: torch.Tensor) -> VerifyResult:
@@ -68,9 +71,11 @@ GRAPH_FLOW = Flow(captured=True, verify=_greedy_verify, emit=_accepted)
 
 
 def eager_flow(sampler: Sampler, reqs: list[Req]) -> Flow:
-    """A batch run as it is: exact acceptance under its sampling parameters, penalties recorded,
-    logprobs where asked."""
-    return Flow(False, partial(verify_window, sampler, reqs), partial(emit_device, sampler, reqs))
+    """A batch run as it is: exact acceptance under its sampling parameters (grammar masks at
+    every window row included), penalties recorded, logprobs where asked; constrained requests
+    draft what their grammar forces first."""
+    offer = partial(offer_forced_drafts, reqs) if any(r.grammar is not None for r in reqs) else None
+    return Flow(False, partial(verify_window, sampler, reqs), partial(emit_device, sampler, reqs), offer)
 
 
 def _kept(real: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
@@ -110,6 +115,8 @@ class EagleIteration:
         di = EagleDraftInput(r.topk_p, r.topk_index, r.hidden_states, r.bonus_tokens, future_indices=slots)
         w = state.widths.verify
         tree = build_draft_tree(m, di, slots, seq, state.draft_steps, 1 if state.is_chain else state.topk, w, direct)
+        if flow.offer is not None:
+            tree = flow.offer(tree)
         hidden, aux = m.run_target(tree.tokens.reshape(-1), self._verify_context(tree, slots, seq, w), direct)
         logits = m.target.logits(hidden)
         vr = flow.verify(tree, logits, seq)

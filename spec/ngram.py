@@ -21,6 +21,7 @@ from engine.core import Batch, DecodePlan, ForwardMode, Req, StepOutput
 from engine.future_map import BatchRelay, FutureMap
 from engine.spec_stats import SpecStats
 from engine.worker import PlainExecutor, WorkerBase
+from spec.jump_forward import forced_drafts
 from spec.verify_step import step_output, verify_window
 from spec.config import MAX_WINDOW, SpecConfig, SpecConfigError
 from spec.draft_input import BonusDraftInput, bonus_draft_input
@@ -140,11 +141,13 @@ class NgramWorker(WorkerBase):
 
     # ---- decode ----
     def draft_window(self, req: Req, width: int) -> list[int]:
-        """[bonus, d1 .. d_k] for one decoding request, padded to `width` (padding is just rejected)."""
+        """[bonus, d1 .. d_k] for one decoding request, padded to `width` (padding is just rejected).
+        A constrained request drafts what its grammar forces first, then looks up what follows."""
         k = width - 1
         end = req.total_len
         context = req.tokens(max(0, end - LOOKUP_WINDOW), end)  # ends with the bonus token
-        drafts = propose_drafts(context, k, self.cfg.ngram_min, self.cfg.ngram_max)
+        forced = forced_drafts(req, k)
+        drafts = forced + propose_drafts(context + forced, k - len(forced), self.cfg.ngram_min, self.cfg.ngram_max)
         pad = drafts[-1] if drafts else context[-1]
         return [context[-1], *drafts, *([pad] * (k - len(drafts)))]
 

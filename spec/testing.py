@@ -26,6 +26,7 @@ import torch
 from engine.core import Req, SamplingParams
 from engine.disagg import DisaggEngine
 from engine.engine import Engine, EngineConfig
+from engine.grammar.compiler import new_matcher
 from engine.kv_transfer import FakeTransport, HandoffRows, TransferRequest, parse_tag
 from spec.config import SpecConfig
 from spec.draft_input import DisaggHandoffError
@@ -104,10 +105,12 @@ class InProcessPD:
         decoded (`Req.handoff` set) but not adopted yet."""
         src = self.pd_p.make_request(prompt, dataclasses.replace(params, max_new_tokens=1, stop=()), rid)
         src.hold_kv = True
+        _attach_grammar(self.pd_p, src)  # the prefill samples the first token under the grammar
         self.prefill.io.submit(src)
         while not src.output_ids:
             self.prefill.step()
         req = self.pd_d.make_request(prompt, params, rid)
+        _attach_grammar(self.pd_d, req)  # a fresh matcher: adoption replays the first token into it
         if not self.pd_d.reserve_prompt(req).result():
             raise ConformanceError(f"PD: the decode engine has no room for {rid}")
         self._room += 1
@@ -136,10 +139,13 @@ class InProcessPD:
         di = algo.build_disagg_draft_input(self.pd_d.prebuilt(req), cfg, torch.tensor([header.first_token]), None)
         self.pd_d.adopt(req, di, header).result()
 
-    def run(self, prompts: Sequence[list[int]], params: SamplingParams) -> Outcome:
+    def run(self, prompts: Sequence[list[int]], params: SamplingParams | Sequence[SamplingParams]) -> Outcome:
+        """Hand off and adopt every prompt (with one SamplingParams, or one per prompt), then
+        decode until the decode engine is idle."""
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         res = Outcome()
-        for i, prompt in enumerate(prompts):
-            req = self.hand_off(prompt, f"r{i}", params)
+        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+            req = self.hand_off(prompt, f"r{i}", p)
             res.tokens[req.rid], res.accepted[req.rid] = [], []
             self.adopt(req)
         while not self.decode.idle:
@@ -157,6 +163,12 @@ class InProcessPD:
         for rows, side in ((self.rows_p, "prefill"), (self.rows_d, "decode")):
             rows.check()
             _expect(rows.num_used == 0, "PD", f"{rows.num_used} handoff rows still in use on the {side}")
+
+
+def _attach_grammar(pd: DisaggEngine, req: Req) -> None:
+    """What a node's Generate does before submitting (engine/service/grammar.py), synchronously."""
+    if req.params.constraint is not None:
+        req.grammar = new_matcher(pd.compile_grammar(req.params.constraint))
 
 
 def check_algorithm(

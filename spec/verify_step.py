@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.core import Req, StepOutput
+from engine.grammar.bitmask import MaskRows, window_masks
 from engine.h2d import to_device
 from engine.sampler import Sampler
 from engine.spec_stats import SpecStats
@@ -22,12 +23,25 @@ def verify_window(
     rows_at = (
         (seq_lens.unsqueeze(1) + 1 + tree.depth).reshape(-1) if any(r.params.min_new_tokens for r in reqs) else None
     )
-    sb = sampler.prepare(reqs, rows_per_req=ntok, row_positions=rows_at)
+    sb = sampler.prepare(reqs, rows_per_req=ntok, row_positions=rows_at, grammar=grammar_rows(sampler, reqs, tree))
     if sb.all_greedy:  # the (penalised) argmax per row is all greedy verification needs
         return verify_greedy(tree, sampler.sample(logits, sb).tokens.view(bs, ntok))
     probs = sampler.processed_probs(logits, sb).view(bs, ntok, -1)
     seeds = to_device([r.sampling_seed for r in reqs], seq_lens.device)  # pinned: no host sync
     return verify_sampled(tree, probs, seeds, seq_lens + 1)  # + 1: index of the first new token
+
+
+def grammar_rows(sampler: Sampler, reqs: list[Req], tree: DraftTree) -> MaskRows | None:
+    """Constrained requests' masks at every window row: their drafts walked through the matcher
+    (which ends where it took them: rolled back). A draft token the grammar refuses gets a zero
+    probability at its parent's row, so neither greedy nor sampled verification accepts it or
+    anything drafted under it, and the bonus there is drawn from the masked distribution. The
+    walk needs the drafts on the host: one copy per constrained verify (unconstrained batches
+    skip it)."""
+    if all(r.grammar is None for r in reqs):
+        return None
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    return window_masks([r.grammar for r in reqs], tokens, parents, sampler.vocab_size, sampler.device)
 
 
 def accepted_rows(vr: VerifyResult, ntok: int) -> torch.Tensor:

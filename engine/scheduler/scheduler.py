@@ -5,6 +5,11 @@ batch N+1 from what the host knows, then collects batch N, so the CPU work of on
 behind the device work of the previous one. Results arrive one iteration late: a request that
 finishes in batch N may already run in batch N+1, whose results for it are discarded, and its
 pages, slot and FutureMap row go back only after batch N+1 was collected (`Req.inflight`).
+
+Grammar-constrained requests are the exception: the mask a sampling step applies is built on the
+host from the request's matcher, which must already have taken every earlier token. So a batch
+in flight that samples for a constrained request is collected before the next batch is formed
+(one sync, the overlap given up while such requests run): no mask is ever built from stale state.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any
 
 import torch
 
-from engine.algorithm import EngineAlgorithm, PlainDecoding
+from engine.algorithm import EngineAlgorithm, PlainDecoding, slot_future_map
 from engine.core import Batch, FinishReason, ForwardMode, Req, ReqState, StepOutput
 from engine.executor import Executor
 from engine.future_map import DraftInput, FutureMap
@@ -25,6 +30,7 @@ from engine.device_event import DeviceEvent
 from engine.scheduler.inflight import mark_launched, unmark_launched
 from engine.scheduler.kv_progress import KVProgress, needs_fence, record_fence
 from engine.scheduler.policy import BatchPolicy
+from engine.scheduler.stops import StopRules
 from engine.scheduler.rates import NodeRates
 from engine.scheduler.stats import CACHED_TOKEN_BUCKETS, COUNTERS, DurationHistogram, LaunchTimes
 from engine.scheduler.updates import RequestUpdate, SchedulerIO, final_update
@@ -54,6 +60,11 @@ class _Launched:
     at: float  # perf_counter at launch
 
 
+def _samples_grammar(launched: _Launched) -> bool:
+    """The batch samples a token a constrained request's next mask depends on."""
+    return any(r.grammar is not None for r, s in zip(launched.batch.reqs, launched.batch.sample) if s)
+
+
 class Scheduler:
     """One iteration: take input, form a batch, run it, apply stop rules, publish updates."""
 
@@ -72,6 +83,7 @@ class Scheduler:
         self.rates = rates if rates is not None else NodeRates()
         self.eos_token_ids = frozenset(config.eos_token_ids)
         self.max_context_len = config.max_context_len
+        self.stops = StopRules(self.eos_token_ids, self.max_context_len)
         self.future_map = self._init_overlap(algorithm or PlainDecoding(), config.overlap, config.future_map_debug)
         self.reqs: dict[str, Req] = {}
         self._inflight: _Launched | None = None
@@ -86,15 +98,16 @@ class Scheduler:
         (plain decoding too: its next input tokens travel the same way), bound to the executor.
         Overlap runs only when the executor can run one batch ahead; never by algorithm name."""
         self.overlap = overlap and self.executor.supports_overlap()
-        cfg, device = self.policy.cfg, self.kv.req_to_token.device
-        future_map = algorithm.create_future_map(
-            cfg.max_running, cfg.chunked_prefill_size, self.max_context_len, device, debug=debug
+        cfg, table = self.policy.cfg, self.kv.req_to_token
+        future_map = slot_future_map(
+            algorithm,
+            cfg.max_running,
+            cfg.chunked_prefill_size,
+            self.max_context_len,
+            table.shape[0],
+            table.device,
+            debug,
         )
-        if future_map.num_rows < self.kv.req_to_token.shape[0]:
-            raise ValueError(
-                f"{algorithm.name}: create_future_map gave {future_map.num_rows} rows; "
-                f"{self.kv.req_to_token.shape[0]} request slots need one each"
-            )
         self.executor.bind_future_map(future_map)
         return future_map
 
@@ -149,8 +162,9 @@ class Scheduler:
             req = self.policy.waiting[0]
             req.finish(FinishReason.ABORT, f"request needs more KV than the whole pool ({req.total_len} tokens)")
             updates.append(self._finish(req))
-        if self._inflight is not None and self.policy.decode_needs_retraction():
-            # finished requests of the batch in flight hold the pages retraction would miss
+        if self._inflight is not None and (self.policy.decode_needs_retraction() or _samples_grammar(self._inflight)):
+            # finished requests of the batch in flight hold the pages retraction would miss; a
+            # constrained request's next mask needs the tokens the batch in flight samples
             self.stats["overlap_syncs"] += 1
             updates.extend(self._collect_inflight())
         batch = self.policy.next_batch(self._on_admit, self._on_retract)
@@ -351,9 +365,9 @@ class Scheduler:
         for tok in new:
             kept.append(tok)
             req.output_ids.append(tok)
-            reason = self._stop_reason(req, tok)
+            reason = self.stops.reason(req, tok)
             if reason is not None:
-                req.finish(reason)
+                req.finish(reason, "" if reason is not FinishReason.ABORT else f"token {tok} is outside the grammar")
                 break
         upd = RequestUpdate(req.rid, kept, prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens)
         if out.logprobs is not None:
@@ -368,16 +382,6 @@ class Scheduler:
             done = self._finish(req)
             upd.finished, upd.finish_reason = True, done.finish_reason
         return upd
-
-    def _stop_reason(self, req: Req, tok: int) -> FinishReason | None:
-        p = req.params
-        if not p.ignore_eos and tok in self.eos_token_ids:
-            return FinishReason.STOP
-        if tok in p.stop_token_ids:
-            return FinishReason.STOP
-        if len(req.output_ids) >= p.max_new_tokens or req.total_len >= self.max_context_len:
-            return FinishReason.LENGTH
-        return None
 
     def _finish(self, req: Req) -> RequestUpdate:
         """Release everything a finished request holds and drop it from the scheduler."""

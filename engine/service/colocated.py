@@ -10,6 +10,7 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 from engine.loop import EngineLoop
 from engine.service import convert
+from engine.service.grammar import attach_grammar
 from engine.service.node import RoleParts
 from engine.service.stream import RequestStream
 
@@ -28,6 +29,7 @@ class ColocatedHandler:
         eng = self.engine
         params = convert.sampling_params(request, eng.max_context_len)
         req = eng.make_request(list(request.tokenized.input_ids), params, request.request_id or None)
+        await attach_grammar(eng, req)
         stream = RequestStream(self.loop, req, request.stream, eng.tokenizer, self.eos)
         self.loop.submit(req, stream.on_update)
         async for resp in stream.responses():

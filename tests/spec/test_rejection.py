@@ -152,3 +152,74 @@ def test_host_output_of_a_one_token_iteration_equals_the_general_form():
     b = host_output(short, {"emitted": emitted}, 0)
     assert (a.tokens, a.accepted_drafts) == (b.tokens, b.accepted_drafts) == ([[7], [3], [11]], [0, 0, 0])
     assert general == short
+
+
+class _AllowEveryStep:
+    """A matcher of the language allowed*: the same tokens may come at every step."""
+
+    def __init__(self, allowed: set[int], vocab: int) -> None:
+        self.allowed, self.vocab, self.taken = allowed, vocab, 0
+
+    def advance(self, tokens):
+        if any(t not in self.allowed for t in tokens):
+            return False
+        self.taken += len(tokens)
+        return True
+
+    def rollback(self, k):
+        self.taken -= k
+
+    def validate(self, tokens):
+        n = 0
+        while n < len(tokens) and tokens[n] in self.allowed:
+            n += 1
+        return n
+
+    def fill_mask(self, words):
+        words.zero_()
+        for t in self.allowed:
+            words[t // 32] |= 1 << t
+
+    def is_finished(self):
+        return False
+
+    def is_accepting(self):
+        return True
+
+    def forced_tokens(self):
+        return []
+
+
+def test_sampled_verify_keeps_the_constrained_target_distribution():
+    """Masks at every window row (the drafts walked through the matcher) and the sampler's
+    processing, then rejection sampling: the first token follows the target renormalised over
+    what the grammar allows, whatever the draft proposes (here a forbidden token first)."""
+    from engine.core import Req, SamplingParams
+    from engine.sampler import Sampler
+    from spec.verify_step import grammar_rows
+
+    vocab, n = 6, 40000
+    allowed = {1, 3, 4}
+    logits = torch.log(torch.tensor([0.3, 0.02, 0.08, 0.2, 0.25, 0.15]))
+    sampler = Sampler(vocab, 1, "cpu")
+    req = Req("r", [0], SamplingParams(temperature=1.0, max_new_tokens=8))
+    req.grammar = _AllowEveryStep(allowed, vocab)
+    tree = chain_tree(torch.tensor([[0, 5, 3, 1]]))  # draft 5 is forbidden: nothing under it counts
+    masks = grammar_rows(sampler, [req], tree)
+    assert masks is not None and masks.rows.tolist() == [0]  # rows under the refused draft get none
+    sb = sampler.prepare([req], rows_per_req=4, grammar=masks)
+    p_rows = sampler.processed_probs(logits.expand(4, vocab).clone(), sb)
+    counts, r = _first_token_counts(tree, p_rows, n, vocab)
+    want = torch.zeros(vocab)
+    for t in allowed:
+        want[t] = logits.exp()[t]
+    assert _chi2(counts, want / want.sum()) < CHI2_DF5_999
+    assert (r.accept_lens == 1).all()  # the forbidden draft is never accepted
+    # an allowed draft is accepted exactly as often as the constrained target picks it
+    tree = chain_tree(torch.tensor([[0, 4, 3, 1]]))
+    masks = grammar_rows(sampler, [req], tree)
+    assert masks is not None and masks.rows.tolist() == [0, 1, 2, 3]
+    sb = sampler.prepare([req], rows_per_req=4, grammar=masks)
+    counts, r = _first_token_counts(tree, sampler.processed_probs(logits.expand(4, vocab).clone(), sb), n, vocab)
+    assert _chi2(counts, want / want.sum()) < CHI2_DF5_999
+    assert req.grammar.taken == 0  # the walk rolled back

@@ -47,6 +47,7 @@ from spec.api import (
     last_token_rows,
     load_model,
     maybe_enable_cuda_graphs,
+    offer_forced_drafts,
     sample_positions,
     sample_tokens,
     sampled_output,
@@ -209,7 +210,8 @@ class StandaloneWorker(WorkerBase):
             g, _ = self.draft.forward(tok, ctx)
             tok = self.draft.logits(g).argmax(-1)
             chain.append(tok)
-        tree = chain_tree(torch.stack(chain, dim=1)[:, :w])
+        # a constrained request drafts what its grammar forces first (jump-forward)
+        tree = offer_forced_drafts(reqs, chain_tree(torch.stack(chain, dim=1)[:, :w]))
         ctx = self.target.make_context(ForwardMode.TARGET_VERIFY, slots, bound, [w] * bs, device_prefix=seq)
         hidden, _ = self.target.forward(tree.tokens.reshape(-1), ctx)
         logits = self.target.logits(hidden)
