@@ -8,7 +8,9 @@ import json
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any, Iterator
 
 from fixtures.pdkit import stub, wait_idle
 from fixtures.procs import Node
@@ -112,3 +114,13 @@ def start_stack(
         for n in started:
             n.kill()
         raise
+
+
+@contextmanager
+def running_stack(model: str | None, **kw: Any) -> Iterator[Stack]:
+    """start_stack's stack, killed on exit."""
+    s = start_stack(model, **kw)
+    try:
+        yield s
+    finally:
+        s.kill()

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from engine.kv_transfer import nixl_available
-from tests.router.stack import Stack, start_stack
+from tests.router.stack import Stack, running_stack
 
 pytestmark = [
     pytest.mark.slow,  # real node processes
@@ -27,11 +27,8 @@ ENDS_AT_ONCE = 'if __name__ == "__main__":\n    unittest.main()\n'
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    s = start_stack(None, decodes=1)
-    try:
+    with running_stack(None, decodes=1) as s:
         yield s
-    finally:
-        s.kill()
 
 
 @pytest.fixture(scope="module")

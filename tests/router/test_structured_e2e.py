@@ -14,7 +14,7 @@ import pytest
 from pydantic import BaseModel
 
 from engine.kv_transfer import nixl_available
-from tests.router.stack import Stack, start_stack
+from tests.router.stack import Stack, running_stack
 
 pytestmark = [
     pytest.mark.slow,  # real node processes
@@ -43,11 +43,8 @@ class Verdict(BaseModel):
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    s = start_stack(None, decodes=1, router_args=("--tool-call-parser", "hermes"))
-    try:
+    with running_stack(None, decodes=1, router_args=("--tool-call-parser", "hermes")) as s:
         yield s
-    finally:
-        s.kill()
 
 
 @pytest.fixture(scope="module")
