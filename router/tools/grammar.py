@@ -12,6 +12,9 @@
 A marker the vocabulary holds as one token is written `<[id]>`: llguidance treats added tokens as
 special, and a special token never matches the text of a string literal, so a literal
 "<tool_call>" would ban the very token the model emits.
+
+These Lark grammars are llguidance's (the nodes' default backend); xgrammar's EBNF has no `%json`,
+so nodes run with `--grammar-backend xgrammar` refuse them with a 400 naming the constraint.
 """
 
 from __future__ import annotations
