@@ -128,9 +128,10 @@ def test_sampled_constrained_spec_conforms(models, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", [None, *sorted(ALGOS)])
-def test_pd_constrained_equals_colocated(models, plain, name: str | None) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_pd_constrained_equals_colocated(models, plain, name: str | None, overlap: bool) -> None:
     binding = bind(_spec(models, name) if name else SpecConfig("NONE"))
-    prefill, decode = _engine(models, name), _engine(models, name)
+    prefill, decode = _engine(models, name, overlap=overlap), _engine(models, name, overlap=overlap)
     pd = InProcessPD(prefill, decode, binding)
     try:
         res = pd.run(PROMPTS + PROMPTS[:1], GREEDY + [FREE])
