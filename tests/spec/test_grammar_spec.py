@@ -150,3 +150,11 @@ def test_forced_tokens_are_offered_as_drafts(models, plain, name: str) -> None:
     assert o.output_ids == plain[1] and o.finish_reason.value == "stop"
     assert sum(o.accepted_drafts) >= len(o.output_ids) // 2
     assert len(o.accepted_drafts) < len(o.output_ids) // 2
+
+
+@pytest.mark.parametrize("name", ["EAGLE", "NGRAM"])
+def test_xgrammar_backend_is_exact_under_speculation_too(models, name: str) -> None:
+    want = _engine(models, None, grammar_backend="xgrammar").generate(PROMPTS, GREEDY)
+    eng = _engine(models, name, grammar_backend="xgrammar", overlap=True)
+    assert [o.output_ids for o in eng.generate(PROMPTS, GREEDY)] == [o.output_ids for o in want]
+    _assert_returned(eng)
