@@ -31,6 +31,8 @@ from common.defaults import (
     DEFAULT_PAGE_SIZE,
     DEFAULT_PREFILL_TIMEOUT,
     DEFAULT_REFRESH_INTERVAL,
+    DEFAULT_TP_SIZE,
+    DEFAULT_TP_TIMEOUT_S,
     DEFAULT_TRANSFER_TIMEOUT,
     DEFAULT_WAITING_TIMEOUT,
 )
@@ -40,6 +42,7 @@ PANEL_SPEC = "Speculative decoding"
 PANEL_EAGLE = "Speculative decoding: EAGLE"
 PANEL_NGRAM = "Speculative decoding: n-gram"
 PANEL_FAST = "GPU fast path"
+PANEL_TP = "Tensor parallelism"
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,18 @@ class EngineOptions:
         DEFAULT_GRAMMAR_BACKEND,
         "Grammar library for constrained output (response_format, regex, ebnf, structural tags): "
         "llguidance or xgrammar (bench/RESULTS.md compares them).",
+    )
+    tp_size: int = opt(
+        DEFAULT_TP_SIZE,
+        "Tensor-parallel ranks, one process and one GPU each: cuda:i..cuda:i+N-1 from --device cuda:i "
+        "(or every rank on the CPU over gloo). Prefill and decode nodes of different sizes pair.",
+        aliases=("--tensor-parallel-size",),
+        panel=PANEL_TP,
+    )
+    tp_timeout_s: float = opt(
+        DEFAULT_TP_TIMEOUT_S,
+        "Seconds a collective between ranks may take before the node is failed (NOT_SERVING) instead of hanging.",
+        panel=PANEL_TP,
     )
 
     def fast_path(self) -> dict[str, Any]:
@@ -342,6 +357,12 @@ class UpOptions:
         "remote",
         "Where the router runs each prompt (PD only): remote (the prefill node), local (the decode node) "
         "or auto (whichever starts it sooner, from the nodes' measured rates).",
+    )
+    tp_size: int = opt(
+        DEFAULT_TP_SIZE,
+        "Tensor-parallel ranks per node: node k's ranks on GPUs k*N .. k*N+N-1 (refused when the machine "
+        "has fewer). Needs --colocated for now: prefill and decode nodes do not take TP > 1 yet.",
+        aliases=("--tensor-parallel-size",),
     )
     verbose: bool = opt(False, "Echo the nodes' logs.", negatable=False)
 

@@ -36,6 +36,12 @@ DEFAULT_CHUNKED_PREFILL_SIZE = 2048
 GRAMMAR_BACKENDS = ("llguidance", "xgrammar")
 DEFAULT_GRAMMAR_BACKEND = "llguidance"
 
+# Tensor parallelism (--tp-size, --tp-timeout-s): one rank by default, and how long a collective may
+# take before the node is failed rather than left hanging. Generous: a first step under CUDA graph
+# capture or a long prefill chunk of a large model must not trip it.
+DEFAULT_TP_SIZE = 1
+DEFAULT_TP_TIMEOUT_S = 120.0
+
 # The router's flags whose defaults its components share, in seconds where a time. The first token
 # is due later than the next ones: it waits for the prefill's forward and KV transfer too.
 DEFAULT_PREFILL_TIMEOUT = 60.0

@@ -116,6 +116,10 @@ class Fingerprint:
     """Bytes per handoff row (room echo, the shared header, the algorithm's payload)."""
     version: str
     """pdserve version."""
+    tp_layout: str
+    """Tensor-parallel ranks and the target's KV heads each holds (`describe_tp_layout`). Carried,
+    not compared (INFORMATIONAL): nodes of different TP sizes pair, their transports mapping heads
+    rank to rank, and refusing by name a pair whose heads cannot map (engine/kv_transfer/tp.py)."""
 
     def to_proto(self) -> kv_control_pb2.Fingerprint:
         """The wire message for the KVControl handshake."""
@@ -127,6 +131,10 @@ class Fingerprint:
     def from_proto(cls, msg: kv_control_pb2.Fingerprint) -> Fingerprint:
         """Read a wire message; unset fields read as proto3 defaults ("" and 0)."""
         return cls(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)})
+
+
+# Fields that describe a node without having to agree with its peer's
+INFORMATIONAL = frozenset({"tp_layout"})
 
 
 def _dtype_name(dtype: object) -> str:
@@ -143,9 +151,11 @@ def build_fingerprint(
     draft_model_dir: str | os.PathLike[str] | None,
     aux_row_bytes: int,
     *,
+    tp_size: int = 1,
     version: str | None = None,
 ) -> Fingerprint:
-    """Fingerprint of a node serving `model_dir` (and `draft_model_dir`, if any) this way.
+    """Fingerprint of a node serving `model_dir` (and `draft_model_dir`, if any) this way, over
+    `tp_size` tensor-parallel ranks.
 
     `version` defaults to the installed pdserve distribution's version (pyproject's, the same
     string as `pdserve.__version__`): the engine may not import the umbrella package itself
@@ -160,7 +170,29 @@ def build_fingerprint(
         draft_model_hash=model_hash(draft_model_dir) if draft_model_dir else "",
         aux_row_bytes=int(aux_row_bytes),
         version=version if version is not None else _pdserve_version(),
+        tp_layout=describe_tp_layout(model_dir, tp_size),
     )
+
+
+def describe_tp_layout(model_dir: str | os.PathLike[str], tp_size: int) -> str:
+    """ "tp=2;kv_heads=0-3,4-7": the ranks and the KV heads of the target each rank holds (ranges
+    overlap where KV heads are replicated); a KV write between nodes maps heads rank to rank."""
+    from common.tp_layout import TpLayout
+
+    config = Path(model_dir) / "config.json"
+    raw = json.loads(config.read_text())
+    try:
+        heads = int(raw["num_attention_heads"])
+        dims = (
+            heads,
+            int(raw.get("num_key_value_heads") or heads),
+            int(raw["intermediate_size"]),
+            int(raw["vocab_size"]),
+        )
+    except KeyError as e:
+        raise ValueError(f"{config}: missing {e.args[0]!r}, needed for the tensor-parallel layout") from None
+    per_rank = (TpLayout(r, tp_size, *dims).kv_heads for r in range(tp_size))
+    return f"tp={tp_size};kv_heads=" + ",".join(f"{kv.start}-{kv.stop - 1}" for kv in per_rank)
 
 
 def _pdserve_version() -> str:
@@ -177,6 +209,8 @@ def _show(value: object) -> str:
 def first_mismatch(a: Fingerprint, b: Fingerprint, a_name: str = "prefill", b_name: str = "decode") -> str | None:
     """None when the fingerprints match, else e.g. "page_size differs: prefill 16, decode 4"."""
     for f in dataclasses.fields(Fingerprint):
+        if f.name in INFORMATIONAL:
+            continue
         va, vb = getattr(a, f.name), getattr(b, f.name)
         if va != vb:
             return f"{f.name} differs: {a_name} {_show(va)}, {b_name} {_show(vb)}"
@@ -189,5 +223,6 @@ def pairing_protocol(fp: Fingerprint) -> str:
     Equal fingerprints give equal tokens; any differing field gives a different one (64-bit
     truncated sha256, so collisions are negligible for this purpose).
     """
-    canonical = json.dumps(dataclasses.asdict(fp), sort_keys=True, separators=(",", ":"))
+    fields = {k: v for k, v in dataclasses.asdict(fp).items() if k not in INFORMATIONAL}
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return "pdserve-" + hashlib.sha256(canonical.encode()).hexdigest()[:16]

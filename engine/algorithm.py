@@ -16,6 +16,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.future_map import FutureMap, plain_future_map
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
+from engine.parallel.group import SINGLE, TpGroup
 from engine.sampler import Sampler
 from engine.worker import PlainExecutor
 
@@ -34,6 +35,7 @@ class EngineParts:
     sampler: Sampler
     device: torch.device
     dtype: torch.dtype
+    tp: TpGroup = SINGLE  # this rank's tensor-parallel group (draft heads run replicated on each)
 
 
 class EngineAlgorithm(Protocol):
@@ -79,3 +81,23 @@ class PlainDecoding:
 
     def draft_model_dir(self) -> str | None:
         return None
+
+
+def slot_future_map(
+    algorithm: EngineAlgorithm,
+    max_running: int,
+    chunked_prefill_size: int,
+    context_len: int,
+    num_slots: int,
+    device: torch.device | str,
+    debug: bool = False,
+) -> FutureMap:
+    """The algorithm's relay, checked to have a row for each of `num_slots` request slots (the
+    scheduler's, and each follower rank's own copy under tensor parallelism)."""
+    future_map = algorithm.create_future_map(max_running, chunked_prefill_size, context_len, device, debug=debug)
+    if future_map.num_rows < num_slots:
+        raise ValueError(
+            f"{algorithm.name}: create_future_map gave {future_map.num_rows} rows; "
+            f"{num_slots} request slots need one each"
+        )
+    return future_map

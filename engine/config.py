@@ -16,6 +16,8 @@ from common.defaults import (
     DEFAULT_MEM_FRACTION_STATIC,
     DEFAULT_PAGE_SIZE,
     GRAMMAR_BACKENDS,
+    DEFAULT_TP_SIZE,
+    DEFAULT_TP_TIMEOUT_S,
 )
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -177,11 +179,16 @@ class EngineConfig:
     # Keep finished requests' KV pages by token prefix and reuse them (engine/radix_cache.py);
     # off: every prompt is computed whole (`--disable-radix-cache`).
     radix_cache: bool = True
+    # Tensor parallelism: ranks (one process and one GPU each; cuda:i..cuda:i+tp_size-1 from the
+    # configured cuda:i, or all on the CPU over gloo), and the deadline after which a collective
+    # that has not completed fails the node rather than hanging it.
+    tp_size: int = DEFAULT_TP_SIZE
+    tp_timeout_s: float = DEFAULT_TP_TIMEOUT_S
     # the library constrained output is compiled and matched with (engine/grammar: llguidance or xgrammar)
     grammar_backend: str = DEFAULT_GRAMMAR_BACKEND
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "max_total_tokens", "max_running", "chunked_prefill_size"):
+        for name in ("page_size", "max_total_tokens", "max_running", "chunked_prefill_size", "tp_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.tpot_guard_ms is not None and self.tpot_guard_ms < 0:

@@ -19,6 +19,7 @@ from engine.future_map import DraftInput
 from engine.grammar.base import CompiledGrammar
 from engine.handoff import HandoffCodec, HandoffHeader, decode_row, encode_row
 from engine.kv_cache import KVPool
+from engine.loader import tp_layout
 from engine.scheduler import RequestUpdate
 from engine.loop import EngineLoop, UpdateCallback
 from common.sampling import Constraint
@@ -76,6 +77,22 @@ class DisaggEngine:
     def kv_pools(self) -> list[KVPool]:
         """Target pool first, then the executor's (draft) pools: one page id addresses all."""
         return [self._engine.parts.runner.pool, *self._engine.executor.extra_kv_pools()]
+
+    @property
+    def tp_kv_heads(self) -> range:
+        """The target's KV heads this node's leader rank holds (all of them on one GPU)."""
+        mc = self._engine.model_config
+        return tp_layout(mc, self._engine.ranks.group).kv_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        """The target's KV heads over every rank."""
+        return int(self._engine.model_config.num_kv_heads)
+
+    @property
+    def ranks(self) -> Any:
+        """The node's tensor-parallel ranks (engine/parallel/ranks.py)."""
+        return self._engine.ranks
 
     @property
     def kv_bytes_per_page(self) -> int:

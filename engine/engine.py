@@ -16,18 +16,14 @@ from typing import ContextManager, Iterator, Sequence
 
 import torch
 
-from engine.attention import create_attention_backend
 from engine.algorithm import EngineAlgorithm, EngineParts, PlainDecoding
-from engine.config import EngineConfig, ModelConfig, check_device, parse_dtype
+from engine.build import build_rank
+from engine.config import EngineConfig, check_device, parse_dtype
 from engine.core import FinishReason, InvalidRequest, Req, SamplingParams, as_token_list
-from engine.executor import check_executor, maybe_enable_cuda_graphs
+from engine.executor import Executor
 from engine.grammar.base import CompiledGrammar
 from engine.grammar.compiler import GrammarCompiler, make_backend, new_matcher
-from engine.kv_budget import draft_footprint, kv_bytes_per_token, size_kv_cache
-from engine.kv_cache import MAX_DECODE_WINDOW, KVCacheConfig, KVCacheManager, KVPool
-from engine.loader import load_model
-from engine.model_runner import ModelRunner
-from engine.sampler import Sampler
+from engine.parallel.ranks import TpRanks
 from engine.scheduler import BatchPolicy, PolicyConfig, RequestUpdate, Scheduler, SchedulerConfig
 from engine.scheduler.rates import NodeRates
 from engine.scheduler.tpot_guard import TpotGuard
@@ -135,29 +131,16 @@ class Engine:
         self.load_seconds = time.perf_counter() - started  # weights, KV pool, graphs (node metrics)
 
     def _build(self, config: EngineConfig, algorithm: EngineAlgorithm | None, io: SchedulerIO | None) -> None:
-        """Weights, KV pools, the algorithm's worker, the scheduler and the start-up graphs."""
-        model, self.model_config = load_model(config.model, config.dtype, self.device)
-        self.dtype = next(model.parameters()).dtype
-        mc = self.model_config
-        self.max_context_len = config.max_context_len or mc.max_position_embeddings
+        """Weights, KV pools, the algorithm's worker (every rank's, under tensor parallelism), the
+        scheduler and the start-up graphs."""
         self.algorithm: EngineAlgorithm = algorithm or PlainDecoding()
-        num_pages = max(2, self._kv_tokens(mc) // config.page_size + 1)  # +1: page 0 reserved
-        # the table is wider than the context: a decode step may write a speculative window
-        # past the last position before the length check stops the request
-        # (two windows: under overlap a request's next window is reserved on the host's upper
-        # bound, which may still count the window of the batch in flight)
-        width = self.max_context_len + 2 * MAX_DECODE_WINDOW + config.page_size
-        self.kv = KVCacheManager(KVCacheConfig(num_pages, config.page_size, config.max_running, width), self.device)
-        pool = KVPool(mc.num_layers, num_pages, config.page_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
-        runner = ModelRunner(model, self.kv, pool, create_attention_backend(config.attention_backend), self.device)
-        sampler = Sampler(mc.vocab_size, config.max_running, self.device, mc.eos_token_ids)
-        self.parts = EngineParts(config, mc, runner, self.kv, sampler, self.device, self.dtype)
-        self.executor = check_executor(self.algorithm.create_worker(self.parts), self.algorithm.name)
-        maybe_enable_cuda_graphs(runner, config.cuda_graph_max_bs, config.cuda_graph_padded_eager)
+        self.ranks = TpRanks.start(config, self.algorithm, self.device)
+        rank = build_rank(config, self.algorithm, self.device, self.ranks.group)
+        self.parts, self.max_context_len = rank.parts, rank.max_context_len
+        self.model_config, self.kv, self.dtype = self.parts.model_config, self.parts.kv, self.parts.dtype
+        self.executor: Executor = self.ranks.lead(rank.executor, self.kv)
         if config.radix_cache:
             self.kv.enable_prefix_cache(self.executor.prefix_cache_shift())
-        if self.executor.kv_tokens_per_decode() > MAX_DECODE_WINDOW:
-            raise ValueError(f"a decode step may not write more than {MAX_DECODE_WINDOW} tokens")
         self.rates = NodeRates()
         guard = None
         if config.tpot_guard_ms:
@@ -169,10 +152,21 @@ class Engine:
             guard,
         )
         self.io: SchedulerIO = io or _LocalIO()
-        stops = SchedulerConfig(mc.eos_token_ids, self.max_context_len, config.overlap, config.future_map_debug)
+        stops = SchedulerConfig(
+            self.model_config.eos_token_ids, self.max_context_len, config.overlap, config.future_map_debug
+        )
         self.scheduler = Scheduler(policy, self.executor, self.io, stops, self.algorithm, self.rates)
         if config.cuda_graph_max_bs > 0:  # after the scheduler bound the FutureMap graphs read
             self.executor.capture_cuda_graphs()  # at start-up, so first requests do not pay for captures
+
+    @property
+    def fatal(self) -> str | None:
+        """Why this engine can never step again (a tensor-parallel rank died or hung), or None."""
+        return self.ranks.failed
+
+    def close(self) -> None:
+        """Stop the follower ranks (no-op on one GPU)."""
+        self.ranks.stop()
 
     def _grammar_compiler(self) -> GrammarCompiler:
         mc = self.model_config
@@ -186,18 +180,6 @@ class Engine:
         if self.grammars is None:
             raise InvalidRequest("constrained output needs a tokenizer; this model directory has none")
         return self.grammars.submit(constraint)
-
-    def _kv_tokens(self, mc: ModelConfig) -> int:
-        """The configured KV capacity, or what the device memory left by the weights holds for the
-        target's KV and a draft's (the draft loads later, so its weights are counted up front)."""
-        if self.config.max_total_tokens is not None:
-            return self.config.max_total_tokens
-        size = self.dtype.itemsize
-        draft_per_token, draft_weights = draft_footprint(self.algorithm.draft_model_dir(), size)
-        per_token = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, size) + draft_per_token
-        return size_kv_cache(
-            self.device, self.config.mem_fraction_static, self.config.page_size, per_token, draft_weights
-        )
 
     # ---- requests ----
     def add_request(

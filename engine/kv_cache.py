@@ -93,6 +93,9 @@ class KVCacheManager:
         self._pages: dict[int, list[int]] = {}  # slot -> pages in order
         self.cache: RadixCache | None = None
         self._matched: dict[int, Match] = {}  # slot -> the cached prefix it reads
+        # Tensor parallelism: every write to the request table, as (slot, first page, pages) or
+        # (slot, None, None) for a cleared row, for the follower ranks to repeat (None: not kept)
+        self.journal: list[tuple[int, int | None, list[int] | None]] | None = None
 
     def enable_prefix_cache(self, shift: int) -> RadixCache:
         """Cache finished requests' pages by token prefix (`shift`: see engine/radix_cache.py)."""
@@ -148,8 +151,7 @@ class KVCacheManager:
         pages = match.pages
         self._pages[req.slot] = list(pages)
         req.num_pages = len(pages)
-        slots = self._slots_of_pages(pages)
-        self.req_to_token[req.slot, : slots.numel()] = slots
+        self.write_pages(req.slot, 0, list(pages))
         req.seq_len = len(pages) * self.page_size
 
     def admit(self, req: Req, reserve_tokens: int, need_tokens: int, headroom_pages: int = 0) -> bool:
@@ -228,8 +230,7 @@ class KVCacheManager:
         start = len(pages)
         pages.extend(new)
         req.num_pages = len(pages)
-        slots = self._slots_of_pages(new)
-        self.req_to_token[req.slot, start * self.page_size : start * self.page_size + slots.numel()] = slots
+        self.write_pages(req.slot, start, new)
 
     def shrink(self, req: Req, num_tokens: int) -> None:
         """Return pages beyond those covering [0, num_tokens) (rejected speculative slots)."""
@@ -256,9 +257,21 @@ class KVCacheManager:
             self.allocator.free(self.cache.insert(req.tokens(0, req.total_len), pages, cacheable).to_free)
         else:
             self.allocator.free(pages[matched:])
-        self.req_to_token[req.slot].zero_()
+        self.clear_row(req.slot)
         self._free_slots.append(req.slot)
         req.slot, req.num_pages, req.seq_len = 0, 0, 0
+
+    def write_pages(self, slot: int, first: int, pages: list[int]) -> None:
+        """Pages `first`, `first + 1`, ... of the request in `slot` are `pages`."""
+        slots = self._slots_of_pages(pages)
+        self.req_to_token[slot, first * self.page_size : first * self.page_size + slots.numel()] = slots
+        if self.journal is not None:
+            self.journal.append((slot, first, pages))
+
+    def clear_row(self, slot: int) -> None:
+        self.req_to_token[slot].zero_()
+        if self.journal is not None:
+            self.journal.append((slot, None, None))
 
     def page_list(self, req: Req) -> list[int]:
         return list(self._pages.get(req.slot, []))

@@ -10,8 +10,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from common.tp_layout import TpLayout, TpLayoutError
 from engine.config import ModelConfig, ModelLoadError, parse_dtype
 from engine.models import model_class
+from engine.parallel.group import SINGLE, TpGroup
+from engine.parallel.shard_plan import ShardPlan
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -36,12 +39,19 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return found
 
 
-def iter_tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor]]:
+def iter_tensors(files: list[Path], plan: ShardPlan | None = None) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    """Every tensor of the checkpoint; with a tensor-parallel `plan`, only this rank's slice of
+    the sharded ones is read from the file."""
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as st:
                 for name in st.keys():
-                    yield f, name, st.get_tensor(name)
+                    cut = plan.slice_of(name) if plan is not None else None
+                    if cut is None:
+                        yield f, name, st.get_tensor(name)
+                        continue
+                    index = (slice(None),) * cut.dim + (slice(cut.start, cut.stop),)
+                    yield f, name, st.get_slice(name)[index]
         except (SafetensorError, OSError, RuntimeError, ValueError) as e:
             raise ModelLoadError(f"{f}: cannot read safetensors ({e})") from e
 
@@ -52,13 +62,15 @@ def load_weights(
     ignore_prefixes: tuple[str, ...] = (),
     rename: dict[str, str] | None = None,
     buffers: tuple[str, ...] = ("d2t", "t2d"),
+    plan: ShardPlan | None = None,
 ) -> None:
-    """Copy checkpoint tensors into `model`; every parameter must be found with its exact shape."""
+    """Copy checkpoint tensors into `model`; every parameter must be found with its exact shape
+    (its rank's slice under tensor parallelism, where a vocabulary block may be padded)."""
     params = dict(model.named_parameters())
     tied = getattr(model, "tied_parameter_names", lambda: set())()
     missing = set(params) - tied
     rename = rename or {}
-    for f, name, tensor in iter_tensors(files):
+    for f, name, tensor in iter_tensors(files, plan):
         name = rename.get(name, name)
         if name.startswith(ignore_prefixes) or name.endswith("rotary_emb.inv_freq") or name in buffers:
             continue
@@ -67,10 +79,15 @@ def load_weights(
                 continue
             raise ModelLoadError(f"{f}: unexpected tensor {name!r} (not a parameter of {type(model).__name__})")
         p = params[name]
-        if tuple(tensor.shape) != tuple(p.shape):
+        target = p
+        if plan is not None and plan.padded(name) and 0 < tensor.shape[0] < p.shape[0]:
+            with torch.no_grad():  # the last vocabulary block runs short: zero padding rows
+                p[tensor.shape[0] :].zero_()
+            target = p[: tensor.shape[0]]
+        if tuple(tensor.shape) != tuple(target.shape):
             raise ModelLoadError(f"{f}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
         with torch.no_grad():
-            p.copy_(tensor.to(p.dtype))
+            target.copy_(tensor.to(p.dtype))
         missing.discard(name)
     if missing:
         raise ModelLoadError(
@@ -78,10 +95,13 @@ def load_weights(
         )
 
 
-def build_empty(cls: Callable[[Any], nn.Module], cfg: Any, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
-    """Instantiate without initialising weights (meta device), then materialise on `device`."""
+def build_empty(
+    cls: Callable[..., nn.Module], cfg: Any, dtype: torch.dtype, device: torch.device | str, tp: TpGroup = SINGLE
+) -> nn.Module:
+    """Instantiate without initialising weights (meta device), then materialise on `device`
+    (a tensor-parallel rank builds only its share)."""
     with torch.device("meta"):
-        model = cls(cfg)
+        model = cls(cfg, tp) if tp.size > 1 else cls(cfg)
     model = model.to_empty(device=device)
     for p in model.parameters():  # floating parameters only: buffers such as d2t keep their dtype
         p.data = p.data.to(dtype)
@@ -95,17 +115,30 @@ def build_empty(cls: Callable[[Any], nn.Module], cfg: Any, dtype: torch.dtype, d
 
 
 def load_model(
-    model_dir: str | Path, dtype: str | torch.dtype | None = None, device: torch.device | str = "cpu"
+    model_dir: str | Path,
+    dtype: str | torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    tp: TpGroup = SINGLE,
 ) -> tuple[nn.Module, ModelConfig]:
+    """The model in `model_dir`, whole, or this rank's share of it under tensor parallelism."""
     path = Path(model_dir)
     cfg = ModelConfig.from_dir(path)
     torch_dtype = parse_dtype(dtype or cfg.torch_dtype)
     files = checkpoint_files(path)
-    model = build_empty(model_class(cfg), cfg, torch_dtype, device)
-    load_weights(model, files)
+    layout = tp_layout(cfg, tp)
+    model = build_empty(model_class(cfg), cfg, torch_dtype, device, tp)
+    load_weights(model, files, plan=ShardPlan(layout, cfg.head_dim) if tp.size > 1 else None)
     merge_projections_on_gpu(model, device)
     model.eval()
     return model, cfg
+
+
+def tp_layout(cfg: ModelConfig, tp: TpGroup) -> TpLayout:
+    """This rank's share of `cfg`; a model that cannot split this way is a load error naming why."""
+    try:
+        return tp.layout(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size)
+    except TpLayoutError as e:
+        raise ModelLoadError(f"{cfg.architecture}: {e}") from None
 
 
 def merge_projections_on_gpu(model: nn.Module, device: torch.device | str) -> None:

@@ -1,5 +1,6 @@
 """Runs an Engine's scheduler in its own thread for servers: thread-safe submit/abort/call and
-per-request update callbacks (the gRPC servicers bridge those into asyncio)."""
+per-request update callbacks (the gRPC servicers bridge those into asyncio); an engine that can
+never step again (a tensor-parallel rank died) stops the stepping and fails whatever arrives."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from collections import Counter, deque
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from engine.core import InvalidRequest, Req
+from engine.core import FinishReason, InvalidRequest, Req
 from engine.engine import Engine, bind_thread_to_device
+from engine.parallel.channel import TpGroupFailed
 from engine.scheduler import RequestUpdate
+from engine.scheduler.updates import final_update
 
 log = logging.getLogger(__name__)
 UpdateCallback = Callable[[RequestUpdate], None]
@@ -98,6 +101,19 @@ class ThreadedIO:
                 except Exception:  # noqa: BLE001 - a broken subscriber must not stop the engine
                     log.exception("update callback for %s failed", upd.rid)
 
+    def refuse_pending(self, detail: str) -> None:
+        """Fail every new request and call at once (the engine cannot run them); aborts are moot."""
+        with self._lock:
+            new, self._new = self._new, []
+            self._aborts.clear()
+            calls, self._calls = self._calls, deque()
+        for _fn, fut in calls:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError(detail))
+        for req in new:
+            req.finish(FinishReason.ABORT, detail)
+        self.publish([final_update(req) for req in new])
+
     def wait_for_work(self, timeout: float) -> None:
         self._wake.wait(timeout)
         self._wake.clear()
@@ -127,6 +143,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pdserve-scheduler", daemon=True)
         self.steps_failed = 0
+        self._fault: str | None = None  # why the loop stopped stepping for good
 
     def start(self) -> "EngineLoop":
         self._thread.start()
@@ -138,8 +155,14 @@ class EngineLoop:
         self._thread.join(timeout)
 
     @property
+    def fault(self) -> str | None:
+        """Why this node can never step again, or None. Read from the engine too, not only from
+        the scheduler thread: that thread may be blocked in a collective with a dead rank."""
+        return self._fault or self.engine.fatal
+
+    @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stop.is_set()
+        return self._thread.is_alive() and not self._stop.is_set() and self.fault is None
 
     def submit(self, req: Req, on_update: UpdateCallback) -> None:
         self.io.submit(req, on_update)
@@ -154,14 +177,40 @@ class EngineLoop:
         bind_thread_to_device(self.engine.device)  # the current device is per thread
         sched = self.engine.scheduler
         while not self._stop.is_set():
+            if self.engine.fatal is not None:
+                self._halt(self.engine.fatal)
+                break
             try:
                 sched.step()
+            except TpGroupFailed as e:  # a rank hung or died: no later step can meet the others
+                self.steps_failed += 1
+                self._halt(str(e))
+                break
             except Exception as e:  # noqa: BLE001 - fail the in-flight requests, keep serving
                 self.steps_failed += 1
                 log.exception("engine step failed; aborting in-flight requests")
                 self._fail_all(f"internal error: {type(e).__name__}: {e}")
             if not sched.has_work and not self.io.has_pending:
                 self.io.wait_for_work(0.05)
+        self._refuse_until_stopped()
+
+    def _halt(self, why: str) -> None:
+        """Stop stepping for good: every request in flight fails now (routers retry them elsewhere)."""
+        self._fault = why
+        log.error("engine failed (%s): failing every request and serving none until restarted", why)
+        try:
+            self._fail_all(f"node failed: {why}")
+        except Exception:  # noqa: BLE001 - the requests' updates are what matter, not this
+            log.exception("could not fail the in-flight requests cleanly")
+
+    def _refuse_until_stopped(self) -> None:
+        """After a halt, requests and calls that still arrive (a race with health) fail at once."""
+        if self._fault is None:
+            return
+        detail = f"node failed: {self._fault}"
+        while not self._stop.is_set():
+            self.io.refuse_pending(detail)
+            self.io.wait_for_work(0.05)
 
     def _fail_all(self, detail: str) -> None:
         self.io.publish(self.engine.scheduler.fail_all(detail))

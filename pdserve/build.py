@@ -39,6 +39,8 @@ def engine_config(options: EngineOptions, choice: ModelChoice) -> EngineConfig:
         chunked_prefill_size=options.chunked_prefill_size,
         radix_cache=not options.disable_radix_cache,
         grammar_backend=options.grammar_backend,
+        tp_size=options.tp_size,
+        tp_timeout_s=options.tp_timeout_s,
         **options.fast_path(),
     )
 
@@ -67,6 +69,19 @@ def check_device(device: str) -> None:
         engine_check_device(device)
     except ValueError as e:
         raise ValueError(f"--device: {e}") from None
+
+
+def check_tp(options: EngineOptions, model_dir: Path) -> None:
+    """--tp-size before the (slow) load: a size of at least 1, its GPUs present from --device on,
+    and a model whose heads and MLP split over it (pdserve/tp.py)."""
+    from pdserve.tp import check_gpus, check_model_split, check_tp_flags
+
+    check_tp_flags(options.tp_size, options.tp_timeout_s)
+    if options.device.startswith("cuda"):
+        import torch
+
+        check_gpus(options.device, options.tp_size, torch.cuda.device_count())
+    check_model_split(model_dir, options.tp_size)
 
 
 def sampling_params(options: GenerateOptions) -> SamplingParams:
@@ -189,5 +204,6 @@ def build_node(
     check_device(engine.device)
     limit_cpu_threads(engine.device)
     choice, binding = choose_model(engine.model, engine.dtype, engine.device, spec)
+    check_tp(engine, choice.model)
     config = dataclasses.replace(engine_config(engine, choice), tpot_guard_ms=tpot_guard_ms)
     return Engine(config, algorithm=binding, io=ThreadedIO()), binding

@@ -66,13 +66,24 @@ def _run(
         fail(e)
 
 
-def _check_before_loading(rows_place: str, sgl_mode: str = "off") -> None:
+def _check_before_loading(role: str, engine: EngineOptions, rows_place: str = "kv", sgl_mode: str = "off") -> None:
     """Flag values the model load would only reach later: one line and exit 2, now."""
+    from pdserve.tp import check_tp_flags
+
     try:
+        check_tp_flags(engine.tp_size, engine.tp_timeout_s)
         check_rows_place(rows_place)
         check_sgl_mode(sgl_mode)
     except ValueError as e:
         fail(e)
+
+
+def _check_up_tp(opts: UpOptions) -> None:
+    """`up --tp-size`: a size of at least 1, refused before anything starts; the GPU count is
+    checked where GPUs are handed out (pdserve/up.py)."""
+    from pdserve.tp import check_tp_size
+
+    check_tp_size(opts.tp_size)
 
 
 def register(app: typer.Typer) -> None:
@@ -80,6 +91,7 @@ def register(app: typer.Typer) -> None:
     @with_options(role=ServeRole, engine=EngineOptions, spec=SpeculativeOptions, log=LogOptions)
     def serve(role: ServeRole, engine: EngineOptions, spec: SpeculativeOptions, log: LogOptions) -> None:
         """Colocated node: prompt and decode in one process (the PD baseline)."""
+        _check_before_loading("serve", engine)
         from engine.service.colocated import ColocatedRole
 
         _run(ColocatedRole(), engine, spec, log, role.host, role.port, role.metrics_port)
@@ -88,7 +100,7 @@ def register(app: typer.Typer) -> None:
     @with_options(role=PrefillRole, engine=EngineOptions, spec=SpeculativeOptions, log=LogOptions)
     def prefill(role: PrefillRole, engine: EngineOptions, spec: SpeculativeOptions, log: LogOptions) -> None:
         """Prefill node: runs prompts (target, then the draft) and writes KV to decode nodes."""
-        _check_before_loading(role.kv_handoff_rows, role.kv_write_sgl)
+        _check_before_loading("prefill", engine, role.kv_handoff_rows, role.kv_write_sgl)
         from prefill_node.handler import PrefillTimeouts
         from prefill_node.role import PrefillRole as Prefill
 
@@ -114,7 +126,7 @@ def register(app: typer.Typer) -> None:
     @with_options(role=DecodeRole, engine=EngineOptions, spec=SpeculativeOptions, log=LogOptions)
     def decode(role: DecodeRole, engine: EngineOptions, spec: SpeculativeOptions, log: LogOptions) -> None:
         """Decode node: receives KV from prefill nodes and generates."""
-        _check_before_loading(role.kv_handoff_rows)
+        _check_before_loading("decode", engine, role.kv_handoff_rows)
         from decode_node.handler import DecodeTimeouts
         from decode_node.peers import PeerPolicy
         from decode_node.role import DecodeRole as Decode
@@ -157,6 +169,7 @@ def register(app: typer.Typer) -> None:
 
         try:
             check_pd_prefill_policy(opts.pd_prefill_policy)
+            _check_up_tp(opts)
         except ValueError as e:
             fail(e)
 
@@ -173,6 +186,7 @@ def register(app: typer.Typer) -> None:
             isolate_gpus=opts.isolate_gpus,
             log_args=("--log-level", log.log_level, "--log-format", log.log_format),
             pd_prefill_policy=opts.pd_prefill_policy,
+            tp_size=opts.tp_size,
         )
         dep, stop = Deployment(cfg), threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -189,6 +203,8 @@ def register(app: typer.Typer) -> None:
             dead = dep.watch(stop)
             if dead is not None:
                 fail(f"{dead} exited unexpectedly; stopping the deployment", code=1)
+        except ValueError as e:  # a deployment this machine cannot hold (too few GPUs for --tp-size)
+            fail(e)
         except RuntimeError as e:
             fail(e, code=1)
         finally:

@@ -64,6 +64,8 @@ class UpConfig:
     isolate_gpus: bool = True
     log_args: tuple[str, ...] = ()  # --log-level/--log-format for every child, router included
     pd_prefill_policy: str = "remote"  # the router's --pd-prefill-policy (PD only)
+    # Tensor-parallel ranks per node: node k's ranks on GPUs k*tp_size .. k*tp_size + tp_size - 1
+    tp_size: int = 1
 
 
 class Deployment:
@@ -74,7 +76,8 @@ class Deployment:
     def _spawn(self, name: str, args: list[str], device: str | None = None) -> Child:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "NIXL_LOG_LEVEL": "WARN"}
         if device is not None and device.startswith("cuda:") and self.cfg.isolate_gpus:
-            env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]  # each node sees one GPU as cuda:0
+            # each node sees only its own GPUs, its first as cuda:0
+            env["CUDA_VISIBLE_DEVICES"] = _visible(device, self.cfg.tp_size)
         proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", *args],
             env=env,
@@ -102,6 +105,8 @@ class Deployment:
         model = ["--model", cfg.model] if cfg.model else []
         # every node serves /metrics (any free port, named on its READY line) for its KV and queue gauges
         common = [*model, "--host", cfg.host, "--port", "0", "--metrics-port", "0", *cfg.node_args, *cfg.log_args]
+        if cfg.tp_size > 1:
+            common += ["--tp-size", str(cfg.tp_size)]
         plans = self._colocated_plans(common) if cfg.colocated else self._pd_plans(common)
         nodes = []
         for wave in _waves(plans, sizes_kv_itself=_sizes_kv_itself(cfg.node_args)):
@@ -134,14 +139,14 @@ class Deployment:
         return {c.name: f"http://{host}:{c.ports['metrics']}/metrics" for c in self.children if "metrics" in c.ports}
 
     def _colocated_plans(self, common: list[str]) -> list[NodePlan]:
-        devices = _devices(self.cfg.device, self.cfg.colocated)
+        devices = _devices(self.cfg.device, self.cfg.colocated, self.cfg.tp_size)
         return [
             (f"colocated-{i}", ["serve", *common, "--device", self._local(dev)], dev) for i, dev in enumerate(devices)
         ]
 
     def _pd_plans(self, common: list[str]) -> list[NodePlan]:
         cfg = self.cfg
-        devices = _devices(cfg.device, cfg.prefill + cfg.decode)
+        devices = _devices(cfg.device, cfg.prefill + cfg.decode, cfg.tp_size)
         plans: list[NodePlan] = [
             (
                 f"prefill-{i}",
@@ -179,10 +184,12 @@ NodePlan = tuple[str, list[str], str]  # (name, CLI args, device)
 
 
 def _terminate(children: list[Child], grace_s: float) -> None:
-    """SIGTERM every child still running, then wait for them all; SIGKILL whoever outlives the grace."""
+    """SIGTERM every child still running, then wait for them all; SIGKILL whoever outlives the grace
+    (with its whole process group). SIGTERM goes to the child alone: a tensor-parallel node stops
+    its rank processes itself, in order, and ranks signalled with it would die mid-conversation."""
     for c in children:
         if c.proc.poll() is None:
-            os.killpg(c.proc.pid, signal.SIGTERM)
+            os.kill(c.proc.pid, signal.SIGTERM)
     end = time.monotonic() + grace_s
     for c in children:
         try:
@@ -222,13 +229,27 @@ def _waves(plans: list[NodePlan], sizes_kv_itself: bool) -> list[list[NodePlan]]
     return waves
 
 
-def _devices(device: str, count: int) -> list[str]:
+def _devices(device: str, count: int, tp_size: int = 1) -> list[str]:
+    """Each node's first device. One rank per node: nodes take GPUs in turn (sharing them when
+    there are more nodes). Several: node k's ranks own GPUs k*tp_size .. k*tp_size + tp_size - 1,
+    and a machine with fewer GPUs than ranks is refused (TpSetupError)."""
     if device == "auto":
         device = "cuda" if _cuda_count() > 0 else "cpu"
     if device == "cuda":
         n = _cuda_count()
+        if tp_size > 1:
+            from pdserve.tp import gpus_per_node
+
+            gpus_per_node(tp_size, count, n)
+            return [f"cuda:{k * tp_size}" for k in range(count)]
         return [f"cuda:{i % n}" for i in range(count)]
     return [device] * count
+
+
+def _visible(device: str, tp_size: int) -> str:
+    """CUDA_VISIBLE_DEVICES of a node whose first rank runs on `device` (cuda:i): i .. i+tp_size-1."""
+    first = int(device.split(":", 1)[1])
+    return ",".join(str(first + r) for r in range(tp_size))
 
 
 def _cuda_count() -> int:

@@ -37,6 +37,7 @@ FINGERPRINT = {
     "draft_model_hash": "cd" * 32,
     "aux_row_bytes": 8192,
     "version": "0.1.0",
+    "tp_layout": "tp=2;kv_heads=0-3,4-7",
 }
 # One fully populated instance per message; test_every_message_has_a_sample keeps this complete.
 SAMPLES: dict[str, dict[str, Any]] = {

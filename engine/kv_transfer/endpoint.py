@@ -15,6 +15,7 @@ from common.defaults import check_rows_place
 from common.fingerprint import Fingerprint, build_fingerprint
 from engine.kv_cache import KV_LAYOUT
 from engine.kv_transfer import HandoffRows, KVTransport, create_transport
+from engine.kv_transfer.tp import TpTransport, pool_shapes
 
 if TYPE_CHECKING:
     from engine.disagg import DisaggEngine
@@ -51,9 +52,18 @@ def build_endpoint(
     name = f"pdserve-{role}-{uuid.uuid4().hex[:12]}"
     options = {"sgl": sgl, "listen_host": host} if kind == "nixl" else {}
     transport = create_transport(kind, name, pools, handoff, **options)
+    ranks = pd.ranks
+    if kind == "nixl":  # every rank's agent, so peers of any tensor-parallel size can pair
+        shapes = pool_shapes(pools, pd.tp_kv_heads)
+        transport = TpTransport(transport, shapes, ranks.links, ranks.plans_sent, kind, options)
+    elif ranks.group.size > 1:
+        raise ValueError(f"KV transfer backend {kind!r} is in-process only; a tensor-parallel node needs 'nixl'")
     cfg = pd.config
+    # the target's KV heads over all ranks: nodes of different TP sizes pair (each rank's slice
+    # is in the transport's metadata, matched head for head)
+    heads = [pd.num_kv_heads] + [p.num_kv_heads for p in pools[1:]]
     kv_layout = f"{KV_LAYOUT};" + ";".join(
-        f"{p.num_layers}x2x{p.num_kv_heads}x{p.head_dim}:{str(p.buffer.dtype).removeprefix('torch.')}" for p in pools
+        f"{p.num_layers}x2x{h}x{p.head_dim}:{str(p.buffer.dtype).removeprefix('torch.')}" for p, h in zip(pools, heads)
     )
     fp = build_fingerprint(
         cfg.model,
@@ -63,6 +73,7 @@ def build_endpoint(
         spec_algorithm.upper(),
         draft_model_dir,
         handoff.row_bytes,
+        tp_size=ranks.group.size,
     )
     return Endpoint(transport, handoff, fp)
 

@@ -51,6 +51,7 @@ from engine.kv_transfer.nixl_handles import (
     err_text,
     fail_xfer,
     md_agent_name,
+    post_stages,
     release_all,
 )
 from engine.kv_transfer.layout import coalesce_runs, kv_regions, run_descs, tensor_mem_type
@@ -151,6 +152,11 @@ class NixlTransport:
             why = f"unknown memory kind ({layout.mem_type}, {layout.aux_mem_type})"
         if why is not None:
             raise TransferError(f"peer layout is incompatible with {self._name!r}: {why}")
+        return self.load_agent(metadata, layout, connect=connect)
+
+    def load_agent(self, metadata: bytes, layout: MemoryLayout | None = None, *, connect: bool = True) -> str:
+        """Load a peer agent without comparing layouts (a tensor-parallel peer's ranks hold other
+        head slices: engine/kv_transfer/tp.py matches them); returns its name."""
         with self._lock:
             agent = self._live_agent()
             if bytes(metadata) == bytes(agent.get_agent_metadata()):
@@ -176,7 +182,8 @@ class NixlTransport:
             except Exception as e:
                 self._forget(name)
                 raise TransferError(f"cannot connect to peer {name!r}: {err_text(e)}") from e
-            self._peers[name], self._peer_md[name] = layout, bytes(metadata)
+            self._peers[name] = layout if layout is not None else self._layout
+            self._peer_md[name] = bytes(metadata)
             return name
 
     def remove_peer(self, name: str) -> None:
@@ -235,29 +242,54 @@ class NixlTransport:
                     )
                 ]
             tag = completion_tag(req.room) if req.is_final else b""  # partial writes notify no one
-            stages: list[Any] = []
-            try:
-                for i, (loc, loc_kind, rem, rem_kind) in enumerate(parts):
-                    stages.append(
-                        agent.initialize_xfer(
-                            "WRITE",
-                            agent.get_xfer_descs(loc, loc_kind),
-                            agent.get_xfer_descs(rem, rem_kind),
-                            req.peer,
-                            tag if i == len(parts) - 1 else b"",
-                        )
+            return self._post_parts(agent, req.room, req.peer, parts, tag)
+
+    def write_rows(
+        self,
+        room: int,
+        peer: str,
+        local: np.ndarray,
+        remote: np.ndarray,
+        tag: bytes = b"",
+        kinds: tuple[str, str] | None = None,
+    ) -> NixlXfer:
+        """Post one write of explicit (addr, len, dev) rows, by default KV memory to the peer's KV
+        memory (a tensor-parallel rank's head slices, engine/kv_transfer/tp.py; `kinds`: other
+        memory kinds, e.g. a handoff row's); `tag` notifies the peer on completion."""
+        with self._lock:
+            agent = self._live_agent()
+            layout = self._peers.get(peer)
+            if layout is None:
+                raise TransferError(f"room {room}: unknown peer {peer!r}")
+            loc_kind, rem_kind = kinds or (self._layout.mem_type, layout.mem_type)
+            parts = [(local, loc_kind, remote, rem_kind)]
+            return self._post_parts(agent, room, peer, parts, tag)
+
+    def _post_parts(self, agent: Any, room: int, peer: str, parts: list[Any], tag: bytes) -> NixlXfer:
+        """Initialise one NIXL write per part (the last tagged) and post the first (lock held)."""
+        stages: list[Any] = []
+        try:
+            for i, (loc, loc_kind, rem, rem_kind) in enumerate(parts):
+                stages.append(
+                    agent.initialize_xfer(
+                        "WRITE",
+                        agent.get_xfer_descs(loc, loc_kind),
+                        agent.get_xfer_descs(rem, rem_kind),
+                        peer,
+                        tag if i == len(parts) - 1 else b"",
                     )
-            except Exception as e:
-                release_all(stages)
-                raise TransferError(f"room {req.room} -> {req.peer}: {err_text(e)}") from e
-            nbytes = int(sum(int(p[0][:, 1].sum()) for p in parts))
-            x = NixlXfer(req.room, req.peer, stages, time.monotonic() + self._timeout, nbytes)
-            self._post(agent, x)
-            if x.state == KVPoll.FAILED:
-                release_all(stages)
-                raise TransferError(x.error or "transfer failed")
-            self._live.add(x)
-            return x
+                )
+        except Exception as e:
+            release_all(stages)
+            raise TransferError(f"room {room} -> {peer}: {err_text(e)}") from e
+        nbytes = int(sum(int(p[0][:, 1].sum()) for p in parts))
+        x = NixlXfer(room, peer, stages, time.monotonic() + self._timeout, nbytes)
+        post_stages(agent, x)
+        if x.state == KVPoll.FAILED:
+            release_all(stages)
+            raise TransferError(x.error or "transfer failed")
+        self._live.add(x)
+        return x
 
     def poll(self, handle: object) -> KVPoll:
         x = as_xfer(handle)
@@ -275,7 +307,7 @@ class NixlTransport:
                 if x.stage == len(x.stages):
                     x.state = KVPoll.SUCCESS
                 else:
-                    self._post(self._agent, x)
+                    post_stages(self._agent, x)
             elif st == "ERR":
                 fail_xfer(x, f"NIXL reported an error in stage {x.stage}")
             elif time.monotonic() > x.deadline:
@@ -350,19 +382,3 @@ class NixlTransport:
         if self._agent is None:
             raise TransferError(f"transport {self._name!r} is closed")
         return self._agent
-
-    def _post(self, agent: Any, x: NixlXfer) -> None:
-        """Post stage x.stage; a stage that completes inside the call moves on to the next."""
-        while x.stage < len(x.stages):
-            try:
-                st = agent.transfer(x.stages[x.stage])
-            except Exception as e:
-                fail_xfer(x, f"room {x.room} -> {x.peer}: {err_text(e)}")
-                return
-            if st == "ERR":
-                fail_xfer(x, f"room {x.room} -> {x.peer}: posting stage {x.stage} failed")
-                return
-            if st != "DONE":
-                return
-            x.stage += 1
-        x.state = KVPoll.SUCCESS

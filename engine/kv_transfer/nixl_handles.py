@@ -60,6 +60,24 @@ def release_all(stages: list[Any]) -> None:
             log.warning("releasing a NIXL transfer handle failed: %s", err_text(e))
 
 
+def post_stages(agent: Any, x: NixlXfer) -> None:
+    """Post stage x.stage of a write; a stage that completes inside the call moves on to the next
+    (the transport's lock held)."""
+    while x.stage < len(x.stages):
+        try:
+            st = agent.transfer(x.stages[x.stage])
+        except Exception as e:
+            fail_xfer(x, f"room {x.room} -> {x.peer}: {err_text(e)}")
+            return
+        if st == "ERR":
+            fail_xfer(x, f"room {x.room} -> {x.peer}: posting stage {x.stage} failed")
+            return
+        if st != "DONE":
+            return
+        x.stage += 1
+    x.state = KVPoll.SUCCESS
+
+
 def as_xfer(handle: object) -> NixlXfer:
     if not isinstance(handle, NixlXfer):
         raise TypeError(f"not a NixlTransport handle: {handle!r}")
@@ -92,5 +110,6 @@ __all__ = [
     "err_text",
     "fail_xfer",
     "md_agent_name",
+    "post_stages",
     "release_all",
 ]

@@ -1,7 +1,10 @@
 """Llama-family decoder (Llama 2/3, Qwen2, Qwen3 dense) with HF parameter names.
 
 One class covers the family: Qwen2 adds q/k/v biases, Qwen3 adds per-head q/k RMSNorm.
-Every forward takes an explicit ForwardContext; attention goes through its backend.
+Every forward takes an explicit ForwardContext; attention goes through its backend. Under tensor
+parallelism (a TpGroup of several ranks) each rank builds its share: its heads and KV heads
+(common/tp_layout.py), its MLP columns, its vocabulary block; the attention and MLP outputs are
+summed over ranks (row-parallel o_proj and down_proj), so every rank holds the full hidden state.
 """
 
 from __future__ import annotations
@@ -15,19 +18,23 @@ from engine.layers.activation import silu_and_mul
 from engine.layers.linear import MergedLinear, apply_linear, project
 from engine.layers.norm import RMSNorm, add_norm
 from engine.layers.rotary import RotaryEmbedding
+from engine.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from engine.parallel.group import SINGLE, TpGroup
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, input_size: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, input_size: int | None = None, tp: TpGroup = SINGLE) -> None:
         super().__init__()
-        self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.layer_id, self.tp = layer_id, tp
+        layout = tp.layout(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size)
+        self.num_heads, self.num_kv_heads = len(layout.heads), len(layout.kv_heads)
+        self.head_dim = cfg.head_dim
         bias = cfg.attention_bias
         d_in = input_size or cfg.hidden_size  # EAGLE-3 attends over [embedding, hidden] (2x wide)
-        self.q_proj = nn.Linear(d_in, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(d_in, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(d_in, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = nn.Linear(d_in, self.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d_in, self.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d_in, self.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -54,7 +61,7 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext) -> torch.Tensor:
         q, k, v = self._qkv_rotated(x, rotary, ctx)
         out = ctx.attn_backend.forward(q, k, v, self.layer_id, self.scale, ctx)
-        return apply_linear(self.o_proj, out.reshape(x.shape[0], -1))
+        return self.tp.all_reduce(apply_linear(self.o_proj, out.reshape(x.shape[0], -1)))
 
     def write_kv(self, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext) -> None:
         """Only this layer's cache entries for `x`: the same projections and rotation as
@@ -64,8 +71,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, tp: TpGroup = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
+        intermediate //= tp.size  # TpLayout checked that it divides
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
@@ -77,14 +86,14 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(self._gate_up, [self.gate_proj, self.up_proj], x)
-        return apply_linear(self.down_proj, silu_and_mul(gate, up))
+        return self.tp.all_reduce(apply_linear(self.down_proj, silu_and_mul(gate, up)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, input_norm: bool = True) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, input_norm: bool = True, tp: TpGroup = SINGLE) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_id)
-        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.self_attn = LlamaAttention(cfg, layer_id, tp=tp)
+        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, tp)
         # EAGLE-1 heads ship their single layer without an input norm
         self.input_layernorm: nn.Module = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm else nn.Identity()
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -113,10 +122,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TpGroup = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp=tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
 
@@ -136,11 +145,11 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Target model: hidden states out of `forward`, logits from `compute_logits`."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TpGroup = SINGLE) -> None:
         super().__init__()
-        self.config = cfg
-        self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.config, self.tp = cfg, tp
+        self.model = LlamaModel(cfg, tp)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -148,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return apply_linear(self.lm_head, hidden).float()
+        return self.lm_head(hidden).float()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

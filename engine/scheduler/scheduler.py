@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from engine.algorithm import EngineAlgorithm, PlainDecoding
+from engine.algorithm import EngineAlgorithm, PlainDecoding, slot_future_map
 from engine.core import Batch, FinishReason, ForwardMode, Req, ReqState, StepOutput
 from engine.executor import Executor
 from engine.future_map import DraftInput, FutureMap
@@ -30,6 +30,7 @@ from engine.device_event import DeviceEvent
 from engine.scheduler.inflight import mark_launched, unmark_launched
 from engine.scheduler.kv_progress import KVProgress, needs_fence, record_fence
 from engine.scheduler.policy import BatchPolicy
+from engine.scheduler.stops import StopRules
 from engine.scheduler.rates import NodeRates
 from engine.scheduler.stats import CACHED_TOKEN_BUCKETS, COUNTERS, DurationHistogram, LaunchTimes
 from engine.scheduler.updates import RequestUpdate, SchedulerIO, final_update
@@ -82,6 +83,7 @@ class Scheduler:
         self.rates = rates if rates is not None else NodeRates()
         self.eos_token_ids = frozenset(config.eos_token_ids)
         self.max_context_len = config.max_context_len
+        self.stops = StopRules(self.eos_token_ids, self.max_context_len)
         self.future_map = self._init_overlap(algorithm or PlainDecoding(), config.overlap, config.future_map_debug)
         self.reqs: dict[str, Req] = {}
         self._inflight: _Launched | None = None
@@ -96,15 +98,16 @@ class Scheduler:
         (plain decoding too: its next input tokens travel the same way), bound to the executor.
         Overlap runs only when the executor can run one batch ahead; never by algorithm name."""
         self.overlap = overlap and self.executor.supports_overlap()
-        cfg, device = self.policy.cfg, self.kv.req_to_token.device
-        future_map = algorithm.create_future_map(
-            cfg.max_running, cfg.chunked_prefill_size, self.max_context_len, device, debug=debug
+        cfg, table = self.policy.cfg, self.kv.req_to_token
+        future_map = slot_future_map(
+            algorithm,
+            cfg.max_running,
+            cfg.chunked_prefill_size,
+            self.max_context_len,
+            table.shape[0],
+            table.device,
+            debug,
         )
-        if future_map.num_rows < self.kv.req_to_token.shape[0]:
-            raise ValueError(
-                f"{algorithm.name}: create_future_map gave {future_map.num_rows} rows; "
-                f"{self.kv.req_to_token.shape[0]} request slots need one each"
-            )
         self.executor.bind_future_map(future_map)
         return future_map
 
@@ -362,7 +365,7 @@ class Scheduler:
         for tok in new:
             kept.append(tok)
             req.output_ids.append(tok)
-            reason = self._grammar_reason(req, tok) or self._stop_reason(req, tok)
+            reason = self.stops.reason(req, tok)
             if reason is not None:
                 req.finish(reason, "" if reason is not FinishReason.ABORT else f"token {tok} is outside the grammar")
                 break
@@ -379,26 +382,6 @@ class Scheduler:
             done = self._finish(req)
             upd.finished, upd.finish_reason = True, done.finish_reason
         return upd
-
-    def _stop_reason(self, req: Req, tok: int) -> FinishReason | None:
-        p = req.params
-        if not p.ignore_eos and tok in self.eos_token_ids:
-            return FinishReason.STOP
-        if tok in p.stop_token_ids:
-            return FinishReason.STOP
-        if len(req.output_ids) >= p.max_new_tokens or req.total_len >= self.max_context_len:
-            return FinishReason.LENGTH
-        return None
-
-    def _grammar_reason(self, req: Req, tok: int) -> FinishReason | None:
-        """Advance a constrained request's matcher by its new token: STOP once the grammar has
-        taken its last token (what follows could only be EOS), ABORT if it refuses the token
-        (masks make that impossible; a broken invariant ends the request, not the node)."""
-        if req.grammar is None or (tok in self.eos_token_ids and not req.params.ignore_eos):
-            return None
-        if not req.grammar.advance((tok,)):
-            return FinishReason.ABORT
-        return FinishReason.STOP if req.grammar.is_finished() else None
 
     def _finish(self, req: Req) -> RequestUpdate:
         """Release everything a finished request holds and drop it from the scheduler."""

@@ -1,9 +1,10 @@
 """Is a node able to serve? Liveness of its engine thread, and capacity that leaked.
 
-A node whose scheduler thread died, or that has nothing running, queued or in flight and still
-cannot admit one minimal request (no request slot, no pages, no handoff row), will never serve
-again by itself: it reports NOT_SERVING on standard gRPC health (Kubernetes probes) and unhealthy
-on the scheduler API's HealthCheck (routers), instead of answering healthy while refusing work.
+A node whose scheduler thread died, whose engine failed (a tensor-parallel rank died), or that has
+nothing running, queued or in flight and still cannot admit one minimal request (no request slot,
+no pages, no handoff row), will never serve again by itself: it reports NOT_SERVING on standard
+gRPC health (Kubernetes probes) and unhealthy on the scheduler API's HealthCheck (routers), instead
+of answering healthy while refusing work.
 A leak must persist for `grace_s` before it counts: the counters are read without locking the
 scheduler thread, and a moment between two of its steps may look like one.
 """
@@ -44,14 +45,21 @@ def leaked_capacity(engine: Any, holder: CapacityHolder | None) -> str | None:
 class HealthWatch:
     """Keeps a node's health verdict and its standard gRPC health statuses up to date."""
 
-    def __init__(self, engine_alive: Callable[[], bool], leak: Callable[[], str | None], grace_s: float = 5.0) -> None:
-        self.engine_alive, self.leak, self.grace_s = engine_alive, leak, grace_s
+    def __init__(
+        self,
+        engine_alive: Callable[[], bool],
+        leak: Callable[[], str | None],
+        grace_s: float = 5.0,
+        fault: Callable[[], str | None] = lambda: None,
+    ) -> None:
+        self.engine_alive, self.leak, self.grace_s, self.fault = engine_alive, leak, grace_s, fault
         self._leak_since: float | None = None
         self.reason: str | None = None  # None: healthy
 
     def check(self) -> str | None:
         if not self.engine_alive():
-            self.reason = "engine stopped"
+            why = self.fault()  # e.g. which tensor-parallel rank exited
+            self.reason = f"engine stopped: {why}" if why else "engine stopped"
             return self.reason
         why = self.leak()
         now = time.monotonic()

@@ -90,8 +90,27 @@ async def _serve(
     served_model_name: str | None,
     stop: asyncio.Event,
 ) -> None:
-    """Serve until `stop`, then stop cleanly: the servers, the role's steps, the engine loop."""
+    """Serve until `stop`, then stop cleanly: the servers, the role's steps, the engine loop, and
+    last the engine's other tensor-parallel ranks (whatever way serving ended)."""
     loop = EngineLoop(engine).start()
+    try:
+        await _serve_loop(role, loop, binding, host, port, metrics_port, served_model_name, stop)
+    finally:
+        loop.stop()  # before the ranks: no step may be sent to followers being stopped
+        engine.close()
+
+
+async def _serve_loop(
+    role: NodeRole,
+    loop: EngineLoop,
+    binding: Any,
+    host: str,
+    port: int,
+    metrics_port: int | None,
+    served_model_name: str | None,
+    stop: asyncio.Event,
+) -> None:
+    engine = loop.engine
     parts = role.attach(loop, binding, host)
     info = node_info(engine, parts.info_role, served_model_name, pairing_protocol=parts.pairing_protocol)
     servicer = SchedulerServicer(info, loop, parts.handler, stopping=stop)

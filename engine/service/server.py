@@ -35,7 +35,12 @@ def node_info(engine: Any, role: str, served_name: str | None = None, pairing_pr
         model_type=str(mc.raw.get("model_type", "")),
         role=role,
         pairing_protocol=pairing_protocol,
-        server_args={"page_size": cfg.page_size, "max_running_requests": cfg.max_running, "tp_size": 1, "dp_size": 1},
+        server_args={
+            "page_size": cfg.page_size,
+            "max_running_requests": cfg.max_running,
+            "tp_size": cfg.tp_size,
+            "dp_size": 1,
+        },
     )
 
 

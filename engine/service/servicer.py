@@ -67,7 +67,9 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self, info: NodeInfo, loop: EngineLoop, handler: GenerateHandler, stopping: asyncio.Event | None = None
     ) -> None:
         self.info, self.loop, self.handler = info, loop, handler
-        self.health = HealthWatch(lambda: loop.alive, lambda: leaked_capacity(loop.engine, handler))
+        self.health = HealthWatch(
+            lambda: loop.alive, lambda: leaked_capacity(loop.engine, handler), fault=lambda: loop.fault
+        )
         self.stopping = stopping  # set when the node shuts down: KV event streams end then
         cache = loop.engine.kv.cache
         self.kv_events = KvEventLog(cache.page_size) if cache is not None else None
@@ -84,6 +86,10 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             len(request.tokenized.input_ids),
             request.sampling_params.max_new_tokens,
         )
+        if not self.loop.alive:
+            # a failed engine (a dead rank) may block its scheduler thread: refuse now, so the
+            # router retries elsewhere instead of waiting for a thread that will not answer
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"node cannot serve: {self.health.check()}")
         try:
             async for resp in self.handler.generate(request, context):
                 if resp.HasField("complete"):

@@ -24,33 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/kv_control.proto\x12\npdserve.v1\"L\n\x06Region\x12\x0c\n\x04\x61\x64\x64r\x18\x01 \x01(\x04\x12\x12\n\nitem_bytes\x18\x02 \x01(\x04\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\x12\x11\n\tdevice_id\x18\x04 \x01(\r\"w\n\x0cMemoryLayout\x12\x1e\n\x02kv\x18\x01 \x03(\x0b\x32\x12.pdserve.v1.Region\x12\x1f\n\x03\x61ux\x18\x02 \x01(\x0b\x32\x12.pdserve.v1.Region\x12\x10\n\x08mem_type\x18\x03 \x01(\t\x12\x14\n\x0c\x61ux_mem_type\x18\x04 \x01(\t\"\xb0\x01\n\x0b\x46ingerprint\x12\x12\n\nmodel_hash\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x11\n\tkv_layout\x18\x04 \x01(\t\x12\x16\n\x0espec_algorithm\x18\x05 \x01(\t\x12\x18\n\x10\x64raft_model_hash\x18\x06 \x01(\t\x12\x15\n\raux_row_bytes\x18\x07 \x01(\r\x12\x0f\n\x07version\x18\x08 \x01(\t\"\x97\x01\n\x10HandshakeRequest\x12\x14\n\x0c\x64\x65\x63ode_agent\x18\x01 \x01(\t\x12\x15\n\rnixl_metadata\x18\x02 \x01(\x0c\x12(\n\x06layout\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.MemoryLayout\x12,\n\x0b\x66ingerprint\x18\x04 \x01(\x0b\x32\x17.pdserve.v1.Fingerprint\"\x99\x01\n\x11HandshakeResponse\x12\x15\n\rprefill_agent\x18\x01 \x01(\t\x12\x15\n\rnixl_metadata\x18\x02 \x01(\x0c\x12(\n\x06layout\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.MemoryLayout\x12,\n\x0b\x66ingerprint\x18\x04 \x01(\x0b\x32\x17.pdserve.v1.Fingerprint\"\xaf\x01\n\x12\x44\x65stinationRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x65\x63ode_agent\x18\x03 \x01(\t\x12\r\n\x05pages\x18\x04 \x03(\r\x12\x0f\n\x07\x61ux_row\x18\x05 \x01(\r\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x17\n\x0f\x64\x65\x61\x64line_unix_s\x18\x07 \x01(\x01\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x08 \x01(\r\"1\n\x0e\x44\x65stinationAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"0\n\x10\x41\x62ortRoomRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"6\n\x0c\x41\x62ortRoomAck\x12&\n\x06writes\x18\x01 \x01(\x0e\x32\x16.pdserve.v1.RoomWrites*d\n\nRoomWrites\x12\x1b\n\x17ROOM_WRITES_UNSPECIFIED\x10\x00\x12\x1e\n\x1aROOM_WRITES_NONE_IN_FLIGHT\x10\x01\x12\x19\n\x15ROOM_WRITES_IN_FLIGHT\x10\x02\x32\xe9\x01\n\tKVControl\x12H\n\tHandshake\x12\x1c.pdserve.v1.HandshakeRequest\x1a\x1d.pdserve.v1.HandshakeResponse\x12M\n\x0fSendDestination\x12\x1e.pdserve.v1.DestinationRequest\x1a\x1a.pdserve.v1.DestinationAck\x12\x43\n\tAbortRoom\x12\x1c.pdserve.v1.AbortRoomRequest\x1a\x18.pdserve.v1.AbortRoomAckb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/kv_control.proto\x12\npdserve.v1\"L\n\x06Region\x12\x0c\n\x04\x61\x64\x64r\x18\x01 \x01(\x04\x12\x12\n\nitem_bytes\x18\x02 \x01(\x04\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\x12\x11\n\tdevice_id\x18\x04 \x01(\r\"w\n\x0cMemoryLayout\x12\x1e\n\x02kv\x18\x01 \x03(\x0b\x32\x12.pdserve.v1.Region\x12\x1f\n\x03\x61ux\x18\x02 \x01(\x0b\x32\x12.pdserve.v1.Region\x12\x10\n\x08mem_type\x18\x03 \x01(\t\x12\x14\n\x0c\x61ux_mem_type\x18\x04 \x01(\t\"\xc3\x01\n\x0b\x46ingerprint\x12\x12\n\nmodel_hash\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x11\n\tkv_layout\x18\x04 \x01(\t\x12\x16\n\x0espec_algorithm\x18\x05 \x01(\t\x12\x18\n\x10\x64raft_model_hash\x18\x06 \x01(\t\x12\x15\n\raux_row_bytes\x18\x07 \x01(\r\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\x11\n\ttp_layout\x18\t \x01(\t\"\x97\x01\n\x10HandshakeRequest\x12\x14\n\x0c\x64\x65\x63ode_agent\x18\x01 \x01(\t\x12\x15\n\rnixl_metadata\x18\x02 \x01(\x0c\x12(\n\x06layout\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.MemoryLayout\x12,\n\x0b\x66ingerprint\x18\x04 \x01(\x0b\x32\x17.pdserve.v1.Fingerprint\"\x99\x01\n\x11HandshakeResponse\x12\x15\n\rprefill_agent\x18\x01 \x01(\t\x12\x15\n\rnixl_metadata\x18\x02 \x01(\x0c\x12(\n\x06layout\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.MemoryLayout\x12,\n\x0b\x66ingerprint\x18\x04 \x01(\x0b\x32\x17.pdserve.v1.Fingerprint\"\xaf\x01\n\x12\x44\x65stinationRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x65\x63ode_agent\x18\x03 \x01(\t\x12\r\n\x05pages\x18\x04 \x03(\r\x12\x0f\n\x07\x61ux_row\x18\x05 \x01(\r\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x17\n\x0f\x64\x65\x61\x64line_unix_s\x18\x07 \x01(\x01\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x08 \x01(\r\"1\n\x0e\x44\x65stinationAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"0\n\x10\x41\x62ortRoomRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"6\n\x0c\x41\x62ortRoomAck\x12&\n\x06writes\x18\x01 \x01(\x0e\x32\x16.pdserve.v1.RoomWrites*d\n\nRoomWrites\x12\x1b\n\x17ROOM_WRITES_UNSPECIFIED\x10\x00\x12\x1e\n\x1aROOM_WRITES_NONE_IN_FLIGHT\x10\x01\x12\x19\n\x15ROOM_WRITES_IN_FLIGHT\x10\x02\x32\xe9\x01\n\tKVControl\x12H\n\tHandshake\x12\x1c.pdserve.v1.HandshakeRequest\x1a\x1d.pdserve.v1.HandshakeResponse\x12M\n\x0fSendDestination\x12\x1e.pdserve.v1.DestinationRequest\x1a\x1a.pdserve.v1.DestinationAck\x12\x43\n\tAbortRoom\x12\x1c.pdserve.v1.AbortRoomRequest\x1a\x18.pdserve.v1.AbortRoomAckb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.kv_control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROOMWRITES']._serialized_start=1066
-  _globals['_ROOMWRITES']._serialized_end=1166
+  _globals['_ROOMWRITES']._serialized_start=1085
+  _globals['_ROOMWRITES']._serialized_end=1185
   _globals['_REGION']._serialized_start=43
   _globals['_REGION']._serialized_end=119
   _globals['_MEMORYLAYOUT']._serialized_start=121
   _globals['_MEMORYLAYOUT']._serialized_end=240
   _globals['_FINGERPRINT']._serialized_start=243
-  _globals['_FINGERPRINT']._serialized_end=419
-  _globals['_HANDSHAKEREQUEST']._serialized_start=422
-  _globals['_HANDSHAKEREQUEST']._serialized_end=573
-  _globals['_HANDSHAKERESPONSE']._serialized_start=576
-  _globals['_HANDSHAKERESPONSE']._serialized_end=729
-  _globals['_DESTINATIONREQUEST']._serialized_start=732
-  _globals['_DESTINATIONREQUEST']._serialized_end=907
-  _globals['_DESTINATIONACK']._serialized_start=909
-  _globals['_DESTINATIONACK']._serialized_end=958
-  _globals['_ABORTROOMREQUEST']._serialized_start=960
-  _globals['_ABORTROOMREQUEST']._serialized_end=1008
-  _globals['_ABORTROOMACK']._serialized_start=1010
-  _globals['_ABORTROOMACK']._serialized_end=1064
-  _globals['_KVCONTROL']._serialized_start=1169
-  _globals['_KVCONTROL']._serialized_end=1402
+  _globals['_FINGERPRINT']._serialized_end=438
+  _globals['_HANDSHAKEREQUEST']._serialized_start=441
+  _globals['_HANDSHAKEREQUEST']._serialized_end=592
+  _globals['_HANDSHAKERESPONSE']._serialized_start=595
+  _globals['_HANDSHAKERESPONSE']._serialized_end=748
+  _globals['_DESTINATIONREQUEST']._serialized_start=751
+  _globals['_DESTINATIONREQUEST']._serialized_end=926
+  _globals['_DESTINATIONACK']._serialized_start=928
+  _globals['_DESTINATIONACK']._serialized_end=977
+  _globals['_ABORTROOMREQUEST']._serialized_start=979
+  _globals['_ABORTROOMREQUEST']._serialized_end=1027
+  _globals['_ABORTROOMACK']._serialized_start=1029
+  _globals['_ABORTROOMACK']._serialized_end=1083
+  _globals['_KVCONTROL']._serialized_start=1188
+  _globals['_KVCONTROL']._serialized_end=1421
 # @@protoc_insertion_point(module_scope)

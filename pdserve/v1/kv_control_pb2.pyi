@@ -41,7 +41,7 @@ class MemoryLayout(_message.Message):
     def __init__(self, kv: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., aux: _Optional[_Union[Region, _Mapping]] = ..., mem_type: _Optional[str] = ..., aux_mem_type: _Optional[str] = ...) -> None: ...
 
 class Fingerprint(_message.Message):
-    __slots__ = ("model_hash", "dtype", "page_size", "kv_layout", "spec_algorithm", "draft_model_hash", "aux_row_bytes", "version")
+    __slots__ = ("model_hash", "dtype", "page_size", "kv_layout", "spec_algorithm", "draft_model_hash", "aux_row_bytes", "version", "tp_layout")
     MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class Fingerprint(_message.Message):
     DRAFT_MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
     AUX_ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    TP_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     model_hash: str
     dtype: str
     page_size: int
@@ -58,7 +59,8 @@ class Fingerprint(_message.Message):
     draft_model_hash: str
     aux_row_bytes: int
     version: str
-    def __init__(self, model_hash: _Optional[str] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., kv_layout: _Optional[str] = ..., spec_algorithm: _Optional[str] = ..., draft_model_hash: _Optional[str] = ..., aux_row_bytes: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    tp_layout: str
+    def __init__(self, model_hash: _Optional[str] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., kv_layout: _Optional[str] = ..., spec_algorithm: _Optional[str] = ..., draft_model_hash: _Optional[str] = ..., aux_row_bytes: _Optional[int] = ..., version: _Optional[str] = ..., tp_layout: _Optional[str] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("decode_agent", "nixl_metadata", "layout", "fingerprint")

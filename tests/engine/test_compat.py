@@ -17,6 +17,7 @@ from common.fingerprint import (
     build_fingerprint,
     first_mismatch,
     model_hash,
+    INFORMATIONAL,
     pairing_protocol,
 )
 
@@ -144,7 +145,9 @@ def test_first_mismatch_names_the_field(model_dir: Path) -> None:
     for field in dataclasses.fields(Fingerprint):
         value = getattr(fp, field.name)
         other = dataclasses.replace(fp, **{field.name: value + 1 if isinstance(value, int) else value + "x"})
-        assert (first_mismatch(fp, other) or "").startswith(f"{field.name} differs: ")
+        want = None if field.name in INFORMATIONAL else f"{field.name} differs: "
+        got = first_mismatch(fp, other)
+        assert got is None if want is None else (got or "").startswith(want)
 
 
 def test_pairing_protocol_equal_iff_fingerprints_equal(model_dir: Path) -> None:
@@ -160,6 +163,22 @@ def test_pairing_protocol_equal_iff_fingerprints_equal(model_dir: Path) -> None:
             },
         )
         for f in dataclasses.fields(Fingerprint)
+        if f.name not in INFORMATIONAL
     ]
     tokens = {pairing_protocol(v) for v in variants}
     assert token not in tokens and len(tokens) == len(variants)
+
+
+def test_tp_layout_names_each_ranks_kv_heads_and_nodes_of_different_sizes_pair(model_dir: Path, tmp_path: Path) -> None:
+    """The layout names each rank's KV heads; nodes at different TP sizes still pair (their
+    transports map heads rank to rank), so routers pair them too."""
+    from fixtures.tiny_model import write_tiny_model
+
+    one, two = _fingerprint(model_dir), _fingerprint(model_dir, tp_size=2)
+    assert (one.tp_layout, two.tp_layout) == ("tp=1;kv_heads=0-1", "tp=2;kv_heads=0-0,1-1")  # 4 heads, 2 KV
+    assert first_mismatch(one, two) is None
+    assert pairing_protocol(one) == pairing_protocol(two)
+    assert first_mismatch(two, _fingerprint(model_dir, tp_size=2)) is None
+    assert Fingerprint.from_proto(two.to_proto()) == two
+    few_kv = write_tiny_model(tmp_path / "mqa", seed=1, num_heads=4, num_kv_heads=1)
+    assert _fingerprint(few_kv, tp_size=4).tp_layout == "tp=4;kv_heads=0-0,0-0,0-0,0-0"  # replicated

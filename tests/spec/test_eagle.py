@@ -169,7 +169,7 @@ def test_heads_that_do_not_fit_the_target_are_refused(tmp_path, target):
 def test_unset_kv_capacity_is_sized_for_target_and_draft(pair, monkeypatch: pytest.MonkeyPatch) -> None:
     """With no --max-total-tokens the cache is sized for both models' KV per token, and the head's
     weights (loaded after the cache) count as used."""
-    import engine.engine as engine_mod
+    import engine.build as engine_mod
     from engine.config import ModelConfig
     from engine.kv_budget import draft_footprint, kv_bytes_per_token
 

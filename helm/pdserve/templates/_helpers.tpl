@@ -101,14 +101,28 @@ capabilities:
   {{- end }}
 {{- end -}}
 
-{{/* A pod's resources with the RDMA device plugin's resources added to the limits. */}}
+{{/* A pod's resources: one GPU per tensor-parallel rank (where the group asks for GPUs, or runs
+several ranks on a device other than the CPU), and the RDMA device plugin's resources. */}}
 {{- define "pdserve.nodeResources" -}}
 {{- $res := deepCopy (default dict .group.resources) -}}
+{{- $limits := deepCopy (default dict $res.limits) -}}
+{{- if or (hasKey $limits "nvidia.com/gpu") (and (gt .tp 1) (ne .root.Values.node.device "cpu")) -}}
+{{- $_ := set $limits "nvidia.com/gpu" .tp -}}
+{{- end -}}
 {{- if .root.Values.rdma.enabled -}}
-{{- $limits := merge (deepCopy (default dict $res.limits)) .root.Values.rdma.resources -}}
+{{- $limits = merge $limits .root.Values.rdma.resources -}}
+{{- end -}}
+{{- if $limits -}}
 {{- $_ := set $res "limits" $limits -}}
 {{- end -}}
 {{- toYaml $res -}}
+{{- end -}}
+
+{{/* A quantity such as 8Gi times the ranks of a pod (16Gi for two). */}}
+{{- define "pdserve.timesRanks" -}}
+{{- $q := toString .quantity -}}
+{{- $n := regexFind "^[0-9]+" $q -}}
+{{- printf "%d%s" (mul (atoi $n) .tp) (trimPrefix $n $q) -}}
 {{- end -}}
 
 {{/* The Secret holding the router's API keys: the user's, the chart's, or none. */}}

@@ -1,0 +1,208 @@
+"""Tensor parallelism on two GPUs: TP 2 against TP 1 on the Llama-3.1-8B shape, in one run.
+
+Measures, per TP size, through the engine (graphs and overlap on): the batch-1 decode step, a
+4,096-token prefill, and batch-64 decode throughput; then NCCL's all-reduce latency for the
+batch-1 hidden state (inside a CUDA graph, as the decode graphs run it), and TP 2's step against
+its roofline: half the weights read per GPU at the measured copy bandwidth plus the all-reduces
+measured alone. Writes bench/results/tp_<gpu>.json.
+
+  NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+      python -m bench.gpu.tp --out bench/results --checkpoint /tmp/llama8b
+  python -m bench.gpu.tp --tiny --out /tmp/tp   # the same code on a tiny model on the CPU (gloo)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from bench.common import write_report
+from bench.gpu.engine_perf import steady_decode
+from bench.gpu.hw import copy_bandwidth, time_cuda
+from engine.core import SamplingParams
+from engine.engine import Engine, EngineConfig
+from engine.parallel.group import NO_MULTICAST_ENV
+
+GOALS = {"decode_bs1_ratio_max": 0.6, "prefill_4k_ratio_max": 0.6, "decode_bs64_speedup_min": 1.6, "roofline_min": 0.85}
+ALLREDUCES_PER_STEP = 2  # per decoder layer: after attention's o_proj and the MLP's down_proj
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, vocab, (length,), generator=gen).tolist() for _ in range(n)]
+
+
+def _prefill_ms(eng: Engine, length: int) -> float:
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    prompt = _prompts(1, length, eng.model_config.vocab_size, seed=1)
+    eng.generate(prompt, params)  # warm-up: the kernels' first launch and autotuning
+    _sync()
+    t0 = time.perf_counter()
+    eng.generate(_prompts(1, length, eng.model_config.vocab_size, seed=2), params)
+    _sync()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def measure_engine(model: Path, tp: int, device: str, tiny: bool) -> dict[str, Any]:
+    prefill = 64 if tiny else 4096
+    cfg = EngineConfig(
+        str(model),
+        device=device,
+        dtype="float32" if tiny else "bfloat16",
+        tp_size=tp,
+        overlap=not tiny,
+        cuda_graph_max_bs=0 if tiny else 64,
+        max_running=64,
+        chunked_prefill_size=2 * prefill,
+        max_total_tokens=4096 if tiny else None,
+        mem_fraction_static=0.85,
+    )
+    eng = Engine(cfg)
+    try:
+        steps = 8 if tiny else 64
+        return {
+            "tp": tp,
+            "decode_bs1": steady_decode(eng, 1, 32 if tiny else 128, steps, None),
+            "prefill_ms": _prefill_ms(eng, prefill),
+            "prefill_tokens": prefill,
+            "decode_bs64": steady_decode(eng, 8 if tiny else 64, 32 if tiny else 128, steps, None),
+        }
+    finally:
+        eng.close()
+
+
+def allreduce_us(nbytes: int, tp: int) -> dict[str, Any] | None:
+    """All-reduce of `nbytes` (bf16) on `tp` GPUs, replayed from a CUDA graph of 64 of them, by
+    NCCL and by PyTorch's one-shot all-reduce over symmetric (CUDA IPC) buffers; None without
+    enough GPUs. The engine keeps NCCL unless the one-shot kernel wins here."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < tp:
+        return None
+    ctx = torch.multiprocessing.get_context("spawn")
+    result = ctx.Queue()
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, tp, init, nbytes, result)) for r in range(tp)]
+    for p in procs:
+        p.start()
+    times = result.get(timeout=300)
+    for p in procs:
+        p.join(60)
+    return dict(times)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _allreduce_rank(rank: int, tp: int, init: str, nbytes: int, result: Any) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(NO_MULTICAST_ENV)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=tp)
+    times: dict[str, Any] = {"nccl_us": _graphed_us(lambda x: dist.all_reduce(x), nbytes)}
+    try:  # the IPC one-shot kernel: every rank reads every peer's buffer directly
+        import torch.distributed._symmetric_memory as symm_mem
+
+        group = dist.group.WORLD.group_name
+        buf = symm_mem.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+        symm_mem.rendezvous(buf, group)
+        one_shot = torch.ops.symm_mem.one_shot_all_reduce
+        times["one_shot_us"] = _graphed_us(lambda _: one_shot(buf, "sum", group), nbytes)
+    except Exception as e:  # noqa: BLE001 - recorded: a torch or driver without it
+        times["one_shot_error"] = f"{type(e).__name__}: {e}"
+    if rank == 0:
+        result.put(times)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _graphed_us(op: Callable[[torch.Tensor], object], nbytes: int, n: int = 64) -> float:
+    """Microseconds per `op`, from a CUDA graph holding `n` of them back to back."""
+    x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        op(x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            op(x)
+    return time_cuda(graph.replay, iters=20) / n * 1e6
+
+
+def roofline(model: Path, tp2: dict[str, Any], allreduce: dict[str, Any] | None, device: str) -> dict[str, Any]:
+    """TP 2's batch-1 step against reading half the weights at the copy bandwidth plus the
+    step's all-reduces measured alone."""
+    from engine.config import ModelConfig
+
+    cfg = ModelConfig.from_dir(model)
+    per_layer = 4 * cfg.hidden_size * cfg.num_heads * cfg.head_dim  # q, o and (GQA-sized) k, v below
+    per_layer += (
+        2 * cfg.hidden_size * cfg.num_kv_heads * cfg.head_dim - 2 * cfg.hidden_size * cfg.num_heads * cfg.head_dim
+    )
+    per_layer += 3 * cfg.hidden_size * cfg.intermediate_size
+    weights = (cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size) * 2  # bf16; the head once
+    bw = copy_bandwidth(torch.device(device)) if device.startswith("cuda") else None
+    ar_us = allreduce.get("nccl_us") if allreduce else None
+    if bw is None or ar_us is None:
+        return {"weights_bytes": weights}
+    floor_ms = weights / 2 / bw * 1e3 + ALLREDUCES_PER_STEP * cfg.num_layers * ar_us / 1e3  # NCCL's
+    step = tp2["decode_bs1"]["step_ms"]
+    return {"weights_bytes": weights, "copy_bandwidth": bw, "floor_ms": floor_ms, "ratio": floor_ms / step}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--checkpoint", type=Path, default=Path("/tmp/pdserve-llama8b"))
+    ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU over gloo (the code path)")
+    args = ap.parse_args()
+    for key, value in NO_MULTICAST_ENV.items():
+        os.environ.setdefault(key, value)
+    if args.tiny:
+        from fixtures.tiny_model import write_tiny_model
+
+        model, device, gpu = write_tiny_model(args.out / "tiny-model", seed=1), "cpu", "cpu"
+    else:
+        from bench.gpu.goodput_model import write_llama8b_dir
+
+        model, device = write_llama8b_dir(args.checkpoint), "cuda:0"
+        gpu = torch.cuda.get_device_name(0).replace(" ", "_")
+    runs = {tp: measure_engine(model, tp, device, args.tiny) for tp in (1, 2)}
+    ar = allreduce_us(2 * 4096, 2) if not args.tiny else None
+    one, two = runs[1], runs[2]
+    ratios = {
+        "decode_bs1_ratio": two["decode_bs1"]["step_ms"] / one["decode_bs1"]["step_ms"],
+        "prefill_4k_ratio": two["prefill_ms"] / one["prefill_ms"],
+        "decode_bs64_speedup": two["decode_bs64"]["tokens_per_s"] / one["decode_bs64"]["tokens_per_s"],
+    }
+    report = {
+        "device": gpu,
+        "model": "tiny (CPU code path)" if args.tiny else "Llama-3.1-8B shape, random bf16 weights, vocab 4096",
+        "runs": runs,
+        "allreduce_8KiB": ar,
+        "roofline": roofline(model, two, ar, device),
+        "ratios": ratios,
+        "goals": GOALS,
+    }
+    path = args.out / f"tp_{gpu}.json"
+    write_report(path, report)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,76 @@
+"""The tensor-parallel group a rank belongs to: torch.distributed (NCCL on GPUs, gloo on CPU)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from common.tp_layout import TpLayout
+
+# NVLink multicast stays off on shared machines (NCCL's NVLS and symmetric memory's multicast
+# can wedge a GPU other tenants use); every rank process starts with these.
+NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@dataclass(frozen=True)
+class TpGroup:
+    """A rank's view of its tensor-parallel group; size 1 is a single GPU and every collective a
+    no-op, so models call these unconditionally."""
+
+    rank: int = 0
+    size: int = 1
+    group: dist.ProcessGroup | None = None  # device collectives (NCCL or gloo)
+    cpu_group: dist.ProcessGroup | None = None  # host messages (gloo): the leader's plans, no deadline
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place (row-parallel outputs, the vocabulary-parallel embedding)."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` side by side along the last dimension (vocabulary-parallel logits)."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def layout(self, num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int) -> TpLayout:
+        return TpLayout(self.rank, self.size, num_heads, num_kv_heads, intermediate_size, vocab_size)
+
+
+SINGLE = TpGroup()
+PLAN_WAIT = datetime.timedelta(days=365)
+
+
+def init_tp_group(rank: int, size: int, init_method: str, device: torch.device, timeout_s: float) -> TpGroup:
+    """Join the group at `init_method` (tcp://host:port). Collectives that do not complete within
+    `timeout_s` raise instead of hanging the node (NCCL's watchdog, gloo's own timeout)."""
+    if size == 1:
+        return SINGLE
+    for key, value in NO_MULTICAST_ENV.items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout, **kwargs)
+    # The plan channel's own group: a follower waits on it for the leader's next step as long as
+    # the node is idle, so it has no deadline worth the name (a dead leader is seen otherwise: its
+    # socket closes, and followers exit with their parent); collectives keep `timeout_s`.
+    plans = dist.new_group(backend="gloo", timeout=PLAN_WAIT)
+    return TpGroup(rank, size, dist.group.WORLD, plans)
+
+
+def destroy_tp_group(group: TpGroup) -> None:
+    if group.size > 1 and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,108 @@
+"""`pdserve up --tp-size N`: node k's ranks on GPUs k*N .. k*N+N-1, too few GPUs refused, PD roles
+refused until PD moves every rank's KV, and a colocated TP 2 deployment on the CPU that serves."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+from typer.testing import CliRunner
+
+import pdserve.up as up
+from pdserve.cli import app
+from pdserve.tp import TpSetupError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _plans(monkeypatch: pytest.MonkeyPatch, gpus: int, **cfg: object) -> list[tuple[str, list[str], str]]:
+    monkeypatch.setattr(up, "_cuda_count", lambda: gpus)
+    dep = up.Deployment(up.UpConfig(None, device="cuda", **cfg))  # type: ignore[arg-type]
+    common = ["--tp-size", str(dep.cfg.tp_size)]
+    return dep._colocated_plans(common) if dep.cfg.colocated else dep._pd_plans(common)
+
+
+def _flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_each_node_owns_consecutive_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    plans = _plans(monkeypatch, 4, colocated=2, tp_size=2)
+    assert [dev for _, _, dev in plans] == ["cuda:0", "cuda:2"]
+    assert [_flag(args, "--device") for _, args, _ in plans] == ["cuda:0", "cuda:0"]  # isolated: its first GPU
+    assert [up._visible(dev, 2) for _, _, dev in plans] == ["0,1", "2,3"]
+    shared = _plans(monkeypatch, 4, colocated=2, tp_size=2, isolate_gpus=False)
+    assert [_flag(args, "--device") for _, args, _ in shared] == ["cuda:0", "cuda:2"]
+    assert up._waves(plans, sizes_kv_itself=False) == [plans]  # no GPU shared: all load at once
+
+
+def test_too_few_gpus_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(TpSetupError, match="needs 6 GPUs .* this machine has 4"):
+        _plans(monkeypatch, 4, colocated=3, tp_size=2)
+    monkeypatch.setattr(up, "_cuda_count", lambda: 2)
+    res = CliRunner().invoke(app, ["up", "--colocated", "2", "--tp-size", "2", "--device", "cuda"])
+    assert res.exit_code == 2 and "needs 4 GPUs" in res.output, res.output
+
+
+def test_bad_sizes_fail_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(up, "Deployment", None)  # reaching it would be a bug
+    res = CliRunner().invoke(app, ["up", "--colocated", "1", "--tp-size", "0"])
+    assert res.exit_code == 2 and "--tp-size must be >= 1" in res.output, res.output
+
+
+@pytest.mark.slow
+def test_colocated_tp2_deployment_serves_and_stops(tmp_path: Path) -> None:
+    """Ctrl-C stops the node, which stops its rank: no rank sees its group break on the way out."""
+    stderr = open(tmp_path / "up.stderr", "w")  # noqa: SIM115 - closed in the finally below
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "up", "--colocated", "1", "--tp-size", "2", "--device", "cpu"]
+        + ["--port", "0", "--verbose"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        start_new_session=True,
+    )
+    procs: list[psutil.Process] = []
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 180
+        line = ""
+        while not line.startswith("pdserve is up: "):
+            line = proc.stdout.readline()
+            assert line and time.monotonic() < deadline, f"up never came up (exit {proc.poll()})"
+        url = line.split()[3]
+        procs = psutil.Process(proc.pid).children(recursive=True)
+        cmdlines = [" ".join(p.cmdline()) for p in procs]
+        assert any("serve" in c and "--tp-size 2" in c for c in cmdlines), cmdlines
+        assert any("spawn_main" in c for c in cmdlines), cmdlines  # the node's second rank
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
+            model = json.load(r)["data"][0]["id"]
+        body = json.dumps({"model": model, "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0})
+        req = urllib.request.Request(f"{url}/v1/completions", body.encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert json.load(r)["usage"]["completion_tokens"] >= 1
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(60) == 0
+        _, alive = psutil.wait_procs(procs, timeout=30)
+        assert not alive, alive
+        stderr.flush()
+        logs = (tmp_path / "up.stderr").read_text()
+        assert "[colocated-0]" in logs and not [ln for ln in logs.splitlines() if "broke" in ln or "Traceback" in ln]
+    finally:
+        stderr.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        for p in procs:
+            if p.is_running():
+                p.kill()
