@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+
 class TpSetupError(ValueError):
     """A --tp-size this node or deployment cannot run; the message says what to change."""
 
