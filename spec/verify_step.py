@@ -40,7 +40,7 @@ def grammar_rows(sampler: Sampler, reqs: list[Req], tree: DraftTree) -> MaskRows
     skip it)."""
     if all(r.grammar is None for r in reqs):
         return None
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    tokens, parents = torch.stack((tree.tokens, tree.parents)).tolist()  # one copy
     return window_masks([r.grammar for r in reqs], tokens, parents, sampler.vocab_size, sampler.device)
 
 

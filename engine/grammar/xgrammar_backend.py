@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
+import tokenizers
 import torch
 import xgrammar as xg
 
@@ -13,11 +14,14 @@ from common.sampling import InvalidRequest
 from engine.grammar.base import GrammarMatcher, checked_json, mask_words
 
 
+Encoder = Callable[[str], list[int]]  # text -> token ids, no special tokens
+
+
 class XGrammarMatcher:
     """A GrammarMatcher over an xgrammar GrammarMatcher."""
 
-    def __init__(self, m: Any, stop_ids: Sequence[int], vocab_size: int) -> None:
-        self._m, self._stop, self._vocab = m, tuple(stop_ids), vocab_size
+    def __init__(self, m: Any, stop_ids: Sequence[int], vocab_size: int, encode: Encoder | None = None) -> None:
+        self._m, self._stop, self._vocab, self._encode = m, tuple(stop_ids), vocab_size, encode
 
     def advance(self, tokens: Sequence[int]) -> bool:
         done = 0
@@ -60,16 +64,22 @@ class XGrammarMatcher:
         return self._m.is_completed()
 
     def forced_tokens(self) -> list[int]:
-        return []  # xgrammar offers a jump-forward string, not tokens
+        """xgrammar offers the forced string: its tokens, as far as the grammar takes them."""
+        text = self._m.find_jump_forward_string() if self._encode is not None else ""
+        if not text:
+            return []
+        assert self._encode is not None
+        tokens = self._encode(text)
+        return tokens[: self.validate(tokens)]
 
 
 class XGrammarGrammar:
-    def __init__(self, compiled: Any, stop_ids: Sequence[int], vocab_size: int) -> None:
-        self._compiled, self._stop, self._vocab = compiled, stop_ids, vocab_size
+    def __init__(self, compiled: Any, stop_ids: Sequence[int], vocab_size: int, encode: Encoder | None) -> None:
+        self._compiled, self._stop, self._vocab, self._encode = compiled, stop_ids, vocab_size, encode
 
     def matcher(self) -> GrammarMatcher:
         m = xg.GrammarMatcher(self._compiled)
-        return XGrammarMatcher(m, self._stop, self._vocab)
+        return XGrammarMatcher(m, self._stop, self._vocab, self._encode)
 
 
 class XGrammarBackend:
@@ -77,17 +87,20 @@ class XGrammarBackend:
 
     name = "xgrammar"
 
-    def __init__(self, info: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, info: Any, vocab_size: int, eos_token_ids: Sequence[int], encode: Encoder | None = None) -> None:
         self._compiler = xg.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self._stop, self._vocab = tuple(eos_token_ids), vocab_size
+        self._stop, self._vocab, self._encode = tuple(eos_token_ids), vocab_size, encode
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, vocab_size: int, eos_token_ids: Sequence[int]) -> "XGrammarBackend":
         from transformers import PreTrainedTokenizerFast  # xgrammar reads the vocabulary through it
 
-        hf = PreTrainedTokenizerFast(tokenizer_file=str(Path(model_dir) / "tokenizer.json"))
-        info = xg.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
-        return cls(info, vocab_size, eos_token_ids)
+        path = str(Path(model_dir) / "tokenizer.json")
+        info = xg.TokenizerInfo.from_huggingface(
+            PreTrainedTokenizerFast(tokenizer_file=path), vocab_size=vocab_size, stop_token_ids=list(eos_token_ids)
+        )
+        tok = tokenizers.Tokenizer.from_file(path)
+        return cls(info, vocab_size, eos_token_ids, lambda text: tok.encode(text, add_special_tokens=False).ids)
 
     def compile(self, kind: str, spec: str) -> XGrammarGrammar:
         c = self._compiler
@@ -106,7 +119,7 @@ class XGrammarBackend:
             raise
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError subclasses
             raise InvalidRequest(f"{kind} constraint: {' '.join(str(e).split())[:300]}") from None
-        return XGrammarGrammar(compiled, self._stop, self._vocab)
+        return XGrammarGrammar(compiled, self._stop, self._vocab, self._encode)
 
 
 def _structural_tag(c: Any, spec: str) -> Any:

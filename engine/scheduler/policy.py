@@ -98,7 +98,7 @@ class BatchPolicy:
             on_admit(head)
             req = head
         if req.needs_extend:
-            n = min(req.num_uncomputed, self.cfg.chunked_prefill_size)
+            n = chunk_len(req, self.cfg.chunked_prefill_size, self.cfg.chunked_prefill_size)
             return Batch(ForwardMode.EXTEND, [req], [n], [req.sched_len + n == req.total_len])
         if req.is_decoding and not req.will_finish:
             return self._decode_batch(on_retract, [req])
@@ -112,8 +112,8 @@ class BatchPolicy:
         for req in self.running:  # continue chunked prefills first
             if req.needs_extend:
                 queued += req.num_uncomputed
-                if budget > 0:
-                    n = min(req.num_uncomputed, budget)
+                n = chunk_len(req, budget, self.cfg.chunked_prefill_size)
+                if n > 0:
                     reqs.append(req)
                     lens.append(n)
                     budget -= n
@@ -125,10 +125,11 @@ class BatchPolicy:
             self.waiting.popleft()
             self.running.append(req)
             on_admit(req)
-            n = min(req.num_uncomputed, budget)
-            reqs.append(req)
-            lens.append(n)
-            budget -= n
+            n = chunk_len(req, budget, self.cfg.chunked_prefill_size)
+            if n > 0:
+                reqs.append(req)
+                lens.append(n)
+                budget -= n
         if not reqs:
             return None
         sample = [r.sched_len + n == r.total_len for r, n in zip(reqs, lens)]
@@ -229,3 +230,15 @@ class BatchPolicy:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+
+def chunk_len(req: Req, budget: int, chunk_size: int) -> int:
+    """Tokens of `req` the next prompt chunk computes within `budget` (0: none this time). A
+    retracted request (it has output) never stops one token short of its end: it would then look
+    like a decoding request, whose next input its FutureMap row holds, but that row was
+    invalidated when it gave its pages back; it stops two short instead (a later chunk of
+    `chunk_size` > 1 tokens takes both)."""
+    n = min(req.num_uncomputed, max(budget, 0))
+    if req.output_ids and n == req.num_uncomputed - 1 and chunk_size > 1:
+        n -= 1
+    return n

@@ -90,6 +90,20 @@ def test_retraction_keeps_greedy_output_and_returns_every_page(hf_dir):
     assert small.scheduler.prompt_time.snapshot()[0][-1][1] == len(prompts)
 
 
+def test_a_retracted_request_never_re_extends_to_one_token_short(hf_dir):
+    """A re-extend chunk that stopped one token short of the end left the request looking
+    decoding while its FutureMap row was released: a failed step (and an isolation) followed.
+    Chunks of a retracted request stop two short instead; no step fails."""
+    prompts = [[5, 17, 42, 7, 99, 3, 11, 250, 9, i] for i in range(6)]
+    big = Engine(EngineConfig(str(hf_dir), page_size=4, max_total_tokens=2048))
+    want = [o.output_ids for o in big.generate(prompts, greedy(28))]
+    small = Engine(EngineConfig(str(hf_dir), page_size=4, max_total_tokens=64, chunked_prefill_size=16))
+    outs = small.generate(prompts, greedy(28))
+    assert small.scheduler.stats["retractions"] > 0 and small.scheduler.stats["failed_steps"] == 0
+    assert [o.output_ids for o in outs] == want
+    assert small.kv.all_free
+
+
 def test_aborts_and_stops_at_random_moments_free_all_pages(hf_dir):
     eng = Engine(EngineConfig(str(hf_dir), page_size=4, max_total_tokens=160, chunked_prefill_size=8, max_running=8))
     rng = random.Random(0)

@@ -208,3 +208,20 @@ def test_structural_tag_constrains_only_inside_the_tag(backend, model_dir):
     bad = encode(model_dir, 'so <f>{"ok": 1}</f>')
     assert g.matcher().validate(good) == len(good)
     assert g.matcher().validate(bad) < len(bad)
+
+
+def test_retraction_keeps_constrained_output(model_dir):
+    """A retracted request keeps its matcher (it has taken exactly its output so far) and
+    re-extends: the output equals a run with room to spare."""
+    long_regex = Constraint("regex", "[a-f]{40,60}")
+    prompts = [[5, 17, 42, 7, 99, 3, 11, 250, 9, i] for i in range(6)]
+    ps = [params(long_regex if i % 2 else OBJ, 28) for i in range(6)]
+    want = engine(model_dir, max_total_tokens=2048).generate(prompts, ps)
+    small = Engine(EngineConfig(str(model_dir), page_size=4, max_total_tokens=64, chunked_prefill_size=16))
+    outs = small.generate(prompts, ps)
+    assert small.scheduler.stats["retractions"] > 0
+    assert [o.output_ids for o in outs] == [o.output_ids for o in want]
+    for o, p in zip(outs, ps):
+        assert p.constraint is not None and small.grammars is not None
+        assert small.grammars.matcher(p.constraint).validate(o.output_ids) == len(o.output_ids)
+    assert_all_returned(small)

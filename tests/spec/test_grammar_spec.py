@@ -128,9 +128,10 @@ def test_sampled_constrained_spec_conforms(models, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", [None, *sorted(ALGOS)])
-def test_pd_constrained_equals_colocated(models, plain, name: str | None) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_pd_constrained_equals_colocated(models, plain, name: str | None, overlap: bool) -> None:
     binding = bind(_spec(models, name) if name else SpecConfig("NONE"))
-    prefill, decode = _engine(models, name), _engine(models, name)
+    prefill, decode = _engine(models, name, overlap=overlap), _engine(models, name, overlap=overlap)
     pd = InProcessPD(prefill, decode, binding)
     try:
         res = pd.run(PROMPTS + PROMPTS[:1], GREEDY + [FREE])
@@ -149,3 +150,13 @@ def test_forced_tokens_are_offered_as_drafts(models, plain, name: str) -> None:
     assert o.output_ids == plain[1] and o.finish_reason.value == "stop"
     assert sum(o.accepted_drafts) >= len(o.output_ids) // 2
     assert len(o.accepted_drafts) < len(o.output_ids) // 2
+
+
+@pytest.mark.parametrize("name", ["EAGLE", "NGRAM"])
+def test_xgrammar_backend_is_exact_under_speculation_too(models, name: str) -> None:
+    want = _engine(models, None, grammar_backend="xgrammar").generate(PROMPTS, GREEDY)
+    eng = _engine(models, name, grammar_backend="xgrammar", overlap=True)
+    outs = eng.generate(PROMPTS, GREEDY)
+    assert [o.output_ids for o in outs] == [o.output_ids for o in want]
+    assert sum(outs[1].accepted_drafts) >= len(outs[1].output_ids) // 2  # its jump-forward string, drafted
+    _assert_returned(eng)
