@@ -102,7 +102,10 @@ class TpTransport:
     def add_peer(self, metadata: bytes, layout: MemoryLayout, *, connect: bool = True) -> str:
         ranks = _parse(metadata)
         _check_pair(self.ranks, ranks)
-        leader = self.local.load_agent(ranks[0].metadata, layout, connect=connect)
+        if len(self.ranks) == 1 and len(ranks) == 1:  # equal single-GPU nodes: the plain checks too
+            leader = self.local.add_peer(ranks[0].metadata, layout, connect=connect)
+        else:
+            leader = self.local.load_agent(ranks[0].metadata, layout, connect=connect)
         peer = _Peer(leader, layout, ranks)
         if connect:  # the writing side: every rank of ours loads every rank of theirs
             peer.agents[0] = [leader] + [self.local.load_agent(r.metadata, connect=True) for r in ranks[1:]]

@@ -92,6 +92,9 @@ class _Local:
     def load_agent(self, metadata: bytes, layout: object = None, *, connect: bool = True) -> str:
         return "peer"
 
+    def add_peer(self, metadata: bytes, layout: object, *, connect: bool = True) -> str:
+        return "peer"
+
 
 def test_pairs_that_cannot_map_head_for_head_are_refused_by_name() -> None:
     from engine.kv_transfer.tp import TpTransport
