@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -104,18 +105,38 @@ def _structural_tag(spec: str, tokenizer: llguidance.LLTokenizer) -> str:
     """SGLang's structural tag ({"structures": [{"begin", "schema", "end"}], "triggers": [...]}):
     free text in which each begin string, once a trigger starts it, is followed by JSON of its
     schema and then its end string. Triggers are matched as special tokens only where every one
-    is a special token of this vocabulary (Qwen's <tool_call>); elsewhere as text."""
+    is a special token of this vocabulary (Qwen's <tool_call>); elsewhere as text. An end that is
+    a special token (Qwen's </tool_call>) is that token, by id: as text it would ban the very
+    token a model emits there."""
     tag = json.loads(spec)
     if not isinstance(tag, dict) or not isinstance(tag.get("structures"), list) or not tag["structures"]:
         raise ValueError("expected an object with a non-empty 'structures' list")
     triggers = [t for t in tag.get("triggers", []) if isinstance(t, str) and t]
-    tags = []
-    for s in tag["structures"]:
-        begin = s["begin"]
+    tags, end_tokens = [], {}
+    for i, s in enumerate(tag["structures"]):
+        begin, end = s["begin"], s["end"]
         trigger = next((t for t in triggers if begin.startswith(t)), begin)
-        tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=s.get("schema", {}), end=s["end"]))
+        if end and _is_special(tokenizer, end):
+            end_tokens[i], end = tokenizer.tokenize_bytes(end.encode(), parse_special=True)[0], ""
+        tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=s.get("schema", {}), end=end))
     special = all(_is_special(tokenizer, t.trigger) for t in tags)
-    return llguidance.StructTag.to_grammar(tags, assume_special=special)
+    return _end_with_tokens(llguidance.StructTag.to_grammar(tags, assume_special=special), end_tokens)
+
+
+def _end_with_tokens(grammar: str, end_tokens: dict[int, int]) -> str:
+    """Each tag rule `tag_i` of StructTag's Lark grammar, ending with its end token (by id)."""
+    if not end_tokens:
+        return grammar
+    doc = json.loads(grammar) if grammar.lstrip().startswith("{") else None  # with side grammars
+    lark = doc["grammars"][0]["lark_grammar"] if doc is not None else grammar
+    for i, token in end_tokens.items():
+        lark, n = re.subn(rf"^(tag_{i}: .*)$", rf"\1 <[{token}]>", lark, count=1, flags=re.M)
+        if n != 1:
+            raise ValueError(f"structural tag {i}: no rule to end with its end token")
+    if doc is None:
+        return lark
+    doc["grammars"][0]["lark_grammar"] = lark
+    return json.dumps(doc)
 
 
 def _is_special(tokenizer: llguidance.LLTokenizer, text: str) -> bool:

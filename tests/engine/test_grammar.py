@@ -225,3 +225,25 @@ def test_retraction_keeps_constrained_output(model_dir):
         assert p.constraint is not None and small.grammars is not None
         assert small.grammars.matcher(p.constraint).validate(o.output_ids) == len(o.output_ids)
     assert_all_returned(small)
+
+
+def test_structural_tag_ends_with_a_special_end_token(model_dir, tmp_path):
+    """Where begin and end are special tokens of the vocabulary (Qwen's <tool_call> ...
+    </tool_call>), the model's own end token closes the tag: llguidance's text form of the end
+    would ban it."""
+    import shutil
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    out = tmp_path / "special"
+    shutil.copytree(model_dir, out)
+    hf = HFTokenizer.from_file(str(out / "tokenizer.json"))
+    hf.add_special_tokens(["<f>", "</f>"])
+    hf.save(str(out / "tokenizer.json"))
+    tag = {"structures": [{"begin": "<f>", "schema": SCHEMA, "end": "</f>"}], "triggers": ["<f>"]}
+    g = make_backend("llguidance", out, VOCAB + 2, [EOS]).compile("structural_tag", json.dumps(tag))
+    good = hf.encode('so <f>{"ok": true, "pick": "red"}</f>', add_special_tokens=False).ids
+    assert VOCAB + 1 in good  # </f> is one token
+    assert g.matcher().validate(good) == len(good)
+    bad = hf.encode('so <f>{"ok": 1}</f>', add_special_tokens=False).ids
+    assert g.matcher().validate(bad) < len(bad)
