@@ -11,6 +11,7 @@ from engine.parallel.group import TpGroup
 
 Op = tuple[str, Any]
 STOP: Op = ("stop", None)
+PLANS_KEPT = 64  # decode plans a batch may still refer to, by sequence number (formed just before launch)
 
 
 class TpGroupFailed(RuntimeError):

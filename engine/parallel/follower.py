@@ -16,33 +16,30 @@ import signal
 import threading
 import time
 from collections import deque
-from typing import Any
+from functools import partial
+from multiprocessing.connection import Connection
+from typing import Any, Callable
 
 import torch
 
+from common.sampling import Constraint
 from engine.algorithm import EngineAlgorithm
 from engine.build import build_future_map, build_rank
 from engine.config import EngineConfig
 from engine.core import PLAIN_DECODE, Batch, DecodePlan
 from engine.executor import Executor
 from engine.future_map import FutureMap
-from engine.kv_cache import KVCacheManager
-from engine.parallel.channel import Op, PlanChannel, TpGroupFailed
-from engine.parallel.group import destroy_tp_group, init_tp_group
-from engine.parallel.mirror import ReqMirror, map_tensors
 from engine.grammar.base import GrammarMatcher
 from engine.grammar.compiler import GrammarCompiler, make_backend, new_matcher
-from common.sampling import Constraint
-from functools import partial
-from typing import Callable
-from engine.parallel.transfer_service import AppliedPlans, TransferService
+from engine.kv_cache import KVCacheManager
 from engine.kv_transfer.tp import pool_shapes
 from engine.loader import tp_layout
-from multiprocessing.connection import Connection
+from engine.parallel.channel import PLANS_KEPT, Op, PlanChannel, TpGroupFailed
+from engine.parallel.group import destroy_tp_group, init_tp_group
+from engine.parallel.mirror import ReqMirror, map_tensors
+from engine.parallel.transfer_service import AppliedPlans, TransferService
 
 log = logging.getLogger(__name__)
-
-_PLANS_KEPT = 64
 
 
 class Follower:
@@ -103,7 +100,7 @@ class Follower:
 
     def _op_plan(self, payload: tuple[int, int]) -> None:
         self.plans[self._plan_seq] = self.executor.plan_decode(*payload)
-        self.plans.pop(self._plan_seq - _PLANS_KEPT, None)
+        self.plans.pop(self._plan_seq - PLANS_KEPT, None)
         self._plan_seq += 1
 
     def _op_activate(self, batch_size: int) -> None:

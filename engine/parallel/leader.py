@@ -15,11 +15,9 @@ from engine.executor import Executor
 from engine.future_map import BatchRelay, DraftInput, FutureMap
 from engine.handoff import HandoffCodec
 from engine.kv_cache import KVCacheManager, KVPool
-from engine.parallel.channel import STOP, Op, PlanChannel
+from engine.parallel.channel import PLANS_KEPT, STOP, Op, PlanChannel
 from engine.parallel.mirror import ReqEncoder, map_tensors
 from engine.spec_stats import SpecStats
-
-_PLANS_KEPT = 64  # decode plans a batch may still refer to (plans are formed just before launch)
 
 
 class TpLeaderExecutor:
@@ -71,7 +69,7 @@ class TpLeaderExecutor:
         plan = self.local.plan_decode(batch_size, room)
         self._plan_ids[id(plan)] = self._plan_seq
         self._plan_seq += 1
-        if len(self._plan_ids) > _PLANS_KEPT:
+        if len(self._plan_ids) > PLANS_KEPT:
             self._plan_ids.pop(next(iter(self._plan_ids)))
         return plan
 

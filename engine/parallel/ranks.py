@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import socket
 import threading
 from multiprocessing.connection import wait
@@ -55,8 +56,6 @@ class TpRanks:
     def start(config: EngineConfig, algorithm: EngineAlgorithm, device: torch.device) -> "TpRanks":
         if config.tp_size == 1:
             return TpRanks(SINGLE, [])
-        import os
-
         for key, value in NO_MULTICAST_ENV.items():  # inherited by the followers
             os.environ.setdefault(key, value)
         init = f"tcp://127.0.0.1:{_free_port()}"

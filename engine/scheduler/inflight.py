@@ -15,6 +15,12 @@ def launched_window(batch: Batch, n: int) -> int:
     return n if batch.mode is ForwardMode.EXTEND else batch.window
 
 
+def samples_grammar(batch: Batch) -> bool:
+    """The batch samples a token a constrained request's next mask depends on (so it is collected
+    before the next batch is formed: no mask from stale state)."""
+    return any(r.grammar is not None for r, s in zip(batch.reqs, batch.sample) if s)
+
+
 def mark_launched(batch: Batch) -> None:
     batch.epochs = [r.epoch for r in batch.reqs]
     for req, n, s in zip(batch.reqs, batch.extend_lens, batch.sample):

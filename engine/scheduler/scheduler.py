@@ -27,7 +27,7 @@ from engine.core import Batch, FinishReason, ForwardMode, Req, ReqState, StepOut
 from engine.executor import Executor
 from engine.future_map import DraftInput, FutureMap
 from engine.device_event import DeviceEvent
-from engine.scheduler.inflight import mark_launched, unmark_launched
+from engine.scheduler.inflight import mark_launched, samples_grammar, unmark_launched
 from engine.scheduler.kv_progress import KVProgress, needs_fence, record_fence
 from engine.scheduler.policy import BatchPolicy
 from engine.scheduler.stops import StopRules
@@ -58,11 +58,6 @@ class _Launched:
     batch: Batch
     handle: Any
     at: float  # perf_counter at launch
-
-
-def _samples_grammar(launched: _Launched) -> bool:
-    """The batch samples a token a constrained request's next mask depends on."""
-    return any(r.grammar is not None for r, s in zip(launched.batch.reqs, launched.batch.sample) if s)
 
 
 class Scheduler:
@@ -162,7 +157,9 @@ class Scheduler:
             req = self.policy.waiting[0]
             req.finish(FinishReason.ABORT, f"request needs more KV than the whole pool ({req.total_len} tokens)")
             updates.append(self._finish(req))
-        if self._inflight is not None and (self.policy.decode_needs_retraction() or _samples_grammar(self._inflight)):
+        if self._inflight is not None and (
+            self.policy.decode_needs_retraction() or samples_grammar(self._inflight.batch)
+        ):
             # finished requests of the batch in flight hold the pages retraction would miss; a
             # constrained request's next mask needs the tokens the batch in flight samples
             self.stats["overlap_syncs"] += 1
