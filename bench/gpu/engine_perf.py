@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-import engine.engine as engine_mod
+import engine.build as build_mod
 from engine.config import ModelConfig
 from engine.core import SamplingParams
 from engine.engine import Engine, EngineConfig
@@ -21,12 +21,12 @@ from engine.engine import Engine, EngineConfig
 @contextmanager
 def prebuilt_model(model: nn.Module, cfg: ModelConfig) -> Iterator[None]:
     """Engine loads from a directory; hand it the in-memory random-weight model instead."""
-    original = engine_mod.load_model
-    engine_mod.load_model = lambda *a, **k: (model, cfg)  # type: ignore[assignment]
+    original = build_mod.load_model
+    build_mod.load_model = lambda *a, **k: (model, cfg)  # type: ignore[assignment]
     try:
         yield
     finally:
-        engine_mod.load_model = original  # type: ignore[assignment]
+        build_mod.load_model = original  # type: ignore[assignment]
 
 
 def make_engine(
