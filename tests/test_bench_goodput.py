@@ -336,3 +336,15 @@ def test_node_and_router_expositions_are_read_for_each_point():
         "pdserve_node_prompt_tokens_per_second",
         "pdserve_node_decode_capacity_tokens_per_second",
     }
+
+
+def test_each_point_sends_prompts_no_earlier_one_sent() -> None:
+    from bench.gpu.goodput_workloads import WORKLOADS, fresh_prompts, make_requests
+
+    sent = make_requests(WORKLOADS["tiny"][2], 12, 0, 4096)
+    a, b = fresh_prompts(sent, "pd:chat_mix:0:0", 4096), fresh_prompts(sent, "pd:chat_mix:0:1", 4096)
+    assert [r.input_len for r in a] == [len(r.prompt) for r in a] == [r.input_len for r in sent]
+    assert [(r.output_len, r.timeout_s) for r in a] == [(r.output_len, r.timeout_s) for r in sent]
+    firsts = {tuple(r.prompt[:4]) for r in [*sent, *a, *b]}
+    assert len(firsts) == 36  # no two prompts share a page-sized prefix to hit in a cache
+    assert a == fresh_prompts(sent, "pd:chat_mix:0:0", 4096)  # the same salt, the same prompts

@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +149,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
     from common.tokenizer import Tokenizer  # torch-free
 
     vocab = Tokenizer.from_dir(model).vocab_size
+    settings = replace(settings, vocab=vocab)
     chosen = args.workloads.split(",") if args.workloads else [w.name for w in WORKLOADS[kind]]
     workloads = [w for w in WORKLOADS[kind] if w.name in chosen]
     deployments = [d for d in args.deployments.split(",") if d]
@@ -194,7 +195,7 @@ def run_settings(args: argparse.Namespace, kind: str) -> tuple[RunSettings, floa
         if set(slo) != {"ttft", "tpot"}:
             raise SystemExit(f"the {name} SLO needs a ttft and a tpot limit, and only those")
     ladder = plan.Ladder(start=args.start_rate or START_RATE[kind], max_points=args.max_points or points)
-    return RunSettings(ladder, window, least, most, slos, args.seed), args.budget_s or budget
+    return RunSettings(ladder, window, least, most, slos, args.seed, vocab=0), args.budget_s or budget
 
 
 def header(

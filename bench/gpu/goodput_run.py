@@ -15,7 +15,7 @@ import httpx
 from bench.gpu import goodput_plan as plan
 from bench.gpu.goodput_report import Results, point_entries
 from bench.gpu.goodput_up import UpProcess, node_signals, path_counts, wait_idle
-from bench.gpu.goodput_workloads import Workload
+from bench.gpu.goodput_workloads import Workload, fresh_prompts
 from loadgen.client import EndpointConfig, make_client, served_model
 from loadgen.dataset import BenchRequest
 from loadgen.sweep import LoadPoint, arrival_times, run_point
@@ -33,6 +33,7 @@ class RunSettings:
     most: int  # and at most
     slos: dict[str, dict[str, float]]  # "loose" and "tight", seconds
     seed: int
+    vocab: int  # prompt ids are drawn below it
 
 
 def measure_deployment(
@@ -75,7 +76,9 @@ async def _curve(
 ) -> str:
     """One deployment's curve for one workload, until the ladder is done or `end`; returns why it ended."""
     metrics = list(up.metrics.values())
+    salt = f"{deployment}:{workload.name}:{settings.seed}"
     warm = [replace(r, output_len=min(r.output_len, WARMUP_OUTPUT), timeout_s=None) for r in requests[:WARMUP]]
+    warm = fresh_prompts(warm, f"{salt}:warm-up", settings.vocab)
     records, _ = await run_point(client, endpoint, warm, LoadPoint("concurrency", 4))
     results.curve(workload.name, deployment, warmup_failed=sum(not r.ok for r in records))
     await wait_idle(client, metrics, DRAIN_S)
@@ -89,7 +92,8 @@ async def _curve(
             return "time budget"
         seed = settings.seed + round(rate * 1000)  # the same arrivals for both deployments at a rate
         paths_before = await path_counts(client, up.url)
-        records, wall = await run_point(client, endpoint, requests[:n], LoadPoint("rate", rate), seed=seed)
+        sent = fresh_prompts(requests[:n], f"{salt}:{len(done)}", settings.vocab)  # nothing cached to hit
+        records, wall = await run_point(client, endpoint, sent, LoadPoint("rate", rate), seed=seed)
         tail_s = max(0.0, wall - arrival_times(n, rate, seed)[-1])
         nodes = await node_signals(client, up.metrics)  # the last seconds of the point's load
         paths = {k: v - paths_before.get(k, 0.0) for k, v in (await path_counts(client, up.url)).items()}

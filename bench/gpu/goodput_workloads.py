@@ -84,6 +84,14 @@ def make_requests(workload: Workload, n: int, seed: int, vocab: int) -> list[Ben
     ]
 
 
+def fresh_prompts(requests: list[BenchRequest], salt: str, vocab: int) -> list[BenchRequest]:
+    """The same lengths and limits with new prompt ids drawn from `salt`: every point (and the
+    warm-up) sends prompts that no earlier one sent, so the nodes' prefix caches, on by default,
+    find nothing to reuse and each point costs what its lengths say."""
+    rng = random.Random(f"fresh:{salt}")
+    return [replace(r, prompt=[rng.randrange(FIRST_ID, vocab) for _ in range(r.input_len)]) for r in requests]
+
+
 def with_time_limits(requests: list[BenchRequest], limit_s: Callable[[int], float]) -> list[BenchRequest]:
     """Each request with its own whole-time limit, `limit_s(output_len)`."""
     return [replace(r, timeout_s=limit_s(r.output_len)) for r in requests]
