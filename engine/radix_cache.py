@@ -83,6 +83,12 @@ class RadixCache:
         self.num_pages = 0  # pages the tree owns
         self.num_evictable = 0  # of them, pages no request reads (refs == 0)
         self._clock = itertools.count(1)
+        # Candidates for eviction, (last_used, seq, node), kept as nodes become unreferenced leaves
+        # or are used again; an entry that no longer describes an unreferenced leaf at that tick is
+        # skipped when popped. Evicting is then O(k log n), not a walk of the whole tree per call:
+        # a full pool evicts on almost every page a decode step allocates.
+        self._lru: list[tuple[int, int, Node]] = []
+        self._seq = itertools.count()
         self.stats = {"matched_tokens": 0, "inserted_pages": 0, "evicted_pages": 0}
         self.listener: CacheListener | None = None
 
@@ -113,6 +119,8 @@ class RadixCache:
             child.last_used = tick
             path.append(child)
             node = child
+        if path:
+            self._offer(path[-1])  # used again: its place in the LRU order moved
         return Match(tuple(path))
 
     def _continues(self, node: Node, tokens: Sequence[int], end: int) -> bool:
@@ -150,6 +158,7 @@ class RadixCache:
             node.refs -= 1
             if node.refs == 0:
                 self.num_evictable += 1
+                self._offer(node)
 
     # ---- insertion ----
     def insert(self, tokens: Sequence[int], pages: Sequence[int], num_tokens: int) -> Inserted:
@@ -186,6 +195,7 @@ class RadixCache:
             child.last_used = tick
             node = child
         unadopted.extend(pages[whole:])
+        self._offer(node)
         if created and self.listener is not None:
             first = created[0].parent
             assert first is not None
@@ -198,19 +208,19 @@ class RadixCache:
         returns how many were freed."""
         if num_pages <= 0 or not self.num_evictable:
             return 0
-        heap = [(n.last_used, id(n), n) for n in self._leaves() if n.refs == 0]
-        heapq.heapify(heap)
         freed: list[int] = []
         gone: list[int] = []  # their hashes, for the listener
-        while heap and len(freed) < num_pages:
-            _, _, node = heapq.heappop(heap)
+        while self._lru and len(freed) < num_pages:
+            entry = heapq.heappop(self._lru)
+            if not self._evictable_leaf(entry):
+                continue
+            node = entry[2]
             parent = node.parent
-            assert parent is not None and not node.children and node.refs == 0
+            assert parent is not None
             del parent.children[node.key]
             freed.append(node.page)
             gone.append(node.hash)
-            if parent is not self.root and not parent.children and parent.refs == 0:
-                heapq.heappush(heap, (parent.last_used, id(parent), parent))
+            self._offer(parent)  # its last child gone, it may be a leaf no request reads now
         self.num_pages -= len(freed)
         self.num_evictable -= len(freed)
         self.stats["evicted_pages"] += len(freed)
@@ -223,6 +233,26 @@ class RadixCache:
     def clear(self) -> int:
         """Evict every page no request reads."""
         return self.evict(self.num_evictable)
+
+    def _offer(self, node: Node) -> None:
+        """Queue `node` for eviction at its current tick if it is a leaf no request reads."""
+        if node is not self.root and node.refs == 0 and not node.children:
+            heapq.heappush(self._lru, (node.last_used, next(self._seq), node))
+            if len(self._lru) > 4 * max(1024, self.num_pages):  # mostly stale entries: rebuild
+                self._lru = [e for e in self._lru if self._evictable_leaf(e)]
+                heapq.heapify(self._lru)
+
+    def _evictable_leaf(self, entry: tuple[int, int, Node]) -> bool:
+        """Whether a queued entry still describes an unreferenced leaf of the tree, last used then."""
+        last_used, _, node = entry
+        parent = node.parent
+        return (
+            node.refs == 0
+            and not node.children
+            and node.last_used == last_used
+            and parent is not None
+            and parent.children.get(node.key) is node
+        )
 
     def _leaves(self) -> list[Node]:
         out, stack = [], [self.root]
@@ -258,3 +288,5 @@ class RadixCache:
         assert len(nodes) == self.num_pages, (len(nodes), self.num_pages)
         assert sum(n.refs == 0 for n in nodes) == self.num_evictable
         assert len({n.page for n in nodes}) == len(nodes), "a page cached twice"
+        queued = {id(e[2]) for e in self._lru if self._evictable_leaf(e)}
+        assert all(id(n) in queued for n in self._leaves() if n.refs == 0), "an evictable leaf not queued"

@@ -117,7 +117,8 @@ def test_a_random_walk_never_frees_a_referenced_page_and_accounting_adds_up():
                 pool.free([p])
             c.unlock(m)
         else:
-            c.evict(rng.randrange(1, 8))
+            for _ in range(rng.randrange(1, 8)):
+                evict_one_least_recently_used(c)
         c.check()
         pool.check()
         held = {p for _, pages, _ in running for p in pages}
@@ -134,3 +135,29 @@ def test_a_random_walk_never_frees_a_referenced_page_and_accounting_adds_up():
         c.unlock(m)
     c.clear()
     assert pool.num_used == 0 and c.num_pages == 0
+
+
+def evict_one_least_recently_used(c: RadixCache) -> None:
+    """Evict one page and check, against a walk of the whole tree, that it was an unreferenced
+    leaf used least recently."""
+    leaves = {n.page: n.last_used for n in c._leaves() if n.refs == 0}
+    freed: list[int] = []
+    free_pages, c.free_pages = c.free_pages, lambda pages: (freed.extend(pages), free_pages(pages))
+    try:
+        assert c.evict(1) == (1 if leaves else 0)
+    finally:
+        c.free_pages = free_pages
+    if leaves:
+        assert leaves[freed[0]] == min(leaves.values())
+
+
+def test_eviction_does_not_walk_the_tree():
+    """A full pool evicts on almost every page a decode step allocates: each eviction must cost
+    what it frees, not a walk of every cached page."""
+    c, freed = cache()
+    for s in range(50):
+        c.insert([s + 10] + [0] * (8 * PS - 1), list(range(100 * s + 1, 100 * s + 9)), 8 * PS)
+    c._leaves = lambda: pytest.fail("evict walked the tree")  # type: ignore[method-assign]
+    for _ in range(120):
+        assert c.evict(1) == 1
+    assert len(freed) == 120 and c.num_pages == 400 - 120
