@@ -288,8 +288,18 @@ class RouterOptions:
         "remote",
         "Where prompts run: remote (a prefill node, then the KV moves to the decode), local (the decode "
         "node runs the prompt between its decode steps, within its TPOT guard; decodes that do not are "
-        "paired as before), or auto (per request, the path with the smaller TTFT estimated from the "
-        "nodes' measured rates and queues).",
+        "paired as before), or auto (per request: the prefill node, unless the prompt computes little on the "
+        "decode or the prefill tier is behind its TTFT target and the decode would start it sooner).",
+    )
+    pd_local_max_tokens: int = opt(
+        256,
+        "auto: a prompt that computes at most this many tokens on its decode node (after the prefix that node "
+        "caches, e.g. a follow-up turn) runs there: one chunk costs its decodes less than the KV transfer saves.",
+    )
+    pd_remote_ttft_target_ms: float = opt(
+        200.0,
+        "auto: while the prefill node's estimated TTFT is at most this, longer prompts stay on it; above it a "
+        "prompt overflows to the decode node when that would start it sooner. Set it near your TTFT SLO.",
     )
     served_model: Optional[str] = opt(
         None, "Model id clients send (default: the nodes').", aliases=("--served-model-name",)

@@ -39,7 +39,7 @@ from router.kv_index import KvIndex
 from router.metrics import CacheRouteMetrics, DispatchMetrics, PathMetrics
 from router.nodes import NodeRegistry
 from router.policy import Policy, pair_available
-from router.prefill_path import POLICIES, REASONS, Route, select_route
+from router.prefill_path import DEFAULT_RULE, POLICIES, REASONS, PathRule, Route, select_route
 from router.sizing import TierBalance
 from router.attempt import DEFAULT_STAGE_TIMEOUTS, AttemptContext, PDAttempt, StageTimeouts
 
@@ -64,11 +64,12 @@ class PDDispatcher:
         metrics_registry: CollectorRegistry | None = None,
         path_policy: str = "remote",
         kv_index: KvIndex | None = None,
+        path_rule: PathRule = DEFAULT_RULE,
     ) -> None:
         if path_policy not in POLICIES:
             raise ValueError(f"unknown prefill path policy {path_policy!r} (choose from {', '.join(POLICIES)})")
         self.registry, self.prefill_policy, self.decode_policy = registry, prefill_policy, decode_policy
-        self.path_policy = path_policy
+        self.path_policy, self.path_rule = path_policy, path_rule
         self.max_attempts, self.timeouts = max(1, max_attempts), timeouts
         self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
         self.ready_window_s, self.probe_interval_s, self.probe_input_ids = (
@@ -171,7 +172,14 @@ class PDDispatcher:
         cached = (lambda node: index.expected_hit(node, job)) if index is not None else (lambda node: 0)
         for _ in range(4):  # a half-open probe slot taken meanwhile: choose again
             route = select_route(
-                self.registry, self.prefill_policy, self.decode_policy, self.path_policy, job, exclude, cached
+                self.registry,
+                self.prefill_policy,
+                self.decode_policy,
+                self.path_policy,
+                job,
+                exclude,
+                cached,
+                self.path_rule,
             )
             if route is None:
                 return None

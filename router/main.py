@@ -20,6 +20,7 @@ from router.dispatch import PDDispatcher, StageTimeouts
 from router.kv_index import KvIndex
 from router.nodes import DnsSource, NodeRegistry, parse_node_lists
 from router.policy import make_policy
+from router.prefill_path import PathRule
 from router.tools.registry import parser_named
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ async def run_router(options: RouterOptions) -> None:
         timeouts=_timeouts(options),
         path_policy=options.pd_prefill_policy,
         kv_index=index,
+        path_rule=PathRule(options.pd_local_max_tokens, options.pd_remote_ttft_target_ms / 1e3),
     )
     await registry.start()
     try:

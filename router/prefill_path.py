@@ -5,7 +5,15 @@ chunks with decode steps, keeping its running requests within its TPOT guard T: 
 chunk may last T * a seconds (a: tokens a request gains per step), so the chunk gets
 c = T * a - step(B) seconds of each cycle and the prompt advances at rate * c / (T * a). Remote
 TTFT is the prefill's queue plus the prompt at its rate, plus the KV transfer when the decode
-reports it. The smaller estimate wins; an unmeasured prefill tier is measured first (remote).
+reports it.
+
+Under `auto` the prefill tier is the default, because every prompt run locally slows the decode
+node's running requests towards its guard: that is what disaggregation exists to avoid. A prompt
+runs locally only when what it must compute there (after the decode's cached prefix) is short (a
+follow-up turn whose history the decode holds: one chunk, cheaper than the transfer it saves), or
+when the prefill tier is behind (its estimate over the rule's TTFT target) and local is faster:
+overflow, so a saturated prefill tier no longer caps the deployment. An unmeasured prefill tier
+is measured first (remote).
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ POLICIES = PD_PREFILL_POLICIES
 POLICY = "policy"  # --pd-prefill-policy remote or local said so
 FASTER_REMOTE = "faster_remote"
 FASTER_LOCAL = "faster_local"
+SHORT_LOCAL = "short_local"  # little to compute on the decode (a cached history, a short prompt)
+REMOTE_ON_TARGET = "remote_on_target"  # the prefill tier meets the TTFT target: no reason to slow decodes
 REMOTE_UNMEASURED = "remote_unmeasured"  # the prefill has no measured rate yet: measure it first
 LOCAL_UNMEASURED = "local_unmeasured"  # no rate (or no step time) to estimate the local path with
 LOCAL_REFUSED = "local_refused"  # the decode runs no prompts itself (older node, or guard off)
@@ -34,6 +44,8 @@ REASONS = (
     POLICY,
     FASTER_REMOTE,
     FASTER_LOCAL,
+    SHORT_LOCAL,
+    REMOTE_ON_TARGET,
     REMOTE_UNMEASURED,
     LOCAL_UNMEASURED,
     LOCAL_REFUSED,
@@ -41,6 +53,22 @@ REASONS = (
     KV_HEADROOM,
     NO_PREFILL,
 )
+
+
+@dataclass(frozen=True)
+class PathRule:
+    """`auto`'s thresholds: prompts computing at most `local_max_tokens` on the decode run there;
+    others run there only when the prefill's estimated TTFT is over `remote_target_s` and local's is lower."""
+
+    local_max_tokens: int = 256
+    remote_target_s: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.local_max_tokens < 0 or self.remote_target_s < 0:
+            raise ValueError(f"local_max_tokens and remote_target_s must be >= 0, got {self}")
+
+
+DEFAULT_RULE = PathRule()
 
 
 @dataclass(frozen=True)
@@ -113,17 +141,19 @@ def decide(
     max_new_tokens: int,
     prefill_tier: Sequence[NodeState] = (),
     cached: Callable[[NodeState], int] = lambda node: 0,
+    rule: PathRule = DEFAULT_RULE,
 ) -> PathDecision:
     """Remote (on `prefill`) or local (on `decode`) for one request; path None when neither can take
     it (the caller falls back to a colocated node). `prefill` is the one the prefill policy picked,
     None when no usable prefill pairs with `decode`; `prefill_tier` the healthy prefills whose rates
     an unmeasured decode borrows; `cached(node)` the prompt tokens a node is expected to hold in its
     prefix cache (router/kv_index.py), which it does not compute: a follow-up turn goes where its
-    history is. With no prefill, local is taken when only its rates are unknown."""
+    history is. With no prefill, local is taken when only its rates are unknown; `rule`: see PathRule."""
     if policy == "remote":
         return PathDecision("remote" if prefill is not None else None, None, None, POLICY if prefill else NO_PREFILL)
     # at least its last token is always computed; a page of the hit may be EAGLE's to recompute
-    local = local_ttft(decode, max(1, prompt_tokens - cached(decode)), max_new_tokens, tier_rate(prefill_tier))
+    local_tokens = max(1, prompt_tokens - cached(decode))
+    local = local_ttft(decode, local_tokens, max_new_tokens, tier_rate(prefill_tier))
     if policy == "local":
         # The operator asked for it: the node's own admission and guard are the only limits.
         if local.refusal == LOCAL_REFUSED:
@@ -134,8 +164,12 @@ def decide(
     remote = remote_ttft(prefill, decode, max(1, prompt_tokens - cached(prefill)))
     if local.refusal is not None:
         return PathDecision("remote", remote, None, local.refusal)
+    if local_tokens <= rule.local_max_tokens:
+        return PathDecision("local", remote, local.seconds, SHORT_LOCAL)
     if remote is None:  # cold start: measure the prefill tier first
         return PathDecision("remote", None, local.seconds, REMOTE_UNMEASURED)
+    if remote <= rule.remote_target_s:
+        return PathDecision("remote", remote, local.seconds, REMOTE_ON_TARGET)
     if local.seconds is None:
         return PathDecision("remote", remote, None, LOCAL_UNMEASURED)
     if local.seconds < remote:
@@ -161,6 +195,7 @@ def select_route(
     job: GenerationJob,
     exclude: Collection[str] = (),
     cached: Callable[[NodeState], int] = lambda node: 0,
+    rule: PathRule = DEFAULT_RULE,
 ) -> Route | None:
     """The pair the policies pick and, unless the path policy is remote, the path `decide` picks on
     it; with no pair (or path policy local), a decode that runs prompts itself, chosen by the decode
@@ -169,13 +204,13 @@ def select_route(
     tier = registry.nodes("prefill")
     if path_policy != "local" and (pair := select_pair(registry, prefill_policy, decode_policy, job, exclude)):
         prefill, decode = pair
-        d = decide(path_policy, prefill, decode, prompt, max_new, tier, cached)
+        d = decide(path_policy, prefill, decode, prompt, max_new, tier, cached, rule)
         return Route(prefill if d.path == "remote" else None, decode, d.path or "remote", d)
     if path_policy != "remote":
         locals_ = [n for n in registry.nodes("decode") if n.usable() and n.local_prefill and n.address not in exclude]
         while locals_:  # the decode policy's choice first; one without KV headroom passes to the next
             decode = decode_policy.choose(locals_, job)
-            d = decide(path_policy, None, decode, prompt, max_new, tier, cached)
+            d = decide(path_policy, None, decode, prompt, max_new, tier, cached, rule)
             if d.path == "local":
                 return Route(None, decode, "local", d)
             locals_.remove(decode)

@@ -19,7 +19,10 @@ from router.prefill_path import (
     LOCAL_UNMEASURED,
     NO_PREFILL,
     POLICY,
+    REMOTE_ON_TARGET,
     REMOTE_UNMEASURED,
+    SHORT_LOCAL,
+    PathRule,
     decide,
     local_ttft,
     remote_ttft,
@@ -73,9 +76,32 @@ def test_idle_decode_takes_a_prompt_a_saturated_prefill_would_queue() -> None:
 
 def test_idle_prefill_beats_a_busy_decode() -> None:
     # 8 running: step 10 ms of the 25 ms budget, so prompts get 15/25 of the node's rate
-    d = decide("auto", prefill(), decode(running=8), 1000, 100)
+    d = decide("auto", prefill(), decode(running=8), 3000, 100)
     assert d.path == "remote" and d.reason == FASTER_REMOTE
-    assert d.remote_s == pytest.approx(0.1) and d.local_s == pytest.approx(1000 / (RATE * 0.6))
+    assert d.remote_s == pytest.approx(0.3) and d.local_s == pytest.approx(3000 / (RATE * 0.6))
+
+
+def test_a_prefill_on_target_keeps_long_prompts_though_an_idle_decode_is_as_fast() -> None:
+    # 100 ms on either path: only a prefill tier behind its target sends long prompts to decodes
+    d = decide("auto", prefill(), decode(), 1000, 100)
+    assert (d.path, d.reason) == ("remote", REMOTE_ON_TARGET)
+    assert d.remote_s == pytest.approx(0.1) and d.local_s == pytest.approx(0.1)
+    # 150 ms of queue: 250 ms remote, over a 200 ms target; the idle decode starts it in 100 ms
+    d = decide("auto", prefill(queued=1500), decode(), 1000, 100)
+    assert (d.path, d.reason) == ("local", FASTER_LOCAL)
+    d = decide("auto", prefill(queued=1500), decode(), 1000, 100, rule=PathRule(remote_target_s=0.3))
+    assert (d.path, d.reason) == ("remote", REMOTE_ON_TARGET)
+
+
+def test_what_computes_little_on_the_decode_runs_there() -> None:
+    # a short prompt, or a follow-up turn whose history the decode caches: one chunk there
+    d = decide("auto", prefill(), decode(), 200, 100)
+    assert (d.path, d.reason) == ("local", SHORT_LOCAL)
+    assert decide("auto", prefill(), decode(), 200, 100, rule=PathRule(local_max_tokens=100)).path == "remote"
+    # a decode that cannot take prompts still refuses short ones
+    assert decide("auto", prefill(), decode(running=64, guard=0.02), 10, 10).reason == DECODE_AT_BUDGET
+    with pytest.raises(ValueError, match="local_max_tokens"):
+        PathRule(local_max_tokens=-1)
 
 
 def test_decode_at_its_tpot_budget_cannot_take_prompts() -> None:
@@ -100,13 +126,13 @@ def test_speculation_stretches_the_cycle_and_steps_interpolate() -> None:
 
 def test_unmeasured_rates() -> None:
     # cold prefill tier, known local: still remote, so the prefill tier gets measured first
-    d = decide("auto", prefill(rate=0.0, queued=10**6), decode(), 100, 10)
+    d = decide("auto", prefill(rate=0.0, queued=10**6), decode(), 1000, 10)
     assert (d.path, d.reason, d.remote_s) == ("remote", REMOTE_UNMEASURED, None) and d.local_s is not None
     # both unknown
-    d = decide("auto", prefill(rate=0.0), decode(rate=0.0), 100, 10)
+    d = decide("auto", prefill(rate=0.0), decode(rate=0.0), 1000, 10)
     assert (d.path, d.remote_s, d.local_s) == ("remote", None, None)
     # decoding with no step time measured: local unknown
-    d = decide("auto", prefill(queued=10**6), decode(running=3, steps=()), 100, 10)
+    d = decide("auto", prefill(queued=10**6), decode(running=3, steps=()), 1000, 10)
     assert (d.path, d.reason, d.local_s) == ("remote", LOCAL_UNMEASURED, None)
     # a decode that ran no prompt yet borrows the prefill tier's mean rate
     tier = [prefill(rate=8000.0), prefill(rate=12000.0), prefill(rate=0.0)]
@@ -219,7 +245,7 @@ def test_a_follow_up_goes_where_its_history_is_cached() -> None:
     held = {"d:1": 3900}  # of a 4,000-token prompt: the earlier turns, on the decode
     cached = lambda node: held.get(node.address, 0)  # noqa: E731
     d_hit = decide("auto", p, d, 4000, 100, cached=cached)
-    assert d_hit.path == "local" and d_hit.reason == FASTER_LOCAL
+    assert d_hit.path == "local" and d_hit.reason == SHORT_LOCAL
     assert d_hit.remote_s == pytest.approx(0.4) and d_hit.local_s == pytest.approx(100 / (RATE * 0.6))
     assert decide("auto", p, d, 4000, 100).path == "remote"
     # the prefill holding it instead: remote, computing only the rest

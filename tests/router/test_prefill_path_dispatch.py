@@ -14,9 +14,11 @@ from common.config import RouterOptions
 from router.contract import DispatchError, FinishEvent
 from router.perf import NodePerf
 from router.policy import pair_available
+from router.prefill_path import PathRule
 from tests.router.fake_nodes import Behaviour, FakeNode, cluster, collect, dispatcher, job, run, until
 
 RATE = 10_000.0
+LONG_ONLY = PathRule(local_max_tokens=0)  # the estimates alone decide, however short the prompt
 
 
 def measured(rate: float = RATE, guard: float | None = 0.025, capacity: float = 1000.0, **steps: float) -> dict:
@@ -67,7 +69,8 @@ def test_auto_takes_the_faster_path() -> None:
         p, d = prefill(waiting_prompt_tokens=1_000_000), local_decode()
         async with cluster(p, d) as reg:
             metrics = CollectorRegistry()
-            disp = dispatcher(reg, metrics_registry=metrics, path_policy="auto")
+            # every prompt here is a few tokens: without the short-prompt rule, the estimates decide
+            disp = dispatcher(reg, metrics_registry=metrics, path_policy="auto", path_rule=LONG_ONLY)
             events = await collect(disp, job())
             # a 100 s prefill queue against an idle decode: the decode runs the prompt itself
             assert not p.requests and not d.requests[0].HasField("disaggregated_params")
@@ -124,7 +127,8 @@ def test_a_retry_decides_again_without_the_failed_decode() -> None:
         older = FakeNode("decode", Behaviour(perf=measured(), running=5))  # runs no prompts itself
         async with cluster(p, fast, older) as reg:
             metrics = CollectorRegistry()
-            events = await collect(dispatcher(reg, metrics_registry=metrics, path_policy="auto"), job())
+            disp = dispatcher(reg, metrics_registry=metrics, path_policy="auto", path_rule=LONG_ONLY)
+            events = await collect(disp, job())
             assert isinstance(events[-1], FinishEvent) and events[-1].disaggregated is True
             assert not fast.requests[0].HasField("disaggregated_params")
             assert older.requests[0].HasField("disaggregated_params") and len(p.requests) == 1
