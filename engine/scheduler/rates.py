@@ -20,6 +20,11 @@ DECAY = 0.9
 # Batch sizes are bucketed by powers of two: decode step time grows slowly with batch size.
 MAX_BUCKET = 1 << 12
 RATE_WINDOW_S = 10.0
+# A prompt batch of a few tokens costs a whole forward (the weights are read once either way), so
+# its tokens/s says nothing of the node's prompt rate: a router probe or a cached follow-up of
+# one token measured 6 tokens/s on a GPU that computes 40,000. Batches count towards the rate from
+# half the largest one seen, and from this many tokens at the most.
+RATE_MIN_TOKENS = 512
 
 
 def bucket(batch_size: int) -> int:
@@ -75,7 +80,8 @@ class NodeRates:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._prefill = _Decayed()  # prompt tokens / seconds of prompt batches
+        self._prefill = _Decayed()  # prompt tokens / seconds of prompt batches big enough to tell
+        self._largest_prompt_batch = 0
         self._steps: dict[int, _Decayed] = {}  # bucket -> seconds / decode steps
         self._per_step = _Decayed()  # tokens a request gains / decode steps
         self._last_done = 0.0  # perf_counter when the last batch's results reached the host
@@ -97,7 +103,9 @@ class NodeRates:
             return
         with self._lock:
             if mode is ForwardMode.EXTEND:
-                self._prefill.add(tokens, seconds)
+                self._largest_prompt_batch = max(self._largest_prompt_batch, tokens)
+                if tokens >= min(RATE_MIN_TOKENS, self._largest_prompt_batch // 2):
+                    self._prefill.add(tokens, seconds)
                 self._prompt_tokens.add(tokens)
             elif mode is ForwardMode.DECODE:
                 self._steps.setdefault(min(bucket(batch_size), MAX_BUCKET), _Decayed()).add(seconds, 1.0)

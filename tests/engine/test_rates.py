@@ -41,6 +41,27 @@ def test_rates_follow_recent_batches():
     assert rates.step_times()[4] == pytest.approx(0.02)
 
 
+def test_small_prompt_batches_do_not_decide_the_prompt_rate():
+    """A batch of a few tokens costs a whole forward: a probe or a cached follow-up would make a
+    fast node look slow (the router then never sends it a prompt)."""
+    rates = NodeRates()
+    rates.observe(ForwardMode.EXTEND, 1, 8, 0.01)  # the only batch so far: it is what is known
+    assert rates.prefill_tokens_per_s() == pytest.approx(800)
+    for _ in range(40):
+        rates.observe(ForwardMode.EXTEND, 1, 2048, 0.05)
+    for _ in range(40):  # probes and one-token follow-ups between prompts
+        rates.observe(ForwardMode.EXTEND, 1, 1, 0.006)
+        rates.observe(ForwardMode.EXTEND, 1, 300, 0.012)  # under 512 and under half of 2,048: skipped too
+    assert rates.prefill_tokens_per_s() == pytest.approx(2048 / 0.05, rel=0.01)
+    rates.observe(ForwardMode.EXTEND, 2, 600, 0.02)  # 512 tokens and up always count
+    assert rates.prefill_tokens_per_s() < 2048 / 0.05
+    # a node that only ever sees short prompts still measures them
+    short = NodeRates()
+    for n in (40, 24, 48, 30):
+        short.observe(ForwardMode.EXTEND, 1, n, 0.004)
+    assert short.prefill_tokens_per_s() == pytest.approx((40 + 24 + 48 + 30) / 0.016, rel=0.1)
+
+
 def test_recent_rate_counts_the_window_only():
     r = RecentRate(window_s=10)
     r._start = 0.0
