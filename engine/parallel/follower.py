@@ -10,6 +10,7 @@ seeds), and are dropped.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -140,6 +141,8 @@ def follower_main(
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp{rank} %(levelname)s %(name)s: %(message)s")
     # Ctrl-C in a terminal reaches the whole process group: the node stops its ranks itself
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # `kill -USR1 <rank pid>` prints where every thread of a rank stands: what a hung collective needs
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     _exit_with_parent()
     device = torch.device(device_name)
     if device.type == "cuda":

@@ -43,6 +43,7 @@ def _run(pair: tuple[Path, Path], tp: int, eagle: bool, graphs: bool) -> tuple[l
         overlap=True,
         cuda_graph_max_bs=8 if graphs else 0,
         tp_size=tp,
+        tp_timeout_s=60.0,  # a collective that hangs fails the test, with NCCL's watchdog report
     )
     eng = Engine(cfg, algorithm=bind(SpecConfig("EAGLE", str(head), 3, 1, None)) if eagle else None)
     try:
