@@ -39,13 +39,15 @@ def make_engine(
     max_total_tokens: int,
     backend: str = "triton",
     algorithm: Any = None,
+    model_dir: str = "<in-memory llama-8b-shaped>",
     **extra: Any,
 ) -> Engine:
-    """An engine over the in-memory model (`algorithm`: a spec binding, or None for plain)."""
+    """An engine over the in-memory model (`algorithm`: a spec binding, or None for plain;
+    `model_dir`: where a tokenizer lies, for grammars, else a name that is never read)."""
     with prebuilt_model(model, cfg):
         dev = "cuda" if torch.cuda.is_available() else "cpu"
         conf = EngineConfig(
-            "<in-memory llama-8b-shaped>",
+            model_dir,
             device=dev,
             dtype="bfloat16" if dev == "cuda" else "float32",
             max_running=max_running,

@@ -45,7 +45,7 @@ def write_llama8b_dir(path: Path, seed: int = 0, **shape: Any) -> Path:
     elif path.exists() and any(path.iterdir()):
         raise FileExistsError(f"{path} holds something other than this benchmark's checkpoint")
     path.mkdir(parents=True, exist_ok=True)
-    _write_tokenizer(path, config["max_position_embeddings"])
+    write_tokenizer(path, config["max_position_embeddings"])
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     gen = torch.Generator().manual_seed(seed)
     layer = _layer_weights(config, gen)
@@ -69,7 +69,8 @@ def write_llama8b_dir(path: Path, seed: int = 0, **shape: Any) -> Path:
     return path
 
 
-def _write_tokenizer(path: Path, max_len: int) -> None:
+def write_tokenizer(path: Path, max_len: int) -> None:
+    """The built-in tokenizer in `path`, its length cap raised to `max_len`."""
     shutil.copy(BUILTIN_TARGET / "tokenizer.json", path / "tokenizer.json")
     tok_config = json.loads((BUILTIN_TARGET / "tokenizer_config.json").read_text())
     tok_config["model_max_length"] = max_len  # the built-in model's 1,024 would cap prompts

@@ -101,9 +101,10 @@ def prompts_for(bs: int, vocab: int) -> list[list[int]]:
     return [torch.randint(10, vocab, (PROMPT_LEN,), generator=g).tolist() for _ in range(bs)]
 
 
-def timed_decode(eng: Engine, prompts: list[list[int]]) -> dict[str, Any]:
-    """Prefill, then time the decode phase only (until every request ended)."""
-    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+def timed_decode(eng: Engine, prompts: list[list[int]], params: SamplingParams | None = None) -> dict[str, Any]:
+    """Prefill, then time the decode phase only (until every request ended); greedy, NEW_TOKENS
+    each, unless `params` says otherwise."""
+    params = params or SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     out = {eng.add_request(p, params): [] for p in prompts}
     first: set[str] = set()
     while len(first) < len(out):
@@ -147,7 +148,12 @@ def paired_passes(
 
 
 def engine_for(
-    model: torch.nn.Module, cfg: Any, head: Path | None, steps: int | None, adaptive_config: str | None = None
+    model: torch.nn.Module,
+    cfg: Any,
+    head: Path | None,
+    steps: int | None,
+    adaptive_config: str | None = None,
+    model_dir: str | None = None,
 ) -> Engine:
     binding = None
     if head is not None:
@@ -165,6 +171,7 @@ def engine_for(
         algorithm=binding,
         backend="triton" if torch.cuda.is_available() else "torch",
         cuda_graph_padded_eager=not torch.cuda.is_available(),
+        **({"model_dir": model_dir} if model_dir else {}),
     )
     freeze_engine_objects()
     return eng
@@ -194,15 +201,23 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def synthetic_setup(name: str) -> tuple[Any, torch.nn.Module, Path, str, OraclePicker]:
+def synthetic_setup(
+    name: str, raw: dict[str, Any] | None = None, tokenizer: bool = False
+) -> tuple[Any, torch.nn.Module, Path, str, OraclePicker]:
     """(config, target model, synthetic head dir, pinned-at-0 adaptive config path, oracle picker)
-    for a model shape: random weights with widened margins, registered as SYNTHETIC."""
-    raw, cfg = shape_config(MODELS[name])
+    for a model shape (`raw`, else MODELS[name]): random weights with widened margins, registered as
+    SYNTHETIC. With `tokenizer`, the built-in tokenizer lies beside the head dir's parent config
+    (the shape must have its vocabulary), for grammars."""
+    raw, cfg = shape_config(raw or MODELS[name])
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_engine_model(cfg, dev)
     widen_margins(model)
     tmp = Path(tempfile.mkdtemp())
     (tmp / "config.json").write_text(json.dumps(raw))
+    if tokenizer:
+        from bench.gpu.goodput_model import write_tokenizer
+
+        write_tokenizer(tmp, PROMPT_LEN + NEW_TOKENS + 96)
     (tmp / "zero.json").write_text(json.dumps(ZERO_ONLY))
     head = write_tiny_eagle_head(
         tmp / "head",
