@@ -376,7 +376,7 @@ class UpOptions:
     tp_size: int = opt(
         DEFAULT_TP_SIZE,
         "Tensor-parallel ranks per node: node k's ranks on GPUs k*N .. k*N+N-1 (refused when the machine "
-        "has fewer). Needs --colocated for now: prefill and decode nodes do not take TP > 1 yet.",
+        "has fewer). Prefill, decode and colocated nodes alike.",
         aliases=("--tensor-parallel-size",),
     )
     verbose: bool = opt(False, "Echo the nodes' logs.", negatable=False)

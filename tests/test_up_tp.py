@@ -1,5 +1,5 @@
-"""`pdserve up --tp-size N`: node k's ranks on GPUs k*N .. k*N+N-1, too few GPUs refused, PD roles
-refused until PD moves every rank's KV, and a colocated TP 2 deployment on the CPU that serves."""
+"""`pdserve up --tp-size N`: node k's ranks on GPUs k*N .. k*N+N-1 (PD roles as colocated ones), too
+few GPUs refused, and a colocated TP 2 deployment on the CPU that serves."""
 
 from __future__ import annotations
 
@@ -42,6 +42,9 @@ def test_each_node_owns_consecutive_gpus(monkeypatch: pytest.MonkeyPatch) -> Non
     shared = _plans(monkeypatch, 4, colocated=2, tp_size=2, isolate_gpus=False)
     assert [_flag(args, "--device") for _, args, _ in shared] == ["cuda:0", "cuda:2"]
     assert up._waves(plans, sizes_kv_itself=False) == [plans]  # no GPU shared: all load at once
+    pd = _plans(monkeypatch, 4, prefill=1, decode=1, tp_size=2)  # PD nodes pair at any TP size
+    assert [(name, dev) for name, _, dev in pd] == [("prefill-0", "cuda:0"), ("decode-0", "cuda:2")]
+    assert all(_flag(args, "--tp-size") == "2" for _, args, _ in pd)
 
 
 def test_too_few_gpus_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
