@@ -226,6 +226,7 @@ def test_every_process_takes_the_flags_the_chart_gives_it(objs: list[dict[str, A
             assert params["max_total_tokens"] is None  # sized from the memory fraction
         else:
             assert params["pd_prefill_policy"] == "remote"
+            assert (params["pd_local_max_tokens"], params["pd_remote_ttft_target_ms"]) == (256, 200.0)
 
 
 def test_default_values_use_the_built_in_pair_without_rdma() -> None:
