@@ -186,8 +186,7 @@ class KVCacheManager:
         if n < self.page_size:
             return
         tokens = req.tokens(0, req.total_len)
-        # it keeps the pages the tree did not take; copies the tree gave up for its own are free
-        self.allocator.free(self.cache.insert(tokens, self._pages[req.slot], n).replaced)
+        self.cache.insert(tokens, self._pages[req.slot], n)  # it keeps the pages the tree did not take
         path = self.cache.path(tokens, n)
         self.cache.lock(path, count_hit=False)  # before the old references go: nothing evictable meanwhile
         if old is not None:
@@ -249,7 +248,7 @@ class KVCacheManager:
         pages = self._pages.pop(req.slot)
         match = self._matched.pop(req.slot, None)
         matched = len(match) if match is not None else 0
-        if match is not None:  # first: a copy only it read may be replaced by its own (below)
+        if match is not None:
             self.cache.unlock(match)  # type: ignore[union-attr]
         if self.cache is not None and max(cacheable, matched * self.page_size) >= self.page_size:
             # never less than the prefix it read: those pages are the cache's already

@@ -12,15 +12,22 @@ yet; the caller frees the rest of the request's pages (the partial last page, an
 tokens the tree already held: duplicates computed concurrently).
 
 Speculative drafts shift by one: EAGLE's draft KV at position i is computed from token i + 1.
-With `shift=1` a node also records the token that followed its page when its KV was computed,
-and a match uses the page only if the request continues with that same token; otherwise the
-draft's KV at the page's last position would belong to another continuation.
+With `shift=1` an edge is a page's tokens plus the token that followed the page when its KV was
+computed, so a request reuses a page only if it continues with that same token (otherwise the
+draft's KV at the page's last position would belong to another continuation), and two copies of
+one page with different continuations are siblings. A multi-turn chat needs both: the previous
+turn's sequence continues a page with the reply the model generated, the next turn's prompt with
+that reply as the client sent it back (re-tokenized, often other ids). A page whose next token is
+unknown (the end of a sequence) is not cached under a shift. Event hashes cover the page's tokens
+only, as routers compute them, so siblings share a hash: it is announced with the first copy and
+withdrawn with the last.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
@@ -37,17 +44,17 @@ class Node:
     last_used: int = 0  # a tick of the cache's clock
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)
     hash: int = ROOT  # the chained hash of the path up to and including this page (ROOT at the root)
+    edge: tuple[int, ...] = ()  # its key in the parent's children: `key`, plus `next_token` under a shift
 
 
 @dataclass(frozen=True)
 class Inserted:
     unadopted: list[int]  # the caller's pages the tree did not take
-    replaced: list[int]  # the tree's pages it gave up for the caller's
 
     @property
     def to_free(self) -> list[int]:
         """What a caller that is done with its pages frees."""
-        return self.unadopted + self.replaced
+        return self.unadopted
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,7 @@ class RadixCache:
         self._lru: list[tuple[int, int, Node]] = []
         self._seq = itertools.count()
         self.stats = {"matched_tokens": 0, "inserted_pages": 0, "evicted_pages": 0}
+        self._hashes: Counter[int] = Counter()  # nodes per event hash (siblings under a shift share one)
         self.listener: CacheListener | None = None
 
     def set_listener(self, listener: CacheListener | None) -> None:
@@ -113,8 +121,9 @@ class RadixCache:
         path: list[Node] = []
         node, tick = self.root, next(self._clock)
         for start in range(0, limit - ps + 1, ps):
-            child = node.children.get(tuple(tokens[start : start + ps]))
-            if child is None or not self._continues(child, tokens, start + ps):
+            edge = self._edge(tokens, start)
+            child = node.children.get(edge) if edge is not None else None
+            if child is None:
                 break
             child.last_used = tick
             path.append(child)
@@ -123,19 +132,22 @@ class RadixCache:
             self._offer(path[-1])  # used again: its place in the LRU order moved
         return Match(tuple(path))
 
-    def _continues(self, node: Node, tokens: Sequence[int], end: int) -> bool:
-        """Without a shift every page is whole; with one, the draft's KV at the page's last position
-        is this request's only if the token after the page is the one it was computed with."""
+    def _edge(self, tokens: Sequence[int], start: int) -> tuple[int, ...] | None:
+        """The edge of the page of `tokens` at `start`: its tokens, and under a shift the token after
+        it (None when `tokens` ends with the page: its draft KV at the last position is unknown)."""
+        end = start + self.page_size
+        key = tuple(tokens[start:end])
         if not self.shift:
-            return True
-        return end < len(tokens) and node.next_token == tokens[end]
+            return key
+        return (*key, tokens[end]) if end < len(tokens) else None
 
     def path(self, tokens: Sequence[int], num_tokens: int) -> Match:
-        """The nodes holding `tokens`' first whole pages, at most `num_tokens` tokens, by their
-        tokens alone (no shift check: what a running request that inserted them reads)."""
+        """The nodes holding `tokens`' first whole pages, at most `num_tokens` tokens: what a running
+        request that inserted them reads (no tick: reading them is not a new use)."""
         ps, node, nodes = self.page_size, self.root, []
         for start in range(0, min(num_tokens, len(tokens)) - ps + 1, ps):
-            child = node.children.get(tuple(tokens[start : start + ps]))
+            edge = self._edge(tokens, start)
+            child = node.children.get(edge) if edge is not None else None
             if child is None:
                 break
             nodes.append(child)
@@ -163,44 +175,49 @@ class RadixCache:
     # ---- insertion ----
     def insert(self, tokens: Sequence[int], pages: Sequence[int], num_tokens: int) -> Inserted:
         """Cache the first `num_tokens` tokens of a sequence whose KV lives in `pages` (page j holds
-        tokens [j*page_size, (j+1)*page_size)); only whole pages are cached. `num_tokens` covers
-        at least the prefix the sequence matched (whose pages are the tree's already). Returns the
-        caller's pages the tree did not adopt (a partial page, or tokens the tree held already
-        under another page) and the cached copies it replaced (whose last draft position was
-        never computed, where this sequence's was; only copies no request reads)."""
+        tokens [j*page_size, (j+1)*page_size)); only whole pages are cached, and under a shift
+        only pages whose next token `tokens` has. `num_tokens` covers at least the prefix the
+        sequence matched (whose pages are the tree's already). Returns the caller's pages the tree
+        did not adopt: a partial or uncacheable page, or tokens the tree held already under
+        another page."""
         ps = self.page_size
         whole = min(num_tokens, len(tokens), len(pages) * ps) // ps
         node, tick = self.root, next(self._clock)
         unadopted: list[int] = []
-        replaced: list[int] = []
         created: list[Node] = []  # new nodes form one chain: a new node has no children to walk into
-        for j in range(whole):
-            key = tuple(tokens[j * ps : (j + 1) * ps])
-            # the token the draft's KV at the page's last position was computed with (if any)
-            nxt = tokens[(j + 1) * ps] if (j + 1) * ps < len(tokens) else None
-            child = node.children.get(key)
+        j = 0
+        while j < whole and (edge := self._edge(tokens, j * ps)) is not None:
+            child = node.children.get(edge)
             if child is None:
-                child = Node(key, pages[j], node, next_token=nxt, last_used=tick, hash=block_hash(node.hash, key))
-                node.children[key] = child
+                key = edge[:ps]
+                nxt = edge[ps] if self.shift else None
+                child = Node(key, pages[j], node, nxt, last_used=tick, hash=block_hash(node.hash, key), edge=edge)
+                node.children[edge] = child
                 created.append(child)
                 self.num_pages += 1
                 self.num_evictable += 1
                 self.stats["inserted_pages"] += 1
             elif child.page != pages[j]:
-                if self.shift and child.next_token is None and nxt is not None and child.refs == 0:
-                    replaced.append(child.page)  # keep this copy: its last draft position is known
-                    child.page, child.next_token = pages[j], nxt
-                else:
-                    unadopted.append(pages[j])
+                unadopted.append(pages[j])
             child.last_used = tick
             node = child
-        unadopted.extend(pages[whole:])
+            j += 1
+        unadopted.extend(pages[j:])
         self._offer(node)
-        if created and self.listener is not None:
-            first = created[0].parent
+        self._announce(created)
+        return Inserted(unadopted)
+
+    def _announce(self, created: list[Node]) -> None:
+        """Tell the listener of a new chain's hashes, from its first hash no other node has."""
+        fresh = None
+        for i, n in enumerate(created):
+            self._hashes[n.hash] += 1
+            if fresh is None and self._hashes[n.hash] == 1:
+                fresh = i
+        if fresh is not None and self.listener is not None:
+            first = created[fresh].parent
             assert first is not None
-            self.listener.stored(first.hash, [(n.hash, n.key) for n in created])
-        return Inserted(unadopted, replaced)
+            self.listener.stored(first.hash, [(n.hash, n.key) for n in created[fresh:]])
 
     # ---- eviction ----
     def evict(self, num_pages: int) -> int:
@@ -217,9 +234,12 @@ class RadixCache:
             node = entry[2]
             parent = node.parent
             assert parent is not None
-            del parent.children[node.key]
+            del parent.children[node.edge]
             freed.append(node.page)
-            gone.append(node.hash)
+            self._hashes[node.hash] -= 1
+            if not self._hashes[node.hash]:  # its last copy: routers may forget the hash
+                del self._hashes[node.hash]
+                gone.append(node.hash)
             self._offer(parent)  # its last child gone, it may be a leaf no request reads now
         self.num_pages -= len(freed)
         self.num_evictable -= len(freed)
@@ -251,7 +271,7 @@ class RadixCache:
             and not node.children
             and node.last_used == last_used
             and parent is not None
-            and parent.children.get(node.key) is node
+            and parent.children.get(node.edge) is node
         )
 
     def _leaves(self) -> list[Node]:
@@ -282,11 +302,12 @@ class RadixCache:
             nodes.append(node)
             stack.extend(node.children.values())
             parent = node.parent
-            assert parent is not None and parent.children.get(node.key) is node
-            assert node.hash == block_hash(parent.hash, node.key)
+            assert parent is not None and parent.children.get(node.edge) is node
+            assert node.hash == block_hash(parent.hash, node.key) and node.edge[: self.page_size] == node.key
             assert parent is self.root or parent.refs >= node.refs, (parent.refs, node.refs)
         assert len(nodes) == self.num_pages, (len(nodes), self.num_pages)
         assert sum(n.refs == 0 for n in nodes) == self.num_evictable
         assert len({n.page for n in nodes}) == len(nodes), "a page cached twice"
+        assert Counter(n.hash for n in nodes) == self._hashes, "event hashes out of step with the nodes"
         queued = {id(e[2]) for e in self._lru if self._evictable_leaf(e)}
         assert all(id(n) in queued for n in self._leaves() if n.refs == 0), "an evictable leaf not queued"

@@ -84,13 +84,51 @@ def test_with_a_shift_a_page_is_reused_only_before_the_same_next_token():
     assert c.match(seq).pages == [10, 11]
     assert c.match(seq[:8] + [0]).pages == [10]  # another continuation: page 11's last draft KV is not ours
     assert c.match(seq[:8]).pages == [10]  # no token after it: the same
-    # a sequence that ended at the boundary left no next token; a later one that knows it replaces it
+    # a sequence that ends at the boundary leaves no next token: that page is not cached at all
     d, _ = cache(shift=1)
-    assert d.insert(seq[:8], [10, 11], 8).to_free == []
+    assert d.insert(seq[:8], [10, 11], 8).to_free == [11]
     assert d.match(seq).pages == [10]
-    assert d.insert(seq, [20, 21, 22], 9).to_free == [20, 22, 11]
+    assert d.insert(seq, [20, 21, 22], 9).to_free == [20, 22]  # page 0 held already; page 2 partial
     assert d.match(seq).pages == [10, 21]
     d.check()
+
+
+def test_with_a_shift_each_continuation_of_a_page_is_its_own_sibling():
+    """A chat's previous turn continued a page with the reply as generated; the next turn's prompt
+    continues it with the reply as sent back (re-tokenized). Both copies are kept, and everything
+    cached after the second stays reachable: the next turns match their whole history."""
+    c, freed = cache(shift=1)
+    history = [1] * 4 + [2] * 4  # two pages of prompt
+    generated, resent = [7, 7, 7, 7, 7], [8, 8, 8, 8, 8]
+    c.insert(history + generated, [10, 11, 12, 13], 13)  # turn 1 ends: prompt + the reply it generated
+    turn2 = history + resent + [3] * 3  # the reply as the client sent it, then a new message
+    assert c.match(turn2).pages == [10]  # page 11 was computed before token 7, this one has 8
+    c.insert(turn2 + [9] * 4, [10, 21, 22, 23, 24], 16)
+    assert c.match(turn2 + [9] * 4 + [5]).pages == [10, 21, 22, 23]  # turn 3: all of turn 2's pages
+    assert c.match(history + generated).pages == [10, 11, 12]  # turn 1's copy still serves its continuation
+    c.check()
+    # the siblings share their event hash: announced once, withdrawn with the last copy
+    events: list[tuple[str, list[int]]] = []
+
+    class Recorder:
+        def stored(self, parent: int, blocks: list[tuple[int, tuple[int, ...]]]) -> None:
+            events.append(("stored", [h for h, _ in blocks]))
+
+        def removed(self, hashes: list[int]) -> None:
+            events.append(("removed", hashes))
+
+    e, _ = cache(shift=1)
+    e.set_listener(Recorder())
+    e.insert(history + generated, [10, 11, 12], 12)
+    e.insert(history + resent, [10, 21, 22], 12)
+    page1 = e.match(history + generated).nodes[1].hash
+    assert [h for kind, hs in events if kind == "stored" for h in hs].count(page1) == 1
+    removed = lambda: [h for kind, hs in events if kind == "removed" for h in hs]  # noqa: E731
+    e.evict(3)  # both copies' third pages, then one copy of page 1
+    assert page1 not in removed()  # the other copy is left
+    e.evict(1)
+    assert removed().count(page1) == 1
+    e.check()
 
 
 def test_a_random_walk_never_frees_a_referenced_page_and_accounting_adds_up():
