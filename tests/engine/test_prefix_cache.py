@@ -186,11 +186,10 @@ def test_a_prompt_is_shared_as_soon_as_it_is_computed(models, spec, overlap):
 
 def test_every_turn_reads_the_whole_history_even_when_a_reply_ends_on_a_page_boundary():
     """A speculative step may accept past max_new_tokens: the KV then covers a token the reply
-    dropped, so the page the reply ends exactly on is cached without the token after it and the
-    next turn (whose token there is its new message) cannot use that copy. It computes that one
-    page again, and its own copy, whose next token is known, replaces the cached one, so later
-    turns read it: every turn reads its whole history but at most that page. (The built-in pair:
-    its drafts are accepted often enough to run past the limit.)"""
+    dropped, so the page the reply ends exactly on has no known next token and is not cached. The
+    next turn computes that one page again, and its own copy, whose next token is known, is cached,
+    so later turns read it: every turn reads its whole history but at most that page. (The
+    built-in pair: its drafts are accepted often enough to run past the limit.)"""
     import pdserve.models as builtin
 
     spec = bind(SpecConfig("EAGLE", str(builtin.BUILTIN_DRAFT), 4, 1))
@@ -215,3 +214,24 @@ def test_every_turn_reads_the_whole_history_even_when_a_reply_ends_on_a_page_bou
         history = history + out.output_ids + [1000 + turn, 31, 32, 33, 34, 35, 36, 37, 38, 39]  # 16 more
     assert overshoot >= 1  # the case this is about happened
     eng.kv.check()
+
+
+@pytest.mark.parametrize("spec", ["eagle", "plain"])
+def test_a_reply_sent_back_as_other_ids_costs_one_page_not_the_rest_of_the_chat(models, spec):
+    """A chat client sends each reply back as text, which the router re-tokenizes: often into other
+    ids than the model generated. Under EAGLE's shift the page where the prompt meets the reply
+    was then computed before two different tokens. Both copies must stay usable, so each turn
+    reads all of the previous turn's prompt but the page the reply starts on."""
+    eng = make_engine(models, spec, True)
+    rng = random.Random(7)
+    prompt = [rng.randrange(10, 500) for _ in range(21)]
+    previous = 0  # the previous turn's prompt length
+    for turn in range(6):
+        before = eng.scheduler.stats["cached_prompt_tokens"]
+        out = eng.generate([prompt], GREEDY)[0]
+        cached = eng.scheduler.stats["cached_prompt_tokens"] - before
+        assert cached >= previous - 2 * 4, (turn, cached, previous)  # page size 4
+        previous = len(prompt)
+        resent = [(t + 1) % 500 + 10 for t in out.output_ids]  # the reply as other ids
+        prompt = prompt + resent + [rng.randrange(10, 500) for _ in range(9)]
+    settle(eng)
