@@ -292,14 +292,10 @@ class RouterOptions:
         "decode or the prefill tier is behind its TTFT target and the decode would start it sooner).",
     )
     pd_local_max_tokens: int = opt(
-        256,
-        "auto: a prompt that computes at most this many tokens on its decode node (after the prefix that node "
-        "caches, e.g. a follow-up turn) runs there: one chunk costs its decodes less than the KV transfer saves.",
+        256, "auto: prompts computing at most this many tokens on the decode (a cached turn) run there."
     )
     pd_remote_ttft_target_ms: float = opt(
-        200.0,
-        "auto: while the prefill node's estimated TTFT is at most this, longer prompts stay on it; above it a "
-        "prompt overflows to the decode node when that would start it sooner. Set it near your TTFT SLO.",
+        200.0, "auto: above this estimated prefill TTFT, prompts overflow to a decode that starts them sooner."
     )
     served_model: Optional[str] = opt(
         None, "Model id clients send (default: the nodes').", aliases=("--served-model-name",)
