@@ -39,12 +39,16 @@ class Node:
     key: tuple[int, ...]  # the page's tokens; () at the root
     page: int  # the KV page holding them (0 at the root)
     parent: Node | None
-    next_token: int | None = None  # the token after the page when its KV was computed (None: none)
     refs: int = 0  # requests reading this page now
     last_used: int = 0  # a tick of the cache's clock
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)
     hash: int = ROOT  # the chained hash of the path up to and including this page (ROOT at the root)
     edge: tuple[int, ...] = ()  # its key in the parent's children: `key`, plus `next_token` under a shift
+
+    @property
+    def next_token(self) -> int | None:
+        """The token after the page when its KV was computed (kept under a shift only)."""
+        return self.edge[len(self.key)] if len(self.edge) > len(self.key) else None
 
 
 @dataclass(frozen=True)
@@ -117,20 +121,25 @@ class RadixCache:
     def match(self, tokens: Sequence[int], limit: int | None = None) -> Match:
         """The longest cached path of whole pages that `tokens` starts with, covering at most
         `limit` tokens (a request recomputes at least its last prompt token, for its logits)."""
-        ps, limit = self.page_size, len(tokens) if limit is None else min(limit, len(tokens))
-        path: list[Node] = []
-        node, tick = self.root, next(self._clock)
+        path = self._walk(tokens, len(tokens) if limit is None else min(limit, len(tokens)))
+        tick = next(self._clock)
+        for node in path:
+            node.last_used = tick
+        if path:
+            self._offer(path[-1])  # used again: its place in the LRU order moved
+        return Match(tuple(path))
+
+    def _walk(self, tokens: Sequence[int], limit: int) -> list[Node]:
+        """The nodes of `tokens`' whole pages within its first `limit` tokens, as far as the tree holds them."""
+        ps, node, nodes = self.page_size, self.root, []
         for start in range(0, limit - ps + 1, ps):
             edge = self._edge(tokens, start)
             child = node.children.get(edge) if edge is not None else None
             if child is None:
                 break
-            child.last_used = tick
-            path.append(child)
+            nodes.append(child)
             node = child
-        if path:
-            self._offer(path[-1])  # used again: its place in the LRU order moved
-        return Match(tuple(path))
+        return nodes
 
     def _edge(self, tokens: Sequence[int], start: int) -> tuple[int, ...] | None:
         """The edge of the page of `tokens` at `start`: its tokens, and under a shift the token after
@@ -144,15 +153,7 @@ class RadixCache:
     def path(self, tokens: Sequence[int], num_tokens: int) -> Match:
         """The nodes holding `tokens`' first whole pages, at most `num_tokens` tokens: what a running
         request that inserted them reads (no tick: reading them is not a new use)."""
-        ps, node, nodes = self.page_size, self.root, []
-        for start in range(0, min(num_tokens, len(tokens)) - ps + 1, ps):
-            edge = self._edge(tokens, start)
-            child = node.children.get(edge) if edge is not None else None
-            if child is None:
-                break
-            nodes.append(child)
-            node = child
-        return Match(tuple(nodes))
+        return Match(tuple(self._walk(tokens, min(num_tokens, len(tokens)))))
 
     # ---- references ----
     def lock(self, match: Match, count_hit: bool = True) -> None:
@@ -190,8 +191,7 @@ class RadixCache:
             child = node.children.get(edge)
             if child is None:
                 key = edge[:ps]
-                nxt = edge[ps] if self.shift else None
-                child = Node(key, pages[j], node, nxt, last_used=tick, hash=block_hash(node.hash, key), edge=edge)
+                child = Node(key, pages[j], node, last_used=tick, hash=block_hash(node.hash, key), edge=edge)
                 node.children[edge] = child
                 created.append(child)
                 self.num_pages += 1

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from engine.kv_transfer import nixl_available
+from fixtures.procs import start_up
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")
-REPO = Path(__file__).resolve().parent.parent
 UP_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
 
@@ -62,15 +62,7 @@ def _pgrep(pattern: str) -> list[int]:
 def test_up_serves_and_ctrl_c_stops_every_child(tiny_llama_dir: Path, tmp_path: Path) -> None:
     model = str(tiny_llama_dir)  # a unique tmp path: it names exactly this deployment's nodes
     stderr = open(tmp_path / "up.stderr", "w")  # noqa: SIM115 - closed in the finally below
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--port", "0", "--model", model, "--verbose"],
-        cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_up(["--port", "0", "--model", model, "--verbose"], stderr)
     lines: queue.Queue[str | None] = queue.Queue()
 
     def pump() -> None:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -18,9 +16,8 @@ from typer.testing import CliRunner
 
 import pdserve.up as up
 from pdserve.cli import app
+from fixtures.procs import start_up
 from pdserve.tp import TpSetupError
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _plans(monkeypatch: pytest.MonkeyPatch, gpus: int, **cfg: object) -> list[tuple[str, list[str], str]]:
@@ -65,16 +62,7 @@ def test_bad_sizes_fail_before_anything_starts(monkeypatch: pytest.MonkeyPatch) 
 def test_colocated_tp2_deployment_serves_and_stops(tmp_path: Path) -> None:
     """Ctrl-C stops the node, which stops its rank: no rank sees its group break on the way out."""
     stderr = open(tmp_path / "up.stderr", "w")  # noqa: SIM115 - closed in the finally below
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--colocated", "1", "--tp-size", "2", "--device", "cpu"]
-        + ["--port", "0", "--verbose"],
-        cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_up(["--colocated", "1", "--tp-size", "2", "--device", "cpu", "--port", "0", "--verbose"], stderr)
     procs: list[psutil.Process] = []
     try:
         assert proc.stdout is not None

@@ -94,44 +94,30 @@ async def _serve(
     last the engine's other tensor-parallel ranks (whatever way serving ended)."""
     loop = EngineLoop(engine).start()
     try:
-        await _serve_loop(role, loop, binding, host, port, metrics_port, served_model_name, stop)
+        parts = role.attach(loop, binding, host)
+        info = node_info(engine, parts.info_role, served_model_name, pairing_protocol=parts.pairing_protocol)
+        servicer = SchedulerServicer(info, loop, parts.handler, stopping=stop)
+        api, api_port = await start_server([scheduler_service(servicer)], host, port, watch=servicer.health)
+        servers, extra = await role.start(host, servicer.health)
+        log.info(
+            "%s node serving %s on %s:%d%s%s",
+            role.name,
+            engine.config.model,
+            host,
+            api_port,
+            extra,
+            f" ({parts.describe})" if parts.describe else "",
+        )
+        metrics = metrics_suffix(engine, role.name, host, metrics_port, parts.metrics_source)
+        print(f"READY scheduler={host}:{api_port}{extra}{metrics}", flush=True)
+
+        def shutdown() -> None:
+            for step in parts.on_stop or [loop.stop]:
+                step()
+
+        await serve_until(stop, [api, *servers], on_stop=shutdown)
+        for close in parts.after:
+            await close()
     finally:
         loop.stop()  # before the ranks: no step may be sent to followers being stopped
         engine.close()
-
-
-async def _serve_loop(
-    role: NodeRole,
-    loop: EngineLoop,
-    binding: Any,
-    host: str,
-    port: int,
-    metrics_port: int | None,
-    served_model_name: str | None,
-    stop: asyncio.Event,
-) -> None:
-    engine = loop.engine
-    parts = role.attach(loop, binding, host)
-    info = node_info(engine, parts.info_role, served_model_name, pairing_protocol=parts.pairing_protocol)
-    servicer = SchedulerServicer(info, loop, parts.handler, stopping=stop)
-    api, api_port = await start_server([scheduler_service(servicer)], host, port, watch=servicer.health)
-    servers, extra = await role.start(host, servicer.health)
-    log.info(
-        "%s node serving %s on %s:%d%s%s",
-        role.name,
-        engine.config.model,
-        host,
-        api_port,
-        extra,
-        f" ({parts.describe})" if parts.describe else "",
-    )
-    metrics = metrics_suffix(engine, role.name, host, metrics_port, parts.metrics_source)
-    print(f"READY scheduler={host}:{api_port}{extra}{metrics}", flush=True)
-
-    def shutdown() -> None:
-        for step in parts.on_stop or [loop.stop]:
-            step()
-
-    await serve_until(stop, [api, *servers], on_stop=shutdown)
-    for close in parts.after:
-        await close()

@@ -9,18 +9,8 @@ import threading
 import pytest
 
 from engine.core import FinishReason, SamplingParams
-from engine.engine import Engine, EngineConfig
-from engine.loop import EngineLoop, ThreadedIO
 
 TIMEOUT = 20.0
-
-
-@pytest.fixture
-def loop(tiny_llama_dir):
-    eng = Engine(EngineConfig(str(tiny_llama_dir), page_size=4), io=ThreadedIO())
-    lp = EngineLoop(eng).start()
-    yield lp
-    lp.stop()
 
 
 def _collect(lp, req):

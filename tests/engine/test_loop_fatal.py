@@ -8,21 +8,11 @@ import queue
 import pytest
 
 from engine.core import FinishReason, SamplingParams
-from engine.engine import Engine, EngineConfig
-from engine.loop import EngineLoop, ThreadedIO
 from engine.service.health import HealthWatch
 from fixtures.waiting import wait_until
 
 TIMEOUT = 20.0
 DEAD = "tensor-parallel rank 1 exited (code -9)"
-
-
-@pytest.fixture
-def loop(tiny_llama_dir):
-    eng = Engine(EngineConfig(str(tiny_llama_dir), page_size=4), io=ThreadedIO())
-    lp = EngineLoop(eng).start()
-    yield lp
-    lp.stop()
 
 
 def _final(q: queue.Queue):
