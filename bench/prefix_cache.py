@@ -15,8 +15,10 @@ Ratios compare the two starts of one deployment in this run: TTFT p50 of turns 3
 cache over with it (goal >= 3), reuse (goal >= 0.9), accept length with over without (within
 1%), no-reuse throughput with over without (>= 0.97).
 
-On a CPU the built-in pair (EAGLE on) runs it; on GPUs the Llama-3.1-8B-shaped checkpoint with a
-random EAGLE head (bench/gpu/goodput_model.py), PD's nodes on two GPUs. Writes
+On a CPU the built-in pair (EAGLE on) runs it; on GPUs the Llama-3.1-8B-shaped predictable
+checkpoint with an echo EAGLE head, whose drafts it nearly always accepts (bench/gpu/goodput_model.py;
+the head reads only its input token, so acceptance there checks the draft's tokens and positions,
+not its cached hidden states), PD's nodes on two GPUs. Writes
 OUT/prefix_cache_<device>.json:
   python -m bench.prefix_cache --out bench/results            # GPUs: about 8 minutes
   python -m bench.prefix_cache --out /tmp/pc --quick           # a CPU smoke
@@ -155,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     device = gpus[0] if gpus else "cpu"
     gpu = bool(gpus)
     model_flags: list[str] = []
-    if gpu:  # the 8B shape with a random EAGLE head; on a CPU the built-in pair (EAGLE on)
+    if gpu:  # the 8B shape with an echo EAGLE head; on a CPU the built-in pair (EAGLE on)
         model, spec = prepare_model("llama8b", None, eagle=True)
         model_flags = ["--model", str(model), *spec, "--no-isolate-gpus", "--device", "auto"]
     size = sizes(args, gpu)

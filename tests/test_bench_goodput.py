@@ -233,6 +233,37 @@ def test_the_checkpoint_writer_at_a_small_shape(tmp_path: Path) -> None:
         write_llama8b_dir(tmp_path / "theirs", **shape)
 
 
+def test_the_checkpoint_is_predictable_and_the_echo_head_drafts_it(tmp_path: Path) -> None:
+    """32 layers sharing one draw (their branches add up as the 8B's do), a narrow body: greedy
+    output is a function of the last token, never a special token, and an echo head's drafts are
+    accepted nearly always; speculative output equals plain."""
+    from bench.gpu.goodput_model import SPECIAL_IDS, write_llama8b_dir
+    from engine.core import SamplingParams
+    from engine.engine import Engine, EngineConfig
+    from fixtures.tiny_eagle import write_tiny_eagle_head
+    from spec.config import SpecConfig
+    from spec.registry import bind
+
+    shape = dict(hidden_size=128, intermediate_size=448, num_hidden_layers=32, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32)  # fmt: skip
+    path = write_llama8b_dir(tmp_path / "ckpt", **shape)
+    head = write_tiny_eagle_head(tmp_path / "head", path, "eagle", mode="echo", intermediate_size=448)
+    prompts = [[40 + i, 900 + 7 * i, 3000 - i] for i in range(4)]
+    params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+    cfg = EngineConfig(str(path), dtype="float32", page_size=4, max_total_tokens=512)
+    plain = [o.output_ids for o in Engine(cfg).generate(prompts, params)]
+    follows: dict[int, int] = {}
+    for prompt, out in zip(prompts, plain):
+        for cur, nxt in zip([prompt[-1], *out], out):
+            assert follows.setdefault(cur, nxt) == nxt and nxt not in SPECIAL_IDS
+    eng = Engine(cfg, algorithm=bind(SpecConfig("EAGLE", str(head), 3, 1, None)))
+    outs = eng.generate(prompts, params)
+    assert [o.output_ids for o in outs] == plain
+    accepted = sum(sum(o.accepted_drafts) for o in outs)
+    drafted = 3 * sum(len(o.accepted_drafts) for o in outs)
+    assert accepted >= 0.9 * drafted
+
+
 @pytest.mark.slow
 def test_a_deployment_that_cannot_start_is_an_error_with_its_log(tmp_path: Path) -> None:
     from bench.gpu.goodput_up import UpProcess, node_env

@@ -21,5 +21,13 @@ def test_tiny_run_writes_the_report(tmp_path: Path) -> None:
     )
     report = json.loads((tmp_path / "tp_cpu.json").read_text())
     assert set(report["runs"]) == {"1", "2"}
-    assert set(report["ratios"]) == {"decode_bs1_ratio", "prefill_4k_ratio", "decode_bs64_speedup"}
+    assert set(report["ratios"]) == {
+        "decode_bs1_ratio",
+        "prefill_4k_ratio",
+        "decode_bs64_speedup",
+        "eagle_speedup_tp1",
+        "eagle_speedup_tp2",
+        "eagle_speedup_kept",
+    }
     assert all(v > 0 for v in report["ratios"].values())
+    assert all(report["runs"][tp]["eagle_bs1"]["accept_length"] >= 1 for tp in ("1", "2"))

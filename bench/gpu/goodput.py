@@ -15,9 +15,10 @@ is at least 90%; under the loose SLO it is each deployment's "highest rate withi
 (as a client with a deadline would): overloaded points then end instead of draining a backlog,
 and the next point starts on an idle deployment (the nodes' gauges are polled until empty).
 
-Model: Llama-3.1-8B's shape, random bf16 weights, the built-in tokenizer's 4,096-token vocabulary
-(bench/gpu/goodput_model.py), plain decoding (`--eagle`: EAGLE with a random head, whose drafts
-are mostly rejected: the speculative path's cost, not its gain). Prompts are token ids of exact
+Model: Llama-3.1-8B's shape, random bf16 weights made predictable (the next token a function of
+the current one), the built-in tokenizer's 4,096-token vocabulary (bench/gpu/goodput_model.py),
+plain decoding (`--eagle`: EAGLE with an echo head, which drafts that function and is nearly
+always right on these weights; on the tiny model its drafts are mostly rejected). Prompts are token ids of exact
 lengths (bench/gpu/goodput_workloads.py). On a CPU (`--model tiny`, the default without GPUs) a
 tiny model and tiny lengths run the same code.
 
@@ -77,7 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "colocated, pd_remote (every prompt on the prefill node)",
     )
     p.add_argument("--max-running", type=int, default=None, help="the nodes' --max-running (default: theirs)")
-    p.add_argument("--eagle", action="store_true", help="EAGLE with a random draft head in both deployments")
+    p.add_argument("--eagle", action="store_true", help="EAGLE with an echo draft head in both deployments")
     p.add_argument("--device", default="auto", help="pdserve up --device")
     p.add_argument("--budget-s", type=float, default=None, help="whole run's time budget in seconds")
     p.add_argument("--start-rate", type=float, default=None, help="first rate of every curve (req/s)")
@@ -124,7 +125,7 @@ def prepare_model(kind: str, model_dir: Path | None, eagle: bool) -> tuple[Path,
 
     inter = 14336 if kind == "llama8b" else 128  # a draft layer of the target's width
     head_dir = Path(tempfile.mkdtemp(prefix="pdserve-goodput-eagle-"))  # never inside a given checkpoint
-    head = write_tiny_eagle_head(head_dir, target, "eagle", intermediate_size=inter)
+    head = write_tiny_eagle_head(head_dir, target, "eagle", mode="echo", intermediate_size=inter)
     return target, ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(head)]
 
 

@@ -7,6 +7,14 @@ and drawing 7B normal numbers on the host would cost more than writing the files
 tokenizer's vocabulary keeps prompts of token ids valid for the router, which checks them against
 the tokenizer. A directory already holding this checkpoint (its marker file matches) is reused;
 one holding anything else is never written over.
+
+The weights make greedy decoding predictable, as a trained model's mostly is: residual branches
+are scaled down and embeddings up, so the last hidden state stays near the current token's
+embedding, and lm_head's rows are a permutation of the embeddings, so the next token is a fixed
+function of the current one, won by a wide margin (bench/gpu/synthetic.widen_margins does the same
+in memory). A draft head that applies the same function (fixtures/tiny_eagle.py, `mode="echo"`)
+is right at nearly every position, so speculation does real work. The special tokens' rows are
+zero: no output ends at an end-of-sequence token. Compute and bytes read are the 8B model's.
 """
 
 from __future__ import annotations
@@ -24,6 +32,11 @@ from pdserve.models import BUILTIN_TARGET
 
 MARKER = "goodput_checkpoint.json"
 STD = 0.02
+EMBEDDING_SCALE = 5.0
+# every layer holds the same weights, so the residual branches add up coherently over 32 layers:
+# scaled to about 8% of the embedding's norm in all
+RESIDUAL_SCALE = 1e-4
+SPECIAL_IDS = range(6)  # the built-in tokenizer's added tokens: <|bos|> .. <|assistant|>
 
 
 def llama8b_config(**shape: Any) -> dict[str, Any]:
@@ -37,7 +50,7 @@ def llama8b_config(**shape: Any) -> dict[str, Any]:
 def write_llama8b_dir(path: Path, seed: int = 0, **shape: Any) -> Path:
     """Write (or reuse) the checkpoint in `path`; returns `path`."""
     config = llama8b_config(**shape)
-    marker = {"config": config, "seed": seed, "std": STD}
+    marker = {"config": config, "seed": seed, "std": STD, "predictable": [EMBEDDING_SCALE, RESIDUAL_SCALE]}
     if (path / MARKER).is_file():
         if json.loads((path / MARKER).read_text()) == marker:
             return path
@@ -77,8 +90,8 @@ def write_tokenizer(path: Path, max_len: int) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
 
 
-def _normal(gen: torch.Generator, *shape: int) -> torch.Tensor:
-    return (torch.randn(*shape, generator=gen) * STD).to(torch.bfloat16)
+def _normal(gen: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen) * (STD * scale)).to(torch.bfloat16)
 
 
 def _layer_weights(c: dict[str, Any], gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -91,19 +104,19 @@ def _layer_weights(c: dict[str, Any], gen: torch.Generator) -> dict[str, torch.T
         "self_attn.q_proj.weight": _normal(gen, q, h),
         "self_attn.k_proj.weight": _normal(gen, kv, h),
         "self_attn.v_proj.weight": _normal(gen, kv, h),
-        "self_attn.o_proj.weight": _normal(gen, h, q),
+        "self_attn.o_proj.weight": _normal(gen, h, q, scale=RESIDUAL_SCALE),
         "mlp.gate_proj.weight": _normal(gen, inter, h),
         "mlp.up_proj.weight": _normal(gen, inter, h),
-        "mlp.down_proj.weight": _normal(gen, h, inter),
+        "mlp.down_proj.weight": _normal(gen, h, inter, scale=RESIDUAL_SCALE),
     }
 
 
 def _outer_weights(c: dict[str, Any], gen: torch.Generator) -> dict[str, torch.Tensor]:
     h, vocab = c["hidden_size"], c["vocab_size"]
-    out = {
-        "model.embed_tokens.weight": _normal(gen, vocab, h),
-        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
-    }
+    emb = _normal(gen, vocab, h, scale=EMBEDDING_SCALE)
+    out = {"model.embed_tokens.weight": emb, "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
     if not c["tie_word_embeddings"]:
-        out["lm_head.weight"] = _normal(gen, vocab, h)
+        head = emb[torch.randperm(vocab, generator=gen)]  # the next token: a permutation of the current
+        head[list(SPECIAL_IDS)] = 0  # never the argmax: outputs run to their length
+        out["lm_head.weight"] = head
     return out
