@@ -27,6 +27,7 @@ import torch
 from bench.common import write_report
 from bench.gpu.engine_perf import steady_decode
 from bench.gpu.hw import copy_bandwidth, time_cuda
+from bench.gpu.spec_speedup import release_memory
 from engine.core import SamplingParams
 from engine.engine import Engine, EngineConfig
 from engine.parallel.group import NO_MULTICAST_ENV
@@ -69,6 +70,7 @@ def _config(model: Path, tp: int, device: str, tiny: bool) -> EngineConfig:
         device=device,
         dtype="float32" if tiny else "bfloat16",
         tp_size=tp,
+        attention_backend="torch" if tiny else "triton",  # the graph-safe kernels the nodes run on GPUs
         overlap=not tiny,
         cuda_graph_max_bs=0 if tiny else 64,
         max_running=64,
@@ -91,6 +93,8 @@ def measure_engine(model: Path, tp: int, device: str, tiny: bool) -> dict[str, A
         }
     finally:
         eng.close()
+        del eng  # the next engine sizes its KV cache from the memory this one held
+        release_memory()
 
 
 def measure_eagle(model: Path, head: Path, tp: int, device: str, tiny: bool) -> dict[str, Any]:
@@ -106,6 +110,8 @@ def measure_eagle(model: Path, head: Path, tp: int, device: str, tiny: bool) -> 
         return out
     finally:
         eng.close()
+        del eng  # the next engine sizes its KV cache from the memory this one held
+        release_memory()
 
 
 def echo_head(model: Path, out: Path, tiny: bool) -> Path:

@@ -36,7 +36,7 @@ from engine.kv_cache import KVCacheManager
 from engine.kv_transfer.tp import pool_shapes
 from engine.loader import tp_layout
 from engine.parallel.channel import PLANS_KEPT, Op, PlanChannel, TpGroupFailed
-from engine.parallel.group import destroy_tp_group, init_tp_group
+from engine.parallel.group import init_tp_group, leave_tp_group
 from engine.parallel.mirror import ReqMirror, map_tensors
 from engine.parallel.transfer_service import AppliedPlans, TransferService
 
@@ -170,8 +170,12 @@ def follower_main(
     except TpGroupFailed as e:
         log.error("%s; exiting", e)
         os._exit(3)
-    finally:
-        destroy_tp_group(group)
+    except BaseException:
+        leave_tp_group(group, together=False)  # this rank alone: the others are still in the group
+        raise
+    # told to stop: the leader is leaving the group now too
+    if not leave_tp_group(group, together=True):
+        os._exit(5)
 
 
 def _exit_with_parent() -> None:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import threading
+from typing import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _abort_process_group
 
 from common.tp_layout import TpLayout
 
@@ -48,7 +52,10 @@ class TpGroup:
         return TpLayout(self.rank, self.size, num_heads, num_kv_heads, intermediate_size, vocab_size)
 
 
+log = logging.getLogger(__name__)
 SINGLE = TpGroup()
+LEAVE_S = 30.0  # a group's teardown, every rank in it
+DRAIN_S = 5.0  # the device's last work before it
 PLAN_WAIT = datetime.timedelta(days=365)
 
 
@@ -71,6 +78,41 @@ def init_tp_group(rank: int, size: int, init_method: str, device: torch.device, 
     return TpGroup(rank, size, dist.group.WORLD, plans)
 
 
-def destroy_tp_group(group: TpGroup) -> None:
-    if group.size > 1 and dist.is_initialized():
-        dist.destroy_process_group()
+def leave_tp_group(group: TpGroup, together: bool) -> bool:
+    """Tear down this rank's groups; False (logged) if that did not finish within LEAVE_S.
+
+    `together`: every rank is leaving now, in order (the leader told its followers to stop), so
+    NCCL's graceful destroy, which every rank must enter, completes. Otherwise (a rank died, the
+    group broke) an abort tears down this rank's communicators alone. Either runs under a
+    deadline: a rank whose teardown is stuck should exit rather than hang its node's stop."""
+    if group.size == 1 or not dist.is_initialized():
+        return True
+    _report_stuck_device_work()
+    teardown = dist.destroy_process_group if together else _abort_process_group
+    done = _within(LEAVE_S, teardown, "tp-leave")
+    if not done:
+        log.error("rank %d: leaving the tensor-parallel group did not finish within %.0f s", group.rank, LEAVE_S)
+    return done
+
+
+def _report_stuck_device_work() -> None:
+    """A device that does not drain before the group goes is waiting on a collective no other
+    rank will ever join: a rank ran device work the others did not. Say so, as it is a bug."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if not _within(DRAIN_S, torch.cuda.synchronize, "tp-drain"):
+            log.error("device work still running %.0f s after the last step: a collective no rank joined", DRAIN_S)
+
+
+def _within(seconds: float, fn: Callable[[], object], name: str) -> bool:
+    """Run `fn` on a daemon thread; True if it returned (or raised, logged) within `seconds`."""
+
+    def run() -> None:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - a teardown error: logged, the caller goes on
+            log.warning("%s: %s: %s", name, type(e).__name__, e)
+
+    worker = threading.Thread(target=run, name=name, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    return not worker.is_alive()

@@ -24,7 +24,7 @@ from engine.executor import Executor
 from engine.kv_cache import KVCacheManager
 from engine.parallel.channel import PlanChannel
 from engine.parallel.follower import follower_main
-from engine.parallel.group import NO_MULTICAST_ENV, SINGLE, TpGroup, destroy_tp_group, init_tp_group
+from engine.parallel.group import NO_MULTICAST_ENV, SINGLE, TpGroup, init_tp_group, leave_tp_group
 from engine.parallel.leader import TpLeaderExecutor
 from engine.parallel.links import RankLink
 
@@ -104,21 +104,24 @@ class TpRanks:
         log.error("%s: this node cannot step again", self.failed)
 
     def stop(self) -> None:
-        """Tell the followers to stop, then make sure they have."""
+        """Tell the followers to stop, leave the group with them, then make sure they have exited."""
         if not self.procs or self._stopping.is_set():
             return
         self._stopping.set()
+        told = False
         if self._leader is not None and self.failed is None:
             try:
                 self._leader.stop_followers()
+                told = True
             except Exception as e:  # noqa: BLE001 - a broken group: the kill below still stops them
                 log.warning("could not tell the followers to stop: %s", e)
+        # at once, not after the joins: NCCL's graceful teardown needs every rank in it together
+        leave_tp_group(self.group, together=told)
         for p in self.procs:
             p.join(_JOIN_S)
             if p.is_alive():
                 p.kill()
                 p.join(_JOIN_S)
-        destroy_tp_group(self.group)
 
 
 def _free_port() -> int:
