@@ -27,6 +27,7 @@ import torch
 
 from engine.core import ForwardMode
 from engine.forward_context import ForwardContext
+from engine.graph_registry import new_graph
 
 logger = logging.getLogger(__name__)
 
@@ -314,7 +315,7 @@ class CudaGraphRunner:
             for _ in range(WARMUP_RUNS):
                 fn()
         current.wait_stream(self._stream)
-        graph = torch.cuda.CUDAGraph()
+        graph = new_graph(self.device)
         # No garbage collection inside the capture: freeing an old pinned staging buffer there
         # queries an event, which invalidates the capture.
         gc_was_on = gc.isenabled()

@@ -19,6 +19,8 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
+from engine.graph_registry import new_graph
+
 Body = Callable[[], tuple[torch.Tensor, ...]]
 
 
@@ -92,7 +94,7 @@ class StepGraphs:
             for _ in range(2):
                 entry.body()
         torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
+        graph = new_graph(device)
         gc_was_on = gc.isenabled()
         gc.collect()
         gc.disable()  # a collection mid-capture could free a tensor the graph still records into

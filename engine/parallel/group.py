@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _abort_process_group
 
 from common.tp_layout import TpLayout
+from engine.graph_registry import release_graphs_on
 
 # NVLink multicast stays off on shared machines (NCCL's NVLS and symmetric memory's multicast
 # can wedge a GPU other tenants use); every rank process starts with these.
@@ -29,6 +30,7 @@ class TpGroup:
     size: int = 1
     group: dist.ProcessGroup | None = None  # device collectives (NCCL or gloo)
     cpu_group: dist.ProcessGroup | None = None  # host messages (gloo): the leader's plans, no deadline
+    device: torch.device = torch.device("cpu")  # this rank's
 
     @property
     def is_leader(self) -> bool:
@@ -75,7 +77,7 @@ def init_tp_group(rank: int, size: int, init_method: str, device: torch.device, 
     # the node is idle, so it has no deadline worth the name (a dead leader is seen otherwise: its
     # socket closes, and followers exit with their parent); collectives keep `timeout_s`.
     plans = dist.new_group(backend="gloo", timeout=PLAN_WAIT)
-    return TpGroup(rank, size, dist.group.WORLD, plans)
+    return TpGroup(rank, size, dist.group.WORLD, plans, device)
 
 
 def leave_tp_group(group: TpGroup, together: bool) -> bool:
@@ -88,6 +90,9 @@ def leave_tp_group(group: TpGroup, together: bool) -> bool:
     if group.size == 1 or not dist.is_initialized():
         return True
     _report_stuck_device_work()
+    # NCCL waits, in both teardowns, until no captured graph of its collectives lives
+    released = release_graphs_on(group.device)
+    log.debug("rank %d: released %d CUDA graphs before leaving", group.rank, released)
     teardown = dist.destroy_process_group if together else _abort_process_group
     done = _within(LEAVE_S, teardown, "tp-leave")
     if not done:
