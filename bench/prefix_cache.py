@@ -31,6 +31,7 @@ import os
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -74,19 +75,34 @@ def sizes(args: argparse.Namespace, gpu: bool) -> dict[str, int]:
     return {**base, **{k: v for k, v in given.items() if v is not None}}
 
 
-def spec_counters(metrics_urls: dict[str, str]) -> tuple[float, float]:
-    """(accepted drafts, verifies) summed over the decode and colocated nodes now."""
-    accepted = verifies = 0.0
-    for url in metrics_urls.values():
-        text = httpx.get(url, timeout=10).text
-        for name, labels, value in samples(text):
-            if 'role="prefill"' in labels:
-                continue
-            if name == "pdserve_spec_accepted_tokens_total":
-                accepted += value
-            elif name == "pdserve_spec_verifies_total":
-                verifies += value
-    return accepted, verifies
+SPEC = ("pdserve_spec_accepted_tokens_total", "pdserve_spec_verifies_total")
+# where a first token's time goes: the router's stages, and each node role's queue and prompt time
+STAGES = ("pdserve_router_ttft_stage_seconds", "pdserve_node_queue_time_seconds", "pdserve_node_prompt_seconds")
+
+
+def counters(router_url: str, metrics_urls: dict[str, str]) -> Counter[str]:
+    """Speculation's counters (decode and colocated nodes) and the TTFT stages' sums and counts,
+    summed over the router and the nodes now."""
+    out: Counter[str] = Counter()
+    for url in [f"{router_url}/metrics", *metrics_urls.values()]:
+        for name, labels, value in samples(httpx.get(url, timeout=10).text):
+            if name in SPEC and 'role="prefill"' not in labels:
+                out[name] += value
+            elif name.removesuffix("_sum").removesuffix("_count") in STAGES and not name.endswith("_bucket"):
+                out[f"{name}{{{labels}}}"] += value
+    return out
+
+
+def ttft_stages_ms(before: Counter[str], after: Counter[str]) -> dict[str, float]:
+    """Mean milliseconds per request of each TTFT stage between two snapshots."""
+    delta = after - before
+    out = {}
+    for key, total in delta.items():
+        if "_sum{" in key:
+            n = delta.get(key.replace("_sum{", "_count{"), 0)
+            if n:
+                out[key.replace("_seconds_sum", "")] = 1e3 * total / n
+    return out
 
 
 def bench_options(url: str, out: Path, args: argparse.Namespace, size: dict[str, int], reuse: bool) -> BenchOptions:
@@ -119,9 +135,10 @@ def bench_options(url: str, out: Path, args: argparse.Namespace, size: dict[str,
 
 def measure(up: UpProcess, args: argparse.Namespace, size: dict[str, int], work: Path) -> dict[str, Any]:
     """Both workloads on a started deployment: the multi-turn figures, acceptance, no-reuse throughput."""
-    acc0, ver0 = spec_counters(up.metrics)
+    before = counters(up.url, up.metrics)
     chat, _ = run_bench(bench_options(up.url, work / "multi", args, size, reuse=True), progress=False)
-    acc1, ver1 = spec_counters(up.metrics)
+    after = counters(up.url, up.metrics)
+    accepted, verifies = (after[k] - before[k] for k in SPEC)
     plain, _ = run_bench(bench_options(up.url, work / "plain", args, size, reuse=False), progress=False)
     m, p = chat["points"][0]["metrics"], plain["points"][0]["metrics"]
     turns = {
@@ -133,7 +150,8 @@ def measure(up: UpProcess, args: argparse.Namespace, size: dict[str, int], work:
             "failed": m["failed"],
             "by_turn": turns,
             "prefix_cache": m["prefix_cache"],
-            "accept_length": 1 + (acc1 - acc0) / (ver1 - ver0) if ver1 > ver0 else None,
+            "accept_length": 1 + accepted / verifies if verifies > 0 else None,
+            "ttft_stages_ms": ttft_stages_ms(before, after),
         },
         "no_reuse": {"output_throughput": p["output_throughput"], "failed": p["failed"]},
     }
