@@ -10,7 +10,8 @@ reports it.
 Under `auto` the prefill tier is the default, because every prompt run locally slows the decode
 node's running requests towards its guard: that is what disaggregation exists to avoid. A prompt
 runs locally only when what it must compute there (after the decode's cached prefix) is short (a
-follow-up turn whose history the decode holds: one chunk, cheaper than the transfer it saves), or
+follow-up turn whose history the decode holds: one chunk, cheaper than the transfer it saves) and
+its estimate there is no worse than remote's, or
 when the prefill tier is behind (its estimate over the rule's TTFT target) and local is faster:
 overflow, so a saturated prefill tier no longer caps the deployment. An unmeasured prefill tier
 is measured first (remote).
@@ -164,7 +165,9 @@ def decide(
     remote = remote_ttft(prefill, decode, max(1, prompt_tokens - cached(prefill)))
     if local.refusal is not None:
         return PathDecision("remote", remote, None, local.refusal)
-    if local_tokens <= rule.local_max_tokens:
+    # short, and not slower there by the measured rates (a decode node whose guard cuts prompts
+    # into small chunks may be far slower at them than the prefill tier)
+    if local_tokens <= rule.local_max_tokens and (remote is None or (local.seconds or 0.0) <= remote):
         return PathDecision("local", remote, local.seconds, SHORT_LOCAL)
     if remote is None:  # cold start: measure the prefill tier first
         return PathDecision("remote", None, local.seconds, REMOTE_UNMEASURED)

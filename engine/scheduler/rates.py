@@ -8,6 +8,7 @@ the router decides each request's prefill path from, and the sizing gauges.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections import deque
@@ -23,8 +24,16 @@ RATE_WINDOW_S = 10.0
 # A prompt batch of a few tokens costs a whole forward (the weights are read once either way), so
 # its tokens/s says nothing of the node's prompt rate: a router probe or a cached follow-up of
 # one token measured 6 tokens/s on a GPU that computes 40,000. Batches count towards the rate from
-# half the largest one seen, and from this many tokens at the most.
+# half the largest of the last RECENT_BATCHES prompt batches, and from this many tokens at the most.
+# Recent, not ever: a decode node whose TPOT guard cuts prompts into small chunks must still
+# measure them, or a rate read low once (a compile) would keep its chunks small for good.
 RATE_MIN_TOKENS = 512
+RECENT_BATCHES = 64
+# The prompt rate is the median of the last few counted batches' own rates: one batch that paid a
+# first-touch kernel compile (seconds) must not decide it. As a ratio of decayed sums it did: its
+# seconds dominated the sum, a decode node's rate read 288 tokens/s for minutes on an H100, and
+# the TPOT guard, sizing chunks by that rate, cut its prompts to 32-token chunks.
+RATE_SAMPLES = 9
 
 
 def bucket(batch_size: int) -> int:
@@ -80,8 +89,8 @@ class NodeRates:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._prefill = _Decayed()  # prompt tokens / seconds of prompt batches big enough to tell
-        self._largest_prompt_batch = 0
+        self._prefill: deque[float] = deque(maxlen=RATE_SAMPLES)  # tokens/s of prompt batches big enough to tell
+        self._recent_prompt_batches: deque[int] = deque(maxlen=RECENT_BATCHES)  # their tokens
         self._steps: dict[int, _Decayed] = {}  # bucket -> seconds / decode steps
         self._per_step = _Decayed()  # tokens a request gains / decode steps
         self._last_done = 0.0  # perf_counter when the last batch's results reached the host
@@ -103,9 +112,9 @@ class NodeRates:
             return
         with self._lock:
             if mode is ForwardMode.EXTEND:
-                self._largest_prompt_batch = max(self._largest_prompt_batch, tokens)
-                if tokens >= min(RATE_MIN_TOKENS, self._largest_prompt_batch // 2):
-                    self._prefill.add(tokens, seconds)
+                self._recent_prompt_batches.append(tokens)
+                if tokens >= min(RATE_MIN_TOKENS, max(self._recent_prompt_batches) // 2):
+                    self._prefill.append(tokens / seconds)
                 self._prompt_tokens.add(tokens)
             elif mode is ForwardMode.DECODE:
                 self._steps.setdefault(min(bucket(batch_size), MAX_BUCKET), _Decayed()).add(seconds, 1.0)
@@ -115,7 +124,7 @@ class NodeRates:
     def prefill_tokens_per_s(self) -> float:
         """Prompt tokens per second of computing prompts (0: none measured)."""
         with self._lock:
-            return self._prefill.ratio()
+            return statistics.median(self._prefill) if self._prefill else 0.0
 
     def recent_decode_tokens_per_s(self) -> float:
         """Tokens emitted per second over the last few seconds."""

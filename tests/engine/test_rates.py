@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.core import ForwardMode
-from engine.scheduler.rates import NodeRates, RecentRate, bucket, interpolate
+from engine.scheduler.rates import RATE_SAMPLES, RECENT_BATCHES, NodeRates, RecentRate, bucket, interpolate
 
 
 def test_buckets_are_powers_of_two_at_or_above():
@@ -49,17 +49,38 @@ def test_small_prompt_batches_do_not_decide_the_prompt_rate():
     assert rates.prefill_tokens_per_s() == pytest.approx(800)
     for _ in range(40):
         rates.observe(ForwardMode.EXTEND, 1, 2048, 0.05)
-    for _ in range(40):  # probes and one-token follow-ups between prompts
+    for _ in range(RECENT_BATCHES // 2 - 1):  # probes and one-token follow-ups between prompts
         rates.observe(ForwardMode.EXTEND, 1, 1, 0.006)
         rates.observe(ForwardMode.EXTEND, 1, 300, 0.012)  # under 512 and under half of 2,048: skipped too
     assert rates.prefill_tokens_per_s() == pytest.approx(2048 / 0.05, rel=0.01)
-    rates.observe(ForwardMode.EXTEND, 2, 600, 0.02)  # 512 tokens and up always count
-    assert rates.prefill_tokens_per_s() < 2048 / 0.05
+    for _ in range(RECENT_BATCHES):  # only short batches for a while: they are what the node runs now
+        rates.observe(ForwardMode.EXTEND, 1, 1, 0.006)
+        rates.observe(ForwardMode.EXTEND, 1, 300, 0.012)
+    assert rates.prefill_tokens_per_s() == pytest.approx(300 / 0.012)
+    for _ in range(5):
+        rates.observe(ForwardMode.EXTEND, 2, 600, 0.02)  # 512 tokens and up always count
+    assert rates.prefill_tokens_per_s() == pytest.approx(600 / 0.02)
     # a node that only ever sees short prompts still measures them
     short = NodeRates()
     for n in (40, 24, 48, 30):
         short.observe(ForwardMode.EXTEND, 1, n, 0.004)
     assert short.prefill_tokens_per_s() == pytest.approx((40 + 24 + 48 + 30) / 0.016, rel=0.1)
+
+
+def test_a_batch_that_paid_a_compile_does_not_decide_the_prompt_rate():
+    """A first-touch kernel compile makes one batch take seconds; the next few normal ones decide."""
+    rates = NodeRates()
+    rates.observe(ForwardMode.EXTEND, 1, 256, 0.9)  # 284 tokens/s: the kernels compiled
+    assert rates.prefill_tokens_per_s() == pytest.approx(256 / 0.9)
+    for _ in range(5):
+        rates.observe(ForwardMode.EXTEND, 1, 200, 0.005)
+    assert rates.prefill_tokens_per_s() == pytest.approx(40_000)
+    # a decode node whose guard cut prompts into 32-token chunks after a compile-slowed 256
+    stuck = NodeRates()
+    stuck.observe(ForwardMode.EXTEND, 1, 256, 0.9)
+    for _ in range(RECENT_BATCHES + RATE_SAMPLES):
+        stuck.observe(ForwardMode.EXTEND, 1, 32, 0.006)
+    assert stuck.prefill_tokens_per_s() == pytest.approx(32 / 0.006)  # measured again: chunks can grow
 
 
 def test_recent_rate_counts_the_window_only():

@@ -100,6 +100,8 @@ def test_what_computes_little_on_the_decode_runs_there() -> None:
     assert decide("auto", prefill(), decode(), 200, 100, rule=PathRule(local_max_tokens=100)).path == "remote"
     # a decode that cannot take prompts still refuses short ones
     assert decide("auto", prefill(), decode(running=64, guard=0.02), 10, 10).reason == DECODE_AT_BUDGET
+    # nor does one measured slower at them than the prefill tier (its guard cut them small)
+    assert decide("auto", prefill(), decode(rate=300.0), 200, 100).path == "remote"
     with pytest.raises(ValueError, match="local_max_tokens"):
         PathRule(local_max_tokens=-1)
 
