@@ -216,11 +216,15 @@ def main() -> int:
         from fixtures.tiny_model import write_tiny_model
 
         model, device, gpu = write_tiny_model(args.out / "tiny-model", seed=1), "cpu", "cpu"
+        device_name = "cpu"
     else:
         from bench.gpu.goodput_model import write_llama8b_dir
 
         model, device = write_llama8b_dir(args.checkpoint), "cuda:0"
-        gpu = torch.cuda.get_device_name(0).replace(" ", "_")
+        from bench.gpu.goodput import short_name
+
+        device_name = torch.cuda.get_device_name(0)
+        gpu = short_name(device_name)
     runs = {tp: measure_engine(model, tp, device, args.tiny) for tp in (1, 2)}
     head = echo_head(model, Path(tempfile.mkdtemp(prefix="pdserve-tp-eagle-")), args.tiny)
     for tp in (1, 2):
@@ -237,7 +241,7 @@ def main() -> int:
         "eagle_speedup_kept": speedup[2] / speedup[1],
     }
     report = {
-        "device": gpu,
+        "device": device_name,
         "model": "tiny (CPU code path)" if args.tiny else "Llama-3.1-8B shape, random bf16 weights, vocab 4096",
         "runs": runs,
         "allreduce_8KiB": ar,
