@@ -3,10 +3,10 @@
 Measures, per TP size, through the engine (graphs and overlap on): the batch-1 decode step, a
 4,096-token prefill, and batch-64 decode throughput, then EAGLE's batch-1 decode (an echo head on
 the predictable checkpoint: nearly every draft accepted) for its speedup over plain at each TP
-size; then NCCL's all-reduce latency for the
-batch-1 hidden state (inside a CUDA graph, as the decode graphs run it), and TP 2's step against
-its roofline: half the weights read per GPU at the measured copy bandwidth plus the all-reduces
-measured alone. Writes bench/results/tp_<gpu>.json.
+size; then the all-reduce latency of batch 1's and batch 64's hidden states (8 and 512 KiB, inside
+a CUDA graph as the decode graphs run them), NCCL's and the one-shot kernel's, and TP 2's step
+against its roofline: half the weights read per GPU at the measured copy bandwidth plus the
+all-reduces measured alone. Writes bench/results/tp_<gpu>.json.
 
   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
       python -m bench.gpu.tp --out bench/results --checkpoint /tmp/llama8b
@@ -230,6 +230,7 @@ def main() -> int:
     for tp in (1, 2):
         runs[tp]["eagle_bs1"] = measure_eagle(model, head, tp, device, args.tiny)
     ar = allreduce_us(2 * 4096, 2) if not args.tiny else None
+    ar64 = allreduce_us(64 * 2 * 4096, 2) if not args.tiny else None  # batch 64's hidden states
     one, two = runs[1], runs[2]
     speedup = {tp: runs[tp]["eagle_bs1"]["tokens_per_s"] / runs[tp]["decode_bs1"]["tokens_per_s"] for tp in (1, 2)}
     ratios = {
@@ -245,6 +246,7 @@ def main() -> int:
         "model": "tiny (CPU code path)" if args.tiny else "Llama-3.1-8B shape, random bf16 weights, vocab 4096",
         "runs": runs,
         "allreduce_8KiB": ar,
+        "allreduce_512KiB": ar64,
         "roofline": roofline(model, two, ar, device),
         "ratios": ratios,
         "goals": GOALS,
