@@ -8,7 +8,7 @@ are SGLang's names for the same setting. Torch-free: the router's flags come fro
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -31,11 +31,13 @@ from common.defaults import (
     DEFAULT_PAGE_SIZE,
     DEFAULT_PREFILL_TIMEOUT,
     DEFAULT_REFRESH_INTERVAL,
+    DEFAULT_TP_ALLREDUCE,
     DEFAULT_TP_SIZE,
     DEFAULT_TP_TIMEOUT_S,
     DEFAULT_TRANSFER_TIMEOUT,
     DEFAULT_WAITING_TIMEOUT,
 )
+from common.flag_fields import opt
 
 ENV_PREFIX = "PDSERVE_"
 PANEL_SPEC = "Speculative decoding"
@@ -43,37 +45,6 @@ PANEL_EAGLE = "Speculative decoding: EAGLE"
 PANEL_NGRAM = "Speculative decoding: n-gram"
 PANEL_FAST = "GPU fast path"
 PANEL_TP = "Tensor parallelism"
-
-
-@dataclass(frozen=True)
-class Flag:
-    """How a config field appears on the command line."""
-
-    help: str
-    aliases: tuple[str, ...] = ()  # extra long names (SGLang's) or a short one ("-p")
-    panel: str | None = None  # the --help section
-    negatable: bool = True  # booleans: --x/--no-x (False: --x only)
-    separator: str | None = None  # repeatable flags: what splits the env var's values (None: whitespace)
-
-
-def opt(
-    default: Any,
-    help: str,
-    *,
-    aliases: tuple[str, ...] = (),
-    panel: str | None = None,
-    negatable: bool = True,
-    separator: str | None = None,
-) -> Any:
-    """A config field that is also a flag; `default=...` makes the flag required."""
-    meta = {"flag": Flag(help, aliases, panel, negatable, separator)}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta) if default is not ... else field(metadata=meta)
-
-
-def flag_of(f: dataclasses.Field[Any]) -> Flag:
-    return f.metadata.get("flag") or Flag(help="")
 
 
 _HOST_HELP = "Address to bind (0.0.0.0: every interface, as a pod needs)."
@@ -136,6 +107,11 @@ class EngineOptions:
     tp_timeout_s: float = opt(
         DEFAULT_TP_TIMEOUT_S,
         "Seconds a collective between ranks may take before the node is failed (NOT_SERVING) instead of hanging.",
+        panel=PANEL_TP,
+    )
+    tp_allreduce: str = opt(
+        DEFAULT_TP_ALLREDUCE,
+        "Small all-reduces: nccl, or one-shot (PyTorch's kernel over symmetric memory, GPUs only).",
         panel=PANEL_TP,
     )
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from common.config import opt
+from common.flag_fields import opt
 
 if TYPE_CHECKING:
     from loadgen.metrics import RequestRecord

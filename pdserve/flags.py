@@ -11,7 +11,8 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from common.config import ENV_PREFIX, SpeculativeOptions, flag_of
+from common.config import ENV_PREFIX, SpeculativeOptions
+from common.flag_fields import flag_of
 
 # Schemas whose flags carry a prefix (SpeculativeOptions.num_steps <-> --speculative-num-steps).
 PREFIXES: dict[type, str] = {SpeculativeOptions: "speculative_"}

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from common.config import opt
+from common.flag_fields import opt
 
 
 @dataclass(frozen=True)

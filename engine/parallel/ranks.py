@@ -70,7 +70,7 @@ class TpRanks:
             procs.append(p)
             links.append(RankLink(rank, mine))
         try:
-            group = init_tp_group(0, config.tp_size, init, device, config.tp_timeout_s)
+            group = init_tp_group(0, config.tp_size, init, device, config.tp_timeout_s, config.tp_allreduce)
         except Exception:
             for p in procs:
                 p.kill()

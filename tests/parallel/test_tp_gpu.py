@@ -1,5 +1,6 @@
 """Tensor parallelism on two GPUs over NCCL: the all-reduces run inside the captured CUDA graphs
-(decode, verify, draft and draft-extend), and graphs equal eager and TP 1, plain and with EAGLE."""
+(decode, verify, draft and draft-extend), and graphs equal eager and TP 1, plain and with EAGLE;
+the one-shot all-reduce over symmetric memory gives the same output."""
 
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return target, write_tiny_eagle_head(root / "h", target, "eagle", mode="repeat")
 
 
-def _run(pair: tuple[Path, Path], tp: int, eagle: bool, graphs: bool) -> tuple[list[list[int]], list[list[int]]]:
+def _run(
+    pair: tuple[Path, Path], tp: int, eagle: bool, graphs: bool, allreduce: str = "nccl"
+) -> tuple[list[list[int]], list[list[int]]]:
     from spec.config import SpecConfig
     from spec.registry import bind
 
@@ -44,6 +47,7 @@ def _run(pair: tuple[Path, Path], tp: int, eagle: bool, graphs: bool) -> tuple[l
         cuda_graph_max_bs=8 if graphs else 0,
         tp_size=tp,
         tp_timeout_s=60.0,  # a collective that hangs fails the test, with NCCL's watchdog report
+        tp_allreduce=allreduce,
     )
     eng = Engine(cfg, algorithm=bind(SpecConfig("EAGLE", str(head), 3, 1, None)) if eagle else None)
     try:
@@ -61,3 +65,11 @@ def test_tp2_graphs_equal_eager_and_tp1(pair: tuple[Path, Path], eagle: bool) ->
     graphs, acc_graphs = _run(pair, 2, eagle, graphs=True)
     assert eager == want and graphs == want
     assert acc_graphs == acc_eager
+
+
+def test_tp2_one_shot_allreduce_equals_nccl_and_tp1(pair: tuple[Path, Path]) -> None:
+    """Small all-reduces over symmetric memory (`--tp-allreduce one-shot`), eager and in graphs."""
+    want, _ = _run(pair, 1, eagle=False, graphs=False)
+    for graphs in (False, True):
+        got, _ = _run(pair, 2, eagle=False, graphs=graphs, allreduce="one-shot")
+        assert got == want, graphs
