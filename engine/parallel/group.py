@@ -103,23 +103,35 @@ def leave_tp_group(group: TpGroup, together: bool) -> bool:
     deadline: a rank whose teardown is stuck should exit rather than hang its node's stop."""
     if group.size == 1 or not dist.is_initialized():
         return True
-    _report_stuck_device_work()
+    _report_stuck_device_work(group.device)
     # NCCL waits, in both teardowns, until no captured graph of its collectives lives
     released = release_graphs_on(group.device)
     log.debug("rank %d: released %d CUDA graphs before leaving", group.rank, released)
     teardown = dist.destroy_process_group if together else _abort_process_group
-    done = _within(LEAVE_S, teardown, "tp-leave")
+    done = _within(LEAVE_S, _on(group.device, teardown), "tp-leave")
     if not done:
         log.error("rank %d: leaving the tensor-parallel group did not finish within %.0f s", group.rank, LEAVE_S)
     return done
 
 
-def _report_stuck_device_work() -> None:
+def _report_stuck_device_work(device: torch.device) -> None:
     """A device that does not drain before the group goes is waiting on a collective no other
     rank will ever join: a rank ran device work the others did not. Say so, as it is a bug."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        if not _within(DRAIN_S, torch.cuda.synchronize, "tp-drain"):
+    if device.type == "cuda":
+        if not _within(DRAIN_S, _on(device, torch.cuda.synchronize), "tp-drain"):
             log.error("device work still running %.0f s after the last step: a collective no rank joined", DRAIN_S)
+
+
+def _on(device: torch.device, fn: Callable[[], object]) -> Callable[[], object]:
+    """`fn` with `device` current on the thread that runs it (a new thread starts on cuda:0)."""
+    if device.type != "cuda":
+        return fn
+
+    def run() -> object:
+        with torch.cuda.device(device):
+            return fn()
+
+    return run
 
 
 def _within(seconds: float, fn: Callable[[], object], name: str) -> bool:
