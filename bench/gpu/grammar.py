@@ -16,7 +16,9 @@ drafts) and then masks every step, and no request ends before its NEW_TOKENS tok
 * EAGLE: the synthetic EAGLE-3 head of bench/gpu/spec_speedup.py (every draft forward runs, then
   an oracle makes a draft right with probability p, from a plain run of the same requests under
   the same constraint), fixed 3 steps, at batch 1 and 8: speedup over plain decoding with the
-  constraint and without, and their ratio (goal: >= 0.9). Output must equal plain decoding.
+  constraint and without, and their ratio (goal: >= 0.9). Output must equal plain decoding. At
+  batch 1 one more pass of each runs under the profiler: the GPU's busy milliseconds per
+  iteration and its idle share, which tell a host-bound constrained iteration from heavier device work.
 
   python -m bench.gpu.grammar OUT          # GPU: writes OUT/grammar_<gpu>.json
   python -m bench.gpu.grammar OUT --tiny   # the same code on a tiny shape on the CPU
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +37,7 @@ from typing import Any
 import torch
 
 from bench.common import write_report
+from bench.gpu.engine_perf import busy_fraction
 from bench.gpu.goodput_model import llama8b_config
 from bench.gpu.spec_speedup import (
     NEW_TOKENS,
@@ -98,6 +102,25 @@ def best_pass(eng: Any, prompts: list[list[int]], constrained: bool, repeats: in
     return max((timed_decode(eng, prompts, params(constrained)) for _ in range(repeats)), key=lambda r: r["tok_s"])
 
 
+def device_time(eng: Any, prompts: list[list[int]], constrained: bool) -> dict[str, float]:
+    """One more pass under the profiler (device activity only): the GPU's busy milliseconds per
+    iteration and its idle share of the pass, which tell host-bound iterations from heavier device
+    work. Empty off GPUs."""
+    if not torch.cuda.is_available():
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        r = timed_decode(eng, prompts, params(constrained))
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        busy, span = busy_fraction(trace)
+    iterations = (NEW_TOKENS - 1) / r["accept_len"]  # the decode phase of each request (the prefill gave one)
+    return {"gpu_busy_ms_per_iteration": busy * 1e3 / iterations, "gpu_idle_fraction": 1 - busy / span if span else 0.0}
+
+
 def run(out: Path, tiny: bool, compiles: int, repeats: int) -> dict[str, Any]:
     raw = llama8b_config(**(TINY_SHAPE if tiny else {}))
     cfg, model, head, _, picker = synthetic_setup("grammar", raw=raw, tokenizer=True)
@@ -139,6 +162,7 @@ def run(out: Path, tiny: bool, compiles: int, repeats: int) -> dict[str, Any]:
                 "speedup": r["tok_s"] / base["tok_s"],
                 "accept_len": r["accept_len"],
                 "exact": exact,
+                **(device_time(spec_eng, ps, constrained) if bs == batches[0] else {}),
             }
         point["speedup_ratio"] = point["json"]["speedup"] / point["free"]["speedup"]
         report["eagle"].append(point)
