@@ -211,6 +211,17 @@ def test_busy_requests_read_every_node_gauge() -> None:
     assert asyncio.run(go()) == (6, 0)
 
 
+def test_a_points_router_counters_give_paths_and_mean_ttft_stages() -> None:
+    from bench.gpu.goodput_up import point_counters
+
+    before = {"path:remote": 4.0, "stage_sum:prefill": 0.2, "stage_count:prefill": 4.0}
+    after = {"path:remote": 10.0, "path:local": 2.0, "stage_sum:prefill": 0.8, "stage_count:prefill": 12.0}
+    after |= {"stage_sum:queue": 0.0, "stage_count:queue": 0.0}  # no request went through a stage: no mean
+    paths, stages = point_counters(before, after)
+    assert paths == {"remote": 6.0, "local": 2.0}
+    assert stages == {"prefill": pytest.approx(1e3 * 0.6 / 8)}
+
+
 def test_the_checkpoint_writer_at_a_small_shape(tmp_path: Path) -> None:
     from bench.gpu.goodput_model import write_llama8b_dir
     from engine.loader import load_model

@@ -203,8 +203,9 @@ async def node_signals(client: httpx.AsyncClient, metrics: dict[str, str]) -> di
     return out
 
 
-async def path_counts(client: httpx.AsyncClient, router_url: str) -> dict[str, float]:
-    """The router's requests by prefill path so far (pdserve_router_prefill_path_total)."""
+async def router_counters(client: httpx.AsyncClient, router_url: str) -> dict[str, float]:
+    """The router's counters so far: requests by prefill path (`path:<name>`) and the TTFT stages'
+    sums and counts (`stage_sum:<stage>`, `stage_count:<stage>`); empty if it did not answer."""
     try:
         resp = await client.get(f"{router_url.rstrip('/')}/metrics")
         resp.raise_for_status()
@@ -212,11 +213,24 @@ async def path_counts(client: httpx.AsyncClient, router_url: str) -> dict[str, f
         return {}
     counts: dict[str, float] = {}
     for name, labels, value in samples(resp.text):
-        if name == "pdserve_router_prefill_path_total":
-            path = re.search(r'path="([^"]*)"', labels)
-            if path:
-                counts[path[1]] = value
+        if name == "pdserve_router_prefill_path_total" and (path := re.search(r'path="([^"]*)"', labels)):
+            counts[f"path:{path[1]}"] = value
+        elif name.startswith("pdserve_router_ttft_stage_seconds_") and (stage := re.search(r'stage="([^"]*)"', labels)):
+            kind = name.removeprefix("pdserve_router_ttft_stage_seconds_")
+            if kind in ("sum", "count"):
+                counts[f"stage_{kind}:{stage[1]}"] = value
     return counts
+
+
+def point_counters(before: dict[str, float], after: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """(requests by path, mean TTFT stage in ms) between two router_counters snapshots."""
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    paths = {k.removeprefix("path:"): v for k, v in delta.items() if k.startswith("path:")}
+    stages = {}
+    for key, total in delta.items():
+        if key.startswith("stage_sum:") and (n := delta.get(key.replace("stage_sum:", "stage_count:"), 0.0)) > 0:
+            stages[key.removeprefix("stage_sum:")] = 1e3 * total / n
+    return paths, stages
 
 
 async def wait_idle(client: httpx.AsyncClient, metrics_urls: Sequence[str], timeout_s: float) -> bool:
