@@ -39,7 +39,7 @@ import httpx
 
 from bench.common import write_report
 from bench.gpu.goodput import gpu_names, prepare_model, short_name
-from bench.gpu.goodput_up import UpProcess, samples
+from bench.gpu.goodput_up import TTFT_STAGES, UpProcess, histogram_means_ms, histogram_totals, samples
 from loadgen.runner import BenchOptions, run_bench
 
 TOPOLOGY = {"colocated": ("--colocated", "1"), "pd": ("--prefill", "1", "--decode", "1")}
@@ -77,31 +77,19 @@ def sizes(args: argparse.Namespace, gpu: bool) -> dict[str, int]:
 
 SPEC = ("pdserve_spec_accepted_tokens_total", "pdserve_spec_verifies_total")
 # where a first token's time goes: the router's stages, and each node role's queue and prompt time
-STAGES = ("pdserve_router_ttft_stage_seconds", "pdserve_node_queue_time_seconds", "pdserve_node_prompt_seconds")
+STAGES = (TTFT_STAGES, "pdserve_node_queue_time_seconds", "pdserve_node_prompt_seconds")
 
 
 def counters(router_url: str, metrics_urls: dict[str, str]) -> Counter[str]:
-    """Speculation's counters (decode and colocated nodes) and the TTFT stages' sums and counts,
+    """Speculation's counters (decode and colocated nodes) and the TTFT stages' histogram totals,
     summed over the router and the nodes now."""
     out: Counter[str] = Counter()
     for url in [f"{router_url}/metrics", *metrics_urls.values()]:
-        for name, labels, value in samples(httpx.get(url, timeout=10).text):
+        text = httpx.get(url, timeout=10).text
+        out.update(histogram_totals(text, STAGES))
+        for name, labels, value in samples(text):
             if name in SPEC and 'role="prefill"' not in labels:
                 out[name] += value
-            elif name.removesuffix("_sum").removesuffix("_count") in STAGES and not name.endswith("_bucket"):
-                out[f"{name}{{{labels}}}"] += value
-    return out
-
-
-def ttft_stages_ms(before: Counter[str], after: Counter[str]) -> dict[str, float]:
-    """Mean milliseconds per request of each TTFT stage between two snapshots."""
-    delta = after - before
-    out = {}
-    for key, total in delta.items():
-        if "_sum{" in key:
-            n = delta.get(key.replace("_sum{", "_count{"), 0)
-            if n:
-                out[key.replace("_seconds_sum", "")] = 1e3 * total / n
     return out
 
 
@@ -151,7 +139,7 @@ def measure(up: UpProcess, args: argparse.Namespace, size: dict[str, int], work:
             "by_turn": turns,
             "prefix_cache": m["prefix_cache"],
             "accept_length": 1 + accepted / verifies if verifies > 0 else None,
-            "ttft_stages_ms": ttft_stages_ms(before, after),
+            "ttft_stages_ms": histogram_means_ms(before, after),
         },
         "no_reuse": {"output_throughput": p["output_throughput"], "failed": p["failed"]},
     }

@@ -167,7 +167,7 @@ def decide(
         return PathDecision("remote", remote, None, local.refusal)
     # short, and not slower there by the measured rates (a decode node whose guard cuts prompts
     # into small chunks may be far slower at them than the prefill tier)
-    if local_tokens <= rule.local_max_tokens and (remote is None or (local.seconds or 0.0) <= remote):
+    if local_tokens <= rule.local_max_tokens and (remote is None or local.seconds is None or local.seconds <= remote):
         return PathDecision("local", remote, local.seconds, SHORT_LOCAL)
     if remote is None:  # cold start: measure the prefill tier first
         return PathDecision("remote", None, local.seconds, REMOTE_UNMEASURED)

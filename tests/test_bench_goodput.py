@@ -214,9 +214,11 @@ def test_busy_requests_read_every_node_gauge() -> None:
 def test_a_points_router_counters_give_paths_and_mean_ttft_stages() -> None:
     from bench.gpu.goodput_up import point_counters
 
-    before = {"path:remote": 4.0, "stage_sum:prefill": 0.2, "stage_count:prefill": 4.0}
-    after = {"path:remote": 10.0, "path:local": 2.0, "stage_sum:prefill": 0.8, "stage_count:prefill": 12.0}
-    after |= {"stage_sum:queue": 0.0, "stage_count:queue": 0.0}  # no request went through a stage: no mean
+    prefill = 'pdserve_router_ttft_stage_seconds_%s{stage="prefill"}'
+    queue = 'pdserve_router_ttft_stage_seconds_%s{stage="queue"}'
+    before = {"path:remote": 4.0, prefill % "sum": 0.2, prefill % "count": 4.0}
+    after = {"path:remote": 10.0, "path:local": 2.0, prefill % "sum": 0.8, prefill % "count": 12.0}
+    after |= {queue % "sum": 0.0, queue % "count": 0.0}  # no request went through a stage: no mean
     paths, stages = point_counters(before, after)
     assert paths == {"remote": 6.0, "local": 2.0}
     assert stages == {"prefill": pytest.approx(1e3 * 0.6 / 8)}

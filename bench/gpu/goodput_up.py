@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Sequence
+from typing import IO, Collection, Mapping, Sequence
 
 import httpx
 import psutil
@@ -181,6 +181,7 @@ SIGNALS = (
     "pdserve_node_decode_tokens_per_second",
     "pdserve_node_decode_capacity_tokens_per_second",
 )
+TTFT_STAGES = "pdserve_router_ttft_stage_seconds"  # the router's time to first token by stage
 _SAMPLE = re.compile(r"^(pdserve_\w+)(?:\{([^}]*)\})? ([0-9.eE+-]+|NaN)$", re.M)
 
 
@@ -203,34 +204,47 @@ async def node_signals(client: httpx.AsyncClient, metrics: dict[str, str]) -> di
     return out
 
 
+def histogram_totals(text: str, names: Collection[str]) -> dict[str, float]:
+    """The `_sum` and `_count` samples of the named histograms (`<name>_sum{labels}`: seconds)."""
+    return {
+        f"{name}{{{labels}}}": value
+        for name, labels, value in samples(text)
+        if name.endswith(("_sum", "_count")) and name.rsplit("_", 1)[0] in names
+    }
+
+
+def histogram_means_ms(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    """Mean milliseconds per observation of each `*_seconds` histogram between two snapshots of
+    histogram_totals, keyed by name (less `_seconds`) and labels; none where nothing was observed."""
+    out = {}
+    for key, total in after.items():
+        if "_seconds_sum{" in key:
+            count = key.replace("_sum{", "_count{")
+            if (n := after.get(count, 0.0) - before.get(count, 0.0)) > 0:
+                out[key.replace("_seconds_sum", "")] = 1e3 * (total - before.get(key, 0.0)) / n
+    return out
+
+
 async def router_counters(client: httpx.AsyncClient, router_url: str) -> dict[str, float]:
     """The router's counters so far: requests by prefill path (`path:<name>`) and the TTFT stages'
-    sums and counts (`stage_sum:<stage>`, `stage_count:<stage>`); empty if it did not answer."""
+    histogram totals (histogram_totals); empty if it did not answer."""
     try:
         resp = await client.get(f"{router_url.rstrip('/')}/metrics")
         resp.raise_for_status()
     except httpx.HTTPError:
         return {}
-    counts: dict[str, float] = {}
+    counts = histogram_totals(resp.text, (TTFT_STAGES,))
     for name, labels, value in samples(resp.text):
         if name == "pdserve_router_prefill_path_total" and (path := re.search(r'path="([^"]*)"', labels)):
             counts[f"path:{path[1]}"] = value
-        elif name.startswith("pdserve_router_ttft_stage_seconds_") and (stage := re.search(r'stage="([^"]*)"', labels)):
-            kind = name.removeprefix("pdserve_router_ttft_stage_seconds_")
-            if kind in ("sum", "count"):
-                counts[f"stage_{kind}:{stage[1]}"] = value
     return counts
 
 
 def point_counters(before: dict[str, float], after: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
     """(requests by path, mean TTFT stage in ms) between two router_counters snapshots."""
-    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
-    paths = {k.removeprefix("path:"): v for k, v in delta.items() if k.startswith("path:")}
-    stages = {}
-    for key, total in delta.items():
-        if key.startswith("stage_sum:") and (n := delta.get(key.replace("stage_sum:", "stage_count:"), 0.0)) > 0:
-            stages[key.removeprefix("stage_sum:")] = 1e3 * total / n
-    return paths, stages
+    paths = {k.removeprefix("path:"): v - before.get(k, 0.0) for k, v in after.items() if k.startswith("path:")}
+    means = histogram_means_ms(before, after).items()
+    return paths, {stage[1]: ms for key, ms in means if (stage := re.search(r'stage="([^"]*)"', key))}
 
 
 async def wait_idle(client: httpx.AsyncClient, metrics_urls: Sequence[str], timeout_s: float) -> bool:

@@ -6,8 +6,8 @@ import datetime
 import logging
 import os
 import threading
-from typing import Callable
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -16,6 +16,8 @@ from torch.distributed.distributed_c10d import _abort_process_group
 from common.tp_layout import TpLayout
 from engine.graph_registry import release_graphs_on
 from engine.parallel.fast_allreduce import OneShotAllReduce
+
+log = logging.getLogger(__name__)
 
 # NVLink multicast stays off on shared machines (NCCL's NVLS and symmetric memory's multicast
 # can wedge a GPU other tenants use); every rank process starts with these.
@@ -58,7 +60,6 @@ class TpGroup:
         return TpLayout(self.rank, self.size, num_heads, num_kv_heads, intermediate_size, vocab_size)
 
 
-log = logging.getLogger(__name__)
 SINGLE = TpGroup()
 LEAVE_S = 30.0  # a group's teardown, every rank in it
 DRAIN_S = 5.0  # the device's last work before it
