@@ -13,6 +13,21 @@ import torch
 
 BUFFER_BYTES = 1 << 20  # batch 128's hidden states at 4,096 x bf16; larger messages go to NCCL
 
+# PyTorch numbers symmetric-memory rendezvous per process (a static sequence in its store keys), so
+# a process that already joined one waits forever on ranks that count from zero: a freshly spawned
+# follower always does. One one-shot group per process, then.
+_joined_in_this_process = False
+
+
+def check_one_shot_available() -> None:
+    """Raise, before any rank starts, if this process cannot join another one-shot group."""
+    if _joined_in_this_process:
+        raise RuntimeError(
+            "--tp-allreduce one-shot: this process already joined a symmetric-memory group, and "
+            "PyTorch numbers those per process, so new ranks would never meet it; start the engine "
+            "in a new process, or use --tp-allreduce nccl"
+        )
+
 
 class OneShotAllReduce:
     """A symmetric buffer every rank registered; sums a tensor that fits it across the ranks."""
@@ -20,6 +35,9 @@ class OneShotAllReduce:
     def __init__(self, group_name: str, device: torch.device, max_bytes: int = BUFFER_BYTES) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
+        global _joined_in_this_process
+        check_one_shot_available()
+        _joined_in_this_process = True
         # bytes, viewed as each message's dtype: the kernel finds the allocation by its address
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buffer, group_name)  # collective: every rank, at start-up
