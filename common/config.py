@@ -20,8 +20,10 @@ from common.defaults import (
     DEFAULT_CHUNKED_PREFILL_SIZE,
     DEFAULT_CONNECT_ATTEMPTS,
     DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_DECODE_MAX_RUNNING,
     DEFAULT_FIRST_TOKEN_TIMEOUT,
     DEFAULT_GRAMMAR_BACKEND,
+    DEFAULT_GRAPH_MAX_BS,
     DEFAULT_HEARTBEAT_INTERVAL,
     DEFAULT_INTER_TOKEN_TIMEOUT,
     DEFAULT_LOCAL_PREFILL_TPOT_MS,
@@ -72,7 +74,12 @@ class EngineOptions:
         "Share of the GPU's total memory for weights + KV cache, in (0, 1]; the rest "
         "is left for activations and CUDA graphs. Sizes the KV cache when --max-total-tokens is not given.",
     )
-    max_running: int = opt(DEFAULT_MAX_RUNNING, "Most requests in flight.", aliases=("--max-running-requests",))
+    max_running: Optional[int] = opt(
+        None,
+        f"Most requests in flight (default: {DEFAULT_MAX_RUNNING}; {DEFAULT_DECODE_MAX_RUNNING} on a decode node, "
+        "whose steps carry no prompts beside its TPOT guard's chunks).",
+        aliases=("--max-running-requests",),
+    )
     chunked_prefill_size: int = opt(DEFAULT_CHUNKED_PREFILL_SIZE, "Prefill token budget per step (chunked prefill).")
     disable_radix_cache: bool = opt(
         False,
@@ -86,7 +93,7 @@ class EngineOptions:
     overlap: Optional[bool] = opt(None, "Overlap scheduling (default: on for GPUs, off on CPU).", panel=PANEL_FAST)
     cuda_graph_max_bs: Optional[int] = opt(
         None,
-        "Largest batch served from CUDA graphs; 0 disables (default: min(max-running, 64) on GPUs).",
+        f"Largest batch served from CUDA graphs; 0 disables (default: min(max-running, {DEFAULT_GRAPH_MAX_BS}) on GPUs).",
         panel=PANEL_FAST,
     )
     future_map_debug: bool = opt(
@@ -115,6 +122,13 @@ class EngineOptions:
         panel=PANEL_TP,
     )
 
+    def for_role(self, role: str) -> EngineOptions:
+        """These options with the role's defaults filled in (a decode node runs a larger batch)."""
+        if self.max_running is not None:
+            return self
+        default = DEFAULT_DECODE_MAX_RUNNING if role == "decode" else DEFAULT_MAX_RUNNING
+        return dataclasses.replace(self, max_running=default)
+
     def fast_path(self) -> dict[str, Any]:
         """EngineConfig fields of the GPU fast path: Triton attention, overlap and CUDA graphs by
         default on GPUs; the CPU keeps the torch reference path (nothing to overlap or capture)."""
@@ -123,7 +137,9 @@ class EngineOptions:
         gpu = self.device.startswith("cuda")
         backend = self.attention_backend if self.attention_backend != "auto" else ("triton" if gpu else "torch")
         graphs = (
-            self.cuda_graph_max_bs if self.cuda_graph_max_bs is not None else (min(self.max_running, 64) if gpu else 0)
+            self.cuda_graph_max_bs
+            if self.cuda_graph_max_bs is not None
+            else (min(self.max_running or DEFAULT_MAX_RUNNING, DEFAULT_GRAPH_MAX_BS) if gpu else 0)
         )
         return {
             "attention_backend": backend,

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common.config import EngineOptions, GenerateOptions, SpeculativeOptions
+from common.defaults import DEFAULT_MAX_RUNNING
 
 if TYPE_CHECKING:
     from engine.core import SamplingParams
@@ -35,7 +36,7 @@ def engine_config(options: EngineOptions, choice: ModelChoice) -> EngineConfig:
         page_size=options.page_size,
         max_total_tokens=options.max_total_tokens,
         mem_fraction_static=options.mem_fraction_static,
-        max_running=options.max_running,
+        max_running=options.max_running or DEFAULT_MAX_RUNNING,
         chunked_prefill_size=options.chunked_prefill_size,
         radix_cache=not options.disable_radix_cache,
         grammar_backend=options.grammar_backend,

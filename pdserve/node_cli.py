@@ -55,7 +55,7 @@ def _run(
         asyncio.run(
             run_node(
                 role,
-                lambda: build_node(engine, spec, tpot_guard_ms),
+                lambda: build_node(engine.for_role(role.name), spec, tpot_guard_ms),
                 host,
                 port,
                 metrics_port,

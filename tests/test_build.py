@@ -32,6 +32,16 @@ def test_fast_path_refuses_an_unresolved_device() -> None:
         EngineOptions().fast_path()
 
 
+@pytest.mark.parametrize("role, want", [("decode", 256), ("prefill", 64), ("colocated", 64)])
+def test_a_decode_node_runs_a_larger_batch_unless_told(role: str, want: int) -> None:
+    """A decode node's steps carry no prompts beside its guard's chunks: its batch defaults larger,
+    and its CUDA graphs follow it; an explicit --max-running is kept on every role."""
+    opts = EngineOptions(device="cuda:0").for_role(role)
+    assert opts.max_running == want and opts.fast_path()["cuda_graph_max_bs"] == want
+    assert EngineOptions(max_running=5).for_role(role).max_running == 5
+    assert EngineOptions(device="cuda:0", max_running=1000).fast_path()["cuda_graph_max_bs"] == 256
+
+
 def test_a_node_built_with_auto_runs_on_what_auto_resolves_to(tiny_llama_dir: Path) -> None:
     """No GPU here: auto is the CPU, and so are the fast-path choices (torch attention, no overlap,
     no graphs) and the default KV capacity."""
