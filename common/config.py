@@ -93,7 +93,8 @@ class EngineOptions:
     overlap: Optional[bool] = opt(None, "Overlap scheduling (default: on for GPUs, off on CPU).", panel=PANEL_FAST)
     cuda_graph_max_bs: Optional[int] = opt(
         None,
-        f"Largest batch served from CUDA graphs; 0 disables (default: min(max-running, {DEFAULT_GRAPH_MAX_BS}) on GPUs).",
+        "Largest batch served from CUDA graphs; 0 disables "
+        f"(default: min(max-running, {DEFAULT_GRAPH_MAX_BS}) on GPUs).",
         panel=PANEL_FAST,
     )
     future_map_debug: bool = opt(

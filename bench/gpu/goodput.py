@@ -6,8 +6,11 @@ every prompt on the prefill node). Each is a real `pdserve up` (fast path on: Tr
 measured alone on the GPUs: start it, sweep every workload, stop it, start the other. For each
 workload and deployment the Poisson rate is swept adaptively (bench/gpu/goodput_plan.py) and the
 same runs are judged by two SLOs, loose (TTFT 500 ms, TPOT 25 ms) and tight (TTFT 250 ms,
-TPOT 15 ms). Per point: attainment (the share of requests meeting both limits; failed ones count
-as missing), TTFT and TPOT p50/p90/p99 over completed requests, requests/s and output tokens/s.
+TPOT 15 ms). Nodes run with their roles' defaults (a decode node batches up to 256 requests, a
+colocated one 64); PD's decode node keeps its running requests within a TPOT guard of 0.8 x the
+tight SLO's TPOT while it runs prompts (`--local-prefill-tpot-ms`). Per point: attainment (the
+share of requests meeting both limits; failed ones count as missing), TTFT and TPOT p50/p90/p99
+over completed requests, requests/s and output tokens/s.
 
 Goodput (loadgen/metrics.py, DistServe's definition) is the highest swept rate whose attainment
 is at least 90%; under the loose SLO it is each deployment's "highest rate within the loose SLO"
@@ -78,6 +81,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "colocated, pd_remote (every prompt on the prefill node)",
     )
     p.add_argument("--max-running", type=int, default=None, help="the nodes' --max-running (default: theirs)")
+    p.add_argument(
+        "--local-prefill-tpot-ms",
+        type=float,
+        default=None,
+        help="PD decode nodes' TPOT guard for the prompts they run (default: 0.8 x the tight SLO's TPOT, "
+        "so their running requests keep within both SLOs)",
+    )
     p.add_argument("--eagle", action="store_true", help="EAGLE with an echo draft head in both deployments")
     p.add_argument("--device", default="auto", help="pdserve up --device")
     p.add_argument("--budget-s", type=float, default=None, help="whole run's time budget in seconds")
@@ -170,7 +180,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
         results.deployment(dep, {"label": LABELS[dep], "command": " ".join(argv_up[2:]), "log": str(log)})
         t0 = time.monotonic()
         try:
-            with UpProcess(dep, argv_up, node_env(args.max_running), log) as up:
+            with UpProcess(dep, argv_up, node_env(args.max_running, local_guard_ms(args, settings)), log) as up:
                 up.start(timeout_s=START_TIMEOUT_S[kind])
                 budget.started(time.monotonic() - t0)
                 results.deployment(dep, {"start_s": time.monotonic() - t0})
@@ -199,6 +209,14 @@ def run_settings(args: argparse.Namespace, kind: str) -> tuple[RunSettings, floa
     return RunSettings(ladder, window, least, most, slos, args.seed, vocab=0), args.budget_s or budget
 
 
+def local_guard_ms(args: argparse.Namespace, settings: RunSettings) -> float:
+    """The decode nodes' TPOT guard: given, or under the tighter SLO's TPOT with a fifth to spare
+    (a guard at the SLO itself would spend all of it on requests that decode beside a prompt)."""
+    if args.local_prefill_tpot_ms is not None:
+        return float(args.local_prefill_tpot_ms)
+    return 0.8 * min(slo["tpot"] for slo in settings.slos.values()) * 1e3
+
+
 def header(
     args: argparse.Namespace,
     argv: list[str] | None,
@@ -225,6 +243,7 @@ def header(
             "requests_per_point": [settings.least, settings.most],
             "budget_s": budget_s,
             "max_running": args.max_running,
+            "local_prefill_tpot_ms": local_guard_ms(args, settings),
             "quick": args.quick,
             "seed": args.seed,
         },
