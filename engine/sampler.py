@@ -19,11 +19,15 @@ _MIN_TEMPERATURE = 1e-6  # positive temperatures below this are clamped (logits 
 def plain_argmax_ok(reqs: list[Req]) -> bool:
     """Requests whose next token is the argmax of the raw logits: greedy, with no penalties,
     min_tokens bans, logit bias, grammar or logprobs to compute (what whole-step graphs may do alone)."""
+    return masked_argmax_ok(reqs) and all(r.params.constraint is None for r in reqs)
+
+
+def masked_argmax_ok(reqs: list[Req]) -> bool:
+    """Requests whose next token is the argmax of the logits under their grammar's mask (if any):
+    as `plain_argmax_ok`, constraints allowed."""
     for r in reqs:
         p = r.params
         if not p.is_greedy or p.has_penalties or p.min_new_tokens or p.logit_bias or p.logprobs or p.top_logprobs:
-            return False
-        if p.constraint is not None:
             return False
     return True
 

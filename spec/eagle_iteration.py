@@ -109,14 +109,26 @@ class EagleIteration:
         the host reads: at least "accept_lens" and "emitted" (one token each without the first)."""
         if flow.captured and self.pushes_backlog(state):
             return self._target_only(slots)
-        m, fm, direct = self.models, self.future_map, flow.captured
-        seq = fm.resolve_seq_lens(slots, wait=not direct)  # exact lengths, on the device only
+        seq, tree = self.draft(slots, state, flow.captured)
+        if flow.offer is not None:
+            tree = flow.offer(tree)
+        return self.verify_and_extend(slots, state, seq, tree, flow)
+
+    def draft(self, slots: torch.Tensor, state: StepState, direct: bool) -> tuple[torch.Tensor, DraftTree]:
+        """The first half: the rows' exact lengths (on the device only) and the drafted window."""
+        m, fm = self.models, self.future_map
+        seq = fm.resolve_seq_lens(slots, wait=not direct)
         r = fm.resolve(slots, wait=not direct)
         di = EagleDraftInput(r.topk_p, r.topk_index, r.hidden_states, r.bonus_tokens, future_indices=slots)
         w = state.widths.verify
         tree = build_draft_tree(m, di, slots, seq, state.draft_steps, 1 if state.is_chain else state.topk, w, direct)
-        if flow.offer is not None:
-            tree = flow.offer(tree)
+        return seq, tree
+
+    def verify_and_extend(
+        self, slots: torch.Tensor, state: StepState, seq: torch.Tensor, tree: DraftTree, flow: Flow
+    ) -> dict[str, torch.Tensor]:
+        """The second half: verify the window, publish the new lengths, draft-extend, emit."""
+        m, fm, direct, w = self.models, self.future_map, flow.captured, state.widths.verify
         hidden, aux = m.run_target(tree.tokens.reshape(-1), self._verify_context(tree, slots, seq, w), direct)
         logits = m.target.logits(hidden)
         vr = flow.verify(tree, logits, seq)

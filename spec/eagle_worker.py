@@ -47,6 +47,7 @@ from engine.sampler import Sampler
 from engine.spec_stats import SpecStats
 from engine.worker import WorkerBase
 from spec.config import SpecConfig
+from spec.constrained_graphs import ConstrainedIterationGraphs
 from spec.draft_catch_up import DraftBacklog
 from spec.draft_input import EagleReqState
 from spec.eagle_draft import DraftPicker, EagleModels, HeadPicker
@@ -72,6 +73,7 @@ class EagleWorker(WorkerBase):
         self.stats = SpecStats(max_drafts=states.initial.widths.drafts)
         self.iteration: EagleIteration | None = None  # with the FutureMap (bind_future_map)
         self.iteration_graphs: EagleIterationGraphs | None = None  # whole-iteration graphs (capture_cuda_graphs)
+        self.constrained_graphs: ConstrainedIterationGraphs | None = None  # the same, split around grammar masks
         self._guessless: set[str] = set()  # requests whose row holds no top-k (a deferred guess)
         self.guesses_recomputed = 0  # rows given their top-k late (after 0-step iterations)
 
@@ -190,6 +192,8 @@ class EagleWorker(WorkerBase):
             it.backlog = DraftBacklog(self.models, fm, mode, feat_width, dtype, sizes, capture=capture)
         self.iteration_graphs = EagleIterationGraphs(it, sizes, capture=capture)
         self.iteration_graphs.prepare(list(self.states.states.values()), hidden, dtype)
+        self.constrained_graphs = ConstrainedIterationGraphs(it, sizes, capture, self.sampler.vocab_size)
+        self.constrained_graphs.prepare(list(self.states.states.values()))
 
     def on_admit(self, req: Req) -> None:
         self.sampler.on_admit(req)
@@ -298,6 +302,10 @@ class EagleWorker(WorkerBase):
                     assert it.backlog is not None
                     it.backlog.note_pushed(rids)
                     del out["accept_lens"]  # one token each: the host knows (host_output)
+                return EaglePending(batch, HostCopy(out), state, shadow)
+        if self.constrained_graphs is not None:
+            out = self.constrained_graphs.run(reqs, relay.indices, state)
+            if out is not None:
                 return EaglePending(batch, HostCopy(out), state, shadow)
         out = it.run(relay.indices, state, eager_flow(self.sampler, reqs))
         return EaglePending(batch, HostCopy(out), state, shadow)

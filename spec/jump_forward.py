@@ -36,3 +36,14 @@ def offer_forced_drafts(reqs: list[Req], tree: DraftTree) -> DraftTree:
     idx = to_device([rows, cols], tokens.device)
     tokens[idx[0], idx[1]] = to_device(vals, tokens.device)
     return DraftTree(tokens, is_chain=True, depth_bound=tree.depth_bound, branching=tree.branching)
+
+
+def force_drafts_on_host(reqs: list[Req], tokens: list[list[int]]) -> bool:
+    """`offer_forced_drafts` on a chain window already read to the host (rows of `tokens`,
+    changed in place); True when any row changed."""
+    changed = False
+    for req, row in zip(reqs, tokens):
+        for j, tok in enumerate(forced_drafts(req, len(row) - 1)):
+            changed |= row[1 + j] != tok
+            row[1 + j] = tok
+    return changed

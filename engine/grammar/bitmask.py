@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -48,27 +48,43 @@ def window_masks(
     mask is the grammar's state after the tokens on the path from the root to r (the root
     excluded), found by advancing the matcher and rolling it back. Rows under a token the grammar
     refuses get no mask: verification can never accept them (their parent's mask excludes it)."""
-    rows: list[int] = []
-    filled: list[torch.Tensor] = []
+    found = list(_window_rows(matchers, tokens, parents, mask_words(vocab_size)))
+    if not found:
+        return None
+    rows = [b * len(tokens[b]) + r for b, r, _ in found]
+    return MaskRows(to_device(rows, device), to_device(torch.stack([w for _, _, w in found]), device))
+
+
+def window_banned(
+    matchers: Sequence[GrammarMatcher | None], tokens: list[list[int]], parents: list[list[int]], vocab_size: int
+) -> torch.Tensor:
+    """The same masks as `window_masks`, inverted and dense on the host: (bs, ntok, words) int32
+    whose set bits are the tokens a row forbids; rows without a mask forbid nothing (all zero),
+    so a fixed-shape graph applies the whole window's at once (`ban_tokens`)."""
     W = mask_words(vocab_size)
+    banned = torch.zeros((len(tokens), len(tokens[0]) if tokens else 0, W), dtype=torch.int32)
+    for b, r, words in _window_rows(matchers, tokens, parents, W):
+        banned[b, r] = torch.bitwise_not(words)
+    return banned
+
+
+def _window_rows(
+    matchers: Sequence[GrammarMatcher | None], tokens: list[list[int]], parents: list[list[int]], words: int
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """(request, row, allowed words) of every window row a matcher constrains."""
     for b, m in enumerate(matchers):
         if m is None:
             continue
-        ntok = len(tokens[b])
-        for r in range(ntok):
+        for r in range(len(tokens[b])):
             path = _path(tokens[b], parents[b], r)
             if path is None or m.validate(path) != len(path):
                 continue
-            row = torch.empty(W, dtype=torch.int32)
+            row = torch.empty(words, dtype=torch.int32)
             if path:
                 m.advance(path)
             m.fill_mask(row)
             m.rollback(len(path))
-            rows.append(b * ntok + r)
-            filled.append(row)
-    if not rows:
-        return None
-    return MaskRows(to_device(rows, device), to_device(torch.stack(filled), device))
+            yield b, r, row
 
 
 def _path(tokens: list[int], parents: list[int], r: int) -> list[int] | None:
@@ -93,3 +109,11 @@ def apply_token_mask(logits: torch.Tensor, masks: MaskRows) -> torch.Tensor:
     allowed = ((words >> (ids & 31).to(torch.int32)) & 1).bool() & (ids < masks.words.shape[1] * 32)
     sub = logits.index_select(0, masks.rows).masked_fill_(~allowed, float("-inf"))
     return logits.index_copy_(0, masks.rows, sub)
+
+
+def ban_tokens(logits: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+    """-inf where `banned` (rows, words) int32 sets a token's bit, in place on every row: fixed
+    shapes, capturable in a CUDA graph. The words must cover the logits' width."""
+    ids = torch.arange(logits.shape[1], device=logits.device)
+    hit = (banned.index_select(1, ids >> 5) >> (ids & 31).to(torch.int32)) & 1
+    return logits.masked_fill_(hit.bool(), float("-inf"))

@@ -160,3 +160,38 @@ def test_xgrammar_backend_is_exact_under_speculation_too(models, name: str) -> N
     assert [o.output_ids for o in outs] == [o.output_ids for o in want]
     assert sum(outs[1].accepted_drafts) >= len(outs[1].output_ids) // 2  # its jump-forward string, drafted
     _assert_returned(eng)
+
+
+def _with_graphs(eng: Engine) -> Engine:
+    """The start-up graphs of a GPU node, run uncaptured on their padded buffers (the CPU's way)."""
+    worker = eng.executor
+    worker.target.enable_cuda_graphs(4, capture=False)
+    worker.draft.enable_cuda_graphs(4, capture=False)
+    worker.capture_cuda_graphs()
+    return eng
+
+
+@pytest.mark.parametrize("name", ["EAGLE", "EAGLE3"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_constrained_iteration_graphs_equal_eager(models, plain, name: str, overlap: bool) -> None:
+    """Constrained chains run as two graphs around the host's grammar walk (spec/constrained_graphs.py):
+    drafts, forced tokens and masks as eagerly, so the output is plain's, forced drafts accepted."""
+    eng = _with_graphs(_engine(models, name, overlap=overlap))
+    outs = eng.generate(PROMPTS + PROMPTS[:1], GREEDY + [FREE])
+    assert [o.output_ids for o in outs] == plain
+    assert eng.executor.constrained_graphs.iterations > 0
+    assert sum(outs[1].accepted_drafts) >= len(outs[1].output_ids) // 2  # jump-forward drafts, accepted
+    _assert_returned(eng)
+
+
+def test_pd_decode_runs_constrained_graphs_and_equals_colocated(models, plain) -> None:
+    binding = bind(_spec(models, "EAGLE"))
+    prefill, decode = _engine(models, "EAGLE"), _with_graphs(_engine(models, "EAGLE", overlap=True))
+    pd = InProcessPD(prefill, decode, binding)
+    try:
+        res = pd.run(PROMPTS + PROMPTS[:1], GREEDY + [FREE])
+        assert [res.tokens[f"r{i}"] for i in range(len(PROMPTS) + 1)] == plain
+        assert decode.executor.constrained_graphs.iterations > 0
+        pd.check_returned()
+    finally:
+        pd.close()
