@@ -219,9 +219,11 @@ def test_a_points_router_counters_give_paths_and_mean_ttft_stages() -> None:
     before = {"path:remote": 4.0, prefill % "sum": 0.2, prefill % "count": 4.0}
     after = {"path:remote": 10.0, "path:local": 2.0, prefill % "sum": 0.8, prefill % "count": 12.0}
     after |= {queue % "sum": 0.0, queue % "count": 0.0}  # no request went through a stage: no mean
+    whole = 'pdserve_router_time_to_first_token_seconds_%s{endpoint="/v1/completions"}'
+    after |= {whole % "sum": 0.9, whole % "count": 8.0}  # the router's own TTFT, whole
     paths, stages = point_counters(before, after)
     assert paths == {"remote": 6.0, "local": 2.0}
-    assert stages == {"prefill": pytest.approx(1e3 * 0.6 / 8)}
+    assert stages == {"prefill": pytest.approx(1e3 * 0.6 / 8), "router_total": pytest.approx(1e3 * 0.9 / 8)}
 
 
 def test_the_checkpoint_writer_at_a_small_shape(tmp_path: Path) -> None:
@@ -407,3 +409,13 @@ def test_decode_nodes_guard_their_tpot_under_the_tighter_slo() -> None:
     assert local_guard_ms(told, settings) == 20.0
     env = node_env(None, 12.0)
     assert env["PDSERVE_LOCAL_PREFILL_TPOT_MS"] == "12" and "PDSERVE_MAX_RUNNING" not in env
+
+
+def test_node_stage_means_by_node() -> None:
+    from bench.gpu.goodput_up import node_stage_means_ms
+
+    prompt = 'decode-0:pdserve_node_prompt_seconds_%s{role="decode"}'
+    queue = 'prefill-0:pdserve_node_queue_time_seconds_%s{role="prefill"}'
+    before = {prompt % "sum": 1.0, prompt % "count": 10.0, queue % "sum": 0.1, queue % "count": 10.0}
+    after = {prompt % "sum": 1.5, prompt % "count": 20.0, queue % "sum": 0.1, queue % "count": 10.0}
+    assert node_stage_means_ms(before, after) == {"decode-0": {"prompt": pytest.approx(50.0)}}

@@ -14,7 +14,15 @@ import httpx
 
 from bench.gpu import goodput_plan as plan
 from bench.gpu.goodput_report import Results, point_entries
-from bench.gpu.goodput_up import UpProcess, node_signals, point_counters, router_counters, wait_idle
+from bench.gpu.goodput_up import (
+    UpProcess,
+    node_signals,
+    node_stage_means_ms,
+    node_stage_totals,
+    point_counters,
+    router_counters,
+    wait_idle,
+)
 from bench.gpu.goodput_workloads import Workload, fresh_prompts
 from loadgen.client import EndpointConfig, make_client, served_model
 from loadgen.dataset import BenchRequest
@@ -91,15 +99,24 @@ async def _curve(
         if time.monotonic() + plan.point_estimate_s(n, rate, tail_s) > end:
             return "time budget"
         seed = settings.seed + round(rate * 1000)  # the same arrivals for both deployments at a rate
-        router_before = await router_counters(client, up.url)
+        router_before, nodes_before = await router_counters(client, up.url), await node_stage_totals(client, up.metrics)
         sent = fresh_prompts(requests[:n], f"{salt}:{len(done)}", settings.vocab)  # nothing cached to hit
         records, wall = await run_point(client, endpoint, sent, LoadPoint("rate", rate), seed=seed)
         tail_s = max(0.0, wall - arrival_times(n, rate, seed)[-1])
         nodes = await node_signals(client, up.metrics)  # the last seconds of the point's load
         paths, stages = point_counters(router_before, await router_counters(client, up.url))
+        node_stages = node_stage_means_ms(nodes_before, await node_stage_totals(client, up.metrics))
         drained = await wait_idle(client, metrics, DRAIN_S)
         entries = point_entries(deployment, rate, records, wall, settings.slos)
-        results.add_point(workload.name, entries, drained=drained, nodes=nodes, paths=paths, ttft_stages_ms=stages)
+        results.add_point(
+            workload.name,
+            entries,
+            drained=drained,
+            nodes=nodes,
+            paths=paths,
+            ttft_stages_ms=stages,
+            node_stages_ms=node_stages,
+        )
         done.append(plan.Measured(rate, entries["loose"]["attainment"], entries["tight"]["attainment"]))
         print(
             f"[goodput] {deployment} {workload.name} {rate:g} req/s x {n}: attainment "

@@ -182,6 +182,7 @@ SIGNALS = (
     "pdserve_node_decode_capacity_tokens_per_second",
 )
 TTFT_STAGES = "pdserve_router_ttft_stage_seconds"  # the router's time to first token by stage
+ROUTER_TTFT = "pdserve_router_time_to_first_token_seconds"  # the whole, as the router sees it
 _SAMPLE = re.compile(r"^(pdserve_\w+)(?:\{([^}]*)\})? ([0-9.eE+-]+|NaN)$", re.M)
 
 
@@ -201,6 +202,32 @@ async def node_signals(client: httpx.AsyncClient, metrics: dict[str, str]) -> di
             continue  # a node that does not answer now has no figures for this point
         found = {name.removeprefix("pdserve_node_"): v for name, _, v in samples(resp.text) if name in SIGNALS}
         out[node] = found
+    return out
+
+
+NODE_STAGES = ("pdserve_node_queue_time_seconds", "pdserve_node_prompt_seconds")  # admission wait, forward
+
+
+async def node_stage_totals(client: httpx.AsyncClient, metrics: dict[str, str]) -> dict[str, float]:
+    """Every node's queue and prompt histogram totals, keyed `<node>:<sample>` (nodes that do not
+    answer are left out); `node_stage_means_ms` of two of them gives a point's means."""
+    out: dict[str, float] = {}
+    for node, url in metrics.items():
+        try:
+            resp = await client.get(url)
+            resp.raise_for_status()
+        except httpx.HTTPError:
+            continue
+        out.update({f"{node}:{key}": v for key, v in histogram_totals(resp.text, NODE_STAGES).items()})
+    return out
+
+
+def node_stage_means_ms(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, dict[str, float]]:
+    """Per node, the mean milliseconds of its queue and prompt stages between two snapshots."""
+    out: dict[str, dict[str, float]] = {}
+    for key, ms in histogram_means_ms(before, after).items():
+        node, sample = key.split(":", 1)
+        out.setdefault(node, {})[sample.removeprefix("pdserve_node_").split("{")[0]] = ms
     return out
 
 
@@ -233,7 +260,7 @@ async def router_counters(client: httpx.AsyncClient, router_url: str) -> dict[st
         resp.raise_for_status()
     except httpx.HTTPError:
         return {}
-    counts = histogram_totals(resp.text, (TTFT_STAGES,))
+    counts = histogram_totals(resp.text, (TTFT_STAGES, ROUTER_TTFT))
     for name, labels, value in samples(resp.text):
         if name == "pdserve_router_prefill_path_total" and (path := re.search(r'path="([^"]*)"', labels)):
             counts[f"path:{path[1]}"] = value
@@ -241,10 +268,16 @@ async def router_counters(client: httpx.AsyncClient, router_url: str) -> dict[st
 
 
 def point_counters(before: dict[str, float], after: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
-    """(requests by path, mean TTFT stage in ms) between two router_counters snapshots."""
+    """(requests by path, mean TTFT stage in ms) between two router_counters snapshots; stage
+    "router_total" is the router's whole TTFT (the client's, less HTTP and the client itself)."""
     paths = {k.removeprefix("path:"): v - before.get(k, 0.0) for k, v in after.items() if k.startswith("path:")}
-    means = histogram_means_ms(before, after).items()
-    return paths, {stage[1]: ms for key, ms in means if (stage := re.search(r'stage="([^"]*)"', key))}
+    stages: dict[str, float] = {}
+    for key, ms in histogram_means_ms(before, after).items():
+        if stage := re.search(r'stage="([^"]*)"', key):
+            stages[stage[1]] = ms
+        elif key.startswith(ROUTER_TTFT.removesuffix("_seconds")):
+            stages["router_total"] = ms
+    return paths, stages
 
 
 async def wait_idle(client: httpx.AsyncClient, metrics_urls: Sequence[str], timeout_s: float) -> bool:
