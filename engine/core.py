@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from common.sampling import InvalidRequest
 from common.sampling import SamplingParams as SamplingSchema
@@ -133,6 +133,12 @@ class Req:
         return self.state is ReqState.FINISHED
 
     @property
+    def live_grammar(self) -> "GrammarMatcher | None":
+        """The matcher masks are built from: none once the request finished (an overlapped batch
+        may still carry it; what it computes for it is discarded)."""
+        return None if self.finished else self.grammar
+
+    @property
     def total_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
@@ -179,6 +185,11 @@ class Batch:
     epochs: list[int] = field(default_factory=list)  # Req.epoch at launch
     # DECODE: how it runs (the executor's plan for this batch's size and context room)
     plan: DecodePlan = PLAIN_DECODE
+    # Set by an overlapping scheduler when the batch in flight samples for a constrained request:
+    # it collects that batch, so every matcher holds every earlier token. An executor that
+    # settles grammars in its launch calls it (`settle_grammar`) after enqueuing the forward and
+    # before reading any matcher, so the host's collect hides behind the device's forward.
+    settle: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         if not self.prefix_lens:
@@ -190,6 +201,11 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return sum(self.extend_lens)
+
+    def settle_grammar(self) -> None:
+        """Before reading a matcher: bring the batch in flight's tokens into them (if needed)."""
+        if self.settle is not None:
+            self.settle()
 
     @property
     def window(self) -> int:

@@ -53,6 +53,11 @@ class Executor(Protocol):
         """May the scheduler launch the next batch before collecting this one? False for
         executors that need the host to know the previous tokens (e.g. drafts from history)."""
 
+    def settles_grammar_in_launch(self) -> bool:
+        """Does `launch` call `Batch.settle_grammar` before it reads any grammar matcher? Then an
+        overlapping scheduler launches a constrained batch before collecting the one in flight;
+        otherwise it collects first (one sync, the overlap given up while such requests run)."""
+
     def kv_tokens_per_decode(self) -> int:
         """The most KV slots any decode step may write beyond `seq_len` (1 plain; the widest
         verify window or draft scratch under speculation): admission headroom."""

@@ -201,7 +201,7 @@ class Sampler:
         bans = self._min_token_bans(reqs, r)
         bias = self._logit_bias(reqs, r)
         if grammar is None and r == 1:
-            grammar = batch_masks([q.grammar for q in reqs], self.vocab_size, self.device)
+            grammar = batch_masks([q.live_grammar for q in reqs], self.vocab_size, self.device)
         return SamplingBatch(
             temperature=floats[0],
             top_p=floats[1],

@@ -62,6 +62,10 @@ class WorkerBase:
     def supports_overlap(self) -> bool:
         return True
 
+    def settles_grammar_in_launch(self) -> bool:
+        """Only workers whose every matcher read follows `Batch.settle_grammar` say yes."""
+        return False
+
     def capture_cuda_graphs(self) -> None:
         """Decode forward graphs for every captured batch size (a no-op when graphs are off)."""
         self.runner.capture(ForwardMode.DECODE, 1)
@@ -118,6 +122,9 @@ class PlainExecutor(WorkerBase):
         super().__init__(runner, sampler)
         self.step_graphs: StepGraphs | None = None  # whole greedy decode steps (capture_cuda_graphs)
 
+    def settles_grammar_in_launch(self) -> bool:
+        return True  # masks are built after the forward is enqueued (launch)
+
     def capture_cuda_graphs(self) -> None:
         """Decode forward graphs for every captured batch size, and whole greedy decode steps
         (a no-op when graphs are off)."""
@@ -151,6 +158,8 @@ class PlainExecutor(WorkerBase):
             return PlainPending(batch, None)
         rows = hidden if decode else hidden[last_token_rows(batch, dev)]
         sampling = sampling_reqs(batch)
+        if any(r.grammar is not None for r in sampling):
+            batch.settle_grammar()  # the forward is enqueued: the collect hides behind it
         out = sample_tokens(self.sampler, self.runner.logits(rows), sampling, sample_positions(batch))
         relay.select(batch.sample).stash(RelayPayload(out["tokens"]))
         return PlainPending(batch, HostCopy(out))

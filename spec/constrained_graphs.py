@@ -17,6 +17,8 @@ pair also runs uncaptured on the padded buffers off CUDA, which is how the CPU t
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from engine.core import Req
@@ -100,9 +102,13 @@ class ConstrainedIterationGraphs:
 
         return body
 
-    def run(self, reqs: list[Req], slots: torch.Tensor, state: StepState) -> dict[str, torch.Tensor] | None:
+    def run(
+        self, reqs: list[Req], slots: torch.Tensor, state: StepState, settle: Callable[[], None]
+    ) -> dict[str, torch.Tensor] | None:
         """The iteration's (accept_lens, emitted) rows of `reqs` (views of graph B's outputs: the
-        caller copies them out before the next replay), or None when the batch is not eligible."""
+        caller copies them out before the next replay), or None when the batch is not eligible.
+        `settle` brings the batch in flight's tokens into the matchers: called once graph A is
+        enqueued, so the host's collect runs while the device drafts."""
         if not state.is_chain or all(r.grammar is None for r in reqs) or not masked_argmax_ok(reqs):
             return None
         bs = self.graphs.padded(len(reqs))
@@ -113,10 +119,11 @@ class ConstrainedIterationGraphs:
         n, fm = len(reqs), self.iteration.future_map
         fm.wait_published()  # the previous iteration's publish, from any stream
         seq, tokens = self.graphs.run(draft, n, {"slots": slots})
+        settle()
         window = tokens.tolist()  # the one copy (and sync): the matchers walk the drafts
         force_drafts_on_host(reqs, window)
         chain = [list(range(-1, len(window[0]) - 1))] * n  # row r's parent is row r - 1
-        banned = window_banned([r.grammar for r in reqs], window, chain, self.vocab_size)
+        banned = window_banned([r.live_grammar for r in reqs], window, chain, self.vocab_size)
         device = slots.device
         values = {"slots": slots, "seq": seq, "tokens": to_device(window, device), "banned": _staged(banned, device)}
         accept, emitted = self.graphs.run(verify, n, values)

@@ -70,11 +70,18 @@ def _accepted(vr: VerifyResult, logits: torch.Tensor, rows: torch.Tensor) -> dic
 GRAPH_FLOW = Flow(captured=True, verify=_greedy_verify, emit=_accepted)
 
 
-def eager_flow(sampler: Sampler, reqs: list[Req]) -> Flow:
+def eager_flow(sampler: Sampler, reqs: list[Req], settle: Callable[[], None] = lambda: None) -> Flow:
     """A batch run as it is: exact acceptance under its sampling parameters (grammar masks at
     every window row included), penalties recorded, logprobs where asked; constrained requests
-    draft what their grammar forces first."""
-    offer = partial(offer_forced_drafts, reqs) if any(r.grammar is not None for r in reqs) else None
+    draft what their grammar forces first, once `settle` brought the batch in flight's tokens into
+    their matchers (the drafts are enqueued by then)."""
+    offer = None
+    if any(r.grammar is not None for r in reqs):
+
+        def offer(tree: DraftTree) -> DraftTree:
+            settle()
+            return offer_forced_drafts(reqs, tree)
+
     return Flow(False, partial(verify_window, sampler, reqs), partial(emit_device, sampler, reqs), offer)
 
 

@@ -237,6 +237,9 @@ class EagleWorker(WorkerBase):
     def adaptive_snapshot(self) -> dict[str, Any] | None:
         return self.states.snapshot()
 
+    def settles_grammar_in_launch(self) -> bool:
+        return True  # every matcher read (first tokens, forced drafts, window masks) follows a settle
+
     @torch.inference_mode()
     def launch(self, batch: Batch, relay: BatchRelay) -> EaglePending:
         if batch.mode is ForwardMode.EXTEND:
@@ -271,6 +274,8 @@ class EagleWorker(WorkerBase):
         shifted = to_device(shifted_tokens(batch), dev)  # draft-extend input: shifted left by one
         out, done = None, relay.select(batch.sample)
         if sampling:
+            if any(r.grammar is not None for r in sampling):
+                batch.settle_grammar()  # the prompt's forward is enqueued
             out = sample_tokens(self.sampler, self.target.logits(hidden[rows]), sampling, sample_positions(batch))
             shifted[rows] = out["tokens"]  # the tail of a finished prompt is its sampled bonus
             ends = [p + n for p, n, s in zip(prefix, lens, batch.sample) if s]
@@ -304,10 +309,10 @@ class EagleWorker(WorkerBase):
                     del out["accept_lens"]  # one token each: the host knows (host_output)
                 return EaglePending(batch, HostCopy(out), state, shadow)
         if self.constrained_graphs is not None:
-            out = self.constrained_graphs.run(reqs, relay.indices, state)
+            out = self.constrained_graphs.run(reqs, relay.indices, state, batch.settle_grammar)
             if out is not None:
                 return EaglePending(batch, HostCopy(out), state, shadow)
-        out = it.run(relay.indices, state, eager_flow(self.sampler, reqs))
+        out = it.run(relay.indices, state, eager_flow(self.sampler, reqs, batch.settle_grammar))
         return EaglePending(batch, HostCopy(out), state, shadow)
 
     def _catch_up(

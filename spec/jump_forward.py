@@ -12,9 +12,10 @@ def forced_drafts(req: Req, k: int) -> list[int]:
     taken every token so far, the bonus included); [] without a grammar. Offered as drafts they
     are verified like any other, so output stays exact: a forced string the target would split
     into other tokens is simply rejected."""
-    if req.grammar is None or k <= 0:
+    matcher = req.live_grammar
+    if matcher is None or k <= 0:
         return []
-    return req.grammar.forced_tokens()[:k]
+    return matcher.forced_tokens()[:k]
 
 
 def offer_forced_drafts(reqs: list[Req], tree: DraftTree) -> DraftTree:

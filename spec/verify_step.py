@@ -38,10 +38,10 @@ def grammar_rows(sampler: Sampler, reqs: list[Req], tree: DraftTree) -> MaskRows
     anything drafted under it, and the bonus there is drawn from the masked distribution. The
     walk needs the drafts on the host: one copy per constrained verify (unconstrained batches
     skip it)."""
-    if all(r.grammar is None for r in reqs):
+    if all(r.live_grammar is None for r in reqs):
         return None
     tokens, parents = torch.stack((tree.tokens, tree.parents)).tolist()  # one copy
-    return window_masks([r.grammar for r in reqs], tokens, parents, sampler.vocab_size, sampler.device)
+    return window_masks([r.live_grammar for r in reqs], tokens, parents, sampler.vocab_size, sampler.device)
 
 
 def accepted_rows(vr: VerifyResult, ntok: int) -> torch.Tensor:

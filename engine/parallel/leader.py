@@ -110,6 +110,10 @@ class TpLeaderExecutor:
     def supports_overlap(self) -> bool:
         return self.local.supports_overlap()
 
+    def settles_grammar_in_launch(self) -> bool:
+        """No: followers keep their matchers from the plans, which must carry every earlier token."""
+        return False
+
     def kv_tokens_per_decode(self) -> int:
         return self.local.kv_tokens_per_decode()
 

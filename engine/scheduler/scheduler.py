@@ -6,10 +6,13 @@ behind the device work of the previous one. Results arrive one iteration late: a
 finishes in batch N may already run in batch N+1, whose results for it are discarded, and its
 pages, slot and FutureMap row go back only after batch N+1 was collected (`Req.inflight`).
 
-Grammar-constrained requests are the exception: the mask a sampling step applies is built on the
-host from the request's matcher, which must already have taken every earlier token. So a batch
-in flight that samples for a constrained request is collected before the next batch is formed
-(one sync, the overlap given up while such requests run): no mask is ever built from stale state.
+Grammar-constrained requests need more: the mask a sampling step applies is built on the host
+from the request's matcher, which must already have taken every earlier token. When the batch in
+flight samples for a constrained request, the next batch carries `Batch.settle`, which collects
+the batch in flight; an executor that settles grammars in its launch calls it once the forward is
+enqueued and before it reads a matcher, so the collect still hides behind device work. With any
+other executor that batch is collected before the next one is formed (one sync, the overlap
+given up while such requests run). Either way no mask is ever built from stale state.
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ class Scheduler:
         self.future_map = self._init_overlap(algorithm or PlainDecoding(), config.overlap, config.future_map_debug)
         self.reqs: dict[str, Req] = {}
         self._inflight: _Launched | None = None
+        self._settled: list[RequestUpdate] = []  # collected inside a launch (`_settle_inflight`)
         self.stats = dict.fromkeys(COUNTERS, 0)
         self.cached_per_request = DurationHistogram(CACHED_TOKEN_BUCKETS)  # tokens, not seconds
         self.queue_time = DurationHistogram()  # waiting -> admitted, per admission (node metrics)
@@ -157,15 +161,17 @@ class Scheduler:
             req = self.policy.waiting[0]
             req.finish(FinishReason.ABORT, f"request needs more KV than the whole pool ({req.total_len} tokens)")
             updates.append(self._finish(req))
-        if self._inflight is not None and (
-            self.policy.decode_needs_retraction() or samples_grammar(self._inflight.batch)
-        ):
+        grammar = self._inflight is not None and samples_grammar(self._inflight.batch)
+        late = grammar and self.executor.settles_grammar_in_launch()
+        if self._inflight is not None and (self.policy.decode_needs_retraction() or (grammar and not late)):
             # finished requests of the batch in flight hold the pages retraction would miss; a
             # constrained request's next mask needs the tokens the batch in flight samples
             self.stats["overlap_syncs"] += 1
             updates.extend(self._collect_inflight())
         batch = self.policy.next_batch(self._on_admit, self._on_retract)
         if batch.mode is not ForwardMode.IDLE:
+            if late and self._inflight is not None:
+                batch.settle = self._settle_inflight
             updates.extend(self._run(batch))
         elif self._inflight is not None:
             updates.extend(self._collect_inflight())
@@ -195,16 +201,28 @@ class Scheduler:
             handle = self.executor.launch(batch, relay)
         except Exception as e:  # noqa: BLE001 - isolated below: only its cause fails
             self._abandon(batch)
-            return self._isolate(batch, e) + self._collect_inflight()
+            return self._isolate(batch, e) + self._take_settled() + self._collect_inflight()
+        finally:
+            batch.settle = None  # the batch it collected is gone: a replay of this one settles nothing
         self.launch_time.observe(batch.mode, time.perf_counter() - t0)
         if needs_fence(batch):  # before the next launch
             # Published now, not when the batch is collected: that happens only after the next
             # chunk's launch, which on a launch-bound prompt is about when that chunk is done,
             # so the last chunk's pages would leave only as the prompt ends.
             self.io.publish(self._chunk_progress(batch, record_fence(device)))
-        updates = self._collect_inflight()
+        updates = self._take_settled() + self._collect_inflight()
         self._inflight = _Launched(batch, handle, t0)
         return updates
+
+    def _settle_inflight(self) -> None:
+        """`Batch.settle`: collect the batch in flight from inside the next one's launch; its
+        updates go out with the launch's (`_take_settled`)."""
+        self.stats["grammar_settles"] += 1
+        self._settled.extend(self._collect_inflight())
+
+    def _take_settled(self) -> list[RequestUpdate]:
+        settled, self._settled = self._settled, []
+        return settled
 
     def _chunk_progress(self, batch: Batch, fence: DeviceEvent) -> list[RequestUpdate]:
         """A prompt chunk was launched (or, without overlap, computed): the pages its requests'

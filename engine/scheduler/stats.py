@@ -20,6 +20,7 @@ COUNTERS = (
     "prefill_tokens",
     "discarded",
     "overlap_syncs",
+    "grammar_settles",
     "failed_steps",
     "admitted_prompt_tokens",
     "cached_prompt_tokens",

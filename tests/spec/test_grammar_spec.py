@@ -195,3 +195,27 @@ def test_pd_decode_runs_constrained_graphs_and_equals_colocated(models, plain) -
         pd.check_returned()
     finally:
         pd.close()
+
+
+@pytest.mark.parametrize("name", [None, "EAGLE", "EAGLE3"])
+def test_overlap_settles_grammars_inside_the_next_launch(models, plain, name: str | None) -> None:
+    """With overlap on, a constrained batch is launched before the one in flight is collected:
+    the executor collects it (`Batch.settle`) once its forward is enqueued and before it reads a
+    matcher, so no step gives up the overlap, and the output is still plain's."""
+    eng = _engine(models, name, overlap=True)
+    if name is not None:
+        _with_graphs(eng)
+    outs = eng.generate(PROMPTS + PROMPTS[:1], GREEDY + [FREE])
+    assert [o.output_ids for o in outs] == plain
+    stats = eng.scheduler.stats
+    assert stats["grammar_settles"] > 0 and stats["overlap_syncs"] == 0, stats
+    _assert_returned(eng)
+
+
+def test_an_executor_that_reads_matchers_early_keeps_the_collect_first(models, plain) -> None:
+    """n-gram drafts from the host's tokens (no overlap at all); the TP leader's followers need the
+    tokens in their plans: executors that do not settle in their launch are never handed a settle."""
+    eng = _engine(models, "NGRAM", overlap=True)
+    assert not eng.executor.settles_grammar_in_launch()
+    assert [o.output_ids for o in eng.generate(PROMPTS + PROMPTS[:1], GREEDY + [FREE])] == plain
+    assert eng.scheduler.stats["grammar_settles"] == 0
