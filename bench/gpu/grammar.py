@@ -11,11 +11,13 @@ drafts) and then masks every step, and no request ends before its NEW_TOKENS tok
   time, so no cache helps) compiled cold by the node's backend; p50 and p99 (goal: p99 <= 10 ms).
 * mask cost: plain decoding of 64 requests, constrained against unconstrained, decode phase only;
   the share of the constrained step that the constraint adds (goal: <= 5%). Constrained batches
-  give up overlap and whole-step graphs today (engine/grammar), so this is the constraint's whole
-  cost per step, masks included.
+  keep overlap (the batch in flight is collected inside the next launch, once its forward is
+  enqueued) but not the whole-step graph, so this is the constraint's whole cost per step, masks
+  included.
 * EAGLE: the synthetic EAGLE-3 head of bench/gpu/spec_speedup.py (every draft forward runs, then
   an oracle makes a draft right with probability p, from a plain run of the same requests under
-  the same constraint), fixed 3 steps, at batch 1 and 8: speedup over plain decoding with the
+  the same constraint), fixed 3 steps, at batch 1 and 8 (constrained chains run as two graphs
+  around the host's grammar walk, spec/constrained_graphs.py): speedup over plain decoding with the
   constraint and without, and their ratio (goal: >= 0.9). Output must equal plain decoding. At
   batch 1 one more pass of each runs under the profiler: the GPU's busy milliseconds per
   iteration and its idle share, which tell a host-bound constrained iteration from heavier device work.
