@@ -34,11 +34,6 @@ RECENT_BATCHES = 64
 # seconds dominated the sum, a decode node's rate read 288 tokens/s for minutes on an H100, and
 # the TPOT guard, sizing chunks by that rate, cut its prompts to 32-token chunks.
 RATE_SAMPLES = 9
-# ...and no rate at all (0: unmeasured) until the batches counted so far hold this many tokens: a router
-# probe of 8 tokens, a decode node's only prompt, read 4 tokens/s on an H100. Reported, that rate
-# made the router's local path look 10,000 times slower than it is, so it was never taken and
-# never measured again; unmeasured, the router borrows the prefill tier's rate and tries it.
-RATE_MIN_SAMPLED_TOKENS = 256
 
 
 def bucket(batch_size: int) -> int:
@@ -94,9 +89,7 @@ class NodeRates:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # tokens/s of prompt batches big enough to tell
-        self._prefill: deque[float] = deque(maxlen=RATE_SAMPLES)
-        self._sampled_tokens = 0  # every counted batch's tokens, ever
+        self._prefill: deque[float] = deque(maxlen=RATE_SAMPLES)  # tokens/s of prompt batches big enough to tell
         self._recent_prompt_batches: deque[int] = deque(maxlen=RECENT_BATCHES)  # their tokens
         self._steps: dict[int, _Decayed] = {}  # bucket -> seconds / decode steps
         self._per_step = _Decayed()  # tokens a request gains / decode steps
@@ -122,7 +115,6 @@ class NodeRates:
                 self._recent_prompt_batches.append(tokens)
                 if tokens >= min(RATE_MIN_TOKENS, max(self._recent_prompt_batches) // 2):
                     self._prefill.append(tokens / seconds)
-                    self._sampled_tokens += tokens
                 self._prompt_tokens.add(tokens)
             elif mode is ForwardMode.DECODE:
                 self._steps.setdefault(min(bucket(batch_size), MAX_BUCKET), _Decayed()).add(seconds, 1.0)
@@ -130,11 +122,9 @@ class NodeRates:
                 self._decode_tokens.add(tokens)
 
     def prefill_tokens_per_s(self) -> float:
-        """Prompt tokens per second of computing prompts (0: not measured on enough tokens yet)."""
+        """Prompt tokens per second of computing prompts (0: none measured)."""
         with self._lock:
-            if self._sampled_tokens < RATE_MIN_SAMPLED_TOKENS:
-                return 0.0
-            return statistics.median(self._prefill)
+            return statistics.median(self._prefill) if self._prefill else 0.0
 
     def recent_decode_tokens_per_s(self) -> float:
         """Tokens emitted per second over the last few seconds."""

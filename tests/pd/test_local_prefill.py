@@ -15,8 +15,6 @@ from tests.pd.test_pd_metrics import scrape
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not nixl_available(), reason="nixl-cu13 is not installed")]
 IDS = list(range(3, 40))
-# a rate is reported once 256 prompt tokens were measured (two prompts: the decode caches the first)
-LONG, OTHER = [3 + i % 200 for i in range(300)], [5 + i % 190 for i in range(300)]
 
 
 def _server_args(s) -> dict:
@@ -28,8 +26,8 @@ def test_nodes_report_their_measured_rates_and_the_decode_its_guard(tiny_llama_d
     try:
         p, d = stub(prefill.ports["scheduler"]), stub(decode.ports["scheduler"])
         boot = prefill.ports["bootstrap"]
-        pd_generate(p, d, request("pd", LONG, 7, boot, max_new=24))
-        list(d.Generate(local_request("local", OTHER, max_new=24), timeout=60))
+        pd_generate(p, d, request("pd", IDS, 7, boot, max_new=24))
+        list(d.Generate(local_request("local", IDS, max_new=24), timeout=60))
         args_p, args_d = _server_args(p), _server_args(d)
         assert "local_prefill" not in args_p and args_d["local_prefill"] is True
         assert args_d["perf"]["tpot_guard_s"] == pytest.approx(0.025) and args_p["perf"]["tpot_guard_s"] is None
