@@ -33,7 +33,6 @@ from common.defaults import (
     DEFAULT_PAGE_SIZE,
     DEFAULT_PREFILL_TIMEOUT,
     DEFAULT_REFRESH_INTERVAL,
-    DEFAULT_TP_ALLREDUCE,
     DEFAULT_TP_SIZE,
     DEFAULT_TP_TIMEOUT_S,
     DEFAULT_TRANSFER_TIMEOUT,
@@ -115,11 +114,6 @@ class EngineOptions:
     tp_timeout_s: float = opt(
         DEFAULT_TP_TIMEOUT_S,
         "Seconds a collective between ranks may take before the node is failed (NOT_SERVING) instead of hanging.",
-        panel=PANEL_TP,
-    )
-    tp_allreduce: str = opt(
-        DEFAULT_TP_ALLREDUCE,
-        "Small all-reduces: nccl, or one-shot (PyTorch's kernel over symmetric memory, GPUs only).",
         panel=PANEL_TP,
     )
 

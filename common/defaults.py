@@ -47,9 +47,6 @@ DEFAULT_GRAMMAR_BACKEND = "llguidance"
 # capture or a long prefill chunk of a large model must not trip it.
 DEFAULT_TP_SIZE = 1
 DEFAULT_TP_TIMEOUT_S = 120.0
-# how small all-reduces run: NCCL, or PyTorch's one-shot kernel over symmetric memory (GPUs)
-TP_ALLREDUCES = ("nccl", "one-shot")
-DEFAULT_TP_ALLREDUCE = "nccl"
 
 # The router's flags whose defaults its components share, in seconds where a time. The first token
 # is due later than the next ones: it waits for the prefill's forward and KV transfer too.

@@ -16,10 +16,8 @@ from common.defaults import (
     DEFAULT_MEM_FRACTION_STATIC,
     DEFAULT_PAGE_SIZE,
     GRAMMAR_BACKENDS,
-    DEFAULT_TP_ALLREDUCE,
     DEFAULT_TP_SIZE,
     DEFAULT_TP_TIMEOUT_S,
-    TP_ALLREDUCES,
 )
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -186,7 +184,6 @@ class EngineConfig:
     # that has not completed fails the node rather than hanging it.
     tp_size: int = DEFAULT_TP_SIZE
     tp_timeout_s: float = DEFAULT_TP_TIMEOUT_S
-    tp_allreduce: str = DEFAULT_TP_ALLREDUCE  # "one-shot": small all-reduces over symmetric memory
     # the library constrained output is compiled and matched with (engine/grammar: llguidance or xgrammar)
     grammar_backend: str = DEFAULT_GRAMMAR_BACKEND
 
@@ -198,8 +195,6 @@ class EngineConfig:
             raise ValueError(f"tpot_guard_ms must be >= 0, got {self.tpot_guard_ms}")
         check_fraction(self.mem_fraction_static)
         check_device(self.device)
-        if self.tp_allreduce not in TP_ALLREDUCES:
-            raise ValueError(f"tp_allreduce must be one of {TP_ALLREDUCES}, got {self.tp_allreduce!r}")
         if self.grammar_backend not in GRAMMAR_BACKENDS:
             raise ValueError(f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}")
 

@@ -42,7 +42,6 @@ def engine_config(options: EngineOptions, choice: ModelChoice) -> EngineConfig:
         grammar_backend=options.grammar_backend,
         tp_size=options.tp_size,
         tp_timeout_s=options.tp_timeout_s,
-        tp_allreduce=options.tp_allreduce,
         **options.fast_path(),
     )
 
@@ -78,7 +77,7 @@ def check_tp(options: EngineOptions, model_dir: Path) -> None:
     and a model whose heads and MLP split over it (pdserve/tp.py)."""
     from pdserve.tp import check_gpus, check_model_split, check_tp_flags
 
-    check_tp_flags(options.tp_size, options.tp_timeout_s, options.tp_allreduce, options.device)
+    check_tp_flags(options.tp_size, options.tp_timeout_s)
     if options.device.startswith("cuda"):
         import torch
 

@@ -71,7 +71,7 @@ def _check_before_loading(role: str, engine: EngineOptions, rows_place: str = "k
     from pdserve.tp import check_tp_flags
 
     try:
-        check_tp_flags(engine.tp_size, engine.tp_timeout_s, engine.tp_allreduce, engine.device)
+        check_tp_flags(engine.tp_size, engine.tp_timeout_s)
         check_rows_place(rows_place)
         check_sgl_mode(sgl_mode)
     except ValueError as e:

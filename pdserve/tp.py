@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from common.defaults import TP_ALLREDUCES
-
 
 class TpSetupError(ValueError):
     """A --tp-size this node or deployment cannot run; the message says what to change."""
@@ -16,14 +14,10 @@ def check_tp_size(tp_size: int) -> None:
         raise TpSetupError(f"--tp-size must be >= 1, got {tp_size}")
 
 
-def check_tp_flags(tp_size: int, tp_timeout_s: float, allreduce: str = "nccl", device: str = "cpu") -> None:
+def check_tp_flags(tp_size: int, tp_timeout_s: float) -> None:
     check_tp_size(tp_size)
     if not tp_timeout_s > 0:
         raise TpSetupError(f"--tp-timeout-s must be > 0, got {tp_timeout_s:g}")
-    if allreduce not in TP_ALLREDUCES:
-        raise TpSetupError(f"--tp-allreduce must be one of {', '.join(TP_ALLREDUCES)}, got {allreduce!r}")
-    if allreduce == "one-shot" and device != "auto" and not device.startswith("cuda"):
-        raise TpSetupError("--tp-allreduce one-shot needs GPUs (symmetric memory over NVLink); use nccl")
 
 
 def check_gpus(device: str, tp_size: int, count: int) -> None:

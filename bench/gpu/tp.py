@@ -4,10 +4,10 @@ Measures, per TP size, through the engine (graphs and overlap on): the batch-1 d
 4,096-token prefill, and batch-64 decode throughput, then EAGLE's batch-1 decode (an echo head on
 the predictable checkpoint: nearly every draft accepted) for its speedup over plain at each TP
 size; then the all-reduce latency of batch 1's and batch 64's hidden states (8 and 512 KiB, inside
-a CUDA graph as the decode graphs run them), NCCL's and the one-shot kernel's, TP 2's engine again
-with `--tp-allreduce one-shot` (runs["2-one-shot"], the *_one_shot ratios), and TP 2's step
-against its roofline: half the weights read per GPU at the measured copy bandwidth plus the
-all-reduces measured alone. Writes bench/results/tp_<gpu>.json.
+a CUDA graph as the decode graphs run them), NCCL's and PyTorch's one-shot kernel's (which halves
+NCCL's latency alone but lost inside the engine, with its staging copy, so the engine keeps NCCL:
+bench/RESULTS.md), and TP 2's step against its roofline: half the weights read per GPU at the
+measured copy bandwidth plus the all-reduces measured alone. Writes bench/results/tp_<gpu>.json.
 
   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
       python -m bench.gpu.tp --out bench/results --checkpoint /tmp/llama8b
@@ -64,14 +64,13 @@ def _prefill_ms(eng: Engine, length: int) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def _config(model: Path, tp: int, device: str, tiny: bool, allreduce: str = "nccl") -> EngineConfig:
+def _config(model: Path, tp: int, device: str, tiny: bool) -> EngineConfig:
     prefill = 64 if tiny else 4096
     return EngineConfig(
         str(model),
         device=device,
         dtype="float32" if tiny else "bfloat16",
         tp_size=tp,
-        tp_allreduce=allreduce,
         attention_backend="torch" if tiny else "triton",  # the graph-safe kernels the nodes run on GPUs
         overlap=not tiny,
         cuda_graph_max_bs=0 if tiny else 64,
@@ -82,9 +81,9 @@ def _config(model: Path, tp: int, device: str, tiny: bool, allreduce: str = "ncc
     )
 
 
-def measure_engine(model: Path, tp: int, device: str, tiny: bool, allreduce: str = "nccl") -> dict[str, Any]:
+def measure_engine(model: Path, tp: int, device: str, tiny: bool) -> dict[str, Any]:
     prefill, steps = (64, 8) if tiny else (4096, 64)
-    eng = Engine(_config(model, tp, device, tiny, allreduce))
+    eng = Engine(_config(model, tp, device, tiny))
     try:
         return {
             "tp": tp,
@@ -126,7 +125,7 @@ def echo_head(model: Path, out: Path, tiny: bool) -> Path:
 def allreduce_us(nbytes: int, tp: int) -> dict[str, Any] | None:
     """All-reduce of `nbytes` (bf16) on `tp` GPUs, replayed from a CUDA graph of 64 of them, by
     NCCL and by PyTorch's one-shot all-reduce over symmetric (CUDA IPC) buffers; None without
-    enough GPUs. The engine uses the one-shot kernel with `--tp-allreduce one-shot`."""
+    enough GPUs."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < tp:
         return None
     ctx = torch.multiprocessing.get_context("spawn")
@@ -243,13 +242,6 @@ def main() -> int:
         "eagle_speedup_tp2": speedup[2],
         "eagle_speedup_kept": speedup[2] / speedup[1],
     }
-    if not args.tiny:  # TP 2 again with small all-reduces over symmetric memory (GPUs only)
-        fast = runs["2-one-shot"] = measure_engine(model, 2, device, args.tiny, "one-shot")
-        ratios["decode_bs1_ratio_one_shot"] = fast["decode_bs1"]["step_ms"] / one["decode_bs1"]["step_ms"]
-        ratios["prefill_4k_ratio_one_shot"] = fast["prefill_ms"] / one["prefill_ms"]
-        ratios["decode_bs64_speedup_one_shot"] = (
-            fast["decode_bs64"]["tokens_per_s"] / one["decode_bs64"]["tokens_per_s"]
-        )
     report = {
         "device": device_name,
         "model": "tiny (CPU code path)" if args.tiny else "Llama-3.1-8B shape, random bf16 weights, vocab 4096",

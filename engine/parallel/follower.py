@@ -149,7 +149,7 @@ def follower_main(
         torch.cuda.set_device(device)
         if "OMP_NUM_THREADS" not in os.environ:  # as the leader's node does: a few small host rows
             torch.set_num_threads(1)
-    group = init_tp_group(rank, size, init_method, device, config.tp_timeout_s, config.tp_allreduce)
+    group = init_tp_group(rank, size, init_method, device, config.tp_timeout_s)
     try:
         parts = build_rank(config, algorithm, device, group)
         future_map = build_future_map(algorithm, config, parts.max_context_len, parts.parts.kv)

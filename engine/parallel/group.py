@@ -15,7 +15,6 @@ from torch.distributed.distributed_c10d import _abort_process_group
 
 from common.tp_layout import TpLayout
 from engine.graph_registry import release_graphs_on
-from engine.parallel.fast_allreduce import OneShotAllReduce
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +33,6 @@ class TpGroup:
     group: dist.ProcessGroup | None = None  # device collectives (NCCL or gloo)
     cpu_group: dist.ProcessGroup | None = None  # host messages (gloo): the leader's plans, no deadline
     device: torch.device = torch.device("cpu")  # this rank's
-    one_shot: OneShotAllReduce | None = None  # small all-reduces over symmetric memory (GPUs, opt-in)
 
     @property
     def is_leader(self) -> bool:
@@ -43,8 +41,6 @@ class TpGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (row-parallel outputs, the vocabulary-parallel embedding)."""
         if self.size > 1:
-            if self.one_shot is not None and self.one_shot.fits(x):
-                return self.one_shot(x)
             dist.all_reduce(x, group=self.group)
         return x
 
@@ -66,12 +62,9 @@ DRAIN_S = 5.0  # the device's last work before it
 PLAN_WAIT = datetime.timedelta(days=365)
 
 
-def init_tp_group(
-    rank: int, size: int, init_method: str, device: torch.device, timeout_s: float, allreduce: str = "nccl"
-) -> TpGroup:
+def init_tp_group(rank: int, size: int, init_method: str, device: torch.device, timeout_s: float) -> TpGroup:
     """Join the group at `init_method` (tcp://host:port). Collectives that do not complete within
-    `timeout_s` raise instead of hanging the node (NCCL's watchdog, gloo's own timeout).
-    `allreduce`: "one-shot" sums small messages over symmetric memory (GPUs only)."""
+    `timeout_s` raise instead of hanging the node (NCCL's watchdog, gloo's own timeout)."""
     if size == 1:
         return SINGLE
     for key, value in NO_MULTICAST_ENV.items():
@@ -85,14 +78,7 @@ def init_tp_group(
     # the node is idle, so it has no deadline worth the name (a dead leader is seen otherwise: its
     # socket closes, and followers exit with their parent); collectives keep `timeout_s`.
     plans = dist.new_group(backend="gloo", timeout=PLAN_WAIT)
-    one_shot = None
-    if allreduce == "one-shot":
-        if device.type != "cuda":
-            raise ValueError("--tp-allreduce one-shot needs GPUs (symmetric memory over NVLink)")
-        world = dist.group.WORLD
-        assert world is not None
-        one_shot = OneShotAllReduce(world.group_name, device)
-    return TpGroup(rank, size, dist.group.WORLD, plans, device, one_shot)
+    return TpGroup(rank, size, dist.group.WORLD, plans, device)
 
 
 def leave_tp_group(group: TpGroup, together: bool) -> bool:

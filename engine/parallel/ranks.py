@@ -24,7 +24,6 @@ from engine.executor import Executor
 from engine.kv_cache import KVCacheManager
 from engine.parallel.channel import PlanChannel
 from engine.parallel.follower import follower_main
-from engine.parallel.fast_allreduce import check_one_shot_available
 from engine.parallel.group import NO_MULTICAST_ENV, SINGLE, TpGroup, init_tp_group, leave_tp_group
 from engine.parallel.leader import TpLeaderExecutor
 from engine.parallel.links import RankLink
@@ -57,8 +56,6 @@ class TpRanks:
     def start(config: EngineConfig, algorithm: EngineAlgorithm, device: torch.device) -> "TpRanks":
         if config.tp_size == 1:
             return TpRanks(SINGLE, [])
-        if config.tp_allreduce == "one-shot":
-            check_one_shot_available()  # before any follower waits on a rendezvous that cannot come
         for key, value in NO_MULTICAST_ENV.items():  # inherited by the followers
             os.environ.setdefault(key, value)
         init = f"tcp://127.0.0.1:{_free_port()}"
@@ -73,7 +70,7 @@ class TpRanks:
             procs.append(p)
             links.append(RankLink(rank, mine))
         try:
-            group = init_tp_group(0, config.tp_size, init, device, config.tp_timeout_s, config.tp_allreduce)
+            group = init_tp_group(0, config.tp_size, init, device, config.tp_timeout_s)
         except Exception:
             for p in procs:
                 p.kill()
