@@ -88,6 +88,28 @@ def busy_fraction(trace_file: Path) -> tuple[float, float]:
     return busy / 1e6, (spans[-1][1] - spans[0][0]) / 1e6
 
 
+# Kernel kinds by name (lower case), first match wins: the engine's Triton kernels and the libraries'.
+KERNEL_KINDS = (
+    ("all-reduce", ("nccl", "all_reduce", "allreduce")),
+    ("attention", ("_split_kernel", "_merge_kernel", "_extend_kernel", "_store_kv_kernel", "attn", "flash")),
+    ("matmul", ("gemm", "gemv", "_skinny_kernel", "cutlass", "xmma", "sm90", "cublas", "matmul")),
+)
+
+
+def kernel_us_by_kind(trace_file: Path, steps: int) -> dict[str, float]:
+    """Device microseconds per step by kernel kind (KERNEL_KINDS, the rest as "other") in a Chrome
+    trace: what a step's time is spent on, e.g. how much a tensor-parallel step waits in NCCL."""
+    events = json.loads(trace_file.read_text())["traceEvents"]
+    out: dict[str, float] = {}
+    for e in events:
+        if e.get("cat") != "kernel" or "dur" not in e:
+            continue
+        name = str(e.get("name", "")).lower()
+        kind = next((k for k, parts in KERNEL_KINDS if any(p in name for p in parts)), "other")
+        out[kind] = out.get(kind, 0.0) + e["dur"] / steps
+    return out
+
+
 def steady_decode(eng: Engine, bs: int, prompt_len: int, steps: int, trace: Path | None) -> dict[str, Any]:
     """Prefill `bs` prompts, then time `steps` engine steps of pure decode (profiled if `trace`)."""
     params = SamplingParams(max_new_tokens=steps + 64, temperature=0.0, ignore_eos=True)

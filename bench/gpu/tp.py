@@ -1,9 +1,10 @@
 """Tensor parallelism on two GPUs: TP 2 against TP 1 on the Llama-3.1-8B shape, in one run.
 
 Measures, per TP size, through the engine (graphs and overlap on): the batch-1 decode step, a
-4,096-token prefill, and batch-64 decode throughput, then EAGLE's batch-1 decode (an echo head on
-the predictable checkpoint: nearly every draft accepted) for its speedup over plain at each TP
-size; then the all-reduce latency of batch 1's and batch 64's hidden states (8 and 512 KiB, inside
+4,096-token prefill, batch-64 decode throughput with rank 0's kernel time per batch-64 step by
+kind (all-reduce, attention, matmul, other), then EAGLE's batch-1 decode (an echo head on the
+predictable checkpoint: nearly every draft accepted) for its speedup over plain at each TP size;
+then the all-reduce latency of batch 1's and batch 64's hidden states (8 and 512 KiB, inside
 a CUDA graph as the decode graphs run them), NCCL's and PyTorch's one-shot kernel's (which halves
 NCCL's latency alone but lost inside the engine, with its staging copy, so the engine keeps NCCL:
 bench/RESULTS.md), and TP 2's step against its roofline: half the weights read per GPU at the
@@ -26,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from bench.common import write_report
-from bench.gpu.engine_perf import steady_decode
+from bench.gpu.engine_perf import kernel_us_by_kind, steady_decode
 from bench.gpu.hw import copy_bandwidth, time_cuda
 from bench.gpu.spec_speedup import release_memory
 from engine.core import SamplingParams
@@ -91,11 +92,22 @@ def measure_engine(model: Path, tp: int, device: str, tiny: bool) -> dict[str, A
             "prefill_ms": _prefill_ms(eng, prefill),
             "prefill_tokens": prefill,
             "decode_bs64": steady_decode(eng, 8 if tiny else 64, 32 if tiny else 128, steps, None),
+            **({} if tiny else {"decode_bs64_kernel_us": _kernel_split(eng, 64)}),
         }
     finally:
         eng.close()
         del eng  # the next engine sizes its KV cache from the memory this one held
         release_memory()
+
+
+def _kernel_split(eng: Engine, bs: int, steps: int = 16) -> dict[str, float]:
+    """One more profiled pass of the batch-`bs` decode: this rank's kernel microseconds per step by
+    kind (all-reduce, attention, matmul, other) and the step's span, to tell where a TP step goes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        r = steady_decode(eng, bs, 128, steps, trace)
+        split = kernel_us_by_kind(trace, steps)
+    return {**split, "step_us": r["step_ms"] * 1e3, "gpu_idle_fraction": r.get("gpu_idle_fraction") or 0.0}
 
 
 def measure_eagle(model: Path, head: Path, tp: int, device: str, tiny: bool) -> dict[str, Any]:
