@@ -362,6 +362,11 @@ class UpOptions:
         "has fewer). Prefill, decode and colocated nodes alike.",
         aliases=("--tensor-parallel-size",),
     )
+    local_prefill_tpot_ms: Optional[float] = opt(
+        None,
+        "Decode nodes' TPOT guard for the prompts they run themselves (their --local-prefill-tpot-ms; "
+        "default: theirs). Under auto, keep it below the TPOT you promise.",
+    )
     verbose: bool = opt(False, "Echo the nodes' logs.", negatable=False)
 
 

@@ -86,6 +86,16 @@ def _check_up_tp(opts: UpOptions) -> None:
     check_tp_size(opts.tp_size)
 
 
+def _decode_args(opts: UpOptions) -> tuple[str, ...]:
+    """The flags `up` passes to decode nodes alone; a negative guard is refused before anything starts."""
+    guard = opts.local_prefill_tpot_ms
+    if guard is None:
+        return ()
+    if guard < 0:
+        raise ValueError(f"--local-prefill-tpot-ms must be >= 0, got {guard:g}")
+    return ("--local-prefill-tpot-ms", f"{guard:g}")
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     @with_options(role=ServeRole, engine=EngineOptions, spec=SpeculativeOptions, log=LogOptions)
@@ -170,6 +180,7 @@ def register(app: typer.Typer) -> None:
         try:
             check_pd_prefill_policy(opts.pd_prefill_policy)
             _check_up_tp(opts)
+            decode_args = _decode_args(opts)
         except ValueError as e:
             fail(e)
 
@@ -187,6 +198,7 @@ def register(app: typer.Typer) -> None:
             log_args=("--log-level", log.log_level, "--log-format", log.log_format),
             pd_prefill_policy=opts.pd_prefill_policy,
             tp_size=opts.tp_size,
+            decode_args=decode_args,
         )
         dep, stop = Deployment(cfg), threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -66,6 +66,7 @@ class UpConfig:
     pd_prefill_policy: str = "remote"  # the router's --pd-prefill-policy (PD only)
     # Tensor-parallel ranks per node: node k's ranks on GPUs k*tp_size .. k*tp_size + tp_size - 1
     tp_size: int = 1
+    decode_args: tuple[str, ...] = ()  # flags for decode nodes only (e.g. --local-prefill-tpot-ms)
 
 
 class Deployment:
@@ -157,7 +158,7 @@ class Deployment:
         ]
         for i in range(cfg.decode):
             dev = devices[cfg.prefill + i]
-            plans.append((f"decode-{i}", ["decode", *common, "--device", self._local(dev)], dev))
+            plans.append((f"decode-{i}", ["decode", *common, *self.cfg.decode_args, "--device", self._local(dev)], dev))
         return plans
 
     def _local(self, device: str) -> str:

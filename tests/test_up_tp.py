@@ -1,5 +1,6 @@
 """`pdserve up --tp-size N`: node k's ranks on GPUs k*N .. k*N+N-1 (PD roles as colocated ones), too
-few GPUs refused, and a colocated TP 2 deployment on the CPU that serves."""
+few GPUs refused, and a colocated TP 2 deployment on the CPU that serves; flags for decode nodes
+alone reach them alone."""
 
 from __future__ import annotations
 
@@ -97,3 +98,19 @@ def test_colocated_tp2_deployment_serves_and_stops(tmp_path: Path) -> None:
         for p in procs:
             if p.is_running():
                 p.kill()
+
+
+def test_decode_nodes_alone_get_the_local_prefill_guard(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`up --local-prefill-tpot-ms 12` reaches every decode node and no other; a negative one is a
+    one-line error before anything starts."""
+    from pdserve.node_cli import _decode_args
+
+    from common.config import UpOptions
+
+    guard = _decode_args(UpOptions(local_prefill_tpot_ms=12.0))
+    assert guard == ("--local-prefill-tpot-ms", "12") and _decode_args(UpOptions()) == ()
+    plans = _plans(monkeypatch, 3, prefill=1, decode=2, decode_args=guard)
+    assert [_flag(args, "--local-prefill-tpot-ms") if "decode" in name else "--local-prefill-tpot-ms" in args
+            for name, args, _ in plans] == [False, "12", "12"]  # fmt: skip
+    res = CliRunner().invoke(app, ["up", "--local-prefill-tpot-ms", "-1"])
+    assert res.exit_code == 2 and "--local-prefill-tpot-ms must be >= 0" in res.output

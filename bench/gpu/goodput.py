@@ -175,12 +175,13 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-goodput-logs-"))
     failed, gpu = False, short_name(device)
     for dep in deployments:
-        argv_up = up_argv(dep, model, [*spec_flags, "--device", args.device])
+        guard = ["--local-prefill-tpot-ms", f"{local_guard_ms(args, settings):g}"]  # decode nodes only
+        argv_up = up_argv(dep, model, [*spec_flags, *guard, "--device", args.device])
         log = log_dir / f"{dep}.log"
         results.deployment(dep, {"label": LABELS[dep], "command": " ".join(argv_up[2:]), "log": str(log)})
         t0 = time.monotonic()
         try:
-            with UpProcess(dep, argv_up, node_env(args.max_running, local_guard_ms(args, settings)), log) as up:
+            with UpProcess(dep, argv_up, node_env(args.max_running), log) as up:
                 up.start(timeout_s=START_TIMEOUT_S[kind])
                 budget.started(time.monotonic() - t0)
                 results.deployment(dep, {"start_s": time.monotonic() - t0})

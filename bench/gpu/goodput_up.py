@@ -295,12 +295,10 @@ async def wait_idle(client: httpx.AsyncClient, metrics_urls: Sequence[str], time
         await asyncio.sleep(0.2)
 
 
-def node_env(max_running: int | None, local_prefill_tpot_ms: float | None = None) -> dict[str, str]:
-    """The environment `pdserve up` and its children run in (flags `up` does not take, as the
-    nodes' PDSERVE_* variables)."""
+def node_env(max_running: int | None) -> dict[str, str]:
+    """The environment `pdserve up` and its children run in (a flag `up` does not take, as the
+    nodes' PDSERVE_* variable)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if max_running is not None:
         env["PDSERVE_MAX_RUNNING"] = str(max_running)  # the nodes' --max-running
-    if local_prefill_tpot_ms is not None:  # decode nodes' TPOT guard (no other role reads it)
-        env["PDSERVE_LOCAL_PREFILL_TPOT_MS"] = f"{local_prefill_tpot_ms:g}"
     return env
