@@ -348,7 +348,8 @@ def test_goodput_bench_end_to_end_on_cpu(tmp_path: Path, monkeypatch: pytest.Mon
                 assert len(p["nodes"]) == 2 and all("prompt_tokens_per_second" in v for v in p["nodes"].values())
                 if p["deployment"] == "pd":
                     assert set(p["paths"]) == {"remote", "local", "colocated"}
-                    assert p["paths"]["remote"] + p["paths"]["local"] >= p["requests"]
+                    # every completed request was routed (one the client cut before its route has none)
+                    assert p["paths"]["remote"] + p["paths"]["local"] >= p["completed"]
                 assert p["completed"] + p["failed"] == p["requests"] and p["request_throughput"] >= 0
                 for key in ("ttft_ms", "tpot_ms"):  # over completed requests (a loaded CPU may cut all)
                     pcts = [p[key][q] for q in ("p50", "p90", "p99")]
