@@ -211,21 +211,6 @@ def test_busy_requests_read_every_node_gauge() -> None:
     assert asyncio.run(go()) == (6, 0)
 
 
-def test_a_points_router_counters_give_paths_and_mean_ttft_stages() -> None:
-    from bench.gpu.goodput_up import point_counters
-
-    prefill = 'pdserve_router_ttft_stage_seconds_%s{stage="prefill"}'
-    queue = 'pdserve_router_ttft_stage_seconds_%s{stage="queue"}'
-    before = {"path:remote": 4.0, prefill % "sum": 0.2, prefill % "count": 4.0}
-    after = {"path:remote": 10.0, "path:local": 2.0, prefill % "sum": 0.8, prefill % "count": 12.0}
-    after |= {queue % "sum": 0.0, queue % "count": 0.0}  # no request went through a stage: no mean
-    whole = 'pdserve_router_time_to_first_token_seconds_%s{endpoint="/v1/completions"}'
-    after |= {whole % "sum": 0.9, whole % "count": 8.0}  # the router's own TTFT, whole
-    paths, stages = point_counters(before, after)
-    assert paths == {"remote": 6.0, "local": 2.0}
-    assert stages == {"prefill": pytest.approx(1e3 * 0.6 / 8), "router_total": pytest.approx(1e3 * 0.9 / 8)}
-
-
 def test_the_checkpoint_writer_at_a_small_shape(tmp_path: Path) -> None:
     from bench.gpu.goodput_model import write_llama8b_dir
     from engine.loader import load_model
@@ -395,24 +380,3 @@ def test_each_point_sends_prompts_no_earlier_one_sent() -> None:
     firsts = {tuple(r.prompt[:4]) for r in [*sent, *a, *b]}
     assert len(firsts) == 36  # no two prompts share a page-sized prefix to hit in a cache
     assert a == fresh_prompts(sent, "pd:chat_mix:0:0", 4096)  # the same salt, the same prompts
-
-
-def test_decode_nodes_guard_their_tpot_under_the_tighter_slo() -> None:
-    """PD's decode node runs prompts within 0.8 x the tight TPOT (12 ms), unless told."""
-    from bench.gpu.goodput import local_guard_ms, parse_args, run_settings
-
-    args = parse_args([])
-    settings, _ = run_settings(args, "llama8b")
-    assert local_guard_ms(args, settings) == pytest.approx(12.0)
-    told = parse_args(["--local-prefill-tpot-ms", "20"])
-    assert local_guard_ms(told, settings) == 20.0
-
-
-def test_node_stage_means_by_node() -> None:
-    from bench.gpu.goodput_up import node_stage_means_ms
-
-    prompt = 'decode-0:pdserve_node_prompt_seconds_%s{role="decode"}'
-    queue = 'prefill-0:pdserve_node_queue_time_seconds_%s{role="prefill"}'
-    before = {prompt % "sum": 1.0, prompt % "count": 10.0, queue % "sum": 0.1, queue % "count": 10.0}
-    after = {prompt % "sum": 1.5, prompt % "count": 20.0, queue % "sum": 0.1, queue % "count": 10.0}
-    assert node_stage_means_ms(before, after) == {"decode-0": {"prompt": pytest.approx(50.0)}}

@@ -6,13 +6,11 @@ behind the device work of the previous one. Results arrive one iteration late: a
 finishes in batch N may already run in batch N+1, whose results for it are discarded, and its
 pages, slot and FutureMap row go back only after batch N+1 was collected (`Req.inflight`).
 
-Grammar-constrained requests need more: the mask a sampling step applies is built on the host
-from the request's matcher, which must already have taken every earlier token. When the batch in
-flight samples for a constrained request, the next batch carries `Batch.settle`, which collects
-the batch in flight; an executor that settles grammars in its launch calls it once the forward is
-enqueued and before it reads a matcher, so the collect still hides behind device work. With any
-other executor that batch is collected before the next one is formed (one sync, the overlap
-given up while such requests run). Either way no mask is ever built from stale state.
+Grammar masks are built on the host from matchers that must hold every earlier token. When the
+batch in flight samples for a constrained request, the next batch carries `Batch.settle`, which
+collects it: an executor that settles grammars in its launch calls it once the forward is enqueued
+and before it reads a matcher (the collect hides behind device work); with any other, that batch
+is collected before the next is formed. Either way no mask is built from stale state.
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ from engine.scheduler.policy import BatchPolicy
 from engine.scheduler.stops import StopRules
 from engine.scheduler.rates import NodeRates
 from engine.scheduler.stats import CACHED_TOKEN_BUCKETS, COUNTERS, DurationHistogram, LaunchTimes
-from engine.scheduler.updates import RequestUpdate, SchedulerIO, final_update
+from engine.scheduler.updates import RequestUpdate, SchedulerIO, final_update, step_update
 
 
 log = logging.getLogger(__name__)
@@ -376,23 +374,7 @@ class Scheduler:
     def _append(self, req: Req, new: list[int], out: StepOutput, i: int) -> RequestUpdate | None:
         if not new:
             return None
-        kept: list[int] = []
-        for tok in new:
-            kept.append(tok)
-            req.output_ids.append(tok)
-            reason = self.stops.reason(req, tok)
-            if reason is not None:
-                req.finish(reason, "" if reason is not FinishReason.ABORT else f"token {tok} is outside the grammar")
-                break
-        upd = RequestUpdate(req.rid, kept, prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens)
-        if out.logprobs is not None:
-            upd.logprobs = out.logprobs[i][: len(kept)]
-            req.output_logprobs.extend(upd.logprobs)
-        if out.top_logprobs is not None:
-            upd.top_logprobs = out.top_logprobs[i][: len(kept)]
-            req.output_top_logprobs.extend(upd.top_logprobs)
-        if out.accepted_drafts is not None:
-            upd.accepted_drafts = out.accepted_drafts[i]
+        upd = step_update(req, self.stops.append(req, new), out, i)
         if req.finished:
             done = self._finish(req)
             upd.finished, upd.finish_reason = True, done.finish_reason

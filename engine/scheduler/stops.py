@@ -12,6 +12,17 @@ class StopRules:
     eos_token_ids: frozenset[int]
     max_context_len: int
 
+    def append(self, req: Req, new: list[int]) -> list[int]:
+        """Append `new` to `req`'s output up to the first token that ends it (which finishes the
+        request); returns the tokens appended."""
+        for n, tok in enumerate(new, 1):
+            req.output_ids.append(tok)
+            reason = self.reason(req, tok)
+            if reason is not None:
+                req.finish(reason, "" if reason is not FinishReason.ABORT else f"token {tok} is outside the grammar")
+                return new[:n]
+        return list(new)
+
     def reason(self, req: Req, tok: int) -> FinishReason | None:
         """Why `tok`, just appended to `req`'s output, ends it (None: it goes on). A constrained
         request's matcher takes the token here."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.core import FinishReason, Req
+from engine.core import FinishReason, Req, StepOutput
 from engine.scheduler.kv_progress import KVProgress
 
 
@@ -38,6 +38,21 @@ def final_update(req: Req) -> RequestUpdate:
         prompt_tokens=len(req.prompt_ids),
         cached_tokens=req.cached_tokens,
     )
+
+
+def step_update(req: Req, kept: list[int], out: StepOutput, i: int) -> RequestUpdate:
+    """The update of batch row `i` whose `kept` tokens were appended: its logprobs and top
+    logprobs (recorded on the request too) and accepted drafts, as far as the tokens kept."""
+    upd = RequestUpdate(req.rid, kept, prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens)
+    if out.logprobs is not None:
+        upd.logprobs = out.logprobs[i][: len(kept)]
+        req.output_logprobs.extend(upd.logprobs)
+    if out.top_logprobs is not None:
+        upd.top_logprobs = out.top_logprobs[i][: len(kept)]
+        req.output_top_logprobs.extend(upd.top_logprobs)
+    if out.accepted_drafts is not None:
+        upd.accepted_drafts = out.accepted_drafts[i]
+    return upd
 
 
 class SchedulerIO(Protocol):

@@ -1,0 +1,42 @@
+"""The goodput benchmark's per-point signals: requests by path and the router's TTFT stages,
+every node's queue and prompt time, and the decode nodes' TPOT guard it deploys with."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_a_points_router_counters_give_paths_and_mean_ttft_stages() -> None:
+    from bench.gpu.goodput_up import point_counters
+
+    prefill = 'pdserve_router_ttft_stage_seconds_%s{stage="prefill"}'
+    queue = 'pdserve_router_ttft_stage_seconds_%s{stage="queue"}'
+    before = {"path:remote": 4.0, prefill % "sum": 0.2, prefill % "count": 4.0}
+    after = {"path:remote": 10.0, "path:local": 2.0, prefill % "sum": 0.8, prefill % "count": 12.0}
+    after |= {queue % "sum": 0.0, queue % "count": 0.0}  # no request went through a stage: no mean
+    whole = 'pdserve_router_time_to_first_token_seconds_%s{endpoint="/v1/completions"}'
+    after |= {whole % "sum": 0.9, whole % "count": 8.0}  # the router's own TTFT, whole
+    paths, stages = point_counters(before, after)
+    assert paths == {"remote": 6.0, "local": 2.0}
+    assert stages == {"prefill": pytest.approx(1e3 * 0.6 / 8), "router_total": pytest.approx(1e3 * 0.9 / 8)}
+
+
+def test_decode_nodes_guard_their_tpot_under_the_tighter_slo() -> None:
+    """PD's decode node runs prompts within 0.8 x the tight TPOT (12 ms), unless told."""
+    from bench.gpu.goodput import local_guard_ms, parse_args, run_settings
+
+    args = parse_args([])
+    settings, _ = run_settings(args, "llama8b")
+    assert local_guard_ms(args, settings) == pytest.approx(12.0)
+    told = parse_args(["--local-prefill-tpot-ms", "20"])
+    assert local_guard_ms(told, settings) == 20.0
+
+
+def test_node_stage_means_by_node() -> None:
+    from bench.gpu.goodput_up import node_stage_means_ms
+
+    prompt = 'decode-0:pdserve_node_prompt_seconds_%s{role="decode"}'
+    queue = 'prefill-0:pdserve_node_queue_time_seconds_%s{role="prefill"}'
+    before = {prompt % "sum": 1.0, prompt % "count": 10.0, queue % "sum": 0.1, queue % "count": 10.0}
+    after = {prompt % "sum": 1.5, prompt % "count": 20.0, queue % "sum": 0.1, queue % "count": 10.0}
+    assert node_stage_means_ms(before, after) == {"decode-0": {"prompt": pytest.approx(50.0)}}
