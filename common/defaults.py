@@ -32,7 +32,7 @@ DEFAULT_PAGE_SIZE = 16
 DEFAULT_MAX_RUNNING = 64
 # A decode node's batch: its steps carry no prompts (or only chunks its TPOT guard sizes), so it is
 # bounded by its TPOT and KV, not by prompts sharing its steps. At 64, one decode GPU of an 8B model
-# queued requests at 8.5 ms TPOT while two colocated replicas held 128 (bench/RESULTS.md, goodput).
+# queued arrivals at an 11 ms TPOT while two colocated replicas held 128 (bench/RESULTS.md, goodput).
 DEFAULT_DECODE_MAX_RUNNING = 256
 # CUDA graphs are captured up to the batch the node runs, up to this (eager beyond)
 DEFAULT_GRAPH_MAX_BS = 256
