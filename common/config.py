@@ -96,6 +96,12 @@ class EngineOptions:
         f"(default: min(max-running, {DEFAULT_GRAPH_MAX_BS}) on GPUs).",
         panel=PANEL_FAST,
     )
+    warmup: Optional[bool] = opt(
+        None,
+        "Run synthetic prompts of each length before serving: kernels compile then, and the prompt "
+        "rate the router reads is measured warm (default: on for GPUs, off on CPU).",
+        panel=PANEL_FAST,
+    )
     future_map_debug: bool = opt(
         False, "FutureMap debug mode: poison consumed rows and check every read.", panel=PANEL_FAST
     )
@@ -141,6 +147,7 @@ class EngineOptions:
             "overlap": gpu if self.overlap is None else self.overlap,
             "cuda_graph_max_bs": graphs,
             "future_map_debug": self.future_map_debug,
+            "prompt_warmup": gpu if self.warmup is None else self.warmup,
         }
 
 

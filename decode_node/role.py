@@ -56,6 +56,7 @@ class DecodeRole:
             info_role="decode",
             pairing_protocol=pairing_protocol(endpoint.fingerprint),
             describe=binding.describe(),
+            runs_prompts=local,
             metrics_source=handler,
             on_stop=[self._stop_pump, loop.stop, endpoint.transport.close],
             after=[peers.close],

@@ -176,6 +176,9 @@ class EngineConfig:
     # this time per output token (engine/scheduler/tpot_guard.py); a decode node running prompts
     # itself sets it. None: prompts first, in chunks of chunked_prefill_size.
     tpot_guard_ms: float | None = None
+    # Before serving, run synthetic prompts of each length class (engine/warmup.py): the prompt
+    # path's kernel compiles are paid then, and the prompt rate is measured on warm kernels.
+    prompt_warmup: bool = False
     # Keep finished requests' KV pages by token prefix and reuse them (engine/radix_cache.py);
     # off: every prompt is computed whole (`--disable-radix-cache`).
     radix_cache: bool = True

@@ -118,6 +118,10 @@ class ThreadedIO:
         self._wake.wait(timeout)
         self._wake.clear()
 
+    def reset_finished(self) -> None:
+        with self._lock:
+            self.finished.clear()
+
     def finished_counts(self) -> dict[str, int]:
         with self._lock:
             return dict(self.finished)

@@ -250,6 +250,10 @@ class RadixCache:
                 self.listener.removed(gone)
         return len(freed)
 
+    def reset_stats(self) -> None:
+        """Zero the counters (a node's warm-up pages are nobody's hits or evictions)."""
+        self.stats = dict.fromkeys(self.stats, 0)
+
     def clear(self) -> int:
         """Evict every page no request reads."""
         return self.evict(self.num_evictable)

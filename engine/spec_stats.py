@@ -36,6 +36,11 @@ class SpecStats:
         self.proposed_drafts += (self.max_drafts if drafts_per_req is None else drafts_per_req) * n
         self.accept_len_hist[accept_len] += n
 
+    def reset(self) -> None:
+        """Zero the counts (a node's warm-up verifies are no one's acceptance)."""
+        self.verifies = self.accepted_drafts = self.proposed_drafts = 0
+        self.accept_len_hist.clear()
+
     @property
     def mean_accept_len(self) -> float:
         """Tokens emitted per request per target forward (correct drafts + the bonus)."""

@@ -89,6 +89,9 @@ class NodeRates:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._start()
+
+    def _start(self) -> None:
         self._prefill: deque[float] = deque(maxlen=RATE_SAMPLES)  # tokens/s of prompt batches big enough to tell
         self._recent_prompt_batches: deque[int] = deque(maxlen=RECENT_BATCHES)  # their tokens
         self._steps: dict[int, _Decayed] = {}  # bucket -> seconds / decode steps
@@ -96,6 +99,16 @@ class NodeRates:
         self._last_done = 0.0  # perf_counter when the last batch's results reached the host
         self._decode_tokens = RecentRate()  # demand served: tokens emitted, prompt tokens computed
         self._prompt_tokens = RecentRate()
+
+    def reset(self) -> None:
+        """Forget every measurement (a node's warm-up, after the batches that paid for compiles)."""
+        with self._lock:
+            self._start()
+
+    def forget_demand(self) -> None:
+        """Forget the recent tokens served (the warm-up's are no one's demand); speeds stay."""
+        with self._lock:
+            self._decode_tokens, self._prompt_tokens = RecentRate(), RecentRate()
 
     def batch_done(self, mode: ForwardMode, batch_size: int, tokens: int, launched_at: float) -> None:
         """A batch's results reached the host (scheduler thread): it is charged the time from its

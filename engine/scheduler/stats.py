@@ -48,6 +48,10 @@ class DurationHistogram:
             self._counts[i] += 1
             self._sum += seconds
 
+    def reset(self) -> None:
+        with self._lock:
+            self._counts, self._sum = [0] * len(self._counts), 0.0
+
     def snapshot(self) -> tuple[list[tuple[float, int]], float]:
         """([(upper bound, cumulative count)] ending with (inf, total), sum of observations)."""
         with self._lock:
@@ -69,6 +73,10 @@ class LaunchTimes:
 
     def __init__(self) -> None:
         self.by_kind = {kind: DurationHistogram(LAUNCH_BUCKETS) for kind in self.KINDS}
+
+    def reset(self) -> None:
+        for hist in self.by_kind.values():
+            hist.reset()
 
     def observe(self, mode: ForwardMode, seconds: float) -> None:
         self.by_kind["prompt" if mode is ForwardMode.EXTEND else "decode"].observe(seconds)

@@ -21,6 +21,7 @@ from engine.service.server import (
     stop_on_signals,
 )
 from engine.service.servicer import SchedulerServicer
+from engine.warmup import warm_before_serving
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class RoleParts:
     info_role: str  # GetModelInfo's role: "prefill", "decode" or "null" (colocated)
     pairing_protocol: str | None = None
     describe: str = ""  # for the start-up log line (the speculative setup)
+    runs_prompts: bool = True  # False: a decode node that only continues handed-off requests (no warm-up)
     metrics_source: Any = None  # what /metrics reads the role's PD gauges from (its handler), if any
     # after the servers stop, in order; stopping the engine loop is one of them
     on_stop: list[Callable[[], None]] = field(default_factory=list)
@@ -95,6 +97,10 @@ async def _serve(
     loop = EngineLoop(engine).start()
     try:
         parts = role.attach(loop, binding, host)
+        # before the API listens: no router sees the node until its prompt path is warm
+        if engine.config.prompt_warmup and parts.runs_prompts and not await warm_before_serving(loop, stop):
+            await _close(parts, loop)  # stopped while warming up
+            return
         info = node_info(engine, parts.info_role, served_model_name, pairing_protocol=parts.pairing_protocol)
         servicer = SchedulerServicer(info, loop, parts.handler, stopping=stop)
         api, api_port = await start_server([scheduler_service(servicer)], host, port, watch=servicer.health)
@@ -111,13 +117,21 @@ async def _serve(
         metrics = metrics_suffix(engine, role.name, host, metrics_port, parts.metrics_source)
         print(f"READY scheduler={host}:{api_port}{extra}{metrics}", flush=True)
 
-        def shutdown() -> None:
-            for step in parts.on_stop or [loop.stop]:
-                step()
-
-        await serve_until(stop, [api, *servers], on_stop=shutdown)
+        await serve_until(stop, [api, *servers], on_stop=lambda: _stop_steps(parts, loop))
         for close in parts.after:
             await close()
     finally:
         loop.stop()  # before the ranks: no step may be sent to followers being stopped
         engine.close()
+
+
+def _stop_steps(parts: RoleParts, loop: EngineLoop) -> None:
+    for step in parts.on_stop or [loop.stop]:
+        step()
+
+
+async def _close(parts: RoleParts, loop: EngineLoop) -> None:
+    """The role's stop steps and closers, for a node stopped before it served."""
+    _stop_steps(parts, loop)
+    for close in parts.after:
+        await close()

@@ -18,14 +18,20 @@ def _complete(s, rid: str, ids: list[int], stream: bool = False):
     return list(s.Generate(local_request(rid, ids, max_new=8, stream=stream), timeout=60))
 
 
-@pytest.mark.parametrize("disabled", [False, True], ids=["cache", "disabled"])
-def test_a_follow_up_reports_its_cached_prompt_tokens(tiny_llama_dir, disabled):
-    flags = ["--disable-radix-cache"] if disabled else []
+@pytest.mark.parametrize(
+    "disabled, warmup", [(False, False), (True, False), (False, True)], ids=["cache", "disabled", "warmed-up"]
+)
+def test_a_follow_up_reports_its_cached_prompt_tokens(tiny_llama_dir, disabled, warmup):
+    """A node warmed up at start (engine/warmup.py) reports its prompt rate before any request,
+    and counts, caches and reports exactly what a cold one does."""
+    flags = (["--disable-radix-cache"] if disabled else []) + (["--warmup"] if warmup else [])
     node = Node(
         ["serve", "--model", str(tiny_llama_dir), "--port", "0", "--page-size", "4", "--metrics-port", "0", *flags]
     ).wait_ready()
     try:
         s = stub(node.ports["scheduler"])
+        perf = s.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).server_args["perf"]
+        assert (perf["prefill_tokens_per_s"] > 0) == warmup
         first = _complete(s, "t1", HISTORY)[-1].complete
         assert first.cached_tokens == 0
         follow = HISTORY + list(first.output_ids) + [3, 1, 4]
