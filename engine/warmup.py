@@ -7,8 +7,9 @@ that the first real prompts would pay, and that the node's measured prompt rate 
 and the TPOT guard read) would take as the node's speed. So before it serves, the node runs a few
 synthetic prompts through its own scheduler: one per length class, then a follow-up over a cached
 prefix (the compile pass); then it forgets what the compile pass measured and times a few prompts
-of a whole chunk (the measure pass). Their KV returns to the pool, the prefix cache is emptied, and
-the counters the node exports start from zero.
+of a whole chunk and a few small ones (the measure pass: the prompt rate, and a batch's fixed
+part). Their KV returns to the pool, the prefix cache is emptied, and the counters the node
+exports start from zero.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ log = logging.getLogger(__name__)
 # on divisibility by 16, and the kernels' block shapes on length, so both kinds of each size.
 COMPILE_LENGTHS = (5, 16, 37, 64, 200, 256, 700, 1024)
 MEASURE_PROMPTS = 3  # whole-chunk prompts the rate is measured on (the rate is their median)
+OVERHEAD_PROMPTS = 3  # and small ones their fixed part (engine/scheduler/rates.py) is measured on
+OVERHEAD_TOKENS = 32
 FOLLOW_UP_TOKENS = 50  # new tokens after the cached prefix (a follow-up turn)
 POLL_S = 0.1  # how often a wait looks whether the engine still runs
 
@@ -39,6 +42,7 @@ class WarmupReport:
     prompts: int
     seconds: float
     prefill_tokens_per_s: float
+    prompt_overhead_s: float
 
 
 def compile_lengths(max_chunk: int, max_prompt: int) -> list[int]:
@@ -64,17 +68,21 @@ def warm_up_prompts(loop: EngineLoop, timeout_s: float = 600.0, seed: int = 0) -
     for ids in [*prompts, follow_up[:max_prompt]]:
         _run_one(loop, ids, deadline)
     loop.call(engine.rates.reset).result(timeout=_left(deadline))
-    for _ in range(MEASURE_PROMPTS):
-        _run_one(loop, [rng.randrange(vocab) for _ in range(chunk)], deadline)
+    for n in [chunk] * MEASURE_PROMPTS + [min(OVERHEAD_TOKENS, chunk)] * OVERHEAD_PROMPTS:
+        _run_one(loop, [rng.randrange(vocab) for _ in range(n)], deadline)
     loop.call(lambda: _forget(loop)).result(timeout=_left(deadline))
     report = WarmupReport(
-        len(prompts) + 1 + MEASURE_PROMPTS, time.monotonic() - started, engine.rates.prefill_tokens_per_s()
+        len(prompts) + 1 + MEASURE_PROMPTS + OVERHEAD_PROMPTS,
+        time.monotonic() - started,
+        engine.rates.prefill_tokens_per_s(),
+        engine.rates.prompt_overhead_s(),
     )
     log.info(
-        "prompt path warm: %d prompts in %.1f s, %.0f prompt tokens/s",
+        "prompt path warm: %d prompts in %.1f s, %.0f prompt tokens/s, %.1f ms per prompt batch beside its tokens",
         report.prompts,
         report.seconds,
         report.prefill_tokens_per_s,
+        report.prompt_overhead_s * 1e3,
     )
     return report
 

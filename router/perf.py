@@ -34,6 +34,7 @@ class NodePerf:
     """A node's measured rates; 0 (or empty, or None) is unknown. Older nodes and SGLang workers report none."""
 
     prefill_tokens_per_s: float = 0.0
+    prompt_overhead_s: float = 0.0  # what a prompt batch costs beyond its tokens at the rate
     decode_step_s: tuple[tuple[int, float], ...] = ()  # (batch size, seconds per step), sorted by size
     decode_tokens_per_step: float = 0.0  # 1 plain, the mean accept length with speculation
     decode_capacity_tokens_per_s: float = 0.0
@@ -47,6 +48,7 @@ class NodePerf:
         guard = _rate(value.get("tpot_guard_s"))
         return NodePerf(
             prefill_tokens_per_s=_rate(value.get("prefill_tokens_per_s")),
+            prompt_overhead_s=_rate(value.get("prompt_overhead_s")),
             decode_step_s=_steps(value.get("decode_step_s")),
             decode_tokens_per_step=_rate(value.get("decode_tokens_per_step")),
             decode_capacity_tokens_per_s=_rate(value.get("decode_capacity_tokens_per_s")),

@@ -1,11 +1,12 @@
 """Where a request's prompt runs: on a prefill node (remote) or on its decode node (local), from measured rates.
 
-Pure functions over NodeState; no I/O. A decode node that runs a prompt itself alternates prompt
-chunks with decode steps, keeping its running requests within its TPOT guard T: one step plus one
-chunk may last T * a seconds (a: tokens a request gains per step), so the chunk gets
-c = T * a - step(B) seconds of each cycle and the prompt advances at rate * c / (T * a). Remote
-TTFT is the prefill's queue plus the prompt at its rate, plus the KV transfer when the decode
-reports it.
+Pure functions over NodeState; no I/O. A decode node that runs a prompt itself puts prompt chunks
+between its decode steps, keeping its running requests within its TPOT guard T: a request gains
+a tokens per step (a: tokens per step), earning T * a - step(B) seconds per step that chunks may
+spend, so prompts get (T * a - step(B)) / (T * a) of the node's time, and each chunk pays the
+batch's fixed part (the node's measured prompt overhead) beside its tokens at the node's rate.
+Remote TTFT is the prefill's queue plus the prompt at its rate, plus the KV transfer when the
+decode reports it.
 
 Under `auto` the prefill tier is the default, because every prompt run locally slows the decode
 node's running requests towards its guard: that is what disaggregation exists to avoid. A prompt
@@ -19,15 +20,18 @@ is measured first (remote).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Collection, Sequence
 
-from common.defaults import PD_PREFILL_POLICIES
+from common.defaults import DEFAULT_CHUNKED_PREFILL_SIZE, PD_PREFILL_POLICIES
 from router.contract import GenerationJob
 from router.nodes import NodeRegistry, NodeState
 from router.policy import Policy, select_colocated, select_pair
 
 POLICIES = PD_PREFILL_POLICIES
+# The chunk a decode node's guard runs a long prompt in (its chunked prefill size, by default).
+LOCAL_CHUNK_TOKENS = DEFAULT_CHUNKED_PREFILL_SIZE
 
 # Why a path was taken: a fixed set, because each one is a metric label value.
 POLICY = "policy"  # --pd-prefill-policy remote or local said so
@@ -117,21 +121,21 @@ def local_ttft(decode: NodeState, prompt_tokens: int, max_new_tokens: int, borro
     rate = perf.prefill_tokens_per_s or borrowed_rate
     # Other routers' requests show in the report, ours sent since the report in our count.
     batch = max(decode.running, decode.inflight)
-    if batch == 0:
-        local_rate = rate
-    else:
+    share = 1.0  # of the node's time that prompts may take
+    if batch > 0:
         step = perf.step_s(batch)
         if step is None:
             return LocalEstimate()
         cycle = guard * max(1.0, perf.decode_tokens_per_step)
-        chunk = cycle - step
-        if chunk <= 0:
+        if cycle <= step:
             return LocalEstimate(refusal=DECODE_AT_BUDGET)
-        local_rate = rate * chunk / cycle
-    if local_rate <= 0:
+        share = (cycle - step) / cycle
+    if rate <= 0:
         return LocalEstimate()
     queued = decode.waiting_prompt_tokens + decode.prompts.since(decode.loads_at) + prompt_tokens
-    return LocalEstimate(seconds=queued / local_rate)
+    # each chunk (the guard runs them up to a chunk's size) also pays the batch's fixed part
+    chunks = math.ceil(queued / LOCAL_CHUNK_TOKENS)
+    return LocalEstimate(seconds=(queued / rate + chunks * perf.prompt_overhead_s) / share)
 
 
 def decide(

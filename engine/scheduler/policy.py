@@ -41,9 +41,9 @@ class PolicyConfig:
 class BatchPolicy:
     """Prefill first (new and partially prefilled requests), otherwise one decode step for all.
 
-    With a TPOT guard (a decode node that also runs prompts) decoding requests come first: prompt
-    chunks sized by the guard alternate with decode steps, so a prompt never stalls decoding for
-    longer than the guard allows.
+    With a TPOT guard (a decode node that also runs prompts) decoding requests come first: a prompt
+    chunk runs only when the guard says their slack pays for it, and never two in a row, so
+    prompts keep the decoding requests within the guard's time per output token.
 
     Admission reserves pages for a request's whole remaining prompt plus a decode reserve, so a
     chunked prefill never stalls halfway for lack of pages; decode grows pages step by step and
@@ -71,17 +71,24 @@ class BatchPolicy:
             return solo
         decoding = self._decoding()
         budget = self.cfg.chunked_prefill_size
-        if self.guard is not None and decoding:
-            if self._chunk_ran:  # a decode step between two prompt chunks
+        if self.guard is not None and decoding and (want := self._next_prompt_tokens()):
+            budget = 0 if self._chunk_ran else self.guard.chunk_tokens(decoding, want)
+            if budget <= 0:  # a decode step between two prompt chunks, or until slack pays for one
                 self._chunk_ran = False
                 return self._decode_batch(on_retract, decoding)
-            budget = self.guard.chunk_tokens(len(decoding))
         batch = self._prefill_batch(on_admit, budget)
         if batch is not None:
             self._chunk_ran = True
             return batch
         self._chunk_ran = False
         return self._decode_batch(on_retract, decoding)
+
+    def _next_prompt_tokens(self) -> int:
+        """Tokens the next prompt to run still needs (a chunked one first); 0: none waits."""
+        for req in self.running:
+            if req.needs_extend:
+                return req.num_uncomputed
+        return self.waiting[0].num_uncomputed if self.waiting else 0
 
     def _solo_batch(self, on_admit: ReqHook, on_retract: ReqHook) -> Batch | None:
         """A request under suspicion (engine.scheduler isolates the members of a failed batch)

@@ -34,6 +34,10 @@ RECENT_BATCHES = 64
 # seconds dominated the sum, a decode node's rate read 288 tokens/s for minutes on an H100, and
 # the TPOT guard, sizing chunks by that rate, cut its prompts to 32-token chunks.
 RATE_SAMPLES = 9
+# A prompt batch's fixed part (the weights read once, every layer launched from the host) is what a
+# batch of at most this many tokens costs beyond its tokens at the rate: the median of the last
+# RATE_SAMPLES such batches.
+OVERHEAD_MAX_TOKENS = 128
 
 
 def bucket(batch_size: int) -> int:
@@ -94,6 +98,7 @@ class NodeRates:
     def _start(self) -> None:
         self._prefill: deque[float] = deque(maxlen=RATE_SAMPLES)  # tokens/s of prompt batches big enough to tell
         self._recent_prompt_batches: deque[int] = deque(maxlen=RECENT_BATCHES)  # their tokens
+        self._small: deque[tuple[int, float]] = deque(maxlen=RATE_SAMPLES)  # (tokens, seconds) of small ones
         self._steps: dict[int, _Decayed] = {}  # bucket -> seconds / decode steps
         self._per_step = _Decayed()  # tokens a request gains / decode steps
         self._last_done = 0.0  # perf_counter when the last batch's results reached the host
@@ -128,6 +133,8 @@ class NodeRates:
                 self._recent_prompt_batches.append(tokens)
                 if tokens >= min(RATE_MIN_TOKENS, max(self._recent_prompt_batches) // 2):
                     self._prefill.append(tokens / seconds)
+                if tokens <= OVERHEAD_MAX_TOKENS:
+                    self._small.append((tokens, seconds))
                 self._prompt_tokens.add(tokens)
             elif mode is ForwardMode.DECODE:
                 self._steps.setdefault(min(bucket(batch_size), MAX_BUCKET), _Decayed()).add(seconds, 1.0)
@@ -138,6 +145,14 @@ class NodeRates:
         """Prompt tokens per second of computing prompts (0: none measured)."""
         with self._lock:
             return statistics.median(self._prefill) if self._prefill else 0.0
+
+    def prompt_overhead_s(self) -> float:
+        """Seconds a prompt batch costs beyond its tokens at the prompt rate (0: unknown)."""
+        with self._lock:
+            if not self._prefill or not self._small:
+                return 0.0
+            rate = statistics.median(self._prefill)
+            return max(0.0, statistics.median(s - n / rate for n, s in self._small))
 
     def recent_decode_tokens_per_s(self) -> float:
         """Tokens emitted per second over the last few seconds."""
@@ -173,6 +188,7 @@ class NodeRates:
         """The figures a load report carries (the router's `perf`)."""
         return {
             "prefill_tokens_per_s": self.prefill_tokens_per_s(),
+            "prompt_overhead_s": self.prompt_overhead_s(),
             "decode_step_s": {str(b): s for b, s in self.step_times().items()},
             "decode_tokens_per_step": self.decode_tokens_per_step(),
             "decode_capacity_tokens_per_s": self.decode_capacity_tokens_per_s(max_running),

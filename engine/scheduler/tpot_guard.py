@@ -1,22 +1,42 @@
-"""The TPOT guard: how many prompt tokens may run between two decode steps on a node that decodes.
+"""The TPOT guard: when, and how many, prompt tokens may run on a node that decodes.
 
-A decode node that also runs prompts (the router's local path) alternates one prompt chunk with
-one decode step. Its running requests then see a token every `step + chunk` seconds per step's
-worth of tokens, so keeping their time per output token within `tpot_s` bounds the chunk to
-`tpot_s * tokens_per_step - step(batch size)` seconds of prompt, which the measured prompt rate
-turns into tokens. Until the rates are measured a small fixed chunk runs.
+A decode node that also runs prompts (the router's local path) puts prompt chunks between its
+decode steps. A chunk is a forward of its own, so it costs a fixed part (the weights read once,
+and on the host the launch of every layer: about 13 ms for an 8B model on an H100, more than a
+decode step) plus its tokens at the measured prompt rate. Sizing every chunk to fit one step's
+share of the budget made chunks small, their fixed part dominant, and the decode slower than the
+guard promised (bench/RESULTS.md). So the guard spends slack instead:
+
+- Each decoding request keeps a slack: `tpot_s` per token it has gained since the guard first saw
+  it decoding, minus the time that took, plus what its next steps will earn (at most HORIZON
+  tokens, each `tpot_s` minus the step's share). A request on budget has slack >= 0 at its end.
+- A chunk runs when every decoding request's slack pays for it; it takes as many tokens as the
+  smallest slack pays for (fixed part included), at most the node's chunk size. Chunks are then
+  few and large, and each request's mean time per output token stays within `tpot_s`.
+- A chunk too small to be worth its fixed part waits for slack to grow, unless it would finish the
+  prompt; after STARVE_STEPS steps without one, a prompt advances by MIN_CHUNK regardless (the
+  router stops sending prompts to a node whose steps alone fill its budget).
+Until the rates are measured a small fixed chunk alternates with each step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+import time
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from engine.core import Req
 
 # Before any measurement: small enough for a few milliseconds on any GPU this serves.
 UNMEASURED_CHUNK = 256
-# A prompt always advances by at least this much per cycle, even on a decode node already at its
-# budget (the router stops sending it prompts then; those it has still finish).
+# A prompt always advances by at least this much every STARVE_STEPS decode steps.
 MIN_CHUNK = 32
+STARVE_STEPS = 32
+# The smallest chunk worth its fixed part (unless the prompt needs less).
+EFFICIENT_CHUNK = 256
+# Tokens of a request's future steps whose earnings the guard may spend now: bounds how far ahead
+# a request pays (one that ends earlier than its max_new_tokens pays at most this much).
+HORIZON = 32
 
 
 class Rates(Protocol):
@@ -24,21 +44,50 @@ class Rates(Protocol):
 
     def prefill_tokens_per_s(self) -> float: ...
 
+    def prompt_overhead_s(self) -> float: ...
+
     def decode_step_s(self, batch_size: int) -> float | None: ...
 
     def decode_tokens_per_step(self) -> float: ...
 
 
-@dataclass(frozen=True)
+@dataclass
 class TpotGuard:
     tpot_s: float  # the time per output token running requests keep while prompts interleave
     rates: Rates
     max_chunk: int  # the node's chunked prefill size
+    _since: dict[str, tuple[float, int]] = field(default_factory=dict)  # rid -> (first seen, tokens then)
+    _denied: int = 0  # decode steps run since a prompt last advanced
 
-    def chunk_tokens(self, batch_size: int) -> int:
-        """Prompt tokens the next chunk may compute with `batch_size` requests decoding."""
-        rate, step = self.rates.prefill_tokens_per_s(), self.rates.decode_step_s(batch_size)
+    def chunk_tokens(self, decoding: Sequence[Req], want: int, now: float | None = None) -> int:
+        """Prompt tokens the next batch may compute with `decoding` requests decoding and a prompt
+        that needs `want` more tokens; 0: run a decode step first."""
+        rate, step = self.rates.prefill_tokens_per_s(), self.rates.decode_step_s(len(decoding))
         if rate <= 0 or step is None:
             return min(UNMEASURED_CHUNK, self.max_chunk)
-        cycle = self.tpot_s * max(1.0, self.rates.decode_tokens_per_step())
-        return max(MIN_CHUNK, min(self.max_chunk, int((cycle - step) * rate)))
+        slack = self.slack_s(decoding, step, time.monotonic() if now is None else now)
+        fits = int((slack - self.rates.prompt_overhead_s()) * rate)
+        tokens = min(self.max_chunk, fits)
+        if tokens >= min(want, EFFICIENT_CHUNK):
+            self._denied = 0
+            return tokens
+        if self._denied >= STARVE_STEPS:
+            self._denied = 0
+            return max(MIN_CHUNK, min(tokens, self.max_chunk))
+        self._denied += 1
+        return 0
+
+    def slack_s(self, decoding: Sequence[Req], step: float, now: float) -> float:
+        """The smallest slack among `decoding` (seconds); requests seen for the first time start now."""
+        per_step = max(1.0, self.rates.decode_tokens_per_step())
+        earn = self.tpot_s - step / per_step  # what each future token earns
+        live = {r.rid for r in decoding}
+        for rid in [rid for rid in self._since if rid not in live]:
+            del self._since[rid]
+        smallest = float("inf")
+        for r in decoding:
+            gained = len(r.output_ids)
+            since, base = self._since.setdefault(r.rid, (now, gained))
+            ahead = min(HORIZON, max(0, r.params.max_new_tokens - gained))
+            smallest = min(smallest, self.tpot_s * (gained - base) - (now - since) + ahead * earn)
+        return smallest

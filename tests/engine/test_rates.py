@@ -90,3 +90,17 @@ def test_recent_rate_counts_the_window_only():
         r.add(100, now=float(t))
     assert r.per_second(now=19.5) == pytest.approx(100 * 10 / 10)
     assert r.per_second(now=40.0) == 0.0
+
+
+def test_prompt_overhead_is_what_small_batches_cost_beyond_their_tokens():
+    rates = NodeRates()
+    assert rates.prompt_overhead_s() == 0.0
+    rates.observe(ForwardMode.EXTEND, 1, 32, 0.013)  # no rate yet: unknown
+    assert rates.prompt_overhead_s() == 0.0
+    for _ in range(3):
+        rates.observe(ForwardMode.EXTEND, 1, 2000, 0.05)  # 40,000 tokens/s
+    rates.observe(ForwardMode.EXTEND, 1, 120, 0.016)  # 3 ms of tokens
+    assert rates.prompt_overhead_s() == pytest.approx(0.0126)  # the median of 12.2 and 13 ms
+    assert rates.snapshot(8)["prompt_overhead_s"] == rates.prompt_overhead_s()
+    rates.reset()
+    assert rates.prompt_overhead_s() == 0.0 and rates.prefill_tokens_per_s() == 0.0

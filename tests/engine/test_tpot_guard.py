@@ -1,6 +1,6 @@
-"""The TPOT guard: prompt chunks sized from the measured rates alternate with decode steps on a node
-that decodes, and the output is what the node gives without the guard (plain, EAGLE, n-gram;
-chunked prompts that arrive while others decode); every page returns."""
+"""The TPOT guard: prompt chunks run between decode steps when the decoding requests' slack pays for
+them (tokens and the batch's fixed part), and the output is what the node gives without the guard
+(plain, EAGLE, n-gram; chunked prompts that arrive while others decode); every page returns."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine.core import ForwardMode, SamplingParams
+from engine.core import ForwardMode, Req, SamplingParams
 from engine.engine import Engine, EngineConfig
-from engine.scheduler.tpot_guard import MIN_CHUNK, UNMEASURED_CHUNK, TpotGuard
+from engine.scheduler.tpot_guard import HORIZON, MIN_CHUNK, STARVE_STEPS, UNMEASURED_CHUNK, TpotGuard
 from fixtures.tiny_eagle import write_tiny_eagle_head
 from fixtures.tiny_model import write_tiny_model
 from spec.config import SpecConfig
@@ -26,9 +26,13 @@ class FixedRates:
     prefill: float
     step: float | None
     per_step: float = 1.0
+    overhead: float = 0.0
 
     def prefill_tokens_per_s(self) -> float:
         return self.prefill
+
+    def prompt_overhead_s(self) -> float:
+        return self.overhead
 
     def decode_step_s(self, batch_size: int) -> float | None:
         return None if self.step is None else self.step * (1 + batch_size / 100)
@@ -37,17 +41,53 @@ class FixedRates:
         return self.per_step
 
 
-def test_chunk_fills_the_tpot_budget_left_by_the_decode_step():
-    # 25 ms per token, an 8 ms step at batch 1 (8.08 ms): 16.92 ms of prompt at 10K tokens/s
-    assert TpotGuard(0.025, FixedRates(10_000, 0.008), 8192).chunk_tokens(1) == 169
-    # speculation: 2.5 tokens per step leave 62.5 - 8.08 ms per cycle
-    assert TpotGuard(0.025, FixedRates(10_000, 0.008, 2.5), 8192).chunk_tokens(1) == 544
-    # never more than the node's chunk size, never below the floor (a step already at the budget)
-    assert TpotGuard(0.025, FixedRates(1e6, 0.008), 512).chunk_tokens(1) == 512
-    assert TpotGuard(0.025, FixedRates(10_000, 0.030), 8192).chunk_tokens(1) == MIN_CHUNK
+def _req(rid: str, produced: int, max_new: int = 100) -> Req:
+    req = Req(rid, [1, 2, 3], SamplingParams(max_new_tokens=max_new))
+    req.output_ids = list(range(produced))
+    return req
+
+
+def test_a_chunk_spends_the_smallest_slack_of_the_decoding_requests():
+    # 25 ms per token, an 8.08 ms step at batch 1: each future token earns 16.92 ms, and a request
+    # first seen now may spend 16 of them (the horizon); the chunk's fixed part is 5 ms
+    guard = TpotGuard(0.025, FixedRates(10_000, 0.008, overhead=0.005), 8192)
+    fresh = _req("a", 0)
+    assert guard.chunk_tokens([fresh], want=5000, now=100.0) == int((HORIZON * 0.01692 - 0.005) * 10_000)
+    # one second later it has gained 10 tokens: 250 ms earned, 1 s spent: nothing to spend
+    fresh.output_ids = list(range(10))
+    assert guard.chunk_tokens([fresh], want=5000, now=101.0) == 0
+    # the smallest slack decides: a request on budget beside it changes nothing
+    on_budget = _req("b", 0)
+    assert guard.chunk_tokens([fresh, on_budget], want=5000, now=101.0) == 0
+    # a request near its end has few tokens left to earn with
+    guard = TpotGuard(0.025, FixedRates(10_000, 0.008, overhead=0.005), 8192)
+    assert guard.chunk_tokens([_req("c", 98)], want=5000, now=0.0) == int((2 * 0.01692 - 0.005) * 10_000)
+
+
+def test_chunks_are_worth_their_fixed_part_and_a_prompt_never_starves():
+    rates = FixedRates(10_000, 0.008, overhead=0.030)
+    guard = TpotGuard(0.025, rates, 512)
+    # never more than the node's chunk size
+    assert TpotGuard(0.025, FixedRates(1e6, 0.008), 512).chunk_tokens([_req("a", 0)], want=5000, now=0.0) == 512
+    # a slack that pays 34 tokens beside the 30 ms fixed part: too small for a long prompt...
+    ahead = _req("a", 98)  # two tokens left: 33.84 ms to spend
+    assert guard.chunk_tokens([ahead], want=5000, now=0.0) == 0
+    # ...enough to finish a short one
+    assert guard.chunk_tokens([ahead], want=30, now=0.0) == 38
+    # a step already over the budget earns nothing: after STARVE_STEPS refusals, MIN_CHUNK anyway
+    slow = TpotGuard(0.025, FixedRates(10_000, 0.030), 8192)
+    got = [slow.chunk_tokens([_req("s", 0)], want=5000, now=0.0) for _ in range(STARVE_STEPS + 1)]
+    assert got == [0] * STARVE_STEPS + [MIN_CHUNK]
     # nothing measured yet: a small fixed chunk
-    assert TpotGuard(0.025, FixedRates(0.0, None), 8192).chunk_tokens(4) == UNMEASURED_CHUNK
-    assert TpotGuard(0.025, FixedRates(0.0, None), 64).chunk_tokens(4) == 64
+    assert TpotGuard(0.025, FixedRates(0.0, None), 8192).chunk_tokens([_req("a", 0)], 50) == UNMEASURED_CHUNK
+    assert TpotGuard(0.025, FixedRates(0.0, None), 64).chunk_tokens([_req("a", 0)], 50) == 64
+
+
+def test_the_guard_forgets_requests_that_stopped_decoding():
+    guard = TpotGuard(0.025, FixedRates(10_000, 0.008), 8192)
+    guard.chunk_tokens([_req("a", 0), _req("b", 0)], want=100, now=0.0)
+    guard.chunk_tokens([_req("b", 3)], want=100, now=0.1)
+    assert set(guard._since) == {"b"}
 
 
 @pytest.fixture(scope="module")

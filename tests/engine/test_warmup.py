@@ -13,7 +13,7 @@ import pytest
 from engine.core import SamplingParams
 from engine.engine import Engine, EngineConfig
 from engine.loop import EngineLoop, ThreadedIO
-from engine.warmup import MEASURE_PROMPTS, compile_lengths, warm_before_serving, warm_up_prompts
+from engine.warmup import MEASURE_PROMPTS, OVERHEAD_PROMPTS, compile_lengths, warm_before_serving, warm_up_prompts
 from fixtures.tiny_eagle import write_tiny_eagle_head
 from spec.config import SpecConfig
 from spec.registry import bind
@@ -61,7 +61,7 @@ def test_warm_up_measures_warm_prompts_and_leaves_nothing_behind(tiny_llama_dir,
     try:
         eng = lp.engine
         report = warm_up_prompts(lp, timeout_s=TIMEOUT)
-        assert report.prompts == len(compile_lengths(64, 10_000)) + 1 + MEASURE_PROMPTS
+        assert report.prompts == len(compile_lengths(64, 10_000)) + 1 + MEASURE_PROMPTS + OVERHEAD_PROMPTS
         assert report.prefill_tokens_per_s > 0 and eng.rates.prefill_tokens_per_s() == report.prefill_tokens_per_s
 
         def state():

@@ -54,8 +54,15 @@ def decode(
     local: bool = True,
     max_tokens: int = 100_000,
     used: int = 0,
+    overhead: float = 0.0,
 ) -> NodeState:
-    perf = NodePerf(prefill_tokens_per_s=rate, decode_step_s=steps, decode_tokens_per_step=per_step, tpot_guard_s=guard)
+    perf = NodePerf(
+        prefill_tokens_per_s=rate,
+        prompt_overhead_s=overhead,
+        decode_step_s=steps,
+        decode_tokens_per_step=per_step,
+        tpot_guard_s=guard,
+    )
     return NodeState(
         NodeSpec("decode", "d:1"),
         healthy=True,
@@ -104,6 +111,15 @@ def test_what_computes_little_on_the_decode_runs_there() -> None:
     assert decide("auto", prefill(), decode(rate=300.0), 200, 100).path == "remote"
     with pytest.raises(ValueError, match="local_max_tokens"):
         PathRule(local_max_tokens=-1)
+
+
+def test_each_local_chunk_pays_the_batch_overhead_in_the_guard_share() -> None:
+    # 8 running: prompts get 15/25 of the node; 5,000 tokens are three 2,048-token chunks, each
+    # paying a 13 ms fixed part beside its tokens
+    est = local_ttft(decode(running=8, overhead=0.013), 5000, 10, 0.0)
+    assert est.seconds == pytest.approx((5000 / RATE + 3 * 0.013) / 0.6)
+    # an idle decode gives prompts all its time; one short prompt is one chunk
+    assert local_ttft(decode(overhead=0.013), 100, 10, 0.0).seconds == pytest.approx(100 / RATE + 0.013)
 
 
 def test_decode_at_its_tpot_budget_cannot_take_prompts() -> None:
@@ -203,14 +219,23 @@ def test_policies_remote_and_local() -> None:
 def test_perf_report_is_parsed_defensively() -> None:
     good = {
         "prefill_tokens_per_s": 5000,
+        "prompt_overhead_s": 0.013,
         "decode_step_s": {"1": 0.004, "8": 0.009, "2": 0.005},
         "decode_tokens_per_step": 2.5,
         "decode_capacity_tokens_per_s": 900.0,
         "tpot_guard_s": 0.025,
     }
-    assert NodePerf.parse(good) == NodePerf(5000.0, ((1, 0.004), (2, 0.005), (8, 0.009)), 2.5, 900.0, 0.025)
+    assert NodePerf.parse(good) == NodePerf(
+        prefill_tokens_per_s=5000.0,
+        prompt_overhead_s=0.013,
+        decode_step_s=((1, 0.004), (2, 0.005), (8, 0.009)),
+        decode_tokens_per_step=2.5,
+        decode_capacity_tokens_per_s=900.0,
+        tpot_guard_s=0.025,
+    )
     bad = {
         "prefill_tokens_per_s": "fast",
+        "prompt_overhead_s": -0.5,
         "decode_step_s": {"x": 1.0, "4": -1.0, "0": 0.1, "16": "slow", "2.0": 0.003},
         "decode_tokens_per_step": float("nan"),
         "decode_capacity_tokens_per_s": True,
