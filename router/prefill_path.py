@@ -10,11 +10,11 @@ decode reports it.
 
 Under `auto` the prefill tier is the default, because every prompt run locally slows the decode
 node's running requests towards its guard: that is what disaggregation exists to avoid. A prompt
-runs locally only when what it must compute there (after the decode's cached prefix) is short (a
-follow-up turn whose history the decode holds: one chunk, cheaper than the transfer it saves) and
-its estimate there is no worse than remote's, or
-when the prefill tier is behind (its estimate over the rule's TTFT target) and local is faster:
-overflow, so a saturated prefill tier no longer caps the deployment. An unmeasured prefill tier
+runs locally only when it is a follow-up turn whose history the decode holds and what it must
+compute there is short (one chunk, cheaper than the transfer it saves) and its estimate there is
+no worse than remote's, or when the prefill tier is behind (its estimate over the rule's TTFT
+target) and local is clearly faster (under the rule's margin of remote): overflow, so a saturated
+prefill tier no longer caps the deployment. An unmeasured prefill tier
 is measured first (remote).
 """
 
@@ -62,14 +62,19 @@ REASONS = (
 
 @dataclass(frozen=True)
 class PathRule:
-    """`auto`'s thresholds: prompts computing at most `local_max_tokens` on the decode run there;
-    others run there only when the prefill's estimated TTFT is over `remote_target_s` and local's is lower."""
+    """`auto`'s thresholds: follow-ups computing at most `local_max_tokens` on the decode that holds
+    their history run there; others run there only when the prefill's estimated TTFT is over
+    `remote_target_s` and local's is under `overflow_margin` of it."""
 
     local_max_tokens: int = 256
     remote_target_s: float = 0.2
+    # Overflow needs local's estimate under this share of remote's: it assumes the decode's guard
+    # spends all its requests' slack on prompts, and on an H100 under load local prompts took
+    # several times their estimate (bench/RESULTS.md, the fifth goodput run).
+    overflow_margin: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.local_max_tokens < 0 or self.remote_target_s < 0:
+        if self.local_max_tokens < 0 or self.remote_target_s < 0 or not 0 < self.overflow_margin <= 1:
             raise ValueError(f"local_max_tokens and remote_target_s must be >= 0, got {self}")
 
 
@@ -169,9 +174,12 @@ def decide(
     remote = remote_ttft(prefill, decode, max(1, prompt_tokens - cached(prefill)))
     if local.refusal is not None:
         return PathDecision("remote", remote, None, local.refusal)
-    # short, and not slower there by the measured rates (a decode node whose guard cuts prompts
-    # into small chunks may be far slower at them than the prefill tier)
-    if local_tokens <= rule.local_max_tokens and (remote is None or local.seconds is None or local.seconds <= remote):
+    # a follow-up whose history the decode holds, short to finish there, and not slower there by
+    # the measured rates (a busy decode node may be far slower at prompts than the prefill tier);
+    # an uncached prompt goes to the prefill tier however short: each local one costs the decode a
+    # whole forward beside its decode steps (GPU bench: 21-32 ms)
+    short = local_tokens <= rule.local_max_tokens and cached(decode) > 0
+    if short and (remote is None or local.seconds is None or local.seconds <= remote):
         return PathDecision("local", remote, local.seconds, SHORT_LOCAL)
     if remote is None:  # cold start: measure the prefill tier first
         return PathDecision("remote", None, local.seconds, REMOTE_UNMEASURED)
@@ -179,7 +187,7 @@ def decide(
         return PathDecision("remote", remote, local.seconds, REMOTE_ON_TARGET)
     if local.seconds is None:
         return PathDecision("remote", remote, None, LOCAL_UNMEASURED)
-    if local.seconds < remote:
+    if local.seconds < remote * rule.overflow_margin:
         return PathDecision("local", remote, local.seconds, FASTER_LOCAL)
     return PathDecision("remote", remote, local.seconds, FASTER_REMOTE)
 

@@ -98,17 +98,26 @@ def test_a_prefill_on_target_keeps_long_prompts_though_an_idle_decode_is_as_fast
     assert (d.path, d.reason) == ("local", FASTER_LOCAL)
     d = decide("auto", prefill(queued=1500), decode(), 1000, 100, rule=PathRule(remote_target_s=0.3))
     assert (d.path, d.reason) == ("remote", REMOTE_ON_TARGET)
+    # overflow needs local clearly faster: under the rule's margin (half) of remote's estimate
+    d = decide("auto", prefill(queued=1500), decode(), 1000, 100, rule=PathRule(overflow_margin=0.3))
+    assert (d.path, d.reason) == ("remote", FASTER_REMOTE)
+    with pytest.raises(ValueError, match="overflow_margin"):
+        PathRule(overflow_margin=0.0)
 
 
 def test_what_computes_little_on_the_decode_runs_there() -> None:
-    # a short prompt, or a follow-up turn whose history the decode caches: one chunk there
-    d = decide("auto", prefill(), decode(), 200, 100)
+    # a follow-up turn whose history the decode caches: one chunk there
+    turn = lambda node: 1000 if node.address == "d:1" else 0  # noqa: E731
+    d = decide("auto", prefill(), decode(), 1200, 100, cached=turn)
     assert (d.path, d.reason) == ("local", SHORT_LOCAL)
-    assert decide("auto", prefill(), decode(), 200, 100, rule=PathRule(local_max_tokens=100)).path == "remote"
+    rule = PathRule(local_max_tokens=100)
+    assert decide("auto", prefill(), decode(), 1200, 100, cached=turn, rule=rule).path == "remote"
+    # a short prompt nothing of which the decode holds: the prefill tier's (a whole forward there)
+    assert d.local_s == pytest.approx(200 / RATE) and decide("auto", prefill(), decode(), 200, 100).path == "remote"
     # a decode that cannot take prompts still refuses short ones
     assert decide("auto", prefill(), decode(running=64, guard=0.02), 10, 10).reason == DECODE_AT_BUDGET
-    # nor does one measured slower at them than the prefill tier (its guard cut them small)
-    assert decide("auto", prefill(), decode(rate=300.0), 200, 100).path == "remote"
+    # nor does one measured slower at them than the prefill tier
+    assert decide("auto", prefill(), decode(rate=300.0), 1200, 100, cached=turn).path == "remote"
     with pytest.raises(ValueError, match="local_max_tokens"):
         PathRule(local_max_tokens=-1)
 

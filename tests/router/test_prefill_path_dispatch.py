@@ -25,6 +25,7 @@ def measured(rate: float = RATE, guard: float | None = 0.025, capacity: float = 
     """A perf report as nodes send it; `steps` are decode step seconds by batch size (b1=..., b8=...)."""
     return {
         "prefill_tokens_per_s": rate,
+        "prompt_overhead_s": 0.002,
         "decode_step_s": {k.removeprefix("b"): v for k, v in (steps or {"b1": 0.005, "b8": 0.010}).items()},
         "decode_tokens_per_step": 1.0,
         "decode_capacity_tokens_per_s": capacity,
@@ -52,7 +53,7 @@ def test_nodes_report_rates_and_older_nodes_report_none() -> None:
         old = FakeNode("decode")
         async with cluster(prefill(), new, old) as reg:
             n = reg.get(new.address)
-            assert n.perf == NodePerf(RATE, ((1, 0.005), (8, 0.010)), 1.0, 1000.0, 0.025) and n.local_prefill
+            assert n.perf == NodePerf(RATE, 0.002, ((1, 0.005), (8, 0.010)), 1.0, 1000.0, 0.025) and n.local_prefill
             assert (n.waiting_prompt_tokens, n.used_tokens, n.max_tokens) == (700, 30, 100_000)
             assert n.kv_transfer_s == pytest.approx(0.012) and n.loads_at > 0
             o = reg.get(old.address)
@@ -89,7 +90,7 @@ def test_auto_takes_the_faster_path() -> None:
             count = "pdserve_router_prefill_path_estimate_seconds_count"
             assert sample(metrics, count, path="remote") == 2 and sample(metrics, count, path="local") == 1
             assert sample(metrics, "pdserve_router_prefill_path_estimate_seconds_sum", path="local") == pytest.approx(
-                4 / RATE
+                4 / RATE + 0.002  # its tokens, and the batch's fixed part
             )
             await disp.close()
 

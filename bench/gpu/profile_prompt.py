@@ -1,0 +1,120 @@
+"""Where a prompt batch's time goes on the 8B shape: wall time against GPU kernel time, and the
+host's hottest functions, for prompts of a few lengths (plain, and a follow-up over a cached prefix).
+
+`python -m bench.gpu.profile_prompt --out DIR` (GPU machine). One engine (Triton attention,
+overlap, CUDA graphs for decode), warmed up; each case runs a one-token request five times for
+its wall time, once under torch.profiler for its kernels' busy time, and once under cProfile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import random
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from bench.gpu.goodput import prepare_model
+from bench.gpu.profile_step import cuda_kernel_stats
+from engine.core import SamplingParams
+from engine.engine import Engine, EngineConfig
+
+ONE = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+REPEATS = 5
+
+
+def cases(vocab: int) -> dict[str, Callable[[Engine], None]]:
+    """Each case: one call that runs one prompt batch to its first token."""
+    rng = random.Random(0)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    history = prompt(2000)
+
+    def follow_up(eng: Engine) -> None:  # 2,000 cached tokens, 200 new ones
+        eng.generate([history + prompt(200)], ONE)
+
+    out: dict[str, Callable[[Engine], None]] = {
+        f"prompt_{n}": (lambda eng, n=n: eng.generate([prompt(n)], ONE)) for n in (32, 256, 2048)
+    }
+    out["follow_up_200_over_2000"] = follow_up
+    out["history_2000"] = lambda eng: eng.generate([history], ONE)  # puts the history in the cache
+    return out
+
+
+def measure(eng: Engine, fn: Callable[[Engine], None]) -> dict[str, Any]:
+    walls = []
+    for _ in range(REPEATS):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn(eng)
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn(eng)
+        torch.cuda.synchronize()
+    per_name, busy_us, span_us = cuda_kernel_stats(prof, 1)
+    top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:12]
+    pr = cProfile.Profile()
+    pr.enable()
+    fn(eng)
+    torch.cuda.synchronize()
+    pr.disable()
+    text = io.StringIO()
+    pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(30)
+    cum = io.StringIO()
+    pstats.Stats(pr, stream=cum).sort_stats("cumulative").print_stats(45)
+    return {
+        "wall_ms": sorted(w * 1e3 for w in walls),
+        "gpu_busy_ms": busy_us / 1e3,
+        "gpu_span_ms": span_us / 1e3,
+        "top_kernels_us": {k: round(v[0], 1) for k, v in top},
+        "launches": int(sum(v[1] for v in per_name.values())),
+        "cprofile_tottime": text.getvalue(),
+        "cprofile_cumulative": cum.getvalue(),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = ap.parse_args()
+    model_dir, _ = prepare_model("llama8b", None, eagle=False)
+    config = EngineConfig(
+        str(model_dir),
+        device="cuda:0",
+        attention_backend="triton",
+        overlap=True,
+        cuda_graph_max_bs=8,
+        max_total_tokens=65536,
+        max_running=8,
+    )
+    eng = Engine(config)
+    todo = cases(eng.model_config.vocab_size)
+    for fn in todo.values():  # compiles
+        fn(eng)
+    report = {"device": torch.cuda.get_device_name(0), "cases": {}}
+    for name, fn in todo.items():
+        report["cases"][name] = measure(eng, fn)
+        r = report["cases"][name]
+        print(
+            f"{name}: wall {r['wall_ms'][len(r['wall_ms']) // 2]:.1f} ms, GPU busy {r['gpu_busy_ms']:.1f} ms, "
+            f"span {r['gpu_span_ms']:.1f} ms, {r['launches']} launches",
+            flush=True,
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "profile_prompt.json").write_text(json.dumps(report, indent=1))
+    for name in ("prompt_32", "follow_up_200_over_2000"):
+        print(f"== {name} (tottime)\n" + report["cases"][name]["cprofile_tottime"][:6000])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
