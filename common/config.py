@@ -282,8 +282,9 @@ class RouterOptions:
         "remote",
         "Where prompts run: remote (a prefill node, then the KV moves to the decode), local (the decode "
         "node runs the prompt between its decode steps, within its TPOT guard; decodes that do not are "
-        "paired as before), or auto (per request: the prefill node, unless the prompt computes little on the "
-        "decode or the prefill tier is behind its TTFT target and the decode would start it sooner).",
+        "paired as before), or auto (per request: the prefill node, unless the prompt is a short follow-up "
+        "cached on the decode, or the prefill tier is behind its TTFT target and the decode would start it in "
+        "under half the time).",
     )
     pd_local_max_tokens: int = opt(
         256, "auto: prompts computing at most this many tokens on the decode (a cached turn) run there."

@@ -69,9 +69,16 @@ class PDAttempt:
     are the decode's, and there is no prefill token to relay)."""
 
     def __init__(
-        self, d: AttemptContext, job: GenerationJob, prefill: NodeState | None, decode: NodeState, request_id: str
+        self,
+        d: AttemptContext,
+        job: GenerationJob,
+        prefill: NodeState | None,
+        decode: NodeState,
+        request_id: str,
+        estimate_s: float | None = None,
     ) -> None:
         self.d, self.job, self.prefill, self.decode, self.rid = d, job, prefill, decode, request_id
+        self.estimate_s = estimate_s  # the path decision's TTFT estimate (calibrated) for the prompt's node
         self.room = secrets.randbelow(MAX_ROOM) + 1
         req = build_request(job, request_id, self.room, prefill)
         # The prefill's answer carries no logprobs: with logprobs asked for, the decode's copy of
@@ -91,6 +98,8 @@ class PDAttempt:
         # prefill on the remote path, the decode (or colocated node) when it runs the prompt itself.
         self.prompt_node = prefill if prefill is not None else decode
         self.prompt_node.prompts.add(self, len(job.input_ids), time.monotonic())
+        # the calibration the estimate was scaled by: what the rates alone said is estimate / this
+        self.estimate_ratio = self.prompt_node.ttft.current(time.monotonic())
         self.blame: set[str] = set()
         self.blame_reason = ""
         self.finished = False
@@ -124,12 +133,15 @@ class PDAttempt:
             self.prefill.inflight -= 1
         # Only a stream that ended well gives its token: its KV write to the decode is complete.
         self.prefill_done_at, self.first_token = time.monotonic(), first
+        self._calibrate(self.prefill_done_at)
         return None
 
     def observe_first_token(self, job_started: float) -> None:
         """TTFT stages of this attempt (router/metrics.py says what each one holds)."""
         self.prompt_node.prompts.settle(self)
         now, stage = time.monotonic(), self.d.metrics.ttft_stage
+        if self.prefill is None:
+            self._calibrate(now)
         stage.labels("queue").observe(self.started_at - job_started)
         if self.prefill is not None:
             self.d.metrics.first_token_source.labels("prefill" if self.first_from_prefill else "decode").inc()
@@ -139,6 +151,14 @@ class PDAttempt:
         stage.labels("prefill").observe(self.prefill_done_at - self.started_at)
         # ~0 when the router relayed the prefill's own token (no wait on the decode)
         stage.labels("first_decode").observe(max(0.0, now - self.prefill_done_at))
+
+    def _calibrate(self, done_at: float) -> None:
+        """Teach the prompt's node how long its prompt took against the estimate its path was
+        chosen on: until the prefill leg's end (queue, prompt, KV write) on the remote path, until
+        the first token on the local one."""
+        if self.estimate_s is not None:
+            raw = self.estimate_s / self.estimate_ratio  # what the rates alone said
+            self.prompt_node.ttft.observe(done_at - self.started_at, raw, done_at)
 
     async def events(self) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
         t, relay, loop = self.d.timeouts, TokenRelay(self.rid), asyncio.get_running_loop()

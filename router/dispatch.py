@@ -125,9 +125,8 @@ class PDDispatcher:
             prefill, decode = route.prefill, route.decode
             self.metrics.pairs.labels(prefill.address if prefill else "-", decode.address).inc()
             self._observe_route(route, job)
-            attempt = PDAttempt(
-                self._attempt_ctx, job, prefill, decode, job.request_id if n == 0 else f"{job.request_id}-retry{n}"
-            )
+            rid = job.request_id if n == 0 else f"{job.request_id}-retry{n}"
+            attempt = PDAttempt(self._attempt_ctx, job, prefill, decode, rid, route.estimate_s())
             events = attempt.events()
             started, reason = False, "client cancelled"
             try:

@@ -7,6 +7,7 @@ registry would refuse the duplicate names) and /metrics exposes exactly that reg
 from __future__ import annotations
 
 import functools
+import time
 from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 if TYPE_CHECKING:
@@ -182,6 +183,13 @@ class DispatchMetrics:
         self.node_up = Gauge(
             "pdserve_router_node_up", "1 when the node's last refresh succeeded", ["node", "role"], registry=registry
         )
+        self.ttft_ratio = Gauge(
+            "pdserve_router_ttft_estimate_ratio",
+            "Observed over estimated time to first token of the prompts the node ran (1: as estimated; "
+            "the path decision scales its estimates by it)",
+            ["node", "role"],
+            registry=registry,
+        )
         # TTFT by stage. "prefill" ends when the prefill answers, which it does once its KV write
         # completed, so it holds the node's queue, the prompt forward and the transfer (the nodes'
         # pdserve_kv_transfer_seconds breaks the transfer out); "first_decode" runs from that answer
@@ -217,6 +225,7 @@ class DispatchMetrics:
         for n in nodes:
             self.breaker.labels(n.address, n.role).set(int(n.breaker.state))
             self.node_up.labels(n.address, n.role).set(int(n.healthy))
+            self.ttft_ratio.labels(n.address, n.role).set(n.ttft.current(time.monotonic()))
 
     def sync_nodes(self, nodes: list[NodeState]) -> None:
         """All nodes the registry knows now: their gauges set, the series of forgotten ones removed
@@ -224,7 +233,7 @@ class DispatchMetrics:
         self.observe_nodes(nodes)
         now = {(n.address, n.role) for n in nodes}
         for address, role in self._known - now:
-            for gauge in (self.breaker, self.node_up):
+            for gauge in (self.breaker, self.node_up, self.ttft_ratio):
                 try:
                     gauge.remove(address, role)
                 except KeyError:

@@ -24,7 +24,7 @@ from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 from common.defaults import DEFAULT_BOOTSTRAP_PORT, DEFAULT_REFRESH_INTERVAL
 from router.breaker import CircuitBreaker
 from router.contract import ModelCard
-from router.perf import NodePerf, PromptLedger
+from router.perf import NodePerf, PromptLedger, TtftCalibration
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,7 @@ class NodeState:
     page_size: int = 0  # tokens per KV page, from GetServerInfo's server_args (0: not reported)
     loads_at: float = 0.0  # monotonic time the last load report was asked for
     prompts: PromptLedger = field(default_factory=PromptLedger)  # our prompts without a first token yet
+    ttft: TtftCalibration = field(default_factory=TtftCalibration)  # its prompts' observed / estimated TTFT
 
     @property
     def address(self) -> str:

@@ -1,4 +1,5 @@
-"""What a node measured of its own speed (GetServerInfo's `perf`) and the router's own prompt tokens in flight to it."""
+"""What a node measured of its own speed (GetServerInfo's `perf`), the router's own prompt tokens in
+flight to it, and how the prompts it ran compared with the router's estimates."""
 
 from __future__ import annotations
 
@@ -91,3 +92,35 @@ class PromptLedger:
     def since(self, reported_at: float) -> int:
         """The tokens sent after the node's last load report (earlier ones are in its queued count already)."""
         return sum(tokens for tokens, at in self.entries.values() if at >= reported_at)
+
+
+# A TTFT estimate below this is mostly the router's and the network's own overhead: not observed.
+CALIBRATION_MIN_ESTIMATE_S = 0.02
+CALIBRATION_WEIGHT = 0.2  # each observation's share of the ratio
+CALIBRATION_BOUNDS = (0.5, 20.0)
+# Unobserved, the ratio relaxes towards 1 with this half-life: a path that the ratio made look slow
+# is then tried, and measured, again.
+CALIBRATION_HALF_LIFE_S = 30.0
+
+
+@dataclass
+class TtftCalibration:
+    """Observed over estimated time to first token of the prompts a node ran (an exponentially
+    weighted ratio, 1 until observed): the estimates come from rates measured one batch at a time,
+    and miss what they do not model (a decode node's prompt chunks waiting for slack, host time)."""
+
+    ratio: float = 1.0
+    at: float = 0.0  # monotonic time of the last observation
+
+    def current(self, now: float) -> float:
+        if self.at <= 0:
+            return self.ratio
+        return 1.0 + (self.ratio - 1.0) * 0.5 ** (max(0.0, now - self.at) / CALIBRATION_HALF_LIFE_S)
+
+    def observe(self, observed_s: float, estimated_s: float, now: float) -> None:
+        if estimated_s < CALIBRATION_MIN_ESTIMATE_S or observed_s < 0:
+            return
+        low, high = CALIBRATION_BOUNDS
+        seen = min(high, max(low, observed_s / estimated_s))
+        self.ratio = self.current(now) + CALIBRATION_WEIGHT * (seen - self.current(now))
+        self.at = now

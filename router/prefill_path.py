@@ -6,7 +6,8 @@ a tokens per step (a: tokens per step), earning T * a - step(B) seconds per step
 spend, so prompts get (T * a - step(B)) / (T * a) of the node's time, and each chunk pays the
 batch's fixed part (the node's measured prompt overhead) beside its tokens at the node's rate.
 Remote TTFT is the prefill's queue plus the prompt at its rate, plus the KV transfer when the
-decode reports it.
+decode reports it. Each estimate is scaled by how the node's earlier prompts on that path compared
+with their estimates (router/perf.py TtftCalibration), so what the rates do not model is learnt.
 
 Under `auto` the prefill tier is the default, because every prompt run locally slows the decode
 node's running requests towards its guard: that is what disaggregation exists to avoid. A prompt
@@ -21,6 +22,7 @@ is measured first (remote).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable, Collection, Sequence
 
@@ -104,17 +106,24 @@ def tier_rate(prefills: Sequence[NodeState]) -> float:
     return sum(rates) / len(rates) if rates else 0.0
 
 
-def remote_ttft(prefill: NodeState, decode: NodeState | None, prompt_tokens: int) -> float | None:
-    """The prompt's wait and compute on `prefill` plus the KV transfer to `decode` (None: rate unmeasured)."""
+def remote_ttft(
+    prefill: NodeState, decode: NodeState | None, prompt_tokens: int, now: float | None = None
+) -> float | None:
+    """The prompt's wait and compute on `prefill` plus the KV transfer to `decode`, scaled by how
+    its earlier prompts compared with their estimates (None: rate unmeasured)."""
     rate = prefill.perf.prefill_tokens_per_s
     if rate <= 0:
         return None
     queued = prefill.waiting_prompt_tokens + prefill.prompts.since(prefill.loads_at) + prompt_tokens
-    return queued / rate + (decode.kv_transfer_s if decode is not None else 0.0)
+    raw = queued / rate + (decode.kv_transfer_s if decode is not None else 0.0)
+    return raw * prefill.ttft.current(time.monotonic() if now is None else now)
 
 
-def local_ttft(decode: NodeState, prompt_tokens: int, max_new_tokens: int, borrowed_rate: float) -> LocalEstimate:
-    """The prompt run on `decode` between its decode steps; `borrowed_rate` stands in for an unmeasured node's rate."""
+def local_ttft(
+    decode: NodeState, prompt_tokens: int, max_new_tokens: int, borrowed_rate: float, now: float | None = None
+) -> LocalEstimate:
+    """The prompt run on `decode` between its decode steps, scaled by how its earlier local prompts
+    compared with their estimates; `borrowed_rate` stands in for an unmeasured node's rate."""
     perf = decode.perf
     guard = perf.tpot_guard_s
     if not decode.local_prefill or guard is None:
@@ -140,7 +149,8 @@ def local_ttft(decode: NodeState, prompt_tokens: int, max_new_tokens: int, borro
     queued = decode.waiting_prompt_tokens + decode.prompts.since(decode.loads_at) + prompt_tokens
     # each chunk (the guard runs them up to a chunk's size) also pays the batch's fixed part
     chunks = math.ceil(queued / LOCAL_CHUNK_TOKENS)
-    return LocalEstimate(seconds=(queued / rate + chunks * perf.prompt_overhead_s) / share)
+    raw = (queued / rate + chunks * perf.prompt_overhead_s) / share
+    return LocalEstimate(seconds=raw * decode.ttft.current(time.monotonic() if now is None else now))
 
 
 def decide(
@@ -200,6 +210,12 @@ class Route:
     decode: NodeState
     path: str  # "remote" | "local" | "colocated"
     decision: PathDecision | None = None  # None: no choice of path was made (colocated)
+
+    def estimate_s(self) -> float | None:
+        """The TTFT estimate of the path taken (None: colocated, or not estimated)."""
+        if self.decision is None:
+            return None
+        return self.decision.remote_s if self.path == "remote" else self.decision.local_s
 
 
 def select_route(

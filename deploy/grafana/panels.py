@@ -258,6 +258,13 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 ],
             ),
             Panel(
+                "TTFT observed over estimated, by node",
+                "short",
+                "How each node's prompts compared with the router's estimates (1: as estimated); the path "
+                "decision scales later estimates by it, so a path slower than its rates say is used less.",
+                [("max by (node, role) (pdserve_router_ttft_estimate_ratio)", "{{role}} {{node}}")],
+            ),
+            Panel(
                 "Prefill tier: demand vs capacity",
                 "short",
                 "Prompt tokens/s the routers dispatched (60 s window, remote and local) against the healthy "

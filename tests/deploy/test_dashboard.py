@@ -56,6 +56,7 @@ def test_panels_cover_the_issue_list() -> None:
         "pdserve_router_prefill_path_total",
         "pdserve_router_prefill_path_decisions_total",
         "pdserve_router_prefill_path_estimate_seconds_bucket",
+        "pdserve_router_ttft_estimate_ratio",
         "pdserve_router_prefill_demand_tokens_per_second",
         "pdserve_router_prefill_capacity_tokens_per_second",
         "pdserve_router_decode_demand_tokens_per_second",

@@ -4,12 +4,13 @@ impossible or unknown, the path policies; the perf report's parsing and the sizi
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import pytest
 
 from router.nodes import NodeSpec, NodeState
-from router.perf import NodePerf, PromptLedger
+from router.perf import NodePerf, PromptLedger, TtftCalibration
 from router.prefill_path import (
     DECODE_AT_BUDGET,
     FASTER_LOCAL,
@@ -288,3 +289,24 @@ def test_a_follow_up_goes_where_its_history_is_cached() -> None:
     held = {"p:1": 3900}
     d_p = decide("auto", p, d, 4000, 100, cached=cached)
     assert d_p.path == "remote" and d_p.remote_s == pytest.approx(0.01)
+
+
+def test_calibration_scales_the_estimates_and_relaxes_when_unobserved() -> None:
+    cal = TtftCalibration()
+    assert cal.current(5.0) == 1.0
+    cal.observe(0.010, 0.019, now=1.0)  # an estimate under 20 ms is mostly overhead: ignored
+    assert cal.ratio == 1.0 and cal.at == 0.0
+    cal.observe(0.5, 0.1, now=10.0)
+    assert cal.ratio == pytest.approx(1.8) and cal.current(40.0) == pytest.approx(1.4)
+    # a decode whose local prompts took longer than estimated is estimated longer, and overflow
+    # then stays remote
+    d = decode()
+    d.ttft.ratio, d.ttft.at = 4.0, 100.0
+    est = local_ttft(d, 1000, 100, 0.0, now=100.0)
+    assert est.seconds == pytest.approx(4 * 1000 / RATE)
+    d.ttft.at = time.monotonic()  # decide reads the clock
+    dec = decide("auto", prefill(queued=1500), d, 1000, 100)
+    assert (dec.path, dec.reason) == ("remote", FASTER_REMOTE)
+    p = prefill(queued=1500)
+    p.ttft.ratio, p.ttft.at = 0.5, 100.0
+    assert remote_ttft(p, None, 1000, now=100.0) == pytest.approx(0.5 * 2500 / RATE)

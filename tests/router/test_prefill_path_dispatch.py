@@ -204,3 +204,35 @@ def test_sizing_gauges_and_exposition() -> None:
                 assert name in text, name
 
     run(main())
+
+
+def test_each_path_learns_how_its_prompts_compared_with_their_estimates() -> None:
+    """A local prompt that took far longer than estimated makes the decode's next local estimates
+    longer; a remote one that took less makes the prefill's shorter."""
+
+    async def main() -> None:
+        slow = asyncio.Event()
+        # 1,000 tokens/s: a 40-token prompt is estimated at 42 ms on an idle decode
+        p, d = prefill(), local_decode(perf=measured(rate=1000.0), hold_first=slow)
+        async with cluster(p, d) as reg:
+            pn, dn = reg.get(p.address), reg.get(d.address)
+            metrics = CollectorRegistry()
+            disp = dispatcher(reg, metrics_registry=metrics, path_policy="local")
+            task = asyncio.create_task(collect(disp, job(ids=tuple(range(40)))))
+            await asyncio.sleep(1.0)  # 24x the estimate: observed at the bound, 20x
+            slow.set()
+            await task
+            assert dn.ttft.ratio == pytest.approx(1 + 0.2 * (20 - 1))
+            assert dn.ttft.current(dn.ttft.at + 30) == pytest.approx(1 + 0.2 * 19 / 2)  # half-life 30 s
+            await reg.refresh_once()  # the router's gauge shows it
+            gauge = sample(metrics, "pdserve_router_ttft_estimate_ratio", node=d.address, role="decode")
+            assert gauge == pytest.approx(4.8, rel=0.01)
+            # remote (the decode now refuses prompts): 200,000 queued tokens at 10,000/s, a 20 s
+            # estimate, answered at once
+            d.b.hold_first, d.b.local_prefill, p.b.waiting_prompt_tokens = None, False, 200_000
+            await reg.refresh_once()
+            await collect(dispatcher(reg, path_policy="auto"), job("req-2"))
+            assert pn.ttft.ratio == pytest.approx(1 + 0.2 * (0.5 - 1))  # at the lower bound, 0.5
+            await disp.close()
+
+    run(main())
