@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 
@@ -48,11 +48,13 @@ def window_masks(
     mask is the grammar's state after the tokens on the path from the root to r (the root
     excluded), found by advancing the matcher and rolling it back. Rows under a token the grammar
     refuses get no mask: verification can never accept them (their parent's mask excludes it)."""
-    found = list(_window_rows(matchers, tokens, parents, mask_words(vocab_size)))
+    allowed = _allowed_window(len(tokens), len(tokens[0]) if tokens else 0, vocab_size)
+    found = _fill_window(matchers, tokens, parents, allowed)
     if not found:
         return None
-    rows = [b * len(tokens[b]) + r for b, r, _ in found]
-    return MaskRows(to_device(rows, device), to_device(torch.stack([w for _, _, w in found]), device))
+    rows = [b * len(tokens[b]) + r for b, r in found]
+    words = allowed.view(-1, allowed.shape[-1]).index_select(0, torch.tensor(rows))
+    return MaskRows(to_device(rows, device), to_device(words, device))
 
 
 def window_banned(
@@ -61,30 +63,53 @@ def window_banned(
     """The same masks as `window_masks`, inverted and dense on the host: (bs, ntok, words) int32
     whose set bits are the tokens a row forbids; rows without a mask forbid nothing (all zero),
     so a fixed-shape graph applies the whole window's at once (`ban_tokens`)."""
-    W = mask_words(vocab_size)
-    banned = torch.zeros((len(tokens), len(tokens[0]) if tokens else 0, W), dtype=torch.int32)
-    for b, r, words in _window_rows(matchers, tokens, parents, W):
-        banned[b, r] = torch.bitwise_not(words)
-    return banned
+    allowed = _allowed_window(len(tokens), len(tokens[0]) if tokens else 0, vocab_size)
+    _fill_window(matchers, tokens, parents, allowed)
+    return allowed.bitwise_not_()
 
 
-def _window_rows(
-    matchers: Sequence[GrammarMatcher | None], tokens: list[list[int]], parents: list[list[int]], words: int
-) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """(request, row, allowed words) of every window row a matcher constrains."""
+def _allowed_window(bs: int, ntok: int, vocab_size: int) -> torch.Tensor:
+    """(bs, ntok, words) int32, every token allowed until a matcher fills a row."""
+    return torch.full((bs, ntok, mask_words(vocab_size)), -1, dtype=torch.int32)
+
+
+def _fill_window(
+    matchers: Sequence[GrammarMatcher | None], tokens: list[list[int]], parents: list[list[int]], allowed: torch.Tensor
+) -> list[tuple[int, int]]:
+    """Write the mask of every window row a matcher constrains into `allowed[b, r]` (its own
+    memory: matchers write rows in place); returns those (request, row) pairs."""
+    found: list[tuple[int, int]] = []
+    per_request = allowed.unbind(0)  # views made in one call: indexing per row costs microseconds
     for b, m in enumerate(matchers):
         if m is None:
+            continue
+        if all(p == r - 1 for r, p in enumerate(parents[b])):
+            found += [(b, r) for r in _fill_chain(m, tokens[b], per_request[b].unbind(0))]
             continue
         for r in range(len(tokens[b])):
             path = _path(tokens[b], parents[b], r)
             if path is None or m.validate(path) != len(path):
                 continue
-            row = torch.empty(words, dtype=torch.int32)
             if path:
                 m.advance(path)
-            m.fill_mask(row)
+            m.fill_mask(allowed[b, r])
             m.rollback(len(path))
-            yield b, r, row
+            found.append((b, r))
+    return found
+
+
+def _fill_chain(m: GrammarMatcher, tokens: list[int], allowed: Sequence[torch.Tensor]) -> list[int]:
+    """A chain window (row r's parent is r - 1): one walk down it, a mask per row until a draft
+    the grammar refuses (or padding), then one rollback; the rows it filled."""
+    m.fill_mask(allowed[0])
+    depth = 0
+    for t in tokens[1:]:
+        if t < 0 or not m.advance([t]):  # a refused token is not consumed
+            break
+        depth += 1
+        m.fill_mask(allowed[depth])
+    m.rollback(depth)
+    return list(range(depth + 1))
 
 
 def _path(tokens: list[int], parents: list[int], r: int) -> list[int] | None:

@@ -40,7 +40,7 @@ class LLGuidanceMatcher:
 
     def fill_mask(self, words: torch.Tensor) -> None:
         # llguidance writes through the raw pointer: it must be this tensor's own memory
-        if words.dtype != torch.int32 or words.device.type != "cpu" or not words.is_contiguous():
+        if words.dtype != torch.int32 or not words.is_cpu or not words.is_contiguous():  # is_cpu: no device object
             raise ValueError("a mask row must be a contiguous int32 CPU tensor")
         self._m.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
 

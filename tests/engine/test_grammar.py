@@ -15,7 +15,7 @@ from common.sampling import Constraint, InvalidRequest
 from engine.core import SamplingParams
 from engine.engine import Engine, EngineConfig
 from engine.grammar.base import mask_words
-from engine.grammar.bitmask import MaskRows, apply_token_mask, batch_masks, window_masks
+from engine.grammar.bitmask import MaskRows, apply_token_mask, batch_masks, window_banned, window_masks
 from engine.grammar.compiler import GrammarCompiler, make_backend
 from fixtures.tiny_model import write_tiny_model
 
@@ -130,6 +130,40 @@ def test_window_masks_walk_drafts(backend, model_dir):
     assert torch.equal(masks.words[0], solo.words[0])  # the root row: the matcher as it stands
     assert allowed(masks.words[len(yes)]) == [EOS]
     assert m.validate(yes) == len(yes) and not m.is_finished()  # rolled back
+
+
+def _row_by_row(m, tokens: list[int], parents: list[int]) -> torch.Tensor:
+    """Reference: each row's mask from its own path, walked down and back (any tree shape)."""
+    rows = torch.full((len(tokens), mask_words(VOCAB)), -1, dtype=torch.int32)
+    for r in range(len(tokens)):
+        path, k = [], r
+        while k > 0 and tokens[k] >= 0:
+            path.append(tokens[k])
+            k = parents[k]
+        if k > 0 or m.validate(path[::-1]) != len(path):
+            continue
+        m.advance(path[::-1])
+        m.fill_mask(rows[r])
+        m.rollback(len(path))
+    return ~rows
+
+
+def test_chains_and_trees_ban_what_a_row_by_row_walk_bans(backend, model_dir):
+    """window_banned walks a chain once (a mask per row, one rollback) and a tree row by row; both
+    equal the row-by-row reference, with a refused draft, padding, and an unconstrained request."""
+    yes, no = encode(model_dir, "yes"), encode(model_dir, "no")
+    m = backend.compile(YES_NO.kind, YES_NO.spec).matcher()
+    chain, pad = list(range(-1, 4)), [-1] * 5
+    windows = [
+        (([7, *yes, 5] + pad)[:5], chain),  # drafts the grammar takes, then one it refuses
+        (([7, *no] + pad)[:5], chain),  # padding after the drafts
+        ([7, yes[0], no[0], (yes + [5])[1], 5], [-1, 0, 0, 1, 1]),  # a tree: row by row
+    ]
+    for tokens, parents in windows:
+        got = window_banned([m, None], [tokens, tokens], [parents, parents], VOCAB)
+        assert torch.equal(got[0], _row_by_row(m, tokens, parents))
+        assert not got[1].any()  # no matcher: nothing banned
+        assert m.validate(yes) == len(yes)  # the matcher rolled back
 
 
 # ---------------------------------------------------------------- through an engine
