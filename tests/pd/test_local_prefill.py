@@ -22,9 +22,15 @@ def _server_args(s) -> dict:
 
 
 def test_nodes_report_their_measured_rates_and_the_decode_its_guard(tiny_llama_dir):
-    prefill, decode = start_pair(str(tiny_llama_dir), "--metrics-port", "0", "--chunked-prefill-size", "16")
+    """Warmed up at start (--warmup), both nodes report a prompt rate and a prompt batch's fixed
+    cost before their first request; then real requests, remote and local, as without it."""
+    prefill, decode = start_pair(
+        str(tiny_llama_dir), "--metrics-port", "0", "--chunked-prefill-size", "16", "--warmup"
+    )
     try:
         p, d = stub(prefill.ports["scheduler"]), stub(decode.ports["scheduler"])
+        for args in (_server_args(p), _server_args(d)):
+            assert args["perf"]["prefill_tokens_per_s"] > 0 and args["perf"]["prompt_overhead_s"] >= 0
         boot = prefill.ports["bootstrap"]
         pd_generate(p, d, request("pd", IDS, 7, boot, max_new=24))
         list(d.Generate(local_request("local", IDS, max_new=24), timeout=60))
@@ -53,9 +59,12 @@ def test_nodes_report_their_measured_rates_and_the_decode_its_guard(tiny_llama_d
 
 
 def test_a_decode_node_with_the_guard_off_refuses_prompts_without_a_prefill(tiny_llama_dir):
-    prefill, decode = start_pair(str(tiny_llama_dir), decode_extra=("--local-prefill-tpot-ms", "0"))
+    """It runs no prompts, so it warms none up either (its prefill does)."""
+    prefill, decode = start_pair(str(tiny_llama_dir), "--warmup", decode_extra=("--local-prefill-tpot-ms", "0"))
     try:
         d = stub(decode.ports["scheduler"])
+        assert _server_args(d)["perf"]["prefill_tokens_per_s"] == 0
+        assert _server_args(stub(prefill.ports["scheduler"]))["perf"]["prefill_tokens_per_s"] > 0
         with pytest.raises(grpc.RpcError) as e:
             list(d.Generate(local_request("local", IDS), timeout=30))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE  # a router tries another node
