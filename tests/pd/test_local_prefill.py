@@ -24,9 +24,7 @@ def _server_args(s) -> dict:
 def test_nodes_report_their_measured_rates_and_the_decode_its_guard(tiny_llama_dir):
     """Warmed up at start (--warmup), both nodes report a prompt rate and a prompt batch's fixed
     cost before their first request; then real requests, remote and local, as without it."""
-    prefill, decode = start_pair(
-        str(tiny_llama_dir), "--metrics-port", "0", "--chunked-prefill-size", "16", "--warmup"
-    )
+    prefill, decode = start_pair(str(tiny_llama_dir), "--metrics-port", "0", "--chunked-prefill-size", "16", "--warmup")
     try:
         p, d = stub(prefill.ports["scheduler"]), stub(decode.ports["scheduler"])
         for args in (_server_args(p), _server_args(d)):
