@@ -1,10 +1,11 @@
 """Where a request's prompt runs: on a prefill node (remote) or on its decode node (local), from measured rates.
 
-Pure functions over NodeState; no I/O. A decode node that runs a prompt itself puts prompt chunks
-between its decode steps, keeping its running requests within its TPOT guard T: a request gains
-a tokens per step (a: tokens per step), earning T * a - step(B) seconds per step that chunks may
-spend, so prompts get (T * a - step(B)) / (T * a) of the node's time, and each chunk pays the
-batch's fixed part (the node's measured prompt overhead) beside its tokens at the node's rate.
+Pure functions over NodeState; no I/O (the clock aside, for calibrations). A decode node that
+runs a prompt itself puts prompt chunks between its decode steps, keeping its running requests
+within its TPOT guard T: a request gains a tokens per step, earning T * a - step(B) seconds per
+step that chunks may spend, so prompts get (T * a - step(B)) / (T * a) of the node's time, and
+each chunk pays the batch's fixed part (the node's measured prompt overhead) beside its tokens at
+the node's rate.
 Remote TTFT is the prefill's queue plus the prompt at its rate, plus the KV transfer when the
 decode reports it. Each estimate is scaled by how the node's earlier prompts on that path compared
 with their estimates (router/perf.py TtftCalibration), so what the rates do not model is learnt.
@@ -77,7 +78,9 @@ class PathRule:
 
     def __post_init__(self) -> None:
         if self.local_max_tokens < 0 or self.remote_target_s < 0 or not 0 < self.overflow_margin <= 1:
-            raise ValueError(f"local_max_tokens and remote_target_s must be >= 0, got {self}")
+            raise ValueError(
+                f"local_max_tokens and remote_target_s must be >= 0 and overflow_margin in (0, 1], got {self}"
+            )
 
 
 DEFAULT_RULE = PathRule()
@@ -172,7 +175,8 @@ def decide(
     if policy == "remote":
         return PathDecision("remote" if prefill is not None else None, None, None, POLICY if prefill else NO_PREFILL)
     # at least its last token is always computed; a page of the hit may be EAGLE's to recompute
-    local_tokens = max(1, prompt_tokens - cached(decode))
+    held = cached(decode)  # looked up once: it walks the router's index of the node's pages
+    local_tokens = max(1, prompt_tokens - held)
     local = local_ttft(decode, local_tokens, max_new_tokens, tier_rate(prefill_tier))
     if policy == "local":
         # The operator asked for it: the node's own admission and guard are the only limits.
@@ -188,7 +192,7 @@ def decide(
     # the measured rates (a busy decode node may be far slower at prompts than the prefill tier);
     # an uncached prompt goes to the prefill tier however short: each local one costs the decode a
     # whole forward beside its decode steps (GPU bench: 21-32 ms)
-    short = local_tokens <= rule.local_max_tokens and cached(decode) > 0
+    short = local_tokens <= rule.local_max_tokens and held > 0
     if short and (remote is None or local.seconds is None or local.seconds <= remote):
         return PathDecision("local", remote, local.seconds, SHORT_LOCAL)
     if remote is None:  # cold start: measure the prefill tier first

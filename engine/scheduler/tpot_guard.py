@@ -73,7 +73,7 @@ class TpotGuard:
             return tokens
         if self._denied >= STARVE_STEPS:
             self._denied = 0
-            return max(MIN_CHUNK, min(tokens, self.max_chunk))
+            return max(MIN_CHUNK, tokens)
         self._denied += 1
         return 0
 

@@ -118,8 +118,7 @@ async def _serve(
         print(f"READY scheduler={host}:{api_port}{extra}{metrics}", flush=True)
 
         await serve_until(stop, [api, *servers], on_stop=lambda: _stop_steps(parts, loop))
-        for close in parts.after:
-            await close()
+        await _after(parts)
     finally:
         loop.stop()  # before the ranks: no step may be sent to followers being stopped
         engine.close()
@@ -130,8 +129,12 @@ def _stop_steps(parts: RoleParts, loop: EngineLoop) -> None:
         step()
 
 
+async def _after(parts: RoleParts) -> None:
+    for close in parts.after:
+        await close()
+
+
 async def _close(parts: RoleParts, loop: EngineLoop) -> None:
     """The role's stop steps and closers, for a node stopped before it served."""
     _stop_steps(parts, loop)
-    for close in parts.after:
-        await close()
+    await _after(parts)
