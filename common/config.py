@@ -24,6 +24,7 @@ from common.defaults import (
     DEFAULT_FIRST_TOKEN_TIMEOUT,
     DEFAULT_GRAMMAR_BACKEND,
     DEFAULT_GRAPH_MAX_BS,
+    DEFAULT_PROMPT_GRAPH_TOKENS,
     DEFAULT_HEARTBEAT_INTERVAL,
     DEFAULT_INTER_TOKEN_TIMEOUT,
     DEFAULT_LOCAL_PREFILL_TPOT_MS,
@@ -96,6 +97,12 @@ class EngineOptions:
         f"(default: min(max-running, {DEFAULT_GRAPH_MAX_BS}) on GPUs).",
         panel=PANEL_FAST,
     )
+    cuda_graph_prompt_tokens: int = opt(
+        DEFAULT_PROMPT_GRAPH_TOKENS,
+        "Prompt batches of at most this many tokens and 8 requests replay CUDA graphs captured at token "
+        "buckets (short prompts are launch-bound); 0 disables. Needs --cuda-graph-max-bs > 0.",
+        panel=PANEL_FAST,
+    )
     warmup: Optional[bool] = opt(
         None,
         "Run synthetic prompts of each length before serving: kernels compile then, and the prompt "
@@ -146,6 +153,7 @@ class EngineOptions:
             "attention_backend": backend,
             "overlap": gpu if self.overlap is None else self.overlap,
             "cuda_graph_max_bs": graphs,
+            "cuda_graph_prompt_tokens": self.cuda_graph_prompt_tokens if graphs > 0 else 0,
             "future_map_debug": self.future_map_debug,
             "prompt_warmup": gpu if self.warmup is None else self.warmup,
         }

@@ -36,6 +36,8 @@ DEFAULT_MAX_RUNNING = 64
 DEFAULT_DECODE_MAX_RUNNING = 256
 # CUDA graphs are captured up to the batch the node runs, up to this (eager beyond)
 DEFAULT_GRAPH_MAX_BS = 256
+# prompt batches up to this many tokens replay bucketed CUDA graphs (engine/prompt_graphs.py)
+DEFAULT_PROMPT_GRAPH_TOKENS = 512
 DEFAULT_CHUNKED_PREFILL_SIZE = 2048
 
 # The grammar libraries constrained output may be compiled and matched with (--grammar-backend).

@@ -50,7 +50,9 @@ def build_rank(config: EngineConfig, algorithm: EngineAlgorithm, device: torch.d
     sampler = Sampler(mc.vocab_size, config.max_running, device, mc.eos_token_ids)
     parts = EngineParts(config, mc, runner, kv, sampler, device, dtype, tp)
     executor = check_executor(algorithm.create_worker(parts), algorithm.name)
-    maybe_enable_cuda_graphs(runner, config.cuda_graph_max_bs, config.cuda_graph_padded_eager)
+    maybe_enable_cuda_graphs(
+        runner, config.cuda_graph_max_bs, config.cuda_graph_padded_eager, config.cuda_graph_prompt_tokens
+    )
     if executor.kv_tokens_per_decode() > MAX_DECODE_WINDOW:
         raise ValueError(f"a decode step may not write more than {MAX_DECODE_WINDOW} tokens")
     return RankParts(parts, executor, max_context_len)

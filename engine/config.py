@@ -172,6 +172,9 @@ class EngineConfig:
     # with cuda_graph_max_bs > 0 off CUDA: run those forwards through the graphs' padded static
     # buffers without capturing (the CPU test path of the graph code)
     cuda_graph_padded_eager: bool = False
+    # with cuda_graph_max_bs > 0: prompt batches of at most this many tokens (and 8 requests) run
+    # from graphs captured at token buckets (engine/prompt_graphs.py); 0: prompts run eagerly
+    cuda_graph_prompt_tokens: int = 0
     # Running requests come first and prompt chunks alternate with decode steps, sized to keep
     # this time per output token (engine/scheduler/tpot_guard.py); a decode node running prompts
     # itself sets it. None: prompts first, in chunks of chunked_prefill_size.

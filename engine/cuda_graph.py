@@ -10,6 +10,8 @@ Each graph owns static copies of the context tensors (small), while model inputs
 features (large) live in one arena per input name shared by all graphs: graphs run one after the
 other and every input is copied in right before a replay, so sharing is safe.
 
+Prompt batches (ragged lengths) are served by bucketed prompt graphs: see engine/prompt_graphs.py.
+
 The same padded static-buffer path also runs without capturing ("padded eager"), which is how
 the padding logic is tested on CPU with the torch reference backend.
 """
@@ -19,15 +21,15 @@ from __future__ import annotations
 import bisect
 import gc
 import logging
-from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from engine.core import ForwardMode
 from engine.forward_context import ForwardContext
+from engine.graph_buffers import GraphEntry, GraphKey, GraphStats, InputArena, copy_padded, input_signature, slice_rows
 from engine.graph_registry import new_graph
+from engine.prompt_graphs import PROMPT_MODES, PromptBuckets, load_prompt_context, prompt_unfit, static_prompt_context
 
 logger = logging.getLogger(__name__)
 
@@ -54,79 +56,6 @@ def graph_unsupported_reason(device: torch.device, backend: Any) -> str | None:
     return None
 
 
-@dataclass
-class GraphStats:
-    """Counters for tests and benchmarks: forwards served by an existing graph, graphs captured
-    (at start-up or on a miss; the forward that triggered a capture counts here, not in hits),
-    and forwards that ran eagerly, by reason."""
-
-    hits: int = 0
-    captures: int = 0
-    eager: int = 0
-    eager_reasons: Counter[str] = field(default_factory=Counter)
-
-
-@dataclass(frozen=True)
-class GraphKey:
-    mode: ForwardMode
-    tokens_per_req: int
-    batch_size: int  # padded
-    tree_width: int | None
-    aux_hidden_layers: tuple[int, ...]
-    inputs: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]  # name, trailing shape, dtype
-    # the pool, request table and backend a graph bakes in (alive as long as the graph is)
-    targets: tuple[int, int, int]
-
-
-@dataclass
-class _Graph:
-    """Static inputs, static context and (when captured) the graph and its output tensors."""
-
-    key: GraphKey
-    input_ids: torch.Tensor
-    ctx: ForwardContext
-    model_inputs: dict[str, torch.Tensor]
-    pad_seq_len: int
-    pad_mask: torch.Tensor | None  # (tokens_per_req, W) mask of a padded request
-    graph: Any = None  # torch.cuda.CUDAGraph once captured
-    output: Any = None
-
-
-class _InputArena:
-    """One flat buffer per (input name, dtype); each graph views a contiguous prefix of it."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-
-    def view(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        numel = 1
-        for s in shape:
-            numel *= s
-        buf = self._buffers.get((name, dtype))
-        if buf is None or buf.numel() < numel:
-            # graphs captured on the old buffer keep it alive through their views; doubling
-            # bounds that waste (pre-capturing the largest batch first avoids it altogether)
-            size = max(numel, 2 * buf.numel() if buf is not None else 0)
-            buf = torch.zeros(size, dtype=dtype, device=self.device)
-            self._buffers[(name, dtype)] = buf
-        return buf[:numel].view(shape)
-
-
-def _slice_rows(out: Any, n: int) -> Any:
-    """The real rows of a (possibly nested) output, cloned: the next replay overwrites them."""
-    if isinstance(out, torch.Tensor):
-        return out[:n].clone()
-    if isinstance(out, (tuple, list)):
-        return type(out)(_slice_rows(o, n) for o in out)
-    return out
-
-
-def _copy_padded(dst: torch.Tensor, src: torch.Tensor, n: int, fill: int | float) -> None:
-    dst[:n].copy_(src)
-    dst[n:].fill_(fill)
-
-
 class CudaGraphRunner:
     """Serves fixed-shape forwards from captured graphs (or padded eager when `capture=False`)."""
 
@@ -140,6 +69,7 @@ class CudaGraphRunner:
         capture: bool = True,
         max_tokens_per_req: int = 64,
         max_graphs: int = 512,
+        prompt_buckets: PromptBuckets | None = None,
     ) -> None:
         if max_bs < 1:
             raise ValueError(f"max_bs must be >= 1, got {max_bs}")
@@ -150,10 +80,11 @@ class CudaGraphRunner:
         self.batch_sizes = sizes
         self.use_graphs = capture
         self.max_tokens_per_req, self.max_graphs = max_tokens_per_req, max_graphs
+        self.prompt_buckets = prompt_buckets  # None: prompt forwards run eagerly
         self.stats = GraphStats()
         self.frozen = False  # after start-up capture: a miss runs eagerly instead of capturing
-        self._graphs: dict[GraphKey, _Graph] = {}
-        self._arena = _InputArena(device)
+        self._graphs: dict[GraphKey, GraphEntry] = {}
+        self._arena = InputArena(device)
         self._pool: Any = None  # one memory pool shared by all graphs of this runner
         self._stream: Any = None
 
@@ -173,21 +104,12 @@ class CudaGraphRunner:
     # ---- serving ----
     def run(self, input_ids: torch.Tensor, ctx: ForwardContext, model_inputs: dict[str, Any]) -> Any | None:
         """The forward's output through a graph, or None when the caller must run it eagerly."""
-        why = self._unfit(input_ids, ctx, model_inputs)
-        key = None if why else self._key(ctx, model_inputs)
-        entry = None if key is None else self._graphs.get(key)
-        if key is not None and entry is None:
-            if self.frozen:
-                why = "not captured at start-up"
-            elif len(self._graphs) >= self.max_graphs:
-                why = "graph limit reached"
-            elif key.tokens_per_req > self.max_tokens_per_req:
-                why = "too many tokens per request"
-        if why:
+        key, why = self._choose(input_ids, ctx, model_inputs)
+        if key is None:
             self.stats.eager += 1
             self.stats.eager_reasons[why] += 1
             return None
-        assert key is not None
+        entry = self._graphs.get(key)
         if entry is None:
             entry = self._new_graph(key, ctx.kv_pool, ctx.req_to_token, ctx.attn_backend)
             self._load(entry, input_ids, ctx, model_inputs)
@@ -195,7 +117,67 @@ class CudaGraphRunner:
         else:
             self._load(entry, input_ids, ctx, model_inputs)
             self.stats.hits += 1
-        return _slice_rows(self._replay(entry), ctx.num_tokens)
+        return slice_rows(self._replay(entry), ctx.num_tokens)
+
+    def _choose(
+        self, input_ids: torch.Tensor, ctx: ForwardContext, model_inputs: dict[str, Any]
+    ) -> tuple[GraphKey | None, str]:
+        """The graph to serve this forward (held, or capturable now), else why none: a
+        fixed-width graph first, then a prompt graph for a prompt batch."""
+        why = self._unfit(input_ids, ctx, model_inputs)
+        if why is None:
+            key = self._key(ctx, model_inputs)
+            if not (why := self._miss_reason(key)):
+                return key, ""
+        if self.prompt_buckets is not None and ctx.mode in PROMPT_MODES:
+            pwhy = prompt_unfit(input_ids, ctx, model_inputs) or self._device_unfit(ctx)
+            bucket = self.prompt_buckets.fit(ctx.num_tokens, ctx.batch_size)
+            if pwhy is None and bucket is None:
+                pwhy = "prompt batch larger than its buckets"
+            if pwhy is None:
+                assert bucket is not None
+                pkey = self._prompt_key(ctx.mode, *bucket, ctx.aux_hidden_layers, model_inputs, ctx)
+                if not (pwhy := self._miss_reason(pkey)):
+                    return pkey, ""
+            why = pwhy
+        return None, why or "no graph"
+
+    def _miss_reason(self, key: GraphKey) -> str:
+        """Why a graph for `key` can be neither replayed nor captured now ("" when it can)."""
+        if key in self._graphs:
+            return ""
+        if self.frozen:
+            return "not captured at start-up"
+        if len(self._graphs) >= self.max_graphs:
+            return "graph limit reached"
+        if not key.ragged and key.tokens_per_req > self.max_tokens_per_req:
+            return "too many tokens per request"
+        return ""
+
+    def _device_unfit(self, ctx: ForwardContext) -> str | None:
+        if self.use_graphs:
+            return graph_unsupported_reason(ctx.positions.device, ctx.attn_backend)
+        return None
+
+    def _prompt_key(
+        self,
+        mode: ForwardMode,
+        tokens: int,
+        rows: int,
+        aux_hidden_layers: tuple[int, ...],
+        model_inputs: dict[str, torch.Tensor],
+        ctx: ForwardContext,
+    ) -> GraphKey:
+        return GraphKey(
+            mode,
+            tokens,
+            rows,
+            None,
+            tuple(aux_hidden_layers),
+            input_signature(model_inputs),
+            (id(ctx.kv_pool), id(ctx.req_to_token), id(ctx.attn_backend)),
+            ragged=True,
+        )
 
     def _unfit(self, input_ids: torch.Tensor, ctx: ForwardContext, model_inputs: dict[str, Any]) -> str | None:
         """Why this forward cannot use a graph (None when it can). Uses CPU-side facts only."""
@@ -216,7 +198,7 @@ class CudaGraphRunner:
             if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != n:
                 return "model input is not per-token"
         if self.use_graphs:
-            return graph_unsupported_reason(ctx.positions.device, ctx.attn_backend)
+            return self._device_unfit(ctx)
         if len(ctx.seq_lens_cpu) != len(lens):  # padded eager hands the live lengths on
             return "no CPU sequence lengths"
         return None
@@ -231,7 +213,7 @@ class CudaGraphRunner:
             padded,
             None if ctx.tree_mask is None else int(ctx.tree_mask.shape[2]),
             tuple(ctx.aux_hidden_layers),
-            tuple(sorted((k, tuple(v.shape[1:]), v.dtype) for k, v in model_inputs.items())),
+            input_signature(model_inputs),
             (id(ctx.kv_pool), id(ctx.req_to_token), id(ctx.attn_backend)),
         )
 
@@ -254,7 +236,7 @@ class CudaGraphRunner:
             raise ValueError(f"mode {mode.name} cannot be captured")
         sizes = batch_sizes or self.batch_sizes
         padded = sorted({p for b in sizes if (p := self.padded_batch_size(b)) is not None}, reverse=True)
-        sig = tuple(sorted((k, tuple(v.shape[1:]), v.dtype) for k, v in example_inputs.items()))
+        sig = input_signature(example_inputs)
         targets = (id(kv_pool), id(req_to_token), id(attn_backend))
         new = 0
         for pb in padded:
@@ -265,8 +247,33 @@ class CudaGraphRunner:
             new += 1
         return new
 
-    def _new_graph(self, key: GraphKey, kv_pool: Any, req_to_token: torch.Tensor, attn_backend: Any) -> _Graph:
+    def precapture_prompts(
+        self,
+        mode: ForwardMode,
+        aux_hidden_layers: tuple[int, ...],
+        example_inputs: dict[str, torch.Tensor],
+        kv_pool: Any,
+        req_to_token: torch.Tensor,
+        attn_backend: Any,
+    ) -> int:
+        """Capture the prompt graphs of every bucket (none without buckets); returns how many
+        were new."""
+        if self.prompt_buckets is None:
+            return 0
+        sig = input_signature(example_inputs)
+        targets = (id(kv_pool), id(req_to_token), id(attn_backend))
+        new = 0
+        for tokens, rows in self.prompt_buckets.shapes():
+            key = GraphKey(mode, tokens, rows, None, tuple(aux_hidden_layers), sig, targets, ragged=True)
+            if key not in self._graphs:
+                self._capture(self._new_graph(key, kv_pool, req_to_token, attn_backend))
+                new += 1
+        return new
+
+    def _new_graph(self, key: GraphKey, kv_pool: Any, req_to_token: torch.Tensor, attn_backend: Any) -> GraphEntry:
         """Static tensors of one graph, every row initialised as padding."""
+        if key.ragged:
+            return self._new_prompt_graph(key, kv_pool, req_to_token, attn_backend)
         tpr, pb, w, dev = key.tokens_per_req, key.batch_size, key.tree_width, self.device
         pn = pb * tpr
         # a padded request ends at max(tpr, W) so a tree window never starts before position 0
@@ -297,12 +304,25 @@ class CudaGraphRunner:
             aux_hidden_layers=key.aux_hidden_layers,
         )
         inputs = {name: self._arena.view(name, (pn, *shape), dtype).zero_() for name, shape, dtype in key.inputs}
-        entry = _Graph(key, torch.zeros(pn, dtype=torch.int64, device=dev), ctx, inputs, pad_seq, pad_mask)
+        entry = GraphEntry(key, torch.zeros(pn, dtype=torch.int64, device=dev), ctx, inputs, pad_seq, pad_mask)
         self._graphs[key] = entry
         self.stats.captures += 1
         return entry
 
-    def _capture(self, entry: _Graph) -> None:
+    def _new_prompt_graph(
+        self, key: GraphKey, kv_pool: Any, req_to_token: torch.Tensor, attn_backend: Any
+    ) -> GraphEntry:
+        tokens, rows = key.tokens_per_req, key.batch_size
+        ctx = static_prompt_context(
+            key.mode, tokens, rows, key.aux_hidden_layers, kv_pool, req_to_token, attn_backend, self.device
+        )
+        inputs = {name: self._arena.view(name, (tokens, *shape), dtype).zero_() for name, shape, dtype in key.inputs}
+        entry = GraphEntry(key, torch.zeros(tokens, dtype=torch.int64, device=self.device), ctx, inputs, 0, None)
+        self._graphs[key] = entry
+        self.stats.captures += 1
+        return entry
+
+    def _capture(self, entry: GraphEntry) -> None:
         if not self.use_graphs:
             return
         fn = lambda: self.forward_fn(entry.input_ids, entry.ctx, entry.model_inputs)  # noqa: E731
@@ -333,26 +353,29 @@ class CudaGraphRunner:
 
     # ---- replay ----
     def _load(
-        self, entry: _Graph, input_ids: torch.Tensor, ctx: ForwardContext, model_inputs: dict[str, torch.Tensor]
+        self, entry: GraphEntry, input_ids: torch.Tensor, ctx: ForwardContext, model_inputs: dict[str, torch.Tensor]
     ) -> None:
         """Copy the live batch into the static tensors and reset the padded rows."""
         s, n, b = entry.ctx, ctx.num_tokens, ctx.batch_size
-        _copy_padded(entry.input_ids, input_ids, n, 0)
-        _copy_padded(s.positions, ctx.positions, n, 0)
-        _copy_padded(s.out_cache_loc, ctx.out_cache_loc, n, 0)
-        _copy_padded(s.req_slots, ctx.req_slots, b, 0)
-        _copy_padded(s.seq_lens, ctx.seq_lens, b, entry.pad_seq_len)
+        copy_padded(entry.input_ids, input_ids, n, 0)
+        for name, value in model_inputs.items():
+            copy_padded(entry.model_inputs[name], value, n, 0)
+        if entry.key.ragged:
+            load_prompt_context(s, ctx, padded_eager=not self.use_graphs)
+            return
+        copy_padded(s.positions, ctx.positions, n, 0)
+        copy_padded(s.out_cache_loc, ctx.out_cache_loc, n, 0)
+        copy_padded(s.req_slots, ctx.req_slots, b, 0)
+        copy_padded(s.seq_lens, ctx.seq_lens, b, entry.pad_seq_len)
         # extend_lens / qo_indptr: constant per graph (uniform lengths were checked on the CPU)
         if s.tree_mask is not None and ctx.tree_mask is not None:
             s.tree_mask[:b].copy_(ctx.tree_mask)
             s.tree_mask[b:].copy_(entry.pad_mask)
-        for name, value in model_inputs.items():
-            _copy_padded(entry.model_inputs[name], value, n, 0)
         if not self.use_graphs:
             pad = entry.key.batch_size - b
             s.seq_lens_cpu = list(ctx.seq_lens_cpu) + [entry.pad_seq_len] * pad
 
-    def _replay(self, entry: _Graph) -> Any:
+    def _replay(self, entry: GraphEntry) -> Any:
         if entry.graph is None:
             return self.forward_fn(entry.input_ids, entry.ctx, entry.model_inputs)
         entry.graph.replay()

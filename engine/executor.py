@@ -237,13 +237,15 @@ def scatter_to_batch(sampled: StepOutput, mask: list[bool]) -> StepOutput:
     )
 
 
-def maybe_enable_cuda_graphs(runner: ModelRunner, max_bs: int, padded_eager: bool = False) -> None:
-    """`EngineConfig.cuda_graph_max_bs` > 0: capture this runner's fixed-shape forwards on CUDA;
-    elsewhere, with `padded_eager`, run them through the same padded static buffers uncaptured
-    (how the graph path is tested on CPU)."""
+def maybe_enable_cuda_graphs(
+    runner: ModelRunner, max_bs: int, padded_eager: bool = False, prompt_tokens: int = 0
+) -> None:
+    """`EngineConfig.cuda_graph_max_bs` > 0: capture this runner's fixed-shape forwards on CUDA,
+    and its prompt batches of up to `prompt_tokens` tokens; elsewhere, with `padded_eager`, run
+    them through the same padded static buffers uncaptured (how the graph path is tested on CPU)."""
     if max_bs <= 0:
         return
     if runner.device.type == "cuda":
-        runner.enable_cuda_graphs(max_bs)
+        runner.enable_cuda_graphs(max_bs, prompt_tokens=prompt_tokens)
     elif padded_eager:
-        runner.enable_cuda_graphs(max_bs, capture=False)
+        runner.enable_cuda_graphs(max_bs, capture=False, prompt_tokens=prompt_tokens)

@@ -14,6 +14,7 @@ from engine.cuda_graph import CudaGraphRunner, GraphStats, graph_unsupported_rea
 from engine.forward_context import ForwardContext
 from engine.h2d import to_device
 from engine.kv_cache import MAX_DECODE_WINDOW, KVCacheManager, KVPool
+from engine.prompt_graphs import PromptBuckets
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +59,13 @@ class ModelRunner:
         *,
         capture: bool = True,
         max_tokens_per_req: int = MAX_DECODE_WINDOW,
+        prompt_tokens: int = 0,
     ) -> bool:
         """Serve fixed-shape forwards of up to `max_bs` requests from CUDA graphs (see
-        engine/cuda_graph.py). `capture=False` runs the same padded static-buffer path eagerly
-        (any device or backend: the CPU test path). Returns whether it was enabled."""
+        engine/cuda_graph.py), and prompt batches of up to `prompt_tokens` tokens from bucketed
+        prompt graphs (engine/prompt_graphs.py; 0: none). `capture=False` runs the same padded
+        static-buffer paths eagerly (any device or backend: the CPU test path). Returns whether
+        it was enabled."""
         if capture and (why := graph_unsupported_reason(self.device, self.attn_backend)):
             logger.info("CUDA graphs stay off: %s", why)
             return False
@@ -72,6 +76,7 @@ class ModelRunner:
             batch_sizes,
             capture=capture,
             max_tokens_per_req=max_tokens_per_req,
+            prompt_buckets=PromptBuckets.up_to(prompt_tokens, max_bs),
         )
         return True
 
@@ -110,6 +115,18 @@ class ModelRunner:
             self.pool,
             self.kv.req_to_token,
             self.attn_backend,
+        )
+
+    @torch.inference_mode()
+    def capture_prompts(
+        self, mode: ForwardMode, *, aux_hidden_layers: tuple[int, ...] = (), **example_model_inputs: torch.Tensor
+    ) -> int:
+        """Pre-capture the prompt graphs of every bucket for this forward (EXTEND, or the draft's
+        DRAFT_EXTEND over a prompt). Returns the number of new graphs (0 when off)."""
+        if self.graphs is None:
+            return 0
+        return self.graphs.precapture_prompts(
+            mode, aux_hidden_layers, example_model_inputs, self.pool, self.kv.req_to_token, self.attn_backend
         )
 
     def graph_shapes(self) -> list[tuple[ForwardMode, int, int]]:

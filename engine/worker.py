@@ -67,8 +67,10 @@ class WorkerBase:
         return False
 
     def capture_cuda_graphs(self) -> None:
-        """Decode forward graphs for every captured batch size (a no-op when graphs are off)."""
+        """Decode forward graphs for every captured batch size, and the prompt graphs (a no-op
+        when graphs are off)."""
         self.runner.capture(ForwardMode.DECODE, 1)
+        self.runner.capture_prompts(ForwardMode.EXTEND)
         self.runner.freeze_graphs()
 
     def on_admit(self, req: Req) -> None:

@@ -108,7 +108,12 @@ class EagleWorker(WorkerBase):
             else (f"{algorithm.name}.supports_target_verify_for_draft() is False")
         )
         draft = ModelRunner(head, parts.kv, pool, parts.runner.attn_backend, parts.device, target_verify=why)
-        maybe_enable_cuda_graphs(draft, parts.config.cuda_graph_max_bs, parts.config.cuda_graph_padded_eager)
+        maybe_enable_cuda_graphs(
+            draft,
+            parts.config.cuda_graph_max_bs,
+            parts.config.cuda_graph_padded_eager,
+            parts.config.cuda_graph_prompt_tokens,
+        )
         models = EagleModels(parts.runner, draft, picker or HeadPicker(), aux)
         return cls(models, parts.sampler, config, states)
 
@@ -177,6 +182,8 @@ class EagleWorker(WorkerBase):
                     tree_width=step * k if tree else None,
                     features=draft_feats,
                 )
+        target.capture_prompts(ForwardMode.EXTEND, aux_hidden_layers=aux)
+        draft.capture_prompts(ForwardMode.DRAFT_EXTEND, features=feats)
         target.freeze_graphs()
         draft.freeze_graphs()
         if graphs is not None and self.cfg.eagle_topk == 1:  # chains: one graph per iteration

@@ -122,6 +122,7 @@ class NgramWorker(WorkerBase):
 
     def capture_cuda_graphs(self) -> None:
         self.target.capture(ForwardMode.TARGET_VERIFY, self.width)
+        self.target.capture_prompts(ForwardMode.EXTEND)
         self.target.freeze_graphs()
 
     def spec_stats(self) -> SpecStats:

@@ -2,8 +2,9 @@
 host's hottest functions, for prompts of a few lengths (plain, and a follow-up over a cached prefix).
 
 `python -m bench.gpu.profile_prompt --out DIR` (GPU machine). One engine (Triton attention,
-overlap, CUDA graphs for decode), warmed up; each case runs a one-token request five times for
-its wall time, once under torch.profiler for its kernels' busy time, and once under cProfile.
+overlap, CUDA graphs for decode and prompt graphs up to 512 tokens), warmed up; each case runs a
+one-token request five times for its wall time, once under torch.profiler for its kernels' busy
+time, and once under cProfile; every case runs with prompt graphs off (eager) and on.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def cases(vocab: int) -> dict[str, Callable[[Engine], None]]:
         f"prompt_{n}": (lambda eng, n=n: eng.generate([prompt(n)], ONE)) for n in (32, 256, 2048)
     }
     out["follow_up_200_over_2000"] = follow_up
+    out["four_prompts_of_64"] = lambda eng: eng.generate([prompt(64) for _ in range(4)], ONE)
     out["history_2000"] = lambda eng: eng.generate([history], ONE)  # puts the history in the cache
     return out
 
@@ -93,26 +95,39 @@ def main() -> int:
         attention_backend="triton",
         overlap=True,
         cuda_graph_max_bs=8,
+        cuda_graph_prompt_tokens=512,
         max_total_tokens=65536,
         max_running=8,
     )
     eng = Engine(config)
-    todo = cases(eng.model_config.vocab_size)
-    for fn in todo.values():  # compiles
-        fn(eng)
-    report = {"device": torch.cuda.get_device_name(0), "cases": {}}
-    for name, fn in todo.items():
-        report["cases"][name] = measure(eng, fn)
-        r = report["cases"][name]
-        print(
-            f"{name}: wall {r['wall_ms'][len(r['wall_ms']) // 2]:.1f} ms, GPU busy {r['gpu_busy_ms']:.1f} ms, "
-            f"span {r['gpu_span_ms']:.1f} ms, {r['launches']} launches",
-            flush=True,
-        )
+    graphs = eng.parts.runner.graphs
+    assert graphs is not None and graphs.prompt_buckets is not None
+    buckets = graphs.prompt_buckets
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "variants": {}}
+    for variant in ("eager", "graphs"):
+        graphs.prompt_buckets = buckets if variant == "graphs" else None  # the same engine, both ways
+        todo = cases(eng.model_config.vocab_size)
+        for fn in todo.values():  # compiles
+            fn(eng)
+        results = report["variants"].setdefault(variant, {})
+        for name, fn in todo.items():
+            results[name] = r = measure(eng, fn)
+            print(
+                f"{variant} {name}: wall {r['wall_ms'][len(r['wall_ms']) // 2]:.1f} ms, GPU busy "
+                f"{r['gpu_busy_ms']:.1f} ms, span {r['gpu_span_ms']:.1f} ms, {r['launches']} launches",
+                flush=True,
+            )
+    median = lambda walls: walls[len(walls) // 2]  # noqa: E731
+    eager, graphed = report["variants"]["eager"], report["variants"]["graphs"]
+    report["wall_ratio_graphs_vs_eager"] = {
+        k: median(graphed[k]["wall_ms"]) / median(eager[k]["wall_ms"]) for k in eager
+    }
+    print(json.dumps(report["wall_ratio_graphs_vs_eager"], indent=1))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "profile_prompt.json").write_text(json.dumps(report, indent=1))
-    for name in ("prompt_32", "follow_up_200_over_2000"):
-        print(f"== {name} (tottime)\n" + report["cases"][name]["cprofile_tottime"][:6000])
+    print(
+        "== graphs follow_up_200_over_2000 (tottime)\n" + graphed["follow_up_200_over_2000"]["cprofile_tottime"][:6000]
+    )
     return 0
 
 
