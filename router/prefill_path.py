@@ -33,8 +33,9 @@ from router.nodes import NodeRegistry, NodeState
 from router.policy import Policy, select_colocated, select_pair
 
 POLICIES = PD_PREFILL_POLICIES
-# The chunk a decode node's guard runs a long prompt in (its chunked prefill size, by default).
-LOCAL_CHUNK_TOKENS = DEFAULT_CHUNKED_PREFILL_SIZE
+# The chunk a node runs a long prompt in (its chunked prefill size, by default): on a decode node
+# its guard's chunks, on a prefill node its batches; each pays a prompt batch's fixed cost.
+PROMPT_CHUNK_TOKENS = DEFAULT_CHUNKED_PREFILL_SIZE
 
 # Why a path was taken: a fixed set, because each one is a metric label value.
 POLICY = "policy"  # --pd-prefill-policy remote or local said so
@@ -112,13 +113,15 @@ def tier_rate(prefills: Sequence[NodeState]) -> float:
 def remote_ttft(
     prefill: NodeState, decode: NodeState | None, prompt_tokens: int, now: float | None = None
 ) -> float | None:
-    """The prompt's wait and compute on `prefill` plus the KV transfer to `decode`, scaled by how
-    its earlier prompts compared with their estimates (None: rate unmeasured)."""
-    rate = prefill.perf.prefill_tokens_per_s
-    if rate <= 0:
+    """The prompt's wait and compute on `prefill`, each chunk with a prompt batch's fixed cost as
+    on the local path, plus the KV transfer to `decode`, scaled by how its earlier prompts
+    compared with their estimates (None: rate unmeasured)."""
+    perf = prefill.perf
+    if perf.prefill_tokens_per_s <= 0:
         return None
     queued = prefill.waiting_prompt_tokens + prefill.prompts.since(prefill.loads_at) + prompt_tokens
-    raw = queued / rate + (decode.kv_transfer_s if decode is not None else 0.0)
+    compute = queued / perf.prefill_tokens_per_s + math.ceil(queued / PROMPT_CHUNK_TOKENS) * perf.prompt_overhead_s
+    raw = compute + (decode.kv_transfer_s if decode is not None else 0.0)
     return raw * prefill.ttft.current(time.monotonic() if now is None else now)
 
 
@@ -151,7 +154,7 @@ def local_ttft(
         return LocalEstimate()
     queued = decode.waiting_prompt_tokens + decode.prompts.since(decode.loads_at) + prompt_tokens
     # each chunk (the guard runs them up to a chunk's size) also pays the batch's fixed part
-    chunks = math.ceil(queued / LOCAL_CHUNK_TOKENS)
+    chunks = math.ceil(queued / PROMPT_CHUNK_TOKENS)
     raw = (queued / rate + chunks * perf.prompt_overhead_s) / share
     return LocalEstimate(seconds=raw * decode.ttft.current(time.monotonic() if now is None else now))
 

@@ -35,12 +35,12 @@ RATE = 10_000.0  # prompt tokens/s of every measured node here
 GUARD = 0.025  # the decode's TPOT guard
 
 
-def prefill(queued: int = 0, rate: float = RATE, **kw: Any) -> NodeState:
+def prefill(queued: int = 0, rate: float = RATE, overhead: float = 0.0, **kw: Any) -> NodeState:
     return NodeState(
         NodeSpec("prefill", "p:1", 9),
         healthy=True,
         waiting_prompt_tokens=queued,
-        perf=NodePerf(prefill_tokens_per_s=rate),
+        perf=NodePerf(prefill_tokens_per_s=rate, prompt_overhead_s=overhead),
         **kw,
     )
 
@@ -130,6 +130,22 @@ def test_each_local_chunk_pays_the_batch_overhead_in_the_guard_share() -> None:
     assert est.seconds == pytest.approx((5000 / RATE + 3 * 0.013) / 0.6)
     # an idle decode gives prompts all its time; one short prompt is one chunk
     assert local_ttft(decode(overhead=0.013), 100, 10, 0.0).seconds == pytest.approx(100 / RATE + 0.013)
+
+
+def test_both_paths_charge_a_prompt_batch_its_fixed_cost() -> None:
+    # 5,000 queued tokens on the prefill are three chunks, each with its 7 ms fixed part
+    assert remote_ttft(prefill(queued=4000, overhead=0.007), None, 1000) == pytest.approx(0.5 + 3 * 0.007)
+    # a cached follow-up: 200 tokens on a decode with 8 running (15/25 of it for prompts) against
+    # 1,200 uncached ones on the prefill; by tokens alone remote is sooner (0.060 s against
+    # (200 / 5,000 + 0.007) / 0.6 = 0.078 s)...
+    turn = lambda node: 1000 if node.address == "d:1" else 0  # noqa: E731
+    slow_local = decode(running=8, overhead=0.007, rate=5_000.0)
+    assert decide("auto", prefill(rate=20_000.0), slow_local, 1200, 100, cached=turn).path == "remote"
+    # ...but a prefill node's batch pays the fixed cost too, and the transfer, so the turn stays
+    busy_prefill = prefill(rate=20_000.0, overhead=0.040, kv_transfer_s=0.0)
+    d = decide("auto", busy_prefill, slow_local, 1200, 100, cached=turn)
+    assert (d.path, d.reason) == ("local", SHORT_LOCAL)
+    assert d.remote_s == pytest.approx(1200 / 20_000 + 0.040) and d.local_s == pytest.approx(0.047 / 0.6)
 
 
 def test_decode_at_its_tpot_budget_cannot_take_prompts() -> None:
