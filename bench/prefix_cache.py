@@ -8,8 +8,9 @@ workloads run through `pdserve bench` (loadgen) on each:
   grows by about `--turn-input-len` + `--output-len` tokens per turn. Reported: TTFT p50 per turn
   (and over turns 3+), the share of reusable tokens the server reported as cached, and the
   accepted draft length (from the decode or colocated node's counters);
-* no reuse: unrelated random prompts at the same concurrency, for the cache's cost (output
-  tokens/s with the cache against without).
+* no reuse: unrelated random prompts, for the cache's cost (output tokens/s with the cache
+  against without); on GPUs 480 of them at concurrency 16, about 10 s of saturated serving per
+  start, since a few seconds at concurrency 4 swung by 10% between runs of the same code.
 
 Ratios compare the two starts of one deployment in this run: TTFT p50 of turns 3+ without the
 cache over with it (goal >= 3), reuse (goal >= 0.9), accept length with over without (within
@@ -66,13 +67,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def sizes(args: argparse.Namespace, gpu: bool) -> dict[str, int]:
-    """Lengths by device: on GPUs about 2K tokens of history growth over 10 turns."""
+    """Lengths by device: on GPUs about 2K tokens of history growth over 10 turns, and a no-reuse
+    run long and busy enough for a throughput ratio."""
     base = {"conversations": 8, "turn_input_len": 160, "output_len": 48} if gpu else {}
     base = base or {"conversations": 4, "turn_input_len": 48, "output_len": 16}
     if args.quick:
         base = {"conversations": 2, "turn_input_len": 24, "output_len": 8}
     given = {"conversations": args.conversations, "turn_input_len": args.turn_input_len, "output_len": args.output_len}
-    return {**base, **{k: v for k, v in given.items() if v is not None}}
+    size = {**base, **{k: v for k, v in given.items() if v is not None}}
+    busy = gpu and not args.quick
+    size["no_reuse_prompts"] = 480 if busy else size["conversations"] * args.turns
+    size["no_reuse_concurrency"] = 16 if busy else args.concurrency
+    return size
 
 
 SPEC = ("pdserve_spec_accepted_tokens_total", "pdserve_spec_verifies_total")
@@ -114,8 +120,9 @@ def bench_options(url: str, out: Path, args: argparse.Namespace, size: dict[str,
             turn_input_len=size["turn_input_len"],
             **common,
         )
+    common["concurrency"] = str(size["no_reuse_concurrency"])
     return BenchOptions(
-        num_prompts=size["conversations"] * args.turns,
+        num_prompts=size["no_reuse_prompts"],
         input_len=size["turn_input_len"] * args.turns // 2,  # about the multi-turn prompts' mean length
         **common,
     )
