@@ -1,4 +1,5 @@
-"""Configuration schemas, one frozen dataclass per concern: engine, speculation, roles, router, logging.
+"""Configuration schemas, one frozen dataclass per concern: engine, speculation, roles, logging,
+`pdserve up` (the router's are in common/router_options.py).
 
 Each field is one command-line flag (pdserve/flags.py generates them, with the field's help) and
 one environment variable, PDSERVE_<FLAG_NAME> (--max-running -> PDSERVE_MAX_RUNNING). `aliases`
@@ -15,25 +16,18 @@ from typing import Any, Optional
 from common.defaults import (
     DEFAULT_BOOTSTRAP_PORT,
     DEFAULT_BOOTSTRAP_TIMEOUT,
-    DEFAULT_BREAKER_COOLDOWN,
-    DEFAULT_BREAKER_FAILURES,
     DEFAULT_CHUNKED_PREFILL_SIZE,
     DEFAULT_CONNECT_ATTEMPTS,
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_DECODE_MAX_RUNNING,
-    DEFAULT_FIRST_TOKEN_TIMEOUT,
     DEFAULT_GRAMMAR_BACKEND,
     DEFAULT_GRAPH_MAX_BS,
     DEFAULT_PROMPT_GRAPH_TOKENS,
     DEFAULT_HEARTBEAT_INTERVAL,
-    DEFAULT_INTER_TOKEN_TIMEOUT,
     DEFAULT_LOCAL_PREFILL_TPOT_MS,
-    DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_RUNNING,
     DEFAULT_MEM_FRACTION_STATIC,
     DEFAULT_PAGE_SIZE,
-    DEFAULT_PREFILL_TIMEOUT,
-    DEFAULT_REFRESH_INTERVAL,
     DEFAULT_TP_SIZE,
     DEFAULT_TP_TIMEOUT_S,
     DEFAULT_TRANSFER_TIMEOUT,
@@ -49,7 +43,7 @@ PANEL_FAST = "GPU fast path"
 PANEL_TP = "Tensor parallelism"
 
 
-_HOST_HELP = "Address to bind (0.0.0.0: every interface, as a pod needs)."
+HOST_HELP = "Address to bind (0.0.0.0: every interface, as a pod needs)."
 _MODEL_HELP = "HF-format model directory (default: the built-in Python-code pair, with EAGLE on)."
 
 
@@ -214,7 +208,7 @@ class SpeculativeOptions:
 class ServeRole:
     """`pdserve serve`: a colocated node (prompt and decode in one process)."""
 
-    host: str = opt("127.0.0.1", _HOST_HELP)
+    host: str = opt("127.0.0.1", HOST_HELP)
     port: int = opt(30000, "Scheduler API (gRPC) port.")
     metrics_port: Optional[int] = opt(None, "Serve Prometheus /metrics on this port (0: any free).")
 
@@ -235,7 +229,7 @@ _ROWS_HELP = (
 class PrefillRole:
     """`pdserve prefill`: runs prompts and writes their KV to decode nodes."""
 
-    host: str = opt("127.0.0.1", _HOST_HELP)
+    host: str = opt("127.0.0.1", HOST_HELP)
     port: int = opt(30001, "Scheduler API (gRPC) port.")
     bootstrap_port: int = opt(
         DEFAULT_BOOTSTRAP_PORT, "KV control port decode nodes connect to.", aliases=("--disaggregation-bootstrap-port",)
@@ -257,7 +251,7 @@ class PrefillRole:
 class DecodeRole:
     """`pdserve decode`: receives KV from prefill nodes and generates."""
 
-    host: str = opt("127.0.0.1", _HOST_HELP)
+    host: str = opt("127.0.0.1", HOST_HELP)
     port: int = opt(30002, "Scheduler API (gRPC) port.")
     kv_transport: str = opt("nixl", "KV transfer backend (nixl).", aliases=("--disaggregation-transfer-backend",))
     kv_handoff_rows: str = opt("kv", _ROWS_HELP)
@@ -271,72 +265,6 @@ class DecodeRole:
         "steps, keeping running requests within this time per output token; 0 refuses them.",
     )
     metrics_port: Optional[int] = opt(None, "Serve Prometheus /metrics on this port (0: any free).")
-
-
-@dataclass(frozen=True)
-class RouterOptions:
-    """`pdserve router`: the OpenAI API in front of prefill/decode (and colocated) nodes."""
-
-    host: str = opt("127.0.0.1", _HOST_HELP)
-    port: int = opt(8000, "HTTP port of the OpenAI API.")
-    prefill: list[str] = opt([], "Prefill node HOST:PORT,BOOTSTRAP_PORT (repeatable).")
-    decode: list[str] = opt([], "Decode node HOST:PORT (repeatable).")
-    colocated: list[str] = opt([], "Colocated node HOST:PORT, used when no PD pair is available (repeatable).")
-    prefill_policy: str = opt(
-        "prefix_aware", "round_robin, least_load or prefix_aware (routes by the nodes' published prefix caches)."
-    )
-    decode_policy: str = opt("least_load", "round_robin, least_load or prefix_aware (also picks colocated nodes).")
-    pd_prefill_policy: str = opt(
-        "remote",
-        "Where prompts run: remote (a prefill node, then the KV moves to the decode), local (the decode "
-        "node runs the prompt between its decode steps, within its TPOT guard; decodes that do not are "
-        "paired as before), or auto (per request: the prefill node, unless the prompt is a short follow-up "
-        "cached on the decode, or the prefill tier is behind its TTFT target and the decode would start it in "
-        "under half the time).",
-    )
-    pd_local_max_tokens: int = opt(
-        256, "auto: prompts computing at most this many tokens on the decode (a cached turn) run there."
-    )
-    pd_remote_ttft_target_ms: float = opt(
-        200.0, "auto: above this estimated prefill TTFT, prompts overflow to a decode that starts them sooner."
-    )
-    served_model: Optional[str] = opt(
-        None, "Model id clients send (default: the nodes').", aliases=("--served-model-name",)
-    )
-    tokenizer: Optional[Path] = opt(
-        None,
-        "Tokenizer directory (tokenizer.json and its side files; default: the model directory the nodes report).",
-        aliases=("--tokenizer-path",),
-    )
-    chat_template: Optional[str] = opt(
-        None,
-        "Chat template used instead of the tokenizer's: a Jinja file, or the "
-        "template itself inline (anything holding {{ or {%).",
-    )
-    tool_call_parser: Optional[str] = opt(
-        None,
-        "How the model writes tool calls: hermes (Qwen, Hermes), llama3_json or mistral (default: the format "
-        "the chat template shows; without one, requests with tools are refused).",
-    )
-    api_key: list[str] = opt([], "Accepted API key (repeatable; PDSERVE_API_KEY takes key1,key2).", separator=",")
-    max_queue: int = opt(DEFAULT_MAX_QUEUE, "Most requests in flight before 503.")
-    prefill_dns: list[str] = opt([], "Headless service NAME:PORT,BOOTSTRAP_PORT whose addresses are prefill nodes.")
-    decode_dns: list[str] = opt([], "Headless service NAME:PORT whose addresses are decode nodes.")
-    first_token_timeout: float = opt(
-        DEFAULT_FIRST_TOKEN_TIMEOUT, "Seconds from sending a request to its first decode message (prefill + transfer)."
-    )
-    inter_token_timeout: float = opt(DEFAULT_INTER_TOKEN_TIMEOUT, "Seconds between two decode messages.")
-    prefill_timeout: float = opt(DEFAULT_PREFILL_TIMEOUT, "Seconds for a whole prefill leg.")
-    refresh_interval: float = opt(DEFAULT_REFRESH_INTERVAL, "Seconds between node health/load refreshes.")
-    breaker_failures: int = opt(DEFAULT_BREAKER_FAILURES, "Consecutive failures that open a node's circuit breaker.")
-    breaker_cooldown: float = opt(
-        DEFAULT_BREAKER_COOLDOWN, "Seconds an open breaker waits before letting one request probe the node."
-    )
-
-    @property
-    def api_keys(self) -> frozenset[str]:
-        """The accepted API keys (--api-key, repeatable); empty: no authentication."""
-        return frozenset(self.api_key)
 
 
 @dataclass(frozen=True)
@@ -356,7 +284,7 @@ class UpOptions:
     """`pdserve up`: a local deployment of router and nodes."""
 
     model: Optional[Path] = opt(None, _MODEL_HELP, aliases=("--model-path",))
-    host: str = opt("127.0.0.1", _HOST_HELP)
+    host: str = opt("127.0.0.1", HOST_HELP)
     port: int = opt(8000, "Router HTTP port (OpenAI API).")
     prefill: int = opt(1, "Number of prefill nodes.")
     decode: int = opt(1, "Number of decode nodes.")

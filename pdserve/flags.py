@@ -1,4 +1,5 @@
-"""Typer flags generated from the config schemas of common/config.py, each with its PDSERVE_* env var."""
+"""Typer flags generated from the config schemas (common/config.py, common/router_options.py), each
+with its PDSERVE_* env var."""
 
 from __future__ import annotations
 

@@ -14,12 +14,12 @@ from common.config import (
     EngineOptions,
     LogOptions,
     PrefillRole,
-    RouterOptions,
     ServeRole,
     SpeculativeOptions,
     UpOptions,
 )
 from common.defaults import check_pd_prefill_policy, check_rows_place, check_sgl_mode
+from common.router_options import RouterOptions
 from pdserve.errors import fail
 from pdserve.flags import with_options
 

@@ -11,7 +11,7 @@ import signal
 import uvicorn
 from fastapi import FastAPI
 
-from common.config import RouterOptions
+from common.router_options import RouterOptions
 from common.tokenizer import Tokenizer, load_chat_template
 from router.app import RouterApp
 from router.breaker import CircuitBreaker

@@ -6,9 +6,10 @@ within its TPOT guard T: a request gains a tokens per step, earning T * a - step
 step that chunks may spend, so prompts get (T * a - step(B)) / (T * a) of the node's time, and
 each chunk pays the batch's fixed part (the node's measured prompt overhead) beside its tokens at
 the node's rate.
-Remote TTFT is the prefill's queue plus the prompt at its rate, plus the KV transfer when the
-decode reports it. Each estimate is scaled by how the node's earlier prompts on that path compared
-with their estimates (router/perf.py TtftCalibration), so what the rates do not model is learnt.
+Remote TTFT is the prefill's queue plus the prompt at its rate, each chunk with the prefill's
+fixed part too, plus the KV transfer when the decode reports it. Each estimate is scaled by how
+the node's earlier prompts on that path compared with their estimates (router/perf.py
+TtftCalibration), so what the rates do not model is learnt.
 
 Under `auto` the prefill tier is the default, because every prompt run locally slows the decode
 node's running requests towards its guard: that is what disaggregation exists to avoid. A prompt

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from common.config import RouterOptions
+from common.router_options import RouterOptions
 from router.contract import DispatchError, FinishEvent
 from router.perf import NodePerf
 from router.policy import pair_available
