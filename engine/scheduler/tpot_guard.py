@@ -2,8 +2,9 @@
 
 A decode node that also runs prompts (the router's local path) puts prompt chunks between its
 decode steps. A chunk is a forward of its own, so it costs a fixed part (the weights read once,
-and on the host the launch of every layer: about 13 ms for an 8B model on an H100, more than a
-decode step) plus its tokens at the measured prompt rate. Sizing every chunk to fit one step's
+and on the host the launch of every layer: for an 8B model on an H100 about 6.5 ms with prompt
+graphs, 13-40 ms without, as much as a decode step or more) plus its tokens at the measured
+prompt rate. Sizing every chunk to fit one step's
 share of the budget made chunks small, their fixed part dominant, and the decode slower than the
 guard promised (bench/RESULTS.md). So the guard spends slack instead:
 
