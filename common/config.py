@@ -97,6 +97,14 @@ class EngineOptions:
         "buckets (short prompts are launch-bound); 0 disables. Needs --cuda-graph-max-bs > 0.",
         panel=PANEL_FAST,
     )
+    disable_mixed_chunk: bool = opt(
+        False,
+        "A decode node running prompts itself (--local-prefill-tpot-ms) runs each chunk as a forward of "
+        "its own between decode steps (by default a chunk rides inside a decode step: one forward, the "
+        "weights read once for both; plain decoding only).",
+        negatable=False,
+        panel=PANEL_FAST,
+    )
     warmup: Optional[bool] = opt(
         None,
         "Run synthetic prompts of each length before serving: kernels compile then, and the prompt "

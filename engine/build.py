@@ -50,8 +50,13 @@ def build_rank(config: EngineConfig, algorithm: EngineAlgorithm, device: torch.d
     sampler = Sampler(mc.vocab_size, config.max_running, device, mc.eos_token_ids)
     parts = EngineParts(config, mc, runner, kv, sampler, device, dtype, tp)
     executor = check_executor(algorithm.create_worker(parts), algorithm.name)
+    mixes = bool(config.tpot_guard_ms) and config.mixed_chunk and executor.supports_mixed_batches()
     maybe_enable_cuda_graphs(
-        runner, config.cuda_graph_max_bs, config.cuda_graph_padded_eager, config.cuda_graph_prompt_tokens
+        runner,
+        config.cuda_graph_max_bs,
+        config.cuda_graph_padded_eager,
+        config.cuda_graph_prompt_tokens,
+        config.cuda_graph_prompt_tokens if mixes else 0,
     )
     if executor.kv_tokens_per_decode() > MAX_DECODE_WINDOW:
         raise ValueError(f"a decode step may not write more than {MAX_DECODE_WINDOW} tokens")

@@ -179,6 +179,10 @@ class EngineConfig:
     # this time per output token (engine/scheduler/tpot_guard.py); a decode node running prompts
     # itself sets it. None: prompts first, in chunks of chunked_prefill_size.
     tpot_guard_ms: float | None = None
+    # With a TPOT guard and a worker that can (plain decoding): a prompt chunk runs inside a decode
+    # step, one forward for both (engine/mixed_graphs.py), so it costs its tokens and not a second
+    # pass over the weights. Off: chunks alternate with decode steps as forwards of their own.
+    mixed_chunk: bool = True
     # Before serving, run synthetic prompts of each length class (engine/warmup.py): the prompt
     # path's kernel compiles are paid then, and the prompt rate is measured on warm kernels.
     prompt_warmup: bool = False

@@ -22,10 +22,14 @@ class ForwardMode(enum.IntEnum):
     DRAFT_EXTEND = 4  # the draft model over tokens the target just accepted
     PREBUILT = 5  # KV arrived from a prefill node; nothing to compute
     IDLE = 6  # nothing to run
+    # decoding requests' next tokens and a prompt chunk in one forward (a decode node running a
+    # prompt itself): its leading `Batch.decode_rows` rows take their input from the FutureMap;
+    # it runs as an EXTEND forward whose first rows attend like DECODE ones
+    MIXED = 7
 
     def is_extend_like(self) -> bool:
         """Modes whose requests contribute a variable or multi-token query window."""
-        return self in (ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
+        return self in (ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND, ForwardMode.MIXED)
 
 
 class FinishReason(str, enum.Enum):
@@ -185,6 +189,8 @@ class Batch:
     epochs: list[int] = field(default_factory=list)  # Req.epoch at launch
     # DECODE: how it runs (the executor's plan for this batch's size and context room)
     plan: DecodePlan = PLAIN_DECODE
+    # MIXED: the leading rows that are plain decode steps (one token each, input on the device)
+    decode_rows: int = 0
     # Set by an overlapping scheduler when the batch in flight samples for a constrained request:
     # it collects that batch, so every matcher holds every earlier token. An executor that
     # settles grammars in its launch calls it (`settle_grammar`) after enqueuing the forward and
@@ -215,6 +221,24 @@ class Batch:
     @staticmethod
     def decode(reqs: list[Req], plan: DecodePlan = PLAIN_DECODE) -> "Batch":
         return Batch(ForwardMode.DECODE, reqs, [1] * len(reqs), [True] * len(reqs), plan=plan)
+
+    @staticmethod
+    def mixed(decode: "Batch", chunk: "Batch") -> "Batch":
+        """A plain decode step and a prompt chunk as one forward (decode rows first)."""
+        return Batch(
+            ForwardMode.MIXED,
+            decode.reqs + chunk.reqs,
+            decode.extend_lens + chunk.extend_lens,
+            decode.sample + chunk.sample,
+            decode_rows=len(decode.reqs),
+        )
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt (or re-extended) tokens the batch computes: a MIXED batch's decode rows aside."""
+        if self.mode is ForwardMode.EXTEND:
+            return self.num_tokens
+        return sum(self.extend_lens[self.decode_rows :]) if self.mode is ForwardMode.MIXED else 0
 
     @staticmethod
     def idle() -> "Batch":

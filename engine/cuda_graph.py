@@ -10,7 +10,8 @@ Each graph owns static copies of the context tensors (small), while model inputs
 features (large) live in one arena per input name shared by all graphs: graphs run one after the
 other and every input is copied in right before a replay, so sharing is safe.
 
-Prompt batches (ragged lengths) are served by bucketed prompt graphs: see engine/prompt_graphs.py.
+Prompt batches (ragged lengths) are served by bucketed prompt graphs: see engine/prompt_graphs.py;
+mixed batches (decode rows and a prompt chunk) by bucketed mixed graphs: engine/mixed_graphs.py.
 
 The same padded static-buffer path also runs without capturing ("padded eager"), which is how
 the padding logic is tested on CPU with the torch reference backend.
@@ -19,6 +20,7 @@ the padding logic is tested on CPU with the torch reference backend.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import gc
 import logging
 from typing import Any, Callable
@@ -27,13 +29,31 @@ import torch
 
 from engine.core import ForwardMode
 from engine.forward_context import ForwardContext
-from engine.graph_buffers import GraphEntry, GraphKey, GraphStats, InputArena, copy_padded, input_signature, slice_rows
+from engine.graph_buffers import (
+    GraphEntry,
+    GraphKey,
+    GraphStats,
+    InputArena,
+    copy_padded,
+    gather_rows,
+    input_signature,
+    slice_rows,
+)
+from engine.graph_fit import GRAPH_MODES, fixed_key, fixed_unfit, ragged_key
 from engine.graph_registry import new_graph
+from engine.mixed_graphs import (
+    CHUNK_ROWS,
+    MixedBuckets,
+    live_rows,
+    load_mixed_context,
+    mixed_unfit,
+    place_tokens,
+    static_mixed_context,
+)
 from engine.prompt_graphs import PROMPT_MODES, PromptBuckets, load_prompt_context, prompt_unfit, static_prompt_context
 
 logger = logging.getLogger(__name__)
 
-GRAPH_MODES = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
 # Runs before a capture, outside it: lazy initialisation (cuBLAS handles, Triton compilation and
 # autotuning) must not happen while a graph is being recorded.
 WARMUP_RUNS = 2
@@ -70,6 +90,7 @@ class CudaGraphRunner:
         max_tokens_per_req: int = 64,
         max_graphs: int = 512,
         prompt_buckets: PromptBuckets | None = None,
+        mixed_buckets: MixedBuckets | None = None,
     ) -> None:
         if max_bs < 1:
             raise ValueError(f"max_bs must be >= 1, got {max_bs}")
@@ -81,6 +102,7 @@ class CudaGraphRunner:
         self.use_graphs = capture
         self.max_tokens_per_req, self.max_graphs = max_tokens_per_req, max_graphs
         self.prompt_buckets = prompt_buckets  # None: prompt forwards run eagerly
+        self.mixed_buckets = mixed_buckets  # None: mixed batches run eagerly (or as prompt batches)
         self.stats = GraphStats()
         self.frozen = False  # after start-up capture: a miss runs eagerly instead of capturing
         self._graphs: dict[GraphKey, GraphEntry] = {}
@@ -117,16 +139,27 @@ class CudaGraphRunner:
         else:
             self._load(entry, input_ids, ctx, model_inputs)
             self.stats.hits += 1
-        return slice_rows(self._replay(entry), ctx.num_tokens)
+        out = self._replay(entry)
+        if key.decode_rows:
+            return gather_rows(out, live_rows(ctx.decode_rows, key.decode_rows, ctx.num_tokens, self.device))
+        return slice_rows(out, ctx.num_tokens)
 
     def _choose(
         self, input_ids: torch.Tensor, ctx: ForwardContext, model_inputs: dict[str, Any]
     ) -> tuple[GraphKey | None, str]:
-        """The graph to serve this forward (held, or capturable now), else why none: a
-        fixed-width graph first, then a prompt graph for a prompt batch."""
-        why = self._unfit(input_ids, ctx, model_inputs)
+        """The graph to serve this forward (held, or capturable now), else why none: a mixed
+        graph for a mixed batch, a fixed-width graph, then a prompt graph for a prompt batch."""
+        if self.mixed_buckets is not None and ctx.decode_rows:
+            key, why = self._mixed_key(input_ids, ctx, model_inputs)
+            if key is not None:
+                return key, ""
+        why = fixed_unfit(input_ids, ctx, model_inputs, self.max_bs, self.use_graphs)
+        if why is None and self.use_graphs:
+            why = self._device_unfit(ctx)
         if why is None:
-            key = self._key(ctx, model_inputs)
+            padded = self.padded_batch_size(ctx.batch_size)
+            assert padded is not None
+            key = fixed_key(ctx, model_inputs, padded)
             if not (why := self._miss_reason(key)):
                 return key, ""
         if self.prompt_buckets is not None and ctx.mode in PROMPT_MODES:
@@ -136,11 +169,27 @@ class CudaGraphRunner:
                 pwhy = "prompt batch larger than its buckets"
             if pwhy is None:
                 assert bucket is not None
-                pkey = self._prompt_key(ctx.mode, *bucket, ctx.aux_hidden_layers, model_inputs, ctx)
+                pkey = ragged_key(ctx.mode, *bucket, ctx.aux_hidden_layers, model_inputs, ctx)
                 if not (pwhy := self._miss_reason(pkey)):
                     return pkey, ""
             why = pwhy
         return None, why or "no graph"
+
+    def _mixed_key(
+        self, input_ids: torch.Tensor, ctx: ForwardContext, model_inputs: dict[str, Any]
+    ) -> tuple[GraphKey | None, str]:
+        assert self.mixed_buckets is not None
+        why = mixed_unfit(input_ids, ctx, model_inputs) or self._device_unfit(ctx)
+        d = ctx.decode_rows
+        bucket = self.mixed_buckets.fit(d, ctx.num_tokens - d, ctx.batch_size - d)
+        if why is None and bucket is None:
+            why = "mixed batch larger than its buckets"
+        if why is not None:
+            return None, why
+        assert bucket is not None
+        key = ragged_key(ForwardMode.EXTEND, bucket[1], CHUNK_ROWS, (), {}, ctx, decode_rows=bucket[0])
+        why = self._miss_reason(key)
+        return (None, why) if why else (key, "")
 
     def _miss_reason(self, key: GraphKey) -> str:
         """Why a graph for `key` can be neither replayed nor captured now ("" when it can)."""
@@ -158,64 +207,6 @@ class CudaGraphRunner:
         if self.use_graphs:
             return graph_unsupported_reason(ctx.positions.device, ctx.attn_backend)
         return None
-
-    def _prompt_key(
-        self,
-        mode: ForwardMode,
-        tokens: int,
-        rows: int,
-        aux_hidden_layers: tuple[int, ...],
-        model_inputs: dict[str, torch.Tensor],
-        ctx: ForwardContext,
-    ) -> GraphKey:
-        return GraphKey(
-            mode,
-            tokens,
-            rows,
-            None,
-            tuple(aux_hidden_layers),
-            input_signature(model_inputs),
-            (id(ctx.kv_pool), id(ctx.req_to_token), id(ctx.attn_backend)),
-            ragged=True,
-        )
-
-    def _unfit(self, input_ids: torch.Tensor, ctx: ForwardContext, model_inputs: dict[str, Any]) -> str | None:
-        """Why this forward cannot use a graph (None when it can). Uses CPU-side facts only."""
-        if ctx.mode not in GRAPH_MODES:
-            return f"mode {ctx.mode.name}"
-        lens = ctx.extend_lens_cpu
-        if not lens or len(lens) != ctx.batch_size or any(n != lens[0] for n in lens):
-            return "ragged extend lengths"
-        if ctx.batch_size > self.max_bs:
-            return "batch too large"
-        n = ctx.num_tokens
-        if n != lens[0] * len(lens) or tuple(input_ids.shape) != (n,):
-            return "token count mismatch"
-        tm = ctx.tree_mask
-        if tm is not None and (tm.dim() != 3 or tuple(tm.shape[:2]) != (len(lens), lens[0]) or tm.dtype != torch.bool):
-            return "unexpected tree mask shape"
-        for v in model_inputs.values():
-            if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != n:
-                return "model input is not per-token"
-        if self.use_graphs:
-            return self._device_unfit(ctx)
-        if len(ctx.seq_lens_cpu) != len(lens):  # padded eager hands the live lengths on
-            return "no CPU sequence lengths"
-        return None
-
-    def _key(self, ctx: ForwardContext, model_inputs: dict[str, torch.Tensor]) -> GraphKey:
-        tpr = ctx.extend_lens_cpu[0]
-        padded = self.padded_batch_size(ctx.batch_size)
-        assert padded is not None
-        return GraphKey(
-            ctx.mode,
-            tpr,
-            padded,
-            None if ctx.tree_mask is None else int(ctx.tree_mask.shape[2]),
-            tuple(ctx.aux_hidden_layers),
-            input_signature(model_inputs),
-            (id(ctx.kv_pool), id(ctx.req_to_token), id(ctx.attn_backend)),
-        )
 
     # ---- capture ----
     def precapture(
@@ -237,15 +228,10 @@ class CudaGraphRunner:
         sizes = batch_sizes or self.batch_sizes
         padded = sorted({p for b in sizes if (p := self.padded_batch_size(b)) is not None}, reverse=True)
         sig = input_signature(example_inputs)
-        targets = (id(kv_pool), id(req_to_token), id(attn_backend))
-        new = 0
-        for pb in padded:
-            key = GraphKey(mode, tokens_per_req, pb, tree_width, tuple(aux_hidden_layers), sig, targets)
-            if key in self._graphs:
-                continue
-            self._capture(self._new_graph(key, kv_pool, req_to_token, attn_backend))
-            new += 1
-        return new
+        keys = [
+            GraphKey(mode, tokens_per_req, pb, tree_width, tuple(aux_hidden_layers), sig, (0, 0, 0)) for pb in padded
+        ]
+        return self._capture_new(keys, kv_pool, req_to_token, attn_backend)
 
     def precapture_prompts(
         self,
@@ -261,10 +247,28 @@ class CudaGraphRunner:
         if self.prompt_buckets is None:
             return 0
         sig = input_signature(example_inputs)
+        keys = [
+            GraphKey(mode, t, r, None, tuple(aux_hidden_layers), sig, (0, 0, 0), ragged=True)
+            for t, r in self.prompt_buckets.shapes()
+        ]
+        return self._capture_new(keys, kv_pool, req_to_token, attn_backend)
+
+    def precapture_mixed(self, kv_pool: Any, req_to_token: torch.Tensor, attn_backend: Any) -> int:
+        """Capture the mixed graphs of every bucket (none without buckets); returns how many were new."""
+        if self.mixed_buckets is None:
+            return 0
+        keys = [
+            GraphKey(ForwardMode.EXTEND, t, CHUNK_ROWS, None, (), (), (0, 0, 0), ragged=True, decode_rows=d)
+            for d, t in self.mixed_buckets.shapes()
+        ]
+        return self._capture_new(keys, kv_pool, req_to_token, attn_backend)
+
+    def _capture_new(self, keys: list[GraphKey], kv_pool: Any, req_to_token: torch.Tensor, attn_backend: Any) -> int:
+        """Capture the graphs of `keys` (their targets set here) not held yet; returns how many."""
         targets = (id(kv_pool), id(req_to_token), id(attn_backend))
         new = 0
-        for tokens, rows in self.prompt_buckets.shapes():
-            key = GraphKey(mode, tokens, rows, None, tuple(aux_hidden_layers), sig, targets, ragged=True)
+        for key in keys:
+            key = dataclasses.replace(key, targets=targets)
             if key not in self._graphs:
                 self._capture(self._new_graph(key, kv_pool, req_to_token, attn_backend))
                 new += 1
@@ -312,10 +316,17 @@ class CudaGraphRunner:
     def _new_prompt_graph(
         self, key: GraphKey, kv_pool: Any, req_to_token: torch.Tensor, attn_backend: Any
     ) -> GraphEntry:
+        """A prompt graph's static tensors (or a mixed graph's, whose tokens follow its decode rows)."""
         tokens, rows = key.tokens_per_req, key.batch_size
-        ctx = static_prompt_context(
-            key.mode, tokens, rows, key.aux_hidden_layers, kv_pool, req_to_token, attn_backend, self.device
-        )
+        if key.decode_rows:
+            tokens += key.decode_rows
+            ctx = static_mixed_context(
+                key.decode_rows, key.tokens_per_req, kv_pool, req_to_token, attn_backend, self.device
+            )
+        else:
+            ctx = static_prompt_context(
+                key.mode, tokens, rows, key.aux_hidden_layers, kv_pool, req_to_token, attn_backend, self.device
+            )
         inputs = {name: self._arena.view(name, (tokens, *shape), dtype).zero_() for name, shape, dtype in key.inputs}
         entry = GraphEntry(key, torch.zeros(tokens, dtype=torch.int64, device=self.device), ctx, inputs, 0, None)
         self._graphs[key] = entry
@@ -357,6 +368,10 @@ class CudaGraphRunner:
     ) -> None:
         """Copy the live batch into the static tensors and reset the padded rows."""
         s, n, b = entry.ctx, ctx.num_tokens, ctx.batch_size
+        if entry.key.decode_rows:  # a mixed batch carries no model inputs (mixed_unfit)
+            place_tokens(entry.input_ids, input_ids, ctx.decode_rows, entry.key.decode_rows)
+            load_mixed_context(s, ctx, padded_eager=not self.use_graphs)
+            return
         copy_padded(entry.input_ids, input_ids, n, 0)
         for name, value in model_inputs.items():
             copy_padded(entry.model_inputs[name], value, n, 0)

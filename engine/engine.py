@@ -146,7 +146,12 @@ class Engine:
         if config.tpot_guard_ms:
             guard = TpotGuard(config.tpot_guard_ms / 1000, self.rates, config.chunked_prefill_size)
         policy = BatchPolicy(
-            PolicyConfig(config.max_running, config.chunked_prefill_size, max_context_len=self.max_context_len),
+            PolicyConfig(
+                config.max_running,
+                config.chunked_prefill_size,
+                max_context_len=self.max_context_len,
+                mixed_chunk=config.mixed_chunk,
+            ),
             self.kv,
             self.executor,
             guard,

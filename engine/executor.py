@@ -53,6 +53,11 @@ class Executor(Protocol):
         """May the scheduler launch the next batch before collecting this one? False for
         executors that need the host to know the previous tokens (e.g. drafts from history)."""
 
+    def supports_mixed_batches(self) -> bool:
+        """May a plain decode step and a prompt chunk run as one MIXED batch (`Batch.mixed`)? Its
+        decode rows' inputs come from the FutureMap, its prompt rows' from the host, and it samples
+        like an EXTEND batch. Workers whose decode step is more than one forward say no."""
+
     def settles_grammar_in_launch(self) -> bool:
         """Does `launch` call `Batch.settle_grammar` before it reads any grammar matcher? Then an
         overlapping scheduler launches a constrained batch before collecting the one in flight;
@@ -156,11 +161,11 @@ class HostCopy:
 # ---------------------------------------------------------------- batch helpers
 
 
-def build_input_ids(batch: Batch, device: torch.device) -> torch.Tensor:
-    """Extend tokens [prefix, prefix + n) of each request; all known on the host (a request with
-    a token still on the device is decoding, not extending)."""
+def build_input_ids(batch: Batch, device: torch.device, first: int = 0) -> torch.Tensor:
+    """Extend tokens [prefix, prefix + n) of each request from the `first`; all known on the host
+    (a request with a token still on the device is decoding, not extending)."""
     ids: list[int] = []
-    for req, p, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+    for req, p, n in zip(batch.reqs[first:], batch.prefix_lens[first:], batch.extend_lens[first:]):
         ids += req.tokens(p, p + n)
     return to_device(ids, device)
 
@@ -238,14 +243,14 @@ def scatter_to_batch(sampled: StepOutput, mask: list[bool]) -> StepOutput:
 
 
 def maybe_enable_cuda_graphs(
-    runner: ModelRunner, max_bs: int, padded_eager: bool = False, prompt_tokens: int = 0
+    runner: ModelRunner, max_bs: int, padded_eager: bool = False, prompt_tokens: int = 0, mixed_tokens: int = 0
 ) -> None:
     """`EngineConfig.cuda_graph_max_bs` > 0: capture this runner's fixed-shape forwards on CUDA,
-    and its prompt batches of up to `prompt_tokens` tokens; elsewhere, with `padded_eager`, run
-    them through the same padded static buffers uncaptured (how the graph path is tested on CPU)."""
+    its prompt batches of up to `prompt_tokens` tokens and its mixed batches' chunks of up to
+    `mixed_tokens`; elsewhere, with `padded_eager`, run them through the same padded static
+    buffers uncaptured (how the graph path is tested on CPU)."""
     if max_bs <= 0:
         return
-    if runner.device.type == "cuda":
-        runner.enable_cuda_graphs(max_bs, prompt_tokens=prompt_tokens)
-    elif padded_eager:
-        runner.enable_cuda_graphs(max_bs, capture=False, prompt_tokens=prompt_tokens)
+    if runner.device.type == "cuda" or padded_eager:
+        capture = runner.device.type == "cuda"
+        runner.enable_cuda_graphs(max_bs, capture=capture, prompt_tokens=prompt_tokens, mixed_chunk_tokens=mixed_tokens)

@@ -43,6 +43,10 @@ class ForwardContext:
     tree_mask: torch.Tensor | None = None
     # layers whose outputs the model must also return (EAGLE-3 low/mid/high features)
     aux_hidden_layers: tuple[int, ...] = ()
+    # A mixed batch (decode steps and a prompt chunk in one EXTEND forward): its first
+    # `decode_rows` requests have one query token each, the first `decode_rows` tokens, and attend
+    # as decode steps do (a backend may run them with its decode kernel); 0: no such split.
+    decode_rows: int = 0
     attn_metadata: Any = None  # filled by attn_backend.prepare(ctx)
 
     @property

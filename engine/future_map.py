@@ -329,6 +329,10 @@ class BatchRelay:
         self.on_publish(seq_lens)
         self.stash(payload)
 
+    def head(self, n: int) -> "BatchRelay":
+        """The rows of the batch's first `n` requests (a mixed batch's decode rows)."""
+        return self if n == len(self) else BatchRelay(self.future_map, self.indices[:n])
+
     def select(self, mask: Sequence[bool]) -> "BatchRelay":
         """The rows of the requests where `mask` is true (e.g. those that sample this step)."""
         if all(mask):

@@ -37,6 +37,8 @@ class GraphKey:
     targets: tuple[int, int, int]
     # a prompt graph (engine/prompt_graphs.py): tokens_per_req is then its token bucket
     ragged: bool = False
+    # a mixed graph (engine/mixed_graphs.py): its decode rows bucket (tokens_per_req: the chunk's)
+    decode_rows: int = 0
 
 
 @dataclass
@@ -80,6 +82,15 @@ def slice_rows(out: Any, n: int) -> Any:
         return out[:n].clone()
     if isinstance(out, (tuple, list)):
         return type(out)(slice_rows(o, n) for o in out)
+    return out
+
+
+def gather_rows(out: Any, rows: torch.Tensor) -> Any:
+    """`rows` of a (possibly nested) output, copied: the next replay overwrites the output."""
+    if isinstance(out, torch.Tensor):
+        return out.index_select(0, rows)
+    if isinstance(out, (tuple, list)):
+        return type(out)(gather_rows(o, rows) for o in out)
     return out
 
 

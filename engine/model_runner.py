@@ -14,6 +14,7 @@ from engine.cuda_graph import CudaGraphRunner, GraphStats, graph_unsupported_rea
 from engine.forward_context import ForwardContext
 from engine.h2d import to_device
 from engine.kv_cache import MAX_DECODE_WINDOW, KVCacheManager, KVPool
+from engine.mixed_graphs import MixedBuckets
 from engine.prompt_graphs import PromptBuckets
 
 logger = logging.getLogger(__name__)
@@ -60,12 +61,14 @@ class ModelRunner:
         capture: bool = True,
         max_tokens_per_req: int = MAX_DECODE_WINDOW,
         prompt_tokens: int = 0,
+        mixed_chunk_tokens: int = 0,
     ) -> bool:
         """Serve fixed-shape forwards of up to `max_bs` requests from CUDA graphs (see
-        engine/cuda_graph.py), and prompt batches of up to `prompt_tokens` tokens from bucketed
-        prompt graphs (engine/prompt_graphs.py; 0: none). `capture=False` runs the same padded
-        static-buffer paths eagerly (any device or backend: the CPU test path). Returns whether
-        it was enabled."""
+        engine/cuda_graph.py), prompt batches of up to `prompt_tokens` tokens from bucketed
+        prompt graphs (engine/prompt_graphs.py; 0: none), and mixed batches of up to `max_bs`
+        decode rows and a chunk of up to `mixed_chunk_tokens` (engine/mixed_graphs.py; 0: none).
+        `capture=False` runs the same padded static-buffer paths eagerly (any device or backend:
+        the CPU test path). Returns whether it was enabled."""
         if capture and (why := graph_unsupported_reason(self.device, self.attn_backend)):
             logger.info("CUDA graphs stay off: %s", why)
             return False
@@ -77,6 +80,7 @@ class ModelRunner:
             capture=capture,
             max_tokens_per_req=max_tokens_per_req,
             prompt_buckets=PromptBuckets.up_to(prompt_tokens, max_bs),
+            mixed_buckets=MixedBuckets.up_to(mixed_chunk_tokens, max_bs) if mixed_chunk_tokens else None,
         )
         return True
 
@@ -129,6 +133,14 @@ class ModelRunner:
             mode, aux_hidden_layers, example_model_inputs, self.pool, self.kv.req_to_token, self.attn_backend
         )
 
+    @torch.inference_mode()
+    def capture_mixed(self) -> int:
+        """Pre-capture the mixed graphs (decode rows beside a prompt chunk) of every bucket.
+        Returns the number of new graphs (0 when off)."""
+        if self.graphs is None:
+            return 0
+        return self.graphs.precapture_mixed(self.pool, self.kv.req_to_token, self.attn_backend)
+
     def graph_shapes(self) -> list[tuple[ForwardMode, int, int]]:
         """(mode, tokens per request, padded batch size) of the graphs held (none when off)."""
         return self.graphs.shapes() if self.graphs is not None else []
@@ -148,8 +160,10 @@ class ModelRunner:
         tree_mask: torch.Tensor | None = None,
         aux_hidden_layers: tuple[int, ...] = (),
         device_prefix: torch.Tensor | None = None,
+        decode_rows: int = 0,
     ) -> ForwardContext:
         """Request i writes tokens [prefix_lens[i], prefix_lens[i] + extend_lens[i]) of its row.
+        The first `decode_rows` requests are a mixed batch's decode steps (one token each).
 
         `positions` overrides the rotary positions (tree drafts sit at depth, not at slot order);
         KV slots always follow the row order so a verify window is contiguous. `device_prefix`:
@@ -183,6 +197,7 @@ class ModelRunner:
             extend_lens_cpu=list(extend_lens),
             tree_mask=tree_mask,
             aux_hidden_layers=aux_hidden_layers,
+            decode_rows=decode_rows,
         )
         return ctx
 

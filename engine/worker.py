@@ -62,6 +62,9 @@ class WorkerBase:
     def supports_overlap(self) -> bool:
         return True
 
+    def supports_mixed_batches(self) -> bool:
+        return False
+
     def settles_grammar_in_launch(self) -> bool:
         """Only workers whose every matcher read follows `Batch.settle_grammar` say yes."""
         return False
@@ -127,9 +130,13 @@ class PlainExecutor(WorkerBase):
     def settles_grammar_in_launch(self) -> bool:
         return True  # masks are built after the forward is enqueued (launch)
 
+    def supports_mixed_batches(self) -> bool:
+        return True  # a decode step is one forward: its rows join a prompt chunk's
+
     def capture_cuda_graphs(self) -> None:
-        """Decode forward graphs for every captured batch size, and whole greedy decode steps
-        (a no-op when graphs are off)."""
+        """Decode forward graphs for every captured batch size, the mixed graphs (when the node
+        mixes), and whole greedy decode steps (a no-op when graphs are off)."""
+        self.runner.capture_mixed()  # before freezing, which the base's captures end with
         super().capture_cuda_graphs()
         graphs = self.runner.graphs
         if graphs is None:
@@ -152,9 +159,11 @@ class PlainExecutor(WorkerBase):
             tokens = self._graphed_decode(batch, relay)
             if tokens is not None:
                 return PlainPending(batch, HostCopy({"tokens": tokens}))
-        ctx = self.runner.make_context(batch.mode, [r.slot for r in reqs], batch.prefix_lens, batch.extend_lens)
         decode = batch.mode is ForwardMode.DECODE
-        ids = relay.resolve().bonus_tokens if decode else build_input_ids(batch, dev)
+        mode = ForwardMode.EXTEND if batch.mode is ForwardMode.MIXED else batch.mode
+        slots = [r.slot for r in reqs]
+        ctx = self.runner.make_context(mode, slots, batch.prefix_lens, batch.extend_lens, decode_rows=batch.decode_rows)
+        ids = relay.resolve().bonus_tokens if decode else self._input_ids(batch, relay)
         hidden, _ = self.runner.forward(ids, ctx)
         if not any(batch.sample):
             return PlainPending(batch, None)
@@ -165,6 +174,16 @@ class PlainExecutor(WorkerBase):
         out = sample_tokens(self.sampler, self.runner.logits(rows), sampling, sample_positions(batch))
         relay.select(batch.sample).stash(RelayPayload(out["tokens"]))
         return PlainPending(batch, HostCopy(out))
+
+    def _input_ids(self, batch: Batch, relay: BatchRelay) -> torch.Tensor:
+        """A prompt batch's tokens, all on the host; a mixed batch's decode rows' come first, from
+        the FutureMap (the batch in flight may still be sampling them)."""
+        d = batch.decode_rows
+        prompt = build_input_ids(batch, self.runner.device, first=d)
+        if not d:
+            return prompt
+        decoding = relay.head(d).resolve().bonus_tokens
+        return torch.cat((decoding, prompt))
 
     def _graphed_decode(self, batch: Batch, relay: BatchRelay) -> torch.Tensor | None:
         """The batch's new tokens through a whole-step graph, or None when it is not eligible."""

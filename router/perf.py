@@ -40,6 +40,9 @@ class NodePerf:
     decode_tokens_per_step: float = 0.0  # 1 plain, the mean accept length with speculation
     decode_capacity_tokens_per_s: float = 0.0
     tpot_guard_s: float | None = None  # None: the node runs no prompts beside its decode batch
+    # its prompt chunks run inside its decode steps (no fixed part each), at this marginal rate (0: unmeasured)
+    mixed_chunk: bool = False
+    mixed_tokens_per_s: float = 0.0
 
     @staticmethod
     def parse(value: Any) -> NodePerf:
@@ -54,6 +57,8 @@ class NodePerf:
             decode_tokens_per_step=_rate(value.get("decode_tokens_per_step")),
             decode_capacity_tokens_per_s=_rate(value.get("decode_capacity_tokens_per_s")),
             tpot_guard_s=guard if guard > 0 else None,
+            mixed_chunk=value.get("mixed_chunk") is True,
+            mixed_tokens_per_s=_rate(value.get("mixed_tokens_per_s")),
         )
 
     def step_s(self, batch_size: int) -> float | None:

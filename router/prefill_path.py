@@ -5,7 +5,8 @@ runs a prompt itself puts prompt chunks between its decode steps, keeping its ru
 within its TPOT guard T: a request gains a tokens per step, earning T * a - step(B) seconds per
 step that chunks may spend, so prompts get (T * a - step(B)) / (T * a) of the node's time, and
 each chunk pays the batch's fixed part (the node's measured prompt overhead) beside its tokens at
-the node's rate.
+the node's rate; a node whose chunks ride inside its decode steps (`mixed_chunk`) pays no fixed
+part, and its tokens go at its measured mixed rate once it has one.
 Remote TTFT is the prefill's queue plus the prompt at its rate, each chunk with the prefill's
 fixed part too, plus the KV transfer when the decode reports it. Each estimate is scaled by how
 the node's earlier prompts on that path compared with their estimates (router/perf.py
@@ -140,6 +141,10 @@ def local_ttft(
     if free < prompt_tokens + max(0, max_new_tokens):
         return LocalEstimate(refusal=KV_HEADROOM)
     rate = perf.prefill_tokens_per_s or borrowed_rate
+    # a node that runs its chunks inside its decode steps pays no fixed part per chunk
+    overhead = 0.0 if perf.mixed_chunk else perf.prompt_overhead_s
+    if perf.mixed_chunk and perf.mixed_tokens_per_s > 0:
+        rate = perf.mixed_tokens_per_s
     # Other routers' requests show in the report, ours sent since the report in our count.
     batch = max(decode.running, decode.inflight)
     share = 1.0  # of the node's time that prompts may take
@@ -156,7 +161,7 @@ def local_ttft(
     queued = decode.waiting_prompt_tokens + decode.prompts.since(decode.loads_at) + prompt_tokens
     # each chunk (the guard runs them up to a chunk's size) also pays the batch's fixed part
     chunks = math.ceil(queued / PROMPT_CHUNK_TOKENS)
-    raw = (queued / rate + chunks * perf.prompt_overhead_s) / share
+    raw = (queued / rate + chunks * overhead) / share
     return LocalEstimate(seconds=raw * decode.ttft.current(time.monotonic() if now is None else now))
 
 

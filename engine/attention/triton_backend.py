@@ -4,7 +4,9 @@ Every launch grid and scratch shape comes from host values that stay fixed for a
 batch (batch size, token count, max(extend_lens_cpu), the tree mask's shape, pool and table
 shapes); lengths and slots are read on the device. prepare() and forward() never sync.
 Short query windows (decode, verify, draft steps) take the split-K kernels, which spread a long
-context over many programs; long ones (prefill chunks) take the extend kernel.
+context over many programs; long ones (prefill chunks) take the extend kernel. A mixed batch's
+decode rows (`ctx.decode_rows`) take the split-K kernel and its prompt rows the extend kernel: one
+extend grid over both would size every decode row's blocks by the chunk's length.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ SPLIT_MAX_ROWS = 64
 
 @dataclass
 class _Meta:
-    max_extend: int  # host upper bound of extend_lens: sizes the grids
+    max_extend: int  # host upper bound of extend_lens (past a mixed batch's decode rows): sizes the grids
     tree_mask: torch.Tensor | None  # (bs, max_q, W) uint8 view of ctx.tree_mask
 
 
@@ -89,7 +91,8 @@ class TritonAttention(AttentionBackend):
                 "(or TRITON_INTERPRET=1 for CPU tests); use the torch backend"
             )
         # extend_lens_cpu is set for the padded batch under graphs; num_tokens bounds it anyway
-        max_extend = max(ctx.extend_lens_cpu) if ctx.extend_lens_cpu else ctx.num_tokens
+        lens = ctx.extend_lens_cpu[ctx.decode_rows :]
+        max_extend = max(lens) if lens else ctx.num_tokens
         tree = None
         if ctx.tree_mask is not None:
             tree = ctx.tree_mask.contiguous().view(torch.uint8)
@@ -109,37 +112,67 @@ class TritonAttention(AttentionBackend):
         if ctx.num_tokens == 0:
             return out
         meta: _Meta = ctx.attn_metadata
-        kv_heads = k_cache.shape[1]
-        rows = meta.max_extend * (q.shape[1] // kv_heads)
-        if rows <= self.split_max_rows:
-            cfg = split_config(rows, ctx.batch_size, kv_heads, ctx.req_to_token.shape[1], q.device, self.num_kv_splits)
-            return split_kv_attention(
-                q,
-                k_cache,
-                v_cache,
-                ctx.req_to_token,
-                ctx.req_slots,
-                ctx.seq_lens,
-                ctx.extend_lens,
-                ctx.qo_indptr,
-                meta.tree_mask,
-                scale,
-                cfg,
-                out,
-            )
+        d = ctx.decode_rows
+        if d:  # decode rows: the first d tokens, one per request
+            self._split(q[:d], k_cache, v_cache, ctx, slice(0, d), None, 1, scale, out[:d])
+            if d == ctx.batch_size:
+                return out
+        rows = slice(d, None)
+        group = q.shape[1] // k_cache.shape[1]
+        if not d and meta.max_extend * group <= self.split_max_rows:
+            return self._split(q, k_cache, v_cache, ctx, rows, meta.tree_mask, meta.max_extend, scale, out)
         return extend_attention(
             q,
             k_cache,
             v_cache,
             ctx.req_to_token,
-            ctx.req_slots,
-            ctx.seq_lens,
-            ctx.extend_lens,
-            ctx.qo_indptr,
+            ctx.req_slots[rows],
+            ctx.seq_lens[rows],
+            ctx.extend_lens[rows],
+            ctx.qo_indptr[d:],
             meta.max_extend,
             meta.tree_mask,
             scale,
             extend_config(q.shape[2], q.device),
+            out,
+        )
+
+    def _split(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ctx: "ForwardContext",
+        rows: slice,
+        tree_mask: torch.Tensor | None,
+        max_extend: int,
+        scale: float,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """The split-K kernel over the requests `rows` (whose tokens are all of `q`)."""
+        kv_heads = k_cache.shape[1]
+        slots = ctx.req_slots[rows]
+        cfg = split_config(
+            max_extend * (q.shape[1] // kv_heads),
+            int(slots.shape[0]),
+            kv_heads,
+            ctx.req_to_token.shape[1],
+            q.device,
+            self.num_kv_splits,
+        )
+        indptr = ctx.qo_indptr[rows.start : None if rows.stop is None else rows.stop + 1]
+        return split_kv_attention(
+            q,
+            k_cache,
+            v_cache,
+            ctx.req_to_token,
+            slots,
+            ctx.seq_lens[rows],
+            ctx.extend_lens[rows],
+            indptr,
+            tree_mask,
+            scale,
+            cfg,
             out,
         )
 

@@ -81,9 +81,10 @@ class Follower:
                 self.kv.write_pages(slot, first, pages)
 
     def _batch(self, payload: tuple[Any, ...]) -> Batch:
-        mode, encoded, extend_lens, sample, prefix_lens, epochs, plan = payload
+        mode, encoded, extend_lens, sample, prefix_lens, epochs, plan, decode_rows = payload
         reqs = [self.mirror.apply(e) for e in encoded]
-        return Batch(mode, reqs, extend_lens, sample, prefix_lens, epochs, self.plans.get(plan, PLAIN_DECODE))
+        plan = self.plans.get(plan, PLAIN_DECODE)
+        return Batch(mode, reqs, extend_lens, sample, prefix_lens, epochs, plan, decode_rows=decode_rows)
 
     def _relay(self, batch: Batch) -> Any:
         return self.future_map.batch([r.slot for r in batch.reqs])

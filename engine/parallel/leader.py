@@ -50,7 +50,16 @@ class TpLeaderExecutor:
     def _batch(self, batch: Batch) -> tuple[Any, ...]:
         plan = self._plan_ids.get(id(batch.plan), -1)
         reqs = [self.encoder.encode(r) for r in batch.reqs]
-        return batch.mode, reqs, batch.extend_lens, batch.sample, batch.prefix_lens, batch.epochs, plan
+        return (
+            batch.mode,
+            reqs,
+            batch.extend_lens,
+            batch.sample,
+            batch.prefix_lens,
+            batch.epochs,
+            plan,
+            batch.decode_rows,
+        )
 
     def step(self, batch: Batch, relay: BatchRelay) -> StepOutput:
         self._send("step", self._batch(batch))
@@ -109,6 +118,9 @@ class TpLeaderExecutor:
 
     def supports_overlap(self) -> bool:
         return self.local.supports_overlap()
+
+    def supports_mixed_batches(self) -> bool:
+        return self.local.supports_mixed_batches()
 
     def settles_grammar_in_launch(self) -> bool:
         """No: followers keep their matchers from the plans, which must carry every earlier token."""

@@ -12,7 +12,7 @@ from engine.core import Batch, ForwardMode
 
 def launched_window(batch: Batch, n: int) -> int:
     """KV slots a request with `n` query tokens may write in `batch`."""
-    return n if batch.mode is ForwardMode.EXTEND else batch.window
+    return n if batch.mode is ForwardMode.EXTEND or batch.mode is ForwardMode.MIXED else batch.window
 
 
 def samples_grammar(batch: Batch) -> bool:

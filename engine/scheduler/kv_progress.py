@@ -26,7 +26,9 @@ class KVProgress:
 
 def needs_fence(batch: Batch) -> bool:
     """A prompt chunk of a request whose KV another node will read before the prompt ends."""
-    return batch.mode is ForwardMode.EXTEND and any(r.hold_kv and not s for r, s in zip(batch.reqs, batch.sample))
+    return batch.mode in (ForwardMode.EXTEND, ForwardMode.MIXED) and any(
+        r.hold_kv and not s for r, s in zip(batch.reqs, batch.sample)
+    )
 
 
 def record_fence(device: torch.device) -> DeviceEvent:

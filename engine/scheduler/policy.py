@@ -26,6 +26,10 @@ class DecodePlanner(Protocol):
         """How the next decode batch of this size runs; its window is at most `room` (>= 1)."""
         ...
 
+    def supports_mixed_batches(self) -> bool:
+        """May a plain decode step and a prompt chunk run as one MIXED batch?"""
+        ...
+
 
 @dataclass(frozen=True)
 class PolicyConfig:
@@ -36,6 +40,8 @@ class PolicyConfig:
     decode_reserve_tokens: int = 16
     # positions a request may ever hold: decode windows shrink to stay inside (None: no limit)
     max_context_len: int | None = None
+    # under a TPOT guard, run a prompt chunk inside a decode step where the executor can
+    mixed_chunk: bool = False
 
 
 class BatchPolicy:
@@ -43,7 +49,8 @@ class BatchPolicy:
 
     With a TPOT guard (a decode node that also runs prompts) decoding requests come first: a prompt
     chunk runs only when the guard says their slack pays for it, and never two in a row, so
-    prompts keep the decoding requests within the guard's time per output token.
+    prompts keep the decoding requests within the guard's time per output token. With mixed
+    chunks, the chunk (one request's) rides inside the decode step instead: one MIXED forward.
 
     Admission reserves pages for a request's whole remaining prompt plus a decode reserve, so a
     chunked prefill never stalls halfway for lack of pages; decode grows pages step by step and
@@ -54,6 +61,7 @@ class BatchPolicy:
         self, cfg: PolicyConfig, kv: KVCacheManager, planner: DecodePlanner, guard: TpotGuard | None = None
     ) -> None:
         self.cfg, self.kv, self.planner, self.guard = cfg, kv, planner, guard
+        self.mixes = guard is not None and cfg.mixed_chunk and planner.supports_mixed_batches()
         self._chunk_ran = False  # the last batch was a prompt chunk (the guard's alternation)
         # prompt tokens queued and not computed yet (waiting requests, unfinished chunks), as of
         # the last prompt batch formed; load reports read it from other threads
@@ -72,6 +80,9 @@ class BatchPolicy:
         decoding = self._decoding()
         budget = self.cfg.chunked_prefill_size
         if self.guard is not None and decoding and (want := self._next_prompt_tokens()):
+            if self.mixes:
+                budget = self.guard.chunk_tokens(decoding, want, mixed=True)
+                return self._mixed_batch(on_admit, on_retract, decoding, budget)
             budget = 0 if self._chunk_ran else self.guard.chunk_tokens(decoding, want)
             if budget <= 0:  # a decode step between two prompt chunks, or until slack pays for one
                 self._chunk_ran = False
@@ -82,6 +93,20 @@ class BatchPolicy:
             return batch
         self._chunk_ran = False
         return self._decode_batch(on_retract, decoding)
+
+    def _mixed_batch(self, on_admit: ReqHook, on_retract: ReqHook, decoding: list[Req], budget: int) -> Batch:
+        """The decode step, with a chunk of one prompt inside it when `budget` allows one. The
+        decode windows are reserved first: running requests keep their pages before a prompt
+        is admitted."""
+        decode = self._decode_batch(on_retract, decoding)
+        if budget <= 0:
+            return decode
+        chunk = self._prefill_batch(on_admit, budget, max_reqs=1)
+        if chunk is None:
+            return decode
+        if decode.mode is not ForwardMode.DECODE or decode.plan.steps or decode.window != 1:
+            return chunk if decode.mode is ForwardMode.IDLE else decode  # (an executor that mixes plans plain steps)
+        return Batch.mixed(decode, chunk)
 
     def _next_prompt_tokens(self) -> int:
         """Tokens the next prompt to run still needs (a chunked one first); 0: none waits."""
@@ -112,20 +137,23 @@ class BatchPolicy:
         return None
 
     # ---- prefill ----
-    def _prefill_batch(self, on_admit: ReqHook, budget: int) -> Batch | None:
+    def _prefill_batch(self, on_admit: ReqHook, budget: int, max_reqs: int | None = None) -> Batch | None:
+        """Prompt chunks within `budget` tokens, chunked prefills first, of at most `max_reqs`
+        requests (None: any number)."""
+        room = max_reqs if max_reqs is not None else self.cfg.max_running
         reqs: list[Req] = []
         lens: list[int] = []
         queued = sum(r.num_uncomputed for r in self.waiting)
         for req in self.running:  # continue chunked prefills first
             if req.needs_extend:
                 queued += req.num_uncomputed
-                n = chunk_len(req, budget, self.cfg.chunked_prefill_size)
+                n = chunk_len(req, budget, self.cfg.chunked_prefill_size) if len(reqs) < room else 0
                 if n > 0:
                     reqs.append(req)
                     lens.append(n)
                     budget -= n
         self.queued_prompt_tokens = queued
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
+        while self.waiting and budget > 0 and len(reqs) < room and len(self.running) < self.cfg.max_running:
             req = self.waiting[0]
             if req.solo or not self._try_admit(req):  # a suspect is admitted alone (_solo_batch)
                 break

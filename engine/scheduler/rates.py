@@ -13,7 +13,7 @@ import threading
 import time
 from collections import deque
 
-from engine.core import ForwardMode
+from engine.core import Batch, ForwardMode, StepOutput
 
 # Each observation keeps this share of what came before: recent batches dominate, one odd batch
 # (a first-touch compile, a tiny probe) fades within a few dozen.
@@ -38,6 +38,9 @@ RATE_SAMPLES = 9
 # batch of at most this many tokens costs beyond its tokens at the rate: the median of the last
 # RATE_SAMPLES such batches.
 OVERHEAD_MAX_TOKENS = 128
+# A mixed batch (a prompt chunk inside a decode step) tells the chunk's marginal rate: its tokens
+# over what the batch took beyond a decode step of its size. Chunks of fewer tokens say little.
+MIXED_MIN_TOKENS = 64
 
 
 def bucket(batch_size: int) -> int:
@@ -99,6 +102,7 @@ class NodeRates:
         self._prefill: deque[float] = deque(maxlen=RATE_SAMPLES)  # tokens/s of prompt batches big enough to tell
         self._recent_prompt_batches: deque[int] = deque(maxlen=RECENT_BATCHES)  # their tokens
         self._small: deque[tuple[int, float]] = deque(maxlen=RATE_SAMPLES)  # (tokens, seconds) of small ones
+        self._mixed: deque[float] = deque(maxlen=RATE_SAMPLES)  # marginal tokens/s of mixed batches' chunks
         self._steps: dict[int, _Decayed] = {}  # bucket -> seconds / decode steps
         self._per_step = _Decayed()  # tokens a request gains / decode steps
         self._last_done = 0.0  # perf_counter when the last batch's results reached the host
@@ -115,13 +119,27 @@ class NodeRates:
         with self._lock:
             self._decode_tokens, self._prompt_tokens = RecentRate(), RecentRate()
 
-    def batch_done(self, mode: ForwardMode, batch_size: int, tokens: int, launched_at: float) -> None:
+    def batch_done(self, batch: Batch, out: StepOutput, launched_at: float) -> None:
         """A batch's results reached the host (scheduler thread): it is charged the time from its
         launch (perf_counter), or from the previous batch's end when it queued behind that one on
         the device."""
         now = time.perf_counter()
         seconds, self._last_done = now - max(launched_at, self._last_done), now
-        self.observe(mode, batch_size, tokens, seconds)
+        if batch.mode is ForwardMode.MIXED:
+            decoded = sum(len(t) for t in out.tokens[: batch.decode_rows])
+            self.observe_mixed(batch.decode_rows, batch.prompt_tokens, decoded, seconds)
+            return
+        tokens = batch.num_tokens if batch.mode is ForwardMode.EXTEND else sum(len(t) for t in out.tokens)
+        self.observe(batch.mode, len(batch.reqs), tokens, seconds)
+
+    def observe_mixed(self, decode_rows: int, prompt_tokens: int, decoded: int, seconds: float) -> None:
+        """One mixed batch: the tokens it served, and its chunk's marginal rate when it can tell."""
+        step = self.decode_step_s(decode_rows)  # before the lock: it takes it
+        with self._lock:
+            self._prompt_tokens.add(prompt_tokens)
+            self._decode_tokens.add(decoded)
+            if step is not None and prompt_tokens >= MIXED_MIN_TOKENS and seconds > step:
+                self._mixed.append(prompt_tokens / (seconds - step))
 
     def observe(self, mode: ForwardMode, batch_size: int, tokens: int, seconds: float) -> None:
         """One batch: its mode, requests, tokens (computed prompt tokens, or tokens emitted by a
@@ -153,6 +171,11 @@ class NodeRates:
                 return 0.0
             rate = statistics.median(self._prefill)
             return max(0.0, statistics.median(s - n / rate for n, s in self._small))
+
+    def mixed_tokens_per_s(self) -> float:
+        """Prompt tokens per second a chunk costs inside a decode step (0: none measured)."""
+        with self._lock:
+            return statistics.median(self._mixed) if self._mixed else 0.0
 
     def recent_decode_tokens_per_s(self) -> float:
         """Tokens emitted per second over the last few seconds."""
@@ -189,6 +212,7 @@ class NodeRates:
         return {
             "prefill_tokens_per_s": self.prefill_tokens_per_s(),
             "prompt_overhead_s": self.prompt_overhead_s(),
+            "mixed_tokens_per_s": self.mixed_tokens_per_s(),
             "decode_step_s": {str(b): s for b, s in self.step_times().items()},
             "decode_tokens_per_step": self.decode_tokens_per_step(),
             "decode_capacity_tokens_per_s": self.decode_capacity_tokens_per_s(max_running),

@@ -190,7 +190,7 @@ class Scheduler:
                 self._abandon(batch)
                 return self._isolate(batch, e)
             self.launch_time.observe(batch.mode, time.perf_counter() - t0)
-            self._time(batch, out, t0)
+            self.rates.batch_done(batch, out, t0)
             updates = self._complete(batch, out)
             if needs_fence(batch):
                 updates += self._chunk_progress(batch, record_fence(device))
@@ -242,12 +242,8 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - isolated below: only its cause fails
             self._abandon(launched.batch)
             return self._isolate(launched.batch, e)
-        self._time(launched.batch, out, launched.at)
+        self.rates.batch_done(launched.batch, out, launched.at)
         return self._complete(launched.batch, out)  # its KV progress went out at launch
-
-    def _time(self, batch: Batch, out: StepOutput, launched_at: float) -> None:
-        tokens = batch.num_tokens if batch.mode is ForwardMode.EXTEND else sum(len(t) for t in out.tokens)
-        self.rates.batch_done(batch.mode, len(batch.reqs), tokens, launched_at)
 
     def _isolate(self, batch: Batch, err: Exception) -> list[RequestUpdate]:
         """A step failed. A request alone in its batch is the cause: it fails, and only it. In
@@ -338,7 +334,8 @@ class Scheduler:
     def _complete(self, batch: Batch, out: StepOutput) -> list[RequestUpdate]:
         updates, decoded = [], 0
         # unmark_launched inlined: this loop runs once per request per step on the host's critical path
-        extend, window = batch.mode is ForwardMode.EXTEND, batch.window
+        extend = batch.mode is ForwardMode.EXTEND or batch.mode is ForwardMode.MIXED
+        window, first_prompt = batch.window, batch.decode_rows  # a MIXED batch's decode rows come first
         for i, (req, n, s, epoch) in enumerate(zip(batch.reqs, batch.extend_lens, batch.sample, batch.epochs)):
             req.inflight -= 1
             req.inflight_len -= n if extend else window
@@ -354,7 +351,7 @@ class Scheduler:
                 req.solo -= 1  # one more step it ran without failing
             # KV of the computed window is committed; under speculation len(new) = accepted + 1
             prompt_done = False
-            if extend:
+            if extend and i >= first_prompt:
                 req.seq_len += n
                 self.stats["prefill_tokens"] += n
                 if new and not req.output_ids:  # the prompt's last chunk: its first token
@@ -369,6 +366,8 @@ class Scheduler:
             if prompt_done and not req.finished:  # others sharing its prefix may read it from now on
                 self.kv.share_prefix(req, self.executor.cacheable_tokens(req))
         self.stats["decode_tokens"] += decoded
+        if batch.mode is ForwardMode.MIXED:
+            self.stats["mixed_steps"] += 1
         return updates
 
     def _append(self, req: Req, new: list[int], out: StepOutput, i: int) -> RequestUpdate | None:

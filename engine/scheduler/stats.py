@@ -24,6 +24,7 @@ COUNTERS = (
     "failed_steps",
     "admitted_prompt_tokens",
     "cached_prompt_tokens",
+    "mixed_steps",  # decode steps that carried a prompt chunk (MIXED batches)
 )
 # Prompt tokens a request found in the prefix cache: none, a system prompt, a long conversation.
 CACHED_TOKEN_BUCKETS = (0.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0)
@@ -79,4 +80,5 @@ class LaunchTimes:
             hist.reset()
 
     def observe(self, mode: ForwardMode, seconds: float) -> None:
-        self.by_kind["prompt" if mode is ForwardMode.EXTEND else "decode"].observe(seconds)
+        prompt = mode is ForwardMode.EXTEND or mode is ForwardMode.MIXED  # a mixed batch launches a prompt's forward
+        self.by_kind["prompt" if prompt else "decode"].observe(seconds)

@@ -18,6 +18,10 @@ guard promised (bench/RESULTS.md). So the guard spends slack instead:
   prompt; after STARVE_STEPS steps without one, a prompt advances by MIN_CHUNK regardless (the
   router stops sending prompts to a node whose steps alone fill its budget).
 Until the rates are measured a small fixed chunk alternates with each step.
+
+On a node that runs its chunk inside the decode step (a MIXED batch) a chunk has no fixed part:
+the weights are read once for both. It then costs its tokens at the node's measured mixed rate
+(its prompt rate until that is measured), and any chunk is worth running.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ class Rates(Protocol):
 
     def prompt_overhead_s(self) -> float: ...
 
+    def mixed_tokens_per_s(self) -> float: ...
+
     def decode_step_s(self, batch_size: int) -> float | None: ...
 
     def decode_tokens_per_step(self) -> float: ...
@@ -60,16 +66,19 @@ class TpotGuard:
     _since: dict[str, tuple[float, int]] = field(default_factory=dict)  # rid -> (first seen, tokens then)
     _denied: int = 0  # decode steps run since a prompt last advanced
 
-    def chunk_tokens(self, decoding: Sequence[Req], want: int, now: float | None = None) -> int:
+    def chunk_tokens(self, decoding: Sequence[Req], want: int, now: float | None = None, *, mixed: bool = False) -> int:
         """Prompt tokens the next batch may compute with `decoding` requests decoding and a prompt
-        that needs `want` more tokens; 0: run a decode step first."""
+        that needs `want` more tokens (`mixed`: inside their decode step); 0: a decode step alone."""
         rate, step = self.rates.prefill_tokens_per_s(), self.rates.decode_step_s(len(decoding))
         if rate <= 0 or step is None:
             return min(UNMEASURED_CHUNK, self.max_chunk)
         slack = self.slack_s(decoding, step, time.monotonic() if now is None else now)
-        fits = int((slack - self.rates.prompt_overhead_s()) * rate)
+        if mixed:
+            fits = int(slack * (self.rates.mixed_tokens_per_s() or rate))
+        else:
+            fits = int((slack - self.rates.prompt_overhead_s()) * rate)
         tokens = min(self.max_chunk, fits)
-        if tokens >= min(want, EFFICIENT_CHUNK):
+        if tokens >= min(want, MIN_CHUNK if mixed else EFFICIENT_CHUNK):
             self._denied = 0
             return tokens
         if self._denied >= STARVE_STEPS:

@@ -117,6 +117,12 @@ class EngineCollector(Collector):
             eng.scheduler.launch_time.by_kind,
         )
         yield _counter(
+            "pdserve_node_mixed_steps",
+            "Decode steps that ran a prompt chunk in the same forward (a decode node's own prompts)",
+            role,
+            eng.scheduler.stats["mixed_steps"],
+        )
+        yield _counter(
             "pdserve_node_retractions",
             "Running requests sent back to the queue because the KV cache ran out",
             role,

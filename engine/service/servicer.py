@@ -157,6 +157,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         config = self.loop.engine.config
         perf = self.loop.engine.rates.snapshot(config.max_running)
         perf["tpot_guard_s"] = config.tpot_guard_ms / 1000 if config.tpot_guard_ms else None
+        perf["mixed_chunk"] = self.loop.engine.scheduler.policy.mixes  # its chunks ride in decode steps
         return perf
 
     async def GetLoads(self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext) -> pb.GetLoadsResponse:

@@ -27,6 +27,7 @@ class FixedRates:
     step: float | None
     per_step: float = 1.0
     overhead: float = 0.0
+    mixed: float = 0.0
 
     def prefill_tokens_per_s(self) -> float:
         return self.prefill
@@ -39,6 +40,9 @@ class FixedRates:
 
     def decode_tokens_per_step(self) -> float:
         return self.per_step
+
+    def mixed_tokens_per_s(self) -> float:
+        return self.mixed
 
 
 def _req(rid: str, produced: int, max_new: int = 100) -> Req:

@@ -77,6 +77,22 @@ def test_tp2_and_tp3_logprobs_equal_tp1_overlap_on_and_off() -> None:
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4)
 
 
+def test_tp2_mixed_batches_equal_tp1_unguarded() -> None:
+    """A decode node's own prompts at TP 2: chunks ride inside decode steps (MIXED batches, whose
+    decode rows each rank reads from its own FutureMap) and the output is TP 1's without a guard."""
+    params = greedy(16)
+    ref = _engine(BUILTIN_TARGET, 1, page_size=4, chunked_prefill_size=8)
+    want = _run_with_late_arrivals(ref, PROMPTS, params)
+    eng = _engine(BUILTIN_TARGET, 2, page_size=4, chunked_prefill_size=8, tpot_guard_ms=1000.0, overlap=True)
+    try:
+        got = _run_with_late_arrivals(eng, PROMPTS, params)
+        assert eng.scheduler.stats["mixed_steps"] > 0
+        assert eng.kv.all_free
+    finally:
+        eng.close()
+    assert got == want
+
+
 def test_tp2_aborts_and_retractions_free_every_page() -> None:
     """A pool too small for everyone (retractions) and aborts at random moments: every rank keeps
     stepping in lockstep, outputs of the survivors equal TP 1's, and every page comes back."""

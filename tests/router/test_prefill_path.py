@@ -56,6 +56,7 @@ def decode(
     max_tokens: int = 100_000,
     used: int = 0,
     overhead: float = 0.0,
+    mixed_rate: float | None = None,
 ) -> NodeState:
     perf = NodePerf(
         prefill_tokens_per_s=rate,
@@ -63,6 +64,8 @@ def decode(
         decode_step_s=steps,
         decode_tokens_per_step=per_step,
         tpot_guard_s=guard,
+        mixed_chunk=mixed_rate is not None,
+        mixed_tokens_per_s=mixed_rate or 0.0,
     )
     return NodeState(
         NodeSpec("decode", "d:1"),
@@ -104,6 +107,20 @@ def test_a_prefill_on_target_keeps_long_prompts_though_an_idle_decode_is_as_fast
     assert (d.path, d.reason) == ("remote", FASTER_REMOTE)
     with pytest.raises(ValueError, match="overflow_margin"):
         PathRule(overflow_margin=0.0)
+
+
+def test_a_decode_that_mixes_its_chunks_pays_no_fixed_part_and_runs_at_its_mixed_rate() -> None:
+    # 8 running: prompts get 15/25 of the node; a 2,048-token prompt is one chunk
+    apart = decide("auto", prefill(queued=8000), decode(running=8, overhead=0.01), 2048, 100)
+    assert apart.local_s == pytest.approx((2048 / RATE + 0.01) / 0.6)
+    unmeasured = decide("auto", prefill(queued=8000), decode(running=8, overhead=0.01, mixed_rate=0.0), 2048, 100)
+    assert unmeasured.local_s == pytest.approx(2048 / RATE / 0.6)
+    mixed = decide("auto", prefill(queued=8000), decode(running=8, overhead=0.01, mixed_rate=2 * RATE), 2048, 100)
+    assert mixed.local_s == pytest.approx(2048 / (2 * RATE) / 0.6)
+    assert (mixed.path, mixed.reason) == ("local", FASTER_LOCAL)
+    parsed = NodePerf.parse({"mixed_chunk": True, "mixed_tokens_per_s": 5.0, "prefill_tokens_per_s": 1.0})
+    assert parsed.mixed_chunk and parsed.mixed_tokens_per_s == 5.0
+    assert not NodePerf.parse({"mixed_chunk": "yes"}).mixed_chunk
 
 
 def test_what_computes_little_on_the_decode_runs_there() -> None:

@@ -1,0 +1,189 @@
+"""Mixed batches: a plain decode step and a prompt chunk in one forward (a decode node's own prompts).
+
+CPU: buckets; the Triton backend on a mixed context (decode rows through the split-K kernel, the
+chunk through the extend kernel, live and on a bucket's static layout) equals the torch reference;
+the runner's padded-eager mixed path equals eager; engines under a TPOT guard mix (plain decoding),
+give the output they give unmixed, with overlap on and off, with and without mixed graphs, and
+free every page; the node rates learn a chunk's marginal rate. GPU: captured mixed graphs equal eager.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine.attention.torch_backend import TorchAttention
+from engine.attention.triton_backend import TritonAttention
+from engine.core import ForwardMode
+from engine.mixed_graphs import MixedBuckets, live_rows, load_mixed_context, place_tokens, static_mixed_context
+from engine.scheduler.rates import NodeRates
+from tests.engine.test_cuda_graph import Rig, check_graph, eager_and_graph, head_dir  # noqa: F401 - fixture
+from tests.engine.test_tpot_guard import FixedRates, _req, make_engine, models, staggered  # noqa: F401 - fixture
+from tests.engine.test_triton_attention import Setup
+
+X, D, M = ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def test_buckets_fit_the_smallest_shape() -> None:
+    b = MixedBuckets.up_to(300, 40)
+    assert b is not None and b.tokens == (64, 128, 256) and b.decode == (1, 2, 4, 8, 16, 24, 32, 40)
+    assert b.fit(1, 1, 1) == (1, 64) and b.fit(17, 65, 1) == (24, 128) and b.fit(40, 256, 1) == (40, 256)
+    assert b.fit(41, 10, 1) is None and b.fit(3, 257, 1) is None and b.fit(3, 10, 2) is None
+    assert b.shapes()[0] == (40, 256) and len(b.shapes()) == 24
+    assert MixedBuckets.up_to(32, 8) is None
+
+
+# ---- the kernels ----
+def _mixed_ctx(setup: Setup):
+    prefix, extend = [9, 21, 3], [1, 1, 7]  # two decode rows, then a chunk over a cached prefix
+    ctx = setup.runner(setup.pool).make_context(X, [2, 1, 3], prefix, extend, decode_rows=2)
+    q, k, v = setup.qkv(sum(extend), torch.float32)
+    ref = TorchAttention()
+    ref.prepare(ctx)
+    return ctx, (q, k, v), ref.forward(q, k, v, 1, 0.25, ctx)
+
+
+@pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="Triton needs CUDA or the interpreter")
+def test_triton_on_a_mixed_batch_equals_torch() -> None:
+    setup = Setup(4, heads=4, kv_heads=2)
+    ctx, (q, k, v), want = _mixed_ctx(setup)
+    backend = TritonAttention()
+    backend.prepare(ctx)
+    torch.testing.assert_close(backend.forward(q, k, v, 1, 0.25, ctx), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="Triton needs CUDA or the interpreter")
+def test_triton_on_a_mixed_bucket_equals_torch_on_the_batch() -> None:
+    setup = Setup(4, heads=4, kv_heads=2)
+    ctx, (q, k, v), want = _mixed_ctx(setup)
+    n, decode, tokens = ctx.num_tokens, 4, 16
+    static = static_mixed_context(decode, tokens, setup.pool, setup.kv.req_to_token, None, q.device)
+    load_mixed_context(static, ctx, padded_eager=False)
+    # decode rows 2-3 are padding (length 1), row 4 the chunk, row 5 owns the 9 padded tokens
+    assert static.qo_indptr.tolist() == [0, 1, 2, 3, 4, 11, 20]
+    assert static.extend_lens.tolist() == [1, 1, 1, 1, 7, 9] and static.seq_lens.tolist() == [10, 22, 1, 1, 10, 9]
+
+    def placed(t: torch.Tensor) -> torch.Tensor:
+        out = torch.randn(decode + tokens, *t.shape[1:], generator=setup.gen, device=t.device)
+        keep = live_rows(2, decode, n, t.device)
+        pad = torch.ones(decode + tokens, dtype=torch.bool)
+        pad[keep] = False
+        place_tokens(out, t, 2, decode)
+        out[pad] = torch.randn(int(pad.sum()), *t.shape[1:], generator=setup.gen)  # padding: anything finite
+        return out
+
+    before = setup.pool.buffer[:, :, 1:].clone()
+    backend = TritonAttention()
+    backend.prepare(static)
+    got = backend.forward(placed(q), placed(k), placed(v), 1, 0.25, static)
+    torch.testing.assert_close(got[live_rows(2, decode, n, q.device)], want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(setup.pool.buffer[:, :, 1:], before)  # live K/V as the reference stored it
+
+
+# ---- the runner's padded-eager mixed path ----
+@pytest.fixture(scope="module")
+def cpu_rig(tiny_llama_dir, head_dir) -> Rig:  # noqa: F811 - the imported fixture
+    return Rig(tiny_llama_dir, head_dir)
+
+
+@pytest.fixture
+def rig(cpu_rig):
+    yield cpu_rig
+    cpu_rig.target.disable_cuda_graphs()
+    cpu_rig.release(cpu_rig.live)
+
+
+def mixed(runner, rig: Rig, reqs, prefix: list[int], extend: list[int], decode_rows: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    ctx = runner.make_context(X, [r.slot for r in reqs], prefix, extend, decode_rows=decode_rows)
+    ids = torch.randint(1, rig.vocab, (sum(extend),), generator=gen).to(rig.dev)
+    return runner.forward(ids, ctx)
+
+
+def test_padded_mixed_path_equals_eager(rig) -> None:
+    runner = rig.target
+    assert runner.enable_cuda_graphs(8, capture=False, prompt_tokens=64, mixed_chunk_tokens=128)
+    assert runner.capture_mixed() == 4 * 2  # decode (1, 2, 4, 8) x chunk (64, 128)
+    runner.freeze_graphs()
+    reqs = rig.requests(4, 100)
+    shapes = [([5], [1], 0), ([5, 9, 0], [1, 1, 30], 2), ([7, 3, 11, 2], [1, 1, 1, 100], 3)]
+    for i, (prefix, extend, d) in enumerate(shapes):
+        live = reqs[: len(prefix)]
+        ref, out = eager_and_graph(runner, lambda: mixed(runner, rig, live, prefix, extend, d, seed=i))
+        torch.testing.assert_close(out, ref)
+    s = runner.graph_stats
+    assert s.hits == 2 and s.eager == 1, s  # the first has no decode rows: a prompt batch (eager once frozen)
+
+
+# ---- engines under a TPOT guard ----
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_guarded_prompts_ride_in_decode_steps_and_change_no_token(models, overlap, graphs):  # noqa: F811
+    kw = {"overlap": overlap, "tpot_guard_ms": 25.0}
+    if graphs:
+        kw |= {"cuda_graph_max_bs": 4, "cuda_graph_padded_eager": True, "cuda_graph_prompt_tokens": 64}
+    want, _, _ = staggered(make_engine(models, "plain", overlap=overlap))
+    unmixed, plain_modes, _ = staggered(make_engine(models, "plain", mixed_chunk=False, **kw))
+    eng = make_engine(models, "plain", **kw)
+    got, modes, _ = staggered(eng)
+    assert got == unmixed == want
+    assert M in modes and M not in plain_modes
+    assert eng.scheduler.stats["mixed_steps"] == modes.count(M)
+    if graphs:
+        assert any(k.decode_rows for k in eng.parts.runner.graphs._graphs)
+        assert eng.parts.runner.graph_stats.eager_reasons["not a mixed batch"] == 0
+
+
+def test_speculative_workers_do_not_mix(models):  # noqa: F811
+    _, modes, _ = staggered(make_engine(models, "eagle", tpot_guard_ms=25.0))
+    assert M not in modes
+
+
+# ---- what the guard and the rates make of it ----
+def test_a_mixed_chunk_pays_no_fixed_part_and_may_be_small():
+    from engine.scheduler.tpot_guard import TpotGuard
+
+    rates = FixedRates(prefill=10_000.0, step=0.01, overhead=0.02, mixed=20_000.0)
+    guard = TpotGuard(0.03, rates, max_chunk=4096)
+    decoding = [_req("a", 0, max_new=2)]  # slack: 2 tokens x (30 ms - 10.1 ms) = 39.8 ms
+    # separate: (slack - fixed part) x prompt rate = 198 tokens, not worth its fixed part: none
+    assert guard.chunk_tokens(decoding, 4096, now=0.0) == 0
+    # inside the step: slack x the mixed rate
+    assert guard.chunk_tokens(decoding, 4096, now=0.0, mixed=True) == int(0.0398 * 20_000)
+    # a small chunk is worth it when mixed
+    assert guard.chunk_tokens([_req("b", 0, max_new=2)], 4096, now=0.0, mixed=True) > 0
+
+
+def test_rates_learn_a_mixed_chunks_marginal_rate():
+    rates = NodeRates()
+    for _ in range(3):
+        rates.observe(D, 8, 8, 0.010)
+    rates.observe_mixed(8, 256, 8, 0.010 + 256 / 50_000)
+    rates.observe_mixed(8, 16, 8, 0.5)  # too few tokens to tell
+    assert rates.mixed_tokens_per_s() == pytest.approx(50_000, rel=1e-3)
+    assert rates.snapshot(8)["mixed_tokens_per_s"] == pytest.approx(50_000, rel=1e-3)
+    assert rates.recent_prompt_tokens_per_s() > 0 and rates.recent_decode_tokens_per_s() > 0
+
+
+# ---- GPU: captured mixed graphs ----
+@pytest.fixture(scope="module")
+def gpu_rig(tiny_llama_dir, head_dir) -> Rig:  # noqa: F811
+    rig = Rig(tiny_llama_dir, head_dir, device="cuda", dtype="bfloat16", backend="triton")
+    assert rig.target.enable_cuda_graphs(64, prompt_tokens=512, mixed_chunk_tokens=512)
+    return rig
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 7), (3, 100), (33, 300), (64, 512)])
+def test_gpu_mixed_graphs_equal_eager(gpu_rig, shape) -> None:
+    d, chunk = shape
+    reqs = gpu_rig.requests(d + 1, chunk + 40)
+    prefix = [11 + 3 * i for i in range(d)] + [17]
+    extend = [1] * d + [chunk]
+    try:
+        check_graph(gpu_rig.target, lambda: mixed(gpu_rig.target, gpu_rig, reqs, prefix, extend, d))
+    finally:
+        gpu_rig.release(reqs)
