@@ -180,8 +180,8 @@ def gpu_rig(tiny_llama_dir, head_dir) -> Rig:  # noqa: F811
 @pytest.mark.parametrize("shape", [(1, 7), (3, 100), (33, 300), (64, 512)])
 def test_gpu_mixed_graphs_equal_eager(gpu_rig, shape) -> None:
     d, chunk = shape
-    reqs = gpu_rig.requests(d + 1, chunk + 40)
-    prefix = [11 + 3 * i for i in range(d)] + [17]
+    reqs = gpu_rig.requests(d, 1) + gpu_rig.requests(1, chunk)  # decode steps, then the chunk's request
+    prefix = [len(r.prompt_ids) for r in reqs]
     extend = [1] * d + [chunk]
     try:
         check_graph(gpu_rig.target, lambda: mixed(gpu_rig.target, gpu_rig, reqs, prefix, extend, d))
