@@ -209,6 +209,16 @@ class EngineConfig:
             raise ValueError(f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}")
 
 
+def mixed_chunk_tokens(config: EngineConfig) -> int | None:
+    """The largest prompt chunk a mixed batch carries (None: the node does not mix): the mixed
+    graphs' largest when graphs are on, so every mixed step replays one."""
+    if not (config.mixed_chunk and config.tpot_guard_ms):
+        return None
+    if config.cuda_graph_max_bs > 0 and config.cuda_graph_prompt_tokens > 0:
+        return min(config.cuda_graph_prompt_tokens, config.chunked_prefill_size)
+    return config.chunked_prefill_size
+
+
 def check_device(name: str) -> torch.device:
     """Parse a device name and make sure this machine has it: a clear error naming the device, not
     a RuntimeError or an assert deep in model loading. The engine has CPU and CUDA paths only

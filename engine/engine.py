@@ -18,7 +18,7 @@ import torch
 
 from engine.algorithm import EngineAlgorithm, EngineParts, PlainDecoding
 from engine.build import build_rank
-from engine.config import EngineConfig, check_device, parse_dtype
+from engine.config import EngineConfig, check_device, mixed_chunk_tokens, parse_dtype
 from engine.core import FinishReason, InvalidRequest, Req, SamplingParams, as_token_list
 from engine.executor import Executor
 from engine.grammar.base import CompiledGrammar
@@ -150,7 +150,7 @@ class Engine:
                 config.max_running,
                 config.chunked_prefill_size,
                 max_context_len=self.max_context_len,
-                mixed_chunk=config.mixed_chunk,
+                mixed_chunk_tokens=mixed_chunk_tokens(config),
             ),
             self.kv,
             self.executor,

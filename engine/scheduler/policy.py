@@ -40,8 +40,10 @@ class PolicyConfig:
     decode_reserve_tokens: int = 16
     # positions a request may ever hold: decode windows shrink to stay inside (None: no limit)
     max_context_len: int | None = None
-    # under a TPOT guard, run a prompt chunk inside a decode step where the executor can
-    mixed_chunk: bool = False
+    # under a TPOT guard, run a prompt chunk inside a decode step where the executor can, of at
+    # most this many tokens (the mixed graphs' largest chunk: a larger one runs eagerly, paying
+    # every launch from the host, a cost the guard does not price); None: no mixing
+    mixed_chunk_tokens: int | None = None
 
 
 class BatchPolicy:
@@ -61,7 +63,7 @@ class BatchPolicy:
         self, cfg: PolicyConfig, kv: KVCacheManager, planner: DecodePlanner, guard: TpotGuard | None = None
     ) -> None:
         self.cfg, self.kv, self.planner, self.guard = cfg, kv, planner, guard
-        self.mixes = guard is not None and cfg.mixed_chunk and planner.supports_mixed_batches()
+        self.mixes = guard is not None and bool(cfg.mixed_chunk_tokens) and planner.supports_mixed_batches()
         self._chunk_ran = False  # the last batch was a prompt chunk (the guard's alternation)
         # prompt tokens queued and not computed yet (waiting requests, unfinished chunks), as of
         # the last prompt batch formed; load reports read it from other threads
@@ -82,7 +84,7 @@ class BatchPolicy:
         if self.guard is not None and decoding and (want := self._next_prompt_tokens()):
             if self.mixes:
                 budget = self.guard.chunk_tokens(decoding, want, mixed=True)
-                return self._mixed_batch(on_admit, on_retract, decoding, budget)
+                return self._mixed_batch(on_admit, on_retract, decoding, min(budget, self.cfg.mixed_chunk_tokens or 0))
             budget = 0 if self._chunk_ran else self.guard.chunk_tokens(decoding, want)
             if budget <= 0:  # a decode step between two prompt chunks, or until slack pays for one
                 self._chunk_ran = False
