@@ -97,11 +97,11 @@ class EngineOptions:
         "buckets (short prompts are launch-bound); 0 disables. Needs --cuda-graph-max-bs > 0.",
         panel=PANEL_FAST,
     )
-    disable_mixed_chunk: bool = opt(
+    enable_mixed_chunk: bool = opt(
         False,
-        "A decode node running prompts itself (--local-prefill-tpot-ms) runs each chunk as a forward of "
-        "its own between decode steps (by default a chunk rides inside a decode step: one forward, the "
-        "weights read once for both; plain decoding only).",
+        "A decode node running prompts itself (--local-prefill-tpot-ms) runs each chunk inside a decode "
+        "step, one forward reading the weights once for both, instead of as a forward of its own (plain "
+        "decoding only; off by default: on two H100s it did not raise PD's goodput, bench/RESULTS.md).",
         negatable=False,
         panel=PANEL_FAST,
     )

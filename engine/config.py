@@ -181,8 +181,9 @@ class EngineConfig:
     tpot_guard_ms: float | None = None
     # With a TPOT guard and a worker that can (plain decoding): a prompt chunk runs inside a decode
     # step, one forward for both (engine/mixed_graphs.py), so it costs its tokens and not a second
-    # pass over the weights. Off: chunks alternate with decode steps as forwards of their own.
-    mixed_chunk: bool = True
+    # pass over the weights. Off (the default: the guard does not yet price a mixed step's host
+    # work, and on GPUs it did not raise goodput): chunks alternate with decode steps.
+    mixed_chunk: bool = False
     # Before serving, run synthetic prompts of each length class (engine/warmup.py): the prompt
     # path's kernel compiles are paid then, and the prompt rate is measured on warm kernels.
     prompt_warmup: bool = False

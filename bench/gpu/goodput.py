@@ -88,6 +88,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="PD decode nodes' TPOT guard for the prompts they run (default: 0.8 x the tight SLO's TPOT, "
         "so their running requests keep within both SLOs)",
     )
+    p.add_argument("--enable-mixed-chunk", action="store_true", help="the nodes' --enable-mixed-chunk")
     p.add_argument("--eagle", action="store_true", help="EAGLE with an echo draft head in both deployments")
     p.add_argument("--device", default="auto", help="pdserve up --device")
     p.add_argument("--budget-s", type=float, default=None, help="whole run's time budget in seconds")
@@ -181,7 +182,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
         results.deployment(dep, {"label": LABELS[dep], "command": " ".join(argv_up[2:]), "log": str(log)})
         t0 = time.monotonic()
         try:
-            with UpProcess(dep, argv_up, node_env(args.max_running), log) as up:
+            with UpProcess(dep, argv_up, node_env(args.max_running, args.enable_mixed_chunk), log) as up:
                 up.start(timeout_s=START_TIMEOUT_S[kind])
                 budget.started(time.monotonic() - t0)
                 results.deployment(dep, {"start_s": time.monotonic() - t0})
@@ -245,6 +246,7 @@ def header(
             "budget_s": budget_s,
             "max_running": args.max_running,
             "local_prefill_tpot_ms": local_guard_ms(args, settings),
+            "enable_mixed_chunk": args.enable_mixed_chunk,
             "quick": args.quick,
             "seed": args.seed,
         },

@@ -66,7 +66,8 @@ def main() -> int:
         cuda_graph_prompt_tokens=512,
         max_total_tokens=(max_bs + 2) * (CONTEXT + 600),
         max_running=max_bs + 1,
-        tpot_guard_ms=12.0,  # a decode node running prompts: mixed graphs are captured
+        tpot_guard_ms=12.0,  # a decode node running prompts, mixing: mixed graphs are captured
+        mixed_chunk=True,
     )
     eng = Engine(config)
     runner = eng.parts.runner

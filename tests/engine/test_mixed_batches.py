@@ -126,8 +126,8 @@ def test_guarded_prompts_ride_in_decode_steps_and_change_no_token(models, overla
     if graphs:
         kw |= {"cuda_graph_max_bs": 4, "cuda_graph_padded_eager": True, "cuda_graph_prompt_tokens": 64}
     want, _, _ = staggered(make_engine(models, "plain", overlap=overlap))
-    unmixed, plain_modes, _ = staggered(make_engine(models, "plain", mixed_chunk=False, **kw))
-    eng = make_engine(models, "plain", **kw)
+    unmixed, plain_modes, _ = staggered(make_engine(models, "plain", **kw))  # off by default
+    eng = make_engine(models, "plain", mixed_chunk=True, **kw)
     got, modes, _ = staggered(eng)
     assert got == unmixed == want
     assert M in modes and M not in plain_modes
@@ -138,7 +138,7 @@ def test_guarded_prompts_ride_in_decode_steps_and_change_no_token(models, overla
 
 
 def test_speculative_workers_do_not_mix(models):  # noqa: F811
-    _, modes, _ = staggered(make_engine(models, "eagle", tpot_guard_ms=25.0))
+    _, modes, _ = staggered(make_engine(models, "eagle", tpot_guard_ms=25.0, mixed_chunk=True))
     assert M not in modes
 
 
