@@ -83,7 +83,9 @@ def test_tp2_mixed_batches_equal_tp1_unguarded() -> None:
     params = greedy(16)
     ref = _engine(BUILTIN_TARGET, 1, page_size=4, chunked_prefill_size=8)
     want = _run_with_late_arrivals(ref, PROMPTS, params)
-    eng = _engine(BUILTIN_TARGET, 2, page_size=4, chunked_prefill_size=8, tpot_guard_ms=1000.0, mixed_chunk=True, overlap=True)
+    eng = _engine(
+        BUILTIN_TARGET, 2, page_size=4, chunked_prefill_size=8, tpot_guard_ms=1000.0, mixed_chunk=True, overlap=True
+    )
     try:
         got = _run_with_late_arrivals(eng, PROMPTS, params)
         assert eng.scheduler.stats["mixed_steps"] > 0
