@@ -19,7 +19,8 @@ from engine.attention.triton_backend import TritonAttention
 from engine.core import ForwardMode
 from engine.mixed_graphs import MixedBuckets, live_rows, load_mixed_context, place_tokens, static_mixed_context
 from engine.scheduler.rates import NodeRates
-from tests.engine.test_cuda_graph import Rig, check_graph, eager_and_graph, head_dir  # noqa: F401 - fixture
+from tests.engine.graph_rig import Rig
+from tests.engine.test_cuda_graph import check_graph, eager_and_graph
 from tests.engine.test_tpot_guard import FixedRates, _req, make_engine, models, staggered  # noqa: F401 - fixture
 from tests.engine.test_triton_attention import Setup
 
@@ -84,18 +85,6 @@ def test_triton_on_a_mixed_bucket_equals_torch_on_the_batch() -> None:
 
 
 # ---- the runner's padded-eager mixed path ----
-@pytest.fixture(scope="module")
-def cpu_rig(tiny_llama_dir, head_dir) -> Rig:  # noqa: F811 - the imported fixture
-    return Rig(tiny_llama_dir, head_dir)
-
-
-@pytest.fixture
-def rig(cpu_rig):
-    yield cpu_rig
-    cpu_rig.target.disable_cuda_graphs()
-    cpu_rig.release(cpu_rig.live)
-
-
 def mixed(runner, rig: Rig, reqs, prefix: list[int], extend: list[int], decode_rows: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     ctx = runner.make_context(X, [r.slot for r in reqs], prefix, extend, decode_rows=decode_rows)
@@ -170,7 +159,7 @@ def test_rates_learn_a_mixed_chunks_marginal_rate():
 
 # ---- GPU: captured mixed graphs ----
 @pytest.fixture(scope="module")
-def gpu_rig(tiny_llama_dir, head_dir) -> Rig:  # noqa: F811
+def gpu_rig(tiny_llama_dir, head_dir) -> Rig:
     rig = Rig(tiny_llama_dir, head_dir, device="cuda", dtype="bfloat16", backend="triton")
     assert rig.target.enable_cuda_graphs(64, prompt_tokens=512, mixed_chunk_tokens=512)
     return rig

@@ -18,7 +18,8 @@ from engine.attention.triton_backend import TritonAttention
 from engine.core import ForwardMode, SamplingParams
 from engine.engine import Engine, EngineConfig
 from engine.prompt_graphs import PromptBuckets, load_prompt_context, static_prompt_context
-from tests.engine.test_cuda_graph import Rig, check_graph, eager_and_graph, head_dir  # noqa: F401 - fixture
+from tests.engine.graph_rig import Rig
+from tests.engine.test_cuda_graph import check_graph, eager_and_graph
 from tests.engine.test_triton_attention import Setup
 
 X, E = ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND
@@ -65,19 +66,6 @@ def test_triton_on_a_bucket_equals_torch_on_the_batch(split_max_rows: int) -> No
 
 
 # ---- the runner's padded-eager prompt path ----
-@pytest.fixture(scope="module")
-def cpu_rig(tiny_llama_dir, head_dir) -> Rig:  # noqa: F811 - the imported fixture
-    return Rig(tiny_llama_dir, head_dir)
-
-
-@pytest.fixture
-def rig(cpu_rig):
-    yield cpu_rig
-    for runner in (cpu_rig.target, cpu_rig.draft):
-        runner.disable_cuda_graphs()
-    cpu_rig.release(cpu_rig.live)
-
-
 def prompt(runner, rig: Rig, reqs, prefix: list[int], extend: list[int], *, aux=(), features=False, seed=0):
     gen = torch.Generator().manual_seed(seed)
     ctx = runner.make_context(runner_mode(runner, rig), [r.slot for r in reqs], prefix, extend, aux_hidden_layers=aux)
@@ -125,7 +113,7 @@ def test_precaptured_prompt_graphs_are_hit(rig) -> None:
 
 
 @pytest.mark.parametrize("spec", [None, "EAGLE"])
-def test_engine_with_prompt_graphs_equals_plain(tiny_llama_dir, head_dir, spec) -> None:  # noqa: F811
+def test_engine_with_prompt_graphs_equals_plain(tiny_llama_dir, head_dir, spec) -> None:
     """Cold prompts, then follow-ups over cached prefixes, in batches the buckets hold."""
     from spec.config import SpecConfig
     from spec.registry import bind
@@ -157,7 +145,7 @@ def test_engine_with_prompt_graphs_equals_plain(tiny_llama_dir, head_dir, spec) 
 
 # ---- GPU: captured prompt graphs ----
 @pytest.fixture(scope="module")
-def gpu_rig(tiny_llama_dir, head_dir) -> Rig:  # noqa: F811
+def gpu_rig(tiny_llama_dir, head_dir) -> Rig:
     rig = Rig(tiny_llama_dir, head_dir, device="cuda", dtype="bfloat16", backend="triton")
     for runner in (rig.target, rig.draft):
         assert runner.enable_cuda_graphs(8, prompt_tokens=512)
