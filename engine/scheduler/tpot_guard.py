@@ -19,9 +19,13 @@ guard promised (bench/RESULTS.md). So the guard spends slack instead:
   router stops sending prompts to a node whose steps alone fill its budget).
 Until the rates are measured a small fixed chunk alternates with each step.
 
-On a node that runs its chunk inside the decode step (a MIXED batch) a chunk has no fixed part:
-the weights are read once for both. It then costs its tokens at the node's measured mixed rate
-(its prompt rate until that is measured), and any chunk is worth running.
+On a node that runs its chunk inside the decode step (a MIXED batch, `--enable-mixed-chunk`) a
+chunk has no fixed part: the weights are read once for both. There every step keeps within the
+guard instead: a chunk takes what the decode step leaves of `tpot_s` (per token a request gains
+per step), at the node's measured mixed rate (its prompt rate until that is measured), and any
+chunk is worth running. Spending slack there let a stream of new requests, each arriving with
+HORIZON tokens of credit, push decode TPOT far past the guard on two H100s (bench/RESULTS.md);
+per step, a prompt gets the share of the node the router's local estimate assumes.
 """
 
 from __future__ import annotations
@@ -72,10 +76,11 @@ class TpotGuard:
         rate, step = self.rates.prefill_tokens_per_s(), self.rates.decode_step_s(len(decoding))
         if rate <= 0 or step is None:
             return min(UNMEASURED_CHUNK, self.max_chunk)
-        slack = self.slack_s(decoding, step, time.monotonic() if now is None else now)
-        if mixed:
-            fits = int(slack * (self.rates.mixed_tokens_per_s() or rate))
+        if mixed:  # what this step leaves of the guard, at the chunk's marginal rate
+            spare = self.tpot_s * max(1.0, self.rates.decode_tokens_per_step()) - step
+            fits = int(spare * (self.rates.mixed_tokens_per_s() or rate))
         else:
+            slack = self.slack_s(decoding, step, time.monotonic() if now is None else now)
             fits = int((slack - self.rates.prompt_overhead_s()) * rate)
         tokens = min(self.max_chunk, fits)
         if tokens >= min(want, MIN_CHUNK if mixed else EFFICIENT_CHUNK):

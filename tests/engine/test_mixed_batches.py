@@ -19,6 +19,7 @@ from engine.attention.triton_backend import TritonAttention
 from engine.core import ForwardMode
 from engine.mixed_graphs import MixedBuckets, live_rows, load_mixed_context, place_tokens, static_mixed_context
 from engine.scheduler.rates import NodeRates
+from engine.scheduler.tpot_guard import MIN_CHUNK
 from tests.engine.graph_rig import Rig
 from tests.engine.test_cuda_graph import check_graph, eager_and_graph
 from tests.engine.test_tpot_guard import FixedRates, _req, make_engine, models, staggered  # noqa: F401 - fixture
@@ -132,18 +133,23 @@ def test_speculative_workers_do_not_mix(models):  # noqa: F811
 
 
 # ---- what the guard and the rates make of it ----
-def test_a_mixed_chunk_pays_no_fixed_part_and_may_be_small():
-    from engine.scheduler.tpot_guard import TpotGuard
+def test_a_mixed_chunk_takes_what_the_step_leaves_of_the_guard():
+    from engine.scheduler.tpot_guard import STARVE_STEPS, TpotGuard
 
     rates = FixedRates(prefill=10_000.0, step=0.01, overhead=0.02, mixed=20_000.0)
     guard = TpotGuard(0.03, rates, max_chunk=4096)
     decoding = [_req("a", 0, max_new=2)]  # slack: 2 tokens x (30 ms - 10.1 ms) = 39.8 ms
     # separate: (slack - fixed part) x prompt rate = 198 tokens, not worth its fixed part: none
     assert guard.chunk_tokens(decoding, 4096, now=0.0) == 0
-    # inside the step: slack x the mixed rate
-    assert guard.chunk_tokens(decoding, 4096, now=0.0, mixed=True) == int(0.0398 * 20_000)
-    # a small chunk is worth it when mixed
-    assert guard.chunk_tokens([_req("b", 0, max_new=2)], 4096, now=0.0, mixed=True) > 0
+    # inside the step: the 19.9 ms the step (10.1 ms) leaves of the 30 ms guard, at the mixed rate,
+    # every step alike, however much slack the requests hold
+    for _ in range(3):
+        assert guard.chunk_tokens(decoding, 4096, now=0.0, mixed=True) == int(0.0199 * 20_000)
+    assert guard.chunk_tokens([_req("b", 0, max_new=1000)], 4096, now=0.0, mixed=True) == int(0.0199 * 20_000)
+    # a step that fills the guard leaves nothing: the prompt waits, then advances by the minimum
+    full = TpotGuard(0.01, rates, max_chunk=4096)
+    assert all(full.chunk_tokens(decoding, 4096, now=0.0, mixed=True) == 0 for _ in range(STARVE_STEPS))
+    assert full.chunk_tokens(decoding, 4096, now=0.0, mixed=True) == MIN_CHUNK
 
 
 def test_rates_learn_a_mixed_chunks_marginal_rate():
