@@ -171,11 +171,7 @@ class PlainExecutor(WorkerBase):
         sampling = sampling_reqs(batch)
         if any(r.grammar is not None for r in sampling):
             batch.settle_grammar()  # the forward is enqueued: the collect hides behind it
-        logits = self.runner.logits(rows)
-        if plain_argmax_ok(sampling):  # greedy alone: no sampling tensors built on the host for every row
-            out = {"tokens": logits.argmax(-1)}
-        else:
-            out = sample_tokens(self.sampler, logits, sampling, sample_positions(batch))
+        out = sample_tokens(self.sampler, self.runner.logits(rows), sampling, sample_positions(batch))
         relay.select(batch.sample).stash(RelayPayload(out["tokens"]))
         return PlainPending(batch, HostCopy(out))
 
