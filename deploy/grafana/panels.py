@@ -237,14 +237,16 @@ ROWS: list[tuple[str, list[Panel]]] = [
             Panel(
                 "Requests by prefill path",
                 "reqps",
-                "Where prompts ran: remote (a prefill node), local (the decode node, between its decode steps), "
-                "colocated; and why the router chose (--pd-prefill-policy).",
+                "Where prompts ran: remote (a prefill node), local (the decode node, between its decode steps, "
+                "or inside them with --enable-mixed-chunk: mixed steps/s), colocated; and why the router chose "
+                "(--pd-prefill-policy).",
                 [
                     (f"sum by (path) (rate(pdserve_router_prefill_path_total[{W}]))", "{{path}}"),
                     (
                         f"sum by (reason) (rate(pdserve_router_prefill_path_decisions_total[{W}]))",
                         "reason {{reason}}",
                     ),
+                    (f"sum by (role) (rate(pdserve_node_mixed_steps_total[{W}]))", "mixed steps {{role}}"),
                 ],
             ),
             Panel(

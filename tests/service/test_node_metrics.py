@@ -42,7 +42,7 @@ def _engine(executor: Any) -> Any:
         queue_time=hist,
         prompt_time=prompt,
         launch_time=launches,
-        stats={**dict.fromkeys(COUNTERS, 0), "retractions": 4},
+        stats={**dict.fromkeys(COUNTERS, 0), "retractions": 4, "mixed_steps": 7},
         cached_per_request=DurationHistogram(CACHED_TOKEN_BUCKETS),
     )
     io = SimpleNamespace(finished_counts=lambda: {"stop": 5, "abort": 2})
@@ -81,6 +81,7 @@ def test_queue_time_histogram_counts_and_state_gauges() -> None:
     assert v("pdserve_kv_cache_usage_ratio") == 0.25
     assert v("pdserve_node_request_slots_used") == 2 and v("pdserve_node_request_slots_capacity") == 8
     assert v("pdserve_node_retractions_total") == 4 and v("pdserve_model_load_seconds") == 1.5
+    assert v("pdserve_node_mixed_steps_total") == 7
     assert v("pdserve_node_finished_requests_total", reason="abort") == 2
     assert reg.get_sample_value("pdserve_pd_queue_requests", {"role": "colocated", "queue": "prealloc"}) is None
     assert v("pdserve_spec_verifies_total") is None  # no speculative stats, no series
