@@ -171,7 +171,13 @@ class PlainExecutor(WorkerBase):
         sampling = sampling_reqs(batch)
         if any(r.grammar is not None for r in sampling):
             batch.settle_grammar()  # the forward is enqueued: the collect hides behind it
-        out = sample_tokens(self.sampler, self.runner.logits(rows), sampling, sample_positions(batch))
+        logits = self.runner.logits(rows)
+        if batch.mode is ForwardMode.MIXED and plain_argmax_ok(sampling):
+            # greedy: the argmax on the device, as the whole-step decode graph takes it, rather than
+            # sampling tensors built on the host for every decode row of the step
+            out = {"tokens": logits.argmax(-1)}
+        else:
+            out = sample_tokens(self.sampler, logits, sampling, sample_positions(batch))
         relay.select(batch.sample).stash(RelayPayload(out["tokens"]))
         return PlainPending(batch, HostCopy(out))
 

@@ -16,13 +16,13 @@ import torch
 
 from engine.attention.torch_backend import TorchAttention
 from engine.attention.triton_backend import TritonAttention
-from engine.core import ForwardMode
+from engine.core import ForwardMode, SamplingParams
 from engine.mixed_graphs import MixedBuckets, live_rows, load_mixed_context, place_tokens, static_mixed_context
 from engine.scheduler.rates import NodeRates
 from engine.scheduler.tpot_guard import MIN_CHUNK
 from tests.engine.graph_rig import Rig
 from tests.engine.test_cuda_graph import check_graph, eager_and_graph
-from tests.engine.test_tpot_guard import FixedRates, _req, make_engine, models, staggered  # noqa: F401 - fixture
+from tests.engine.test_tpot_guard import EARLY, LATE, FixedRates, _req, make_engine, models, staggered  # noqa: F401 - fixture
 from tests.engine.test_triton_attention import Setup
 
 X, D, M = ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED
@@ -125,6 +125,21 @@ def test_guarded_prompts_ride_in_decode_steps_and_change_no_token(models, overla
     if graphs:
         assert any(k.decode_rows for k in eng.parts.runner.graphs._graphs)
         assert eng.parts.runner.graph_stats.eager_reasons["not a mixed batch"] == 0
+
+
+def test_sampled_mixed_batches_draw_what_unmixed_ones_draw(models):  # noqa: F811
+    """Seeded sampling (the general sampler path, not the greedy argmax) keys its noise by each
+    token's position, so where a token is drawn (a mixed step or a decode step) changes nothing."""
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+    prompts = EARLY + LATE
+
+    def run(mixed: bool) -> list[list[int]]:
+        eng = make_engine(models, "plain", tpot_guard_ms=1000.0, mixed_chunk=mixed)
+        outs = [o.output_ids for o in eng.generate(prompts, params)]
+        assert (eng.scheduler.stats["mixed_steps"] > 0) == mixed and eng.kv.all_free
+        return outs
+
+    assert run(True) == run(False)
 
 
 def test_speculative_workers_do_not_mix(models):  # noqa: F811
