@@ -211,6 +211,7 @@ def test_flags_take_sglang_aliases_and_pdserve_env_vars(monkeypatch: pytest.Monk
     )
     monkeypatch.setenv("PDSERVE_SPECULATIVE_NGRAM_MAX", "7")
     monkeypatch.setenv("PDSERVE_KV_SEND_CHUNKS", "false")
+    monkeypatch.setenv("PDSERVE_ENABLE_MIXED_CHUNK", "true")  # how the goodput bench turns it on
     res = CliRunner().invoke(
         app,
         [
@@ -234,6 +235,7 @@ def test_flags_take_sglang_aliases_and_pdserve_env_vars(monkeypatch: pytest.Monk
     engine, spec = seen["engine"], seen["spec"]
     assert isinstance(engine, EngineOptions) and isinstance(spec, SpeculativeOptions)
     assert (str(engine.model), engine.served_model_name, engine.max_running) == ("/m", "pycoder", 5)
+    assert engine.enable_mixed_chunk and not EngineOptions().enable_mixed_chunk
     assert (spec.algorithm, spec.ngram_max) == ("NGRAM", 7)
     role = seen["role"]
     assert (role.bootstrap_port, role.transport, role.send_chunks) == (9001, "fake", False)
