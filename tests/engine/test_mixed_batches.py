@@ -10,6 +10,7 @@ free every page; the node rates learn a chunk's marginal rate. GPU: captured mix
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 import torch
@@ -140,6 +141,39 @@ def test_sampled_mixed_batches_draw_what_unmixed_ones_draw(models):  # noqa: F81
         return outs
 
     assert run(True) == run(False)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_random_aborts_and_retractions_under_mixing_free_every_page(models, overlap):  # noqa: F811
+    """A pool too small for everyone (decode steps retract) and aborts at random moments, while
+    prompts ride in decode steps: survivors' outputs are the unguarded engine's, every page returns."""
+    prompts = [[7 + i, 100 + i, 200 + i] * (3 + i) for i in range(6)]
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    want = [o.output_ids for o in make_engine(models, "plain", max_total_tokens=64).generate(prompts, params)]
+    eng = make_engine(models, "plain", max_total_tokens=64, tpot_guard_ms=1000.0, mixed_chunk=True, overlap=overlap)
+    rng = random.Random(1)
+    rids = [eng.add_request(prompts[0], params), eng.add_request(prompts[1], params)]
+    got: dict[str, list[int]] = {r: [] for r in rids}
+    doomed: set[str] = set()
+    steps = 0
+    while eng.scheduler.has_work or steps < 3:
+        if steps == 2:  # the rest arrive while the first two decode: their prompts mix
+            rids += [eng.add_request(p, params) for p in prompts[2:]]
+            got.update({r: [] for r in rids[2:]})
+        if steps in (5, 9):
+            rid = rng.choice([r for r in rids if r not in doomed])
+            doomed.add(rid)
+            eng.abort(rid)
+        for d in eng.step():
+            got[d.rid].extend(d.token_ids)
+        steps += 1
+    eng.step()
+    assert eng.scheduler.stats["mixed_steps"] > 0 and eng.scheduler.stats["retractions"] > 0
+    assert eng.kv.all_free
+    eng.kv.check()
+    for rid, ref in zip(rids, want):
+        if rid not in doomed:
+            assert got[rid] == ref, rid
 
 
 def test_speculative_workers_do_not_mix(models):  # noqa: F811
