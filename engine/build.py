@@ -9,12 +9,13 @@ import torch.distributed as dist
 
 from engine.algorithm import EngineAlgorithm, EngineParts, slot_future_map
 from engine.attention import create_attention_backend
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, mixed_chunk_tokens
 from engine.executor import Executor, check_executor, maybe_enable_cuda_graphs
 from engine.future_map import FutureMap
 from engine.kv_budget import draft_footprint, kv_bytes_per_token, size_kv_cache
 from engine.kv_cache import MAX_DECODE_WINDOW, KVCacheConfig, KVCacheManager, KVPool
 from engine.loader import load_model, tp_layout
+from engine.mixed_graphs import bucket_ceiling
 from engine.model_runner import ModelRunner
 from engine.parallel.group import TpGroup
 from engine.sampler import Sampler
@@ -50,13 +51,11 @@ def build_rank(config: EngineConfig, algorithm: EngineAlgorithm, device: torch.d
     sampler = Sampler(mc.vocab_size, config.max_running, device, mc.eos_token_ids)
     parts = EngineParts(config, mc, runner, kv, sampler, device, dtype, tp)
     executor = check_executor(algorithm.create_worker(parts), algorithm.name)
-    mixes = bool(config.tpot_guard_ms) and config.mixed_chunk and executor.supports_mixed_batches()
+    # graphs for every chunk the policy may mix (its cap: engine/config.py), up to a bucket holding it
+    cap = mixed_chunk_tokens(config) if executor.supports_mixed_batches() else None
+    mixed = bucket_ceiling(cap) if cap else 0
     maybe_enable_cuda_graphs(
-        runner,
-        config.cuda_graph_max_bs,
-        config.cuda_graph_padded_eager,
-        config.cuda_graph_prompt_tokens,
-        config.cuda_graph_prompt_tokens if mixes else 0,
+        runner, config.cuda_graph_max_bs, config.cuda_graph_padded_eager, config.cuda_graph_prompt_tokens, mixed
     )
     if executor.kv_tokens_per_decode() > MAX_DECODE_WINDOW:
         raise ValueError(f"a decode step may not write more than {MAX_DECODE_WINDOW} tokens")

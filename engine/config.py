@@ -19,6 +19,7 @@ from common.defaults import (
     DEFAULT_TP_SIZE,
     DEFAULT_TP_TIMEOUT_S,
 )
+from engine.mixed_graphs import CHUNK_TOKEN_BUCKETS
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -216,7 +217,7 @@ def mixed_chunk_tokens(config: EngineConfig) -> int | None:
     if not (config.mixed_chunk and config.tpot_guard_ms):
         return None
     if config.cuda_graph_max_bs > 0 and config.cuda_graph_prompt_tokens > 0:
-        return min(config.cuda_graph_prompt_tokens, config.chunked_prefill_size)
+        return min(config.cuda_graph_prompt_tokens, config.chunked_prefill_size, CHUNK_TOKEN_BUCKETS[-1])
     return config.chunked_prefill_size
 
 

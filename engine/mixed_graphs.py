@@ -62,6 +62,11 @@ class MixedBuckets:
         return sorted(((d, t) for d in self.decode for t in self.tokens), key=lambda s: s[0] + s[1], reverse=True)
 
 
+def bucket_ceiling(tokens: int) -> int:
+    """The smallest chunk bucket holding `tokens` (the largest bucket when none does)."""
+    return next((t for t in CHUNK_TOKEN_BUCKETS if t >= tokens), CHUNK_TOKEN_BUCKETS[-1])
+
+
 def mixed_unfit(input_ids: torch.Tensor, ctx: ForwardContext, model_inputs: dict[str, object]) -> str | None:
     """Why this forward is not a mixed batch a mixed graph can run (None when it is)."""
     d = ctx.decode_rows

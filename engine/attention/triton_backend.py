@@ -114,22 +114,19 @@ class TritonAttention(AttentionBackend):
         meta: _Meta = ctx.attn_metadata
         d = ctx.decode_rows
         if d:  # decode rows: the first d tokens, one per request
-            self._split(q[:d], k_cache, v_cache, ctx, slice(0, d), None, 1, scale, out[:d])
+            self._split(q[:d], k_cache, v_cache, _rows(ctx, slice(0, d)), ctx, None, 1, scale, out[:d])
             if d == ctx.batch_size:
                 return out
-        rows = slice(d, None)
+        rows = _rows(ctx, slice(d, None) if d else None)
         group = q.shape[1] // k_cache.shape[1]
         if not d and meta.max_extend * group <= self.split_max_rows:
-            return self._split(q, k_cache, v_cache, ctx, rows, meta.tree_mask, meta.max_extend, scale, out)
+            return self._split(q, k_cache, v_cache, rows, ctx, meta.tree_mask, meta.max_extend, scale, out)
         return extend_attention(
             q,
             k_cache,
             v_cache,
             ctx.req_to_token,
-            ctx.req_slots[rows],
-            ctx.seq_lens[rows],
-            ctx.extend_lens[rows],
-            ctx.qo_indptr[d:],
+            *rows,
             meta.max_extend,
             meta.tree_mask,
             scale,
@@ -142,39 +139,37 @@ class TritonAttention(AttentionBackend):
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        rows: "RowTensors",
         ctx: "ForwardContext",
-        rows: slice,
         tree_mask: torch.Tensor | None,
         max_extend: int,
         scale: float,
         out: torch.Tensor,
     ) -> torch.Tensor:
-        """The split-K kernel over the requests `rows` (whose tokens are all of `q`)."""
+        """The split-K kernel over the requests of `rows` (whose tokens are all of `q`)."""
         kv_heads = k_cache.shape[1]
-        slots = ctx.req_slots[rows]
         cfg = split_config(
             max_extend * (q.shape[1] // kv_heads),
-            int(slots.shape[0]),
+            int(rows[0].shape[0]),
             kv_heads,
             ctx.req_to_token.shape[1],
             q.device,
             self.num_kv_splits,
         )
-        indptr = ctx.qo_indptr[rows.start : None if rows.stop is None else rows.stop + 1]
-        return split_kv_attention(
-            q,
-            k_cache,
-            v_cache,
-            ctx.req_to_token,
-            slots,
-            ctx.seq_lens[rows],
-            ctx.extend_lens[rows],
-            indptr,
-            tree_mask,
-            scale,
-            cfg,
-            out,
-        )
+        return split_kv_attention(q, k_cache, v_cache, ctx.req_to_token, *rows, tree_mask, scale, cfg, out)
+
+
+# (request slots, sequence lengths, extend lengths, query offsets) of some of a batch's requests
+RowTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _rows(ctx: "ForwardContext", rows: slice | None) -> RowTensors:
+    """The per-request tensors of requests `rows` (None: all of them, the context's own tensors:
+    no views made per layer on the common path)."""
+    if rows is None:
+        return ctx.req_slots, ctx.seq_lens, ctx.extend_lens, ctx.qo_indptr
+    stop = None if rows.stop is None else rows.stop + 1
+    return ctx.req_slots[rows], ctx.seq_lens[rows], ctx.extend_lens[rows], ctx.qo_indptr[rows.start : stop]
 
 
 register_backend("triton", TritonAttention)
