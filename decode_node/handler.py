@@ -121,7 +121,8 @@ class DecodeHandler:
             _check_aborted(dr)
             dr.row = rows.alloc()
             if dr.row is not None:
-                if await asyncio.wrap_future(self.pd.reserve_prompt(req)):
+                dr.destination = await asyncio.wrap_future(self.pd.reserve_prompt(req))
+                if dr.destination is not None:
                     dr.stage = Stage.RESERVED
                     return
                 rows.free(dr.row)
@@ -139,8 +140,8 @@ class DecodeHandler:
 
     async def _receive(self, dr: DecodeRequest) -> tuple[HandoffHeader, Any]:
         req, room, peer = dr.req, dr.room, dr.peer
-        assert dr.row is not None
-        pages, cached = await asyncio.wrap_future(self.pd.destination(req))
+        assert dr.row is not None and dr.destination is not None
+        pages, cached = dr.destination.pages, dr.destination.cached
         _check_aborted(dr)
         done = self.waiter.expect(room, peer.agent)
         dr.stage = Stage.SENT  # from here a write may land in these pages: settle quarantines them

@@ -30,7 +30,7 @@ from typing import Any
 
 from decode_node.completion import CompletionWaiter
 from engine.core import InvalidRequest, Req
-from engine.disagg import DisaggEngine
+from engine.disagg import Destination, DisaggEngine
 from engine.kv_transfer import HandoffRows
 from engine.service.stream import RequestFailed
 from engine.service.tombstones import Tombstones
@@ -54,6 +54,7 @@ class DecodeRequest:
     stage: Stage = Stage.NEW
     row: int | None = None
     peer: Any = None  # decode_node.peers.Peer once connected
+    destination: Destination | None = None  # its pages, once reserved
     abort_reason: str | None = None
     created: float = field(default_factory=time.monotonic)
     # set by an Abort RPC: wakes whatever the request waits on (capacity, the prefill's write)

@@ -10,6 +10,7 @@ threaded driver stepping the engine itself: the conformance kit, tests) the call
 from __future__ import annotations
 
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -24,6 +25,15 @@ from engine.scheduler import RequestUpdate
 from engine.loop import EngineLoop, UpdateCallback
 from common.sampling import Constraint
 from common.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where a prefill writes a prompt on this node: its pages in order, of which the first
+    `cached` are the prefix cache's (held already: no write may land in them)."""
+
+    pages: list[int]
+    cached: int
 
 
 class DisaggEngine:
@@ -133,25 +143,23 @@ class DisaggEngine:
 
     # ---- pages (scheduler thread) ----
     def reserve_prompt(self, req: Req) -> Future:
-        """Future[bool]: a slot and pages for the prompt, if admission by KV budget allows."""
+        """Future[Destination | None]: a slot and pages for the prompt if admission by KV budget
+        allows, and where they are, in one visit to the scheduler thread (each visit waits for a
+        step boundary: under load a decode step or more before the prefill may write)."""
         return self._call(lambda: self._reserve(req))
 
-    def _reserve(self, req: Req) -> bool:
+    def _reserve(self, req: Req) -> Destination | None:
         """The prompt's first pages come from the prefix cache when it has them: the prefill
         node then writes only the rest."""
         eng = self._engine
         need = len(req.prompt_ids) + eng.executor.kv_tokens_per_decode()
-        return eng.kv.admit(req, len(req.prompt_ids), need)
+        if not eng.kv.admit(req, len(req.prompt_ids), need):
+            return None
+        return Destination(eng.kv.page_list(req), eng.kv.cached_pages(req))
 
     def page_list(self, req: Req) -> Future:
         """Future[list[int]]: the request's pages in order."""
         return self._call(lambda: self._engine.kv.page_list(req))
-
-    def destination(self, req: Req) -> Future:
-        """Future[(pages, cached)]: the request's pages in order, and how many leading ones are
-        the prefix cache's (held already: no write may land in them)."""
-        kv = self._engine.kv
-        return self._call(lambda: (kv.page_list(req), kv.cached_pages(req)))
 
     def release(self, req: Req) -> Future:
         """Return the request's pages and slot (deferred while a forward still uses them)."""

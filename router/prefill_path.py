@@ -18,8 +18,9 @@ runs locally only when it is a follow-up turn whose history the decode holds and
 compute there is short (one chunk, cheaper than the transfer it saves) and its estimate there is
 no worse than remote's, or when the prefill tier is behind (its estimate over the rule's TTFT
 target) and local is clearly faster (under the rule's margin of remote): overflow, so a saturated
-prefill tier no longer caps the deployment. An unmeasured prefill tier
-is measured first (remote).
+prefill tier no longer caps the deployment. A decode node that mixes its chunks into its decode
+steps has a target of 0 and no margin by default: there the faster path wins. An unmeasured
+prefill tier is measured first (remote).
 """
 
 from __future__ import annotations
@@ -78,12 +79,25 @@ class PathRule:
     # spends all its requests' slack on prompts, and on an H100 under load local prompts took
     # several times their estimate (bench/RESULTS.md, the fifth goodput run).
     overflow_margin: float = 0.5
+    # The same two for a decode node whose chunks ride inside its decode steps (`mixed_chunk`): its
+    # guard holds every step within its TPOT whatever the step computes, so a local prompt costs
+    # its running requests only what the guard allows, and the faster path wins.
+    mixed_remote_target_s: float = 0.0
+    mixed_overflow_margin: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.local_max_tokens < 0 or self.remote_target_s < 0 or not 0 < self.overflow_margin <= 1:
+        targets = (self.remote_target_s, self.mixed_remote_target_s)
+        margins = (self.overflow_margin, self.mixed_overflow_margin)
+        if self.local_max_tokens < 0 or min(targets) < 0 or not all(0 < m <= 1 for m in margins):
             raise ValueError(
-                f"local_max_tokens and remote_target_s must be >= 0 and overflow_margin in (0, 1], got {self}"
+                f"local_max_tokens and the remote targets must be >= 0 and the overflow margins in (0, 1], got {self}"
             )
+
+    def overflow(self, mixed_chunk: bool) -> tuple[float, float]:
+        """(remote target s, overflow margin) for a decode node that mixes its chunks or not."""
+        if mixed_chunk:
+            return self.mixed_remote_target_s, self.mixed_overflow_margin
+        return self.remote_target_s, self.overflow_margin
 
 
 DEFAULT_RULE = PathRule()
@@ -206,11 +220,12 @@ def decide(
         return PathDecision("local", remote, local.seconds, SHORT_LOCAL)
     if remote is None:  # cold start: measure the prefill tier first
         return PathDecision("remote", None, local.seconds, REMOTE_UNMEASURED)
-    if remote <= rule.remote_target_s:
+    target, margin = rule.overflow(decode.perf.mixed_chunk)
+    if remote <= target:
         return PathDecision("remote", remote, local.seconds, REMOTE_ON_TARGET)
     if local.seconds is None:
         return PathDecision("remote", remote, None, LOCAL_UNMEASURED)
-    if local.seconds < remote * rule.overflow_margin:
+    if local.seconds < remote * margin:
         return PathDecision("local", remote, local.seconds, FASTER_LOCAL)
     return PathDecision("remote", remote, local.seconds, FASTER_REMOTE)
 

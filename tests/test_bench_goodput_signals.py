@@ -40,3 +40,15 @@ def test_node_stage_means_by_node() -> None:
     before = {prompt % "sum": 1.0, prompt % "count": 10.0, queue % "sum": 0.1, queue % "count": 10.0}
     after = {prompt % "sum": 1.5, prompt % "count": 20.0, queue % "sum": 0.1, queue % "count": 10.0}
     assert node_stage_means_ms(before, after) == {"decode-0": {"prompt": pytest.approx(50.0)}}
+
+
+def test_node_stage_means_keep_stage_labels() -> None:
+    from bench.gpu.goodput_up import node_stage_means_ms
+
+    handover = 'prefill-0:pdserve_kv_handoff_stage_seconds_%s{stage="handover"}'
+    tail = "prefill-0:pdserve_kv_handoff_tail_seconds_%s{}"  # histogram_totals keeps empty labels
+    before = {handover % "sum": 0.0, handover % "count": 0.0, tail % "sum": 0.0, tail % "count": 0.0}
+    after = {handover % "sum": 0.02, handover % "count": 4.0, tail % "sum": 0.04, tail % "count": 4.0}
+    assert node_stage_means_ms(before, after) == {
+        "prefill-0": {"kv_handoff_stage:handover": pytest.approx(5.0), "kv_handoff_tail": pytest.approx(10.0)}
+    }

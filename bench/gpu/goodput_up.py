@@ -205,7 +205,12 @@ async def node_signals(client: httpx.AsyncClient, metrics: dict[str, str]) -> di
     return out
 
 
-NODE_STAGES = ("pdserve_node_queue_time_seconds", "pdserve_node_prompt_seconds")  # admission wait, forward
+NODE_STAGES = (
+    "pdserve_node_queue_time_seconds",  # admission wait
+    "pdserve_node_prompt_seconds",  # admission to first token
+    "pdserve_kv_handoff_tail_seconds",  # a prefill's last chunk computed -> final write done
+    "pdserve_kv_handoff_stage_seconds",  # that tail by stage (handover includes a late destination)
+)
 
 
 async def node_stage_totals(client: httpx.AsyncClient, metrics: dict[str, str]) -> dict[str, float]:
@@ -223,11 +228,17 @@ async def node_stage_totals(client: httpx.AsyncClient, metrics: dict[str, str]) 
 
 
 def node_stage_means_ms(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, dict[str, float]]:
-    """Per node, the mean milliseconds of its queue and prompt stages between two snapshots."""
+    """Per node, the mean milliseconds of each of its NODE_STAGES between two snapshots, keyed by
+    the histogram's name less `pdserve_(node_)` and, for one labelled by more than its node,
+    `:<label values>`."""
     out: dict[str, dict[str, float]] = {}
     for key, ms in histogram_means_ms(before, after).items():
         node, sample = key.split(":", 1)
-        out.setdefault(node, {})[sample.removeprefix("pdserve_node_").split("{")[0]] = ms
+        name, _, labels = sample.partition("{")
+        # the node's own labels (role, node) say nothing the key does not
+        values = ",".join(v for k, v in re.findall(r'(\w+)="([^"]*)"', labels) if k not in ("role", "node"))
+        stage = name.removeprefix("pdserve_node_").removeprefix("pdserve_")
+        out.setdefault(node, {})[f"{stage}:{values}" if values else stage] = ms
     return out
 
 

@@ -123,6 +123,24 @@ def test_a_decode_that_mixes_its_chunks_pays_no_fixed_part_and_runs_at_its_mixed
     assert not NodePerf.parse({"mixed_chunk": "yes"}).mixed_chunk
 
 
+def test_the_faster_path_wins_on_a_decode_that_mixes_its_chunks() -> None:
+    # the prefill is on its target (100 ms) and local is only a little faster: a node whose guard
+    # holds every step takes it; one whose chunks are forwards of their own does not
+    mixing = decide("auto", prefill(), decode(running=8, mixed_rate=2 * RATE), 1000, 100)
+    assert (mixing.path, mixing.reason) == ("local", FASTER_LOCAL)
+    assert mixing.local_s == pytest.approx(1000 / (2 * RATE) / 0.6) and mixing.remote_s == pytest.approx(0.1)
+    apart = decide("auto", prefill(), decode(running=8, rate=2 * RATE / 0.6 * 1.2), 1000, 100)
+    assert (apart.path, apart.reason) == ("remote", REMOTE_ON_TARGET)
+    # and slower stays remote, whatever the target
+    slower = decide("auto", prefill(), decode(running=8, mixed_rate=RATE), 1000, 100)
+    assert (slower.path, slower.reason) == ("remote", FASTER_REMOTE)
+    # the operator's rule still decides for mixing nodes
+    strict = PathRule(mixed_remote_target_s=0.2, mixed_overflow_margin=0.5)
+    assert decide("auto", prefill(), decode(running=8, mixed_rate=2 * RATE), 1000, 100, rule=strict).path == "remote"
+    with pytest.raises(ValueError, match="overflow margins"):
+        PathRule(mixed_overflow_margin=1.5)
+
+
 def test_what_computes_little_on_the_decode_runs_there() -> None:
     # a follow-up turn whose history the decode caches: one chunk there
     turn = lambda node: 1000 if node.address == "d:1" else 0  # noqa: E731
