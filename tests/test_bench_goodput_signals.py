@@ -52,3 +52,24 @@ def test_node_stage_means_keep_stage_labels() -> None:
     assert node_stage_means_ms(before, after) == {
         "prefill-0": {"kv_handoff_stage:handover": pytest.approx(5.0), "kv_handoff_tail": pytest.approx(10.0)}
     }
+
+
+def test_point_decisions_count_reasons_and_mean_estimates() -> None:
+    from bench.gpu.goodput_up import point_decisions
+
+    est = 'pdserve_router_prefill_path_estimate_seconds_%s{path="%s"}'
+    before = {
+        "reason:faster_local": 2.0,
+        "reason:faster_remote": 5.0,
+        est % ("sum", "local"): 0.1,
+        est % ("count", "local"): 1.0,
+    }
+    after = {
+        "reason:faster_local": 5.0,
+        "reason:faster_remote": 5.0,
+        est % ("sum", "local"): 0.4,
+        est % ("count", "local"): 4.0,
+    }
+    reasons, estimates = point_decisions(before, after)
+    assert reasons == {"faster_local": 3.0}  # reasons no decision gave in the point are left out
+    assert estimates == {"local": pytest.approx(100.0)}

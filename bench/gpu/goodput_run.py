@@ -20,6 +20,7 @@ from bench.gpu.goodput_up import (
     node_stage_means_ms,
     node_stage_totals,
     point_counters,
+    point_decisions,
     router_counters,
     wait_idle,
 )
@@ -104,7 +105,9 @@ async def _curve(
         records, wall = await run_point(client, endpoint, sent, LoadPoint("rate", rate), seed=seed)
         tail_s = max(0.0, wall - arrival_times(n, rate, seed)[-1])
         nodes = await node_signals(client, up.metrics)  # the last seconds of the point's load
-        paths, stages = point_counters(router_before, await router_counters(client, up.url))
+        router_after = await router_counters(client, up.url)
+        paths, stages = point_counters(router_before, router_after)
+        reasons, estimates = point_decisions(router_before, router_after)
         node_stages = node_stage_means_ms(nodes_before, await node_stage_totals(client, up.metrics))
         drained = await wait_idle(client, metrics, DRAIN_S)
         entries = point_entries(deployment, rate, records, wall, settings.slos)
@@ -114,6 +117,8 @@ async def _curve(
             drained=drained,
             nodes=nodes,
             paths=paths,
+            path_reasons=reasons,
+            path_estimates_ms=estimates,
             ttft_stages_ms=stages,
             node_stages_ms=node_stages,
         )

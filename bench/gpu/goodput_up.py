@@ -183,6 +183,8 @@ SIGNALS = (
 )
 TTFT_STAGES = "pdserve_router_ttft_stage_seconds"  # the router's time to first token by stage
 ROUTER_TTFT = "pdserve_router_time_to_first_token_seconds"  # the whole, as the router sees it
+PATH_DECISIONS = "pdserve_router_prefill_path_decisions_total"  # by reason (router/prefill_path.py)
+PATH_ESTIMATES = "pdserve_router_prefill_path_estimate_seconds"  # each path's estimate when chosen
 _SAMPLE = re.compile(r"^(pdserve_\w+)(?:\{([^}]*)\})? ([0-9.eE+-]+|NaN)$", re.M)
 
 
@@ -271,11 +273,28 @@ async def router_counters(client: httpx.AsyncClient, router_url: str) -> dict[st
         resp.raise_for_status()
     except httpx.HTTPError:
         return {}
-    counts = histogram_totals(resp.text, (TTFT_STAGES, ROUTER_TTFT))
+    counts = histogram_totals(resp.text, (TTFT_STAGES, ROUTER_TTFT, PATH_ESTIMATES))
     for name, labels, value in samples(resp.text):
         if name == "pdserve_router_prefill_path_total" and (path := re.search(r'path="([^"]*)"', labels)):
             counts[f"path:{path[1]}"] = value
+        elif name == PATH_DECISIONS and (reason := re.search(r'reason="([^"]*)"', labels)):
+            counts[f"reason:{reason[1]}"] = value
     return counts
+
+
+def point_decisions(before: dict[str, float], after: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """(path decisions by reason, mean estimated TTFT in ms of each path when chosen) between two
+    router_counters snapshots: why the router sent prompts where it did."""
+    reasons = {
+        k.removeprefix("reason:"): n
+        for k, v in after.items()
+        if k.startswith("reason:") and (n := v - before.get(k, 0.0)) > 0
+    }
+    estimates: dict[str, float] = {}
+    for key, ms in histogram_means_ms(before, after).items():
+        if key.startswith(PATH_ESTIMATES.removesuffix("_seconds")) and (path := re.search(r'path="([^"]*)"', key)):
+            estimates[path[1]] = ms
+    return reasons, estimates
 
 
 def point_counters(before: dict[str, float], after: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:

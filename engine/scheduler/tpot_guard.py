@@ -30,11 +30,14 @@ per step, a prompt gets the share of the node the router's local estimate assume
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from engine.core import Req
+
+log = logging.getLogger(__name__)
 
 # Before any measurement: small enough for a few milliseconds on any GPU this serves.
 UNMEASURED_CHUNK = 256
@@ -46,6 +49,8 @@ EFFICIENT_CHUNK = 256
 # Tokens of a request's future steps whose earnings the guard may spend now: bounds how far ahead
 # a request pays (one that ends earlier than its max_new_tokens pays at most this much).
 HORIZON = 32
+# A prompt held back by the guard is logged at most this often (seconds): why it waits, in figures.
+DENIAL_LOG_S = 5.0
 
 
 class Rates(Protocol):
@@ -69,6 +74,7 @@ class TpotGuard:
     max_chunk: int  # the node's chunked prefill size
     _since: dict[str, tuple[float, int]] = field(default_factory=dict)  # rid -> (first seen, tokens then)
     _denied: int = 0  # decode steps run since a prompt last advanced
+    _logged_at: float = -DENIAL_LOG_S  # when a denial was last logged (time.monotonic)
 
     def chunk_tokens(self, decoding: Sequence[Req], want: int, now: float | None = None, *, mixed: bool = False) -> int:
         """Prompt tokens the next batch may compute with `decoding` requests decoding and a prompt
@@ -76,12 +82,13 @@ class TpotGuard:
         rate, step = self.rates.prefill_tokens_per_s(), self.rates.decode_step_s(len(decoding))
         if rate <= 0 or step is None:
             return min(UNMEASURED_CHUNK, self.max_chunk)
+        now = time.monotonic() if now is None else now
         if mixed:  # what this step leaves of the guard, at the chunk's marginal rate
             spare = self.tpot_s * max(1.0, self.rates.decode_tokens_per_step()) - step
             fits = int(spare * (self.rates.mixed_tokens_per_s() or rate))
         else:
-            slack = self.slack_s(decoding, step, time.monotonic() if now is None else now)
-            fits = int((slack - self.rates.prompt_overhead_s()) * rate)
+            spare = self.slack_s(decoding, step, now) - self.rates.prompt_overhead_s()
+            fits = int(spare * rate)
         tokens = min(self.max_chunk, fits)
         if tokens >= min(want, MIN_CHUNK if mixed else EFFICIENT_CHUNK):
             self._denied = 0
@@ -90,6 +97,14 @@ class TpotGuard:
             self._denied = 0
             return max(MIN_CHUNK, tokens)
         self._denied += 1
+        if now - self._logged_at >= DENIAL_LOG_S:
+            self._logged_at = now
+            log.info(
+                "TPOT guard holds a prompt back: %d decoding, step %.2f ms against %.1f ms x %.2f tokens/step, "
+                "%.2f ms to spare at %.0f tokens/s (mixed %.0f): %d of %d tokens fit (%s)",
+                len(decoding), step * 1e3, self.tpot_s * 1e3, self.rates.decode_tokens_per_step(), spare * 1e3,
+                rate, self.rates.mixed_tokens_per_s(), fits, want, "mixed" if mixed else "own forward",
+            )  # fmt: skip
         return 0
 
     def slack_s(self, decoding: Sequence[Req], step: float, now: float) -> float:
