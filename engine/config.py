@@ -221,6 +221,16 @@ def mixed_chunk_tokens(config: EngineConfig) -> int | None:
     return config.chunked_prefill_size
 
 
+def mixed_chunk_sizes(config: EngineConfig) -> tuple[int, ...]:
+    """The chunk sizes a mixed chunk is cut to when the prompt needs more than the guard allows:
+    the mixed graphs' chunk buckets up to the cap, so a step pays for no padded token and costs
+    what the guard priced (empty: any size, when mixed batches run eagerly or not at all)."""
+    cap = mixed_chunk_tokens(config)
+    if cap is None or not (config.cuda_graph_max_bs > 0 and config.cuda_graph_prompt_tokens > 0):
+        return ()
+    return tuple(t for t in CHUNK_TOKEN_BUCKETS if t <= cap)
+
+
 def check_device(name: str) -> torch.device:
     """Parse a device name and make sure this machine has it: a clear error naming the device, not
     a RuntimeError or an assert deep in model loading. The engine has CPU and CUDA paths only

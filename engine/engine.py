@@ -18,7 +18,7 @@ import torch
 
 from engine.algorithm import EngineAlgorithm, EngineParts, PlainDecoding
 from engine.build import build_rank
-from engine.config import EngineConfig, check_device, mixed_chunk_tokens, parse_dtype
+from engine.config import EngineConfig, check_device, mixed_chunk_sizes, mixed_chunk_tokens, parse_dtype
 from engine.core import FinishReason, InvalidRequest, Req, SamplingParams, as_token_list
 from engine.executor import Executor
 from engine.grammar.base import CompiledGrammar
@@ -151,6 +151,7 @@ class Engine:
                 config.chunked_prefill_size,
                 max_context_len=self.max_context_len,
                 mixed_chunk_tokens=mixed_chunk_tokens(config),
+                mixed_chunk_sizes=mixed_chunk_sizes(config),
             ),
             self.kv,
             self.executor,

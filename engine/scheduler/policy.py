@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -44,6 +45,20 @@ class PolicyConfig:
     # most this many tokens (the mixed graphs' largest chunk: a larger one runs eagerly, paying
     # every launch from the host, a cost the guard does not price); None: no mixing
     mixed_chunk_tokens: int | None = None
+    # a mixed chunk shorter than the prompt's rest is cut to the largest of these within the guard's
+    # budget (the mixed graphs' chunk buckets: a padded token costs as much as a real one, and a
+    # chunk padded past its budget would cost more than the guard allowed); empty: any size
+    mixed_chunk_sizes: tuple[int, ...] = ()
+
+
+def fit_chunk(budget: int, want: int, sizes: tuple[int, ...]) -> int:
+    """A mixed chunk's tokens within `budget` for a prompt that needs `want` more: all of them when
+    they fit, else the largest of `sizes` (ascending) within the budget; the budget itself when
+    `sizes` is empty or none fits (a chunk below the smallest size is padded up to it)."""
+    if budget >= want or not sizes:
+        return budget
+    i = bisect.bisect_right(sizes, budget)
+    return sizes[i - 1] if i else budget
 
 
 class BatchPolicy:
@@ -83,8 +98,9 @@ class BatchPolicy:
         budget = self.cfg.chunked_prefill_size
         if self.guard is not None and decoding and (want := self._next_prompt_tokens()):
             if self.mixes:
-                budget = self.guard.chunk_tokens(decoding, want, mixed=True)
-                return self._mixed_batch(on_admit, on_retract, decoding, min(budget, self.cfg.mixed_chunk_tokens or 0))
+                budget = min(self.guard.chunk_tokens(decoding, want, mixed=True), self.cfg.mixed_chunk_tokens or 0)
+                budget = fit_chunk(budget, want, self.cfg.mixed_chunk_sizes)
+                return self._mixed_batch(on_admit, on_retract, decoding, budget)
             budget = 0 if self._chunk_ran else self.guard.chunk_tokens(decoding, want)
             if budget <= 0:  # a decode step between two prompt chunks, or until slack pays for one
                 self._chunk_ran = False

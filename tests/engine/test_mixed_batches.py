@@ -9,6 +9,8 @@ free every page; the node rates learn a chunk's marginal rate. GPU: captured mix
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import random
 
@@ -199,6 +201,21 @@ def test_a_mixed_chunk_takes_what_the_step_leaves_of_the_guard():
     full = TpotGuard(0.01, rates, max_chunk=4096)
     assert all(full.chunk_tokens(decoding, 4096, now=0.0, mixed=True) == 0 for _ in range(STARVE_STEPS))
     assert full.chunk_tokens(decoding, 4096, now=0.0, mixed=True) == MIN_CHUNK
+
+
+def test_a_mixed_chunk_is_cut_to_a_graph_bucket_unless_it_finishes_the_prompt():
+    from engine.config import EngineConfig, mixed_chunk_sizes
+    from engine.scheduler.policy import fit_chunk
+
+    sizes = (64, 128, 256, 384, 512)
+    assert fit_chunk(330, 2048, sizes) == 256  # padded to 384 it would cost more than the guard gave
+    assert fit_chunk(330, 300, sizes) == 330  # the prompt's rest fits: all of it
+    assert fit_chunk(40, 2048, sizes) == 40 and fit_chunk(0, 2048, sizes) == 0  # under the smallest
+    assert fit_chunk(512, 4096, sizes) == 512 and fit_chunk(700, 4096, ()) == 700
+    mixing = EngineConfig("m", mixed_chunk=True, tpot_guard_ms=12.0, cuda_graph_max_bs=64, cuda_graph_prompt_tokens=256)
+    assert mixed_chunk_sizes(mixing) == (64, 128, 256)
+    assert mixed_chunk_sizes(dataclasses.replace(mixing, cuda_graph_max_bs=0)) == ()  # eager: any size
+    assert mixed_chunk_sizes(dataclasses.replace(mixing, mixed_chunk=False)) == ()  # not mixing
 
 
 def test_rates_learn_a_mixed_chunks_marginal_rate():
