@@ -74,3 +74,12 @@ def test_point_decisions_count_reasons_and_mean_estimates() -> None:
     reasons, estimates = point_decisions(before, after)
     assert reasons == {"faster_local": 3.0}  # reasons no decision gave in the point are left out
     assert estimates == {"local": pytest.approx(100.0)}
+
+
+def test_node_env_carries_the_prefills_kv_write_sgl() -> None:
+    from bench.gpu.goodput import parse_args
+    from bench.gpu.goodput_up import node_env
+
+    assert node_env(None, kv_write_sgl="auto")["PDSERVE_KV_WRITE_SGL"] == "auto"
+    assert "PDSERVE_KV_WRITE_SGL" not in node_env(None) or "PDSERVE_KV_WRITE_SGL" in __import__("os").environ
+    assert parse_args(["--kv-write-sgl", "on"]).kv_write_sgl == "on"

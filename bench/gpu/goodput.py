@@ -46,6 +46,7 @@ from typing import Any
 import httpx
 
 from bench.gpu import goodput_plan as plan
+from common.defaults import SGL_MODES
 from bench.gpu.goodput_report import GOODPUT_DEFINITION, Results, summary_text
 from bench.gpu.goodput_run import RunSettings, measure_deployment
 from bench.gpu.goodput_up import LABELS, TOPOLOGIES, UpProcess, node_env, up_argv
@@ -89,6 +90,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "0.9 x with --enable-mixed-chunk, so their running requests keep within both SLOs)",
     )
     p.add_argument("--enable-mixed-chunk", action="store_true", help="the nodes' --enable-mixed-chunk")
+    p.add_argument("--kv-write-sgl", choices=SGL_MODES, default=None, help="the prefill nodes' --kv-write-sgl")
     p.add_argument("--eagle", action="store_true", help="EAGLE with an echo draft head in both deployments")
     p.add_argument("--device", default="auto", help="pdserve up --device")
     p.add_argument("--budget-s", type=float, default=None, help="whole run's time budget in seconds")
@@ -182,7 +184,9 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
         results.deployment(dep, {"label": LABELS[dep], "command": " ".join(argv_up[2:]), "log": str(log)})
         t0 = time.monotonic()
         try:
-            with UpProcess(dep, argv_up, node_env(args.max_running, args.enable_mixed_chunk), log) as up:
+            with UpProcess(
+                dep, argv_up, node_env(args.max_running, args.enable_mixed_chunk, args.kv_write_sgl), log
+            ) as up:
                 up.start(timeout_s=START_TIMEOUT_S[kind])
                 budget.started(time.monotonic() - t0)
                 results.deployment(dep, {"start_s": time.monotonic() - t0})
@@ -249,6 +253,7 @@ def header(
             "max_running": args.max_running,
             "local_prefill_tpot_ms": local_guard_ms(args, settings),
             "enable_mixed_chunk": args.enable_mixed_chunk,
+            "kv_write_sgl": args.kv_write_sgl,
             "quick": args.quick,
             "seed": args.seed,
         },
