@@ -81,5 +81,4 @@ def test_node_env_carries_the_prefills_kv_write_sgl() -> None:
     from bench.gpu.goodput_up import node_env
 
     assert node_env(None, kv_write_sgl="auto")["PDSERVE_KV_WRITE_SGL"] == "auto"
-    assert "PDSERVE_KV_WRITE_SGL" not in node_env(None) or "PDSERVE_KV_WRITE_SGL" in __import__("os").environ
     assert parse_args(["--kv-write-sgl", "on"]).kv_write_sgl == "on"
