@@ -101,7 +101,8 @@ class EngineOptions:
         False,
         "A decode node running prompts itself (--local-prefill-tpot-ms) runs each chunk inside a decode "
         "step, one forward reading the weights once for both, instead of as a forward of its own (plain "
-        "decoding only; off by default: on two H100s it did not raise PD's goodput, bench/RESULTS.md).",
+        "decoding only; off by default until a run shows PD's goodput no lower with it on every workload: "
+        "on two H100s it raised the prompt-heavy and chat curves but not yet every one, bench/RESULTS.md).",
         negatable=False,
         panel=PANEL_FAST,
     )

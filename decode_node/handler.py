@@ -60,7 +60,6 @@ class DecodeHandler:
     ) -> None:
         self.pd, self.endpoint, self.peers, self.waiter = pd, endpoint, peers, waiter
         self.binding, self.timeouts, self.local_prefill = binding, timeouts, local_prefill
-        self.transfer_ms: float | None = None  # recent destination-sent -> KV-landed time (EWMA)
         self.pending = InFlight(pd, endpoint.rows, waiter, quarantine_s=timeouts.waiting_timeout)
         self._aborting: set[asyncio.Future[None]] = set()  # AbortRoom calls under way
 
@@ -183,8 +182,6 @@ class DecodeHandler:
         kind, reason = done.result()
         waited = time.perf_counter() - sent
         KV_TRANSFER_SECONDS.labels("decode").observe(waited)
-        if kind == "done":  # what routers add to a remote prompt's time to first token
-            self.transfer_ms = waited * 1000 if self.transfer_ms is None else 0.8 * self.transfer_ms + 200 * waited
         if kind != "done":
             raise RequestFailed(
                 f"prefill reported: {reason or kind}", "aborted" if kind == "abort" else "prefill_failed"
@@ -265,7 +262,8 @@ class DecodeHandler:
             mode="decode",
             decode_prealloc_queue_reqs=c["prealloc"],
             decode_transfer_queue_reqs=c["transfer"],
-            kv_transfer_latency_ms=self.transfer_ms or 0.0,
+            # no kv_transfer_latency_ms: this side's wait (destination sent -> KV landed) holds the
+            # prefill's queue and forward too; the prefill reports what the handoff adds
         )
 
 

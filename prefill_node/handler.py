@@ -67,6 +67,9 @@ class PrefillHandler:
     ) -> None:
         self.pd, self.endpoint, self.rooms, self.timeouts = pd, endpoint, rooms, timeouts
         self.send_chunks = send_chunks  # chunked prefill: each chunk's pages leave as it finishes
+        # recent handoff tails (last chunk computed -> final write done), an EWMA in ms: what the
+        # handoff adds to a remote prompt's time to first token, for routers' estimates
+        self.tail_ms: float | None = None
         self._live_ids: set[str] = set()
         self._aborted: Tombstones[str] = Tombstones(
             ttl_s=timeouts.bootstrap_timeout
@@ -231,6 +234,8 @@ class PrefillHandler:
         now = time.perf_counter()
         KV_TRANSFER_SECONDS.labels("prefill").observe(now - posted)
         KV_HANDOFF_TAIL_SECONDS.observe(now - computed)
+        tail_ms = (now - computed) * 1000
+        self.tail_ms = tail_ms if self.tail_ms is None else 0.8 * self.tail_ms + 0.2 * tail_ms
         KV_WRITES.labels("chunk").inc(writer.partial_writes)
         KV_WRITES.labels("final").inc()
         KV_WRITE_PAGES.labels("chunk").inc(writer.partial_pages)
@@ -260,6 +265,7 @@ class PrefillHandler:
             mode="prefill",
             prefill_prealloc_queue_reqs=c.get("BOOTSTRAPPING", 0),
             prefill_inflight_queue_reqs=c.get("WAITING_FOR_INPUT", 0) + c.get("TRANSFERRING", 0),
+            kv_transfer_latency_ms=self.tail_ms or 0.0,
         )
 
 

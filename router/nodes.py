@@ -114,7 +114,7 @@ class NodeState:
     local_prefill: bool = False  # a decode that runs prompts sent to it without a prefill
     waiting_prompt_tokens: int = 0  # prompt tokens queued on the node, not computed yet
     max_tokens: int = 0  # KV cache capacity in tokens (0: not reported)
-    kv_transfer_s: float = 0.0  # the KV transfer latency a decode reports (0: unknown)
+    kv_transfer_s: float = 0.0  # what a prefill reports its handoffs add to a TTFT (0: unknown)
     page_size: int = 0  # tokens per KV page, from GetServerInfo's server_args (0: not reported)
     loads_at: float = 0.0  # monotonic time the last load report was asked for
     prompts: PromptLedger = field(default_factory=PromptLedger)  # our prompts without a first token yet

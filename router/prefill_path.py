@@ -126,19 +126,17 @@ def tier_rate(prefills: Sequence[NodeState]) -> float:
     return sum(rates) / len(rates) if rates else 0.0
 
 
-def remote_ttft(
-    prefill: NodeState, decode: NodeState | None, prompt_tokens: int, now: float | None = None
-) -> float | None:
+def remote_ttft(prefill: NodeState, prompt_tokens: int, now: float | None = None) -> float | None:
     """The prompt's wait and compute on `prefill`, each chunk with a prompt batch's fixed cost as
-    on the local path, plus the KV transfer to `decode`, scaled by how its earlier prompts
-    compared with their estimates (None: rate unmeasured)."""
+    on the local path, plus what its handoffs add (the prefill's reported KV transfer latency:
+    last chunk computed -> final write done), scaled by how its earlier prompts compared with
+    their estimates (None: rate unmeasured)."""
     perf = prefill.perf
     if perf.prefill_tokens_per_s <= 0:
         return None
     queued = prefill.waiting_prompt_tokens + prefill.prompts.since(prefill.loads_at) + prompt_tokens
     compute = queued / perf.prefill_tokens_per_s + math.ceil(queued / PROMPT_CHUNK_TOKENS) * perf.prompt_overhead_s
-    raw = compute + (decode.kv_transfer_s if decode is not None else 0.0)
-    return raw * prefill.ttft.current(time.monotonic() if now is None else now)
+    return (compute + prefill.kv_transfer_s) * prefill.ttft.current(time.monotonic() if now is None else now)
 
 
 def local_ttft(
@@ -208,7 +206,7 @@ def decide(
         return PathDecision("local", None, local.seconds, POLICY)
     if prefill is None:
         return PathDecision(None if local.refusal else "local", None, local.seconds, local.refusal or NO_PREFILL)
-    remote = remote_ttft(prefill, decode, max(1, prompt_tokens - cached(prefill)))
+    remote = remote_ttft(prefill, max(1, prompt_tokens - cached(prefill)))
     if local.refusal is not None:
         return PathDecision("remote", remote, None, local.refusal)
     # a follow-up whose history the decode holds, short to finish there, and not slower there by

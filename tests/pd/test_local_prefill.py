@@ -41,7 +41,8 @@ def test_nodes_report_their_measured_rates_and_the_decode_its_guard(tiny_llama_d
         assert perf["decode_step_s"] and all(float(v) > 0 for v in perf["decode_step_s"].values())
         assert perf["decode_capacity_tokens_per_s"] > 0
         assert load(d).gen_throughput > 0 and load(d).num_waiting_uncached_tokens == 0
-        assert load(d).disaggregation.kv_transfer_latency_ms > 0  # what routers add to a remote prompt
+        # what routers add to a remote prompt: the prefill's handoff tail, not the decode's wait
+        assert load(p).disaggregation.kv_transfer_latency_ms > 0 and load(d).disaggregation.kv_transfer_latency_ms == 0
         m = scrape(decode.ports["metrics"])
         role = (("role", "decode"),)
         assert m[("pdserve_node_prefill_capacity_tokens_per_second", role)] > 0

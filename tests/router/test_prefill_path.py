@@ -169,7 +169,7 @@ def test_each_local_chunk_pays_the_batch_overhead_in_the_guard_share() -> None:
 
 def test_both_paths_charge_a_prompt_batch_its_fixed_cost() -> None:
     # 5,000 queued tokens on the prefill are three chunks, each with its 7 ms fixed part
-    assert remote_ttft(prefill(queued=4000, overhead=0.007), None, 1000) == pytest.approx(0.5 + 3 * 0.007)
+    assert remote_ttft(prefill(queued=4000, overhead=0.007), 1000) == pytest.approx(0.5 + 3 * 0.007)
     # a cached follow-up: 200 tokens on a decode with 8 running (15/25 of it for prompts) against
     # 1,200 uncached ones on the prefill; by tokens alone remote is sooner (0.060 s against
     # (200 / 5,000 + 0.007) / 0.6 = 0.078 s)...
@@ -235,7 +235,7 @@ def test_in_flight_prompts_count_until_the_next_report() -> None:
     p = prefill(queued=1000, loads_at=10.0)
     p.prompts.add("before", 5000, 9.0)  # in the report's queued count already
     p.prompts.add("after", 2000, 11.0)
-    assert remote_ttft(p, None, 1000) == pytest.approx((1000 + 2000 + 1000) / RATE)
+    assert remote_ttft(p, 1000) == pytest.approx((1000 + 2000 + 1000) / RATE)
     ledger = PromptLedger()
     ledger.add("a", 10, 0.0)
     ledger.settle("a")
@@ -244,10 +244,13 @@ def test_in_flight_prompts_count_until_the_next_report() -> None:
     assert ledger.total() == 0 and ledger.since(0.0) == 0
 
 
-def test_kv_transfer_latency_adds_to_remote() -> None:
+def test_the_prefills_handoff_latency_adds_to_remote() -> None:
+    p = prefill()
+    p.kv_transfer_s = 0.05  # the prefill's report: last chunk computed -> final write done
+    assert remote_ttft(p, 1000) == pytest.approx(0.15)
     d = decode()
-    d.kv_transfer_s = 0.05
-    assert remote_ttft(prefill(), d, 1000) == pytest.approx(0.15)
+    d.kv_transfer_s = 0.5  # a decode's figure is not a transfer time: it plays no part
+    assert decide("auto", p, d, 1000, 100).remote_s == pytest.approx(0.15)
 
 
 def test_decodes_that_refuse_local_prompts() -> None:
@@ -360,4 +363,4 @@ def test_calibration_scales_the_estimates_and_relaxes_when_unobserved() -> None:
     assert (dec.path, dec.reason) == ("remote", FASTER_REMOTE)
     p = prefill(queued=1500)
     p.ttft.ratio, p.ttft.at = 0.5, 100.0
-    assert remote_ttft(p, None, 1000, now=100.0) == pytest.approx(0.5 * 2500 / RATE)
+    assert remote_ttft(p, 1000, now=100.0) == pytest.approx(0.5 * 2500 / RATE)
