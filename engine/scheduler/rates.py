@@ -104,6 +104,7 @@ class NodeRates:
         self._small: deque[tuple[int, float]] = deque(maxlen=RATE_SAMPLES)  # (tokens, seconds) of small ones
         self._mixed: deque[float] = deque(maxlen=RATE_SAMPLES)  # marginal tokens/s of mixed batches' chunks
         self._steps: dict[int, _Decayed] = {}  # bucket -> seconds / decode steps
+        self._sizes: dict[int, _Decayed] = {}  # bucket -> batch sizes / decode steps (where it was measured)
         self._per_step = _Decayed()  # tokens a request gains / decode steps
         self._last_done = 0.0  # perf_counter when the last batch's results reached the host
         self._decode_tokens = RecentRate()  # demand served: tokens emitted, prompt tokens computed
@@ -155,7 +156,9 @@ class NodeRates:
                     self._small.append((tokens, seconds))
                 self._prompt_tokens.add(tokens)
             elif mode is ForwardMode.DECODE:
-                self._steps.setdefault(min(bucket(batch_size), MAX_BUCKET), _Decayed()).add(seconds, 1.0)
+                b = min(bucket(batch_size), MAX_BUCKET)
+                self._steps.setdefault(b, _Decayed()).add(seconds, 1.0)
+                self._sizes.setdefault(b, _Decayed()).add(batch_size, 1.0)
                 self._per_step.add(tokens / batch_size, 1.0)
                 self._decode_tokens.add(tokens)
 
@@ -197,10 +200,18 @@ class NodeRates:
         with self._lock:
             return {b: d.ratio() for b, d in sorted(self._steps.items())}
 
+    def step_line(self) -> dict[int, float]:
+        """Measured decode step seconds by the (rounded, decayed) mean batch size each bucket's
+        steps ran at: a bucket's time belongs where it was measured, not at its upper bound (a
+        bucket of 129-256 measured near 140 put there made every step just above 128 look as
+        fast as one at 100, and the guard, pricing chunks by it, overran its TPOT)."""
+        with self._lock:
+            return {round(self._sizes[b].ratio()): d.ratio() for b, d in sorted(self._steps.items())}
+
     def decode_step_s(self, batch_size: int) -> float | None:
-        """Decode step seconds at `batch_size`: linear between the measured buckets around it,
+        """Decode step seconds at `batch_size`: linear between the measured sizes around it,
         extended along the last two beyond them (None: nothing measured)."""
-        return interpolate(self.step_times(), batch_size)
+        return interpolate(self.step_line(), batch_size)
 
     def decode_capacity_tokens_per_s(self, max_running: int) -> float:
         """Decode tokens/s at `max_running` requests, from the step-time line (0: unknown)."""
@@ -213,7 +224,7 @@ class NodeRates:
             "prefill_tokens_per_s": self.prefill_tokens_per_s(),
             "prompt_overhead_s": self.prompt_overhead_s(),
             "mixed_tokens_per_s": self.mixed_tokens_per_s(),
-            "decode_step_s": {str(b): s for b, s in self.step_times().items()},
+            "decode_step_s": {str(b): s for b, s in self.step_line().items()},
             "decode_tokens_per_step": self.decode_tokens_per_step(),
             "decode_capacity_tokens_per_s": self.decode_capacity_tokens_per_s(max_running),
         }

@@ -104,3 +104,16 @@ def test_prompt_overhead_is_what_small_batches_cost_beyond_their_tokens():
     assert rates.snapshot(8)["prompt_overhead_s"] == rates.prompt_overhead_s()
     rates.reset()
     assert rates.prompt_overhead_s() == 0.0 and rates.prefill_tokens_per_s() == 0.0
+
+
+def test_a_buckets_step_time_sits_at_the_batch_size_it_was_measured_at():
+    """Steps of 129-256 requests share a bucket; measured near 140, their time is placed at 140,
+    so a step of 134 is priced between 100's and 140's, not as one of 100 (the bucket's bound)."""
+    rates = NodeRates()
+    for _ in range(20):
+        rates.observe(ForwardMode.DECODE, 100, 100, 0.010)
+        rates.observe(ForwardMode.DECODE, 140, 140, 0.012)
+    assert rates.step_times() == {128: pytest.approx(0.010), 256: pytest.approx(0.012)}  # the metric's buckets
+    assert rates.step_line() == {100: pytest.approx(0.010), 140: pytest.approx(0.012)}
+    assert rates.decode_step_s(134) == pytest.approx(0.010 + 0.002 * 34 / 40)
+    assert rates.snapshot(256)["decode_step_s"] == {"100": pytest.approx(0.010), "140": pytest.approx(0.012)}
