@@ -7,8 +7,9 @@ The ladder picks each curve's next rate from the attainments measured so far, in
    from the highest rate tried: x`climb` while every rate so far met the target, x`past_knee`
    once one missed (overloaded points are the slowest to run, so it steps gently past the knee);
 3. sharpen: the geometric middle of the widest bracket (highest rate meeting the target, lowest
-   rate above it) of either SLO while it is wider than `resolution`; the tight SLO, whose knee is
-   lower, may first need a rate below the lowest tried;
+   rate above it) of either SLO while it is wider than `resolution`, the tight SLO's on a tie (its
+   middle is the lower rate, the quicker point to run, and a run out of time keeps the tight knee
+   found); the tight SLO, whose knee is lower, may first need a rate below the lowest tried;
 4. if only one rate has missed above the highest that met it, climb once more: the curve ends
    after two rates past its knee (one of them well below the target), so a single bad point
    does not end it.
@@ -77,23 +78,23 @@ def next_rate(ladder: Ladder, done: Sequence[Measured]) -> float | None:
 
 
 def _sharpen(ladder: Ladder, done: Sequence[Measured], down: float | None) -> float | None:
-    """The geometric middle of the widest bracket wider than `resolution` (the loose SLO's first
+    """The geometric middle of the widest bracket wider than `resolution` (the tight SLO's first
     on a tie), or `down` for an SLO no rate has met yet."""
     tried = {m.rate for m in done}
-    brackets: list[tuple[float, int, float]] = []  # (width, loose first, rate)
+    brackets: list[tuple[float, int, float]] = []  # (width, tight first, rate)
     for order, slo in enumerate(("loose", "tight")):
         attained = {m.rate: getattr(m, slo) for m in done}
         met = [r for r, a in attained.items() if a >= ladder.target]
         if not met:
             if down is not None:
-                brackets.append((ladder.climb, -order, down))
+                brackets.append((ladder.climb, order, down))
             continue
         lo = max(met)
         above = [r for r in attained if r > lo]
         if above and min(above) / lo > ladder.resolution:
             mid = _round(math.sqrt(lo * min(above)))
             if lo < mid < min(above) and mid not in tried:
-                brackets.append((min(above) / lo, -order, mid))
+                brackets.append((min(above) / lo, order, mid))
     return max(brackets)[2] if brackets else None
 
 
