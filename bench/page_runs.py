@@ -17,6 +17,7 @@ import statistics
 import sys
 from typing import Protocol
 
+from engine.kv_transfer import page_runs
 from engine.page_allocator import PageAllocator
 
 POOLS, PROMPT_PAGES, PAGE_TOKENS, RUNNING, ARRIVALS = (8192,), 64, 16, 48, 3000
@@ -42,11 +43,6 @@ class LifoPages:
         self._free.extend(reversed(pages))
 
 
-def runs(pages: list[int]) -> int:
-    """Runs where consecutive list entries are consecutive page ids (what coalescing needs)."""
-    return 1 + sum(1 for a, b in zip(pages, pages[1:]) if b != a + 1)
-
-
 def simulate(alloc: Allocator, seed: int = 0) -> list[int]:
     """Runs per new prompt's destination pages over the workload."""
     rng = random.Random(seed)
@@ -66,7 +62,7 @@ def simulate(alloc: Allocator, seed: int = 0) -> list[int]:
             live = [r for r in live if r[1] > 0]
             held.append(sum(len(p) for p, _ in live))
         prompt = alloc.alloc(PROMPT_PAGES)
-        out.append(runs(prompt))
+        out.append(page_runs(prompt))
         live.append((prompt, rng.randint(16, 1024)))
     out.append(statistics.mean(held))  # the caller splits this off
     return out

@@ -19,7 +19,9 @@ from engine.core import InvalidRequest
 from engine.disagg import DisaggEngine
 from engine.handoff import HandoffError, HandoffHeader
 from engine.kv_transfer.endpoint import Endpoint, room_echo
+from engine.kv_transfer import page_runs
 from engine.service.metrics import (
+    KV_DESTINATION_RUNS,
     KV_TRANSFER_BYTES,
     KV_TRANSFER_FAILURES,
     KV_TRANSFER_SECONDS,
@@ -142,6 +144,7 @@ class DecodeHandler:
         assert dr.row is not None and dr.destination is not None
         pages, cached = dr.destination.pages, dr.destination.cached
         _check_aborted(dr)
+        KV_DESTINATION_RUNS.observe(page_runs(pages[cached:]))
         done = self.waiter.expect(room, peer.agent)
         dr.stage = Stage.SENT  # from here a write may land in these pages: settle quarantines them
         try:

@@ -82,3 +82,13 @@ def test_node_env_carries_the_prefills_kv_write_sgl() -> None:
 
     assert node_env(None, kv_write_sgl="auto")["PDSERVE_KV_WRITE_SGL"] == "auto"
     assert parse_args(["--kv-write-sgl", "on"]).kv_write_sgl == "on"
+
+
+def test_node_count_means_give_a_decodes_page_runs_per_prompt() -> None:
+    from bench.gpu.goodput_up import node_count_means
+
+    runs = "decode-0:pdserve_kv_destination_runs_%s{}"
+    queue = "decode-0:pdserve_node_queue_time_seconds_%s{}"  # a time stage: not a count
+    before = {runs % "sum": 10.0, runs % "count": 5.0, queue % "sum": 0.0, queue % "count": 0.0}
+    after = {runs % "sum": 22.0, runs % "count": 9.0, queue % "sum": 1.0, queue % "count": 2.0}
+    assert node_count_means(before, after) == {"decode-0": {"kv_destination_runs": pytest.approx(3.0)}}

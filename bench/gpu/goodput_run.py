@@ -17,6 +17,7 @@ from bench.gpu.goodput_report import Results, point_entries
 from bench.gpu.goodput_up import (
     UpProcess,
     node_signals,
+    node_count_means,
     node_stage_means_ms,
     node_stage_totals,
     point_counters,
@@ -108,7 +109,8 @@ async def _curve(
         router_after = await router_counters(client, up.url)
         paths, stages = point_counters(router_before, router_after)
         reasons, estimates = point_decisions(router_before, router_after)
-        node_stages = node_stage_means_ms(nodes_before, await node_stage_totals(client, up.metrics))
+        nodes_after = await node_stage_totals(client, up.metrics)
+        node_stages = node_stage_means_ms(nodes_before, nodes_after)
         drained = await wait_idle(client, metrics, DRAIN_S)
         entries = point_entries(deployment, rate, records, wall, settings.slos)
         results.add_point(
@@ -121,6 +123,7 @@ async def _curve(
             path_estimates_ms=estimates,
             ttft_stages_ms=stages,
             node_stages_ms=node_stages,
+            node_means=node_count_means(nodes_before, nodes_after),
         )
         done.append(plan.Measured(rate, entries["loose"]["attainment"], entries["tight"]["attainment"]))
         print(

@@ -213,6 +213,7 @@ NODE_STAGES = (
     "pdserve_kv_handoff_tail_seconds",  # a prefill's last chunk computed -> final write done
     "pdserve_kv_handoff_stage_seconds",  # that tail by stage (handover includes a late destination)
 )
+NODE_COUNTS = ("pdserve_kv_destination_runs",)  # a decode's page runs per prompt written to it
 
 
 async def node_stage_totals(client: httpx.AsyncClient, metrics: dict[str, str]) -> dict[str, float]:
@@ -225,7 +226,22 @@ async def node_stage_totals(client: httpx.AsyncClient, metrics: dict[str, str]) 
             resp.raise_for_status()
         except httpx.HTTPError:
             continue
-        out.update({f"{node}:{key}": v for key, v in histogram_totals(resp.text, NODE_STAGES).items()})
+        out.update({f"{node}:{key}": v for key, v in histogram_totals(resp.text, NODE_STAGES + NODE_COUNTS).items()})
+    return out
+
+
+def node_count_means(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, dict[str, float]]:
+    """Per node, the mean observation of each of its NODE_COUNTS histograms between two snapshots
+    of node_stage_totals (e.g. a decode's page runs per prompt), keyed less `pdserve_`."""
+    out: dict[str, dict[str, float]] = {}
+    for key, total in after.items():
+        node, _, sample = key.partition(":")
+        name = sample.split("{")[0].removesuffix("_sum")
+        if not sample.split("{")[0].endswith("_sum") or name not in NODE_COUNTS:
+            continue
+        count = key.replace("_sum{", "_count{")
+        if (n := after.get(count, 0.0) - before.get(count, 0.0)) > 0:
+            out.setdefault(node, {})[name.removeprefix("pdserve_")] = (total - before.get(key, 0.0)) / n
     return out
 
 

@@ -23,7 +23,7 @@ from engine.kv_transfer.base import (
     parse_tag,
 )
 from engine.kv_transfer.fake import FakeTransport
-from engine.kv_transfer.layout import coalesce_runs, kv_regions, page_descs, run_descs
+from engine.kv_transfer.layout import coalesce_runs, kv_regions, page_descs, page_runs, run_descs
 
 __all__ = [
     "FakeTransport",
@@ -35,6 +35,7 @@ __all__ = [
     "TransferError",
     "TransferRequest",
     "coalesce_runs",
+    "page_runs",
     "completion_tag",
     "create_transport",
     "failure_tag",

@@ -46,6 +46,12 @@ def page_descs(regions: Sequence[Region], pages: Sequence[int]) -> list[tuple[in
     return [(r.addr + p * r.item_bytes, r.item_bytes, r.device_id) for r in regions for p in pages]
 
 
+def page_runs(pages: Sequence[int]) -> int:
+    """Runs of consecutive page ids in `pages` (0 for none): a write into them takes one copy per
+    run and region when its source is contiguous."""
+    return sum(1 for i, page in enumerate(pages) if i == 0 or page != pages[i - 1] + 1)
+
+
 def coalesce_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(src_start, dst_start, length) of maximal runs where BOTH page lists step by +1.
 

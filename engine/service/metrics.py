@@ -54,6 +54,12 @@ KV_TRANSFER_SKIPPED_PAGES = Counter(
     "pdserve_kv_transfer_skipped_pages",
     "Decode: prompt pages its prefix cache held already, so the prefill node did not write them",
 )
+KV_DESTINATION_RUNS = Histogram(
+    "pdserve_kv_destination_runs",
+    "Decode: runs of consecutive pages a prompt's KV is written into (each run is one copy per "
+    "layer and K|V: scattered destinations turn a handoff into many small copies)",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+)
 KV_TRANSFER_FAILURES = Counter(
     "pdserve_kv_transfer_failures", "PD requests that failed before decoding, by reason", ["role", "reason"]
 )

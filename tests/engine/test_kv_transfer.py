@@ -18,6 +18,7 @@ from engine.kv_transfer import (
     failure_tag,
     kv_regions,
     page_descs,
+    page_runs,
     parse_tag,
     run_descs,
 )
@@ -95,6 +96,7 @@ def test_kv_regions_and_descriptors() -> None:
     assert (s.tolist(), d.tolist(), n.tolist()) == ([3, 5, 9], [7, 2, 11], [2, 1, 2])
     ones = run_descs(regions, *coalesce_runs([1, 5], [1, 5])[0::2])
     assert [tuple(map(int, x)) for x in ones] == page_descs(regions, [1, 5])
+    assert [page_runs(p) for p in ([], [4], [3, 4, 5], [7, 8, 2, 11, 12], [5, 4])] == [0, 1, 1, 3, 2]
 
 
 # ---- fake transport -------------------------------------------------------------------------

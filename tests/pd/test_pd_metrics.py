@@ -45,6 +45,8 @@ def test_transfer_metrics_and_failure_reasons(tiny_llama_dir):
         )
         assert dm[("pdserve_kv_transfer_failures_total", (("reason", "waiting_timeout"), ("role", "decode")))] == 1
         assert dm[("pdserve_bootstrap_attempts_total", (("result", "ok"),))] == 1
+        # both rooms got a destination; a fresh pool gives each one run of pages
+        assert dm[("pdserve_kv_destination_runs_count", ())] == 2 and dm[("pdserve_kv_destination_runs_sum", ())] == 2
         assert dm[("pdserve_kv_cache_used_tokens", role("decode"))] == 0
         assert dm[("pdserve_kv_cache_capacity_tokens", role("decode"))] > 0
     finally:
