@@ -224,6 +224,18 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 ],
             ),
             Panel(
+                "KV handoff tail and destination page runs",
+                "short",
+                "Prefill: last prompt chunk computed to final KV write done, in ms (what the handoff adds to "
+                "a remote prompt's TTFT). Decode: runs of consecutive pages a prompt's KV lands in (each run "
+                "is a copy per layer and K|V: a fragmented pool turns a handoff into many small copies).",
+                [
+                    (f"1000 * {_q(p, 'pdserve_kv_handoff_tail_seconds')}", f"tail ms p{int(p * 100)}")
+                    for p in (0.5, 0.99)
+                ]
+                + [(_q(p, "pdserve_kv_destination_runs"), f"page runs p{int(p * 100)}") for p in (0.5, 0.9)],
+            ),
+            Panel(
                 "KV transfer failures by reason",
                 "reqps",
                 "PD requests that failed before decoding.",

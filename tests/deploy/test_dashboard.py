@@ -51,6 +51,8 @@ def test_panels_cover_the_issue_list() -> None:
         "pdserve_spec_adaptive_steps",
         "pdserve_kv_transfer_bytes_total",
         "pdserve_kv_transfer_failures_total",
+        "pdserve_kv_handoff_tail_seconds_bucket",
+        "pdserve_kv_destination_runs_bucket",
         "pdserve_router_retries_total",
         "pdserve_router_breaker_state",
         "pdserve_router_prefill_path_total",
