@@ -18,8 +18,8 @@ from common.defaults import DEFAULT_BOOTSTRAP_PORT, DEFAULT_WAITING_TIMEOUT
 from engine.core import InvalidRequest
 from engine.disagg import DisaggEngine
 from engine.handoff import HandoffError, HandoffHeader
-from engine.kv_transfer.endpoint import Endpoint, room_echo
 from engine.kv_transfer import page_runs
+from engine.kv_transfer.endpoint import Endpoint, room_echo
 from engine.service.metrics import (
     KV_DESTINATION_RUNS,
     KV_TRANSFER_BYTES,
