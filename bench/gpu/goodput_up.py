@@ -212,6 +212,7 @@ NODE_STAGES = (
     "pdserve_node_prompt_seconds",  # admission to first token
     "pdserve_kv_handoff_tail_seconds",  # a prefill's last chunk computed -> final write done
     "pdserve_kv_handoff_stage_seconds",  # that tail by stage (handover includes a late destination)
+    "pdserve_kv_transfer_seconds",  # prefill: final write posted -> done; decode: destination sent -> KV landed
 )
 NODE_COUNTS = ("pdserve_kv_destination_runs",)  # a decode's page runs per prompt written to it
 
