@@ -235,14 +235,10 @@ def node_count_means(before: Mapping[str, float], after: Mapping[str, float]) ->
     """Per node, the mean observation of each of its NODE_COUNTS histograms between two snapshots
     of node_stage_totals (e.g. a decode's page runs per prompt), keyed less `pdserve_`."""
     out: dict[str, dict[str, float]] = {}
-    for key, total in after.items():
+    for key, mean in histogram_means(before, after).items():
         node, _, sample = key.partition(":")
-        name = sample.split("{")[0].removesuffix("_sum")
-        if not sample.split("{")[0].endswith("_sum") or name not in NODE_COUNTS:
-            continue
-        count = key.replace("_sum{", "_count{")
-        if (n := after.get(count, 0.0) - before.get(count, 0.0)) > 0:
-            out.setdefault(node, {})[name.removeprefix("pdserve_")] = (total - before.get(key, 0.0)) / n
+        if (name := sample.split("{")[0]) in NODE_COUNTS:
+            out.setdefault(node, {})[name.removeprefix("pdserve_")] = mean
     return out
 
 
@@ -270,16 +266,26 @@ def histogram_totals(text: str, names: Collection[str]) -> dict[str, float]:
     }
 
 
+def histogram_means(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    """Mean observation of each histogram between two snapshots of histogram_totals, keyed by its
+    `_sum` key less `_sum`; none where nothing was observed."""
+    out = {}
+    for key, total in after.items():
+        if "_sum{" in key:
+            count = key.replace("_sum{", "_count{")
+            if (n := after.get(count, 0.0) - before.get(count, 0.0)) > 0:
+                out[key.replace("_sum{", "{")] = (total - before.get(key, 0.0)) / n
+    return out
+
+
 def histogram_means_ms(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
     """Mean milliseconds per observation of each `*_seconds` histogram between two snapshots of
     histogram_totals, keyed by name (less `_seconds`) and labels; none where nothing was observed."""
-    out = {}
-    for key, total in after.items():
-        if "_seconds_sum{" in key:
-            count = key.replace("_sum{", "_count{")
-            if (n := after.get(count, 0.0) - before.get(count, 0.0)) > 0:
-                out[key.replace("_seconds_sum", "")] = 1e3 * (total - before.get(key, 0.0)) / n
-    return out
+    return {
+        key.replace("_seconds{", "{"): 1e3 * mean
+        for key, mean in histogram_means(before, after).items()
+        if "_seconds{" in key
+    }
 
 
 async def router_counters(client: httpx.AsyncClient, router_url: str) -> dict[str, float]:
