@@ -97,12 +97,12 @@ class EngineOptions:
         "buckets (short prompts are launch-bound); 0 disables. Needs --cuda-graph-max-bs > 0.",
         panel=PANEL_FAST,
     )
-    enable_mixed_chunk: bool = opt(
+    disable_mixed_chunk: bool = opt(
         False,
-        "A decode node running prompts itself (--local-prefill-tpot-ms) runs each chunk inside a decode "
-        "step, one forward reading the weights once for both, instead of as a forward of its own (plain "
-        "decoding only; off by default until a run shows PD's goodput no lower with it on every workload: "
-        "on two H100s it raised the prompt-heavy and chat curves but not yet every one, bench/RESULTS.md).",
+        "Run a node's prompt chunks as forwards of their own between its decode steps. By default a node "
+        "under a TPOT guard (a decode node running prompts itself, --local-prefill-tpot-ms) runs each chunk "
+        "inside a decode step, one forward reading the weights once for both (plain decoding; on two H100s "
+        "PD's goodput was no lower with it on any workload and SLO, and higher on three, bench/RESULTS.md).",
         negatable=False,
         panel=PANEL_FAST,
     )
@@ -224,7 +224,8 @@ class ServeRole:
 
 _SGL_HELP = (
     "Post each KV write as one scatter-gather list (NIXL's UCX SGL offload; on GPUs one batched "
-    "copy instead of one per layer and K|V): on, off, or auto (on where the KV is in GPU memory)."
+    "copy instead of one per layer and K|V): on, off, or auto (the default: on where the KV is in GPU "
+    "memory, where a decode node's fragmented pages made a copy per descriptor 3-5x slower)."
 )
 
 _ROWS_HELP = (
@@ -247,7 +248,7 @@ class PrefillRole:
     bootstrap_timeout: float = opt(DEFAULT_BOOTSTRAP_TIMEOUT, "Seconds to wait for a destination.")
     transfer_timeout: float = opt(DEFAULT_TRANSFER_TIMEOUT, "Seconds a KV write may take.")
     kv_handoff_rows: str = opt("kv", _ROWS_HELP)
-    kv_write_sgl: str = opt("off", _SGL_HELP)
+    kv_write_sgl: str = opt("auto", _SGL_HELP)
     kv_send_chunks: bool = opt(
         True,
         "With chunked prefill, write each finished chunk's KV while the "

@@ -182,9 +182,8 @@ class EngineConfig:
     tpot_guard_ms: float | None = None
     # With a TPOT guard and a worker that can (plain decoding): a prompt chunk runs inside a decode
     # step, one forward for both (engine/mixed_graphs.py), so it costs its tokens and not a second
-    # pass over the weights. Off (the default: the guard does not yet price a mixed step's host
-    # work, and on GPUs it did not raise goodput): chunks alternate with decode steps.
-    mixed_chunk: bool = False
+    # pass over the weights. Off (`--disable-mixed-chunk`): chunks alternate with decode steps.
+    mixed_chunk: bool = True
     # Before serving, run synthetic prompts of each length class (engine/warmup.py): the prompt
     # path's kernel compiles are paid then, and the prompt rate is measured on warm kernels.
     prompt_warmup: bool = False

@@ -39,7 +39,7 @@ def engine_config(options: EngineOptions, choice: ModelChoice) -> EngineConfig:
         max_running=options.max_running or DEFAULT_MAX_RUNNING,
         chunked_prefill_size=options.chunked_prefill_size,
         radix_cache=not options.disable_radix_cache,
-        mixed_chunk=options.enable_mixed_chunk,
+        mixed_chunk=not options.disable_mixed_chunk,
         grammar_backend=options.grammar_backend,
         tp_size=options.tp_size,
         tp_timeout_s=options.tp_timeout_s,

@@ -211,7 +211,7 @@ def test_flags_take_sglang_aliases_and_pdserve_env_vars(monkeypatch: pytest.Monk
     )
     monkeypatch.setenv("PDSERVE_SPECULATIVE_NGRAM_MAX", "7")
     monkeypatch.setenv("PDSERVE_KV_SEND_CHUNKS", "false")
-    monkeypatch.setenv("PDSERVE_ENABLE_MIXED_CHUNK", "true")  # how the goodput bench turns it on
+    monkeypatch.setenv("PDSERVE_DISABLE_MIXED_CHUNK", "true")  # how the goodput bench turns it off
     res = CliRunner().invoke(
         app,
         [
@@ -235,10 +235,11 @@ def test_flags_take_sglang_aliases_and_pdserve_env_vars(monkeypatch: pytest.Monk
     engine, spec = seen["engine"], seen["spec"]
     assert isinstance(engine, EngineOptions) and isinstance(spec, SpeculativeOptions)
     assert (str(engine.model), engine.served_model_name, engine.max_running) == ("/m", "pycoder", 5)
-    assert engine.enable_mixed_chunk and not EngineOptions().enable_mixed_chunk
+    assert engine.disable_mixed_chunk and not EngineOptions().disable_mixed_chunk
     assert (spec.algorithm, spec.ngram_max) == ("NGRAM", 7)
     role = seen["role"]
     assert (role.bootstrap_port, role.transport, role.send_chunks) == (9001, "fake", False)
+    assert role.sgl == "auto"  # batched writes where the KV is in GPU memory
     assert PrefillRole().bootstrap_port == 8998 and DecodeRole().port == 30002
 
 

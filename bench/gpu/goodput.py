@@ -87,9 +87,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         default=None,
         help="PD decode nodes' TPOT guard for the prompts they run (default: 0.8 x the tight SLO's TPOT, "
-        "0.9 x with --enable-mixed-chunk, so their running requests keep within both SLOs)",
+        "0.9 x while they mix their chunks into decode steps, the default, so their running requests keep "
+        "within both SLOs)",
     )
-    p.add_argument("--enable-mixed-chunk", action="store_true", help="the nodes' --enable-mixed-chunk")
+    p.add_argument("--disable-mixed-chunk", action="store_true", help="the nodes' --disable-mixed-chunk")
     p.add_argument("--kv-write-sgl", choices=SGL_MODES, default=None, help="the prefill nodes' --kv-write-sgl")
     p.add_argument("--eagle", action="store_true", help="EAGLE with an echo draft head in both deployments")
     p.add_argument("--device", default="auto", help="pdserve up --device")
@@ -185,7 +186,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
         t0 = time.monotonic()
         try:
             with UpProcess(
-                dep, argv_up, node_env(args.max_running, args.enable_mixed_chunk, args.kv_write_sgl), log
+                dep, argv_up, node_env(args.max_running, not args.disable_mixed_chunk, args.kv_write_sgl), log
             ) as up:
                 up.start(timeout_s=START_TIMEOUT_S[kind])
                 budget.started(time.monotonic() - t0)
@@ -221,7 +222,7 @@ def local_guard_ms(args: argparse.Namespace, settings: RunSettings) -> float:
     tenth with mixed chunks, where the guard holds every step rather than each request's mean."""
     if args.local_prefill_tpot_ms is not None:
         return float(args.local_prefill_tpot_ms)
-    share = 0.9 if args.enable_mixed_chunk else 0.8
+    share = 0.8 if args.disable_mixed_chunk else 0.9
     return share * min(slo["tpot"] for slo in settings.slos.values()) * 1e3
 
 
@@ -252,7 +253,7 @@ def header(
             "budget_s": budget_s,
             "max_running": args.max_running,
             "local_prefill_tpot_ms": local_guard_ms(args, settings),
-            "enable_mixed_chunk": args.enable_mixed_chunk,
+            "mixed_chunk": not args.disable_mixed_chunk,
             "kv_write_sgl": args.kv_write_sgl,
             "quick": args.quick,
             "seed": args.seed,

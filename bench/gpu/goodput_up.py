@@ -348,14 +348,14 @@ async def wait_idle(client: httpx.AsyncClient, metrics_urls: Sequence[str], time
         await asyncio.sleep(0.2)
 
 
-def node_env(max_running: int | None, mixed_chunk: bool = False, kv_write_sgl: str | None = None) -> dict[str, str]:
+def node_env(max_running: int | None, mixed_chunk: bool = True, kv_write_sgl: str | None = None) -> dict[str, str]:
     """The environment `pdserve up` and its children run in (flags `up` does not take, as the
     nodes' PDSERVE_* variables)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if max_running is not None:
         env["PDSERVE_MAX_RUNNING"] = str(max_running)  # the nodes' --max-running
-    if mixed_chunk:
-        env["PDSERVE_ENABLE_MIXED_CHUNK"] = "true"  # the nodes' --enable-mixed-chunk
+    if not mixed_chunk:
+        env["PDSERVE_DISABLE_MIXED_CHUNK"] = "true"  # the nodes' --disable-mixed-chunk
     if kv_write_sgl is not None:
         env["PDSERVE_KV_WRITE_SGL"] = kv_write_sgl  # the prefill nodes' --kv-write-sgl
     return env

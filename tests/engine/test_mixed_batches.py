@@ -119,8 +119,8 @@ def test_guarded_prompts_ride_in_decode_steps_and_change_no_token(models, overla
     if graphs:
         kw |= {"cuda_graph_max_bs": 4, "cuda_graph_padded_eager": True, "cuda_graph_prompt_tokens": 64}
     want, _, _ = staggered(make_engine(models, "plain", overlap=overlap))
-    unmixed, plain_modes, _ = staggered(make_engine(models, "plain", **kw))  # off by default
-    eng = make_engine(models, "plain", mixed_chunk=True, **kw)
+    unmixed, plain_modes, _ = staggered(make_engine(models, "plain", mixed_chunk=False, **kw))
+    eng = make_engine(models, "plain", **kw)  # mixing is the default
     got, modes, _ = staggered(eng)
     assert got == unmixed == want
     assert M in modes and M not in plain_modes
