@@ -35,8 +35,8 @@ KV_HANDOFF_TAIL_SECONDS = Histogram(
 KV_HANDOFF_STAGE_SECONDS = Histogram(
     "pdserve_kv_handoff_stage_seconds",
     "Prefill: the handoff tail "
-    "by stage: handover (engine's finishing update -> the handler), "
-    "encode (handoff row payload), settle (chunk writes ended), row "
+    "by stage: handover (engine's finishing update -> the handler), check (the destination "
+    "checked against the prompt), encode (handoff row payload), settle (chunk writes ended), row "
     "(row written); the final write itself is pdserve_kv_transfer_seconds",
     ["stage"],
     buckets=_LATENCY_BUCKETS,

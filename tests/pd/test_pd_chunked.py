@@ -63,6 +63,8 @@ def test_chunk_writes_overlap_the_prompt_and_keep_pd_equal_to_colocated(tiny_lla
         # the final write holds no more than one chunk's pages (+1 for a page a chunk boundary splits)
         assert m[("pdserve_kv_write_pages_total", kind("final"))] <= len(PROMPTS) * (CHUNK // PAGE + 1)
         assert m[("pdserve_kv_handoff_tail_seconds_count", ())] == len(PROMPTS)
+        for stage in ("handover", "check", "encode", "settle", "row"):  # every tail's stages
+            assert m[("pdserve_kv_handoff_stage_seconds_count", (("stage", stage),))] == len(PROMPTS), stage
         assert ("one scatter-gather list" in "\n".join(prefill.lines)) == bool(spec)
         # the decode node runs the same prompts itself, in chunks between the decode steps of a
         # PD request in flight: the same tokens and acceptance
