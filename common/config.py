@@ -254,6 +254,12 @@ class PrefillRole:
         "With chunked prefill, write each finished chunk's KV while the "
         "next chunk runs (off: one write once the whole prompt is done).",
     )
+    local_decode_tpot_ms: float = opt(
+        0.0,
+        "Requests sent here without a decode node (the router's whole path, taken when the decode "
+        "tier is at its TPOT budget) run here from prompt to last token, keeping them within this "
+        "time per output token while prompts run beside them; 0 (the default) refuses them.",
+    )
     metrics_port: Optional[int] = opt(None, "Serve Prometheus /metrics on this port (0: any free).")
 
 
@@ -320,6 +326,11 @@ class UpOptions:
         None,
         "Decode nodes' TPOT guard for the prompts they run themselves (their --local-prefill-tpot-ms; "
         "default: theirs). Under auto, keep it below the TPOT you promise.",
+    )
+    local_decode_tpot_ms: Optional[float] = opt(
+        None,
+        "Prefill nodes' TPOT guard for the requests they run whole when the decode tier is at its TPOT "
+        "budget (their --local-decode-tpot-ms; default: theirs, 0: never). Needs --pd-prefill-policy auto.",
     )
     verbose: bool = opt(False, "Echo the nodes' logs.", negatable=False)
 

@@ -86,14 +86,14 @@ def _check_up_tp(opts: UpOptions) -> None:
     check_tp_size(opts.tp_size)
 
 
-def _decode_args(opts: UpOptions) -> tuple[str, ...]:
-    """The flags `up` passes to decode nodes alone; a negative guard is refused before anything starts."""
-    guard = opts.local_prefill_tpot_ms
+def _guard_args(flag: str, guard: float | None) -> tuple[str, ...]:
+    """The guard flag `up` passes to one role's nodes alone; a negative guard is refused before
+    anything starts."""
     if guard is None:
         return ()
     if guard < 0:
-        raise ValueError(f"--local-prefill-tpot-ms must be >= 0, got {guard:g}")
-    return ("--local-prefill-tpot-ms", f"{guard:g}")
+        raise ValueError(f"{flag} must be >= 0, got {guard:g}")
+    return (flag, f"{guard:g}")
 
 
 def register(app: typer.Typer) -> None:
@@ -115,6 +115,9 @@ def register(app: typer.Typer) -> None:
         from prefill_node.role import PrefillRole as Prefill
 
         timeouts = PrefillTimeouts(bootstrap_timeout=role.bootstrap_timeout, transfer_timeout=role.transfer_timeout)
+        whole = role.local_decode_tpot_ms
+        if whole < 0:
+            fail(ValueError(f"--local-decode-tpot-ms must be >= 0, got {whole:g}"))
         _run(
             Prefill(
                 role.bootstrap_port,
@@ -123,6 +126,7 @@ def register(app: typer.Typer) -> None:
                 role.kv_send_chunks,
                 role.kv_handoff_rows,
                 role.kv_write_sgl,
+                local_decode=whole > 0,
             ),
             engine,
             spec,
@@ -130,6 +134,7 @@ def register(app: typer.Typer) -> None:
             role.host,
             role.port,
             role.metrics_port,
+            tpot_guard_ms=whole or None,
         )
 
     @app.command()
@@ -180,7 +185,8 @@ def register(app: typer.Typer) -> None:
         try:
             check_pd_prefill_policy(opts.pd_prefill_policy)
             _check_up_tp(opts)
-            decode_args = _decode_args(opts)
+            decode_args = _guard_args("--local-prefill-tpot-ms", opts.local_prefill_tpot_ms)
+            prefill_args = _guard_args("--local-decode-tpot-ms", opts.local_decode_tpot_ms)
         except ValueError as e:
             fail(e)
 
@@ -199,6 +205,7 @@ def register(app: typer.Typer) -> None:
             pd_prefill_policy=opts.pd_prefill_policy,
             tp_size=opts.tp_size,
             decode_args=decode_args,
+            prefill_args=prefill_args,
         )
         dep, stop = Deployment(cfg), threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -67,6 +67,7 @@ class UpConfig:
     # Tensor-parallel ranks per node: node k's ranks on GPUs k*tp_size .. k*tp_size + tp_size - 1
     tp_size: int = 1
     decode_args: tuple[str, ...] = ()  # flags for decode nodes only (e.g. --local-prefill-tpot-ms)
+    prefill_args: tuple[str, ...] = ()  # flags for prefill nodes only (e.g. --local-decode-tpot-ms)
 
 
 class Deployment:
@@ -151,7 +152,8 @@ class Deployment:
         plans: list[NodePlan] = [
             (
                 f"prefill-{i}",
-                ["prefill", *common, "--bootstrap-port", "0", "--device", self._local(devices[i])],
+                ["prefill", *common, *self.cfg.prefill_args, "--bootstrap-port", "0"]
+                + ["--device", self._local(devices[i])],
                 devices[i],
             )
             for i in range(cfg.prefill)

@@ -24,7 +24,7 @@ import grpc
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 from common.defaults import DEFAULT_BOOTSTRAP_TIMEOUT, DEFAULT_TRANSFER_TIMEOUT
-from engine.core import FinishReason, InvalidRequest, Req
+from engine.core import FinishReason, InvalidRequest, Req, SamplingParams
 from engine.disagg import DisaggEngine
 from engine.handoff import HandoffError
 from engine.kv_transfer import KVPoll, TransferError
@@ -41,7 +41,7 @@ from engine.service.metrics import (
     KV_WRITE_PAGES,
     KV_WRITES,
 )
-from engine.service.stream import RequestFailed
+from engine.service.stream import RequestFailed, RequestStream
 from engine.service.tombstones import Tombstones
 from prefill_node.rooms import Room, RoomTable
 from prefill_node.writer import RoomWriter, WriteFailed
@@ -64,9 +64,12 @@ class PrefillHandler:
         rooms: RoomTable,
         timeouts: PrefillTimeouts,
         send_chunks: bool = True,
+        local_decode: bool = False,
     ) -> None:
         self.pd, self.endpoint, self.rooms, self.timeouts = pd, endpoint, rooms, timeouts
         self.send_chunks = send_chunks  # chunked prefill: each chunk's pages leave as it finishes
+        # requests sent without a decode node run here whole, under the engine's TPOT guard
+        self.local_decode = local_decode
         # recent handoff tails (last chunk computed -> final write done), an EWMA in ms: what the
         # handoff adds to a remote prompt's time to first token, for routers' estimates
         self.tail_ms: float | None = None
@@ -80,6 +83,10 @@ class PrefillHandler:
     ) -> AsyncIterator[pb.GenerateResponse]:
         pd = self.pd
         params = convert.sampling_params(request, pd.max_context_len)
+        if not request.disaggregated_params.bootstrap_host:  # the router's whole path
+            async for resp in self._whole(request, params):
+                yield resp
+            return
         req = pd.make_request(
             list(request.tokenized.input_ids),
             # the first token is sampled here: it obeys min_new_tokens too
@@ -125,6 +132,30 @@ class PrefillHandler:
         yield convert.complete(
             req.rid, [first], FinishReason.LENGTH, len(req.prompt_ids), cached_tokens=req.cached_tokens
         )
+
+    async def _whole(self, request: pb.GenerateRequest, params: SamplingParams) -> AsyncIterator[pb.GenerateResponse]:
+        """A request sent without a decode node: prompt to last token on this node, its decode
+        steps kept within the engine's TPOT guard while prompts run beside them."""
+        if not self.local_decode:  # the router retries elsewhere: a node's setting, not the request's fault
+            raise RequestFailed(
+                "this prefill node does not decode requests itself (--local-decode-tpot-ms 0): "
+                "send disaggregated_params.bootstrap_host",
+                "local_refused",
+                blame="prefill",
+            )
+        pd = self.pd
+        req = pd.make_request(list(request.tokenized.input_ids), params, request.request_id or None)
+        await attach_grammar(pd, req)
+        if req.rid in self._live_ids:
+            raise InvalidRequest(f"request id {req.rid!r} is already in flight on this node")
+        self._live_ids.add(req.rid)
+        try:
+            stream = RequestStream(pd, req, request.stream, pd.tokenizer, pd.eos_token_ids)
+            pd.submit(req, stream.on_update)
+            async for resp in stream.responses():
+                yield resp
+        finally:
+            self._live_ids.discard(req.rid)
 
     def _refuse_if_aborted(self, req: Req, room: Room) -> None:
         """A request whose abort came first (by id from the router, or its room from the decode)
@@ -249,9 +280,11 @@ class PrefillHandler:
     def abort(self, request_id: str, reason: str) -> bool:
         self.pd.abort(request_id, reason)
         room = self.rooms.by_request(request_id)
-        if room is None:  # its Generate has not come (yet): it ends on arrival
-            self._aborted.add(request_id, reason)
-            return False
+        if room is None:  # a whole request (the engine's abort ended it), or one still to come
+            live = request_id in self._live_ids
+            if not live:  # its Generate has not come (yet): it ends on arrival
+                self._aborted.add(request_id, reason)
+            return live
         room.fail(reason)
         return True
 

@@ -37,9 +37,11 @@ class PrefillRole:
         send_chunks: bool = True,
         rows_at: str = "kv",
         sgl: str = "off",
+        local_decode: bool = False,
     ) -> None:
         self.bootstrap_port, self.transport, self.timeouts = bootstrap_port, transport, timeouts
         self.send_chunks, self.rows_at, self.sgl = send_chunks, rows_at, sgl
+        self.local_decode = local_decode  # requests sent without a decode node run here whole
         self._janitor: asyncio.Task[None] | None = None
 
     def attach(self, loop: EngineLoop, binding: Any, host: str) -> RoleParts:
@@ -57,7 +59,9 @@ class PrefillRole:
             sgl=self.sgl,
         )
         self.rooms = RoomTable(orphan_ttl_s=self.timeouts.bootstrap_timeout)
-        handler = PrefillHandler(pd, self.endpoint, self.rooms, self.timeouts, self.send_chunks)
+        handler = PrefillHandler(
+            pd, self.endpoint, self.rooms, self.timeouts, self.send_chunks, local_decode=self.local_decode
+        )
         return RoleParts(
             handler,
             info_role="prefill",

@@ -39,7 +39,7 @@ from router.kv_index import KvIndex
 from router.metrics import CacheRouteMetrics, DispatchMetrics, PathMetrics
 from router.nodes import NodeRegistry
 from router.policy import Policy, pair_available
-from router.prefill_path import DEFAULT_RULE, POLICIES, REASONS, PathRule, Route, select_route
+from router.prefill_path import DEFAULT_RULE, PATHS, POLICIES, REASONS, PathRule, Route, select_route
 from router.sizing import TierBalance
 from router.attempt import DEFAULT_STAGE_TIMEOUTS, AttemptContext, PDAttempt, StageTimeouts
 
@@ -82,7 +82,7 @@ class PDDispatcher:
         self.metrics = DispatchMetrics(self.metrics_registry)
         self._attempt_ctx = AttemptContext(timeouts, self.metrics, self.keep)
         self.metrics.ready.set_function(lambda: float(self.ready()))
-        self.path_metrics = PathMetrics(self.metrics_registry, REASONS)
+        self.path_metrics = PathMetrics(self.metrics_registry, REASONS, PATHS)
         self.balance = TierBalance(registry)
         self.path_metrics.bind(self.balance)
         self.kv_index = kv_index  # the expected hit of each routed prompt, when nodes' caches are followed

@@ -257,10 +257,11 @@ class PathMetrics:
     """Which prefill path requests took and why (router/prefill_path.py), and the tiers' load against
     capacity (router/sizing.py). Label values come from fixed sets, so series stay bounded."""
 
-    def __init__(self, registry: CollectorRegistry, reasons: tuple[str, ...]) -> None:
+    def __init__(self, registry: CollectorRegistry, reasons: tuple[str, ...], paths: tuple[str, ...]) -> None:
         self.paths = Counter(
             "pdserve_router_prefill_path",
             "Dispatches by where the prompt ran: remote (a prefill node), local (its decode node), "
+            "whole (the whole request on a prefill node: the decode tier at its TPOT budget), "
             "colocated (a colocated node); a retry counts again",
             ["path"],
             registry=registry,
@@ -278,7 +279,7 @@ class PathMetrics:
             ["reason"],
             registry=registry,
         )
-        for path in ("remote", "local", "colocated"):  # every series from the start: rates need a zero
+        for path in paths:  # every series from the start: rates need a zero
             self.paths.labels(path)
         for reason in reasons:
             self.decisions.labels(reason)

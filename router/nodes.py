@@ -112,6 +112,7 @@ class NodeState:
     # What the prefill path decision reads (router/prefill_path.py); unknown until the node reports it.
     perf: NodePerf = field(default_factory=NodePerf)
     local_prefill: bool = False  # a decode that runs prompts sent to it without a prefill
+    local_decode: bool = False  # a prefill that runs requests sent to it without a decode, whole
     waiting_prompt_tokens: int = 0  # prompt tokens queued on the node, not computed yet
     max_tokens: int = 0  # KV cache capacity in tokens (0: not reported)
     kv_transfer_s: float = 0.0  # what a prefill reports its handoffs add to a TTFT (0: unknown)
@@ -331,7 +332,7 @@ class NodeRegistry:
         except grpc.aio.AioRpcError as e:
             if e.code() != grpc.StatusCode.UNIMPLEMENTED:  # optional for SGLang workers
                 raise
-            s.pairing_protocol, s.perf, s.local_prefill = None, NodePerf(), False
+            s.pairing_protocol, s.perf, s.local_prefill, s.local_decode = None, NodePerf(), False, False
             return
         args = json_format.MessageToDict(info.server_args)
         mode = args.get("disaggregation_mode")
@@ -340,6 +341,7 @@ class NodeRegistry:
         protocol = args.get("pairing_protocol")
         s.pairing_protocol = str(protocol) if protocol not in (None, "") else None
         s.perf, s.local_prefill = NodePerf.parse(args.get("perf")), args.get("local_prefill") is True
+        s.local_decode = args.get("local_decode") is True
         page = args.get("page_size")  # a JSON number: a float once through the Struct
         s.page_size = int(page) if isinstance(page, (int, float)) and page > 0 else 0
 

@@ -1,4 +1,6 @@
-"""Where a request's prompt runs: on a prefill node (remote) or on its decode node (local), from measured rates.
+"""Where a request's prompt runs: on a prefill node (remote) or on its decode node (local), from
+measured rates; or, when the decode tier is at its TPOT budget, the whole request on a prefill node
+that decodes too (whole).
 
 Pure functions over NodeState; no I/O (the clock aside, for calibrations). A decode node that
 runs a prompt itself puts prompt chunks between its decode steps, keeping its running requests
@@ -21,6 +23,11 @@ target) and local is clearly faster (under the rule's margin of remote): overflo
 prefill tier no longer caps the deployment. A decode node that mixes its chunks into its decode
 steps has a target of 0 and no margin by default: there the faster path wins. An unmeasured
 prefill tier is measured first (remote).
+
+Whole: under `auto`, when one more request would put the decode node's measured step past its
+TPOT guard, and the paired prefill node runs requests whole (`--local-decode-tpot-ms`) with its own
+steps within its guard and KV to spare, the request runs there from prompt to last token: the
+deployment falls back to colocated execution for the share of the load its split cannot carry.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from typing import Callable, Collection, Sequence
 from common.defaults import DEFAULT_CHUNKED_PREFILL_SIZE, PD_PREFILL_POLICIES
 from router.contract import GenerationJob
 from router.nodes import NodeRegistry, NodeState
+from router.perf import NodePerf
 from router.policy import Policy, select_colocated, select_pair
 
 POLICIES = PD_PREFILL_POLICIES
@@ -52,6 +60,7 @@ LOCAL_REFUSED = "local_refused"  # the decode runs no prompts itself (older node
 DECODE_AT_BUDGET = "decode_at_budget"  # its decode steps alone fill the TPOT budget
 KV_HEADROOM = "kv_headroom"  # the decode's free KV does not hold prompt + output
 NO_PREFILL = "no_prefill"  # no usable prefill: local or nothing
+DECODE_FULL = "decode_full"  # the decode's steps would pass its TPOT guard: whole on the prefill
 REASONS = (
     POLICY,
     FASTER_REMOTE,
@@ -64,7 +73,9 @@ REASONS = (
     DECODE_AT_BUDGET,
     KV_HEADROOM,
     NO_PREFILL,
+    DECODE_FULL,
 )
+PATHS = ("remote", "local", "whole", "colocated")  # metric label values too
 
 
 @dataclass(frozen=True)
@@ -105,7 +116,7 @@ DEFAULT_RULE = PathRule()
 
 @dataclass(frozen=True)
 class PathDecision:
-    path: str | None  # "remote" | "local"; None: neither can take the request
+    path: str | None  # "remote" | "local" | "whole"; None: neither can take the request
     remote_s: float | None  # estimated TTFT on the prefill (None: unknown or impossible)
     local_s: float | None  # estimated TTFT on the decode (None: unknown or impossible)
     reason: str  # one of REASONS
@@ -177,6 +188,27 @@ def local_ttft(
     return LocalEstimate(seconds=raw * decode.ttft.current(time.monotonic() if now is None else now))
 
 
+def steps_past_guard(node: NodeState, line: NodePerf) -> bool:
+    """Would one more request put `node`'s decode steps, priced on `line`'s step times, past its TPOT
+    guard (per token a request gains per step)? False when either is unknown."""
+    guard, step = node.perf.tpot_guard_s, line.step_s(max(node.running, node.inflight) + 1)
+    if guard is None or step is None:
+        return False
+    return step >= guard * max(1.0, line.decode_tokens_per_step)
+
+
+def runs_whole(prefill: NodeState, decode: NodeState, prompt_tokens: int, max_new_tokens: int) -> bool:
+    """Should the request run whole on `prefill`: `decode` at its TPOT budget, and `prefill` one that
+    decodes requests itself, within its own guard (on the decode's step times until it has measured
+    its own: same model, same GPUs) and with KV for the whole request?"""
+    if not prefill.local_decode or not steps_past_guard(decode, decode.perf):
+        return False
+    free = prefill.max_tokens - prefill.used_tokens - prefill.prompts.total()
+    if prefill.max_tokens and free < prompt_tokens + max(0, max_new_tokens):
+        return False
+    return not steps_past_guard(prefill, prefill.perf if prefill.perf.decode_step_s else decode.perf)
+
+
 def decide(
     policy: str,
     prefill: NodeState | None,
@@ -233,15 +265,15 @@ class Route:
     """Where one attempt goes: a pair (remote), a decode alone (local) or a colocated node."""
 
     prefill: NodeState | None
-    decode: NodeState
-    path: str  # "remote" | "local" | "colocated"
+    decode: NodeState  # the node the request streams from: on the whole path, a prefill node
+    path: str  # one of PATHS
     decision: PathDecision | None = None  # None: no choice of path was made (colocated)
 
     def estimate_s(self) -> float | None:
         """The TTFT estimate of the path taken (None: colocated, or not estimated)."""
         if self.decision is None:
             return None
-        return self.decision.remote_s if self.path == "remote" else self.decision.local_s
+        return self.decision.local_s if self.path == "local" else self.decision.remote_s
 
 
 def select_route(
@@ -262,6 +294,8 @@ def select_route(
     if path_policy != "local" and (pair := select_pair(registry, prefill_policy, decode_policy, job, exclude)):
         prefill, decode = pair
         d = decide(path_policy, prefill, decode, prompt, max_new, tier, cached, rule)
+        if path_policy == "auto" and runs_whole(prefill, decode, prompt, max_new):
+            return Route(None, prefill, "whole", PathDecision("whole", d.remote_s, d.local_s, DECODE_FULL))
         return Route(prefill if d.path == "remote" else None, decode, d.path or "remote", d)
     if path_policy != "remote":
         locals_ = [n for n in registry.nodes("decode") if n.usable() and n.local_prefill and n.address not in exclude]

@@ -207,7 +207,9 @@ def test_flags_take_sglang_aliases_and_pdserve_env_vars(monkeypatch: pytest.Monk
 
     seen: dict[str, object] = {}
     monkeypatch.setattr(
-        node_cli, "_run", lambda role, engine, spec, *rest: seen.update(role=role, engine=engine, spec=spec, rest=rest)
+        node_cli,
+        "_run",
+        lambda role, engine, spec, *rest, **kw: seen.update(role=role, engine=engine, spec=spec, rest=rest, kw=kw),
     )
     monkeypatch.setenv("PDSERVE_SPECULATIVE_NGRAM_MAX", "7")
     monkeypatch.setenv("PDSERVE_KV_SEND_CHUNKS", "false")
@@ -240,6 +242,7 @@ def test_flags_take_sglang_aliases_and_pdserve_env_vars(monkeypatch: pytest.Monk
     role = seen["role"]
     assert (role.bootstrap_port, role.transport, role.send_chunks) == (9001, "fake", False)
     assert role.sgl == "auto"  # batched writes where the KV is in GPU memory
+    assert not role.local_decode and seen["kw"] == {"tpot_guard_ms": None}  # whole requests refused by default
     assert PrefillRole().bootstrap_port == 8998 and DecodeRole().port == 30002
 
 

@@ -100,17 +100,19 @@ def test_colocated_tp2_deployment_serves_and_stops(tmp_path: Path) -> None:
                 p.kill()
 
 
-def test_decode_nodes_alone_get_the_local_prefill_guard(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`up --local-prefill-tpot-ms 12` reaches every decode node and no other; a negative one is a
-    one-line error before anything starts."""
-    from pdserve.node_cli import _decode_args
+def test_each_role_alone_gets_its_guard(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`up --local-prefill-tpot-ms 12` reaches every decode node and no other, `--local-decode-tpot-ms
+    9` every prefill node and no other; a negative one is a one-line error before anything starts."""
+    from pdserve.node_cli import _guard_args
 
-    from common.config import UpOptions
-
-    guard = _decode_args(UpOptions(local_prefill_tpot_ms=12.0))
-    assert guard == ("--local-prefill-tpot-ms", "12") and _decode_args(UpOptions()) == ()
-    plans = _plans(monkeypatch, 3, prefill=1, decode=2, decode_args=guard)
+    guard = _guard_args("--local-prefill-tpot-ms", 12.0)
+    assert guard == ("--local-prefill-tpot-ms", "12") and _guard_args("--local-prefill-tpot-ms", None) == ()
+    whole = _guard_args("--local-decode-tpot-ms", 9.0)
+    plans = _plans(monkeypatch, 3, prefill=1, decode=2, decode_args=guard, prefill_args=whole)
     assert [_flag(args, "--local-prefill-tpot-ms") if "decode" in name else "--local-prefill-tpot-ms" in args
             for name, args, _ in plans] == [False, "12", "12"]  # fmt: skip
-    res = CliRunner().invoke(app, ["up", "--local-prefill-tpot-ms", "-1"])
-    assert res.exit_code == 2 and "--local-prefill-tpot-ms must be >= 0" in res.output
+    assert [_flag(args, "--local-decode-tpot-ms") if "prefill" in name else "--local-decode-tpot-ms" in args
+            for name, args, _ in plans] == ["9", False, False]  # fmt: skip
+    for flag in ("--local-prefill-tpot-ms", "--local-decode-tpot-ms"):
+        res = CliRunner().invoke(app, ["up", flag, "-1"])
+        assert res.exit_code == 2 and f"{flag} must be >= 0" in res.output

@@ -92,6 +92,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "within both SLOs)",
     )
     p.add_argument("--disable-mixed-chunk", action="store_true", help="the nodes' --disable-mixed-chunk")
+    p.add_argument(
+        "--whole-on-prefill",
+        action="store_true",
+        help="PD's prefill nodes run requests whole when the decode node is at its TPOT budget "
+        "(their --local-decode-tpot-ms, at the decode nodes' guard)",
+    )
     p.add_argument("--kv-write-sgl", choices=SGL_MODES, default=None, help="the prefill nodes' --kv-write-sgl")
     p.add_argument("--eagle", action="store_true", help="EAGLE with an echo draft head in both deployments")
     p.add_argument("--device", default="auto", help="pdserve up --device")
@@ -181,6 +187,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
     failed, gpu = False, short_name(device)
     for dep in deployments:
         guard = ["--local-prefill-tpot-ms", f"{local_guard_ms(args, settings):g}"]  # decode nodes only
+        if args.whole_on_prefill:  # prefill nodes only
+            guard += ["--local-decode-tpot-ms", f"{local_guard_ms(args, settings):g}"]
         argv_up = up_argv(dep, model, [*spec_flags, *guard, "--device", args.device])
         log = log_dir / f"{dep}.log"
         results.deployment(dep, {"label": LABELS[dep], "command": " ".join(argv_up[2:]), "log": str(log)})
@@ -255,6 +263,7 @@ def header(
             "max_running": args.max_running,
             "local_prefill_tpot_ms": local_guard_ms(args, settings),
             "mixed_chunk": not args.disable_mixed_chunk,
+            "whole_on_prefill": args.whole_on_prefill,
             "kv_write_sgl": args.kv_write_sgl,
             "quick": args.quick,
             "seed": args.seed,

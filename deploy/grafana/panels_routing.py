@@ -13,8 +13,8 @@ ROUTING_ROWS: list[tuple[str, list[Panel]]] = [
                 "Requests by prefill path",
                 "reqps",
                 "Where prompts ran: remote (a prefill node), local (the decode node, between its decode steps, "
-                "or inside them, the default: mixed steps/s), colocated; and why the router chose "
-                "(--pd-prefill-policy).",
+                "or inside them, the default: mixed steps/s), whole (the whole request on a prefill node, "
+                "the decode at its TPOT budget), colocated; and why the router chose (--pd-prefill-policy).",
                 [
                     (f"sum by (path) (rate(pdserve_router_prefill_path_total[{W}]))", "{{path}}"),
                     (

@@ -137,8 +137,13 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
     ) -> pb.GetServerInfoResponse:
         args = struct_pb2.Struct()
         args.update({**self.info.server_args, "disaggregation_mode": self.info.role, "perf": self._perf()})
-        if self.info.role == "decode":  # it runs prompts sent without a prefill (the router's local path)
-            args.update({"local_prefill": bool(self.loop.engine.config.tpot_guard_ms)})
+        # A node under a TPOT guard runs requests sent to it alone: a decode node their prompts
+        # (the router's local path), a prefill node their decode steps (the whole path).
+        guarded = bool(self.loop.engine.config.tpot_guard_ms)
+        if self.info.role == "decode":
+            args.update({"local_prefill": guarded})
+        elif self.info.role == "prefill":
+            args.update({"local_decode": guarded})
         if self.info.pairing_protocol:
             args.update({"pairing_protocol": self.info.pairing_protocol})
         sched = self.loop.engine.scheduler

@@ -33,7 +33,7 @@ def test_nodes_report_their_measured_rates_and_the_decode_its_guard(tiny_llama_d
         pd_generate(p, d, request("pd", IDS, 7, boot, max_new=24))
         list(d.Generate(local_request("local", IDS, max_new=24), timeout=60))
         args_p, args_d = _server_args(p), _server_args(d)
-        assert "local_prefill" not in args_p and args_d["local_prefill"] is True
+        assert args_p["local_decode"] is False and args_d["local_prefill"] is True
         assert args_d["perf"]["tpot_guard_s"] == pytest.approx(0.025) and args_p["perf"]["tpot_guard_s"] is None
         assert args_p["perf"]["prefill_tokens_per_s"] > 0 and args_d["perf"]["prefill_tokens_per_s"] > 0
         perf = args_d["perf"]
@@ -58,7 +58,8 @@ def test_nodes_report_their_measured_rates_and_the_decode_its_guard(tiny_llama_d
 
 
 def test_a_decode_node_with_the_guard_off_refuses_prompts_without_a_prefill(tiny_llama_dir):
-    """It runs no prompts, so it warms none up either (its prefill does)."""
+    """It runs no prompts, so it warms none up either (its prefill does); a prefill node refuses
+    requests without a decode node unless told to decode them (--local-decode-tpot-ms)."""
     prefill, decode = start_pair(str(tiny_llama_dir), "--warmup", decode_extra=("--local-prefill-tpot-ms", "0"))
     try:
         d = stub(decode.ports["scheduler"])
@@ -69,6 +70,13 @@ def test_a_decode_node_with_the_guard_off_refuses_prompts_without_a_prefill(tiny
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE  # a router tries another node
         assert "--local-prefill-tpot-ms 0" in e.value.details()
         assert _server_args(d)["local_prefill"] is False
+        # nor does a prefill node by default decode a request sent to it alone (the whole path)
+        p = stub(prefill.ports["scheduler"])
+        with pytest.raises(grpc.RpcError) as e:
+            list(p.Generate(local_request("whole", IDS), timeout=30))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "--local-decode-tpot-ms 0" in e.value.details()
+        assert _server_args(p)["local_decode"] is False
+        wait_idle(p)
         wait_idle(d)
     finally:
         prefill.kill()

@@ -1,0 +1,70 @@
+"""The whole path on scripted node states: a request runs whole on a prefill node that decodes too
+when one more would put the decode node's steps past its TPOT guard, and only then."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from common.sampling import SamplingParams
+from router.contract import GenerationJob
+from router.nodes import NodeRegistry, NodeSpec, NodeState
+from router.perf import NodePerf
+from router.policy import RoundRobin
+from router.prefill_path import DECODE_FULL, PATHS, REASONS, runs_whole, select_route, steps_past_guard
+
+GUARD = 0.015  # both nodes' TPOT guard
+STEPS = ((1, 0.006), (64, 0.010), (128, 0.014))  # decode step seconds by batch size
+
+
+def node(role: str, running: int = 0, steps: tuple[tuple[int, float], ...] = STEPS, **kw: Any) -> NodeState:
+    perf = NodePerf(prefill_tokens_per_s=40_000.0, decode_step_s=steps, decode_tokens_per_step=1.0, tpot_guard_s=GUARD)
+    return NodeState(NodeSpec(role, f"{role[0]}:1"), healthy=True, running=running, perf=perf, **kw)
+
+
+def whole_prefill(running: int = 0, **kw: Any) -> NodeState:
+    """A prefill node that runs requests whole (`--local-decode-tpot-ms`), not yet decoding any."""
+    kw.setdefault("steps", ())
+    return node("prefill", running, local_decode=True, max_tokens=100_000, **kw)
+
+
+def past_guard(running: int, steps: tuple[tuple[int, float], ...] = STEPS) -> bool:
+    d = node("decode", running=running, steps=steps)
+    return steps_past_guard(d, d.perf)
+
+
+def test_the_decode_is_full_when_one_more_request_steps_past_its_guard() -> None:
+    assert not past_guard(100)  # 12.3 ms at 101: room
+    assert past_guard(150)  # 15.4 ms at 151, past 128 on its last slope
+    assert not past_guard(150, steps=())  # unmeasured: never full
+    spec = node("decode", running=150)
+    spec.perf = NodePerf(decode_step_s=STEPS, decode_tokens_per_step=2.0, tpot_guard_s=GUARD)
+    assert not steps_past_guard(spec, spec.perf)  # two tokens a step: 30 ms a step is within the guard
+
+
+def test_whole_needs_a_full_decode_and_a_prefill_that_decodes_with_room() -> None:
+    full, roomy = node("decode", running=150), node("decode", running=10)
+    assert runs_whole(whole_prefill(), full, 1024, 256)
+    assert not runs_whole(whole_prefill(), roomy, 1024, 256)  # the decode keeps its requests
+    assert not runs_whole(node("prefill"), full, 1024, 256)  # a prefill that refuses whole requests
+    assert not runs_whole(whole_prefill(used_tokens=99_000), full, 1024, 256)  # no KV for it
+    # an unmeasured prefill is priced on the decode's line: 150 of its own running is past it too
+    assert not runs_whole(whole_prefill(running=150), full, 1024, 256)
+    # once measured, its own line: a faster one still has room at 150
+    assert runs_whole(whole_prefill(running=150, steps=((1, 0.004), (256, 0.012))), full, 1024, 256)
+
+
+def route(prefill: NodeState, decode: NodeState, policy: str = "auto") -> Any:
+    registry = NodeRegistry([])
+    registry.states = [prefill, decode]
+    job = GenerationJob("r", tuple(range(1024)), SamplingParams(max_new_tokens=256))
+    return select_route(registry, RoundRobin(), RoundRobin(), policy, job)
+
+
+def test_auto_routes_whole_to_the_prefill_when_the_decode_is_full() -> None:
+    p, full = whole_prefill(), node("decode", running=150)
+    r = route(p, full)
+    assert (r.path, r.prefill, r.decode) == ("whole", None, p)  # the prefill node streams it alone
+    assert r.decision.reason == DECODE_FULL and r.estimate_s() == r.decision.remote_s
+    assert route(p, node("decode", running=10)).path == "remote"
+    assert route(p, full, "remote").path == "remote"  # the operator's remote policy is kept
+    assert "whole" in PATHS and DECODE_FULL in REASONS  # metric label values
