@@ -78,13 +78,8 @@ class DecodeHandler:
         dp = request.disaggregated_params
         stream = RequestStream(pd, req, request.stream, pd.tokenizer, pd.eos_token_ids)
         if not dp.bootstrap_host:  # local prefill: the engine runs the prompt between decode steps
-            if not self.local_prefill:  # the router retries elsewhere: a node's setting, not the request's fault
-                raise RequestFailed(
-                    "this decode node does not run prompts itself (--local-prefill-tpot-ms 0): "
-                    "send disaggregated_params.bootstrap_host",
-                    "local_refused",
-                    blame="decode",
-                )
+            if not self.local_prefill:
+                raise RequestFailed.refused_alone("decode", "run prompts", "--local-prefill-tpot-ms")
             self.pending.begin_local(req)
             pd.submit(req, stream.on_update)
             async for resp in stream.responses():

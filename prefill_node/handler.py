@@ -136,13 +136,8 @@ class PrefillHandler:
     async def _whole(self, request: pb.GenerateRequest, params: SamplingParams) -> AsyncIterator[pb.GenerateResponse]:
         """A request sent without a decode node: prompt to last token on this node, its decode
         steps kept within the engine's TPOT guard while prompts run beside them."""
-        if not self.local_decode:  # the router retries elsewhere: a node's setting, not the request's fault
-            raise RequestFailed(
-                "this prefill node does not decode requests itself (--local-decode-tpot-ms 0): "
-                "send disaggregated_params.bootstrap_host",
-                "local_refused",
-                blame="prefill",
-            )
+        if not self.local_decode:
+            raise RequestFailed.refused_alone("prefill", "decode requests", "--local-decode-tpot-ms")
         pd = self.pd
         req = pd.make_request(list(request.tokenized.input_ids), params, request.request_id or None)
         await attach_grammar(pd, req)

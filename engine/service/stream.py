@@ -113,3 +113,13 @@ class RequestFailed(RuntimeError):
     def __init__(self, message: str, kind: str = "other", blame: str | None = None) -> None:
         super().__init__(message)
         self.kind, self.blame = kind, blame
+
+    @classmethod
+    def refused_alone(cls, role: str, work: str, flag: str) -> RequestFailed:
+        """A request sent to a PD node alone (no partner) that the node's settings refuse: the
+        router retries it elsewhere, since it is the node's setting, not the request's fault."""
+        return cls(
+            f"this {role} node does not {work} itself ({flag} 0): send disaggregated_params.bootstrap_host",
+            "local_refused",
+            blame=role,
+        )
