@@ -335,9 +335,10 @@ def test_goodput_bench_end_to_end_on_cpu(tmp_path: Path, monkeypatch: pytest.Mon
                 # every node's load against capacity, and (PD) the router's requests by path
                 assert len(p["nodes"]) == 2 and all("prompt_tokens_per_second" in v for v in p["nodes"].values())
                 if p["deployment"] == "pd":
-                    assert set(p["paths"]) == {"remote", "local", "colocated"}
-                    # every completed request was routed (one the client cut before its route has none)
-                    assert p["paths"]["remote"] + p["paths"]["local"] >= p["completed"]
+                    assert set(p["paths"]) == {"remote", "local", "whole", "colocated"}
+                    # every completed request was routed (one the client cut before its route has none);
+                    # the bench's prefill nodes run no whole requests unless told (--whole-on-prefill)
+                    assert p["paths"]["remote"] + p["paths"]["local"] >= p["completed"] and p["paths"]["whole"] == 0
                 assert p["completed"] + p["failed"] == p["requests"] and p["request_throughput"] >= 0
                 for key in ("ttft_ms", "tpot_ms"):  # over completed requests (a loaded CPU may cut all)
                     pcts = [p[key][q] for q in ("p50", "p90", "p99")]
