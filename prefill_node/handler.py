@@ -143,6 +143,8 @@ class PrefillHandler:
         await attach_grammar(pd, req)
         if req.rid in self._live_ids:
             raise InvalidRequest(f"request id {req.rid!r} is already in flight on this node")
+        if (why := self._aborted.pop(req.rid)) is not None:  # its abort came first
+            raise RequestFailed(f"request {req.rid} was aborted before it arrived: {why}", "aborted")
         self._live_ids.add(req.rid)
         try:
             stream = RequestStream(pd, req, request.stream, pd.tokenizer, pd.eos_token_ids)

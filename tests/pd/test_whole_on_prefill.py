@@ -1,10 +1,12 @@
 """A prefill node that runs requests whole (`--local-decode-tpot-ms`, the router's whole path when
 the decode tier is at its TPOT budget): it says so in GetServerInfo, its whole requests give the
 colocated output while PD requests run through it beside them (real processes, NIXL over UCX),
-a whole request dropped mid-stream frees what it held, and every page returns to both pools."""
+one aborted before it arrives ends on arrival, one dropped mid-stream frees what it held, and
+every page returns to both pools."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 from google.protobuf import json_format
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
@@ -43,6 +45,11 @@ def test_a_prefill_node_runs_whole_requests_as_colocated_beside_pd_ones(tiny_lla
         bg = background.join(120)["p"]
         want_bg = list(c.Generate(request("cbg", PROMPTS[0], 0, 0, max_new=120), timeout=60))[-1].complete
         assert not isinstance(bg, Exception) and list(bg[-1].complete.output_ids) == list(want_bg.output_ids)
+        # an abort that comes before its request ends it on arrival
+        p.Abort(pb.AbortRequest(request_id="early", reason="client went away"), timeout=10)
+        with pytest.raises(grpc.RpcError) as e:
+            list(p.Generate(local_request("early", PROMPTS[2]), timeout=30))
+        assert "aborted before it arrived" in e.value.details()
         # a client that goes away mid-stream: the prefill node frees the request's pages
         dropped = Legs(local_request("gone", PROMPTS[1], max_new=400, stream=True), prefill=p, timeout=120)
         dropped.drop()
