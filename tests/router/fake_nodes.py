@@ -56,6 +56,7 @@ class Behaviour:
     # What nodes report for the prefill path decision; None: the key is absent (an older node).
     perf: dict[str, Any] | None = None  # GetServerInfo's server_args["perf"]
     local_prefill: bool | None = None  # server_args["local_prefill"] (decode nodes)
+    local_decode: bool | None = None  # server_args["local_decode"] (prefill nodes)
     waiting_prompt_tokens: int = 0  # GetLoads' num_waiting_uncached_tokens
     used_tokens: int = 0
     max_tokens: int = 0
@@ -106,7 +107,8 @@ class FakeNode(pbg.SglangSchedulerServicer):
                     f"fake {self.role} failed before its first token",
                     trailing_metadata=(("pdserve-blame", b.blame),) if b.blame else (),
                 )
-            if self.role == "prefill":
+            # a prefill sent a request alone (the whole path) streams it as a decode does
+            if self.role == "prefill" and request.HasField("disaggregated_params"):
                 await self._handoff(request.disaggregated_params.bootstrap_room)
                 if b.hold_first is not None:
                     await b.hold_first.wait()
@@ -191,6 +193,8 @@ class FakeNode(pbg.SglangSchedulerServicer):
             args.update({"perf": self.b.perf})
         if self.b.local_prefill is not None:
             args.update({"local_prefill": self.b.local_prefill})
+        if self.b.local_decode is not None:
+            args.update({"local_decode": self.b.local_decode})
         return pb.GetServerInfoResponse(server_args=args, server_type="grpc")
 
     async def GetLoads(self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext) -> pb.GetLoadsResponse:

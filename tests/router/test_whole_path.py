@@ -1,9 +1,12 @@
-"""The whole path on scripted node states: a request runs whole on a prefill node that decodes too
-when one more would put the decode node's steps past its TPOT guard, and only then."""
+"""The whole path on scripted node states and through the dispatcher against fake nodes: a request
+runs whole on a prefill node that decodes too when one more would put the decode node's steps past
+its TPOT guard, and only then."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from prometheus_client import CollectorRegistry
 
 from common.sampling import SamplingParams
 from router.contract import GenerationJob
@@ -11,6 +14,7 @@ from router.nodes import NodeRegistry, NodeSpec, NodeState
 from router.perf import NodePerf
 from router.policy import RoundRobin
 from router.prefill_path import DECODE_FULL, PATHS, REASONS, runs_whole, select_route, steps_past_guard
+from tests.router.fake_nodes import Behaviour, FakeNode, cluster, collect, dispatcher, job, run
 
 GUARD = 0.015  # both nodes' TPOT guard
 STEPS = ((1, 0.006), (64, 0.010), (128, 0.014))  # decode step seconds by batch size
@@ -68,3 +72,32 @@ def test_auto_routes_whole_to_the_prefill_when_the_decode_is_full() -> None:
     assert route(p, node("decode", running=10)).path == "remote"
     assert route(p, full, "remote").path == "remote"  # the operator's remote policy is kept
     assert "whole" in PATHS and DECODE_FULL in REASONS  # metric label values
+
+
+def perf(guard: float, **steps: float) -> dict:
+    """A perf report as nodes send it; `steps` are decode step seconds by batch size (b1=...)."""
+    step_s = {k.removeprefix("b"): v for k, v in steps.items()}
+    return {"prefill_tokens_per_s": 4e4, "decode_step_s": step_s, "decode_tokens_per_step": 1.0, "tpot_guard_s": guard}
+
+
+def test_the_dispatcher_sends_a_request_whole_to_the_prefill_while_the_decode_is_full() -> None:
+    async def main() -> None:
+        p = FakeNode("prefill", Behaviour(perf=perf(GUARD), local_decode=True, max_tokens=100_000))
+        d = FakeNode("decode", Behaviour(perf=perf(GUARD, b64=0.010, b128=0.014), running=150))
+        async with cluster(p, d) as reg:
+            assert reg.get(p.address).local_decode and not reg.get(d.address).local_decode
+            metrics = CollectorRegistry()
+            disp = dispatcher(reg, metrics_registry=metrics, path_policy="auto")
+            await collect(disp, job())
+            # the prefill node streams it alone; the decode never hears of it
+            assert not d.requests and not p.requests[0].HasField("disaggregated_params")
+            d.b.running = 10  # its batch drained: PD again
+            await reg.refresh_once()
+            await collect(disp, job("req-2"))
+            assert len(d.requests) == 1 and p.requests[1].HasField("disaggregated_params")
+            get = metrics.get_sample_value
+            assert get("pdserve_router_prefill_path_total", {"path": "whole"}) == 1
+            assert get("pdserve_router_prefill_path_decisions_total", {"reason": DECODE_FULL}) == 1
+            await disp.close()
+
+    run(main())
