@@ -178,6 +178,14 @@ def test_goodput_follows_the_definition_from_the_points(tmp_path: Path) -> None:
             mine = [(p["rate"], p["attainment"]) for p in block[slo]["points"] if p["deployment"] == dep]
             assert block[slo][f"{dep}_goodput"] == max((r for r, a in mine if a >= 0.9), default=None)
     assert "w              tight          2         none         -" in summary_text(data)
+    # the benchmark's goals: PD level on loose, unknown against a colocated with no tight goodput
+    assert data["goals"] == {
+        "pd_over_colocated": {"w": {"loose": 1.0, "tight": None}},
+        "every_curve_at_least_colocated": False,
+        "tight_workloads_at_1_3x": 0,
+        "tight_goal_met": False,
+        "loose_highest_rate_goal_met": False,
+    }
 
 
 # ---- the deployment and the checkpoint ----------------------------------------------------------

@@ -26,7 +26,9 @@ always right on these weights; on the tiny model its drafts are mostly rejected)
 lengths (bench/gpu/goodput_workloads.py). On a CPU (`--model tiny`, the default without GPUs) a
 tiny model and tiny lengths run the same code.
 
-Writes OUT/goodput_<gpu>.json and OUT/goodput_<gpu>.png after every curve; each deployment's
+Writes OUT/goodput_<gpu>.json (with `goals`: PD over colocated per curve, and whether PD is at
+least level on every curve, 1.3x under the tight SLO on two workloads and 1.2x the highest rate
+within the loose SLO on every workload) and OUT/goodput_<gpu>.png after every curve; each deployment's
 `pdserve up --verbose` log goes to LOG_DIR. Run on two GPUs (9-10 minutes; `--quick` about 5):
   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
     python -m bench.gpu.goodput --out bench/results

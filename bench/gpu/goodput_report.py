@@ -84,6 +84,7 @@ class Results:
                     block[f"{dep}_goodput_is_lower_bound"] = best is not None and best >= max(p["rate"] for p in mine)
             summary[wname] = {dep: w["loose"][f"{dep}_goodput"] for dep in deployments}
         self.data["highest_rate_within_loose_slo"] = summary
+        self.data["goals"] = goals(self.data["workloads"])
         return self.data
 
     def write(self, out_dir: Path, gpu: str) -> tuple[Path, Path | None]:
@@ -95,6 +96,31 @@ class Results:
         except ImportError:  # the bench extra (matplotlib) is not installed: the JSON is the result
             png = None
         return path, png
+
+
+# PD's goodput against colocated's that the benchmark exists to show (each curve, every workload)
+GOAL_EVERY_CURVE, GOAL_TIGHT, GOAL_TIGHT_WORKLOADS, GOAL_LOOSE = 1.0, 1.3, 2, 1.2
+
+
+def goals(workloads: dict[str, Any]) -> dict[str, Any]:
+    """PD over colocated per workload and SLO (null where either has no goodput) and whether each
+    goal is met: at least 1.0x on every curve, 1.3x under the tight SLO on two workloads, 1.2x the
+    highest rate within the loose SLO on every workload."""
+    ratios: dict[str, dict[str, float | None]] = {}
+    for wname, w in workloads.items():
+        for slo in SLO_NAMES:
+            pd, co = w[slo].get("pd_goodput"), w[slo].get("colocated_goodput")
+            ratios.setdefault(wname, {})[slo] = pd / co if pd is not None and co else None
+    known = [r for by_slo in ratios.values() for r in by_slo.values()]
+    tight = [by_slo["tight"] for by_slo in ratios.values()]
+    loose = [by_slo["loose"] for by_slo in ratios.values()]
+    return {
+        "pd_over_colocated": ratios,
+        "every_curve_at_least_colocated": bool(known) and all(r is not None and r >= GOAL_EVERY_CURVE for r in known),
+        "tight_workloads_at_1_3x": sum(1 for r in tight if r is not None and r >= GOAL_TIGHT),
+        "tight_goal_met": sum(1 for r in tight if r is not None and r >= GOAL_TIGHT) >= GOAL_TIGHT_WORKLOADS,
+        "loose_highest_rate_goal_met": bool(loose) and all(r is not None and r >= GOAL_LOOSE for r in loose),
+    }
 
 
 def reported(data: dict[str, Any]) -> list[str]:
