@@ -106,6 +106,14 @@ class EngineOptions:
         negatable=False,
         panel=PANEL_FAST,
     )
+    switch_interval_ms: Optional[float] = opt(
+        None,
+        "How long a thread of the node process may hold the GIL while another waits for it "
+        "(sys.setswitchinterval; default: Python's, 5 ms). The scheduler thread and the event loop "
+        "that serves gRPC and polls KV writes share it: a shorter interval shortens the loop's waits "
+        "under load, at the cost of more switches.",
+        panel=PANEL_FAST,
+    )
     warmup: Optional[bool] = opt(
         None,
         "Run synthetic prompts of each length before serving: kernels compile then, and the prompt "

@@ -5,6 +5,7 @@ Torch-free at import like the rest of the CLI; each command imports its role laz
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import typer
@@ -33,6 +34,15 @@ def _setup_logging(log: LogOptions) -> None:
         fail(e)
 
 
+def set_switch_interval(ms: float | None) -> None:
+    """The process's GIL switch interval (`--switch-interval-ms`; None keeps Python's)."""
+    if ms is None:
+        return
+    if ms <= 0:
+        raise ValueError(f"--switch-interval-ms must be > 0, got {ms:g}")
+    sys.setswitchinterval(ms / 1000)
+
+
 def _run(
     role: Any,
     engine: EngineOptions,
@@ -52,6 +62,7 @@ def _run(
 
     _setup_logging(log)
     try:
+        set_switch_interval(engine.switch_interval_ms)
         asyncio.run(
             run_node(
                 role,

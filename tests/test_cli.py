@@ -312,3 +312,20 @@ def test_up_isolates_gpus_unless_told_not_to(monkeypatch: pytest.MonkeyPatch) ->
     for args in (["up"], ["up", "--no-isolate-gpus"]):
         assert CliRunner().invoke(app, args).exit_code == 1
     assert seen == [True, False]
+
+
+def test_a_node_sets_its_gil_switch_interval_when_told() -> None:
+    import sys
+
+    from pdserve.node_cli import set_switch_interval
+
+    before = sys.getswitchinterval()
+    try:
+        set_switch_interval(None)
+        assert sys.getswitchinterval() == before  # Python's own unless told
+        set_switch_interval(0.5)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        with pytest.raises(ValueError, match="--switch-interval-ms must be > 0"):
+            set_switch_interval(0)
+    finally:
+        sys.setswitchinterval(before)

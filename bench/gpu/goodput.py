@@ -101,6 +101,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(their --local-decode-tpot-ms, at the decode nodes' guard)",
     )
     p.add_argument("--kv-write-sgl", choices=SGL_MODES, default=None, help="the prefill nodes' --kv-write-sgl")
+    p.add_argument("--switch-interval-ms", type=float, default=None, help="every node's --switch-interval-ms")
     p.add_argument("--eagle", action="store_true", help="EAGLE with an echo draft head in both deployments")
     p.add_argument("--device", default="auto", help="pdserve up --device")
     p.add_argument("--budget-s", type=float, default=None, help="whole run's time budget in seconds")
@@ -194,11 +195,10 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
         argv_up = up_argv(dep, model, [*spec_flags, *guard, "--device", args.device])
         log = log_dir / f"{dep}.log"
         results.deployment(dep, {"label": LABELS[dep], "command": " ".join(argv_up[2:]), "log": str(log)})
+        env = node_env(args.max_running, not args.disable_mixed_chunk, args.kv_write_sgl, args.switch_interval_ms)
         t0 = time.monotonic()
         try:
-            with UpProcess(
-                dep, argv_up, node_env(args.max_running, not args.disable_mixed_chunk, args.kv_write_sgl), log
-            ) as up:
+            with UpProcess(dep, argv_up, env, log) as up:
                 up.start(timeout_s=START_TIMEOUT_S[kind])
                 budget.started(time.monotonic() - t0)
                 results.deployment(dep, {"start_s": time.monotonic() - t0})
@@ -267,6 +267,7 @@ def header(
             "mixed_chunk": not args.disable_mixed_chunk,
             "whole_on_prefill": args.whole_on_prefill,
             "kv_write_sgl": args.kv_write_sgl,
+            "switch_interval_ms": args.switch_interval_ms,
             "quick": args.quick,
             "seed": args.seed,
         },

@@ -348,7 +348,12 @@ async def wait_idle(client: httpx.AsyncClient, metrics_urls: Sequence[str], time
         await asyncio.sleep(0.2)
 
 
-def node_env(max_running: int | None, mixed_chunk: bool = True, kv_write_sgl: str | None = None) -> dict[str, str]:
+def node_env(
+    max_running: int | None,
+    mixed_chunk: bool = True,
+    kv_write_sgl: str | None = None,
+    switch_interval_ms: float | None = None,
+) -> dict[str, str]:
     """The environment `pdserve up` and its children run in (flags `up` does not take, as the
     nodes' PDSERVE_* variables)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -358,4 +363,6 @@ def node_env(max_running: int | None, mixed_chunk: bool = True, kv_write_sgl: st
         env["PDSERVE_DISABLE_MIXED_CHUNK"] = "true"  # the nodes' --disable-mixed-chunk
     if kv_write_sgl is not None:
         env["PDSERVE_KV_WRITE_SGL"] = kv_write_sgl  # the prefill nodes' --kv-write-sgl
+    if switch_interval_ms is not None:
+        env["PDSERVE_SWITCH_INTERVAL_MS"] = f"{switch_interval_ms:g}"  # every node's --switch-interval-ms
     return env
