@@ -39,7 +39,8 @@ from typing import Any
 import httpx
 
 from bench.common import write_report
-from bench.gpu.goodput import gpu_names, prepare_model, short_name
+from bench.common import short_name
+from bench.gpu.goodput import gpu_names, prepare_model
 from bench.gpu.goodput_up import TTFT_STAGES, UpProcess, histogram_means_ms, histogram_totals, samples
 from loadgen.runner import BenchOptions, run_bench
 

@@ -97,14 +97,17 @@ def _check_up_tp(opts: UpOptions) -> None:
     check_tp_size(opts.tp_size)
 
 
+def _guard(flag: str, ms: float) -> float:
+    """A TPOT guard flag's value (0: off), or a ValueError naming the flag when negative."""
+    if ms < 0:
+        raise ValueError(f"{flag} must be >= 0, got {ms:g}")
+    return ms
+
+
 def _guard_args(flag: str, guard: float | None) -> tuple[str, ...]:
     """The guard flag `up` passes to one role's nodes alone; a negative guard is refused before
     anything starts."""
-    if guard is None:
-        return ()
-    if guard < 0:
-        raise ValueError(f"{flag} must be >= 0, got {guard:g}")
-    return (flag, f"{guard:g}")
+    return () if guard is None else (flag, f"{_guard(flag, guard):g}")
 
 
 def register(app: typer.Typer) -> None:
@@ -126,9 +129,10 @@ def register(app: typer.Typer) -> None:
         from prefill_node.role import PrefillRole as Prefill
 
         timeouts = PrefillTimeouts(bootstrap_timeout=role.bootstrap_timeout, transfer_timeout=role.transfer_timeout)
-        whole = role.local_decode_tpot_ms
-        if whole < 0:
-            fail(ValueError(f"--local-decode-tpot-ms must be >= 0, got {whole:g}"))
+        try:
+            whole = _guard("--local-decode-tpot-ms", role.local_decode_tpot_ms)
+        except ValueError as e:
+            fail(e)
         _run(
             Prefill(
                 role.bootstrap_port,
@@ -162,9 +166,10 @@ def register(app: typer.Typer) -> None:
             connect_timeout=role.connect_timeout,
             heartbeat_interval=role.heartbeat_interval,
         )
-        local = role.local_prefill_tpot_ms
-        if local < 0:
-            fail(ValueError(f"--local-prefill-tpot-ms must be >= 0, got {local:g}"))
+        try:
+            local = _guard("--local-prefill-tpot-ms", role.local_prefill_tpot_ms)
+        except ValueError as e:
+            fail(e)
         _run(
             Decode(
                 role.kv_transport,

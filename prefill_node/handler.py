@@ -237,8 +237,8 @@ class PrefillHandler:
                 "bad_destination",
             )
         t = time.perf_counter()
-        # rarely more than microseconds of work: what it takes beyond that is the event loop
-        # waiting for the GIL (the scheduler thread holds it between its own waits)
+        # microseconds of work: what it takes beyond that is most likely the event loop waiting
+        # for the GIL, which the scheduler thread holds between its own waits
         stage("check").observe(t - computed)
         payload = pd.encode_handoff(req)
         encoded = time.perf_counter()

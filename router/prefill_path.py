@@ -262,7 +262,8 @@ def decide(
 
 @dataclass(frozen=True)
 class Route:
-    """Where one attempt goes: a pair (remote), a decode alone (local) or a colocated node."""
+    """Where one attempt goes: a pair (remote), a decode alone (local), a prefill alone (whole) or a
+    colocated node."""
 
     prefill: NodeState | None
     decode: NodeState  # the node the request streams from: on the whole path, a prefill node

@@ -48,6 +48,7 @@ from typing import Any
 
 import httpx
 
+from bench.common import short_name
 from bench.gpu import goodput_plan as plan
 from common.defaults import SGL_MODES
 from bench.gpu.goodput_report import GOODPUT_DEFINITION, Results, summary_text
@@ -123,12 +124,6 @@ def gpu_names() -> list[str]:
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
-
-
-def short_name(device: str) -> str:
-    """ "NVIDIA H100 80GB HBM3" -> "h100"; "cpu" stays."""
-    parts = device.split()
-    return parts[1].lower() if len(parts) > 1 and parts[0] == "NVIDIA" else parts[0].lower()
 
 
 def prepare_model(kind: str, model_dir: Path | None, eagle: bool) -> tuple[Path, list[str]]:

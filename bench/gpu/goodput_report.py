@@ -112,13 +112,13 @@ def goals(workloads: dict[str, Any]) -> dict[str, Any]:
             pd, co = w[slo].get("pd_goodput"), w[slo].get("colocated_goodput")
             ratios.setdefault(wname, {})[slo] = pd / co if pd is not None and co else None
     known = [r for by_slo in ratios.values() for r in by_slo.values()]
-    tight = [by_slo["tight"] for by_slo in ratios.values()]
+    tight = sum(1 for by_slo in ratios.values() if (r := by_slo["tight"]) is not None and r >= GOAL_TIGHT)
     loose = [by_slo["loose"] for by_slo in ratios.values()]
     return {
         "pd_over_colocated": ratios,
         "every_curve_at_least_colocated": bool(known) and all(r is not None and r >= GOAL_EVERY_CURVE for r in known),
-        "tight_workloads_at_1_3x": sum(1 for r in tight if r is not None and r >= GOAL_TIGHT),
-        "tight_goal_met": sum(1 for r in tight if r is not None and r >= GOAL_TIGHT) >= GOAL_TIGHT_WORKLOADS,
+        "tight_workloads_at_1_3x": tight,
+        "tight_goal_met": tight >= GOAL_TIGHT_WORKLOADS,
         "loose_highest_rate_goal_met": bool(loose) and all(r is not None and r >= GOAL_LOOSE for r in loose),
     }
 

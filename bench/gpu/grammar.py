@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from bench.common import write_report
+from bench.common import short_name, write_report
 from bench.gpu.engine_perf import busy_fraction
 from bench.gpu.goodput_model import llama8b_config
 from bench.gpu.spec_speedup import (
@@ -174,7 +174,7 @@ def run(out: Path, tiny: bool, compiles: int, repeats: int) -> dict[str, Any]:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     report |= {"device": device, "model": "tiny" if tiny else "Llama-3.1-8B shape, vocab 4096", "goals": GOALS}
     report["command"] = "python -m bench.gpu.grammar OUT" + (" --tiny" if tiny else "")
-    gpu = device.split()[1].lower() if " " in device else device
+    gpu = short_name(device)
     write_report(out / f"grammar_{gpu}.json", report)
     return report
 

@@ -10,12 +10,13 @@ kv_bandwidth.measure's report per prompt length (1,024 and 2,048 tokens, handoff
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import time
 from pathlib import Path
 
 import torch
+
+from bench.common import short_name, write_report
 
 TOKENS = (1024, 2048)
 LOAD_S = 90.0  # the load outlives the measurement under it (about 20 s on two H100s)
@@ -51,11 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         out["under_gemm_load"] = measure("cuda:0", "cuda:1", TOKENS, "kv")
     finally:
         load.kill()
-    gpu = str(out["device"]).split()[1].lower() if " " in str(out["device"]) else "gpu"
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"kv_write_load_{gpu}.json"
-    path.write_text(json.dumps(out, indent=1))
-    print(f"wrote {path}")
+    write_report(args.out / f"kv_write_load_{short_name(str(out['device']))}.json", out)
     return 0
 
 

@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.common import write_report
+from bench.common import short_name, write_report
 from loadgen.runner import BenchOptions, run_bench
 from pdserve.models import BUILTIN_TARGET
 from pdserve.up import Deployment, UpConfig
@@ -109,7 +109,7 @@ def main() -> int:
         **{name: r["bench"] for name, r in runs.items()},
         "texts": {n: r["texts"] for n, r in runs.items()},
     }
-    gpu = device.split()[1].lower() if " " in device else "gpu"
+    gpu = short_name(device)
     write_report(out / f"gpu_pd_smoke_{gpu}.json", summary)
     print(json.dumps({"pd_equals_colocated": same, "eagle_speedup": speedup}, indent=1))
     return 0 if same else 1

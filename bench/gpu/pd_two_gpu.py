@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from bench.common import write_report
+from bench.common import short_name, write_report
 from bench.gpu import kv_bandwidth
 from bench.serving_matrix import scrape_accept_len
 from fixtures.tiny_eagle import write_tiny_eagle_head
@@ -369,7 +369,7 @@ def main() -> int:
         "ttft": ttft,
         "texts": {k: v["texts"] for k, v in runs.items()},
     }
-    gpu = report["device"].split()[1].lower() if " " in report["device"] else "gpu"
+    gpu = short_name(report["device"])
     write_report(out / f"pd_two_gpu_{gpu}.json", report)
     brief = {
         t: {k: v for k, v in row.items() if not k.endswith(("samples_ms", "stages_ms"))} for t, row in ttft.items()

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 import spec.registry as registry
-from bench.common import write_report
+from bench.common import short_name, write_report
 from bench.gpu.engine_perf import make_engine
 from bench.gpu.llama8b import LLAMA_8B, build_engine_model, shape_config
 from bench.gpu.synthetic import PICKER, OraclePicker, SyntheticEagle3, widen_margins
@@ -330,7 +330,7 @@ def sweep(name: str, out_dir: Path, batches: tuple[int, ...]) -> dict[str, Any]:
     del plain_eng
     release_memory()
     device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
-    gpu = device.split()[1].lower() if " " in device else device
+    gpu = short_name(device)
     report = {
         "device": device,
         "torch": torch.__version__,
@@ -367,7 +367,7 @@ def main() -> int:
     gpu = ""
     for name in names:
         report = sweep(name, out, batches or (BATCHES if torch.cuda.is_available() else (1, 4)))
-        gpu = report["device"].split()[1].lower() if " " in report["device"] else report["device"]
+        gpu = short_name(report["device"])
     print("wrote", merge_reports(out, gpu))
     return 0
 

@@ -234,7 +234,7 @@ def main() -> int:
         from bench.gpu.goodput_model import write_llama8b_dir
 
         model, device = write_llama8b_dir(args.checkpoint), "cuda:0"
-        from bench.gpu.goodput import short_name
+        from bench.common import short_name
 
         device_name = torch.cuda.get_device_name(0)
         gpu = short_name(device_name)

@@ -23,9 +23,10 @@ On a node that runs its chunk inside the decode step (a MIXED batch, the default
 `--disable-mixed-chunk`) a chunk has no fixed part: the weights are read once for both. There
 every step keeps within the guard instead: a chunk takes what the decode step leaves of `tpot_s`
 (per token a request gains per step), at the node's measured mixed rate (its prompt rate until
-that is measured), and any chunk is worth running. Spending slack there, decode TPOT p50 reached 22.8 ms under a 12 ms
-guard on two H100s (bench/RESULTS.md: each new request arrives with HORIZON tokens of credit);
-per step, a prompt gets the share of the node the router's local estimate assumes.
+that is measured), and any chunk is worth running. Spending slack there, decode TPOT p50 reached
+22.8 ms under a 12 ms guard on two H100s (bench/RESULTS.md: each new request arrives with HORIZON
+tokens of credit); per step, a prompt gets the share of the node the router's local estimate
+assumes.
 """
 
 from __future__ import annotations
