@@ -376,7 +376,9 @@ class Scheduler:
         upd = step_update(req, self.stops.append(req, new), out, i)
         if req.finished:
             done = self._finish(req)
-            upd.finished, upd.finish_reason = True, done.finish_reason
+            # held_pages too: without them whoever ships a held request's KV asks the scheduler
+            # thread for its pages, a round trip that waits for the step in flight
+            upd.finished, upd.finish_reason, upd.held_pages = True, done.finish_reason, done.held_pages
         return upd
 
     def _finish(self, req: Req) -> RequestUpdate:

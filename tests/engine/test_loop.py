@@ -50,6 +50,8 @@ def test_held_kv_survives_finish_until_released(loop):
     assert len(tokens) == 1 and upd.finished
     pages = loop.call(lambda: eng.kv.page_list(req)).result(TIMEOUT)
     assert pages and req.seq_len == 5  # prompt KV kept for the transfer
+    # the finishing update names them: the prefill node ships them without asking the scheduler
+    assert upd.held_pages is not None and list(upd.held_pages) == pages
     loop.call(lambda: eng.scheduler.release_kv(req)).result(TIMEOUT)
     assert loop.call(lambda: eng.kv.all_free).result(TIMEOUT)
 

@@ -239,6 +239,7 @@ def test_a_held_prompts_chunk_progress_leaves_when_the_chunk_is_launched(models)
     non-final chunk's pages can leave while the final chunk runs."""
     eng = make_engine(models, overlap=True)  # 7-token chunks, 4-token pages
     events: list[tuple[str, object]] = []
+    finals: list[tuple[int, ...] | None] = []
     launch, publish = eng.executor.launch, eng.scheduler.io.publish
 
     def launched(batch, relay):
@@ -247,6 +248,7 @@ def test_a_held_prompts_chunk_progress_leaves_when_the_chunk_is_launched(models)
 
     def published(updates):
         events.extend(("progress", u.kv_progress.pages) for u in updates if u.kv_progress is not None)
+        finals.extend(u.held_pages for u in updates if u.finished)
         publish(updates)
 
     eng.executor.launch, eng.scheduler.io.publish = launched, published
@@ -256,6 +258,7 @@ def test_a_held_prompts_chunk_progress_leaves_when_the_chunk_is_launched(models)
     while not held.output_ids:
         eng.step()
     pages = eng.kv.page_list(held)
+    assert finals == [tuple(pages)]  # the finishing update names every page: no round trip to ship them
     # 30 tokens in chunks of 7, 7, 7, 7, 2: after each non-final launch, the full pages so far
     assert events == [
         ("launch", 7),
