@@ -179,6 +179,7 @@ class PDDispatcher:
                 exclude,
                 cached,
                 self.path_rule,
+                self.balance.prefill_demand(),
             )
             if route is None:
                 return None

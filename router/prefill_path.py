@@ -197,16 +197,34 @@ def steps_past_guard(node: NodeState, line: NodePerf) -> bool:
     return step >= guard * max(1.0, line.decode_tokens_per_step)
 
 
-def runs_whole(prefill: NodeState, decode: NodeState, prompt_tokens: int, max_new_tokens: int) -> bool:
+def prompts_fit_beside_decoding(prefill: NodeState, line: NodePerf, prompt_demand: float) -> bool:
+    """Would `prefill`, decoding one more request, still compute the prompt tokens/s it is asked for?
+    Once it decodes, each of its steps is held to its TPOT guard, so its prompts get only what the
+    decode step leaves of the guard. Unknown rates or demand: yes (the guard still holds its TPOT)."""
+    guard, step = prefill.perf.tpot_guard_s, line.step_s(max(prefill.running, prefill.inflight) + 1)
+    rate = prefill.perf.mixed_tokens_per_s or prefill.perf.prefill_tokens_per_s
+    if guard is None or step is None or not rate or prompt_demand <= 0:
+        return True
+    budget = guard * max(1.0, line.decode_tokens_per_step)
+    return prompt_demand <= rate * max(0.0, budget - step) / budget
+
+
+def runs_whole(
+    prefill: NodeState, decode: NodeState, prompt_tokens: int, max_new_tokens: int, prompt_demand: float = 0.0
+) -> bool:
     """Should the request run whole on `prefill`: `decode` at its TPOT budget, and `prefill` one that
     decodes requests itself, within its own guard (on the decode's step times until it has measured
-    its own: same model, same GPUs) and with KV for the whole request?"""
+    its own: same model, same GPUs), with KV for the whole request, and with the prompt time its
+    guard leaves it still enough for `prompt_demand` (prompt tokens/s asked of each prefill node)?
+    Without that last check a prefill tier near its prompt capacity took whole requests past the
+    decode's knee and its prompt queue grew to 0.6 s (two H100s, 1,024-token prompts at 32 req/s)."""
     if not prefill.local_decode or not steps_past_guard(decode, decode.perf):
         return False
     free = prefill.max_tokens - prefill.used_tokens - prefill.prompts.total()
     if prefill.max_tokens and free < prompt_tokens + max(0, max_new_tokens):
         return False
-    return not steps_past_guard(prefill, prefill.perf if prefill.perf.decode_step_s else decode.perf)
+    line = prefill.perf if prefill.perf.decode_step_s else decode.perf
+    return not steps_past_guard(prefill, line) and prompts_fit_beside_decoding(prefill, line, prompt_demand)
 
 
 def decide(
@@ -286,16 +304,19 @@ def select_route(
     exclude: Collection[str] = (),
     cached: Callable[[NodeState], int] = lambda node: 0,
     rule: PathRule = DEFAULT_RULE,
+    prompt_demand: float = 0.0,
 ) -> Route | None:
     """The pair the policies pick and, unless the path policy is remote, the path `decide` picks on
     it; with no pair (or path policy local), a decode that runs prompts itself, chosen by the decode
-    policy; then a colocated node; None when nothing can take the job."""
+    policy; then a colocated node; None when nothing can take the job. `prompt_demand`: the prompt
+    tokens/s the prefill tier is asked for (router/sizing.py), which a whole request must leave room for."""
     prompt, max_new = len(job.input_ids), job.sampling.max_new_tokens
     tier = registry.nodes("prefill")
     if path_policy != "local" and (pair := select_pair(registry, prefill_policy, decode_policy, job, exclude)):
         prefill, decode = pair
         d = decide(path_policy, prefill, decode, prompt, max_new, tier, cached, rule)
-        if path_policy == "auto" and runs_whole(prefill, decode, prompt, max_new):
+        per_prefill = prompt_demand / max(1, sum(n.usable() for n in tier))
+        if path_policy == "auto" and runs_whole(prefill, decode, prompt, max_new, per_prefill):
             return Route(None, prefill, "whole", PathDecision("whole", d.remote_s, d.local_s, DECODE_FULL))
         return Route(prefill if d.path == "remote" else None, decode, d.path or "remote", d)
     if path_policy != "remote":

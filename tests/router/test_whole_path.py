@@ -57,11 +57,26 @@ def test_whole_needs_a_full_decode_and_a_prefill_that_decodes_with_room() -> Non
     assert runs_whole(whole_prefill(running=150, steps=((1, 0.004), (256, 0.012))), full, 1024, 256)
 
 
-def route(prefill: NodeState, decode: NodeState, policy: str = "auto") -> Any:
+def test_whole_leaves_the_prefill_the_prompt_time_its_demand_needs() -> None:
+    """Decoding one request, the prefill's steps are held to its 15 ms guard, of which the step
+    (6 ms at one request, on the decode's line) leaves 9 ms for prompts: 0.6 of its 40K tokens/s."""
+    full = node("decode", running=150)
+    assert runs_whole(whole_prefill(), full, 1024, 256, prompt_demand=16_000.0)
+    assert runs_whole(whole_prefill(), full, 1024, 256, prompt_demand=24_000.0)
+    assert not runs_whole(whole_prefill(), full, 1024, 256, prompt_demand=24_500.0)
+    # at 64 decoding its step takes 10 ms: a third of the guard for prompts, 13.3K tokens/s
+    assert not runs_whole(whole_prefill(running=63), full, 1024, 256, prompt_demand=16_000.0)
+    # its mixed rate, where measured, is what its prompts run at beside decoding
+    mixed = whole_prefill()
+    mixed.perf = NodePerf(prefill_tokens_per_s=40_000.0, tpot_guard_s=GUARD, mixed_tokens_per_s=60_000.0)
+    assert runs_whole(mixed, full, 1024, 256, prompt_demand=32_000.0)
+
+
+def route(prefill: NodeState, decode: NodeState, policy: str = "auto", prompt_demand: float = 0.0) -> Any:
     registry = NodeRegistry([])
     registry.states = [prefill, decode]
     job = GenerationJob("r", tuple(range(1024)), SamplingParams(max_new_tokens=256))
-    return select_route(registry, RoundRobin(), RoundRobin(), policy, job)
+    return select_route(registry, RoundRobin(), RoundRobin(), policy, job, prompt_demand=prompt_demand)
 
 
 def test_auto_routes_whole_to_the_prefill_when_the_decode_is_full() -> None:
@@ -71,6 +86,8 @@ def test_auto_routes_whole_to_the_prefill_when_the_decode_is_full() -> None:
     assert r.decision.reason == DECODE_FULL and r.estimate_s() == r.decision.remote_s
     assert route(p, node("decode", running=10)).path == "remote"
     assert route(p, full, "remote").path == "remote"  # the operator's remote policy is kept
+    # prompts the prefill could not keep up with while decoding: the pair's usual path instead
+    assert route(p, full, prompt_demand=32_000.0).path == "remote"
     assert "whole" in PATHS and DECODE_FULL in REASONS  # metric label values
 
 
