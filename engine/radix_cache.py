@@ -34,7 +34,7 @@ from typing import Callable, Protocol, Sequence
 from common.prefix_hash import ROOT, block_hash
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # one per cached page: no per-instance dict
 class Node:
     key: tuple[int, ...]  # the page's tokens; () at the root
     page: int  # the KV page holding them (0 at the root)
