@@ -12,6 +12,10 @@ workloads run through `pdserve bench` (loadgen) on each:
   against without); on GPUs 480 of them at concurrency 16, about 10 s of saturated serving per
   start, since a few seconds at concurrency 4 swung by 10% between runs of the same code.
 
+Each workload also records the router's requests by path and the mean of every TTFT stage: the
+router's, each node role's queue and prompt time, and a prefill's handoff tail by stage and its
+KV write (the goodput bench's NODE_STAGES).
+
 Ratios compare the two starts of one deployment in this run: TTFT p50 of turns 3+ without the
 cache over with it (goal >= 3), reuse (goal >= 0.9), accept length with over without (within
 1%), no-reuse throughput with over without (>= 0.97).
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tempfile
 import time
@@ -41,7 +46,7 @@ import httpx
 from bench.common import write_report
 from bench.common import short_name
 from bench.gpu.goodput import gpu_names, prepare_model
-from bench.gpu.goodput_up import TTFT_STAGES, UpProcess, histogram_means_ms, histogram_totals, samples
+from bench.gpu.goodput_up import NODE_STAGES, TTFT_STAGES, UpProcess, histogram_means_ms, histogram_totals, samples
 from loadgen.runner import BenchOptions, run_bench
 
 TOPOLOGY = {"colocated": ("--colocated", "1"), "pd": ("--prefill", "1", "--decode", "1")}
@@ -83,13 +88,15 @@ def sizes(args: argparse.Namespace, gpu: bool) -> dict[str, int]:
 
 
 SPEC = ("pdserve_spec_accepted_tokens_total", "pdserve_spec_verifies_total")
-# where a first token's time goes: the router's stages, and each node role's queue and prompt time
-STAGES = (TTFT_STAGES, "pdserve_node_queue_time_seconds", "pdserve_node_prompt_seconds")
+# where a first token's time goes: the router's stages, each node role's queue and prompt time, and
+# a prefill's handoff tail by stage and its KV write
+STAGES = (TTFT_STAGES, *NODE_STAGES)
+PATHS = "pdserve_router_prefill_path_total"  # requests by prefill path (remote, local, ...)
 
 
 def counters(router_url: str, metrics_urls: dict[str, str]) -> Counter[str]:
-    """Speculation's counters (decode and colocated nodes) and the TTFT stages' histogram totals,
-    summed over the router and the nodes now."""
+    """Speculation's counters (decode and colocated nodes), the TTFT stages' histogram totals and the
+    router's requests by path (`path:<name>`), summed over the router and the nodes now."""
     out: Counter[str] = Counter()
     for url in [f"{router_url}/metrics", *metrics_urls.values()]:
         text = httpx.get(url, timeout=10).text
@@ -97,7 +104,16 @@ def counters(router_url: str, metrics_urls: dict[str, str]) -> Counter[str]:
         for name, labels, value in samples(text):
             if name in SPEC and 'role="prefill"' not in labels:
                 out[name] += value
+            elif name == PATHS and (path := re.search(r'path="([^"]*)"', labels)):
+                out[f"path:{path[1]}"] += value
     return out
+
+
+def phase(before: Counter[str], after: Counter[str]) -> dict[str, Any]:
+    """Between two snapshots of `counters`: requests by path, and each stage's mean in ms."""
+    grown = {k: after[k] - before[k] for k in after if k.startswith("path:") and after[k] > before[k]}
+    paths = {k.removeprefix("path:"): n for k, n in grown.items()}
+    return {"paths": paths, "stages_ms": histogram_means_ms(before, after)}
 
 
 def bench_options(url: str, out: Path, args: argparse.Namespace, size: dict[str, int], reuse: bool) -> BenchOptions:
@@ -136,6 +152,7 @@ def measure(up: UpProcess, args: argparse.Namespace, size: dict[str, int], work:
     after = counters(up.url, up.metrics)
     accepted, verifies = (after[k] - before[k] for k in SPEC)
     plain, _ = run_bench(bench_options(up.url, work / "plain", args, size, reuse=False), progress=False)
+    done = counters(up.url, up.metrics)
     m, p = chat["points"][0]["metrics"], plain["points"][0]["metrics"]
     turns = {
         k: {"ttft_ms_p50": g["ttft_ms"]["median"], "reuse_ratio": g["reuse_ratio"]} for k, g in m["by_turn"].items()
@@ -148,8 +165,9 @@ def measure(up: UpProcess, args: argparse.Namespace, size: dict[str, int], work:
             "prefix_cache": m["prefix_cache"],
             "accept_length": 1 + accepted / verifies if verifies > 0 else None,
             "ttft_stages_ms": histogram_means_ms(before, after),
+            "paths": phase(before, after)["paths"],
         },
-        "no_reuse": {"output_throughput": p["output_throughput"], "failed": p["failed"]},
+        "no_reuse": {"output_throughput": p["output_throughput"], "failed": p["failed"], **phase(after, done)},
     }
 
 

@@ -45,6 +45,10 @@ def test_prefix_cache_bench_on_cpu(tmp_path):
         stages = multi["ttft_stages_ms"]  # where the first tokens' time went, router and node
         router = stages['pdserve_router_ttft_stage{stage="prefill"}']
         assert router >= stages['pdserve_node_prompt{role="colocated"}'] > 0
+        assert multi["paths"] == {"colocated": multi["requests"]}  # the router's requests by path
+        plain = runs[state]["no_reuse"]  # the no-reuse run's own paths and stages
+        assert plain["paths"] == {"colocated": data["sizes"]["no_reuse_prompts"]}
+        assert plain["stages_ms"]['pdserve_node_prompt{role="colocated"}'] > 0
     assert runs["cache"]["multi_turn"]["prefix_cache"]["reuse_ratio"] >= 0.8
     assert runs["no_cache"]["multi_turn"]["prefix_cache"]["cached_tokens"] == 0
     assert runs["ratios"]["accept_length_ratio"] == pytest.approx(1.0)
