@@ -46,7 +46,16 @@ import httpx
 from bench.common import write_report
 from bench.common import short_name
 from bench.gpu.goodput import gpu_names, prepare_model
-from bench.gpu.goodput_up import NODE_STAGES, TTFT_STAGES, UpProcess, histogram_means_ms, histogram_totals, samples
+from bench.gpu.goodput_up import (
+    NODE_STAGES,
+    PATH_DECISIONS,
+    PATH_ESTIMATES,
+    TTFT_STAGES,
+    UpProcess,
+    histogram_means_ms,
+    histogram_totals,
+    samples,
+)
 from loadgen.runner import BenchOptions, run_bench
 
 TOPOLOGY = {"colocated": ("--colocated", "1"), "pd": ("--prefill", "1", "--decode", "1")}
@@ -90,8 +99,10 @@ def sizes(args: argparse.Namespace, gpu: bool) -> dict[str, int]:
 SPEC = ("pdserve_spec_accepted_tokens_total", "pdserve_spec_verifies_total")
 # where a first token's time goes: the router's stages, each node role's queue and prompt time, and
 # a prefill's handoff tail by stage and its KV write
-STAGES = (TTFT_STAGES, *NODE_STAGES)
+STAGES = (TTFT_STAGES, *NODE_STAGES, PATH_ESTIMATES)  # and the router's estimate of each path when chosen
 PATHS = "pdserve_router_prefill_path_total"  # requests by prefill path (remote, local, ...)
+# what the path decision read at a phase's end: each node's TTFT calibration and prompt capacity
+GAUGES = ("pdserve_router_ttft_estimate_ratio", "pdserve_node_prefill_capacity_tokens_per_second")
 
 
 def counters(router_url: str, metrics_urls: dict[str, str]) -> Counter[str]:
@@ -106,14 +117,21 @@ def counters(router_url: str, metrics_urls: dict[str, str]) -> Counter[str]:
                 out[name] += value
             elif name == PATHS and (path := re.search(r'path="([^"]*)"', labels)):
                 out[f"path:{path[1]}"] += value
+            elif name == PATH_DECISIONS and (reason := re.search(r'reason="([^"]*)"', labels)):
+                out[f"reason:{reason[1]}"] += value
+            elif name in GAUGES:
+                out[f"gauge:{name.removeprefix('pdserve_')}{{{labels}}}"] = value
     return out
 
 
 def phase(before: Counter[str], after: Counter[str]) -> dict[str, Any]:
-    """Between two snapshots of `counters`: requests by path, and each stage's mean in ms."""
-    grown = {k: after[k] - before[k] for k in after if k.startswith("path:") and after[k] > before[k]}
-    paths = {k.removeprefix("path:"): n for k, n in grown.items()}
-    return {"paths": paths, "stages_ms": histogram_means_ms(before, after)}
+    """Between two snapshots of `counters`: requests by path and by the reason for it, and each
+    stage's mean in ms."""
+    grown = {k: after[k] - before[k] for k in after if k.startswith(("path:", "reason:")) and after[k] > before[k]}
+    paths = {k.removeprefix("path:"): n for k, n in grown.items() if k.startswith("path:")}
+    reasons = {k.removeprefix("reason:"): n for k, n in grown.items() if k.startswith("reason:")}
+    gauges = {k.removeprefix("gauge:"): v for k, v in after.items() if k.startswith("gauge:")}
+    return {"paths": paths, "path_reasons": reasons, "gauges": gauges, "stages_ms": histogram_means_ms(before, after)}
 
 
 def bench_options(url: str, out: Path, args: argparse.Namespace, size: dict[str, int], reuse: bool) -> BenchOptions:
@@ -165,7 +183,7 @@ def measure(up: UpProcess, args: argparse.Namespace, size: dict[str, int], work:
             "prefix_cache": m["prefix_cache"],
             "accept_length": 1 + accepted / verifies if verifies > 0 else None,
             "ttft_stages_ms": histogram_means_ms(before, after),
-            "paths": phase(before, after)["paths"],
+            **{k: v for k, v in phase(before, after).items() if k != "stages_ms"},
         },
         "no_reuse": {"output_throughput": p["output_throughput"], "failed": p["failed"], **phase(after, done)},
     }

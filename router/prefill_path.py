@@ -170,7 +170,7 @@ def local_ttft(
         rate = perf.mixed_tokens_per_s
     # Other routers' requests show in the report, ours sent since the report in our count.
     batch = max(decode.running, decode.inflight)
-    share = 1.0  # of the node's time that prompts may take
+    share, in_flight = 1.0, 0.0  # of the node's time that prompts may take; the step it waits for
     if batch > 0:
         step = perf.step_s(batch)
         if step is None:
@@ -178,13 +178,16 @@ def local_ttft(
         cycle = guard * max(1.0, perf.decode_tokens_per_step)
         if cycle <= step:
             return LocalEstimate(refusal=DECODE_AT_BUDGET)
-        share = (cycle - step) / cycle
+        share, in_flight = (cycle - step) / cycle, step
     if rate <= 0:
         return LocalEstimate()
     queued = decode.waiting_prompt_tokens + decode.prompts.since(decode.loads_at) + prompt_tokens
     # each chunk (the guard runs them up to a chunk's size) also pays the batch's fixed part
     chunks = math.ceil(queued / PROMPT_CHUNK_TOKENS)
-    raw = (queued / rate + chunks * overhead) / share
+    # A decoding node's first chunk starts after the step in flight: a fixed part that dominates
+    # a short prompt's (a cached turn's) time. Left out, the calibration learned it as a ratio
+    # (1.6 after cached turns) and then scaled every long prompt's estimate by it.
+    raw = in_flight + (queued / rate + chunks * overhead) / share
     return LocalEstimate(seconds=raw * decode.ttft.current(time.monotonic() if now is None else now))
 
 

@@ -86,10 +86,11 @@ def test_idle_decode_takes_a_prompt_a_saturated_prefill_would_queue() -> None:
 
 
 def test_idle_prefill_beats_a_busy_decode() -> None:
-    # 8 running: step 10 ms of the 25 ms budget, so prompts get 15/25 of the node's rate
+    # 8 running: step 10 ms of the 25 ms budget, so prompts get 15/25 of the node's rate, after
+    # the 10 ms step in flight
     d = decide("auto", prefill(), decode(running=8), 3000, 100)
     assert d.path == "remote" and d.reason == FASTER_REMOTE
-    assert d.remote_s == pytest.approx(0.3) and d.local_s == pytest.approx(3000 / (RATE * 0.6))
+    assert d.remote_s == pytest.approx(0.3) and d.local_s == pytest.approx(0.010 + 3000 / (RATE * 0.6))
 
 
 def test_a_prefill_on_target_keeps_long_prompts_though_an_idle_decode_is_as_fast() -> None:
@@ -110,13 +111,13 @@ def test_a_prefill_on_target_keeps_long_prompts_though_an_idle_decode_is_as_fast
 
 
 def test_a_decode_that_mixes_its_chunks_pays_no_fixed_part_and_runs_at_its_mixed_rate() -> None:
-    # 8 running: prompts get 15/25 of the node; a 2,048-token prompt is one chunk
+    # 8 running: prompts get 15/25 of the node after its 10 ms step in flight; 2,048 tokens are one chunk
     apart = decide("auto", prefill(queued=8000), decode(running=8, overhead=0.01), 2048, 100)
-    assert apart.local_s == pytest.approx((2048 / RATE + 0.01) / 0.6)
+    assert apart.local_s == pytest.approx(0.010 + (2048 / RATE + 0.01) / 0.6)
     unmeasured = decide("auto", prefill(queued=8000), decode(running=8, overhead=0.01, mixed_rate=0.0), 2048, 100)
-    assert unmeasured.local_s == pytest.approx(2048 / RATE / 0.6)
+    assert unmeasured.local_s == pytest.approx(0.010 + 2048 / RATE / 0.6)
     mixed = decide("auto", prefill(queued=8000), decode(running=8, overhead=0.01, mixed_rate=2 * RATE), 2048, 100)
-    assert mixed.local_s == pytest.approx(2048 / (2 * RATE) / 0.6)
+    assert mixed.local_s == pytest.approx(0.010 + 2048 / (2 * RATE) / 0.6)
     assert (mixed.path, mixed.reason) == ("local", FASTER_LOCAL)
     parsed = NodePerf.parse({"mixed_chunk": True, "mixed_tokens_per_s": 5.0, "prefill_tokens_per_s": 1.0})
     assert parsed.mixed_chunk and parsed.mixed_tokens_per_s == 5.0
@@ -128,7 +129,7 @@ def test_the_faster_path_wins_on_a_decode_that_mixes_its_chunks() -> None:
     # holds every step takes it; one whose chunks are forwards of their own does not
     mixing = decide("auto", prefill(), decode(running=8, mixed_rate=2 * RATE), 1000, 100)
     assert (mixing.path, mixing.reason) == ("local", FASTER_LOCAL)
-    assert mixing.local_s == pytest.approx(1000 / (2 * RATE) / 0.6) and mixing.remote_s == pytest.approx(0.1)
+    assert mixing.local_s == pytest.approx(0.010 + 1000 / (2 * RATE) / 0.6) and mixing.remote_s == pytest.approx(0.1)
     apart = decide("auto", prefill(), decode(running=8, rate=2 * RATE / 0.6 * 1.2), 1000, 100)
     assert (apart.path, apart.reason) == ("remote", REMOTE_ON_TARGET)
     # and slower stays remote, whatever the target
@@ -159,10 +160,10 @@ def test_what_computes_little_on_the_decode_runs_there() -> None:
 
 
 def test_each_local_chunk_pays_the_batch_overhead_in_the_guard_share() -> None:
-    # 8 running: prompts get 15/25 of the node; 5,000 tokens are three 2,048-token chunks, each
-    # paying a 13 ms fixed part beside its tokens
+    # 8 running: prompts get 15/25 of the node after the 10 ms step in flight; 5,000 tokens are
+    # three 2,048-token chunks, each paying a 13 ms fixed part beside its tokens
     est = local_ttft(decode(running=8, overhead=0.013), 5000, 10, 0.0)
-    assert est.seconds == pytest.approx((5000 / RATE + 3 * 0.013) / 0.6)
+    assert est.seconds == pytest.approx(0.010 + (5000 / RATE + 3 * 0.013) / 0.6)
     # an idle decode gives prompts all its time; one short prompt is one chunk
     assert local_ttft(decode(overhead=0.013), 100, 10, 0.0).seconds == pytest.approx(100 / RATE + 0.013)
 
@@ -172,7 +173,7 @@ def test_both_paths_charge_a_prompt_batch_its_fixed_cost() -> None:
     assert remote_ttft(prefill(queued=4000, overhead=0.007), 1000) == pytest.approx(0.5 + 3 * 0.007)
     # a cached follow-up: 200 tokens on a decode with 8 running (15/25 of it for prompts) against
     # 1,200 uncached ones on the prefill; by tokens alone remote is sooner (0.060 s against
-    # (200 / 5,000 + 0.007) / 0.6 = 0.078 s)...
+    # 0.010 + (200 / 5,000 + 0.007) / 0.6 = 0.088 s)...
     turn = lambda node: 1000 if node.address == "d:1" else 0  # noqa: E731
     slow_local = decode(running=8, overhead=0.007, rate=5_000.0)
     assert decide("auto", prefill(rate=20_000.0), slow_local, 1200, 100, cached=turn).path == "remote"
@@ -180,7 +181,7 @@ def test_both_paths_charge_a_prompt_batch_its_fixed_cost() -> None:
     busy_prefill = prefill(rate=20_000.0, overhead=0.040, kv_transfer_s=0.0)
     d = decide("auto", busy_prefill, slow_local, 1200, 100, cached=turn)
     assert (d.path, d.reason) == ("local", SHORT_LOCAL)
-    assert d.remote_s == pytest.approx(1200 / 20_000 + 0.040) and d.local_s == pytest.approx(0.047 / 0.6)
+    assert d.remote_s == pytest.approx(1200 / 20_000 + 0.040) and d.local_s == pytest.approx(0.010 + 0.047 / 0.6)
 
 
 def test_decode_at_its_tpot_budget_cannot_take_prompts() -> None:
@@ -194,7 +195,7 @@ def test_decode_at_its_tpot_budget_cannot_take_prompts() -> None:
 def test_speculation_stretches_the_cycle_and_steps_interpolate() -> None:
     # 36 running: linear between 8 (10 ms) and 64 (20 ms) is 15 ms; a = 2 doubles the 25 ms cycle
     est = local_ttft(decode(running=36, per_step=2.0), 500, 10, 0.0)
-    assert est.seconds == pytest.approx(500 / (RATE * (0.05 - 0.015) / 0.05))
+    assert est.seconds == pytest.approx(0.015 + 500 / (RATE * (0.05 - 0.015) / 0.05))
     perf = NodePerf(decode_step_s=((1, 0.005), (4, 0.008), (8, 0.012)))
     assert perf.step_s(1) == perf.step_s(0) == 0.005  # below the smallest: its time
     assert perf.step_s(6) == pytest.approx(0.010)
@@ -332,17 +333,26 @@ def test_rate_window_and_balanced_ratio() -> None:
 def test_a_follow_up_goes_where_its_history_is_cached() -> None:
     """A busy decode that holds the conversation beats an idle prefill that must compute it all;
     the same prompt without the decode's hit stays remote."""
-    p, d = prefill(), decode(running=8)  # local runs at 15/25 of the rate
+    p, d = prefill(), decode(running=8)  # local runs at 15/25 of the rate, after its 10 ms step
     held = {"d:1": 3900}  # of a 4,000-token prompt: the earlier turns, on the decode
     cached = lambda node: held.get(node.address, 0)  # noqa: E731
     d_hit = decide("auto", p, d, 4000, 100, cached=cached)
     assert d_hit.path == "local" and d_hit.reason == SHORT_LOCAL
-    assert d_hit.remote_s == pytest.approx(0.4) and d_hit.local_s == pytest.approx(100 / (RATE * 0.6))
+    assert d_hit.remote_s == pytest.approx(0.4) and d_hit.local_s == pytest.approx(0.010 + 100 / (RATE * 0.6))
     assert decide("auto", p, d, 4000, 100).path == "remote"
     # the prefill holding it instead: remote, computing only the rest
     held = {"p:1": 3900}
     d_p = decide("auto", p, d, 4000, 100, cached=cached)
     assert d_p.path == "remote" and d_p.remote_s == pytest.approx(0.01)
+
+
+def test_a_short_prompt_on_a_decoding_node_waits_for_the_step_in_flight() -> None:
+    """A cached turn's few new tokens start only after the decode's step in flight: that fixed part
+    is in the estimate, so the calibration does not learn it as a ratio that would then stretch
+    every long prompt's estimate; an idle node starts at once."""
+    busy = local_ttft(decode(running=8, mixed_rate=2 * RATE), 60, 48, 0.0)
+    assert busy.seconds == pytest.approx(0.010 + 60 / (2 * RATE) / 0.6)
+    assert local_ttft(decode(mixed_rate=2 * RATE), 60, 48, 0.0).seconds == pytest.approx(60 / (2 * RATE))
 
 
 def test_calibration_scales_the_estimates_and_relaxes_when_unobserved() -> None:
