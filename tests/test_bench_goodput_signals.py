@@ -95,3 +95,26 @@ def test_node_count_means_give_a_decodes_page_runs_per_prompt() -> None:
     before = {runs % "sum": 10.0, runs % "count": 5.0, queue % "sum": 0.0, queue % "count": 0.0}
     after = {runs % "sum": 22.0, runs % "count": 9.0, queue % "sum": 1.0, queue % "count": 2.0}
     assert node_count_means(before, after) == {"decode-0": {"kv_destination_runs": pytest.approx(3.0)}}
+
+
+def test_a_points_calibration_is_each_roles_ratio_at_its_end() -> None:
+    import asyncio
+
+    import httpx
+
+    from bench.gpu.goodput_up import point_calibration, point_counters, router_counters
+
+    text = (
+        'pdserve_router_ttft_estimate_ratio{node="127.0.0.1:1",role="prefill"} 0.9\n'
+        'pdserve_router_ttft_estimate_ratio{node="127.0.0.1:2",role="decode"} 1.65\n'
+        'pdserve_router_prefill_path_total{path="local"} 3.0\n'
+    )
+    transport = httpx.MockTransport(lambda req: httpx.Response(200, text=text))
+
+    async def read() -> dict[str, float]:
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await router_counters(client, "http://router")
+
+    after = asyncio.run(read())
+    assert point_calibration(after) == {"prefill": 0.9, "decode": 1.65}  # read as they are, not diffed
+    assert point_counters({}, after)[0] == {"local": 3.0}  # and they are no path

@@ -185,6 +185,7 @@ TTFT_STAGES = "pdserve_router_ttft_stage_seconds"  # the router's time to first 
 ROUTER_TTFT = "pdserve_router_time_to_first_token_seconds"  # the whole, as the router sees it
 PATH_DECISIONS = "pdserve_router_prefill_path_decisions_total"  # by reason (router/prefill_path.py)
 PATH_ESTIMATES = "pdserve_router_prefill_path_estimate_seconds"  # each path's estimate when chosen
+CALIBRATION = "pdserve_router_ttft_estimate_ratio"  # per node: observed over estimated TTFT
 _SAMPLE = re.compile(r"^(pdserve_\w+)(?:\{([^}]*)\})? ([0-9.eE+-]+|NaN)$", re.M)
 
 
@@ -289,8 +290,9 @@ def histogram_means_ms(before: Mapping[str, float], after: Mapping[str, float]) 
 
 
 async def router_counters(client: httpx.AsyncClient, router_url: str) -> dict[str, float]:
-    """The router's counters so far: requests by prefill path (`path:<name>`) and the TTFT stages'
-    histogram totals (histogram_totals); empty if it did not answer."""
+    """The router's counters so far: requests by prefill path (`path:<name>`) and reason
+    (`reason:<name>`), the TTFT stages' histogram totals (histogram_totals), and each node role's
+    calibration (`calibration:<role>`); empty if it did not answer."""
     try:
         resp = await client.get(f"{router_url.rstrip('/')}/metrics")
         resp.raise_for_status()
@@ -302,7 +304,15 @@ async def router_counters(client: httpx.AsyncClient, router_url: str) -> dict[st
             counts[f"path:{path[1]}"] = value
         elif name == PATH_DECISIONS and (reason := re.search(r'reason="([^"]*)"', labels)):
             counts[f"reason:{reason[1]}"] = value
+        elif name == CALIBRATION and (role := re.search(r'role="([^"]*)"', labels)):
+            counts[f"calibration:{role[1]}"] = value  # a gauge: read at the point's end, not diffed
     return counts
+
+
+def point_calibration(after: dict[str, float]) -> dict[str, float]:
+    """Each node role's observed over estimated TTFT as the router read it at a point's end (one
+    node per role here): a path estimate that misses a fixed cost shows as a ratio far from 1."""
+    return {k.removeprefix("calibration:"): v for k, v in after.items() if k.startswith("calibration:")}
 
 
 def point_decisions(before: dict[str, float], after: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
