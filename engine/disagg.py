@@ -109,6 +109,11 @@ class DisaggEngine:
         """Bytes one page moves across every pool, layer and K/V."""
         return sum(p.page_bytes * p.num_layers * 2 for p in self.kv_pools())
 
+    def allocate_whole_runs(self) -> None:
+        """Its KV is written to or from other nodes: allocations of several pages come as one run
+        where evicting cached pages can make one (engine/kv_cache.py, `whole_runs`)."""
+        self._engine.kv.whole_runs = True
+
     def pages_for(self, num_tokens: int) -> int:
         return self._engine.kv.pages_for(num_tokens)
 

@@ -77,6 +77,12 @@ class KVCacheConfig:
     max_context_len: int
 
 
+# The most cached pages, in multiples of an allocation's size, evicted beyond its shortfall to
+# give it one run: a simulated decode node with its cache full (fresh 1-2K-token prompts, 100
+# decoding) went from 95 runs per prompt of 64-128 pages to 1, keeping 81% of the pages cached.
+RUN_EVICTION_FACTOR = 4
+
+
 class KVCacheManager:
     """Owns the page allocator and the request table (request slot -> token slots).
 
@@ -96,6 +102,9 @@ class KVCacheManager:
         # Tensor parallelism: every write to the request table, as (slot, first page, pages) or
         # (slot, None, None) for a cleared row, for the follower ranks to repeat (None: not kept)
         self.journal: list[tuple[int, int | None, list[int] | None]] | None = None
+        # Nodes that move KV between them (PD) turn this on: an allocation of several pages then
+        # evicts cached pages until one free run holds it (`_evict_for_one_run`)
+        self.whole_runs = False
 
     def enable_prefix_cache(self, shift: int) -> RadixCache:
         """Cache finished requests' pages by token prefix (`shift`: see engine/radix_cache.py)."""
@@ -215,7 +224,21 @@ class KVCacheManager:
         short = n - self.allocator.num_free
         if short > 0 and self.cache is not None:
             self.cache.evict(short)
+        if self.whole_runs and n > 1 and self.cache is not None:
+            self._evict_for_one_run(n)
         return self.allocator.alloc(n)
+
+    def _evict_for_one_run(self, n: int) -> None:
+        """Evict least recently used cached pages, at most RUN_EVICTION_FACTOR * n of them, until
+        one free run holds `n` pages. A KV write takes a descriptor per run of pages on both
+        sides, and with the cache full the pages an eviction frees come one by one (decode growth
+        takes single pages in between), so a prompt's pages would be about one run each."""
+        budget = RUN_EVICTION_FACTOR * n
+        while budget > 0 and self.allocator.longest_run < n:
+            freed = self.cache.evict(min(n, budget)) if self.cache is not None else 0
+            if not freed:
+                return
+            budget -= freed
 
     def reserve(self, req: Req, num_tokens: int) -> None:
         """Make sure `req` owns pages covering token positions [0, num_tokens)."""

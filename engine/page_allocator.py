@@ -46,6 +46,11 @@ class PageAllocator:
     def num_free_runs(self) -> int:
         return len(self._starts)
 
+    @property
+    def longest_run(self) -> int:
+        """Pages in the longest free run (0 when none is free)."""
+        return max(self._lens, default=0)
+
     def alloc(self, n: int) -> list[int]:
         if n > self._num_free:
             raise OutOfPages(f"need {n} pages, {self._num_free} free")

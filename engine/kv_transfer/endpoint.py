@@ -48,6 +48,7 @@ def build_endpoint(
     address the node serves on; the transport listens there only."""
     check_rows_place(rows_at)
     pools = pd.kv_pools()
+    pd.allocate_whole_runs()  # a write takes a descriptor per run of pages, on both sides
     handoff = HandoffRows(pd.handoff_bytes, rows, device=pools[0].buffer.device if rows_at == "kv" else "cpu")
     name = f"pdserve-{role}-{uuid.uuid4().hex[:12]}"
     options = {"sgl": sgl, "listen_host": host} if kind == "nixl" else {}

@@ -69,3 +69,12 @@ def test_random_churn_never_loses_a_page() -> None:
         a.free(h)
     assert a.num_free_runs == 1 and a.num_free == 299
     a.check()
+
+
+def test_longest_run_is_the_largest_free_run() -> None:
+    a = PageAllocator(11)  # pages 1..10
+    assert a.longest_run == 10
+    taken = a.alloc(10)
+    assert a.longest_run == 0
+    a.free([taken[1], taken[2], taken[6]])
+    assert a.longest_run == 2
