@@ -81,6 +81,9 @@ class KVCacheConfig:
 # give it one run: a simulated decode node with its cache full (fresh 1-2K-token prompts, 100
 # decoding) went from 95 runs per prompt of 64-128 pages to 1, keeping 81% of the pages cached.
 RUN_EVICTION_FACTOR = 4
+# Prompts and their chunks, not decode growth (speculation reserves a page or two a step): the
+# step's host time stays free of the search, and growth never evicts beyond its need
+WHOLE_RUN_MIN_PAGES = 8
 
 
 class KVCacheManager:
@@ -102,7 +105,7 @@ class KVCacheManager:
         # Tensor parallelism: every write to the request table, as (slot, first page, pages) or
         # (slot, None, None) for a cleared row, for the follower ranks to repeat (None: not kept)
         self.journal: list[tuple[int, int | None, list[int] | None]] | None = None
-        # Nodes that move KV between them (PD) turn this on: an allocation of several pages then
+        # Nodes that move KV between them (PD) turn this on: an allocation of a prompt's size then
         # evicts cached pages until one free run holds it (`_evict_for_one_run`)
         self.whole_runs = False
 
@@ -224,7 +227,7 @@ class KVCacheManager:
         short = n - self.allocator.num_free
         if short > 0 and self.cache is not None:
             self.cache.evict(short)
-        if self.whole_runs and n > 1 and self.cache is not None:
+        if self.whole_runs and n >= WHOLE_RUN_MIN_PAGES and self.cache is not None:
             self._evict_for_one_run(n)
         return self.allocator.alloc(n)
 

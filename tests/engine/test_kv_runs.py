@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from engine.kv_cache import RUN_EVICTION_FACTOR, KVCacheConfig, KVCacheManager
+from engine.kv_cache import RUN_EVICTION_FACTOR, WHOLE_RUN_MIN_PAGES, KVCacheConfig, KVCacheManager
 from engine.kv_transfer.layout import page_runs
 
 PS = 4
@@ -49,25 +49,29 @@ def test_without_it_only_the_shortfall_is_evicted_and_the_pages_scatter() -> Non
     kv.check()
 
 
-def test_decode_growth_evicts_only_the_page_it_needs() -> None:
+def test_decode_growth_evicts_only_the_pages_it_needs() -> None:
     kv = full_cache(whole_runs=True)
     assert len(kv._alloc(1)) == 1 and kv.cache.stats["evicted_pages"] == 1  # type: ignore[union-attr]
+    # a speculative step's few pages are growth too: no search for a run
+    assert len(kv._alloc(WHOLE_RUN_MIN_PAGES - 1)) == WHOLE_RUN_MIN_PAGES - 1
+    assert kv.cache.stats["evicted_pages"] == WHOLE_RUN_MIN_PAGES  # type: ignore[union-attr]
 
 
 def test_the_extra_eviction_is_bounded_when_no_run_can_form() -> None:
     """Every other page cached, the rest held by a running request: no eviction makes a run of
     two, so the allocation stops after its bound and takes single pages."""
-    kv = KVCacheManager(KVCacheConfig(81, PS, 4, 256), "cpu")
+    kv = KVCacheManager(KVCacheConfig(161, PS, 4, 512), "cpu")
     cache = kv.enable_prefix_cache(0)
     kv.whole_runs = True
     held, cached = [], []
-    for _ in range(40):
+    for _ in range(80):
         held += kv._alloc(1)
         cached += kv._alloc(1)
     tokens = list(range(1, len(cached) * PS + 1))
     assert not cache.insert(tokens, cached, len(tokens)).to_free
-    pages = kv._alloc(4)
-    assert page_runs(pages) == 4 and cache.stats["evicted_pages"] == 4 + RUN_EVICTION_FACTOR * 4
+    n = WHOLE_RUN_MIN_PAGES
+    pages = kv._alloc(n)
+    assert page_runs(pages) == n and cache.stats["evicted_pages"] == n + RUN_EVICTION_FACTOR * n
     kv.allocator.free(pages + held)
     kv.check()
 
