@@ -28,9 +28,10 @@ import time
 from concurrent.futures import Future
 from typing import Callable
 
-from engine.kv_transfer import KVPoll, KVTransport, TransferError, TransferRequest
+from engine.kv_transfer import KVPoll, KVTransport, TransferError, TransferRequest, coalesce_runs
 from engine.kv_transfer.waiting import SLICE_S, poll_interval, post_and_wait, wait_settled
 from engine.scheduler.kv_progress import KVProgress
+from engine.service.metrics import KV_WRITE_RUNS
 from prefill_node.rooms import Room
 
 log = logging.getLogger(__name__)
@@ -169,6 +170,12 @@ class RoomWriter:
         state). The handle is recorded as posted in the same loop callback that
         resolves the future, also when the caller was cancelled meanwhile: a write that may land
         is always waited for before its pages or row are reused."""
+        # the copies it takes: what fragmented pages on either side cost (a mismatch is the
+        # transport's to refuse, as a TransferError)
+        if request.src_pages and len(request.src_pages) == len(request.dst_pages):
+            KV_WRITE_RUNS.labels("final" if urgent else "chunk").observe(
+                len(coalesce_runs(request.src_pages, request.dst_pages)[2])
+            )
         deadline = time.monotonic() + self.timeout_s
         every = poll_interval(self.transport, True)
         posting = post_and_wait(

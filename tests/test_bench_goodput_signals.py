@@ -95,6 +95,12 @@ def test_node_count_means_give_a_decodes_page_runs_per_prompt() -> None:
     before = {runs % "sum": 10.0, runs % "count": 5.0, queue % "sum": 0.0, queue % "count": 0.0}
     after = {runs % "sum": 22.0, runs % "count": 9.0, queue % "sum": 1.0, queue % "count": 2.0}
     assert node_count_means(before, after) == {"decode-0": {"kv_destination_runs": pytest.approx(3.0)}}
+    # a prefill's runs per write, by write kind
+    final = 'prefill-0:pdserve_kv_write_runs_%s{kind="final"}'
+    chunk = 'prefill-0:pdserve_kv_write_runs_%s{kind="chunk"}'
+    before = {final % "sum": 0.0, final % "count": 0.0, chunk % "sum": 0.0, chunk % "count": 0.0}
+    after = {final % "sum": 4.0, final % "count": 4.0, chunk % "sum": 12.0, chunk % "count": 3.0}
+    assert node_count_means(before, after) == {"prefill-0": {"kv_write_runs:final": 1.0, "kv_write_runs:chunk": 4.0}}
 
 
 def test_a_points_calibration_is_each_roles_ratio_at_its_end() -> None:

@@ -215,7 +215,8 @@ NODE_STAGES = (
     "pdserve_kv_handoff_stage_seconds",  # that tail by stage (handover includes a late destination)
     "pdserve_kv_transfer_seconds",  # prefill: final write posted -> done; decode: destination sent -> KV landed
 )
-NODE_COUNTS = ("pdserve_kv_destination_runs",)  # a decode's page runs per prompt written to it
+# a decode's page runs per prompt written to it; a prefill's runs per write (both sides consecutive)
+NODE_COUNTS = ("pdserve_kv_destination_runs", "pdserve_kv_write_runs")
 
 
 async def node_stage_totals(client: httpx.AsyncClient, metrics: dict[str, str]) -> dict[str, float]:
@@ -238,9 +239,16 @@ def node_count_means(before: Mapping[str, float], after: Mapping[str, float]) ->
     out: dict[str, dict[str, float]] = {}
     for key, mean in histogram_means(before, after).items():
         node, _, sample = key.partition(":")
-        if (name := sample.split("{")[0]) in NODE_COUNTS:
-            out.setdefault(node, {})[name.removeprefix("pdserve_")] = mean
+        name, _, labels = sample.partition("{")
+        if name in NODE_COUNTS:
+            short = name.removeprefix("pdserve_")
+            out.setdefault(node, {})[f"{short}:{v}" if (v := _label_values(labels)) else short] = mean
     return out
+
+
+def _label_values(labels: str) -> str:
+    """A sample's label values beyond its node's own (role, node), comma-joined."""
+    return ",".join(v for k, v in re.findall(r'(\w+)="([^"]*)"', labels) if k not in ("role", "node"))
 
 
 def node_stage_means_ms(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, dict[str, float]]:
@@ -251,8 +259,7 @@ def node_stage_means_ms(before: Mapping[str, float], after: Mapping[str, float])
     for key, ms in histogram_means_ms(before, after).items():
         node, sample = key.split(":", 1)
         name, _, labels = sample.partition("{")
-        # the node's own labels (role, node) say nothing the key does not
-        values = ",".join(v for k, v in re.findall(r'(\w+)="([^"]*)"', labels) if k not in ("role", "node"))
+        values = _label_values(labels)  # the node's own labels (role, node) say nothing the key does not
         stage = name.removeprefix("pdserve_node_").removeprefix("pdserve_")
         out.setdefault(node, {})[f"{stage}:{values}" if values else stage] = ms
     return out

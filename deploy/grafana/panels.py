@@ -218,13 +218,15 @@ CORE_ROWS: list[tuple[str, list[Panel]]] = [
                 "KV handoff tail and destination page runs",
                 "short",
                 "Prefill: last prompt chunk computed to final KV write done, in ms (what the handoff adds to "
-                "a remote prompt's TTFT). Decode: runs of consecutive pages a prompt's KV lands in (each run "
-                "is a copy per layer and K|V: a fragmented pool turns a handoff into many small copies).",
+                "a remote prompt's TTFT), and the runs of pages consecutive on both sides its final writes "
+                "carry. Decode: runs of consecutive pages a prompt's KV lands in (each run is a copy per "
+                "layer and K|V: a fragmented pool turns a handoff into many small copies).",
                 [
                     (f"1000 * {quantile(p, 'pdserve_kv_handoff_tail_seconds')}", f"tail ms p{int(p * 100)}")
                     for p in (0.5, 0.99)
                 ]
-                + [(quantile(p, "pdserve_kv_destination_runs"), f"page runs p{int(p * 100)}") for p in (0.5, 0.9)],
+                + [(quantile(p, "pdserve_kv_destination_runs"), f"page runs p{int(p * 100)}") for p in (0.5, 0.9)]
+                + [(quantile(0.9, "pdserve_kv_write_runs", match='{kind="final"}'), "final write runs p90")],
             ),
             Panel(
                 "KV transfer failures by reason",

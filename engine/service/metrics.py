@@ -60,6 +60,13 @@ KV_DESTINATION_RUNS = Histogram(
     "layer and K|V: scattered destinations turn a handoff into many small copies)",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
 )
+KV_WRITE_RUNS = Histogram(
+    "pdserve_kv_write_runs",
+    "Prefill: runs of pages consecutive on both sides that one KV write carries, by write kind "
+    "(chunk or final); each is one copy per layer and K|V",
+    ["kind"],
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+)
 KV_TRANSFER_FAILURES = Counter(
     "pdserve_kv_transfer_failures", "PD requests that failed before decoding, by reason", ["role", "reason"]
 )

@@ -47,6 +47,9 @@ def test_transfer_metrics_and_failure_reasons(tiny_llama_dir):
         assert dm[("pdserve_bootstrap_attempts_total", (("result", "ok"),))] == 1
         # both rooms got a destination; a fresh pool gives each one run of pages
         assert dm[("pdserve_kv_destination_runs_count", ())] == 2 and dm[("pdserve_kv_destination_runs_sum", ())] == 2
+        # the one write of the prompt that ran: one run, consecutive on both sides
+        final = (("kind", "final"),)
+        assert pm[("pdserve_kv_write_runs_count", final)] == 1 and pm[("pdserve_kv_write_runs_sum", final)] == 1
         assert dm[("pdserve_kv_cache_used_tokens", role("decode"))] == 0
         assert dm[("pdserve_kv_cache_capacity_tokens", role("decode"))] > 0
     finally:
