@@ -106,7 +106,7 @@ class KVCacheManager:
         # (slot, None, None) for a cleared row, for the follower ranks to repeat (None: not kept)
         self.journal: list[tuple[int, int | None, list[int] | None]] | None = None
         # Nodes that move KV between them (PD) turn this on: an allocation of a prompt's size then
-        # evicts cached pages until one free run holds it (`_evict_for_one_run`)
+        # evicts cached pages until one free run holds it (`alloc_pages`)
         self.whole_runs = False
 
     def enable_prefix_cache(self, shift: int) -> RadixCache:
@@ -223,7 +223,9 @@ class KVCacheManager:
         return self.cached_pages(req) * self.page_size
 
     # ---- pages ----
-    def _alloc(self, n: int) -> list[int]:
+    def alloc_pages(self, n: int) -> list[int]:
+        """`n` pages, evicting cached pages nobody reads when too few are free; on a node that
+        moves KV (`whole_runs`), a prompt's pages as one run where eviction can make one."""
         short = n - self.allocator.num_free
         if short > 0 and self.cache is not None:
             self.cache.evict(short)
@@ -251,7 +253,7 @@ class KVCacheManager:
         need = self.pages_for(num_tokens) - len(pages)
         if need <= 0:
             return
-        new = self._alloc(need)
+        new = self.alloc_pages(need)
         start = len(pages)
         pages.extend(new)
         req.num_pages = len(pages)

@@ -18,10 +18,10 @@ def full_cache(whole_runs: bool) -> KVCacheManager:
     kv = KVCacheManager(KVCacheConfig(81, PS, 4, 256), "cpu")
     cache = kv.enable_prefix_cache(0)
     kv.whole_runs = whole_runs
-    a, b = kv._alloc(16), kv._alloc(16)
+    a, b = kv.alloc_pages(16), kv.alloc_pages(16)
     for _ in range(24):  # decode growth interleaves them
-        a += kv._alloc(1)
-        b += kv._alloc(1)
+        a += kv.alloc_pages(1)
+        b += kv.alloc_pages(1)
     assert a[:16] == list(range(1, 17)) and a[16:18] == [33, 35] and kv.allocator.num_free == 0
     rng = random.Random(0)
     for pages in (a, b):  # A finishes first: its pages are the least recently used
@@ -32,7 +32,7 @@ def full_cache(whole_runs: bool) -> KVCacheManager:
 
 def test_a_prompt_on_a_transferring_node_gets_one_run_from_a_full_cache() -> None:
     kv = full_cache(whole_runs=True)
-    pages = kv._alloc(16)
+    pages = kv.alloc_pages(16)
     assert page_runs(pages) == 1  # A's prompt run, freed whole
     evicted = kv.cache.stats["evicted_pages"]  # type: ignore[union-attr]
     assert 16 < evicted <= 16 + RUN_EVICTION_FACTOR * 16  # beyond the shortfall, within the bound
@@ -42,7 +42,7 @@ def test_a_prompt_on_a_transferring_node_gets_one_run_from_a_full_cache() -> Non
 
 def test_without_it_only_the_shortfall_is_evicted_and_the_pages_scatter() -> None:
     kv = full_cache(whole_runs=False)
-    pages = kv._alloc(16)
+    pages = kv.alloc_pages(16)
     assert page_runs(pages) == 16  # A's growth pages, every other id
     assert kv.cache.stats["evicted_pages"] == 16  # type: ignore[union-attr]
     kv.allocator.free(pages)
@@ -51,9 +51,9 @@ def test_without_it_only_the_shortfall_is_evicted_and_the_pages_scatter() -> Non
 
 def test_decode_growth_evicts_only_the_pages_it_needs() -> None:
     kv = full_cache(whole_runs=True)
-    assert len(kv._alloc(1)) == 1 and kv.cache.stats["evicted_pages"] == 1  # type: ignore[union-attr]
+    assert len(kv.alloc_pages(1)) == 1 and kv.cache.stats["evicted_pages"] == 1  # type: ignore[union-attr]
     # a speculative step's few pages are growth too: no search for a run
-    assert len(kv._alloc(WHOLE_RUN_MIN_PAGES - 1)) == WHOLE_RUN_MIN_PAGES - 1
+    assert len(kv.alloc_pages(WHOLE_RUN_MIN_PAGES - 1)) == WHOLE_RUN_MIN_PAGES - 1
     assert kv.cache.stats["evicted_pages"] == WHOLE_RUN_MIN_PAGES  # type: ignore[union-attr]
 
 
@@ -65,12 +65,12 @@ def test_the_extra_eviction_is_bounded_when_no_run_can_form() -> None:
     kv.whole_runs = True
     held, cached = [], []
     for _ in range(80):
-        held += kv._alloc(1)
-        cached += kv._alloc(1)
+        held += kv.alloc_pages(1)
+        cached += kv.alloc_pages(1)
     tokens = list(range(1, len(cached) * PS + 1))
     assert not cache.insert(tokens, cached, len(tokens)).to_free
     n = WHOLE_RUN_MIN_PAGES
-    pages = kv._alloc(n)
+    pages = kv.alloc_pages(n)
     assert page_runs(pages) == n and cache.stats["evicted_pages"] == n + RUN_EVICTION_FACTOR * n
     kv.allocator.free(pages + held)
     kv.check()
