@@ -74,30 +74,30 @@ def simulate(alloc: Allocator, seed: int = 0) -> list[int]:
     return out
 
 
+class CachedPages:
+    """The KV manager with its prefix cache on: a finished request's pages are cached (its tokens
+    fresh, so never hit), not freed, so once the pool is full every allocation evicts."""
+
+    def __init__(self, num_pages: int, whole_runs: bool, seed: int = 0) -> None:
+        self.kv = KVCacheManager(KVCacheConfig(num_pages, PAGE_TOKENS, RUNNING, 16), "cpu")
+        self.cache = self.kv.enable_prefix_cache(0)
+        self.kv.whole_runs = whole_runs
+        self._rng = random.Random(seed)
+
+    def alloc(self, n: int) -> list[int]:
+        return self.kv.alloc_pages(n)
+
+    def free(self, pages: list[int]) -> None:
+        tokens = [self._rng.randrange(1, 1 << 30) for _ in range(len(pages) * PAGE_TOKENS)]
+        self.kv.allocator.free(self.cache.insert(tokens, pages, len(tokens)).to_free)
+
+
 def simulate_full_cache(whole_runs: bool, pool: int, seed: int = 0) -> tuple[list[int], int]:
-    """Runs per new prompt's pages, and the pages cached at the end, with every finished request
-    cached (its tokens fresh: no hits) so that, once the pool is full, each allocation evicts."""
-    kv = KVCacheManager(KVCacheConfig(pool, PAGE_TOKENS, RUNNING, 16), "cpu")
-    cache = kv.enable_prefix_cache(0)
-    kv.whole_runs = whole_runs
-    rng = random.Random(seed)
-    live: list[tuple[list[int], int]] = []
-    out, step = [], 0
-    for _ in range(ARRIVALS):
-        while len(live) >= RUNNING:
-            step += 1
-            for i, (pages, left) in enumerate(live):
-                if step % PAGE_TOKENS == 0:
-                    pages += kv.alloc_pages(1)
-                live[i] = (pages, left - 1)
-            for pages, _left in [r for r in live if r[1] <= 0]:
-                tokens = [rng.randrange(1, 1 << 30) for _ in range(len(pages) * PAGE_TOKENS)]
-                kv.allocator.free(cache.insert(tokens, pages, len(tokens)).to_free)
-            live = [r for r in live if r[1] > 0]
-        prompt = kv.alloc_pages(PROMPT_PAGES)
-        out.append(page_runs(prompt))
-        live.append((prompt, rng.randint(16, 1024)))
-    return out, cache.num_pages
+    """Runs per new prompt's pages under the workload with every finished request cached, and
+    the pages cached at the end."""
+    pages = CachedPages(pool, whole_runs, seed)
+    *runs, _held = simulate(pages, seed)
+    return runs, pages.cache.num_pages
 
 
 def _summary(runs: list[int]) -> dict[str, float]:
