@@ -230,17 +230,17 @@ class KVCacheManager:
         if short > 0 and self.cache is not None:
             self.cache.evict(short)
         if self.whole_runs and n >= WHOLE_RUN_MIN_PAGES and self.cache is not None:
-            self._evict_for_one_run(n)
+            self._evict_for_one_run(self.cache, n)
         return self.allocator.alloc(n)
 
-    def _evict_for_one_run(self, n: int) -> None:
+    def _evict_for_one_run(self, cache: RadixCache, n: int) -> None:
         """Evict least recently used cached pages, at most RUN_EVICTION_FACTOR * n of them, until
         one free run holds `n` pages. A KV write takes a descriptor per run of pages on both
         sides, and with the cache full the pages an eviction frees come one by one (decode growth
         takes single pages in between), so a prompt's pages would be about one run each."""
         budget = RUN_EVICTION_FACTOR * n
         while budget > 0 and self.allocator.longest_run < n:
-            freed = self.cache.evict(min(n, budget)) if self.cache is not None else 0
+            freed = cache.evict(min(n, budget))
             if not freed:
                 return
             budget -= freed

@@ -109,9 +109,9 @@ class PrefillHandler:
         writer = RoomWriter(self.endpoint.transport, room, self.timeouts.transfer_timeout, self.send_chunks)
         room.writes = writer
         try:
-            first, held = await self._compute(req, room, writer)
+            first, pages = await self._compute(req, room, writer)
             await self._wait_destination(room)  # usually here long before the prompt is done
-            await self._transfer(req, room, writer, held)
+            await self._transfer(req, room, writer, pages)
         except (RequestFailed, WriteFailed, TransferError, HandoffError, asyncio.TimeoutError) as e:
             reason = str(e) or type(e).__name__
             room.fail(reason)
@@ -189,7 +189,7 @@ class PrefillHandler:
         if room.state is KVPoll.BOOTSTRAPPING:  # chunk writes may already be TRANSFERRING
             room.state = KVPoll.WAITING_FOR_INPUT
 
-    async def _compute(self, req: Req, room: Room, writer: RoomWriter) -> tuple[int, list[int] | None]:
+    async def _compute(self, req: Req, room: Room, writer: RoomWriter) -> tuple[int, list[int]]:
         """Run the prompt; pages of finished chunks go to the decode meanwhile (`writer`).
         Returns the first token and the request's pages (as the finishing update reported them)."""
         aio = asyncio.get_running_loop()
@@ -210,14 +210,16 @@ class PrefillHandler:
             watch.cancel()
         if upd.finish_reason is FinishReason.ABORT or room.state is KVPoll.FAILED:
             raise RequestFailed(room.reason or upd.finish_detail or "aborted", "aborted")
-        return req.output_ids[0], list(upd.held_pages) if upd.held_pages is not None else None
+        if upd.held_pages is None:  # the scheduler names a held request's pages when it ends
+            raise RequestFailed(f"request {req.rid} finished without its pages", "no_pages")
+        return req.output_ids[0], list(upd.held_pages)
 
     async def _abort_on_room_failure(self, req: Req, room: Room) -> None:
         """A room that fails while its prompt runs (the decode aborted it) stops the forward."""
         await room.failed.wait()
         self.pd.abort(req.rid, room.reason)
 
-    async def _transfer(self, req: Req, room: Room, writer: RoomWriter, held: list[int] | None) -> None:
+    async def _transfer(self, req: Req, room: Room, writer: RoomWriter, pages: list[int]) -> None:
         """The pages not sent with a chunk + the handoff row, once every chunk write ended. An
         abort meanwhile does not cut a posted write short: released in flight, it might still
         land later in pages the decode has handed to someone else."""
@@ -228,7 +230,6 @@ class PrefillHandler:
         dest = room.destination
         assert dest is not None
         pd, rows = self.pd, self.endpoint.rows
-        pages = held if held is not None else await asyncio.wrap_future(pd.page_list(req))
         need = pd.pages_for(req.seq_len)
         if len(dest.pages) != need or dest.num_tokens != req.seq_len:
             raise RequestFailed(
@@ -237,8 +238,8 @@ class PrefillHandler:
                 "bad_destination",
             )
         t = time.perf_counter()
-        # microseconds of work when the finishing update named the pages; without them, a round
-        # trip to the scheduler thread that waits for its step in flight (7-14 ms under load)
+        # microseconds of work: the finishing update names the pages (it once did not, and the
+        # round trip to the scheduler thread for them waited out a step, 7-14 ms under load)
         stage("check").observe(t - computed)
         payload = pd.encode_handoff(req)
         encoded = time.perf_counter()
