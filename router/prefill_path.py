@@ -150,6 +150,11 @@ def remote_ttft(prefill: NodeState, prompt_tokens: int, now: float | None = None
     return (compute + prefill.kv_transfer_s) * prefill.ttft.current(time.monotonic() if now is None else now)
 
 
+def guard_cycle(guard: float, line: NodePerf) -> float:
+    """Seconds a decode step may take under a TPOT guard: the guard per token a request gains per step."""
+    return guard * max(1.0, line.decode_tokens_per_step)
+
+
 def local_ttft(
     decode: NodeState, prompt_tokens: int, max_new_tokens: int, borrowed_rate: float, now: float | None = None
 ) -> LocalEstimate:
@@ -175,7 +180,7 @@ def local_ttft(
         step = perf.step_s(batch)
         if step is None:
             return LocalEstimate()
-        cycle = guard * max(1.0, perf.decode_tokens_per_step)
+        cycle = guard_cycle(guard, perf)
         if cycle <= step:
             return LocalEstimate(refusal=DECODE_AT_BUDGET)
         share, in_flight = (cycle - step) / cycle, step
@@ -197,7 +202,7 @@ def steps_past_guard(node: NodeState, line: NodePerf) -> bool:
     guard, step = node.perf.tpot_guard_s, line.step_s(max(node.running, node.inflight) + 1)
     if guard is None or step is None:
         return False
-    return step >= guard * max(1.0, line.decode_tokens_per_step)
+    return step >= guard_cycle(guard, line)
 
 
 def prompts_fit_beside_decoding(prefill: NodeState, line: NodePerf, prompt_demand: float) -> bool:
@@ -208,8 +213,8 @@ def prompts_fit_beside_decoding(prefill: NodeState, line: NodePerf, prompt_deman
     rate = prefill.perf.mixed_tokens_per_s or prefill.perf.prefill_tokens_per_s
     if guard is None or step is None or not rate or prompt_demand <= 0:
         return True
-    budget = guard * max(1.0, line.decode_tokens_per_step)
-    return prompt_demand <= rate * max(0.0, budget - step) / budget
+    cycle = guard_cycle(guard, line)
+    return prompt_demand <= rate * max(0.0, cycle - step) / cycle
 
 
 def runs_whole(
