@@ -61,10 +61,12 @@ def test_chunk_writes_overlap_the_prompt_and_keep_pd_equal_to_colocated(tiny_lla
             ("pdserve_kv_write_pages_total", kind("final"))
         ] == sum(pages)
         # the final write holds the last chunk's pages (+1 for a page a chunk boundary splits), and
-        # one chunk more where the next chunk finished before the one before it was posted (a busy
-        # CPU: the scheduler thread outran the event loop): far from all of them (33 pages)
-        assert sum(pages) > 2 * len(PROMPTS) * (CHUNK // PAGE + 1)
-        assert m[("pdserve_kv_write_pages_total", kind("final"))] <= len(PROMPTS) * (2 * CHUNK // PAGE + 1)
+        # whatever chunks finished while an earlier chunk's write was being posted: how many is
+        # timing (on a busy CPU the scheduler thread outruns the event loop by one chunk or more,
+        # and settling folds them into the final write), so the bound is that chunk writes carried
+        # at least a whole chunk per prompt on the average, not the final write's exact share
+        chunk_pages = m[("pdserve_kv_write_pages_total", kind("chunk"))]
+        assert chunk_pages >= len(PROMPTS) * (CHUNK // PAGE), (chunk_pages, sum(pages))
         assert m[("pdserve_kv_handoff_tail_seconds_count", ())] == len(PROMPTS)
         for stage in ("handover", "check", "encode", "settle", "row"):  # every tail's stages
             assert m[("pdserve_kv_handoff_stage_seconds_count", (("stage", stage),))] == len(PROMPTS), stage
