@@ -338,7 +338,14 @@ class UpOptions:
     local_decode_tpot_ms: Optional[float] = opt(
         None,
         "Prefill nodes' TPOT guard for the requests they run whole when the decode tier is at its TPOT "
-        "budget (their --local-decode-tpot-ms; default: theirs, 0: never). Needs --pd-prefill-policy auto.",
+        "budget (their --local-decode-tpot-ms; default: theirs, 0: never; with --pd-pooling, the decode "
+        "nodes' guard). Needs --pd-prefill-policy auto.",
+    )
+    pd_pooling: str = opt(
+        "off",
+        "The router's --pd-pooling: auto falls back to colocated execution (every node serves whole "
+        "requests) while the decode tier is what the load exhausts; always, throughout; off, never. "
+        "Needs --pd-prefill-policy auto.",
     )
     verbose: bool = opt(False, "Echo the nodes' logs.", negatable=False)
 

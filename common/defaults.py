@@ -112,3 +112,16 @@ def check_pd_prefill_policy(value: str) -> str:
     if value not in PD_PREFILL_POLICIES:
         raise ValueError(f"--pd-prefill-policy must be one of {', '.join(PD_PREFILL_POLICIES)}, got {value!r}")
     return value
+
+
+PD_POOLING_MODES = ("off", "auto", "always")  # the router's --pd-pooling (router/pooling.py)
+
+
+def check_pd_pooling(mode: str, prefill_policy: str) -> str:
+    """A known --pd-pooling mode, and one that the prefill path policy allows (pooling routes
+    requests on the whole and local paths, which only `auto` takes)."""
+    if mode not in PD_POOLING_MODES:
+        raise ValueError(f"--pd-pooling must be one of {', '.join(PD_POOLING_MODES)}, got {mode!r}")
+    if mode != "off" and prefill_policy != "auto":
+        raise ValueError(f"--pd-pooling {mode} needs --pd-prefill-policy auto (got {prefill_policy})")
+    return mode

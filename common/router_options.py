@@ -47,6 +47,13 @@ class RouterOptions:
     pd_remote_ttft_target_ms: float = opt(
         200.0, "auto: above this estimated prefill TTFT, prompts overflow to a decode that starts them sooner."
     )
+    pd_pooling: str = opt(
+        "off",
+        "auto: while the decode tier's load nears its capacity within its TPOT guard and the prefill tier's "
+        "is lighter, every node serves whole requests as a colocated replica (prefill nodes started with "
+        "--local-decode-tpot-ms, decode nodes with local prompts), and the split returns when the decode "
+        "tier has room; always: pooled throughout; off: never. Needs --pd-prefill-policy auto.",
+    )
     served_model: Optional[str] = opt(
         None, "Model id clients send (default: the nodes').", aliases=("--served-model-name",)
     )

@@ -19,7 +19,13 @@ from common.config import (
     SpeculativeOptions,
     UpOptions,
 )
-from common.defaults import check_pd_prefill_policy, check_rows_place, check_sgl_mode
+from common.defaults import (
+    DEFAULT_LOCAL_PREFILL_TPOT_MS,
+    check_pd_pooling,
+    check_pd_prefill_policy,
+    check_rows_place,
+    check_sgl_mode,
+)
 from common.router_options import RouterOptions
 from pdserve.errors import fail
 from pdserve.flags import with_options
@@ -108,6 +114,14 @@ def _guard_args(flag: str, guard: float | None) -> tuple[str, ...]:
     """The guard flag `up` passes to one role's nodes alone; a negative guard is refused before
     anything starts."""
     return () if guard is None else (flag, f"{_guard(flag, guard):g}")
+
+
+def _whole_guard_ms(opts: UpOptions) -> float | None:
+    """The prefill nodes' --local-decode-tpot-ms: as given; pooled, the decode nodes' guard when not
+    given (a pooled prefill node serves whole requests as a decode node serves its own)."""
+    if opts.local_decode_tpot_ms is not None or opts.pd_pooling == "off":
+        return opts.local_decode_tpot_ms
+    return opts.local_prefill_tpot_ms if opts.local_prefill_tpot_ms is not None else DEFAULT_LOCAL_PREFILL_TPOT_MS
 
 
 def register(app: typer.Typer) -> None:
@@ -200,9 +214,10 @@ def register(app: typer.Typer) -> None:
 
         try:
             check_pd_prefill_policy(opts.pd_prefill_policy)
+            check_pd_pooling(opts.pd_pooling, opts.pd_prefill_policy)
             _check_up_tp(opts)
             decode_args = _guard_args("--local-prefill-tpot-ms", opts.local_prefill_tpot_ms)
-            prefill_args = _guard_args("--local-decode-tpot-ms", opts.local_decode_tpot_ms)
+            prefill_args = _guard_args("--local-decode-tpot-ms", _whole_guard_ms(opts))
         except ValueError as e:
             fail(e)
 
@@ -219,6 +234,7 @@ def register(app: typer.Typer) -> None:
             isolate_gpus=opts.isolate_gpus,
             log_args=("--log-level", log.log_level, "--log-format", log.log_format),
             pd_prefill_policy=opts.pd_prefill_policy,
+            pd_pooling=opts.pd_pooling,
             tp_size=opts.tp_size,
             decode_args=decode_args,
             prefill_args=prefill_args,

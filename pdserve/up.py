@@ -64,6 +64,7 @@ class UpConfig:
     isolate_gpus: bool = True
     log_args: tuple[str, ...] = ()  # --log-level/--log-format for every child, router included
     pd_prefill_policy: str = "remote"  # the router's --pd-prefill-policy (PD only)
+    pd_pooling: str = "off"  # the router's --pd-pooling (PD only)
     # Tensor-parallel ranks per node: node k's ranks on GPUs k*tp_size .. k*tp_size + tp_size - 1
     tp_size: int = 1
     decode_args: tuple[str, ...] = ()  # flags for decode nodes only (e.g. --local-prefill-tpot-ms)
@@ -119,7 +120,7 @@ class Deployment:
             nodes += started
         router_args = ["router", "--host", cfg.host, "--port", str(cfg.port), *cfg.log_args]
         if not cfg.colocated:
-            router_args += ["--pd-prefill-policy", cfg.pd_prefill_policy]
+            router_args += ["--pd-prefill-policy", cfg.pd_prefill_policy, "--pd-pooling", cfg.pd_pooling]
         for n in nodes:
             if n.name.startswith("prefill"):
                 router_args += ["--prefill", f"{cfg.host}:{n.ports['scheduler']},{n.ports['bootstrap']}"]

@@ -26,6 +26,7 @@ from typing import AsyncGenerator
 
 from prometheus_client import CollectorRegistry
 
+from common.defaults import check_pd_pooling
 from common.sampling import SamplingParams
 from router.contract import (
     DispatchError,
@@ -39,6 +40,7 @@ from router.kv_index import KvIndex
 from router.metrics import CacheRouteMetrics, DispatchMetrics, PathMetrics
 from router.nodes import NodeRegistry
 from router.policy import Policy, pair_available
+from router.pooling import DEFAULT_POOL_RULE, PoolMetrics, PoolRule, PoolSwitch, poolable, select_pooled
 from router.prefill_path import DEFAULT_RULE, PATHS, POLICIES, REASONS, PathRule, Route, select_route
 from router.sizing import TierBalance
 from router.attempt import DEFAULT_STAGE_TIMEOUTS, AttemptContext, PDAttempt, StageTimeouts
@@ -65,9 +67,12 @@ class PDDispatcher:
         path_policy: str = "remote",
         kv_index: KvIndex | None = None,
         path_rule: PathRule = DEFAULT_RULE,
+        pooling: str = "off",
+        pool_rule: PoolRule = DEFAULT_POOL_RULE,
     ) -> None:
         if path_policy not in POLICIES:
             raise ValueError(f"unknown prefill path policy {path_policy!r} (choose from {', '.join(POLICIES)})")
+        check_pd_pooling(pooling, path_policy)
         self.registry, self.prefill_policy, self.decode_policy = registry, prefill_policy, decode_policy
         self.path_policy, self.path_rule = path_policy, path_rule
         self.max_attempts, self.timeouts = max(1, max_attempts), timeouts
@@ -85,6 +90,8 @@ class PDDispatcher:
         self.path_metrics = PathMetrics(self.metrics_registry, REASONS, PATHS)
         self.balance = TierBalance(registry)
         self.path_metrics.bind(self.balance)
+        self.pool = PoolSwitch(pooling, pool_rule)  # split or pooled (router/pooling.py)
+        self.pool_metrics = PoolMetrics(self.metrics_registry)
         self.kv_index = kv_index  # the expected hit of each routed prompt, when nodes' caches are followed
         self.cache_metrics = CacheRouteMetrics(self.metrics_registry, kv_index) if kv_index is not None else None
         self._last_success: float | None = None
@@ -93,6 +100,7 @@ class PDDispatcher:
         self._background: set[asyncio.Future] = set()
         if auto_probe:
             registry.listeners.append(self._on_refresh)
+        registry.listeners.append(self.update_pool)
 
     def model(self) -> ModelCard | None:
         return self.registry.model_card()
@@ -134,7 +142,7 @@ class PDDispatcher:
                     if isinstance(event, TokenEvent):
                         if not started:
                             attempt.observe_first_token(job_started)
-                        self.balance.outputs.add(len(event.token_ids))
+                        self.balance.add_output(len(event.token_ids))
                     started = True
                     if isinstance(event, FinishEvent) and event.finish_reason != "abort":
                         self._last_success = time.monotonic()  # before the yield: the consumer may stop here
@@ -170,7 +178,10 @@ class PDDispatcher:
         index = self.kv_index
         cached = (lambda node: index.expected_hit(node, job)) if index is not None else (lambda node: 0)
         for _ in range(4):  # a half-open probe slot taken meanwhile: choose again
-            route = select_route(
+            pooled = (
+                select_pooled(self.registry, self.decode_policy, job, exclude, cached) if self.pool.pooled else None
+            )
+            route = pooled or select_route(
                 self.registry,
                 self.prefill_policy,
                 self.decode_policy,
@@ -196,10 +207,11 @@ class PDDispatcher:
         return None
 
     def _observe_route(self, route: Route, job: GenerationJob) -> None:
-        prompt_tokens = len(job.input_ids)
+        prompt_tokens, hit = len(job.input_ids), 0
         if self.kv_index is not None and self.cache_metrics is not None:
             runs_prompt = route.prefill if route.path == "remote" and route.prefill is not None else route.decode
-            self.cache_metrics.expected_hit.observe(self.kv_index.expected_hit(runs_prompt, job))
+            hit = self.kv_index.expected_hit(runs_prompt, job)
+            self.cache_metrics.expected_hit.observe(hit)
         d = route.decision
         self.path_metrics.observe(
             route.path,
@@ -208,7 +220,21 @@ class PDDispatcher:
             d.local_s if d is not None else None,
         )
         if route.path != "colocated":  # the tiers' demand: colocated nodes are in neither
-            self.balance.prompts.add(prompt_tokens)
+            self.balance.add_prompt(prompt_tokens, hit)
+
+    def update_pool(self) -> None:
+        """Registry refresh hook: pool or split again from the tiers' recent load (router/pooling.py)."""
+        load = self.balance.recent_load()
+        switched = self.pool.update(load, poolable(self.registry))
+        if switched:
+            log.info(
+                "PD deployment %s: tier load prefill %.2f, decode %.2f, pooled %.2f",
+                "pooled (every node serves whole requests)" if self.pool.pooled else "split again",
+                load.prefill,
+                load.decode,
+                load.pooled,
+            )
+        self.pool_metrics.record(self.pool.pooled, switched, load)
 
     async def probe(self) -> bool:
         """One tiny real request (one token) through a pair, so readiness needs no user traffic."""
@@ -245,8 +271,9 @@ class PDDispatcher:
 
     async def close(self) -> None:
         """Stop background work (probe, leftover prefill legs and aborts) and the refresh hook."""
-        if self._on_refresh in self.registry.listeners:
-            self.registry.listeners.remove(self._on_refresh)
+        for listener in (self._on_refresh, self.update_pool):
+            if listener in self.registry.listeners:
+                self.registry.listeners.remove(listener)
         pending = [t for t in [self._probe_task, *self._background] if t is not None and not t.done()]
         for t in pending:
             t.cancel()

@@ -59,6 +59,7 @@ async def run_router(options: RouterOptions) -> None:
         path_policy=options.pd_prefill_policy,
         kv_index=index,
         path_rule=PathRule(options.pd_local_max_tokens, options.pd_remote_ttft_target_ms / 1e3),
+        pooling=options.pd_pooling,
     )
     await registry.start()
     try:

@@ -61,6 +61,7 @@ DECODE_AT_BUDGET = "decode_at_budget"  # its decode steps alone fill the TPOT bu
 KV_HEADROOM = "kv_headroom"  # the decode's free KV does not hold prompt + output
 NO_PREFILL = "no_prefill"  # no usable prefill: local or nothing
 DECODE_FULL = "decode_full"  # the decode's steps would pass its TPOT guard: whole on the prefill
+POOLED = "pooled"  # every node serves whole requests (router/pooling.py): whole or local, by load
 REASONS = (
     POLICY,
     FASTER_REMOTE,
@@ -74,6 +75,7 @@ REASONS = (
     KV_HEADROOM,
     NO_PREFILL,
     DECODE_FULL,
+    POOLED,
 )
 PATHS = ("remote", "local", "whole", "colocated")  # metric label values too
 

@@ -186,6 +186,24 @@ def test_goodput_follows_the_definition_from_the_points(tmp_path: Path) -> None:
         "tight_goal_met": False,
         "loose_highest_rate_goal_met": False,
     }
+    assert "goals_by_deployment" not in data
+
+
+def test_other_pd_deployments_are_judged_against_colocated_too(tmp_path: Path) -> None:
+    results = _results(
+        {
+            "pd": [(2, 1.0, 1.0), (4, 0.5, 0.2)],
+            "colocated": [(2, 1.0, 1.0), (4, 1.0, 0.4)],
+            "pd_pooled": [(2, 1.0, 1.0), (4, 1.0, 0.95)],
+        }
+    )
+    results.deployment("pd_pooled", {"label": "pooled"})
+    data = json.loads(results.write(tmp_path, "cpu")[0].read_text())
+    assert data["goals"]["pd_over_colocated"] == {"w": {"loose": 0.5, "tight": 1.0}}
+    pooled = data["goals_by_deployment"]["pd_pooled"]
+    assert (
+        pooled["pd_over_colocated"] == {"w": {"loose": 1.0, "tight": 2.0}} and pooled["every_curve_at_least_colocated"]
+    )
 
 
 # ---- the deployment and the checkpoint ----------------------------------------------------------
@@ -198,6 +216,8 @@ def test_both_deployments_start_the_same_way_but_for_their_topology() -> None:
     assert co[pd.index("--prefill") : pd.index("--prefill") + 2] == ["--colocated", "2"]
     remote = up_argv("pd_remote", Path("/m"))
     assert remote[remote.index("--pd-prefill-policy") + 1] == "remote"
+    pooled = up_argv("pd_pooled", Path("/m"))
+    assert pooled[pooled.index("--pd-prefill-policy") + 1] == "auto" and pooled[-2:] == ["--pd-pooling", "auto"]
 
 
 def test_busy_requests_read_every_node_gauge() -> None:
@@ -347,6 +367,10 @@ def test_goodput_bench_end_to_end_on_cpu(tmp_path: Path, monkeypatch: pytest.Mon
                     # every completed request was routed (one the client cut before its route has none);
                     # the bench's prefill nodes run no whole requests unless told (--whole-on-prefill)
                     assert p["paths"]["remote"] + p["paths"]["local"] >= p["completed"] and p["paths"]["whole"] == 0
+                    # not pooled (no --pd-pooling), with the recent tier load the router read at the end
+                    assert p["pool"]["pooled"] == 0.0 and {"load_prefill", "load_decode", "load_pooled"} <= set(
+                        p["pool"]
+                    )
                 assert p["completed"] + p["failed"] == p["requests"] and p["request_throughput"] >= 0
                 for key in ("ttft_ms", "tpot_ms"):  # over completed requests (a loaded CPU may cut all)
                     pcts = [p[key][q] for q in ("p50", "p90", "p99")]

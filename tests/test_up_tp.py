@@ -116,3 +116,22 @@ def test_each_role_alone_gets_its_guard(monkeypatch: pytest.MonkeyPatch) -> None
     for flag in ("--local-prefill-tpot-ms", "--local-decode-tpot-ms"):
         res = CliRunner().invoke(app, ["up", flag, "-1"])
         assert res.exit_code == 2 and f"{flag} must be >= 0" in res.output
+
+
+def test_pooling_gives_prefill_nodes_the_decode_guard_unless_told() -> None:
+    """`up --pd-pooling auto` starts prefill nodes that serve whole requests, at the decode nodes'
+    guard unless --local-decode-tpot-ms says otherwise; pooling without the auto path policy is
+    refused before anything starts."""
+    from common.config import UpOptions
+    from common.defaults import DEFAULT_LOCAL_PREFILL_TPOT_MS
+    from pdserve.node_cli import _whole_guard_ms
+
+    def guard(**kw: object) -> float | None:
+        return _whole_guard_ms(UpOptions(**{"pd_prefill_policy": "auto", **kw}))  # type: ignore[arg-type]
+
+    assert guard() is None and guard(local_decode_tpot_ms=9.0) == 9.0  # not pooled: as given
+    assert guard(pd_pooling="auto") == DEFAULT_LOCAL_PREFILL_TPOT_MS
+    assert guard(pd_pooling="auto", local_prefill_tpot_ms=12.0) == 12.0
+    assert guard(pd_pooling="always", local_decode_tpot_ms=9.0, local_prefill_tpot_ms=12.0) == 9.0
+    res = CliRunner().invoke(app, ["up", "--pd-pooling", "auto"])
+    assert res.exit_code == 2 and "needs --pd-prefill-policy auto" in res.output

@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--deployments",
         default="pd,colocated",
         help="comma-separated, measured in this order: pd (the router picks each prompt's node), "
-        "colocated, pd_remote (every prompt on the prefill node)",
+        "colocated, pd_remote (every prompt on the prefill node), pd_pooled (pd with --pd-pooling auto)",
     )
     p.add_argument("--max-running", type=int, default=None, help="the nodes' --max-running (default: theirs)")
     p.add_argument(

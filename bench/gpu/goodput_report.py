@@ -85,6 +85,9 @@ class Results:
             summary[wname] = {dep: w["loose"][f"{dep}_goodput"] for dep in deployments}
         self.data["highest_rate_within_loose_slo"] = summary
         self.data["goals"] = goals(self.data["workloads"])
+        others = [d for d in deployments if d.startswith("pd_")]  # pd_remote, pd_pooled: judged the same way
+        if others:
+            self.data["goals_by_deployment"] = {d: goals(self.data["workloads"], d) for d in others}
         return self.data
 
     def write(self, out_dir: Path, gpu: str) -> tuple[Path, Path | None]:
@@ -102,14 +105,14 @@ class Results:
 GOAL_EVERY_CURVE, GOAL_TIGHT, GOAL_TIGHT_WORKLOADS, GOAL_LOOSE = 1.0, 1.3, 2, 1.2
 
 
-def goals(workloads: dict[str, Any]) -> dict[str, Any]:
-    """PD over colocated per workload and SLO (null where either has no goodput) and whether each
-    goal is met: at least 1.0x on every curve, 1.3x under the tight SLO on two workloads, 1.2x the
-    highest rate within the loose SLO on every workload."""
+def goals(workloads: dict[str, Any], pd_deployment: str = "pd") -> dict[str, Any]:
+    """PD (`pd_deployment`) over colocated per workload and SLO (null where either has no goodput)
+    and whether each goal is met: at least 1.0x on every curve, 1.3x under the tight SLO on two
+    workloads, 1.2x the highest rate within the loose SLO on every workload."""
     ratios: dict[str, dict[str, float | None]] = {}
     for wname, w in workloads.items():
         for slo in SLO_NAMES:
-            pd, co = w[slo].get("pd_goodput"), w[slo].get("colocated_goodput")
+            pd, co = w[slo].get(f"{pd_deployment}_goodput"), w[slo].get("colocated_goodput")
             ratios.setdefault(wname, {})[slo] = pd / co if pd is not None and co else None
     known = [r for by_slo in ratios.values() for r in by_slo.values()]
     tight = sum(1 for by_slo in ratios.values() if (r := by_slo["tight"]) is not None and r >= GOAL_TIGHT)

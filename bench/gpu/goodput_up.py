@@ -30,13 +30,15 @@ TOPOLOGIES = {
     "pd": ("--prefill", "1", "--decode", "1", "--pd-prefill-policy", "auto"),
     "colocated": ("--colocated", "2"),
     "pd_remote": ("--prefill", "1", "--decode", "1", "--pd-prefill-policy", "remote"),
+    "pd_pooled": ("--prefill", "1", "--decode", "1", "--pd-prefill-policy", "auto", "--pd-pooling", "auto"),
 }
 LABELS = {
     "pd": "PD 1P1D: prefill node on GPU 0, decode node on GPU 1; the router picks each prompt's node",
     "colocated": "two colocated replicas, one per GPU",
     "pd_remote": "PD 1P1D with every prompt on the prefill node",
+    "pd_pooled": "PD 1P1D as pd, both nodes serving whole requests while the decode tier is the bottleneck",
 }
-NODES = {"pd": 2, "colocated": 2, "pd_remote": 2}  # /metrics lines `pdserve up` prints
+NODES = {"pd": 2, "colocated": 2, "pd_remote": 2, "pd_pooled": 2}  # /metrics lines `pdserve up` prints
 _UP = re.compile(r"^pdserve is up: (\S+)")
 _METRICS = re.compile(r"^(\S+) metrics: (\S+)$")
 # a request a node still holds: queued, running, or (PD) reserving or receiving KV
@@ -186,6 +188,8 @@ ROUTER_TTFT = "pdserve_router_time_to_first_token_seconds"  # the whole, as the 
 PATH_DECISIONS = "pdserve_router_prefill_path_decisions_total"  # by reason (router/prefill_path.py)
 PATH_ESTIMATES = "pdserve_router_prefill_path_estimate_seconds"  # each path's estimate when chosen
 CALIBRATION = "pdserve_router_ttft_estimate_ratio"  # per node: observed over estimated TTFT
+POOLED = "pdserve_router_pd_pooled"  # 1 while every PD node serves whole requests (router/pooling.py)
+TIER_LOAD = "pdserve_router_tier_load"  # the recent load over capacity it decides on, by tier
 _SAMPLE = re.compile(r"^(pdserve_\w+)(?:\{([^}]*)\})? ([0-9.eE+-]+|NaN)$", re.M)
 
 
@@ -313,7 +317,16 @@ async def router_counters(client: httpx.AsyncClient, router_url: str) -> dict[st
             counts[f"reason:{reason[1]}"] = value
         elif name == CALIBRATION and (role := re.search(r'role="([^"]*)"', labels)):
             counts[f"calibration:{role[1]}"] = value  # a gauge: read at the point's end, not diffed
+        elif name == POOLED:  # gauges too (router/pooling.py)
+            counts["pool:pooled"] = value
+        elif name == TIER_LOAD and (tier := re.search(r'tier="([^"]*)"', labels)):
+            counts[f"pool:load_{tier[1]}"] = value
     return counts
+
+
+def point_pool(after: dict[str, float]) -> dict[str, float]:
+    """The router's mode (pooled 1, split 0) and the tiers' recent load at a point's end (router/pooling.py)."""
+    return {k.removeprefix("pool:"): v for k, v in after.items() if k.startswith("pool:")}
 
 
 def point_calibration(after: dict[str, float]) -> dict[str, float]:

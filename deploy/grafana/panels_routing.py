@@ -65,6 +65,19 @@ ROUTING_ROWS: list[tuple[str, list[Panel]]] = [
                 ],
             ),
             Panel(
+                "Pooled (colocated fallback) and tier load",
+                "short",
+                "With --pd-pooling: 1 while every node serves whole requests as a colocated replica (the "
+                "decode tier was what the load exhausted), 0 while split; and the recent (5 s) load over "
+                "capacity the router decides on: prefill (prompt tokens to compute over the prefill nodes' "
+                "rates), decode (output tokens over the decode nodes' capacity within their TPOT guard), pooled.",
+                [
+                    ("max(pdserve_router_pd_pooled)", "pooled"),
+                    ("max by (tier) (pdserve_router_tier_load >= 0)", "load {{tier}}"),
+                    (f"sum by (to) (increase(pdserve_router_pd_pool_switches_total[{W}]))", "switches to {{to}}"),
+                ],
+            ),
+            Panel(
                 "Prefill:decode node ratio",
                 "short",
                 "Prefill nodes per decode node that would balance the current load, (prefill demand / "

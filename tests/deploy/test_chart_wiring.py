@@ -225,8 +225,20 @@ def test_every_process_takes_the_flags_the_chart_gives_it(objs: list[dict[str, A
             assert params["device"] == "auto" and 0 < params["mem_fraction_static"] <= 1
             assert params["max_total_tokens"] is None  # sized from the memory fraction
         else:
-            assert params["pd_prefill_policy"] == "remote"
+            assert params["pd_prefill_policy"] == "remote" and params["pd_pooling"] == "off"
             assert (params["pd_local_max_tokens"], params["pd_remote_ttft_target_ms"]) == (256, 200.0)
+        if component == "prefill":  # no whole requests unless the router pools
+            assert params["local_decode_tpot_ms"] == 0.0
+
+
+def test_pooling_gives_prefill_pods_a_guard_for_whole_requests() -> None:
+    values = {"router": {"pdPrefillPolicy": "auto", "pdPooling": "auto"}, "prefill": {"localDecodeTpotMs": 20}}
+    workloads = _workloads(objects(values))
+    router = cli_params(next(containers(workloads["router"]))["args"])
+    assert (router["pd_prefill_policy"], router["pd_pooling"]) == ("auto", "auto")
+    prefill = cli_params(next(containers(workloads["prefill"]))["args"])
+    assert prefill["local_decode_tpot_ms"] == 20.0
+    assert "--local-decode-tpot-ms" not in " ".join(next(containers(workloads["decode"]))["args"])
 
 
 def test_default_values_use_the_built_in_pair_without_rdma() -> None:

@@ -84,9 +84,13 @@ def start_stack(
     ready_timeout: float = 60.0,
     router_args: tuple[str, ...] = (),
     node_args: tuple[str, ...] = (),
+    prefill_args: tuple[str, ...] = (),
 ) -> Stack:
-    """Nodes start in parallel; then the router; then /ready must turn 200 (a real handoff)."""
-    prefill = Node(["prefill", *_model_args(model), "--port", "0", "--bootstrap-port", "0", *NODE_ARGS, *node_args])
+    """Nodes start in parallel; then the router; then /ready must turn 200 (a real handoff).
+    `node_args` go to every node, `prefill_args` to the prefill node alone."""
+    prefill = Node(
+        ["prefill", *_model_args(model), "--port", "0", "--bootstrap-port", "0", *NODE_ARGS, *node_args, *prefill_args]
+    )
     ds = [decode_node(model, extra=node_args) for _ in range(decodes)]
     started: list[Node] = [prefill, *ds]
     try:

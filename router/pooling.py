@@ -1,0 +1,176 @@
+"""Falling back to colocated execution: when the decode tier is what the load exhausts, every node of a PD
+deployment serves whole requests as a colocated replica would (prefill nodes on the whole path,
+decode nodes on the local path), and back to the split once the decode tier has room again.
+
+A 1P1D split caps decode at one GPU: under decode-heavy traffic its steps reach the TPOT guard
+while the prefill GPU idles, and two colocated replicas, each stepping half the batch, serve more
+(bench/RESULTS.md, goodput runs). Sending some requests whole to the prefill node while it still
+computes every other prompt did not pay: its guard left its prompts too little time, and the
+prompt queue grew to 0.6 s. Pooled, no node is a prefill tier for another: each computes only its
+own requests' prompts, and decodes them.
+
+The decision is per deployment, from the tiers' load over the last few seconds (router/sizing.py
+TierLoad: prompt tokens/s to compute over the prefill nodes' measured prompt rates, output
+tokens/s over the decode nodes' capacity within their TPOT guard, and the decode nodes' running
+batch over the largest batch their guard allows, which follows a rise without the rates' window).
+Pool when the decode tier's load reaches `enter_decode_load` and spreading the work over every
+node would lower the busiest tier's load by at least `min_gain`; split again when the decode
+tier's output rate falls to `leave_decode_load` of its capacity or the prompts become the larger
+load. A switch holds for at least `dwell_s`: it moves no request and no KV (requests in flight
+finish where they are), so only flapping could cost. The rule's thresholds are not yet tuned on
+GPUs (bench/gpu/goodput.py --deployments pd_pooled,colocated measures them).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Collection
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from common.defaults import PD_POOLING_MODES
+from router.contract import GenerationJob
+from router.nodes import NodeRegistry, NodeState
+from router.policy import Policy
+from router.prefill_path import KV_HEADROOM, LOCAL_REFUSED, POOLED, PathDecision, Route, local_ttft
+from router.sizing import TierLoad
+
+MODES = PD_POOLING_MODES  # --pd-pooling
+
+
+@dataclass(frozen=True)
+class PoolRule:
+    """When `auto` pools and splits again (module docstring)."""
+
+    enter_decode_load: float = 0.8
+    leave_decode_load: float = 0.6
+    min_gain: float = 0.1
+    dwell_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.leave_decode_load < self.enter_decode_load or not 0 <= self.min_gain < 1 or self.dwell_s < 0:
+            raise ValueError(f"need 0 < leave < enter decode load, min_gain in [0, 1) and dwell_s >= 0, got {self}")
+
+    def should_pool(self, load: TierLoad) -> bool:
+        """From split: the decode tier near its capacity (by its output rate, or by its running
+        batch, which follows a rise at once), and pooling clearly lighter than it."""
+        decode = max((x for x in (load.decode, load.decode_batch) if not math.isnan(x)), default=math.nan)
+        if math.isnan(decode) or math.isnan(load.prefill):
+            return False
+        return (
+            decode >= self.enter_decode_load
+            and decode >= load.prefill
+            and load.spread(decode) <= max(decode, load.prefill) * (1 - self.min_gain)
+        )
+
+    def should_split(self, load: TierLoad) -> bool:
+        """From pooled: the decode tier has room again, or prompts are now the larger load (by the
+        rates alone: pooled, the decode nodes' own batch is only their share of the load)."""
+        if math.isnan(load.decode) or math.isnan(load.prefill):
+            return False
+        return load.decode <= self.leave_decode_load or load.prefill > load.decode
+
+
+DEFAULT_POOL_RULE = PoolRule()
+
+
+class PoolSwitch:
+    """The deployment's current mode (pooled or split) under --pd-pooling, updated from the tiers' load."""
+
+    def __init__(self, mode: str, rule: PoolRule = DEFAULT_POOL_RULE, clock: Callable[[], float] = time.monotonic):
+        if mode not in MODES:
+            raise ValueError(f"unknown --pd-pooling {mode!r} (choose from {', '.join(MODES)})")
+        self.mode, self.rule, self.clock = mode, rule, clock
+        self.pooled = False
+        self._since = -math.inf  # when the mode last changed
+
+    def update(self, load: TierLoad, can_pool: bool) -> bool:
+        """Re-decide from `load`; `can_pool`: some prefill node decodes and some decode node
+        prefills (else the split stays). True when the mode changed."""
+        now = self.clock()
+        want = self.pooled
+        if not can_pool or self.mode == "off":
+            want = False
+        elif self.mode == "always":
+            want = True
+        elif now - self._since >= self.rule.dwell_s:
+            want = not self.rule.should_split(load) if self.pooled else self.rule.should_pool(load)
+        if want == self.pooled:
+            return False
+        self.pooled, self._since = want, now
+        return True
+
+
+def poolable(registry: NodeRegistry) -> bool:
+    """Can the deployment pool: a healthy prefill node that decodes and a healthy decode node that prefills?"""
+    return any(n.local_decode for n in registry.nodes("prefill")) and any(
+        n.local_prefill for n in registry.nodes("decode")
+    )
+
+
+def _fits(node: NodeState, job: GenerationJob, cached: int) -> bool:
+    """Can `node` hold the request's KV, prompt less its expected hit plus output, beside what it holds?"""
+    if node.role == "decode":  # the local path's own checks: it runs prompts, with KV to spare
+        refusal = local_ttft(node, max(1, len(job.input_ids) - cached), job.sampling.max_new_tokens, 0.0).refusal
+        return refusal not in (LOCAL_REFUSED, KV_HEADROOM)
+    free = node.max_tokens - node.used_tokens - node.prompts.total()
+    return not node.max_tokens or free >= len(job.input_ids) - cached + max(0, job.sampling.max_new_tokens)
+
+
+def select_pooled(
+    registry: NodeRegistry,
+    policy: Policy,
+    job: GenerationJob,
+    exclude: Collection[str] = (),
+    cached: Callable[[NodeState], int] = lambda node: 0,
+) -> Route | None:
+    """One node for the whole request among every node that can serve it alone, chosen as colocated
+    nodes are (the decode policy): a prefill node runs it whole, a decode node locally. None when
+    none can hold it (the caller routes it as split)."""
+    nodes = [n for n in registry.nodes("prefill") if n.local_decode and n.usable() and n.address not in exclude]
+    nodes += [n for n in registry.nodes("decode") if n.local_prefill and n.usable() and n.address not in exclude]
+    while nodes:
+        node = policy.choose(nodes, job)
+        if _fits(node, job, cached(node)):
+            path = "whole" if node.role == "prefill" else "local"
+            return Route(None, node, path, PathDecision(path, None, None, POOLED))
+        nodes.remove(node)
+    return None
+
+
+class PoolMetrics:
+    """The mode, each switch, and the tiers' recent load the rule reads."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        g = functools.partial(Gauge, registry=registry)
+        self.pooled = g(
+            "pdserve_router_pd_pooled",
+            "1 while every PD node serves whole requests as a colocated replica (--pd-pooling), 0 while split",
+        )
+        self.switches = Counter(
+            "pdserve_router_pd_pool_switches",
+            "Changes of the deployment's mode, by the mode entered",
+            ["to"],
+            registry=registry,
+        )
+        for to in ("pooled", "split"):
+            self.switches.labels(to)
+        self.load = g(
+            "pdserve_router_tier_load",
+            "Recent demand over capacity: prefill (prompt tokens/s to compute over the prefill nodes' rates), "
+            "decode (output tokens/s over the decode nodes' capacity within their TPOT guard), decode_batch "
+            "(their running requests over the batch their guard allows), pooled (prefill and decode spread "
+            "over every node); NaN while unknown",
+            ["tier"],
+        )
+
+    def record(self, pooled: bool, switched: bool, load: TierLoad) -> None:
+        self.pooled.set(float(pooled))
+        if switched:
+            self.switches.labels("pooled" if pooled else "split").inc()
+        values = (("prefill", load.prefill), ("decode", load.decode), ("decode_batch", load.decode_batch))
+        for tier, value in (*values, ("pooled", load.pooled)):
+            self.load.labels(tier).set(value)
