@@ -1,6 +1,7 @@
-"""Falling back to colocated execution: when the decode tier is what the load exhausts, every node of a PD
-deployment serves whole requests as a colocated replica would (prefill nodes on the whole path,
-decode nodes on the local path), and back to the split once the decode tier has room again.
+"""Falling back to colocated execution while the decode tier is a PD deployment's bottleneck.
+
+Pooled, every node serves whole requests as a colocated replica would (prefill nodes on the whole
+path, decode nodes on the local path); the split returns once the decode tier has room again.
 
 A 1P1D split caps decode at one GPU: under decode-heavy traffic its steps reach the TPOT guard
 while the prefill GPU idles, and two colocated replicas, each stepping half the batch, serve more
@@ -9,16 +10,17 @@ computes every other prompt did not pay: its guard left its prompts too little t
 prompt queue grew to 0.6 s. Pooled, no node is a prefill tier for another: each computes only its
 own requests' prompts, and decodes them.
 
-The decision is per deployment, from the tiers' load over the last few seconds (router/sizing.py
-TierLoad: prompt tokens/s to compute over the prefill nodes' measured prompt rates, output
-tokens/s over the decode nodes' capacity within their TPOT guard, and the decode nodes' running
-batch over the largest batch their guard allows, which follows a rise without the rates' window).
-Pool when the decode tier's load reaches `enter_decode_load` and spreading the work over every
-node would lower the busiest tier's load by at least `min_gain`; split again when the decode
-tier's output rate falls to `leave_decode_load` of its capacity or the prompts become the larger
-load. A switch holds for at least `dwell_s`: it moves no request and no KV (requests in flight
-finish where they are), so only flapping could cost. The rule's thresholds are not yet tuned on
-GPUs (bench/gpu/goodput.py --deployments pd_pooled,colocated measures them).
+The decision is per deployment, from the load over the last few seconds priced on the decode
+nodes' measured step line (router/tier_load.py): the decode tier's step at the recent output rate
+(and at the batch it runs now, which follows a rise without the rates' window) over its TPOT
+guard, the prefill tier's prompt tokens/s over its prompt rates, and every node's step were all
+of them to take their share of both. Pool when the decode tier reaches `enter_decode_load` of its
+budget, is busier than the prefill tier, and pooled steps would be at least `min_gain` lighter than
+the split's busiest tier; split again when the decode tier's load falls to `leave_decode_load`,
+prompts become the larger load, or pooling no longer lightens it. A switch holds for at least
+`dwell_s`: it moves no request and no KV (requests in flight finish where they are), so only
+flapping could cost. The thresholds are not yet tuned on GPUs (bench/gpu/goodput.py
+--deployments pd_pooled,colocated measures them).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from router.contract import GenerationJob
 from router.nodes import NodeRegistry, NodeState
 from router.policy import Policy
 from router.prefill_path import KV_HEADROOM, LOCAL_REFUSED, POOLED, PathDecision, Route, local_ttft
-from router.sizing import TierLoad
+from router.tier_load import TierLoad
 
 MODES = PD_POOLING_MODES  # --pd-pooling
 
@@ -55,23 +57,25 @@ class PoolRule:
             raise ValueError(f"need 0 < leave < enter decode load, min_gain in [0, 1) and dwell_s >= 0, got {self}")
 
     def should_pool(self, load: TierLoad) -> bool:
-        """From split: the decode tier near its capacity (by its output rate, or by its running
-        batch, which follows a rise at once), and pooling clearly lighter than it."""
+        """From split: the decode tier near its TPOT budget (by the recent output rate, or by the
+        batch it runs now, which follows a rise at once) and busier than the prefill tier, and
+        pooled steps clearly lighter than the split's busiest tier."""
         decode = max((x for x in (load.decode, load.decode_batch) if not math.isnan(x)), default=math.nan)
-        if math.isnan(decode) or math.isnan(load.prefill):
+        if math.isnan(decode) or math.isnan(load.prefill) or not math.isfinite(load.pooled):
             return False
+        busiest = max(decode, load.prefill)
         return (
-            decode >= self.enter_decode_load
-            and decode >= load.prefill
-            and load.spread(decode) <= max(decode, load.prefill) * (1 - self.min_gain)
+            decode >= self.enter_decode_load and decode >= load.prefill and load.pooled <= busiest * (1 - self.min_gain)
         )
 
     def should_split(self, load: TierLoad) -> bool:
-        """From pooled: the decode tier has room again, or prompts are now the larger load (by the
-        rates alone: pooled, the decode nodes' own batch is only their share of the load)."""
-        if math.isnan(load.decode) or math.isnan(load.prefill):
+        """From pooled: the decode tier has room again, prompts are now the larger load, or pooling
+        no longer lightens the busiest tier (by the rates alone: pooled, a decode node's own batch
+        is only its share of the load)."""
+        if math.isnan(load.decode) or math.isnan(load.prefill) or math.isnan(load.pooled):
             return False
-        return load.decode <= self.leave_decode_load or load.prefill > load.decode
+        busiest = max(load.decode, load.prefill)
+        return load.decode <= self.leave_decode_load or load.prefill > load.decode or load.pooled > busiest
 
 
 DEFAULT_POOL_RULE = PoolRule()
@@ -160,10 +164,10 @@ class PoolMetrics:
             self.switches.labels(to)
         self.load = g(
             "pdserve_router_tier_load",
-            "Recent demand over capacity: prefill (prompt tokens/s to compute over the prefill nodes' rates), "
-            "decode (output tokens/s over the decode nodes' capacity within their TPOT guard), decode_batch "
-            "(their running requests over the batch their guard allows), pooled (prefill and decode spread "
-            "over every node); NaN while unknown",
+            "The recent load the pooling rule reads (router/tier_load.py): prefill (prompt tokens/s to compute "
+            "over the prefill nodes' rates), decode (the decode nodes' step at the recent output rate over "
+            "their TPOT guard's cycle), decode_batch (their step at the batch they run now, over it), pooled "
+            "(every node's step at its share of prompts and output, over it); NaN while unknown",
             ["tier"],
         )
 

@@ -68,9 +68,10 @@ ROUTING_ROWS: list[tuple[str, list[Panel]]] = [
                 "Pooled (colocated fallback) and tier load",
                 "short",
                 "With --pd-pooling: 1 while every node serves whole requests as a colocated replica (the "
-                "decode tier was what the load exhausted), 0 while split; and the recent (5 s) load over "
-                "capacity the router decides on: prefill (prompt tokens to compute over the prefill nodes' "
-                "rates), decode (output tokens over the decode nodes' capacity within their TPOT guard), pooled.",
+                "decode tier was what the load exhausted), 0 while split; and the recent (5 s) load the router "
+                "decides on: prefill (prompt tokens to compute over the prefill nodes' rates), decode (the "
+                "decode step at the recent output rate over its TPOT guard; decode_batch at the batch it runs "
+                "now), pooled (every node's step at its share of prompts and output).",
                 [
                     ("max(pdserve_router_pd_pooled)", "pooled"),
                     ("max by (tier) (pdserve_router_tier_load >= 0)", "load {{tier}}"),

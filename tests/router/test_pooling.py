@@ -19,11 +19,12 @@ from router.perf import NodePerf
 from router.policy import LeastLoad
 from router.pooling import PoolRule, PoolSwitch, poolable, select_pooled
 from router.prefill_path import POOLED, REASONS
-from router.sizing import TierBalance, TierLoad, decode_capacity_within_guard
+from router.sizing import TierBalance
+from router.tier_load import StepLine, TierLoad
 from tests.router.fake_nodes import Behaviour, FakeNode, cluster, collect, dispatcher, job, run
 
 GUARD = 0.015
-STEPS = ((1, 0.006), (64, 0.010), (128, 0.014))  # 15 ms at 144 on the last slope
+STEPS = ((1, 0.006), (64, 0.010), (128, 0.014))  # decode step seconds by batch size
 
 
 class Clock:
@@ -35,23 +36,8 @@ class Clock:
 
 
 def load(prefill: float, decode: float) -> TierLoad:
-    return TierLoad(prefill, decode, 1, 1)
-
-
-def test_a_decode_nodes_capacity_is_the_largest_batch_its_guard_allows() -> None:
-    perf = NodePerf(decode_step_s=STEPS, decode_tokens_per_step=1.0, tpot_guard_s=GUARD)
-    assert decode_capacity_within_guard(perf) == pytest.approx(144 / 0.015)
-    # speculative: two tokens a step, so a step may take 30 ms; the line reaches it at 384
-    spec = NodePerf(decode_step_s=STEPS, decode_tokens_per_step=2.0, tpot_guard_s=GUARD)
-    assert decode_capacity_within_guard(spec) == pytest.approx(384 * 2 / 0.030)
-    # the node's own figure at its --max-running bounds the extrapolated line
-    capped = NodePerf(
-        decode_step_s=STEPS, decode_tokens_per_step=1.0, tpot_guard_s=GUARD, decode_capacity_tokens_per_s=9e3
-    )
-    assert decode_capacity_within_guard(capped) == 9e3
-    # no guard: its reported capacity; one request already past the guard: nothing
-    assert decode_capacity_within_guard(NodePerf(decode_capacity_tokens_per_s=5e3)) == 5e3
-    assert decode_capacity_within_guard(NodePerf(decode_step_s=((1, 0.02),), tpot_guard_s=GUARD)) == 0.0
+    """Split loads, pooled their mean (a line with no fixed part)."""
+    return TierLoad(prefill, decode, (prefill + decode) / 2)
 
 
 def node(role: str, **kw: Any) -> NodeState:
@@ -59,45 +45,68 @@ def node(role: str, **kw: Any) -> NodeState:
     return NodeState(NodeSpec(role, f"{role[0]}:{kw.pop('n', 1)}"), healthy=True, perf=perf, **kw)
 
 
-def test_the_recent_load_counts_computed_prompt_tokens_and_every_output() -> None:
+def test_a_step_is_its_fixed_part_over_what_the_rates_leave() -> None:
+    line = StepLine.of(node("decode").perf)
+    assert line is not None
+    per_request = (0.014 - 0.006) / 127
+    assert (line.fixed_s, line.per_request_s) == (0.006, pytest.approx(per_request))
+    assert (line.per_prompt_token_s, line.cycle_s) == (1 / 40_000, GUARD)
+    # 8K output tokens/s: B = 8000 x step requests, so step = 6 ms / (1 - per_request x 8000)
+    assert line.loaded_step_s(8000) == pytest.approx(0.006 / (1 - per_request * 8000))
+    assert line.loaded_step_s(8000, 10_000) == pytest.approx(0.006 / (1 - per_request * 8000 - 0.25))
+    assert line.loaded_step_s(20_000) == math.inf  # no batch keeps up
+    # speculative: two tokens a request per step halve the batch and double the cycle
+    spec = StepLine.of(NodePerf(decode_step_s=STEPS, decode_tokens_per_step=2.0, tpot_guard_s=GUARD))
+    assert spec is not None and spec.cycle_s == 2 * GUARD
+    assert spec.loaded_step_s(8000) == pytest.approx(0.006 / (1 - per_request * 4000))
+    assert StepLine.of(NodePerf(decode_step_s=STEPS)) is None  # no guard: no budget to price against
+
+
+def test_the_recent_load_prices_computed_prompts_and_every_output_on_the_step_line() -> None:
     clock = Clock()
     registry = NodeRegistry([])
     registry.states = [node("prefill"), node("decode")]
     balance = TierBalance(registry, clock)
-    assert balance.recent_load().decode == 0.0
+    idle = balance.recent_load()
+    assert (idle.prefill, idle.decode_batch) == (0.0, pytest.approx(0.006 / GUARD))
     for _ in range(10):  # 5 s of 2 requests a second: 1,000-token prompts, 300 of them cached
         balance.add_prompt(1000, cached=300)
         balance.add_output(800)
         clock.now += 0.5
-    got = balance.recent_load()
+    got, line = balance.recent_load(), StepLine.of(node("decode").perf)
+    assert line is not None
     assert got.prefill == pytest.approx(7000 / 5 / 40_000)
-    assert got.decode == pytest.approx(8000 / 5 / (144 / 0.015))
-    assert got.pooled == pytest.approx((got.prefill + got.decode) / 2)
-    assert got.decode_batch == 0.0  # nothing running
-    registry.states[1].running = 72
-    assert balance.recent_load().decode_batch == pytest.approx(72 / 144)
+    assert got.decode == pytest.approx(line.loaded_step_s(1600) / GUARD)  # one decode node emits all
+    assert got.pooled == pytest.approx(line.loaded_step_s(800, 700) / GUARD)  # two nodes, half of each
     assert balance.prefill_demand() == pytest.approx(10_000 / 5)  # the 60 s gauge counts every prompt token
+    registry.states[1].running = 72  # the batch it runs now: 10.5 ms of the 15 ms guard
+    assert balance.recent_load().decode_batch == pytest.approx(0.0105 / GUARD)
     registry.states = [node("decode")]  # no prefill measured: its load is unknown
     assert math.isnan(balance.recent_load().prefill)
+    registry.states = [node("prefill")]  # no decode line: nothing to price on
+    assert math.isnan(balance.recent_load().decode)
 
 
 def test_pool_when_decode_is_the_bottleneck_and_pooling_relieves_it() -> None:
     rule = PoolRule()
-    assert rule.should_pool(load(0.6, 0.9))  # decode-heavy: pooled 0.75 against 0.9
-    assert not rule.should_pool(load(0.6, 0.7))  # decode has room
-    assert not rule.should_pool(load(0.95, 0.9))  # prompts are the larger load: the split's overflow serves it
-    assert not rule.should_pool(load(0.85, 0.9))  # pooled 0.875: too little gain
-    assert not rule.should_pool(load(math.nan, 0.9))
-    # the running batch says what the rates' window has not caught up with yet
-    assert rule.should_pool(TierLoad(0.3, 0.4, 1, 1, decode_batch=0.9))
-    assert not rule.should_pool(TierLoad(0.3, 0.4, 1, 1, decode_batch=0.5))
-    assert rule.should_pool(TierLoad(0.3, math.nan, 1, 1, decode_batch=0.9))
-    assert rule.should_split(load(0.3, 0.55))  # decode has room again
-    assert rule.should_split(load(1.2, 1.1))  # prompts grew past it
-    assert not rule.should_split(load(0.6, 0.75))  # between the thresholds: stays
-    assert not rule.should_split(load(0.6, math.nan))
+    assert rule.should_pool(TierLoad(0.6, 0.9, 0.7))
+    assert not rule.should_pool(TierLoad(0.6, 0.7, 0.5))  # decode has room
+    assert not rule.should_pool(TierLoad(0.95, 0.9, 0.5))  # prompts are the larger load: the split's overflow
+    assert not rule.should_pool(TierLoad(0.6, 0.9, 0.85))  # too little gain
+    assert not rule.should_pool(TierLoad(math.nan, 0.9, 0.7))
+    assert not rule.should_pool(TierLoad(0.6, 0.9, math.inf))  # pooled would not keep up either
+    assert rule.should_pool(TierLoad(0.6, math.inf, 2.0))  # the split cannot keep up, pooled can nearly
+    # the batch it runs now says what the rates' window has not caught up with yet
+    assert rule.should_pool(TierLoad(0.3, 0.4, 0.5, decode_batch=0.9))
+    assert not rule.should_pool(TierLoad(0.3, 0.4, 0.5, decode_batch=0.5))
+    assert rule.should_pool(TierLoad(0.3, math.nan, 0.5, decode_batch=0.9))
+    assert rule.should_split(TierLoad(0.3, 0.55, 0.4))  # decode has room again
+    assert rule.should_split(TierLoad(1.2, 1.1, 0.9))  # prompts grew past it
+    assert rule.should_split(TierLoad(0.6, 0.9, 0.95))  # pooling no longer lightens the busiest tier
+    assert not rule.should_split(TierLoad(0.6, 0.75, 0.6))  # between the thresholds: stays
+    assert not rule.should_split(TierLoad(0.6, math.nan, 0.5))
     # pooled, the decode's own batch is its share only: the rates decide
-    assert rule.should_split(TierLoad(0.3, 0.5, 1, 1, decode_batch=0.95))
+    assert not rule.should_split(TierLoad(0.3, 0.7, 0.5, decode_batch=0.3))
     with pytest.raises(ValueError):
         PoolRule(enter_decode_load=0.5, leave_decode_load=0.6)
 
@@ -173,10 +182,11 @@ def test_the_dispatcher_pools_under_decode_load_and_splits_again() -> None:
             get = metrics.get_sample_value
             await collect(disp, job())
             assert p.requests[0].HasField("disaggregated_params")  # split: a PD pair
-            # decode-heavy traffic: 60K output tokens in a second against ~9.6K/s within the guard
+            # decode-heavy traffic: 10K output tokens/s put one decode node's step past its 15 ms
+            # guard (16.2 ms); shared with the prefill node beside 5K prompt tokens/s, 9.6 ms
             for _ in range(10):
-                disp.balance.add_output(6000)
-                disp.balance.add_prompt(2000)
+                disp.balance.add_output(1000)
+                disp.balance.add_prompt(500)
             disp.update_pool()
             assert disp.pool.pooled and get("pdserve_router_pd_pooled") == 1.0
             assert get("pdserve_router_pd_pool_switches_total", {"to": "pooled"}) == 1

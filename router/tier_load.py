@@ -1,0 +1,97 @@
+"""The load of a PD deployment as split and as pooled, priced on a decode node's measured step line.
+
+A decode step costs a fixed part (reading the weights: the step at batch 1), a part per running
+request, and, where prompt chunks ride inside it, a part per prompt token. A node that emits D
+output tokens/s (a tokens per request per step) and computes P prompt tokens/s inside its steps
+runs B = D x step / a requests, so its step is
+    step = fixed / (1 - per_request x D / a - per_prompt_token x P)
+(infinite once the denominator reaches 0: no batch keeps up). Split, the decode nodes share the
+output and the prefill nodes the prompts; pooled, every node takes its share of both. The fixed
+part is why two colocated replicas out-decode one decode node: each streams the weights for half
+the batch. Each figure is a step over the guard's cycle (the TPOT guard per token a request
+gains): at 1 the decode runs at its TPOT budget. The prefill tier's is its prompt tokens/s over
+its measured prompt rates.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from router.nodes import NodeState
+from router.perf import NodePerf
+
+
+@dataclass(frozen=True)
+class StepLine:
+    """A decode node's step in seconds: fixed + per_request x batch + per_prompt_token x tokens."""
+
+    fixed_s: float
+    per_request_s: float
+    per_prompt_token_s: float
+    tokens_per_step: float
+    cycle_s: float  # the step its TPOT guard allows
+
+    @staticmethod
+    def of(perf: NodePerf) -> StepLine | None:
+        """From a node's report: its step at batch 1 and at its largest measured batch, its prompt
+        rate inside decode steps (or alone), its guard. None without a guard or a step line."""
+        if perf.tpot_guard_s is None or not perf.decode_step_s:
+            return None
+        largest = perf.decode_step_s[-1][0]
+        fixed = perf.step_s(1) or 0.0
+        per_request = max(0.0, ((perf.step_s(largest) or fixed) - fixed) / (largest - 1)) if largest > 1 else 0.0
+        rate = perf.mixed_tokens_per_s or perf.prefill_tokens_per_s
+        per_step = perf.decode_tokens_per_step or 1.0
+        return StepLine(fixed, per_request, 1.0 / rate if rate > 0 else 0.0, per_step, perf.tpot_guard_s * per_step)
+
+    def loaded_step_s(self, output_tokens_per_s: float, prompt_tokens_per_s: float = 0.0) -> float:
+        """The step of a node emitting and computing these rates (inf: it cannot keep up)."""
+        busy = self.per_request_s * output_tokens_per_s / self.tokens_per_step
+        busy += self.per_prompt_token_s * prompt_tokens_per_s
+        return self.fixed_s / (1.0 - busy) if busy < 1.0 else math.inf
+
+
+@dataclass(frozen=True)
+class TierLoad:
+    """A deployment's load as fractions of what its nodes allow (NaN: unknown; inf: beyond reach)."""
+
+    prefill: float  # split: prompt tokens/s to compute over the prefill nodes' prompt rates
+    decode: float  # split: the decode nodes' step at the recent output rate, over their guard's cycle
+    pooled: float  # pooled: every node's step at its share of prompts and output, over the cycle
+    # the decode nodes' step at the batch they run now over the cycle: what the rates' window
+    # takes its length to follow
+    decode_batch: float = math.nan
+
+
+def _line(decodes: Sequence[NodeState]) -> StepLine | None:
+    """The line of the decode node that measured most batch sizes (nodes share model and GPUs)."""
+    lines = [(len(n.perf.decode_step_s), line) for n in decodes if (line := StepLine.of(n.perf)) is not None]
+    return max(lines, key=lambda x: x[0])[1] if lines else None
+
+
+def tier_load(
+    prefills: Sequence[NodeState], decodes: Sequence[NodeState], prompt_tokens_per_s: float, output_tokens_per_s: float
+) -> TierLoad:
+    """The load of `prompt_tokens_per_s` to compute and `output_tokens_per_s` to emit on these
+    healthy nodes, split and pooled (pooled: prefill nodes decode on the decode nodes' line)."""
+    prompt_rate = sum(n.perf.prefill_tokens_per_s for n in prefills)
+    prefill = prompt_tokens_per_s / prompt_rate if prompt_rate > 0 else math.nan
+    line = _line(decodes)
+    if line is None or not decodes or line.cycle_s <= 0:
+        return TierLoad(prefill, math.nan, math.nan)
+    nodes = len(prefills) + len(decodes)
+    split = line.loaded_step_s(output_tokens_per_s / len(decodes)) / line.cycle_s
+    pooled = line.loaded_step_s(output_tokens_per_s / nodes, prompt_tokens_per_s / nodes) / line.cycle_s
+    return TierLoad(prefill, split, pooled, _batch_load(decodes))
+
+
+def _batch_load(decodes: Sequence[NodeState]) -> float:
+    """The busiest decode node's step at the batch it runs now, over its guard's cycle (NaN: unknown)."""
+    loads = []
+    for n in decodes:
+        line, step = StepLine.of(n.perf), n.perf.step_s(max(n.running, n.inflight, 1))
+        if line is not None and step and line.cycle_s > 0:
+            loads.append(step / line.cycle_s)
+    return max(loads, default=math.nan)
