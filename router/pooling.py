@@ -49,7 +49,7 @@ class PoolRule:
 
     enter_decode_load: float = 0.8
     leave_decode_load: float = 0.6
-    min_gain: float = 0.1
+    min_gain: float = 0.05
     dwell_s: float = 3.0
 
     def __post_init__(self) -> None:

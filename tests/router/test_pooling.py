@@ -92,7 +92,7 @@ def test_pool_when_decode_is_the_bottleneck_and_pooling_relieves_it() -> None:
     assert rule.should_pool(TierLoad(0.6, 0.9, 0.7))
     assert not rule.should_pool(TierLoad(0.6, 0.7, 0.5))  # decode has room
     assert not rule.should_pool(TierLoad(0.95, 0.9, 0.5))  # prompts are the larger load: the split's overflow
-    assert not rule.should_pool(TierLoad(0.6, 0.9, 0.85))  # too little gain
+    assert not rule.should_pool(TierLoad(0.6, 0.9, 0.87))  # too little gain
     assert not rule.should_pool(TierLoad(math.nan, 0.9, 0.7))
     assert not rule.should_pool(TierLoad(0.6, 0.9, math.inf))  # pooled would not keep up either
     assert rule.should_pool(TierLoad(0.6, math.inf, 2.0))  # the split cannot keep up, pooled can nearly
