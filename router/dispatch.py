@@ -12,7 +12,8 @@ went out ends the job with an error. Closing the iterator sends Abort to both le
 pair, a colocated node (if any) serves the job alone. Which node a failure is charged to is
 router/blame.py's decision. The prefill path policy (router/prefill_path.py) may instead send the
 prompt to the decode node alone (local: no bootstrap, the decode runs it between its decode steps);
-each attempt, retries included, decides again.
+each attempt, retries included, decides again. While `--pd-pooling` has the deployment pooled
+(router/pooling.py, re-decided at each registry refresh), a request goes whole to one node instead.
 """
 
 from __future__ import annotations
