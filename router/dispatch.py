@@ -13,7 +13,8 @@ pair, a colocated node (if any) serves the job alone. Which node a failure is ch
 router/blame.py's decision. The prefill path policy (router/prefill_path.py) may instead send the
 prompt to the decode node alone (local: no bootstrap, the decode runs it between its decode steps);
 each attempt, retries included, decides again. While `--pd-pooling` has the deployment pooled
-(router/pooling.py, re-decided at each registry refresh), a request goes whole to one node instead.
+(router/pooling.py, re-decided at each registry refresh and between them as requests come), a
+request goes whole to one node instead.
 """
 
 from __future__ import annotations
@@ -178,6 +179,8 @@ class PDDispatcher:
         """A route (router/prefill_path.py) whose breaker slots are claimed here."""
         index = self.kv_index
         cached = (lambda node: index.expected_hit(node, job)) if index is not None else (lambda node: 0)
+        if self.pool.due():
+            self.update_pool()
         for _ in range(4):  # a half-open probe slot taken meanwhile: choose again
             pooled = (
                 select_pooled(self.registry, self.decode_policy, job, exclude, cached) if self.pool.pooled else None

@@ -41,6 +41,9 @@ from router.prefill_path import KV_HEADROOM, LOCAL_REFUSED, POOLED, PathDecision
 from router.tier_load import TierLoad
 
 MODES = PD_POOLING_MODES  # --pd-pooling
+# Routing re-decides at most this often between refreshes: its own requests in flight show a rise
+# in the decode tier's batch before the nodes' next load report does.
+CHECK_INTERVAL_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -90,11 +93,16 @@ class PoolSwitch:
         self.mode, self.rule, self.clock = mode, rule, clock
         self.pooled = False
         self._since = -math.inf  # when the mode last changed
+        self._checked = -math.inf  # when it was last re-decided
+
+    def due(self) -> bool:
+        """Is a re-decision due (CHECK_INTERVAL_S since the last one)? Never under off."""
+        return self.mode != "off" and self.clock() - self._checked >= CHECK_INTERVAL_S
 
     def update(self, load: TierLoad, can_pool: bool) -> bool:
         """Re-decide from `load`; `can_pool`: some prefill node decodes and some decode node
         prefills (else the split stays). True when the mode changed."""
-        now = self.clock()
+        now = self._checked = self.clock()
         want = self.pooled
         if not can_pool or self.mode == "off":
             want = False

@@ -125,7 +125,12 @@ def test_auto_pools_and_splits_with_a_dwell_and_other_modes_hold() -> None:
     clock.now += 10
     assert switch.update(load(0.6, 0.9), True) and switch.pooled
     assert switch.update(load(0.6, 0.9), False) and not switch.pooled  # no node can serve pooled: at once
+    # between refreshes, routing re-decides at most every quarter second
+    assert not switch.due()
+    clock.now += 0.25
+    assert switch.due()
     always, off = PoolSwitch("always", clock=clock), PoolSwitch("off", clock=clock)
+    assert always.due() and not off.due()
     assert always.update(load(0.1, 0.1), True) and always.pooled
     assert not off.update(load(0.6, 5.0), True) and not off.pooled
     with pytest.raises(ValueError, match="pd-pooling"):
