@@ -188,10 +188,12 @@ def test_killed_decode_lets_the_prefill_free_its_pages(tiny_llama_dir):
 def test_random_aborts_of_many_requests_leave_both_pools_free(tiny_llama_dir):
     """Aborts at random moments of the handoff: Abort RPCs to either node or both, and clients
     that hang up (both calls cancelled, both nodes told), some before the prefill saw anything
-    of the request; a third of the requests take the local path (the decode node runs the prompt
-    itself, between the others' decode steps). Both pools are free within a second of the last
-    abort or request end."""
-    prefill, decode = start_pair(str(tiny_llama_dir), "--max-running", "16")
+    of the request; as a router that pools and splits again sends them, some requests take the
+    local path (the decode node runs the prompt itself, between the others' decode steps) and
+    some the whole path (the prefill node runs them from prompt to last token, beside the others'
+    prompts). Both pools are free within a second of the last abort or request end."""
+    whole = ("--local-decode-tpot-ms", "25")
+    prefill, decode = start_pair(str(tiny_llama_dir), "--max-running", "16", prefill_extra=whole)
     try:
         p, d = stub(prefill.ports["scheduler"]), stub(decode.ports["scheduler"])
         boot = prefill.ports["bootstrap"]
@@ -215,8 +217,11 @@ def test_random_aborts_of_many_requests_leave_both_pools_free(tiny_llama_dir):
             ids = [rng.randrange(1, 500) for _ in range(rng.randrange(2, 40))]
             sampling = {"max_new": rng.randrange(1, 24), "temperature": rng.choice([0.0, 1.0])}
             t0 = time.monotonic()
-            if rng.random() < 0.3:  # the decode node runs the prompt itself (the router's local path)
+            path = rng.random()
+            if path < 0.25:  # the decode node runs the prompt itself (the router's local path)
                 legs = Legs(local_request(f"a{i}", ids, **sampling), decode=d, timeout=60)
+            elif path < 0.45:  # the prefill node runs it whole (the router's whole path)
+                legs = Legs(local_request(f"a{i}", ids, **sampling), prefill=p, timeout=60)
             else:
                 legs = Legs(request(f"a{i}", ids, 1000 + i, boot, **sampling), prefill=p, decode=d, timeout=60)
             if rng.random() < 0.3:  # the client hangs up, often before the prefill saw anything
@@ -230,8 +235,9 @@ def test_random_aborts_of_many_requests_leave_both_pools_free(tiny_llama_dir):
                 timer.start()
             try:
                 out = legs.join(60)
+                streamed = out["d"] if "d" in out else out["p"]  # the leg the client reads
                 with lock:
-                    results["err" if isinstance(out["d"], grpc.RpcError) else "ok"] += 1
+                    results["err" if isinstance(streamed, grpc.RpcError) else "ok"] += 1
             finally:
                 timer.cancel()
                 if aborted:  # an abort under way is over (and noted) before the request counts as ended
