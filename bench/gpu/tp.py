@@ -136,8 +136,9 @@ def echo_head(model: Path, out: Path, tiny: bool) -> Path:
 
 def allreduce_us(nbytes: int, tp: int) -> dict[str, Any] | None:
     """All-reduce of `nbytes` (bf16) on `tp` GPUs, replayed from a CUDA graph of 64 of them, by
-    NCCL and by PyTorch's one-shot all-reduce over symmetric (CUDA IPC) buffers; None without
-    enough GPUs."""
+    NCCL and by PyTorch's one-shot all-reduce over symmetric (CUDA IPC) buffers: on the buffer
+    itself, staged from another tensor, and with that copy fused into the kernel
+    (`one_shot_all_reduce_copy`); None without enough GPUs."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < tp:
         return None
     ctx = torch.multiprocessing.get_context("spawn")
@@ -173,8 +174,12 @@ def _allreduce_rank(rank: int, tp: int, init: str, nbytes: int, result: Any) -> 
         group = dist.group.WORLD.group_name
         buf = symm_mem.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
         symm_mem.rendezvous(buf, group)
-        one_shot = torch.ops.symm_mem.one_shot_all_reduce
-        times["one_shot_us"] = _graphed_us(lambda _: one_shot(buf, "sum", group), nbytes)
+        ops = torch.ops.symm_mem
+        times["one_shot_us"] = _graphed_us(lambda _: ops.one_shot_all_reduce(buf, "sum", group), nbytes)
+        # as an engine must use it, from a tensor of its own: staged (a copy into the symmetric
+        # buffer, then the kernel: what lost in the engine), and with the copy inside the kernel
+        times["one_shot_staged_us"] = _graphed_us(lambda x: ops.one_shot_all_reduce(buf.copy_(x), "sum", group), nbytes)
+        times["one_shot_copy_us"] = _graphed_us(lambda x: ops.one_shot_all_reduce_copy(buf, x, "sum", group), nbytes)
     except Exception as e:  # noqa: BLE001 - recorded: a torch or driver without it
         times["one_shot_error"] = f"{type(e).__name__}: {e}"
     if rank == 0:
