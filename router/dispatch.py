@@ -111,7 +111,12 @@ class PDDispatcher:
         """A handoff succeeded lately AND a healthy compatible pair (or colocated node) is there now:
         a recent success alone would keep a router with every decode dead "ready" for the window."""
         recent = self._last_success is not None and time.monotonic() - self._last_success <= self.ready_window_s
-        return recent and pair_available(self.registry, local=self.path_policy != "remote")
+        return recent and self._placeable()
+
+    def _placeable(self) -> bool:
+        """Could a job be placed now, on any path the path policy takes?"""
+        auto = self.path_policy == "auto"
+        return pair_available(self.registry, local=self.path_policy != "remote", whole=auto)
 
     async def generate(self, job: GenerationJob) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
         job_started = time.monotonic()
@@ -264,7 +269,7 @@ class PDDispatcher:
             stale
             and (self._probe_task is None or self._probe_task.done())
             and now - self._last_probe >= self.probe_interval_s
-            and pair_available(self.registry, local=self.path_policy != "remote")
+            and self._placeable()
         ):
             self._probe_task = asyncio.create_task(self.probe(), name="readiness-probe")
 

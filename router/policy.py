@@ -174,15 +174,16 @@ def select_pair(
     return prefill, decode
 
 
-def pair_available(registry: NodeRegistry, local: bool = False) -> bool:
-    """Could a job be placed now (a compatible PD pair, a colocated node, or with `local` a decode
-    that runs prompts itself)? Moves no policy state."""
+def pair_available(registry: NodeRegistry, local: bool = False, whole: bool = False) -> bool:
+    """Could a job be placed now (a compatible PD pair, a colocated node, with `local` a decode
+    that runs prompts itself, with `whole` a prefill that decodes)? Moves no policy state."""
     prefills = [n for n in registry.nodes("prefill") if n.usable()]
     decodes = [d for d in registry.nodes("decode") if d.usable()]
     return (
         any(any(compatible(p, d) for p in prefills) for d in decodes)
         or any(n.usable() for n in registry.nodes("colocated"))
         or (local and any(d.local_prefill for d in decodes))
+        or (whole and any(p.local_decode for p in prefills))
     )
 
 

@@ -37,7 +37,7 @@ from common.defaults import PD_POOLING_MODES
 from router.contract import GenerationJob
 from router.nodes import NodeRegistry, NodeState
 from router.policy import Policy
-from router.prefill_path import KV_HEADROOM, LOCAL_REFUSED, POOLED, PathDecision, Route, local_ttft
+from router.prefill_path import KV_HEADROOM, LOCAL_REFUSED, POOLED, PathDecision, Route, holds_whole, local_ttft
 from router.tier_load import TierLoad
 
 MODES = PD_POOLING_MODES  # --pd-pooling
@@ -128,8 +128,7 @@ def _fits(node: NodeState, job: GenerationJob, cached: int) -> bool:
     if node.role == "decode":  # the local path's own checks: it runs prompts, with KV to spare
         refusal = local_ttft(node, max(1, len(job.input_ids) - cached), job.sampling.max_new_tokens, 0.0).refusal
         return refusal not in (LOCAL_REFUSED, KV_HEADROOM)
-    free = node.max_tokens - node.used_tokens - node.prompts.total()
-    return not node.max_tokens or free >= len(job.input_ids) - cached + max(0, job.sampling.max_new_tokens)
+    return holds_whole(node, len(job.input_ids) - cached, job.sampling.max_new_tokens)
 
 
 def select_pooled(

@@ -28,6 +28,8 @@ Whole: under `auto`, when one more request would put the decode node's measured 
 TPOT guard, and the paired prefill node runs requests whole (`--local-decode-tpot-ms`) with its own
 steps within its guard and KV to spare, the request runs there from prompt to last token: the
 deployment falls back to colocated execution for the share of the load its split cannot carry.
+With no usable decode node (and no colocated one), such a prefill node serves requests whole
+rather than the router refusing them.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ LOCAL_REFUSED = "local_refused"  # the decode runs no prompts itself (older node
 DECODE_AT_BUDGET = "decode_at_budget"  # its decode steps alone fill the TPOT budget
 KV_HEADROOM = "kv_headroom"  # the decode's free KV does not hold prompt + output
 NO_PREFILL = "no_prefill"  # no usable prefill: local or nothing
+NO_DECODE = "no_decode"  # no usable decode: whole on a prefill node that decodes, or nothing
 DECODE_FULL = "decode_full"  # the decode's steps would pass its TPOT guard: whole on the prefill
 POOLED = "pooled"  # every node serves whole requests (router/pooling.py): whole or local, by load
 REASONS = (
@@ -74,6 +77,7 @@ REASONS = (
     DECODE_AT_BUDGET,
     KV_HEADROOM,
     NO_PREFILL,
+    NO_DECODE,
     DECODE_FULL,
     POOLED,
 )
@@ -219,6 +223,13 @@ def prompts_fit_beside_decoding(prefill: NodeState, line: NodePerf, prompt_deman
     return prompt_demand <= rate * max(0.0, cycle - step) / cycle
 
 
+def holds_whole(prefill: NodeState, prompt_tokens: int, max_new_tokens: int) -> bool:
+    """Does `prefill` have the KV for a whole request beside what it holds and is sent (0
+    capacity: it never said)?"""
+    free = prefill.max_tokens - prefill.used_tokens - prefill.prompts.total()
+    return not prefill.max_tokens or free >= prompt_tokens + max(0, max_new_tokens)
+
+
 def runs_whole(
     prefill: NodeState, decode: NodeState, prompt_tokens: int, max_new_tokens: int, prompt_demand: float = 0.0
 ) -> bool:
@@ -230,8 +241,7 @@ def runs_whole(
     decode's knee and its prompt queue grew to 0.6 s (two H100s, 1,024-token prompts at 32 req/s)."""
     if not prefill.local_decode or not steps_past_guard(decode, decode.perf):
         return False
-    free = prefill.max_tokens - prefill.used_tokens - prefill.prompts.total()
-    if prefill.max_tokens and free < prompt_tokens + max(0, max_new_tokens):
+    if not holds_whole(prefill, prompt_tokens, max_new_tokens):
         return False
     line = prefill.perf if prefill.perf.decode_step_s else decode.perf
     return not steps_past_guard(prefill, line) and prompts_fit_beside_decoding(prefill, line, prompt_demand)
@@ -318,7 +328,8 @@ def select_route(
 ) -> Route | None:
     """The pair the policies pick and, unless the path policy is remote, the path `decide` picks on
     it; with no pair (or path policy local), a decode that runs prompts itself, chosen by the decode
-    policy; then a colocated node; None when nothing can take the job. `prompt_demand`: the prompt
+    policy; then a colocated node; under auto, then a prefill node that decodes, whole; None when
+    nothing can take the job. `prompt_demand`: the prompt
     tokens/s the prefill tier is asked for (router/sizing.py), which a whole request must leave room for."""
     prompt, max_new = len(job.input_ids), job.sampling.max_new_tokens
     tier = registry.nodes("prefill")
@@ -341,4 +352,13 @@ def select_route(
             # no decode runs prompts itself: today's pairs rather than no answer
             return Route(*pair, "remote", PathDecision("remote", None, None, LOCAL_REFUSED))
     node = select_colocated(registry, decode_policy, job, exclude)
-    return Route(None, node, "colocated") if node is not None else None
+    if node is not None:
+        return Route(None, node, "colocated")
+    if path_policy == "auto":  # no decode and no colocated node: a prefill node that decodes serves it whole
+        wholes = [n for n in tier if n.local_decode and n.usable() and n.address not in exclude]
+        while wholes:
+            node = decode_policy.choose(wholes, job)
+            if holds_whole(node, prompt, max_new):
+                return Route(None, node, "whole", PathDecision("whole", None, None, NO_DECODE))
+            wholes.remove(node)
+    return None

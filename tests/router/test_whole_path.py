@@ -13,7 +13,8 @@ from router.contract import GenerationJob
 from router.nodes import NodeRegistry, NodeSpec, NodeState
 from router.perf import NodePerf
 from router.policy import RoundRobin
-from router.prefill_path import DECODE_FULL, PATHS, REASONS, runs_whole, select_route, steps_past_guard
+from router.policy import pair_available
+from router.prefill_path import DECODE_FULL, NO_DECODE, PATHS, REASONS, runs_whole, select_route, steps_past_guard
 from tests.router.fake_nodes import Behaviour, FakeNode, cluster, collect, dispatcher, job, run
 
 GUARD = 0.015  # both nodes' TPOT guard
@@ -115,6 +116,41 @@ def test_the_dispatcher_sends_a_request_whole_to_the_prefill_while_the_decode_is
             get = metrics.get_sample_value
             assert get("pdserve_router_prefill_path_total", {"path": "whole"}) == 1
             assert get("pdserve_router_prefill_path_decisions_total", {"reason": DECODE_FULL}) == 1
+            await disp.close()
+
+    run(main())
+
+
+def test_with_no_decode_a_prefill_that_decodes_serves_requests_whole() -> None:
+    """No usable decode node and no colocated one: under auto, a prefill node that decodes serves the
+    request alone rather than the router answering 503; under remote, nothing does."""
+    registry = NodeRegistry([])
+    p = whole_prefill()
+    registry.states = [p]
+    job = GenerationJob("r", tuple(range(1024)), SamplingParams(max_new_tokens=256))
+    r = select_route(registry, RoundRobin(), RoundRobin(), "auto", job)
+    assert (r.path, r.prefill, r.decode, r.decision.reason) == ("whole", None, p, NO_DECODE)
+    assert select_route(registry, RoundRobin(), RoundRobin(), "remote", job) is None
+    assert select_route(registry, RoundRobin(), RoundRobin(), "auto", job, exclude={p.address}) is None
+    p.used_tokens = 99_500  # no KV for it
+    assert select_route(registry, RoundRobin(), RoundRobin(), "auto", job) is None
+    registry.states = [node("prefill")]  # one that refuses whole requests
+    assert select_route(registry, RoundRobin(), RoundRobin(), "auto", job) is None
+    assert not pair_available(registry, local=True, whole=True)
+    registry.states = [whole_prefill()]
+    assert pair_available(registry, local=True, whole=True) and not pair_available(registry, local=True)
+    assert NO_DECODE in REASONS
+
+
+def test_the_dispatcher_serves_whole_on_the_prefill_while_no_decode_is_up() -> None:
+    async def main() -> None:
+        p = FakeNode("prefill", Behaviour(perf=perf(GUARD), local_decode=True, max_tokens=100_000))
+        d = FakeNode("decode", Behaviour(perf=perf(GUARD), healthy=False))
+        async with cluster(p, d) as reg:
+            disp = dispatcher(reg, path_policy="auto")
+            assert disp._placeable()
+            events = await collect(disp, job())
+            assert events and not p.requests[0].HasField("disaggregated_params") and not d.requests
             await disp.close()
 
     run(main())
