@@ -82,7 +82,10 @@ class EngineOptions:
         negatable=False,
     )
     attention_backend: str = opt(
-        "auto", "Attention backend: auto (triton on GPUs, torch on CPU), torch or triton.", panel=PANEL_FAST
+        "auto",
+        "Attention backend: auto (triton on GPUs, torch on CPU), torch, triton, or triton_flash (triton, with "
+        "long prompts that have no cached prefix on torch's flash kernel; not yet measured on GPUs).",
+        panel=PANEL_FAST,
     )
     overlap: Optional[bool] = opt(None, "Overlap scheduling (default: on for GPUs, off on CPU).", panel=PANEL_FAST)
     cuda_graph_max_bs: Optional[int] = opt(

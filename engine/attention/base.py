@@ -11,7 +11,11 @@ from engine.forward_context import AttentionBackend
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
 # built-in backends register themselves when their module is imported; imported on first use so
 # the engine imports (and runs the torch backend) on machines without triton
-_BUILTIN_MODULES = {"torch": "engine.attention.torch_backend", "triton": "engine.attention.triton_backend"}
+_BUILTIN_MODULES = {
+    "torch": "engine.attention.torch_backend",
+    "triton": "engine.attention.triton_backend",
+    "triton_flash": "engine.attention.flash_prefill",
+}
 
 
 def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
