@@ -3,9 +3,10 @@
 Such a prompt attends only to its own keys, which this forward computed and holds contiguous, so
 it needs no paged reads: torch's flash attention (native GQA) ran that causal attention at about
 1.6x the paged Triton extend kernel's rate on an H200 (515 against 325 TFLOP/s at 4K tokens), and
-attention is a sixth of a 4K prompt's forward on the 8B shape. Everything else goes to the triton
-backend: decode rows, cached prefixes, speculative trees, batches of several requests, prompts
-under `min_tokens`, and CUDA graph capture. If torch has no flash kernel for the inputs (a GPU or
+attention is a sixth of a 4K prompt's forward on the 8B shape. A batch of several such prompts
+(a prefill node batches them) runs one flash call per prompt. Everything else goes to the triton
+backend: decode rows, cached prefixes, speculative trees, batches holding a prompt under
+`min_tokens`, and CUDA graph capture. If torch has no flash kernel for the inputs (a GPU or
 dtype it does not cover), the first refusal is logged and the triton kernel serves from then on.
 `--attention-backend triton_flash`; not the default until measured on GPUs (bench/gpu/perf.py
 --backend triton_flash).
@@ -51,23 +52,40 @@ class FlashPrefillAttention(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scale: float, ctx: "ForwardContext"
     ) -> torch.Tensor:
-        if self.refused is None and self.fresh_prompt(ctx):
-            out = self._flash(q, k, v, scale)
+        if self.refused is None and self.fresh_prompts(ctx):
+            out = self._flash_each(q, k, v, scale, ctx.extend_lens_cpu)
             if out is not None:
                 self.paged.store(k, v, layer_id, ctx)  # later chunks and decode steps read it
                 return out
         return self.paged.forward(q, k, v, layer_id, scale, ctx)
 
-    def fresh_prompt(self, ctx: "ForwardContext") -> bool:
-        """One request, no decode rows, no tree, nothing cached before it, at least min_tokens
-        long, and no graph being captured (host values that a capture does not hold)."""
-        if ctx.batch_size != 1 or ctx.decode_rows or ctx.tree_mask is not None:
+    def fresh_prompts(self, ctx: "ForwardContext") -> bool:
+        """Prompts only (no decode rows, no tree), each with nothing cached before it and at least
+        min_tokens long, and no graph being captured (host values that a capture does not hold)."""
+        if ctx.decode_rows or ctx.tree_mask is not None or not ctx.extend_lens_cpu:
             return False
-        if not ctx.extend_lens_cpu or not ctx.seq_lens_cpu:
+        if len(ctx.seq_lens_cpu) != len(ctx.extend_lens_cpu):
             return False
         if ctx.positions.is_cuda and torch.cuda.is_current_stream_capturing():
             return False
-        return ctx.extend_lens_cpu[0] == ctx.seq_lens_cpu[0] >= self.min_tokens
+        return all(e == s >= self.min_tokens for e, s in zip(ctx.extend_lens_cpu, ctx.seq_lens_cpu))
+
+    def _flash_each(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, lens: list[int]
+    ) -> torch.Tensor | None:
+        """Each request's rows (packed in order) attended over its own keys; None when refused."""
+        if len(lens) == 1:
+            return self._flash(q, k, v, scale)
+        out = torch.empty_like(q)
+        start = 0
+        for n in lens:
+            rows = slice(start, start + n)
+            part = self._flash(q[rows], k[rows], v[rows], scale)
+            if part is None:
+                return None
+            out[rows] = part
+            start += n
+        return out
 
     def _flash(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
         """Causal attention of q over k, v (tokens, heads, dim) by torch's flash kernel alone;

@@ -70,6 +70,23 @@ def test_greedy_equals_torch_and_only_fresh_long_prompts_take_flash(tiny_llama_d
     assert sorted(counted) == sorted(firsts * layers)
 
 
+def test_a_batch_of_fresh_prompts_runs_one_flash_call_each(tiny_llama_dir, counted) -> None:
+    from engine.engine import Engine, EngineConfig
+
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "triton_flash"):
+        config = EngineConfig(
+            str(tiny_llama_dir), page_size=4, max_total_tokens=1024, attention_backend=backend, device=DEVICE
+        )
+        eng = Engine(config)
+        together = [PROMPTS[0], PROMPTS[2]]  # two fresh prompts in one batch: flash, one call each
+        mixed = [list(range(200, 240)), PROMPTS[1]]  # one under the threshold: the whole batch on triton
+        outs[backend] = [o.output_ids for o in eng.generate(together, params) + eng.generate(mixed, params)]
+    layers = json.loads((tiny_llama_dir / "config.json").read_text())["num_hidden_layers"]
+    assert outs["triton_flash"] == outs["torch"] and sorted(counted) == sorted([37, 31] * layers)
+
+
 def test_eagle_greedy_equals_torch(tmp_path, tiny_llama_dir, counted) -> None:
     from fixtures.tiny_eagle import write_tiny_eagle_head
     from spec.config import SpecConfig
