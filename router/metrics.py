@@ -150,6 +150,10 @@ class Balance(Protocol):
 
     def ratio(self) -> float: ...
 
+    def prefill_nodes_needed(self) -> float: ...
+
+    def decode_nodes_needed(self) -> float: ...
+
 
 _STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -306,8 +310,18 @@ class PathMetrics:
             "prefill node capacity) / (decode demand / mean decode node capacity); NaN while unknown",
         )
 
+        self.nodes_needed = g(
+            "pdserve_router_nodes_needed",
+            "Nodes that would carry the last 60 s of load: prefill (prompt tokens/s over a prefill node's "
+            "measured rate), decode (output tokens/s over what a decode node emits with its steps within its "
+            "TPOT guard, from its step line); NaN while unmeasured",
+            ["tier"],
+        )
+
     def bind(self, balance: Balance) -> None:
         """The sizing gauges read `balance` at scrape time."""
+        self.nodes_needed.labels("prefill").set_function(balance.prefill_nodes_needed)
+        self.nodes_needed.labels("decode").set_function(balance.decode_nodes_needed)
         self.prefill_demand.set_function(balance.prefill_demand)
         self.prefill_capacity.set_function(balance.prefill_capacity)
         self.decode_demand.set_function(balance.decode_demand)

@@ -8,7 +8,7 @@ import time
 from typing import Callable, Sequence
 
 from router.nodes import NodeRegistry
-from router.tier_load import TierLoad, tier_load
+from router.tier_load import TierLoad, nodes_needed, tier_load
 
 WINDOW_S = 60.0
 # The window of the load the router acts on (router/pooling.py): short enough to follow a change of
@@ -112,6 +112,18 @@ class TierBalance:
 
     def decode_capacity(self) -> float:
         return sum(self._decode_capacities())
+
+    def nodes_needed(self) -> tuple[float, float]:
+        """(prefill, decode) nodes that would carry the last 60 s of load (router/tier_load.py)."""
+        return nodes_needed(
+            self.registry.nodes("prefill"), self.registry.nodes("decode"), self.prefill_demand(), self.decode_demand()
+        )
+
+    def prefill_nodes_needed(self) -> float:
+        return self.nodes_needed()[0]
+
+    def decode_nodes_needed(self) -> float:
+        return self.nodes_needed()[1]
 
     def ratio(self) -> float:
         return balanced_ratio(

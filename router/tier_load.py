@@ -46,6 +46,14 @@ class StepLine:
         per_step = perf.decode_tokens_per_step or 1.0
         return StepLine(fixed, per_request, 1.0 / rate if rate > 0 else 0.0, per_step, perf.tpot_guard_s * per_step)
 
+    def tokens_within_guard(self) -> float:
+        """Output tokens/s one node emits with its steps within the guard's cycle (NaN: how the
+        step grows with the batch is unmeasured; 0: even one request passes the cycle)."""
+        headroom = 1.0 - self.fixed_s / self.cycle_s if self.cycle_s > 0 else 0.0
+        if headroom <= 0:
+            return 0.0
+        return self.tokens_per_step * headroom / self.per_request_s if self.per_request_s > 0 else math.nan
+
     def loaded_step_s(self, output_tokens_per_s: float, prompt_tokens_per_s: float = 0.0) -> float:
         """The step of a node emitting and computing these rates (inf: it cannot keep up)."""
         busy = self.per_request_s * output_tokens_per_s / self.tokens_per_step
@@ -95,3 +103,20 @@ def _batch_load(decodes: Sequence[NodeState]) -> float:
         if line is not None and step and line.cycle_s > 0:
             loads.append(step / line.cycle_s)
     return max(loads, default=math.nan)
+
+
+def nodes_needed(
+    prefills: Sequence[NodeState], decodes: Sequence[NodeState], prompt_tokens_per_s: float, output_tokens_per_s: float
+) -> tuple[float, float]:
+    """(prefill, decode) nodes that would carry this load: the prompt rate over a prefill node's
+    measured prompt rate, and the output rate over what a decode node emits with its steps within
+    its TPOT guard (NaN: unmeasured; a decode node whose guard no step meets needs inf)."""
+    rates = [n.perf.prefill_tokens_per_s for n in prefills if n.perf.prefill_tokens_per_s > 0]
+    prefill = prompt_tokens_per_s / (sum(rates) / len(rates)) if rates else math.nan
+    line = _line(decodes)
+    per_node = line.tokens_within_guard() if line is not None else math.nan
+    if math.isnan(per_node):
+        return prefill, math.nan
+    if output_tokens_per_s <= 0:
+        return prefill, 0.0
+    return prefill, output_tokens_per_s / per_node if per_node > 0 else math.inf

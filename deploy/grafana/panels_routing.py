@@ -83,9 +83,14 @@ ROUTING_ROWS: list[tuple[str, list[Panel]]] = [
                 "short",
                 "Prefill nodes per decode node that would balance the current load, (prefill demand / "
                 "capacity per prefill node) / (decode demand / capacity per decode node), against the "
-                "ratio deployed. Routers answer NaN (left out here) while a rate is unmeasured or nothing decodes.",
+                "ratio deployed; and the nodes of each tier that would carry it, decode nodes counted so "
+                "that each one's steps stay within its TPOT guard (from its measured step line). Routers "
+                "answer NaN (left out here) while a rate is unmeasured or nothing decodes.",
                 [
                     ("avg(pdserve_router_balanced_prefill_decode_ratio >= 0)", "balanced"),
+                    # the same from the decode step line: decode nodes whose steps stay within the guard
+                    ('max(pdserve_router_nodes_needed{tier="prefill"} >= 0)', "prefill nodes needed"),
+                    ('max(pdserve_router_nodes_needed{tier="decode"} >= 0)', "decode nodes needed (within TPOT)"),
                     (
                         'count(pdserve_node_waiting_prompt_tokens{role="prefill"}) '
                         '/ count(pdserve_node_waiting_prompt_tokens{role="decode"})',

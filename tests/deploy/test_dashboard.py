@@ -64,6 +64,10 @@ def test_panels_cover_the_issue_list() -> None:
         "pdserve_router_decode_demand_tokens_per_second",
         "pdserve_router_decode_capacity_tokens_per_second",
         "pdserve_router_balanced_prefill_decode_ratio",
+        "pdserve_router_nodes_needed",
+        "pdserve_router_pd_pooled",
+        "pdserve_router_tier_load",
+        "pdserve_router_pd_pool_switches_total",
     ]:
         assert metric in text, metric
     for p in panels:

@@ -211,3 +211,26 @@ def test_the_dispatcher_pools_under_decode_load_and_splits_again() -> None:
             await disp.close()
 
     run(main())
+
+
+def test_nodes_needed_keep_each_decode_step_within_its_guard() -> None:
+    """A decode node on STEPS with a 15 ms guard emits (1 - 6/15) / per_request tokens/s within it:
+    about 9.5K; prompts need their rate over a prefill node's measured 40K tokens/s."""
+    from router.tier_load import nodes_needed
+
+    line = StepLine.of(node("decode").perf)
+    assert line is not None
+    per_node = (1 - 0.006 / GUARD) / ((0.014 - 0.006) / 127)
+    assert line.tokens_within_guard() == pytest.approx(per_node)
+    # the busiest step at that rate is the guard itself
+    assert line.loaded_step_s(per_node) == pytest.approx(GUARD)
+    prefill, decode = nodes_needed([node("prefill")], [node("decode")], 60_000.0, 2 * per_node)
+    assert (prefill, decode) == (pytest.approx(1.5), pytest.approx(2.0))
+    assert nodes_needed([node("prefill")], [node("decode")], 0.0, 0.0) == (0.0, 0.0)
+    flat = node("decode")
+    flat.perf = NodePerf(decode_step_s=((1, 0.006),), decode_tokens_per_step=1.0, tpot_guard_s=GUARD)
+    assert math.isnan(nodes_needed([], [flat], 0.0, 1000.0)[1])  # one batch size: its growth unmeasured
+    slow = node("decode")
+    slow.perf = NodePerf(decode_step_s=((1, 0.02), (8, 0.03)), decode_tokens_per_step=1.0, tpot_guard_s=GUARD)
+    assert nodes_needed([], [slow], 0.0, 1000.0)[1] == math.inf  # no step meets its guard
+    assert math.isnan(nodes_needed([], [slow], 10.0, 0.0)[0])  # no prefill measured
