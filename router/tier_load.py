@@ -110,11 +110,15 @@ def nodes_needed(
 ) -> tuple[float, float]:
     """(prefill, decode) nodes that would carry this load: the prompt rate over a prefill node's
     measured prompt rate, and the output rate over what a decode node emits with its steps within
-    its TPOT guard (NaN: unmeasured; a decode node whose guard no step meets needs inf)."""
+    its TPOT guard, or, until its step is measured at two batch sizes, its reported capacity at
+    --max-running (NaN: unmeasured; a decode node whose guard no step meets needs inf)."""
     rates = [n.perf.prefill_tokens_per_s for n in prefills if n.perf.prefill_tokens_per_s > 0]
     prefill = prompt_tokens_per_s / (sum(rates) / len(rates)) if rates else math.nan
     line = _line(decodes)
     per_node = line.tokens_within_guard() if line is not None else math.nan
+    if math.isnan(per_node):  # growth with the batch unmeasured: the nodes' own figure at --max-running
+        reported = [n.perf.decode_capacity_tokens_per_s for n in decodes if n.perf.decode_capacity_tokens_per_s > 0]
+        per_node = sum(reported) / len(reported) if reported else math.nan
     if math.isnan(per_node):
         return prefill, math.nan
     if output_tokens_per_s <= 0:

@@ -230,6 +230,10 @@ def test_nodes_needed_keep_each_decode_step_within_its_guard() -> None:
     flat = node("decode")
     flat.perf = NodePerf(decode_step_s=((1, 0.006),), decode_tokens_per_step=1.0, tpot_guard_s=GUARD)
     assert math.isnan(nodes_needed([], [flat], 0.0, 1000.0)[1])  # one batch size: its growth unmeasured
+    flat.perf = NodePerf(
+        decode_step_s=((1, 0.006),), decode_tokens_per_step=1.0, tpot_guard_s=GUARD, decode_capacity_tokens_per_s=4e3
+    )
+    assert nodes_needed([], [flat], 0.0, 1000.0)[1] == 0.25  # until then, its figure at --max-running
     slow = node("decode")
     slow.perf = NodePerf(decode_step_s=((1, 0.02), (8, 0.03)), decode_tokens_per_step=1.0, tpot_guard_s=GUARD)
     assert nodes_needed([], [slow], 0.0, 1000.0)[1] == math.inf  # no step meets its guard
