@@ -1,4 +1,4 @@
-"""The load of a PD deployment as split and as pooled, priced on a decode node's measured step line.
+"""A PD deployment's load as split and as pooled, and the nodes that would carry it, from its step line.
 
 A decode step costs a fixed part (reading the weights: the step at batch 1), a part per running
 request, and, where prompt chunks ride inside it, a part per prompt token. A node that emits D
@@ -10,7 +10,8 @@ output and the prefill nodes the prompts; pooled, every node takes its share of 
 part is why two colocated replicas out-decode one decode node: each streams the weights for half
 the batch. Each figure is a step over the guard's cycle (the TPOT guard per token a request
 gains): at 1 the decode runs at its TPOT budget. The prefill tier's is its prompt tokens/s over
-its measured prompt rates.
+its measured prompt rates. A decode node keeps its step within the cycle up to
+a x (1 - fixed / cycle) / per_request output tokens/s, which sizes the decode tier.
 """
 
 from __future__ import annotations
