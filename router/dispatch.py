@@ -149,6 +149,7 @@ class PDDispatcher:
                     if isinstance(event, TokenEvent):
                         if not started:
                             attempt.observe_first_token(job_started)
+                            self._learn_rates(route)
                         self.balance.add_output(len(event.token_ids))
                     started = True
                     if isinstance(event, FinishEvent) and event.finish_reason != "abort":
@@ -179,6 +180,13 @@ class PDDispatcher:
                 await attempt.close(reason)
         assert last is not None
         raise last.error
+
+    def _learn_rates(self, route: Route) -> None:
+        """A node that ran a prompt before the router saw its prompt rate measured reports it now,
+        not at the next refresh: until then every route decision treats it as unmeasured."""
+        node = route.prefill if route.path == "remote" and route.prefill is not None else route.decode
+        if route.path != "colocated" and node.perf.prefill_tokens_per_s <= 0:
+            self.registry.refresh_soon(node)
 
     def _pick(self, job: GenerationJob, exclude: set[str]) -> Route | None:
         """A route (router/prefill_path.py) whose breaker slots are claimed here."""

@@ -210,6 +210,16 @@ class NodeRegistry:
         self._channels: dict[str, grpc.aio.Channel] = {}  # by node address
         self._discovered: dict[tuple[str, str], str] = {}  # (role, address) -> DNS name it came from
         self._task: asyncio.Task[None] | None = None
+        self._soon: dict[str, asyncio.Task[None]] = {}  # one-node refreshes in flight, by address
+
+    def refresh_soon(self, s: NodeState) -> None:
+        """Re-read one node's health, server info and load now, not at the next round (a node that
+        just ran its first prompts reports its rates); one such read in flight per node."""
+        if s.stub is None or s.address in self._soon:
+            return
+        task = asyncio.get_running_loop().create_task(self._refresh(s), name=f"refresh-{s.address}")
+        self._soon[s.address] = task
+        task.add_done_callback(lambda _: self._soon.pop(s.address, None))
 
     def nodes(self, role: str, *, healthy_only: bool = True) -> list[NodeState]:
         return [s for s in self.states if s.role == role and (s.healthy or not healthy_only)]
@@ -234,10 +244,11 @@ class NodeRegistry:
         self._task = asyncio.create_task(self._loop(), name="node-refresh")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        tasks = [t for t in (self._task, *self._soon.values()) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = None
         for follower in self.followers:  # before the channels they read close
             await follower.stop()
         await asyncio.gather(*(c.close() for c in self._channels.values()), return_exceptions=True)
