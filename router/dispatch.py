@@ -154,6 +154,7 @@ class PDDispatcher:
                     started = True
                     if isinstance(event, FinishEvent) and event.finish_reason != "abort":
                         self._last_success = time.monotonic()  # before the yield: the consumer may stop here
+                        self._learn_steps(route)
                     yield event
                 return
             except LegFailed as f:
@@ -187,6 +188,12 @@ class PDDispatcher:
         node = route.prefill if route.path == "remote" and route.prefill is not None else route.decode
         if route.path != "colocated" and node.perf.prefill_tokens_per_s <= 0:
             self.registry.refresh_soon(node)
+
+    def _learn_steps(self, route: Route) -> None:
+        """Likewise a node that decoded before the router saw any of its decode steps measured:
+        without them its local estimate is unknown and every prompt goes remote."""
+        if route.path != "colocated" and not route.decode.perf.decode_step_s:
+            self.registry.refresh_soon(route.decode)
 
     def _pick(self, job: GenerationJob, exclude: set[str]) -> Route | None:
         """A route (router/prefill_path.py) whose breaker slots are claimed here."""

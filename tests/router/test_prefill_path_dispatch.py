@@ -245,8 +245,9 @@ def test_each_path_learns_how_its_prompts_compared_with_their_estimates() -> Non
 
 
 def test_a_node_that_ran_its_first_prompt_reports_its_rate_before_the_next_refresh() -> None:
-    """Until a refresh brings a prefill node's first measured rate, every decision treats it as
-    unmeasured: the first prompt's answer makes the router read that node again at once."""
+    """Until a refresh brings a prefill node's first measured rate (or a decode node's first step
+    times), every decision treats it as unmeasured: the first prompt's answer (and the request's
+    end) makes the router read that node again at once."""
 
     async def main() -> None:
         unmeasured = {**measured(), "prefill_tokens_per_s": 0.0}
@@ -255,9 +256,12 @@ def test_a_node_that_ran_its_first_prompt_reports_its_rate_before_the_next_refre
         async with cluster(p, d) as reg:
             disp = dispatcher(reg, path_policy="auto")
             assert reg.get(p.address).perf.prefill_tokens_per_s == 0.0
-            p.b.perf = measured()  # the node measured its prompt batch meanwhile
+            d.b.perf = {**measured(), "decode_step_s": {}}  # nor has the decode stepped yet
+            await reg.refresh_once()
+            p.b.perf, d.b.perf = measured(), measured()  # both measured their batches meanwhile
             await collect(disp, job())
             await until(lambda: reg.get(p.address).perf.prefill_tokens_per_s == RATE)  # no refresh_once
+            await until(lambda: bool(reg.get(d.address).perf.decode_step_s))
             await disp.close()
 
     run(main())
