@@ -185,9 +185,8 @@ class PDDispatcher:
     def _learn_rates(self, route: Route) -> None:
         """A node that ran a prompt before the router saw its prompt rate measured reports it now,
         not at the next refresh: until then every route decision treats it as unmeasured."""
-        node = route.prefill if route.path == "remote" and route.prefill is not None else route.decode
-        if route.path != "colocated" and node.perf.prefill_tokens_per_s <= 0:
-            self.registry.refresh_soon(node)
+        if route.path != "colocated" and route.prompt_node.perf.prefill_tokens_per_s <= 0:
+            self.registry.refresh_soon(route.prompt_node)
 
     def _learn_steps(self, route: Route) -> None:
         """Likewise a node that decoded before the router saw any of its decode steps measured:
@@ -233,8 +232,7 @@ class PDDispatcher:
     def _observe_route(self, route: Route, job: GenerationJob) -> None:
         prompt_tokens, hit = len(job.input_ids), 0
         if self.kv_index is not None and self.cache_metrics is not None:
-            runs_prompt = route.prefill if route.path == "remote" and route.prefill is not None else route.decode
-            hit = self.kv_index.expected_hit(runs_prompt, job)
+            hit = self.kv_index.expected_hit(route.prompt_node, job)
             self.cache_metrics.expected_hit.observe(hit)
         d = route.decision
         self.path_metrics.observe(

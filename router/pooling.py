@@ -37,7 +37,7 @@ from common.defaults import PD_POOLING_MODES
 from router.contract import GenerationJob
 from router.nodes import NodeRegistry, NodeState
 from router.policy import Policy
-from router.prefill_path import KV_HEADROOM, LOCAL_REFUSED, POOLED, PathDecision, Route, holds_whole, local_ttft
+from router.prefill_path import POOLED, PathDecision, Route, holds_local, holds_whole, runs_local_prompts
 from router.tier_load import TierLoad
 
 MODES = PD_POOLING_MODES  # --pd-pooling
@@ -125,10 +125,10 @@ def poolable(registry: NodeRegistry) -> bool:
 
 def _fits(node: NodeState, job: GenerationJob, cached: int) -> bool:
     """Can `node` hold the request's KV, prompt less its expected hit plus output, beside what it holds?"""
+    prompt, max_new = max(1, len(job.input_ids) - cached), job.sampling.max_new_tokens
     if node.role == "decode":  # the local path's own checks: it runs prompts, with KV to spare
-        refusal = local_ttft(node, max(1, len(job.input_ids) - cached), job.sampling.max_new_tokens, 0.0).refusal
-        return refusal not in (LOCAL_REFUSED, KV_HEADROOM)
-    return holds_whole(node, len(job.input_ids) - cached, job.sampling.max_new_tokens)
+        return runs_local_prompts(node) and holds_local(node, prompt, max_new)
+    return holds_whole(node, prompt, max_new)
 
 
 def select_pooled(

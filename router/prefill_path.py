@@ -161,6 +161,18 @@ def guard_cycle(guard: float, line: NodePerf) -> float:
     return guard * max(1.0, line.decode_tokens_per_step)
 
 
+def runs_local_prompts(decode: NodeState) -> bool:
+    """Does `decode` run prompts sent to it without a prefill, under a TPOT guard?"""
+    return decode.local_prefill and decode.perf.tpot_guard_s is not None
+
+
+def holds_local(decode: NodeState, prompt_tokens: int, max_new_tokens: int) -> bool:
+    """Does `decode` have KV for the prompt and output beside what it holds? Prompts queued there
+    hold no KV yet, ours included; 0 capacity means the node never said (no)."""
+    free = decode.max_tokens - decode.used_tokens - decode.prompts.total()
+    return free >= prompt_tokens + max(0, max_new_tokens)
+
+
 def local_ttft(
     decode: NodeState, prompt_tokens: int, max_new_tokens: int, borrowed_rate: float, now: float | None = None
 ) -> LocalEstimate:
@@ -168,11 +180,9 @@ def local_ttft(
     compared with their estimates; `borrowed_rate` stands in for an unmeasured node's rate."""
     perf = decode.perf
     guard = perf.tpot_guard_s
-    if not decode.local_prefill or guard is None:
+    if not runs_local_prompts(decode) or guard is None:
         return LocalEstimate(refusal=LOCAL_REFUSED)
-    # Prompts queued there hold no KV yet, ours included; 0 capacity means the node never said.
-    free = decode.max_tokens - decode.used_tokens - decode.prompts.total()
-    if free < prompt_tokens + max(0, max_new_tokens):
+    if not holds_local(decode, prompt_tokens, max_new_tokens):
         return LocalEstimate(refusal=KV_HEADROOM)
     rate = perf.prefill_tokens_per_s or borrowed_rate
     # a node that runs its chunks inside its decode steps pays no fixed part per chunk
@@ -307,6 +317,11 @@ class Route:
     decode: NodeState  # the node the request streams from: on the whole path, a prefill node
     path: str  # one of PATHS
     decision: PathDecision | None = None  # None: no choice of path was made (colocated)
+
+    @property
+    def prompt_node(self) -> NodeState:
+        """The node that runs the prompt: the prefill on the remote path, else the node streaming."""
+        return self.prefill if self.prefill is not None else self.decode
 
     def estimate_s(self) -> float | None:
         """The TTFT estimate of the path taken (None: colocated, or not estimated)."""
