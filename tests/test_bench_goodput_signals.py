@@ -1,5 +1,6 @@
 """The goodput benchmark's per-point signals: requests by path and the router's TTFT stages,
-every node's queue and prompt time, and the decode nodes' TPOT guard it deploys with."""
+every node's queue and prompt time, its eager forwards and mixed steps, and the decode nodes' TPOT guard
+it deploys with."""
 
 from __future__ import annotations
 
@@ -124,3 +125,17 @@ def test_a_points_calibration_is_each_roles_ratio_at_its_end() -> None:
     after = asyncio.run(read())
     assert point_calibration(after) == {"prefill": 0.9, "decode": 1.65}  # read as they are, not diffed
     assert point_counters({}, after)[0] == {"local": 3.0}  # and they are no path
+
+
+def test_node_counter_deltas_give_a_points_eager_forwards_by_reason_and_mixed_steps() -> None:
+    from bench.gpu.goodput_run import node_counter_deltas
+
+    eager = 'decode-0:pdserve_node_graph_forwards_total{role="decode",path="eager",reason="not captured at start-up"}'
+    replay = 'decode-0:pdserve_node_graph_forwards_total{role="decode",path="replay",reason=""}'
+    mixed = 'decode-0:pdserve_node_mixed_steps_total{role="decode"}'
+    queue = "decode-0:pdserve_node_queue_time_seconds_sum{}"  # not a counter of the point
+    before = {eager: 3.0, replay: 100.0, mixed: 1.0, queue: 0.0}
+    after = {eager: 5.0, replay: 160.0, mixed: 1.0, queue: 2.0}
+    assert node_counter_deltas(before, after) == {
+        "decode-0": {"graph_forwards:eager,not captured at start-up": 2.0, "graph_forwards:replay": 60.0}
+    }

@@ -9,13 +9,16 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Mapping
 
 import httpx
 
 from bench.gpu import goodput_plan as plan
 from bench.gpu.goodput_report import Results, point_entries
 from bench.gpu.goodput_up import (
+    NODE_COUNTERS,
     UpProcess,
+    label_values,
     node_signals,
     node_count_means,
     node_stage_means_ms,
@@ -128,6 +131,7 @@ async def _curve(
             ttft_stages_ms=stages,
             node_stages_ms=node_stages,
             node_means=node_count_means(nodes_before, nodes_after),
+            node_counts=node_counter_deltas(nodes_before, nodes_after),
         )
         done.append(plan.Measured(rate, entries["loose"]["attainment"], entries["tight"]["attainment"]))
         print(
@@ -137,3 +141,19 @@ async def _curve(
             flush=True,
         )
     return "max points" if len(done) >= settings.ladder.max_points else "ladder done"
+
+
+def node_counter_deltas(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, dict[str, float]]:
+    """Per node, how much each of its NODE_COUNTERS grew between two snapshots of
+    node_stage_totals, keyed less `pdserve_node_` and `_total`, with its label values beyond the
+    node's own (e.g. `graph_forwards:eager,mixed batch larger than its buckets`); zeros left out."""
+    out: dict[str, dict[str, float]] = {}
+    for key, value in after.items():
+        node, _, sample = key.partition(":")
+        name, _, labels = sample.partition("{")
+        if name not in NODE_COUNTERS or not (grew := value - before.get(key, 0.0)):
+            continue
+        short = name.removeprefix("pdserve_node_").removesuffix("_total")
+        values = label_values(labels)
+        out.setdefault(node, {})[f"{short}:{values}" if values else short] = grew
+    return out

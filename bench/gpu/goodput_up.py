@@ -180,6 +180,7 @@ async def busy_requests(client: httpx.AsyncClient, metrics_urls: Sequence[str]) 
 SIGNALS = (
     "pdserve_node_prompt_tokens_per_second",
     "pdserve_node_prefill_capacity_tokens_per_second",
+    "pdserve_node_mixed_prefill_tokens_per_second",
     "pdserve_node_decode_tokens_per_second",
     "pdserve_node_decode_capacity_tokens_per_second",
 )
@@ -221,6 +222,8 @@ NODE_STAGES = (
 )
 # a decode's page runs per prompt written to it; a prefill's runs per write (both sides consecutive)
 NODE_COUNTS = ("pdserve_kv_destination_runs", "pdserve_kv_write_runs")
+# counted per point: forwards replayed or eager (by reason), decode steps that carried a chunk
+NODE_COUNTERS = ("pdserve_node_graph_forwards_total", "pdserve_node_mixed_steps_total")
 
 
 async def node_stage_totals(client: httpx.AsyncClient, metrics: dict[str, str]) -> dict[str, float]:
@@ -234,6 +237,7 @@ async def node_stage_totals(client: httpx.AsyncClient, metrics: dict[str, str]) 
         except httpx.HTTPError:
             continue
         out.update({f"{node}:{key}": v for key, v in histogram_totals(resp.text, NODE_STAGES + NODE_COUNTS).items()})
+        out.update({f"{node}:{n}{{{labels}}}": v for n, labels, v in samples(resp.text) if n in NODE_COUNTERS})
     return out
 
 
@@ -246,13 +250,13 @@ def node_count_means(before: Mapping[str, float], after: Mapping[str, float]) ->
         name, _, labels = sample.partition("{")
         if name in NODE_COUNTS:
             short = name.removeprefix("pdserve_")
-            out.setdefault(node, {})[f"{short}:{v}" if (v := _label_values(labels)) else short] = mean
+            out.setdefault(node, {})[f"{short}:{v}" if (v := label_values(labels)) else short] = mean
     return out
 
 
-def _label_values(labels: str) -> str:
-    """A sample's label values beyond its node's own (role, node), comma-joined."""
-    return ",".join(v for k, v in re.findall(r'(\w+)="([^"]*)"', labels) if k not in ("role", "node"))
+def label_values(labels: str) -> str:
+    """A sample's non-empty label values beyond its node's own (role, node), comma-joined."""
+    return ",".join(v for k, v in re.findall(r'(\w+)="([^"]*)"', labels) if v and k not in ("role", "node"))
 
 
 def node_stage_means_ms(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, dict[str, float]]:
@@ -263,7 +267,7 @@ def node_stage_means_ms(before: Mapping[str, float], after: Mapping[str, float])
     for key, ms in histogram_means_ms(before, after).items():
         node, sample = key.split(":", 1)
         name, _, labels = sample.partition("{")
-        values = _label_values(labels)  # the node's own labels (role, node) say nothing the key does not
+        values = label_values(labels)  # the node's own labels (role, node) say nothing the key does not
         stage = name.removeprefix("pdserve_node_").removeprefix("pdserve_")
         out.setdefault(node, {})[f"{stage}:{values}" if values else stage] = ms
     return out

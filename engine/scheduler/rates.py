@@ -8,12 +8,15 @@ the router decides each request's prefill path from, and the sizing gauges.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import threading
 import time
 from collections import deque
 
 from engine.core import Batch, ForwardMode, StepOutput
+
+log = logging.getLogger(__name__)
 
 # Each observation keeps this share of what came before: recent batches dominate, one odd batch
 # (a first-touch compile, a tiny probe) fades within a few dozen.
@@ -41,6 +44,13 @@ OVERHEAD_MAX_TOKENS = 128
 # A mixed batch (a prompt chunk inside a decode step) tells the chunk's marginal rate: its tokens
 # over what the batch took beyond a decode step of its size. Chunks of fewer tokens say little.
 MIXED_MIN_TOKENS = 64
+# A chunk's share of a mixed step is charged at most what the chunk would cost run apart (the
+# prompt batch's fixed part plus its tokens at the prompt rate): mixing exists because it costs
+# less. One slow mixed step (a first-touch compile, a host stall) charged in full read a decode
+# node's mixed rate as 1,201 tokens/s on an H100 (against 54-66K profiled); the guard then sized
+# chunks below MIXED_MIN_TOKENS, none was measured again, and the router priced every local prompt
+# at seconds. Such a step is logged (at most every MIXED_SLOW_LOG_S) with its figures.
+MIXED_SLOW_LOG_S = 30.0
 
 
 def bucket(batch_size: int) -> int:
@@ -107,6 +117,7 @@ class NodeRates:
         self._sizes: dict[int, _Decayed] = {}  # bucket -> batch sizes / decode steps (where it was measured)
         self._per_step = _Decayed()  # tokens a request gains / decode steps
         self._last_done = 0.0  # perf_counter when the last batch's results reached the host
+        self._slow_logged_at = -MIXED_SLOW_LOG_S  # when a mixed step slower than apart was last logged
         self._decode_tokens = RecentRate()  # demand served: tokens emitted, prompt tokens computed
         self._prompt_tokens = RecentRate()
 
@@ -139,8 +150,37 @@ class NodeRates:
         with self._lock:
             self._prompt_tokens.add(prompt_tokens)
             self._decode_tokens.add(decoded)
-            if step is not None and prompt_tokens >= MIXED_MIN_TOKENS and seconds > step:
-                self._mixed.append(prompt_tokens / (seconds - step))
+            if step is None or prompt_tokens < MIXED_MIN_TOKENS or seconds <= step:
+                return
+            chunk_s, apart_s = seconds - step, self._apart_s(prompt_tokens)
+            if apart_s is not None and chunk_s > apart_s:
+                self._log_slow_mixed(decode_rows, prompt_tokens, seconds, step, apart_s)
+                chunk_s = apart_s
+            self._mixed.append(prompt_tokens / chunk_s)
+
+    def _apart_s(self, tokens: int) -> float | None:
+        """Seconds a chunk of `tokens` costs as a prompt batch of its own (None: not measured); under the lock."""
+        if not self._prefill:
+            return None
+        return self._overhead_s() + tokens / statistics.median(self._prefill)
+
+    def _overhead_s(self) -> float:
+        """`prompt_overhead_s`, under the lock."""
+        if not self._prefill or not self._small:
+            return 0.0
+        rate = statistics.median(self._prefill)
+        return max(0.0, statistics.median(s - n / rate for n, s in self._small))
+
+    def _log_slow_mixed(self, rows: int, tokens: int, seconds: float, step: float, apart_s: float) -> None:
+        now = time.monotonic()
+        if now - self._slow_logged_at < MIXED_SLOW_LOG_S:
+            return
+        self._slow_logged_at = now
+        log.warning(
+            "a mixed step took %.2f ms for %d decode rows and a %d-token chunk: %.2f ms beyond a decode step "
+            "(%.2f ms), more than the chunk costs apart (%.2f ms); charged as apart",
+            seconds * 1e3, rows, tokens, (seconds - step) * 1e3, step * 1e3, apart_s * 1e3,
+        )  # fmt: skip
 
     def observe(self, mode: ForwardMode, batch_size: int, tokens: int, seconds: float) -> None:
         """One batch: its mode, requests, tokens (computed prompt tokens, or tokens emitted by a
@@ -170,10 +210,7 @@ class NodeRates:
     def prompt_overhead_s(self) -> float:
         """Seconds a prompt batch costs beyond its tokens at the prompt rate (0: unknown)."""
         with self._lock:
-            if not self._prefill or not self._small:
-                return 0.0
-            rate = statistics.median(self._prefill)
-            return max(0.0, statistics.median(s - n / rate for n, s in self._small))
+            return self._overhead_s()
 
     def mixed_tokens_per_s(self) -> float:
         """Prompt tokens per second a chunk costs inside a decode step (0: none measured)."""
@@ -231,8 +268,10 @@ class NodeRates:
 
 
 def interpolate(points: dict[int, float], x: int) -> float | None:
-    """Piecewise-linear through `points` (x -> y), extended along the last two past the largest;
-    below the smallest, its y (a smaller batch's step is no slower: an upper bound)."""
+    """Piecewise-linear through `points` (x -> y), extended along the last two past the largest and
+    never below its y (two close sizes measured a little apart extrapolated a step of 0 at
+    --max-running, as the router's NodePerf.step_s does not); below the smallest, its y (a smaller
+    batch's step is no slower: an upper bound)."""
     if not points:
         return None
     xs = sorted(points)
@@ -244,4 +283,5 @@ def interpolate(points: dict[int, float], x: int) -> float | None:
         hi = next(b for b in xs if b >= x)
         lo = xs[xs.index(hi) - 1]
     slope = (points[hi] - points[lo]) / (hi - lo)
-    return max(0.0, points[lo] + slope * (x - lo))
+    floor = points[hi] if x > hi else 0.0
+    return max(floor, points[lo] + slope * (x - lo))

@@ -37,12 +37,15 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from engine.core import Req
+from engine.scheduler.rates import MIXED_MIN_TOKENS
 
 log = logging.getLogger(__name__)
 
 # Before any measurement: small enough for a few milliseconds on any GPU this serves.
 UNMEASURED_CHUNK = 256
-# A prompt always advances by at least this much every STARVE_STEPS decode steps.
+# A prompt always advances by at least this much every STARVE_STEPS decode steps; inside a decode
+# step by a chunk the node's rates still measure (MIXED_MIN_TOKENS), so a mixed rate read low once
+# is read again rather than keeping every chunk too small to be measured.
 MIN_CHUNK = 32
 STARVE_STEPS = 32
 # The smallest chunk worth its fixed part (unless the prompt needs less).
@@ -96,7 +99,7 @@ class TpotGuard:
             return tokens
         if self._denied >= STARVE_STEPS:
             self._denied = 0
-            return max(MIN_CHUNK, tokens)
+            return max(MIXED_MIN_TOKENS if mixed else MIN_CHUNK, tokens)
         self._denied += 1
         if now - self._logged_at >= DENIAL_LOG_S:
             self._logged_at = now

@@ -135,6 +135,7 @@ class EngineCollector(Collector):
             role,
             eng.scheduler.stats["mixed_steps"],
         )
+        yield self._graph_forwards()
         yield _counter(
             "pdserve_node_retractions",
             "Running requests sent back to the queue because the KV cache ran out",
@@ -158,6 +159,21 @@ class EngineCollector(Collector):
         yield from self._speculative()
         yield from self._rates()
         yield from self._prefix_cache()
+
+    def _graph_forwards(self) -> Metric:
+        """The target model's forwards on a node with CUDA graphs: replayed, or eager and why (an
+        eager forward of the 8B shape costs ~20 ms of host launches beyond its graph's)."""
+        stats = self.engine.parts.runner.graph_stats
+        reasons = dict(stats.eager_reasons)  # one C-level copy: the scheduler thread adds reasons
+        c = CounterMetricFamily(
+            "pdserve_node_graph_forwards",
+            "Target-model forwards where CUDA graphs are on: replayed from a graph, or run eagerly (by reason)",
+            labels=["role", "path", "reason"],
+        )
+        c.add_metric([self.role, "replay", ""], stats.hits)
+        for reason, n in sorted(reasons.items()):
+            c.add_metric([self.role, "eager", reason], n)
+        return c
 
     def _prefix_cache(self) -> Iterator[Metric]:
         """What prompts found in the prefix cache, and what the cache holds."""
@@ -216,6 +232,12 @@ class EngineCollector(Collector):
             "Measured prompt tokens per second of computing prompts (0: none measured yet)",
             role,
             rates.prefill_tokens_per_s(),
+        )
+        yield _gauge(
+            "pdserve_node_mixed_prefill_tokens_per_second",
+            "Measured marginal prompt tokens per second of a chunk run inside a decode step (0: none measured)",
+            role,
+            rates.mixed_tokens_per_s(),
         )
         yield _gauge(
             "pdserve_node_decode_capacity_tokens_per_second",

@@ -21,8 +21,7 @@ from engine.attention.torch_backend import TorchAttention
 from engine.attention.triton_backend import TritonAttention
 from engine.core import ForwardMode, SamplingParams
 from engine.mixed_graphs import MixedBuckets, live_rows, load_mixed_context, place_tokens, static_mixed_context
-from engine.scheduler.rates import NodeRates
-from engine.scheduler.tpot_guard import MIN_CHUNK
+from engine.scheduler.rates import MIXED_MIN_TOKENS, NodeRates
 from tests.engine.graph_rig import Rig
 from tests.engine.test_cuda_graph import check_graph, eager_and_graph
 from tests.engine.test_tpot_guard import EARLY, LATE, FixedRates, _req, make_engine, models, staggered  # noqa: F401 - fixture
@@ -197,10 +196,11 @@ def test_a_mixed_chunk_takes_what_the_step_leaves_of_the_guard():
     for _ in range(3):
         assert guard.chunk_tokens(decoding, 4096, now=0.0, mixed=True) == int(0.0199 * 20_000)
     assert guard.chunk_tokens([_req("b", 0, max_new=1000)], 4096, now=0.0, mixed=True) == int(0.0199 * 20_000)
-    # a step that fills the guard leaves nothing: the prompt waits, then advances by the minimum
+    # a step that fills the guard leaves nothing: the prompt waits, then advances by the smallest
+    # chunk whose marginal rate the node measures (so a rate read low is read again)
     full = TpotGuard(0.01, rates, max_chunk=4096)
     assert all(full.chunk_tokens(decoding, 4096, now=0.0, mixed=True) == 0 for _ in range(STARVE_STEPS))
-    assert full.chunk_tokens(decoding, 4096, now=0.0, mixed=True) == MIN_CHUNK
+    assert full.chunk_tokens(decoding, 4096, now=0.0, mixed=True) == MIXED_MIN_TOKENS
 
 
 def test_a_mixed_chunk_is_cut_to_a_graph_bucket_unless_it_finishes_the_prompt():
@@ -227,6 +227,24 @@ def test_rates_learn_a_mixed_chunks_marginal_rate():
     assert rates.mixed_tokens_per_s() == pytest.approx(50_000, rel=1e-3)
     assert rates.snapshot(8)["mixed_tokens_per_s"] == pytest.approx(50_000, rel=1e-3)
     assert rates.recent_prompt_tokens_per_s() > 0 and rates.recent_decode_tokens_per_s() > 0
+
+
+def test_a_mixed_step_slower_than_its_chunk_apart_is_charged_as_apart(caplog):
+    """One stalled mixed step (a compile, a host pause) must not set the mixed rate below what the
+    chunk would cost as its own prompt batch: that reading made every chunk too small to measure."""
+    rates = NodeRates()
+    for _ in range(3):
+        rates.observe(D, 8, 8, 0.010)
+    rates.observe(X, 1, 2048, 2048 / 40_000)  # the prompt rate: 40K tokens/s
+    rates.observe(X, 1, 32, 0.005 + 32 / 40_000)  # its fixed part: 5 ms
+    with caplog.at_level("WARNING", logger="engine.scheduler.rates"):
+        rates.observe_mixed(8, 128, 8, 0.010 + 0.200)  # 200 ms for 128 tokens: a stall
+    apart = 0.005 + 128 / 40_000
+    assert rates.mixed_tokens_per_s() == pytest.approx(128 / apart, rel=1e-3)
+    assert "more than the chunk costs apart" in caplog.text
+    for _ in range(4):  # steps at the real marginal rate outvote it (a median)
+        rates.observe_mixed(8, 256, 8, 0.010 + 256 / 60_000)
+    assert rates.mixed_tokens_per_s() == pytest.approx(60_000, rel=1e-3)
 
 
 # ---- GPU: captured mixed graphs ----

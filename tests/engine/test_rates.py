@@ -20,7 +20,8 @@ def test_step_time_is_linear_between_and_beyond_the_measured_sizes():
     assert interpolate(points, 10) == pytest.approx(0.019)
     assert interpolate(points, 32) == pytest.approx(0.041)  # along the last two
     assert interpolate({2: 0.01, 4: 0.03}, 1) == 0.01  # below the smallest: its time, an upper bound
-    assert interpolate({2: 0.03, 4: 0.01}, 64) == 0.0  # never negative
+    assert interpolate({2: 0.03, 4: 0.01}, 64) == 0.01  # past the largest, a falling line stays flat
+    assert interpolate({2: 0.03, 4: 0.01}, 3) == pytest.approx(0.02)  # between them, as measured
 
 
 def test_rates_follow_recent_batches():

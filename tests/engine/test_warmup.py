@@ -13,7 +13,14 @@ import pytest
 from engine.core import SamplingParams
 from engine.engine import Engine, EngineConfig
 from engine.loop import EngineLoop, ThreadedIO
-from engine.warmup import MEASURE_PROMPTS, OVERHEAD_PROMPTS, compile_lengths, warm_before_serving, warm_up_prompts
+from engine.warmup import (
+    MEASURE_PROMPTS,
+    MIXED_PROMPTS,
+    OVERHEAD_PROMPTS,
+    compile_lengths,
+    warm_before_serving,
+    warm_up_prompts,
+)
 from fixtures.tiny_eagle import write_tiny_eagle_head
 from spec.config import SpecConfig
 from spec.registry import bind
@@ -112,3 +119,40 @@ def test_a_stop_signal_during_warm_up_returns_without_waiting_for_it(tiny_llama_
     finally:
         lp.stop()
         gate.set()
+
+
+def test_a_node_that_mixes_chunks_into_decode_steps_measures_them_before_serving(tiny_llama_dir):
+    """A decode node under a TPOT guard also runs prompts beside a decoding request in both passes:
+    its mixed steps are measured before its first real prompt, and nothing is left behind."""
+
+    def guarded_loop() -> EngineLoop:
+        config = EngineConfig(str(tiny_llama_dir), page_size=4, chunked_prefill_size=64, tpot_guard_ms=60_000.0)
+        return EngineLoop(Engine(config, io=ThreadedIO())).start()
+
+    cold = guarded_loop()
+    try:
+        want = _outputs(cold)
+    finally:
+        cold.stop()
+    lp = guarded_loop()
+    try:
+        eng = lp.engine
+        assert eng.scheduler.policy.mixes
+        chunks: list[int] = []
+        observe = eng.rates.observe_mixed
+
+        def spy(decode_rows: int, prompt_tokens: int, decoded: int, seconds: float) -> None:
+            chunks.append(prompt_tokens)
+            observe(decode_rows, prompt_tokens, decoded, seconds)
+
+        eng.rates.observe_mixed = spy  # type: ignore[method-assign]
+        report = warm_up_prompts(lp, timeout_s=TIMEOUT)
+        plain = len(compile_lengths(64, 10_000)) + 1 + MEASURE_PROMPTS + OVERHEAD_PROMPTS
+        assert report.prompts == plain + 2 * (1 + MIXED_PROMPTS)
+        # each pass's prompts (a whole chunk each) rode inside the decoding request's steps
+        assert sum(1 for n in chunks if n >= 64) >= 2 * MIXED_PROMPTS
+        assert report.mixed_tokens_per_s == eng.rates.mixed_tokens_per_s()
+        assert lp.call(lambda: (eng.kv.all_free, eng.scheduler.stats["mixed_steps"])).result(TIMEOUT) == (True, 0)
+        assert _outputs(lp) == want
+    finally:
+        lp.stop()

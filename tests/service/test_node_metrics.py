@@ -1,8 +1,10 @@
 """The node collector's exposition from engine state, on stand-in objects (no model): histogram
-buckets of the queue time, launch times by kind, counters from SpecStats, PD queues, adaptive steps when exposed."""
+buckets of the queue time, launch times by kind, graph replays and eager forwards, counters from SpecStats, PD
+queues, adaptive steps when exposed."""
 
 from __future__ import annotations
 
+from collections import Counter
 from types import SimpleNamespace
 from typing import Any
 
@@ -10,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 from engine.core import ForwardMode
+from engine.graph_buffers import GraphStats
 from engine.scheduler.rates import NodeRates
 from engine.scheduler.stats import CACHED_TOKEN_BUCKETS, COUNTERS, DurationHistogram, LaunchTimes
 from engine.service.metrics import EngineCollector
@@ -46,6 +49,7 @@ def _engine(executor: Any) -> Any:
         cached_per_request=DurationHistogram(CACHED_TOKEN_BUCKETS),
     )
     io = SimpleNamespace(finished_counts=lambda: {"stop": 5, "abort": 2})
+    graphs = GraphStats(hits=40, captures=3, eager=5, eager_reasons=Counter({"mixed batch larger than its buckets": 5}))
     return SimpleNamespace(
         scheduler=sched,
         kv=kv,
@@ -54,6 +58,7 @@ def _engine(executor: Any) -> Any:
         load_seconds=1.5,
         rates=NodeRates(),
         config=SimpleNamespace(max_running=8),
+        parts=SimpleNamespace(runner=SimpleNamespace(graph_stats=graphs)),
     )
 
 
@@ -82,6 +87,9 @@ def test_queue_time_histogram_counts_and_state_gauges() -> None:
     assert v("pdserve_node_request_slots_used") == 2 and v("pdserve_node_request_slots_capacity") == 8
     assert v("pdserve_node_retractions_total") == 4 and v("pdserve_model_load_seconds") == 1.5
     assert v("pdserve_node_mixed_steps_total") == 7
+    assert v("pdserve_node_graph_forwards_total", path="replay", reason="") == 40
+    assert v("pdserve_node_graph_forwards_total", path="eager", reason="mixed batch larger than its buckets") == 5
+    assert v("pdserve_node_mixed_prefill_tokens_per_second") == 0.0  # none measured
     assert v("pdserve_node_finished_requests_total", reason="abort") == 2
     assert reg.get_sample_value("pdserve_pd_queue_requests", {"role": "colocated", "queue": "prealloc"}) is None
     assert v("pdserve_spec_verifies_total") is None  # no speculative stats, no series
