@@ -416,3 +416,19 @@ def test_each_point_sends_prompts_no_earlier_one_sent() -> None:
     firsts = {tuple(r.prompt[:4]) for r in [*sent, *a, *b]}
     assert len(firsts) == 36  # no two prompts share a page-sized prefix to hit in a cache
     assert a == fresh_prompts(sent, "pd:chat_mix:0:0", 4096)  # the same salt, the same prompts
+
+
+def test_the_ladder_sharpens_the_knee_before_probing_further_past_it() -> None:
+    """A first miss not yet well below the target is bracketed before any higher rate is tried:
+    a run out of time keeps the goodput found rather than points past the knee."""
+
+    def attained(rate: float) -> float:  # holds to 40, then falls gently
+        return 1.0 if rate <= 40 else max(0.0, 1.0 - 0.6 * (rate - 40) / 40)
+
+    done: list[plan.Measured] = []
+    while (rate := plan.next_rate(plan.Ladder(max_points=8), done)) is not None:
+        done.append(plan.Measured(rate, attained(rate), attained(rate)))
+    rates = [m.rate for m in done]
+    assert rates[:5] == [4, 8, 16, 32, 64]  # 64 misses (82%), not well below
+    assert rates[5] == 45.3 and max(rates[5:7]) < 64  # then the bracket (32, 64), not 83
+    assert any(m.rate > 64 and m.loose < 0.6 for m in done)  # and past the knee after that

@@ -3,14 +3,17 @@ a request can no longer meet the SLO, and each curve's share of the time budget.
 
 The ladder picks each curve's next rate from the attainments measured so far, in this order:
 1. until some rate meets the loose SLO's target (90%), halve below the lowest rate tried;
-2. until a rate above the highest one meeting it is well below the target (past the knee), climb
-   from the highest rate tried: x`climb` while every rate so far met the target, x`past_knee`
-   once one missed (overloaded points are the slowest to run, so it steps gently past the knee);
+2. while every rate so far met it, climb x`climb` from the highest rate tried;
 3. sharpen: the geometric middle of the widest bracket (highest rate meeting the target, lowest
    rate above it) of either SLO while it is wider than `resolution`, the tight SLO's on a tie (its
    middle is the lower rate, the quicker point to run, and a run out of time keeps the tight knee
-   found); the tight SLO, whose knee is lower, may first need a rate below the lowest tried;
-4. if only one rate has missed above the highest that met it, climb once more: the curve ends
+   found); the tight SLO, whose knee is lower, may first need a rate below the lowest tried.
+   This comes before going further past the knee: the goodput is what the brackets decide, and a
+   run short of time (a two-GPU run of 215 s probed 64 and then 83 req/s, leaving 32-64 open)
+   should spend it there;
+4. until a rate above the highest one meeting the target is well below it, climb x`past_knee`
+   from the highest rate tried (overloaded points are the slowest to run, so it steps gently);
+   if only one rate has missed above the highest that met it, climb once more: the curve ends
    after two rates past its knee (one of them well below the target), so a single bad point
    does not end it.
 The loose SLO drives steps 1, 2 and 4: every request within the tight SLO is within the loose one,
@@ -69,11 +72,13 @@ def next_rate(ladder: Ladder, done: Sequence[Measured]) -> float | None:
     factor = ladder.past_knee if any(a < ladder.target for a in loose.values()) else ladder.climb
     up = _round(min(ladder.max_rate, max(tried) * factor))
     can_go_up = max(tried) < ladder.max_rate and up not in tried
-    if can_go_up and not any(loose[r] < ladder.well_below for r in above):
-        return up  # step 2: not past the knee yet
+    if can_go_up and not above:
+        return up  # step 2: every rate so far met the target
     sharper = _sharpen(ladder, done, down if can_go_down else None)
     if sharper is not None:
-        return sharper  # step 3
+        return sharper  # step 3, before going further past the knee (the goodput first)
+    if can_go_up and not any(loose[r] < ladder.well_below for r in above):
+        return up  # step 2: not well past the knee yet
     return up if can_go_up and len(above) < 2 else None  # a second miss past the knee
 
 
