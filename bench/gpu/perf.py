@@ -28,6 +28,7 @@ from bench.gpu.llama8b import (
     weight_read_bytes,
 )
 from bench.gpu.rig import make_rig
+from engine.attention.flash_prefill import FlashPrefillAttention
 
 TINY = dict(
     hidden_size=256,
@@ -104,6 +105,12 @@ def main() -> int:
     section(report, "prefill_4k", lambda: step_perf.prefill_rate(rig, cfg, mm, 4096))
     section(report, "eager_vs_graph_bs1", lambda: step_perf.eager_vs_graph(rig, 1, 1024))
     report["rig_graph_counters"] = step_perf.graph_counters(rig)
+    backend = rig.runner.attn_backend
+    report["attention_backend"] = {
+        "name": args.backend,
+        # a flash prefill refused by torch fell back to the triton kernel: the figures are triton's
+        "flash_refused": backend.refused if isinstance(backend, FlashPrefillAttention) else None,
+    }
     rig = None  # free the pool before the engine-level runs
     gc.collect()
     torch.cuda.empty_cache() if dev.type == "cuda" else None
