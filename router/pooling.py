@@ -61,14 +61,20 @@ class PoolRule:
 
     def should_pool(self, load: TierLoad) -> bool:
         """From split: the decode tier near its TPOT budget (by the recent output rate, or by the
-        batch it runs now, which follows a rise at once) and busier than the prefill tier, and
-        pooled steps clearly lighter than the split's busiest tier."""
-        decode = max((x for x in (load.decode, load.decode_batch) if not math.isnan(x)), default=math.nan)
-        if math.isnan(decode) or math.isnan(load.prefill) or not math.isfinite(load.pooled):
+        batch it runs now, which follows a rise at once), and, judged as `should_split` judges
+        them, above the split's threshold, busier than the prefill tier and clearly heavier than
+        the pooled steps. So loads that pool never split again at once: when the batch alone
+        decided all three, two H100s switched 12 times in 100 s (pooled on the batch, split 3 s
+        later on the rates)."""
+        near = max((x for x in (load.decode, load.decode_batch) if not math.isnan(x)), default=math.nan)
+        if math.isnan(near) or math.isnan(load.decode) or math.isnan(load.prefill) or not math.isfinite(load.pooled):
             return False
-        busiest = max(decode, load.prefill)
+        busiest = max(load.decode, load.prefill)
         return (
-            decode >= self.enter_decode_load and decode >= load.prefill and load.pooled <= busiest * (1 - self.min_gain)
+            near >= self.enter_decode_load
+            and load.decode > self.leave_decode_load
+            and load.decode >= load.prefill
+            and load.pooled <= busiest * (1 - self.min_gain)
         )
 
     def should_split(self, load: TierLoad) -> bool:

@@ -6,6 +6,7 @@ locally on the decode node, never as a PD pair, until the decode tier has room a
 from __future__ import annotations
 
 import math
+import random
 from typing import Any
 
 import pytest
@@ -96,10 +97,14 @@ def test_pool_when_decode_is_the_bottleneck_and_pooling_relieves_it() -> None:
     assert not rule.should_pool(TierLoad(math.nan, 0.9, 0.7))
     assert not rule.should_pool(TierLoad(0.6, 0.9, math.inf))  # pooled would not keep up either
     assert rule.should_pool(TierLoad(0.6, math.inf, 2.0))  # the split cannot keep up, pooled can nearly
-    # the batch it runs now says what the rates' window has not caught up with yet
-    assert rule.should_pool(TierLoad(0.3, 0.4, 0.5, decode_batch=0.9))
-    assert not rule.should_pool(TierLoad(0.3, 0.4, 0.5, decode_batch=0.5))
-    assert rule.should_pool(TierLoad(0.3, math.nan, 0.5, decode_batch=0.9))
+    # the batch it runs now says what the rates' window has not caught up with yet, once the rates
+    # are past the split's own threshold (else the split would return at the dwell's end)
+    assert rule.should_pool(TierLoad(0.3, 0.65, 0.5, decode_batch=0.9))
+    assert not rule.should_pool(TierLoad(0.3, 0.65, 0.5, decode_batch=0.5))
+    assert not rule.should_pool(TierLoad(0.3, 0.4, 0.5, decode_batch=0.9))
+    assert not rule.should_pool(TierLoad(0.3, math.nan, 0.5, decode_batch=0.9))
+    # the batch near budget but prompts the larger load by the rates: the split's overflow
+    assert not rule.should_pool(TierLoad(0.97, 0.59, 0.74, decode_batch=1.0))
     assert rule.should_split(TierLoad(0.3, 0.55, 0.4))  # decode has room again
     assert rule.should_split(TierLoad(1.2, 1.1, 0.9))  # prompts grew past it
     assert rule.should_split(TierLoad(0.6, 0.9, 0.95))  # pooling no longer lightens the busiest tier
@@ -109,6 +114,21 @@ def test_pool_when_decode_is_the_bottleneck_and_pooling_relieves_it() -> None:
     assert not rule.should_split(TierLoad(0.3, 0.7, 0.5, decode_batch=0.3))
     with pytest.raises(ValueError):
         PoolRule(enter_decode_load=0.5, leave_decode_load=0.6)
+
+
+def test_loads_that_pool_never_split_again_at_once() -> None:
+    """The enter rule implies the leave rule's negation on the same loads, whatever the batch says:
+    any switch back needs the load itself to change."""
+    rule = PoolRule()
+    rng = random.Random(7)
+    pooled = 0
+    for _ in range(20_000):
+        prefill, decode, batch = (rng.choice([math.nan, rng.uniform(0, 1.5)]) for _ in range(3))
+        load = TierLoad(prefill, decode, rng.uniform(0, 1.5), decode_batch=batch)
+        if rule.should_pool(load):
+            pooled += 1
+            assert not rule.should_split(load), load
+    assert pooled > 100
 
 
 def test_auto_pools_and_splits_with_a_dwell_and_other_modes_hold() -> None:
