@@ -51,6 +51,11 @@ MIXED_MIN_TOKENS = 64
 # chunks below MIXED_MIN_TOKENS, none was measured again, and the router priced every local prompt
 # at seconds. Such a step is logged (at most every MIXED_SLOW_LOG_S) with its figures.
 MIXED_SLOW_LOG_S = 30.0
+# And at least 1 / (MIXED_MAX_SPEEDUP x the prompt rate) per token: a chunk's tokens go through the
+# same GEMMs a prompt batch's do (profiled on an H100: 54-66K tokens/s inside decode steps against
+# about 40K in prompt batches of their own). Faster readings come from a decode step priced above
+# what it cost beside the chunk; one decode node read 185K tokens/s and priced its chunks by it.
+MIXED_MAX_SPEEDUP = 2.0
 
 
 def bucket(batch_size: int) -> int:
@@ -156,7 +161,10 @@ class NodeRates:
             if apart_s is not None and chunk_s > apart_s:
                 self._log_slow_mixed(decode_rows, prompt_tokens, seconds, step, apart_s)
                 chunk_s = apart_s
-            self._mixed.append(prompt_tokens / chunk_s)
+            rate = prompt_tokens / chunk_s
+            if self._prefill:
+                rate = min(rate, MIXED_MAX_SPEEDUP * statistics.median(self._prefill))
+            self._mixed.append(rate)
 
     def _apart_s(self, tokens: int) -> float | None:
         """Seconds a chunk of `tokens` costs as a prompt batch of its own (None: not measured); under the lock."""

@@ -21,7 +21,7 @@ from engine.attention.torch_backend import TorchAttention
 from engine.attention.triton_backend import TritonAttention
 from engine.core import ForwardMode, SamplingParams
 from engine.mixed_graphs import MixedBuckets, live_rows, load_mixed_context, place_tokens, static_mixed_context
-from engine.scheduler.rates import MIXED_MIN_TOKENS, NodeRates
+from engine.scheduler.rates import MIXED_MAX_SPEEDUP, MIXED_MIN_TOKENS, NodeRates
 from tests.engine.graph_rig import Rig
 from tests.engine.test_cuda_graph import check_graph, eager_and_graph
 from tests.engine.test_tpot_guard import EARLY, LATE, FixedRates, _req, make_engine, models, staggered  # noqa: F401 - fixture
@@ -229,9 +229,10 @@ def test_rates_learn_a_mixed_chunks_marginal_rate():
     assert rates.recent_prompt_tokens_per_s() > 0 and rates.recent_decode_tokens_per_s() > 0
 
 
-def test_a_mixed_step_slower_than_its_chunk_apart_is_charged_as_apart(caplog):
+def test_a_mixed_chunks_rate_is_bounded_by_the_prompt_path(caplog):
     """One stalled mixed step (a compile, a host pause) must not set the mixed rate below what the
-    chunk would cost as its own prompt batch: that reading made every chunk too small to measure."""
+    chunk would cost as its own prompt batch: that reading made every chunk too small to measure.
+    Nor may an overpriced decode step set it past MIXED_MAX_SPEEDUP x the prompt rate."""
     rates = NodeRates()
     for _ in range(3):
         rates.observe(D, 8, 8, 0.010)
@@ -245,6 +246,9 @@ def test_a_mixed_step_slower_than_its_chunk_apart_is_charged_as_apart(caplog):
     for _ in range(4):  # steps at the real marginal rate outvote it (a median)
         rates.observe_mixed(8, 256, 8, 0.010 + 256 / 60_000)
     assert rates.mixed_tokens_per_s() == pytest.approx(60_000, rel=1e-3)
+    for _ in range(9):  # a decode step priced above its cost reads the chunk impossibly fast
+        rates.observe_mixed(8, 256, 8, 0.010 + 256 / 500_000)
+    assert rates.mixed_tokens_per_s() == pytest.approx(MIXED_MAX_SPEEDUP * 40_000, rel=1e-3)
 
 
 # ---- GPU: captured mixed graphs ----
