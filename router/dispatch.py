@@ -144,6 +144,7 @@ class PDDispatcher:
             attempt = PDAttempt(self._attempt_ctx, job, prefill, decode, rid, route.estimate_s())
             events = attempt.events()
             started, reason = False, "client cancelled"
+            output: list[int] = []  # what the streaming node will hold with the prompt
             try:
                 async for event in events:
                     if isinstance(event, TokenEvent):
@@ -151,10 +152,13 @@ class PDDispatcher:
                             attempt.observe_first_token(job_started)
                             self._learn_rates(route)
                         self.balance.add_output(len(event.token_ids))
+                        output += event.token_ids
                     started = True
                     if isinstance(event, FinishEvent) and event.finish_reason != "abort":
                         self._last_success = time.monotonic()  # before the yield: the consumer may stop here
                         self._learn_steps(route)
+                        if self.kv_index is not None:  # a follow-up may come before the node's events
+                            self.kv_index.expect(route.decode, [*job.input_ids, *output])
                     yield event
                 return
             except LegFailed as f:

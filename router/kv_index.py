@@ -13,6 +13,13 @@ that is not the next number) drops the node's set and resubscribes. A node that 
 events (UNIMPLEMENTED: no prefix cache, or another engine) is asked again only every minute and
 counts as holding nothing. The picture lags the node by its flush interval (~50 ms) plus the
 network; the hit is an estimate (an EAGLE node also needs the token after a page to match).
+
+That lag is longer than a chat client's pause between turns: a follow-up sent as its reply ends
+found the node's picture without the turn before it, and on two H100s 69 of 72 follow-ups went to
+the prefill node (which never held the replies) instead of the decode node holding the whole
+conversation. So the router also writes what it knows at once: when a request ends on a node that
+caches, the pages of its prompt and output count as held there (`expect`), provisionally, until
+the node's own events confirm or remove them or PROVISIONAL_TTL_S passes.
 """
 
 from __future__ import annotations
@@ -20,8 +27,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections import OrderedDict
-from typing import Sequence
+from typing import Callable, Sequence
 
 import grpc
 from smg_grpc_proto.generated import common_pb2 as cpb
@@ -32,20 +40,48 @@ from router.nodes import NodeState
 
 log = logging.getLogger(__name__)
 DEFAULT_PAGE_SIZE = 16  # what a node that names no page size is taken to use (SGLang's default)
+# How long pages the router expects a node to hold count without the node's events saying so:
+# many times the nodes' flush interval, short enough that a page the node never stored is soon forgotten.
+PROVISIONAL_TTL_S = 2.0
 
 
 class NodeView:
-    """One node's cached block hashes as its stream told them, and the next batch number expected."""
+    """One node's cached block hashes as its stream told them, the next batch number expected, and
+    the hashes the router expects it to hold before its events say so (with their expiry)."""
 
-    def __init__(self, role: str) -> None:
-        self.role = role
+    def __init__(self, role: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.role, self.clock = role, clock
         self.blocks: set[int] = set()
+        self.provisional: dict[int, float] = {}  # hash -> when it stops counting
         self.cursor: int | None = None  # None: any batch may come next (a fresh subscription)
         self.block_size = 0  # from the events (0: none seen)
+        self.streaming = False  # a batch came since the last (re)subscription: the node caches
 
     def reset(self) -> None:
         self.blocks.clear()
+        self.provisional.clear()
         self.cursor = None
+        self.streaming = False
+
+    def holds(self, block: int) -> bool:
+        if block in self.blocks:
+            return True
+        until = self.provisional.get(block)
+        return until is not None and until > self.clock()
+
+    def expect(self, hashes: Sequence[int], ttl_s: float = PROVISIONAL_TTL_S) -> None:
+        """Count `hashes` as held for `ttl_s` unless the events say otherwise first (a node that has
+        sent no events since it was subscribed to may cache nothing: nothing is expected of it)."""
+        if not self.streaming:
+            return
+        now = self.clock()
+        for h, until in list(self.provisional.items()):
+            if until <= now:
+                del self.provisional[h]
+        until = now + ttl_s
+        for h in hashes:
+            if h not in self.blocks:
+                self.provisional[h] = until
 
     def apply(self, batch: cpb.KvEventBatch) -> bool:
         """Apply one batch; False on a gap (nothing applied: the caller resubscribes)."""
@@ -53,17 +89,22 @@ class NodeView:
             return True  # a load record repeating the last number: no events, no cursor
         if not batch.HasField("snapshot") and self.cursor is not None and batch.sequence_number != self.cursor:
             return False
+        self.streaming = True
         # A snapshot chunk is a resync wherever it is numbered: its chunk 0 begins with a cleared event.
         for event in batch.events:
             kind = event.WhichOneof("data")
             if kind == "stored":
                 for block in event.stored.blocks:
                     self.blocks.add(block.block_hash)
+                    self.provisional.pop(block.block_hash, None)
                     self.block_size = block.block_size or self.block_size
             elif kind == "removed":
                 self.blocks.difference_update(event.removed.block_hashes)
+                for h in event.removed.block_hashes:
+                    self.provisional.pop(h, None)
             elif kind == "cleared":
                 self.blocks.clear()
+                self.provisional.clear()
         self.cursor = batch.sequence_number + 1
         return True
 
@@ -80,17 +121,25 @@ class KvIndex:
 
     # ---- what policies read ----
     def expected_hit(self, node: NodeState, job: GenerationJob) -> int:
-        """Prompt tokens of `job` that `node`'s cache holds, as far as its stream told us."""
+        """Prompt tokens of `job` that `node`'s cache holds, as far as its stream told us and the
+        requests that ended there since say."""
         view = self.views.get(node.address)
-        if view is None or not view.blocks:
+        if view is None or not (view.blocks or view.provisional):
             return 0
         page = node.page_size or view.block_size or DEFAULT_PAGE_SIZE
         run = 0
         for h in self._hashes(job, page):
-            if h not in view.blocks:
+            if not view.holds(h):
                 break
             run += 1
         return run * page
+
+    def expect(self, node: NodeState, token_ids: Sequence[int]) -> None:
+        """A request ended on `node` with these prompt and output tokens: a node that caches
+        inserts them, so count their whole pages as held there now (the last token has no KV)."""
+        view = self.views.get(node.address)
+        if view is not None and len(token_ids) > 1:
+            view.expect(chain_hashes(token_ids[:-1], node.page_size or view.block_size or DEFAULT_PAGE_SIZE))
 
     def indexed_blocks(self) -> list[tuple[str, str, int]]:
         """(address, role, cached blocks) per followed node."""

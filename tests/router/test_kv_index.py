@@ -1,6 +1,8 @@
-"""The router's KV index: one node's view from its batches (gaps, snapshots, load records), and
-the streams against fake nodes: resubscribing from a snapshot after a gap, nodes that publish
-nothing, followers stopped with the registry; the routed request's expected hit as a metric."""
+"""The router's KV index: one node's view from its batches (gaps, snapshots, load records) and the
+pages it is expected to hold before its events say so, and the streams against fake nodes:
+resubscribing from a snapshot after a gap, nodes that publish nothing, followers stopped with the
+registry; the routed request's expected hit as a metric; a request's pages counted on the node it
+ended on before that node's events arrive."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from common.prefix_hash import chain_hashes
 from router.kv_index import KvIndex, NodeView
 from router.metrics import CacheRouteMetrics
 from router.nodes import NodeRegistry
-from tests.router.fake_nodes import HANG_S, FakeNode, job, run, until
+from tests.router.fake_nodes import HANG_S, FakeNode, cluster, collect, dispatcher, job, run, until
 
 PS = 4
 HISTORY = tuple(range(100, 120))  # 5 pages of 4
@@ -57,6 +59,61 @@ def test_a_view_applies_batches_in_order_and_resyncs_on_snapshots():
     assert len(v.blocks) == 3
     assert v.apply(snapshot(4, stored(HISTORY[:4])))  # a resync, numbered wherever
     assert v.blocks == {chain_hashes(HISTORY, PS)[0]} and v.cursor == 5
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_expected_pages_count_until_the_events_confirm_remove_or_outlive_them():
+    clock = Clock()
+    v = NodeView("decode", clock)
+    hashes = chain_hashes(HISTORY, PS)
+    v.expect(hashes)
+    assert not v.provisional  # no events since it was subscribed to: it may cache nothing
+    assert v.apply(snapshot(0))
+    v.expect(hashes[:4])
+    assert all(v.holds(h) for h in hashes[:4]) and not v.holds(hashes[4])
+    assert v.apply(batch(1, stored(HISTORY[:8])))  # confirmed: the events' own from now on
+    assert v.blocks == set(hashes[:2]) and set(v.provisional) == set(hashes[2:4])
+    assert v.apply(batch(2, removed(HISTORY, 3)))  # the node evicted one it never confirmed
+    assert set(v.provisional) == {hashes[2]}
+    clock.now += 2.5  # the node never said so: forgotten
+    assert not v.holds(hashes[2]) and v.holds(hashes[0])
+    v.expect(hashes[:1])  # expired entries go as new ones come
+    assert v.provisional == {}
+    v.expect(hashes)
+    v.reset()  # a broken stream: nothing is known of it until the next snapshot
+    assert not v.provisional and not v.streaming
+
+
+def test_a_follow_up_finds_its_history_on_the_node_its_last_turn_ended_on():
+    """The node's events lag its insert by its flush interval; a chat client's next turn comes at
+    once, and must still see the turn before it (prompt and reply) where it ended."""
+    prompt = HISTORY[:10]
+
+    async def main() -> None:
+        node = EventNode([[snapshot(0)]])  # a cache that stays silent after its first snapshot
+        async with cluster(node) as registry:
+            index = KvIndex(backoff_s=0.01)
+            index.sync(registry.nodes("colocated"))
+            try:
+                state = registry.get(node.address)
+                await until(lambda: index.views[node.address].streaming)
+                follow_up = job("turn-2", ids=prompt + (11, 12, 13) + (7,) * 8)
+                assert index.expected_hit(state, follow_up) == 0
+                events = await collect(dispatcher(registry, kv_index=index), job("turn-1", ids=prompt))
+                assert [t for e in events[:-1] for t in e.token_ids] == [11, 12, 13]
+                # prompt and output but the last token (no KV): 12 tokens, 3 whole pages of 4
+                assert index.expected_hit(state, follow_up) == 12
+            finally:
+                await index.stop()
+
+    run(main())
 
 
 class EventNode(FakeNode):
