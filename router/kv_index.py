@@ -15,11 +15,11 @@ counts as holding nothing. The picture lags the node by its flush interval (~50 
 network; the hit is an estimate (an EAGLE node also needs the token after a page to match).
 
 That lag is longer than a chat client's pause between turns: a follow-up sent as its reply ends
-found the node's picture without the turn before it, and on two H100s 69 of 72 follow-ups went to
-the prefill node (which never held the replies) instead of the decode node holding the whole
-conversation. So the router also writes what it knows at once: when a request ends on a node that
-caches, the pages of its prompt and output count as held there (`expect`), provisionally, until
-the node's own events confirm or remove them or PROVISIONAL_TTL_S passes.
+found the node's picture without the turn before it (half the follow-ups of the CPU prefix-cache
+bench), so the decode node holding the whole conversation looked a turn short and the follow-up
+went to the prefill node. So the router also writes what it knows at once: when a request ends on
+a node that caches, the pages of its prompt and output count as held there (`expect`),
+provisionally, until the node's own events confirm or remove them or PROVISIONAL_TTL_S passes.
 """
 
 from __future__ import annotations
