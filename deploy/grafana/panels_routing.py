@@ -25,6 +25,21 @@ ROUTING_ROWS: list[tuple[str, list[Panel]]] = [
                 ],
             ),
             Panel(
+                "Prompt chunks inside decode steps, and eager forwards",
+                "short",
+                "What a node that runs prompts beside its decode steps prices them by: its measured prompt "
+                "tokens/s inside a decode step (warm-up measures it first; a reading far below the prompt "
+                "rate keeps its chunks small). And where CUDA graphs are on, target forwards/s replayed "
+                "from a graph or run eagerly, by reason (an eager forward costs the host's launches again).",
+                [
+                    ("max by (role) (pdserve_node_mixed_prefill_tokens_per_second)", "mixed tok/s {{role}}"),
+                    (
+                        f"sum by (path, reason) (rate(pdserve_node_graph_forwards_total[{W}]))",
+                        "forwards/s {{path}} {{reason}}",
+                    ),
+                ],
+            ),
+            Panel(
                 "Estimated TTFT by prefill path",
                 "s",
                 "The router's TTFT estimate for each path when it chose one, from the nodes' measured rates "
