@@ -28,7 +28,7 @@ import asyncio
 import logging
 import random
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Callable, Sequence
 
 import grpc
@@ -53,6 +53,7 @@ class NodeView:
         self.role, self.clock = role, clock
         self.blocks: set[int] = set()
         self.provisional: dict[int, float] = {}  # hash -> when it stops counting
+        self._expiries: deque[tuple[float, list[int]]] = deque()  # (when, hashes), oldest first
         self.cursor: int | None = None  # None: any batch may come next (a fresh subscription)
         self.block_size = 0  # from the events (0: none seen)
         self.streaming = False  # a batch came since the last (re)subscription: the node caches
@@ -60,6 +61,7 @@ class NodeView:
     def reset(self) -> None:
         self.blocks.clear()
         self.provisional.clear()
+        self._expiries.clear()
         self.cursor = None
         self.streaming = False
 
@@ -75,13 +77,16 @@ class NodeView:
         if not self.streaming:
             return
         now = self.clock()
-        for h, until in list(self.provisional.items()):
-            if until <= now:
-                del self.provisional[h]
+        while self._expiries and self._expiries[0][0] <= now:  # each page once: O(pages) over time
+            when, old = self._expiries.popleft()
+            for h in old:
+                if self.provisional.get(h) == when:  # not renewed since
+                    del self.provisional[h]
         until = now + ttl_s
-        for h in hashes:
-            if h not in self.blocks:
-                self.provisional[h] = until
+        new = [h for h in hashes if h not in self.blocks]
+        for h in new:
+            self.provisional[h] = until
+        self._expiries.append((until, new))
 
     def apply(self, batch: cpb.KvEventBatch) -> bool:
         """Apply one batch; False on a gap (nothing applied: the caller resubscribes)."""

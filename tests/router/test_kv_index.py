@@ -86,6 +86,12 @@ def test_expected_pages_count_until_the_events_confirm_remove_or_outlive_them():
     assert not v.holds(hashes[2]) and v.holds(hashes[0])
     v.expect(hashes[:1])  # expired entries go as new ones come
     assert v.provisional == {}
+    v.expect(hashes[2:5])
+    clock.now += 1.5
+    v.expect(hashes[4:5])  # the same page again (a second request ended there): it lasts longer
+    clock.now += 1.0
+    v.expect([])  # the first expectations' time is up, the renewed page's is not
+    assert set(v.provisional) == {hashes[4]} and v.holds(hashes[4]) and not v.holds(hashes[3])
     v.expect(hashes)
     v.reset()  # a broken stream: nothing is known of it until the next snapshot
     assert not v.provisional and not v.streaming
