@@ -22,13 +22,14 @@ def block_hash(parent: int, tokens: Sequence[int]) -> int:
     return _digest(parent, struct.pack(f"<{len(tokens)}I", *tokens))
 
 
-def chain_hashes(tokens: Sequence[int], page_size: int) -> list[int]:
-    """The hashes of `tokens`' whole pages, in order (a partial last page has none)."""
+def chain_hashes(tokens: Sequence[int], page_size: int, parent: int = ROOT) -> list[int]:
+    """The hashes of `tokens`' whole pages, in order (a partial last page has none); `parent`: the
+    hash of the pages before `tokens` (extending a sequence whose earlier pages are hashed)."""
     if page_size <= 0:
         raise ValueError(f"page_size must be positive, got {page_size}")
     whole = len(tokens) // page_size
     data = struct.pack(f"<{whole * page_size}I", *tokens[: whole * page_size])  # packed once, sliced per page
-    step, out, parent = 4 * page_size, [], ROOT
+    step, out = 4 * page_size, []
     for j in range(whole):
         parent = _digest(parent, data[j * step : (j + 1) * step])
         out.append(parent)

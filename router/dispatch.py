@@ -158,7 +158,7 @@ class PDDispatcher:
                         self._last_success = time.monotonic()  # before the yield: the consumer may stop here
                         self._learn_steps(route)
                         if self.kv_index is not None:  # a follow-up may come before the node's events
-                            self.kv_index.expect(route.decode, [*job.input_ids, *output])
+                            self.kv_index.expect(route.decode, job, output)
                     yield event
                 return
             except LegFailed as f:

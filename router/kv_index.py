@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 import grpc
 from smg_grpc_proto.generated import common_pb2 as cpb
 
-from common.prefix_hash import chain_hashes
+from common.prefix_hash import ROOT, chain_hashes
 from router.contract import GenerationJob
 from router.nodes import NodeState
 
@@ -139,12 +139,17 @@ class KvIndex:
             run += 1
         return run * page
 
-    def expect(self, node: NodeState, token_ids: Sequence[int]) -> None:
-        """A request ended on `node` with these prompt and output tokens: a node that caches
-        inserts them, so count their whole pages as held there now (the last token has no KV)."""
+    def expect(self, node: NodeState, job: GenerationJob, output: Sequence[int]) -> None:
+        """`job` ended on `node` with `output`: a node that caches inserts its prompt and output,
+        so count their whole pages as held there now (the last output token has no KV). The
+        prompt's pages are the ones routing hashed; only what follows them is hashed here."""
         view = self.views.get(node.address)
-        if view is not None and len(token_ids) > 1:
-            view.expect(chain_hashes(token_ids[:-1], node.page_size or view.block_size or DEFAULT_PAGE_SIZE))
+        if view is None or not view.streaming:
+            return
+        page = node.page_size or view.block_size or DEFAULT_PAGE_SIZE
+        prompt = self._hashes(job, page)
+        rest = [*job.input_ids[len(prompt) * page :], *output[:-1]]
+        view.expect([*prompt, *chain_hashes(rest, page, prompt[-1] if prompt else ROOT)])
 
     def indexed_blocks(self) -> list[tuple[str, str, int]]:
         """(address, role, cached blocks) per followed node."""

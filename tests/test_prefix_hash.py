@@ -37,6 +37,8 @@ def test_whole_pages_only_and_chained():
     assert chain_hashes(ids, 2)[:4] != h  # the page size is part of the identity
     with pytest.raises(ValueError):
         chain_hashes(ids, 0)
+    # extending a hashed sequence from its last whole page gives the whole sequence's hashes
+    assert chain_hashes(ids[4:], 4, parent=h[0]) == h[1:]
 
 
 def test_stable_across_processes():
