@@ -6,6 +6,7 @@ difference from one rank is the order of the all-reduce's additions."""
 
 from __future__ import annotations
 
+import queue
 import random
 import time
 from pathlib import Path
@@ -93,6 +94,49 @@ def test_tp2_mixed_batches_equal_tp1_unguarded() -> None:
     finally:
         eng.close()
     assert got == want
+
+
+def test_tp2_warm_up_with_mixed_steps_leaves_output_and_pages_as_they_were() -> None:
+    """A TP 2 decode node's warm-up runs prompts inside a decoding request's steps on every rank in
+    lockstep, measures the mixed rate, and leaves every page free and the output TP 1's."""
+    from engine.loop import EngineLoop, ThreadedIO
+    from engine.warmup import warm_up_prompts
+
+    params = greedy(16)
+    want = _run_with_late_arrivals(_engine(BUILTIN_TARGET, 1, page_size=4, chunked_prefill_size=8), PROMPTS, params)
+    config = EngineConfig(
+        str(BUILTIN_TARGET), dtype="float32", tp_size=2, max_total_tokens=2048, page_size=4,
+        chunked_prefill_size=64, tpot_guard_ms=60_000.0,
+    )  # fmt: skip
+    loop = EngineLoop(Engine(config, io=ThreadedIO())).start()
+    eng = loop.engine
+    try:
+        chunks: list[int] = []
+        observe = eng.rates.observe_mixed
+
+        def spy(decode_rows: int, prompt_tokens: int, decoded: int, seconds: float) -> None:
+            chunks.append(prompt_tokens)
+            observe(decode_rows, prompt_tokens, decoded, seconds)
+
+        eng.rates.observe_mixed = spy  # type: ignore[method-assign]
+        warm_up_prompts(loop, timeout_s=120.0)
+        assert sum(1 for n in chunks if n >= 64) >= 4  # two whole-chunk prompts per pass rode in decode steps
+        assert loop.call(lambda: (eng.kv.all_free, eng.scheduler.stats["mixed_steps"])).result(60) == (True, 0)
+        updates: list[queue.Queue] = []
+        for i, ids in enumerate(PROMPTS):
+            updates.append(queue.Queue())
+            loop.submit(eng.make_request(ids, params, f"r{i}"), updates[-1].put)
+        got = []
+        for q in updates:
+            tokens: list[int] = []
+            while not (upd := q.get(timeout=60)).finished:
+                tokens += upd.tokens
+            got.append(tokens + upd.tokens)
+        assert got == want
+        assert loop.call(lambda: eng.kv.all_free).result(60)
+    finally:
+        loop.stop()
+        eng.close()
 
 
 def test_tp2_aborts_and_retractions_free_every_page() -> None:
