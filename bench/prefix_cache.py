@@ -46,16 +46,16 @@ import httpx
 from bench.common import write_report
 from bench.common import short_name
 from bench.gpu.goodput import gpu_names, prepare_model
-from bench.gpu.goodput_up import (
+from bench.gpu.goodput_signals import (
     NODE_STAGES,
     PATH_DECISIONS,
     PATH_ESTIMATES,
     TTFT_STAGES,
-    UpProcess,
     histogram_means_ms,
     histogram_totals,
     samples,
 )
+from bench.gpu.goodput_up import UpProcess
 from loadgen.runner import BenchOptions, run_bench
 
 TOPOLOGY = {"colocated": ("--colocated", "1"), "pd": ("--prefill", "1", "--decode", "1")}

@@ -131,7 +131,7 @@ class KvIndex:
         view = self.views.get(node.address)
         if view is None or not (view.blocks or view.provisional):
             return 0
-        page = node.page_size or view.block_size or DEFAULT_PAGE_SIZE
+        page = _page_size(node, view)
         run = 0
         for h in self._hashes(job, page):
             if not view.holds(h):
@@ -146,7 +146,7 @@ class KvIndex:
         view = self.views.get(node.address)
         if view is None or not view.streaming:
             return
-        page = node.page_size or view.block_size or DEFAULT_PAGE_SIZE
+        page = _page_size(node, view)
         prompt = self._hashes(job, page)
         rest = [*job.input_ids[len(prompt) * page :], *output[:-1]]
         view.expect([*prompt, *chain_hashes(rest, page, prompt[-1] if prompt else ROOT)])
@@ -215,3 +215,8 @@ class KvIndex:
                     view.reset()  # until the next snapshot, we know nothing of it
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
             delay = min(delay * 2, max(self.backoff_max_s, delay))
+
+
+def _page_size(node: NodeState, view: NodeView) -> int:
+    """The page size `node`'s hashes are taken at: what it reports, else its events', else the default."""
+    return node.page_size or view.block_size or DEFAULT_PAGE_SIZE

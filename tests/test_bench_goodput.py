@@ -386,7 +386,7 @@ def test_goodput_bench_end_to_end_on_cpu(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def test_node_and_router_expositions_are_read_for_each_point():
-    from bench.gpu.goodput_up import SIGNALS, samples
+    from bench.gpu.goodput_signals import SIGNALS, samples
 
     text = "\n".join(
         [

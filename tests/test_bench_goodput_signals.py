@@ -8,7 +8,7 @@ import pytest
 
 
 def test_a_points_router_counters_give_paths_and_mean_ttft_stages() -> None:
-    from bench.gpu.goodput_up import point_counters
+    from bench.gpu.goodput_signals import point_counters
 
     prefill = 'pdserve_router_ttft_stage_seconds_%s{stage="prefill"}'
     queue = 'pdserve_router_ttft_stage_seconds_%s{stage="queue"}'
@@ -36,7 +36,7 @@ def test_decode_nodes_guard_their_tpot_under_the_tighter_slo() -> None:
 
 
 def test_node_stage_means_by_node() -> None:
-    from bench.gpu.goodput_up import node_stage_means_ms
+    from bench.gpu.goodput_signals import node_stage_means_ms
 
     prompt = 'decode-0:pdserve_node_prompt_seconds_%s{role="decode"}'
     queue = 'prefill-0:pdserve_node_queue_time_seconds_%s{role="prefill"}'
@@ -46,7 +46,7 @@ def test_node_stage_means_by_node() -> None:
 
 
 def test_node_stage_means_keep_stage_labels() -> None:
-    from bench.gpu.goodput_up import node_stage_means_ms
+    from bench.gpu.goodput_signals import node_stage_means_ms
 
     handover = 'prefill-0:pdserve_kv_handoff_stage_seconds_%s{stage="handover"}'
     tail = "prefill-0:pdserve_kv_handoff_tail_seconds_%s{}"  # histogram_totals keeps empty labels
@@ -58,7 +58,7 @@ def test_node_stage_means_keep_stage_labels() -> None:
 
 
 def test_point_decisions_count_reasons_and_mean_estimates() -> None:
-    from bench.gpu.goodput_up import point_decisions
+    from bench.gpu.goodput_signals import point_decisions
 
     est = 'pdserve_router_prefill_path_estimate_seconds_%s{path="%s"}'
     before = {
@@ -89,7 +89,7 @@ def test_node_env_carries_the_prefills_kv_write_sgl() -> None:
 
 
 def test_node_count_means_give_a_decodes_page_runs_per_prompt() -> None:
-    from bench.gpu.goodput_up import node_count_means
+    from bench.gpu.goodput_signals import node_count_means
 
     runs = "decode-0:pdserve_kv_destination_runs_%s{}"
     queue = "decode-0:pdserve_node_queue_time_seconds_%s{}"  # a time stage: not a count
@@ -109,7 +109,7 @@ def test_a_points_calibration_is_each_roles_ratio_at_its_end() -> None:
 
     import httpx
 
-    from bench.gpu.goodput_up import point_calibration, point_counters, router_counters
+    from bench.gpu.goodput_signals import point_calibration, point_counters, router_counters
 
     text = (
         'pdserve_router_ttft_estimate_ratio{node="127.0.0.1:1",role="prefill"} 0.9\n'
@@ -128,7 +128,7 @@ def test_a_points_calibration_is_each_roles_ratio_at_its_end() -> None:
 
 
 def test_node_counter_deltas_give_a_points_eager_forwards_by_reason_and_mixed_steps() -> None:
-    from bench.gpu.goodput_run import node_counter_deltas
+    from bench.gpu.goodput_signals import node_counter_deltas
 
     eager = 'decode-0:pdserve_node_graph_forwards_total{role="decode",path="eager",reason="not captured at start-up"}'
     replay = 'decode-0:pdserve_node_graph_forwards_total{role="decode",path="replay",reason=""}'

@@ -9,27 +9,24 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Mapping
 
 import httpx
 
 from bench.gpu import goodput_plan as plan
 from bench.gpu.goodput_report import Results, point_entries
-from bench.gpu.goodput_up import (
-    NODE_COUNTERS,
-    UpProcess,
-    label_values,
-    node_signals,
+from bench.gpu.goodput_signals import (
     node_count_means,
+    node_counter_deltas,
+    node_signals,
     node_stage_means_ms,
     node_stage_totals,
-    point_counters,
     point_calibration,
-    point_pool,
+    point_counters,
     point_decisions,
+    point_pool,
     router_counters,
-    wait_idle,
 )
+from bench.gpu.goodput_up import UpProcess, wait_idle
 from bench.gpu.goodput_workloads import Workload, fresh_prompts
 from loadgen.client import EndpointConfig, make_client, served_model
 from loadgen.dataset import BenchRequest
@@ -141,19 +138,3 @@ async def _curve(
             flush=True,
         )
     return "max points" if len(done) >= settings.ladder.max_points else "ladder done"
-
-
-def node_counter_deltas(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, dict[str, float]]:
-    """Per node, how much each of its NODE_COUNTERS grew between two snapshots of
-    node_stage_totals, keyed less `pdserve_node_` and `_total`, with its label values beyond the
-    node's own (e.g. `graph_forwards:eager,mixed batch larger than its buckets`); zeros left out."""
-    out: dict[str, dict[str, float]] = {}
-    for key, value in after.items():
-        node, _, sample = key.partition(":")
-        name, _, labels = sample.partition("{")
-        if name not in NODE_COUNTERS or not (grew := value - before.get(key, 0.0)):
-            continue
-        short = name.removeprefix("pdserve_node_").removesuffix("_total")
-        values = label_values(labels)
-        out.setdefault(node, {})[f"{short}:{values}" if values else short] = grew
-    return out

@@ -157,27 +157,22 @@ class NodeRates:
             self._decode_tokens.add(decoded)
             if step is None or prompt_tokens < MIXED_MIN_TOKENS or seconds <= step:
                 return
-            chunk_s, apart_s = seconds - step, self._apart_s(prompt_tokens)
-            if apart_s is not None and chunk_s > apart_s:
+            chunk_s = seconds - step
+            if not self._prefill:  # nothing to bound it by yet
+                self._mixed.append(prompt_tokens / chunk_s)
+                return
+            prompt_rate = statistics.median(self._prefill)
+            apart_s = self._overhead_s(prompt_rate) + prompt_tokens / prompt_rate  # the chunk as its own batch
+            if chunk_s > apart_s:
                 self._log_slow_mixed(decode_rows, prompt_tokens, seconds, step, apart_s)
                 chunk_s = apart_s
-            rate = prompt_tokens / chunk_s
-            if self._prefill:
-                rate = min(rate, MIXED_MAX_SPEEDUP * statistics.median(self._prefill))
-            self._mixed.append(rate)
+            self._mixed.append(min(prompt_tokens / chunk_s, MIXED_MAX_SPEEDUP * prompt_rate))
 
-    def _apart_s(self, tokens: int) -> float | None:
-        """Seconds a chunk of `tokens` costs as a prompt batch of its own (None: not measured); under the lock."""
-        if not self._prefill:
-            return None
-        return self._overhead_s() + tokens / statistics.median(self._prefill)
-
-    def _overhead_s(self) -> float:
-        """`prompt_overhead_s`, under the lock."""
-        if not self._prefill or not self._small:
+    def _overhead_s(self, prompt_rate: float) -> float:
+        """`prompt_overhead_s` at the median `prompt_rate`, under the lock."""
+        if not self._small:
             return 0.0
-        rate = statistics.median(self._prefill)
-        return max(0.0, statistics.median(s - n / rate for n, s in self._small))
+        return max(0.0, statistics.median(s - n / prompt_rate for n, s in self._small))
 
     def _log_slow_mixed(self, rows: int, tokens: int, seconds: float, step: float, apart_s: float) -> None:
         now = time.monotonic()
@@ -218,7 +213,7 @@ class NodeRates:
     def prompt_overhead_s(self) -> float:
         """Seconds a prompt batch costs beyond its tokens at the prompt rate (0: unknown)."""
         with self._lock:
-            return self._overhead_s()
+            return self._overhead_s(statistics.median(self._prefill)) if self._prefill else 0.0
 
     def mixed_tokens_per_s(self) -> float:
         """Prompt tokens per second a chunk costs inside a decode step (0: none measured)."""

@@ -13,6 +13,7 @@ import pytest
 from engine.core import SamplingParams
 from engine.engine import Engine, EngineConfig
 from engine.loop import EngineLoop, ThreadedIO
+from engine.scheduler.rates import NodeRates
 from engine.warmup import (
     MEASURE_PROMPTS,
     MIXED_PROMPTS,
@@ -46,6 +47,19 @@ def _outputs(lp: EngineLoop) -> list[tuple[list[int], int | None]]:
             tokens += upd.tokens
         outs.append((tokens + upd.tokens, upd.accepted_drafts))
     return outs
+
+
+def record_mixed_chunks(rates: NodeRates) -> list[int]:
+    """The prompt tokens of every mixed batch `rates` is told of from now on (it still learns them)."""
+    chunks: list[int] = []
+    observe = rates.observe_mixed
+
+    def spy(decode_rows: int, prompt_tokens: int, decoded: int, seconds: float) -> None:
+        chunks.append(prompt_tokens)
+        observe(decode_rows, prompt_tokens, decoded, seconds)
+
+    rates.observe_mixed = spy  # type: ignore[method-assign]
+    return chunks
 
 
 @pytest.fixture(scope="module")
@@ -138,14 +152,7 @@ def test_a_node_that_mixes_chunks_into_decode_steps_measures_them_before_serving
     try:
         eng = lp.engine
         assert eng.scheduler.policy.mixes
-        chunks: list[int] = []
-        observe = eng.rates.observe_mixed
-
-        def spy(decode_rows: int, prompt_tokens: int, decoded: int, seconds: float) -> None:
-            chunks.append(prompt_tokens)
-            observe(decode_rows, prompt_tokens, decoded, seconds)
-
-        eng.rates.observe_mixed = spy  # type: ignore[method-assign]
+        chunks = record_mixed_chunks(eng.rates)
         report = warm_up_prompts(lp, timeout_s=TIMEOUT)
         plain = len(compile_lengths(64, 10_000)) + 1 + MEASURE_PROMPTS + OVERHEAD_PROMPTS
         assert report.prompts == plain + 2 * (1 + MIXED_PROMPTS)

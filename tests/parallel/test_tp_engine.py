@@ -101,6 +101,7 @@ def test_tp2_warm_up_with_mixed_steps_leaves_output_and_pages_as_they_were() -> 
     lockstep, measures the mixed rate, and leaves every page free and the output TP 1's."""
     from engine.loop import EngineLoop, ThreadedIO
     from engine.warmup import warm_up_prompts
+    from tests.engine.test_warmup import record_mixed_chunks
 
     params = greedy(16)
     want = _run_with_late_arrivals(_engine(BUILTIN_TARGET, 1, page_size=4, chunked_prefill_size=8), PROMPTS, params)
@@ -111,14 +112,7 @@ def test_tp2_warm_up_with_mixed_steps_leaves_output_and_pages_as_they_were() -> 
     loop = EngineLoop(Engine(config, io=ThreadedIO())).start()
     eng = loop.engine
     try:
-        chunks: list[int] = []
-        observe = eng.rates.observe_mixed
-
-        def spy(decode_rows: int, prompt_tokens: int, decoded: int, seconds: float) -> None:
-            chunks.append(prompt_tokens)
-            observe(decode_rows, prompt_tokens, decoded, seconds)
-
-        eng.rates.observe_mixed = spy  # type: ignore[method-assign]
+        chunks = record_mixed_chunks(eng.rates)
         warm_up_prompts(loop, timeout_s=120.0)
         assert sum(1 for n in chunks if n >= 64) >= 4  # two whole-chunk prompts per pass rode in decode steps
         assert loop.call(lambda: (eng.kv.all_free, eng.scheduler.stats["mixed_steps"])).result(60) == (True, 0)
