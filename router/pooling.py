@@ -19,8 +19,8 @@ budget, is busier than the prefill tier, and pooled steps would be at least `min
 the split's busiest tier; split again when the decode tier's load falls to `leave_decode_load`,
 prompts become the larger load, or pooling no longer lightens it. A switch holds for at least
 `dwell_s`: it moves no request and no KV (requests in flight finish where they are), so only
-flapping could cost. The thresholds are not yet tuned on GPUs (bench/gpu/goodput.py
---deployments pd_pooled,colocated measures them).
+flapping could cost. The thresholds come from the two-GPU goodput runs (bench/gpu/goodput.py
+--deployments pd_pooled,colocated; PoolRule says why).
 """
 
 from __future__ import annotations
@@ -50,8 +50,12 @@ CHECK_INTERVAL_S = 0.25
 class PoolRule:
     """When `auto` pools and splits again (module docstring)."""
 
-    enter_decode_load: float = 0.8
-    leave_decode_load: float = 0.6
+    # Pool only once the decode tier passes its TPOT budget (a load of 1): on two H100s, pooling from
+    # 0.8 lost on both prefill_heavy and decode_heavy at their knees (bench/RESULTS.md, eighteenth
+    # run): each pooled node's prompts then ride guarded decode steps, so the prefill GPU's prompt
+    # rate fell from ~40K to 17K tokens/s and TPOT rose where the split still held it.
+    enter_decode_load: float = 1.0
+    leave_decode_load: float = 0.75
     min_gain: float = 0.05
     dwell_s: float = 3.0
 

@@ -90,28 +90,28 @@ def test_the_recent_load_prices_computed_prompts_and_every_output_on_the_step_li
 
 def test_pool_when_decode_is_the_bottleneck_and_pooling_relieves_it() -> None:
     rule = PoolRule()
-    assert rule.should_pool(TierLoad(0.6, 0.9, 0.7))
-    assert not rule.should_pool(TierLoad(0.6, 0.7, 0.5))  # decode has room
-    assert not rule.should_pool(TierLoad(0.95, 0.9, 0.5))  # prompts are the larger load: the split's overflow
-    assert not rule.should_pool(TierLoad(0.6, 0.9, 0.87))  # too little gain
-    assert not rule.should_pool(TierLoad(math.nan, 0.9, 0.7))
-    assert not rule.should_pool(TierLoad(0.6, 0.9, math.inf))  # pooled would not keep up either
+    assert rule.should_pool(TierLoad(0.6, 1.1, 0.8))
+    assert not rule.should_pool(TierLoad(0.6, 0.9, 0.5))  # decode within its budget: the split isolates it
+    assert not rule.should_pool(TierLoad(1.2, 1.1, 0.5))  # prompts are the larger load: the split's overflow
+    assert not rule.should_pool(TierLoad(0.6, 1.1, 1.06))  # too little gain
+    assert not rule.should_pool(TierLoad(math.nan, 1.1, 0.7))
+    assert not rule.should_pool(TierLoad(0.6, 1.1, math.inf))  # pooled would not keep up either
     assert rule.should_pool(TierLoad(0.6, math.inf, 2.0))  # the split cannot keep up, pooled can nearly
     # the batch it runs now says what the rates' window has not caught up with yet, once the rates
     # are past the split's own threshold (else the split would return at the dwell's end)
-    assert rule.should_pool(TierLoad(0.3, 0.65, 0.5, decode_batch=0.9))
-    assert not rule.should_pool(TierLoad(0.3, 0.65, 0.5, decode_batch=0.5))
-    assert not rule.should_pool(TierLoad(0.3, 0.4, 0.5, decode_batch=0.9))
-    assert not rule.should_pool(TierLoad(0.3, math.nan, 0.5, decode_batch=0.9))
-    # the batch near budget but prompts the larger load by the rates: the split's overflow
-    assert not rule.should_pool(TierLoad(0.97, 0.59, 0.74, decode_batch=1.0))
-    assert rule.should_split(TierLoad(0.3, 0.55, 0.4))  # decode has room again
+    assert rule.should_pool(TierLoad(0.3, 0.8, 0.5, decode_batch=1.1))
+    assert not rule.should_pool(TierLoad(0.3, 0.8, 0.5, decode_batch=0.9))
+    assert not rule.should_pool(TierLoad(0.3, 0.7, 0.5, decode_batch=1.1))
+    assert not rule.should_pool(TierLoad(0.3, math.nan, 0.5, decode_batch=1.1))
+    # the batch past budget but prompts the larger load by the rates: the split's overflow
+    assert not rule.should_pool(TierLoad(0.97, 0.59, 0.74, decode_batch=1.2))
+    assert rule.should_split(TierLoad(0.3, 0.7, 0.4))  # decode has room again
     assert rule.should_split(TierLoad(1.2, 1.1, 0.9))  # prompts grew past it
-    assert rule.should_split(TierLoad(0.6, 0.9, 0.95))  # pooling no longer lightens the busiest tier
-    assert not rule.should_split(TierLoad(0.6, 0.75, 0.6))  # between the thresholds: stays
+    assert rule.should_split(TierLoad(0.6, 1.1, 1.15))  # pooling no longer lightens the busiest tier
+    assert not rule.should_split(TierLoad(0.6, 0.9, 0.6))  # between the thresholds: stays
     assert not rule.should_split(TierLoad(0.6, math.nan, 0.5))
     # pooled, the decode's own batch is its share only: the rates decide
-    assert not rule.should_split(TierLoad(0.3, 0.7, 0.5, decode_batch=0.3))
+    assert not rule.should_split(TierLoad(0.3, 0.8, 0.5, decode_batch=0.3))
     with pytest.raises(ValueError):
         PoolRule(enter_decode_load=0.5, leave_decode_load=0.6)
 
@@ -134,16 +134,16 @@ def test_loads_that_pool_never_split_again_at_once() -> None:
 def test_auto_pools_and_splits_with_a_dwell_and_other_modes_hold() -> None:
     clock = Clock()
     switch = PoolSwitch("auto", PoolRule(dwell_s=10.0), clock)
-    assert not switch.update(load(0.6, 0.7), True) and not switch.pooled
-    assert switch.update(load(0.6, 0.9), True) and switch.pooled
+    assert not switch.update(load(0.6, 0.9), True) and not switch.pooled
+    assert switch.update(load(0.6, 1.1), True) and switch.pooled
     clock.now += 5
     assert not switch.update(load(0.2, 0.3), True) and switch.pooled  # within the dwell: holds
     clock.now += 5
     assert switch.update(load(0.2, 0.3), True) and not switch.pooled
     clock.now += 1
-    assert not switch.update(load(0.6, 0.9), True)  # the dwell holds the split too
+    assert not switch.update(load(0.6, 1.1), True)  # the dwell holds the split too
     clock.now += 10
-    assert switch.update(load(0.6, 0.9), True) and switch.pooled
+    assert switch.update(load(0.6, 1.1), True) and switch.pooled
     assert switch.update(load(0.6, 0.9), False) and not switch.pooled  # no node can serve pooled: at once
     # between refreshes, routing re-decides at most every quarter second
     assert not switch.due()
