@@ -97,13 +97,9 @@ def test_pool_when_decode_is_the_bottleneck_and_pooling_relieves_it() -> None:
     assert not rule.should_pool(TierLoad(math.nan, 1.1, 0.7))
     assert not rule.should_pool(TierLoad(0.6, 1.1, math.inf))  # pooled would not keep up either
     assert rule.should_pool(TierLoad(0.6, math.inf, 2.0))  # the split cannot keep up, pooled can nearly
-    # the batch it runs now says what the rates' window has not caught up with yet, once the rates
-    # are past the split's own threshold (else the split would return at the dwell's end)
-    assert rule.should_pool(TierLoad(0.3, 0.8, 0.5, decode_batch=1.1))
-    assert not rule.should_pool(TierLoad(0.3, 0.8, 0.5, decode_batch=0.9))
-    assert not rule.should_pool(TierLoad(0.3, 0.7, 0.5, decode_batch=1.1))
-    assert not rule.should_pool(TierLoad(0.3, math.nan, 0.5, decode_batch=1.1))
-    # the batch past budget but prompts the larger load by the rates: the split's overflow
+    # the batch it runs now does not decide entry: the output rate does
+    assert not rule.should_pool(TierLoad(0.3, 0.8, 0.5, decode_batch=1.1))
+    assert rule.should_pool(TierLoad(0.3, 1.1, 0.5, decode_batch=0.5))
     assert not rule.should_pool(TierLoad(0.97, 0.59, 0.74, decode_batch=1.2))
     assert rule.should_split(TierLoad(0.3, 0.7, 0.4))  # decode has room again
     assert rule.should_split(TierLoad(1.2, 1.1, 0.9))  # prompts grew past it
@@ -117,8 +113,8 @@ def test_pool_when_decode_is_the_bottleneck_and_pooling_relieves_it() -> None:
 
 
 def test_loads_that_pool_never_split_again_at_once() -> None:
-    """The enter rule implies the leave rule's negation on the same loads, whatever the batch says:
-    any switch back needs the load itself to change."""
+    """The enter rule implies the leave rule's negation on the same loads: any switch back needs the
+    load itself to change."""
     rule = PoolRule()
     rng = random.Random(7)
     pooled = 0
