@@ -18,9 +18,11 @@ Under `auto` the prefill tier is the default, because every prompt run locally s
 node's running requests towards its guard: that is what disaggregation exists to avoid. A prompt
 runs locally only when it is a follow-up turn whose history the decode holds and what it must
 compute there is short (one chunk, cheaper than the transfer it saves) and its estimate there is
-no worse than remote's, or when the prefill tier is behind (its estimate over the rule's TTFT
-target) and local is clearly faster (under the rule's margin of remote): overflow, so a saturated
-prefill tier no longer caps the deployment. A decode node that mixes its chunks into its decode
+no worse than remote's or, where the decode holds more of the history than the prefill, within
+the rule's history target (else the prefill recomputes what the decode holds); or when the
+prefill tier is behind (its estimate over the rule's TTFT target) and local is clearly faster
+(under the rule's margin of remote): overflow, so a saturated prefill tier no longer caps the
+deployment. A decode node that mixes its chunks into its decode
 steps has a target of 0 and no margin by default: there the faster path wins. An unmeasured
 prefill tier is measured first (remote).
 
@@ -55,6 +57,7 @@ POLICY = "policy"  # --pd-prefill-policy remote or local said so
 FASTER_REMOTE = "faster_remote"
 FASTER_LOCAL = "faster_local"
 SHORT_LOCAL = "short_local"  # little to compute on the decode (a cached history, a short prompt)
+HISTORY_LOCAL = "history_local"  # the decode holds more of the history, and is within the TTFT target
 REMOTE_ON_TARGET = "remote_on_target"  # the prefill tier meets the TTFT target: no reason to slow decodes
 REMOTE_UNMEASURED = "remote_unmeasured"  # the prefill has no measured rate yet: measure it first
 LOCAL_UNMEASURED = "local_unmeasured"  # no rate (or no step time) to estimate the local path with
@@ -70,6 +73,7 @@ REASONS = (
     FASTER_REMOTE,
     FASTER_LOCAL,
     SHORT_LOCAL,
+    HISTORY_LOCAL,
     REMOTE_ON_TARGET,
     REMOTE_UNMEASURED,
     LOCAL_UNMEASURED,
@@ -87,10 +91,16 @@ PATHS = ("remote", "local", "whole", "colocated")  # metric label values too
 @dataclass(frozen=True)
 class PathRule:
     """`auto`'s thresholds: follow-ups computing at most `local_max_tokens` on the decode that holds
-    their history run there; others run there only when the prefill's estimated TTFT is over
-    `remote_target_s` and local's is under `overflow_margin` of it."""
+    their history run there when that is not slower, or when the decode holds more of it than the
+    prefill and its estimate is within `history_target_s`; others run there only when the
+    prefill's estimated TTFT is over `remote_target_s` and local's is under `overflow_margin` of it."""
 
     local_max_tokens: int = 256
+    # A turn sent to the prefill recomputes what only the decode holds (the last turn's reply, and
+    # whole turns that ran locally): on two H100s, turns alternating between the paths took PD's
+    # reuse from 0.94 to 0.88 (bench/RESULTS.md, the ninth prefix-cache run). Within this TTFT a
+    # follow-up stays where more of its history is.
+    history_target_s: float = 0.2
     remote_target_s: float = 0.2
     # Overflow needs local's estimate under this share of remote's: it assumes the decode's guard
     # spends all its requests' slack on prompts, and on an H100 under load local prompts took
@@ -103,7 +113,7 @@ class PathRule:
     mixed_overflow_margin: float = 1.0
 
     def __post_init__(self) -> None:
-        targets = (self.remote_target_s, self.mixed_remote_target_s)
+        targets = (self.remote_target_s, self.mixed_remote_target_s, self.history_target_s)
         margins = (self.overflow_margin, self.mixed_overflow_margin)
         if self.local_max_tokens < 0 or min(targets) < 0 or not all(0 < m <= 1 for m in margins):
             raise ValueError(
@@ -286,7 +296,8 @@ def decide(
         return PathDecision("local", None, local.seconds, POLICY)
     if prefill is None:
         return PathDecision(None if local.refusal else "local", None, local.seconds, local.refusal or NO_PREFILL)
-    remote = remote_ttft(prefill, max(1, prompt_tokens - cached(prefill)))
+    held_remote = cached(prefill)
+    remote = remote_ttft(prefill, max(1, prompt_tokens - held_remote))
     if local.refusal is not None:
         return PathDecision("remote", remote, None, local.refusal)
     # a follow-up whose history the decode holds, short to finish there, and not slower there by
@@ -296,6 +307,8 @@ def decide(
     short = local_tokens <= rule.local_max_tokens and held > 0
     if short and (remote is None or local.seconds is None or local.seconds <= remote):
         return PathDecision("local", remote, local.seconds, SHORT_LOCAL)
+    if short and held > held_remote and local.seconds is not None and local.seconds <= rule.history_target_s:
+        return PathDecision("local", remote, local.seconds, HISTORY_LOCAL)
     if remote is None:  # cold start: measure the prefill tier first
         return PathDecision("remote", None, local.seconds, REMOTE_UNMEASURED)
     target, margin = rule.overflow(decode.perf.mixed_chunk)

@@ -15,6 +15,7 @@ from router.prefill_path import (
     DECODE_AT_BUDGET,
     FASTER_LOCAL,
     FASTER_REMOTE,
+    HISTORY_LOCAL,
     KV_HEADROOM,
     LOCAL_REFUSED,
     LOCAL_UNMEASURED,
@@ -174,9 +175,11 @@ def test_both_paths_charge_a_prompt_batch_its_fixed_cost() -> None:
     # a cached follow-up: 200 tokens on a decode with 8 running (15/25 of it for prompts) against
     # 1,200 uncached ones on the prefill; by tokens alone remote is sooner (0.060 s against
     # 0.010 + (200 / 5,000 + 0.007) / 0.6 = 0.088 s)...
+    # (with no history target: within one, the turn would stay where its history is, below)
     turn = lambda node: 1000 if node.address == "d:1" else 0  # noqa: E731
     slow_local = decode(running=8, overhead=0.007, rate=5_000.0)
-    assert decide("auto", prefill(rate=20_000.0), slow_local, 1200, 100, cached=turn).path == "remote"
+    no_target = PathRule(history_target_s=0.0)
+    assert decide("auto", prefill(rate=20_000.0), slow_local, 1200, 100, cached=turn, rule=no_target).path == "remote"
     # ...but a prefill node's batch pays the fixed cost too, and the transfer, so the turn stays
     busy_prefill = prefill(rate=20_000.0, overhead=0.040, kv_transfer_s=0.0)
     d = decide("auto", busy_prefill, slow_local, 1200, 100, cached=turn)
@@ -344,6 +347,25 @@ def test_a_follow_up_goes_where_its_history_is_cached() -> None:
     held = {"p:1": 3900}
     d_p = decide("auto", p, d, 4000, 100, cached=cached)
     assert d_p.path == "remote" and d_p.remote_s == pytest.approx(0.01)
+
+
+def test_a_follow_up_stays_where_more_of_its_history_is_within_the_target() -> None:
+    """Remote is sooner by the rates, but the prefill would recompute the turns only the decode
+    holds: within the history target the turn stays local; past it, or where the prefill holds as
+    much, the faster path wins."""
+    p, d = prefill(rate=20_000.0), decode(running=8, overhead=0.007, rate=5_000.0)
+    held = {"d:1": 1000, "p:1": 600}  # the decode ran the last turns; the prefill holds the earlier ones
+    cached = lambda node: held.get(node.address, 0)  # noqa: E731
+    kept = decide("auto", p, d, 1200, 100, cached=cached)
+    assert (kept.path, kept.reason) == ("local", HISTORY_LOCAL)
+    assert kept.remote_s is not None and kept.local_s is not None and kept.remote_s < kept.local_s <= 0.2
+    assert decide("auto", p, d, 1200, 100, cached=cached, rule=PathRule(history_target_s=0.05)).path == "remote"
+    held["p:1"] = 1000  # the prefill holds as much: nothing lost by going there
+    assert decide("auto", p, d, 1200, 100, cached=cached).reason == REMOTE_ON_TARGET
+    held["p:1"] = 600
+    assert decide("auto", p, decode(running=8, rate=300.0), 1200, 100, cached=cached).path == "remote"  # too slow
+    with pytest.raises(ValueError, match="remote targets"):
+        PathRule(history_target_s=-1.0)
 
 
 def test_a_short_prompt_on_a_decoding_node_waits_for_the_step_in_flight() -> None:
