@@ -58,8 +58,10 @@ class Results:
     def workload(self, name: str, info: dict[str, Any]) -> None:
         self.data["workloads"].setdefault(name, {**info, **{s: {"points": []} for s in SLO_NAMES}, "curves": {}})
 
-    def deployment(self, name: str, info: dict[str, Any]) -> None:
-        self.data["deployments"].setdefault(name, {}).update(info)
+    def deployment(self, name: str, info: dict[str, Any], judged: str | None = None) -> None:
+        """About a deployment, or (`judged`) about its run set up for, and judged by, that SLO alone."""
+        entry = self.data["deployments"].setdefault(name, {})
+        (entry.setdefault("by_slo", {}).setdefault(judged, {}) if judged else entry).update(info)
 
     def add_point(self, workload: str, entries: dict[str, dict[str, Any]], **extra: Any) -> None:
         for slo, entry in entries.items():

@@ -1,6 +1,7 @@
 """Measuring one started deployment: per workload a warm-up, then the ladder's rates one after
 another, each a loadgen Poisson point on the workload's first requests, then a wait until the
-nodes are idle; every point is judged by both SLOs and goes into the results at once."""
+nodes are idle; every point is judged by both SLOs (or by the one SLO a deployment set up for it
+is judged by) and goes into the results at once."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -58,8 +60,10 @@ def measure_deployment(
     results: Results,
     out_dir: Path,
     gpu: str,
+    judged: str | None = None,
 ) -> None:
-    """Every workload's curve on this deployment; results written after each curve."""
+    """Every workload's curve on this deployment; results written after each curve. `judged`: the
+    one SLO its points count for (a deployment whose guard was set from that SLO), None: both."""
 
     async def run() -> None:
         endpoint = EndpointConfig(up.url, "")  # each request carries its own time limit
@@ -67,7 +71,8 @@ def measure_deployment(
             endpoint = replace(endpoint, model=await served_model(client))
             for w in workloads:
                 end = budget.curve_end(time.monotonic())
-                ended = await _curve(client, endpoint, up, deployment, w, requests[w.name], settings, end, results)
+                curve = (client, endpoint, up, deployment, w, requests[w.name], settings, end, results, judged)
+                ended = await _curve(*curve)
                 results.curve(w.name, deployment, ended=ended)
                 budget.curve_done()
                 results.write(out_dir, gpu)
@@ -85,6 +90,7 @@ async def _curve(
     settings: RunSettings,
     end: float,
     results: Results,
+    judged: str | None,
 ) -> str:
     """One deployment's curve for one workload, until the ladder is done or `end`; returns why it ended."""
     metrics = list(up.metrics.values())
@@ -114,7 +120,7 @@ async def _curve(
         nodes_after = await node_stage_totals(client, up.metrics)
         node_stages = node_stage_means_ms(nodes_before, nodes_after)
         drained = await wait_idle(client, metrics, DRAIN_S)
-        entries = point_entries(deployment, rate, records, wall, settings.slos)
+        entries = judged_entries(point_entries(deployment, rate, records, wall, settings.slos), judged)
         results.add_point(
             workload.name,
             entries,
@@ -130,11 +136,26 @@ async def _curve(
             node_means=node_count_means(nodes_before, nodes_after),
             node_counts=node_counter_deltas(nodes_before, nodes_after),
         )
-        done.append(plan.Measured(rate, entries["loose"]["attainment"], entries["tight"]["attainment"]))
+        done.append(measured(rate, entries))
+        judged_by = " ".join(f"{slo} {e['attainment']:.0%}" for slo, e in entries.items())
         print(
-            f"[goodput] {deployment} {workload.name} {rate:g} req/s x {n}: attainment "
-            f"loose {done[-1].loose:.0%} tight {done[-1].tight:.0%} ({wall:.1f} s)",
+            f"[goodput] {deployment} {workload.name} {rate:g} req/s x {n}: attainment {judged_by} ({wall:.1f} s)",
             file=sys.stderr,
             flush=True,
         )
     return "max points" if len(done) >= settings.ladder.max_points else "ladder done"
+
+
+def judged_entries(entries: dict[str, dict[str, Any]], judged: str | None) -> dict[str, dict[str, Any]]:
+    """A point's entries by SLO, kept for the SLO a run is judged by (all of them for None)."""
+    return entries if judged is None else {judged: entries[judged]}
+
+
+def measured(rate: float, entries: dict[str, dict[str, Any]]) -> plan.Measured:
+    """What the ladder reads of a point. A run judged by one SLO steps both of the ladder's
+    brackets on it, so its curve sharpens that SLO's knee alone."""
+    attained = {slo: entry["attainment"] for slo, entry in entries.items()}
+    if not attained:
+        raise ValueError("a point is judged by at least one SLO")
+    only = next(iter(attained.values()))
+    return plan.Measured(rate, attained.get("loose", only), attained.get("tight", only))

@@ -1,0 +1,73 @@
+"""The goodput bench's per-SLO runs: a PD deployment set up for one SLO, judged by it alone."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from bench.gpu import goodput_plan as plan
+from bench.gpu.goodput import guard_for, parse_deployments, run_settings
+from bench.gpu.goodput_report import Results, point_entries
+from bench.gpu.goodput_run import judged_entries, measured
+from loadgen.metrics import RequestRecord
+
+
+def args(*extra: str) -> argparse.Namespace:
+    from bench.gpu.goodput import parse_args
+
+    return parse_args(["--model", "tiny", *extra])
+
+
+def test_deployments_parse_plain_and_per_slo() -> None:
+    assert parse_deployments("pd,colocated") == [("pd", None), ("colocated", None)]
+    got = parse_deployments("pd_pooled@tight,pd_pooled@loose,colocated")
+    assert got == [("pd_pooled", "tight"), ("pd_pooled", "loose"), ("colocated", None)]
+    for bad in ("pd@medium", "colocated@loose", "nope", "pd,pd@loose", "pd@loose,pd@loose", ""):
+        with pytest.raises(ValueError):
+            parse_deployments(bad)
+
+
+def test_a_run_per_slo_gets_its_guard_from_that_slo() -> None:
+    a = args()
+    settings, _ = run_settings(a, "tiny")
+    assert guard_for(a, settings, "loose") == pytest.approx(0.9 * 25)
+    assert guard_for(a, settings, "tight") == pytest.approx(0.9 * 15)
+    assert guard_for(a, settings, None) == pytest.approx(0.9 * 15)  # both SLOs: the tighter one's
+    given = args("--local-prefill-tpot-ms", "11")
+    assert guard_for(given, settings, None) == 11.0 and guard_for(given, settings, "loose") == pytest.approx(22.5)
+    apart = args("--disable-mixed-chunk")
+    assert guard_for(apart, settings, "loose") == pytest.approx(0.8 * 25)
+
+
+def record(ttft_s: float, tpot_s: float) -> RequestRecord:
+    return RequestRecord(0, input_len=8, output_len=4, ttft=ttft_s, e2e=ttft_s + 3 * tpot_s, output_tokens=4)
+
+
+def test_a_run_judged_by_one_slo_counts_only_there(tmp_path: Path) -> None:
+    slos = {"loose": {"ttft": 0.5, "tpot": 0.025}, "tight": {"ttft": 0.25, "tpot": 0.015}}
+    records = [record(0.1, 0.02)] * 10  # within the loose SLO, past the tight one's TPOT
+    both = point_entries("pd_pooled", 8.0, records, 2.0, slos)
+    loose_only = judged_entries(both, "loose")
+    assert set(loose_only) == {"loose"} and judged_entries(both, None) is both
+    # the ladder reads the run's own SLO for both of its brackets
+    assert measured(8.0, loose_only) == plan.Measured(8.0, 1.0, 1.0)
+    assert measured(8.0, both) == plan.Measured(8.0, 1.0, 0.0)
+    with pytest.raises(ValueError):
+        measured(8.0, {})
+    results = Results({"device": "cpu"})
+    results.workload("w", {})
+    results.deployment("pd_pooled", {"label": "pooled"})
+    results.deployment("pd_pooled", {"guard_ms": 22.5}, "loose")
+    results.deployment("pd_pooled", {"guard_ms": 13.5}, "tight")
+    results.add_point("w", loose_only)
+    results.add_point("w", judged_entries(point_entries("pd_pooled", 4.0, records[:5], 2.0, slos), "tight"))
+    data = results.finish()
+    assert data["deployments"]["pd_pooled"] == {
+        "label": "pooled",
+        "by_slo": {"loose": {"guard_ms": 22.5}, "tight": {"guard_ms": 13.5}},
+    }
+    w = data["workloads"]["w"]
+    assert [p["rate"] for p in w["loose"]["points"]] == [8.0] and [p["rate"] for p in w["tight"]["points"]] == [4.0]
+    assert w["loose"]["pd_pooled_goodput"] == 8.0 and w["tight"]["pd_pooled_goodput"] is None  # 20 ms > 15 ms
