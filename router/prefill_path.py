@@ -91,16 +91,18 @@ PATHS = ("remote", "local", "whole", "colocated")  # metric label values too
 @dataclass(frozen=True)
 class PathRule:
     """`auto`'s thresholds: follow-ups computing at most `local_max_tokens` on the decode that holds
-    their history run there when that is not slower, or when the decode holds more of it than the
-    prefill and its estimate is within `history_target_s`; others run there only when the
+    their history run there when that is not slower, or when the decode holds `history_min_tokens`
+    more of it than the prefill and its estimate is within `history_target_s`; others run there only when the
     prefill's estimated TTFT is over `remote_target_s` and local's is under `overflow_margin` of it."""
 
     local_max_tokens: int = 256
     # A turn sent to the prefill recomputes what only the decode holds (the last turn's reply, and
     # whole turns that ran locally): on two H100s, turns alternating between the paths took PD's
     # reuse from 0.94 to 0.88 (bench/RESULTS.md, the ninth prefix-cache run). Within this TTFT a
-    # follow-up stays where more of its history is.
+    # follow-up stays where more of its history is, by at least `history_min_tokens` (a reply of a
+    # few tokens costs the prefill less to recompute than a local prompt costs the decode).
     history_target_s: float = 0.2
+    history_min_tokens: int = 64
     remote_target_s: float = 0.2
     # Overflow needs local's estimate under this share of remote's: it assumes the decode's guard
     # spends all its requests' slack on prompts, and on an H100 under load local prompts took
@@ -115,9 +117,10 @@ class PathRule:
     def __post_init__(self) -> None:
         targets = (self.remote_target_s, self.mixed_remote_target_s, self.history_target_s)
         margins = (self.overflow_margin, self.mixed_overflow_margin)
-        if self.local_max_tokens < 0 or min(targets) < 0 or not all(0 < m <= 1 for m in margins):
+        counts = (self.local_max_tokens, self.history_min_tokens)
+        if min(counts) < 0 or min(targets) < 0 or not all(0 < m <= 1 for m in margins):
             raise ValueError(
-                f"local_max_tokens and the remote targets must be >= 0 and the overflow margins in (0, 1], got {self}"
+                f"the token counts and the targets must be >= 0 and the overflow margins in (0, 1], got {self}"
             )
 
     def overflow(self, mixed_chunk: bool) -> tuple[float, float]:
@@ -307,7 +310,8 @@ def decide(
     short = local_tokens <= rule.local_max_tokens and held > 0
     if short and (remote is None or local.seconds is None or local.seconds <= remote):
         return PathDecision("local", remote, local.seconds, SHORT_LOCAL)
-    if short and held > held_remote and local.seconds is not None and local.seconds <= rule.history_target_s:
+    kept = held - held_remote >= max(1, rule.history_min_tokens)
+    if short and kept and local.seconds is not None and local.seconds <= rule.history_target_s:
         return PathDecision("local", remote, local.seconds, HISTORY_LOCAL)
     if remote is None:  # cold start: measure the prefill tier first
         return PathDecision("remote", None, local.seconds, REMOTE_UNMEASURED)

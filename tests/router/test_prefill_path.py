@@ -156,7 +156,7 @@ def test_what_computes_little_on_the_decode_runs_there() -> None:
     assert decide("auto", prefill(), decode(running=64, guard=0.02), 10, 10).reason == DECODE_AT_BUDGET
     # nor does one measured slower at them than the prefill tier
     assert decide("auto", prefill(), decode(rate=300.0), 1200, 100, cached=turn).path == "remote"
-    with pytest.raises(ValueError, match="local_max_tokens"):
+    with pytest.raises(ValueError, match="token counts"):
         PathRule(local_max_tokens=-1)
 
 
@@ -362,10 +362,14 @@ def test_a_follow_up_stays_where_more_of_its_history_is_within_the_target() -> N
     assert decide("auto", p, d, 1200, 100, cached=cached, rule=PathRule(history_target_s=0.05)).path == "remote"
     held["p:1"] = 1000  # the prefill holds as much: nothing lost by going there
     assert decide("auto", p, d, 1200, 100, cached=cached).reason == REMOTE_ON_TARGET
+    held["p:1"] = 960  # the last turn's short reply only: cheaper to recompute than to run locally
+    assert decide("auto", p, d, 1200, 100, cached=cached).reason == REMOTE_ON_TARGET
     held["p:1"] = 600
     assert decide("auto", p, decode(running=8, rate=300.0), 1200, 100, cached=cached).path == "remote"  # too slow
-    with pytest.raises(ValueError, match="remote targets"):
+    with pytest.raises(ValueError, match="targets"):
         PathRule(history_target_s=-1.0)
+    with pytest.raises(ValueError, match="token counts"):
+        PathRule(history_min_tokens=-1)
 
 
 def test_a_short_prompt_on_a_decoding_node_waits_for_the_step_in_flight() -> None:
