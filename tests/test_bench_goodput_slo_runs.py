@@ -71,3 +71,42 @@ def test_a_run_judged_by_one_slo_counts_only_there(tmp_path: Path) -> None:
     w = data["workloads"]["w"]
     assert [p["rate"] for p in w["loose"]["points"]] == [8.0] and [p["rate"] for p in w["tight"]["points"]] == [4.0]
     assert w["loose"]["pd_pooled_goodput"] == 8.0 and w["tight"]["pd_pooled_goodput"] is None  # 20 ms > 15 ms
+
+
+def test_a_later_call_resumes_an_earlier_ones_run(tmp_path: Path) -> None:
+    from bench.gpu.goodput import resume
+
+    slos = {"loose": {"ttft": 0.5, "tpot": 0.025}, "tight": {"ttft": 0.25, "tpot": 0.015}}
+    head = {"device": "H100", "gpus": ["H100", "H100"], "model": {"kind": "llama8b"}, "slos": {"loose": {}}}
+    head["settings"] = {"ladder": {"start": 4.0}, "window_s": 6.0, "seed": 0, "budget_s": 500}
+    first = Results({**head, "command": "first"})
+    first.workload("w", {})
+    first.deployment("colocated", {"start_s": 20.0})
+    first.deployment("pd_pooled", {"start_s": 30.0}, "tight")
+    good = [record(0.1, 0.01)] * 4
+    first.add_point("w", point_entries("colocated", 8.0, good, 1.0, slos))
+    first.add_point("w", judged_entries(point_entries("pd_pooled", 8.0, good, 1.0, slos), "tight"))
+    path, _ = first.write(tmp_path, "h100")
+
+    second = Results({**head, "command": "second", "settings": {**head["settings"], "budget_s": 300}})
+    second.workload("w", {})
+    resume(second, path, [("pd_pooled", "loose")])
+    second.deployment("pd_pooled", {"start_s": 31.0}, "loose")
+    second.add_point("w", judged_entries(point_entries("pd_pooled", 16.0, good, 1.0, slos), "loose"))
+    data = second.finish()
+    assert data["resumed_from"] == ["first"]
+    assert data["deployments"]["pd_pooled"]["by_slo"] == {"tight": {"start_s": 30.0}, "loose": {"start_s": 31.0}}
+    w = data["workloads"]["w"]
+    assert (w["loose"]["colocated_goodput"], w["loose"]["pd_pooled_goodput"]) == (8.0, 16.0)
+    assert (w["tight"]["colocated_goodput"], w["tight"]["pd_pooled_goodput"]) == (8.0, 8.0)
+    assert data["goals_by_deployment"]["pd_pooled"]["pd_over_colocated"]["w"] == {"loose": 2.0, "tight": 1.0}
+    # a run measured twice, or a run swept another way, is refused
+    for again in ([("pd_pooled", "tight")], [("pd_pooled", None)], [("colocated", None)]):
+        third = Results({**head, "command": "third"})
+        third.workload("w", {})
+        with pytest.raises(SystemExit, match="already"):
+            resume(third, path, again)
+    other = Results({**head, "settings": {**head["settings"], "window_s": 4.0}})
+    other.workload("w", {})
+    with pytest.raises(SystemExit, match="window_s"):
+        resume(other, path, [("pd", None)])

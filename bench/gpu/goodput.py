@@ -41,6 +41,7 @@ within the loose SLO on every workload) and OUT/goodput_<gpu>.png after every cu
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import subprocess
 import sys
@@ -118,6 +119,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slo-tight", default=SLOS["tight"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", type=Path, default=None, help="pdserve up logs (default: a temporary folder)")
+    p.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        help="an earlier call's goodput JSON on this machine, same settings: its points join this run's "
+        "(a comparison longer than one call's time limit)",
+    )
     return p.parse_args(argv)
 
 
@@ -189,6 +197,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
     results = Results(header(args, argv, device, gpus, kind, model, vocab, spec_flags, settings, budget_s))
     for w in workloads:
         results.workload(w.name, {"description": w.describe(), "sent": length_stats(requests[w.name])})
+    if args.resume:
+        resume(results, args.resume, deployments)
     budget = plan.Budget(started + budget_s, len(workloads), len(deployments), START_GUESS_S[kind], STOP_S[kind])
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-goodput-logs-"))
     failed, gpu = False, short_name(device)
@@ -233,6 +243,22 @@ def run_settings(args: argparse.Namespace, kind: str) -> tuple[RunSettings, floa
             raise SystemExit(f"the {name} SLO needs a ttft and a tpot limit, and only those")
     ladder = plan.Ladder(start=args.start_rate or START_RATE[kind], max_points=args.max_points or points)
     return RunSettings(ladder, window, least, most, slos, args.seed, vocab=0), args.budget_s or budget
+
+
+def resume(results: Results, path: Path, deployments: list[tuple[str, str | None]]) -> None:
+    """Carry an earlier call's report into this one (`--resume`), refusing a run measured twice."""
+    try:
+        earlier = json.loads(path.read_text())
+        done = earlier.get("deployments", {})
+        for dep, judged in deployments:
+            ran = done.get(dep, {})
+            per_slo = ran.get("by_slo", {})
+            # a plain run counts for both SLOs: it clashes with any run of the same topology
+            if "start_s" in ran or (judged in per_slo if judged else bool(per_slo)):
+                raise ValueError(f"{path} has measured {dep}{'@' + judged if judged else ''} (or all of {dep}) already")
+        results.absorb(earlier)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"cannot resume from {path}: {e}") from None
 
 
 def parse_deployments(text: str) -> list[tuple[str, str | None]]:

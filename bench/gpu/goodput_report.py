@@ -71,6 +71,32 @@ class Results:
         """About one curve: its warm-up, why it ended (the ladder was done, or time or points ran out)."""
         self.data["workloads"][workload]["curves"].setdefault(deployment, {}).update(info)
 
+    def absorb(self, earlier: dict[str, Any]) -> None:
+        """Take in an earlier report's points, curves and deployments (`--resume`): a comparison
+        that does not fit one call's time runs in several calls on the same machine. Refused
+        unless the earlier run swept the same way on the same devices and model, and measured
+        none of the deployment runs this one measures again."""
+        for key in SAME_RUN_KEYS:
+            if earlier.get(key) != self.data.get(key):
+                raise ValueError(f"the earlier report's {key} differs: {earlier.get(key)!r} vs {self.data.get(key)!r}")
+        mine, theirs = self.data.get("settings", {}), earlier.get("settings", {})
+        for key in SAME_SETTINGS:
+            if theirs.get(key) != mine.get(key):
+                raise ValueError(
+                    f"the earlier report's setting {key} differs: {theirs.get(key)!r} vs {mine.get(key)!r}"
+                )
+        self.data["resumed_from"] = [*earlier.get("resumed_from", []), earlier.get("command")]
+        for name, info in earlier.get("deployments", {}).items():
+            self.data["deployments"].setdefault(name, {}).update(info)
+        for wname, w in earlier.get("workloads", {}).items():
+            here = self.data["workloads"].get(wname)
+            if here is None:
+                self.data["workloads"][wname] = w
+                continue
+            for slo in SLO_NAMES:
+                here[slo]["points"][:0] = w[slo]["points"]
+            here["curves"] = {**w.get("curves", {}), **here["curves"]}
+
     def finish(self) -> dict[str, Any]:
         """Goodput per workload, SLO and deployment from the points, and the summary; returns the data."""
         summary: dict[str, dict[str, Any]] = {}
@@ -102,6 +128,10 @@ class Results:
             png = None
         return path, png
 
+
+# What two reports must share for their points to be one comparison (--resume)
+SAME_RUN_KEYS = ("device", "gpus", "model", "slos")
+SAME_SETTINGS = ("ladder", "window_s", "requests_per_point", "max_running", "mixed_chunk", "seed")
 
 # PD's goodput against colocated's that the benchmark exists to show (each curve, every workload)
 GOAL_EVERY_CURVE, GOAL_TIGHT, GOAL_TIGHT_WORKLOADS, GOAL_LOOSE = 1.0, 1.3, 2, 1.2
