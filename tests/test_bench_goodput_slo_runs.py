@@ -110,3 +110,11 @@ def test_a_later_call_resumes_an_earlier_ones_run(tmp_path: Path) -> None:
     other.workload("w", {})
     with pytest.raises(SystemExit, match="window_s"):
         resume(other, path, [("pd", None)])
+
+
+def test_the_knee_resolution_is_a_flag() -> None:
+    settings, _ = run_settings(args("--resolution", "1.1"), "tiny")
+    assert settings.ladder.resolution == 1.1
+    assert run_settings(args(), "tiny")[0].ladder.resolution == plan.Ladder().resolution
+    with pytest.raises(SystemExit, match="resolution"):
+        run_settings(args("--resolution", "1.0"), "tiny")

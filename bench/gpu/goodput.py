@@ -115,6 +115,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=None, help="whole run's time budget in seconds")
     p.add_argument("--start-rate", type=float, default=None, help="first rate of every curve (req/s)")
     p.add_argument("--max-points", type=int, default=None, help="most rates per curve")
+    p.add_argument(
+        "--resolution",
+        type=float,
+        default=None,
+        help="the ratio below which a knee's bracket is left as it is (default: the ladder's 1.25); "
+        "1.1 tells a 1.2x goodput ratio from one rung's noise, at a point or two more per curve",
+    )
     p.add_argument("--slo-loose", default=SLOS["loose"])
     p.add_argument("--slo-tight", default=SLOS["tight"])
     p.add_argument("--seed", type=int, default=0)
@@ -242,6 +249,10 @@ def run_settings(args: argparse.Namespace, kind: str) -> tuple[RunSettings, floa
         if set(slo) != {"ttft", "tpot"}:
             raise SystemExit(f"the {name} SLO needs a ttft and a tpot limit, and only those")
     ladder = plan.Ladder(start=args.start_rate or START_RATE[kind], max_points=args.max_points or points)
+    if args.resolution is not None:
+        if args.resolution <= 1.0:
+            raise SystemExit(f"--resolution must be above 1, got {args.resolution}")
+        ladder = replace(ladder, resolution=args.resolution)
     return RunSettings(ladder, window, least, most, slos, args.seed, vocab=0), args.budget_s or budget
 
 
