@@ -118,3 +118,26 @@ def test_the_knee_resolution_is_a_flag() -> None:
     assert run_settings(args(), "tiny")[0].ladder.resolution == plan.Ladder().resolution
     with pytest.raises(SystemExit, match="resolution"):
         run_settings(args("--resolution", "1.0"), "tiny")
+
+
+def test_a_point_waits_for_a_pooled_router_to_split_again() -> None:
+    import asyncio
+
+    import httpx
+
+    from bench.gpu.goodput_run import wait_split
+
+    reads = iter([1.0, 1.0, 0.0])
+
+    def metrics(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text=f"pdserve_router_pd_pooled {next(reads)}\n")
+
+    async def go(handler: object, timeout_s: float) -> float:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:  # type: ignore[arg-type]
+            return await wait_split(client, "http://router", timeout_s)
+
+    assert 0.4 <= asyncio.run(go(metrics, 10.0)) < 5.0  # two pooled reads, then split
+    always = lambda request: httpx.Response(200, text="pdserve_router_pd_pooled 1\n")  # noqa: E731
+    assert 0.3 <= asyncio.run(go(always, 0.3)) < 2.0  # bounded
+    colocated = lambda request: httpx.Response(200, text="")  # noqa: E731  (no pooling gauge)
+    assert asyncio.run(go(colocated, 10.0)) < 0.5
