@@ -12,13 +12,13 @@ own requests' prompts, and decodes them.
 
 The decision is per deployment, from the load over the last few seconds priced on the decode
 nodes' measured step line (router/tier_load.py): the decode tier's step at the recent output rate
-over its TPOT guard, the prefill tier's prompt tokens/s over its prompt rates, and every node's step
-were all of them to take their share of both. Pool when the decode tier reaches `enter_decode_load` of its
-budget, is busier than the prefill tier, and pooled steps would be at least `min_gain` lighter than
-the split's busiest tier; split again when the decode tier's load falls to `leave_decode_load`,
-prompts become the larger load, or pooling no longer lightens it. A switch holds for at least
-`dwell_s`: it moves no request and no KV (requests in flight finish where they are), so only
-flapping could cost. The thresholds come from the two-GPU goodput runs (bench/gpu/goodput.py
+over its TPOT guard, the prefill tier's prompt tokens/s over its prompt rates, and every node's
+step were all of them to take their share of both. Pool when the decode tier reaches
+`enter_decode_load` of its budget, is busier than the prefill tier, and pooled steps would be at
+least `min_gain` lighter than the split's busiest tier; split again when the decode tier's load
+falls to `leave_decode_load`, prompts become the larger load, or pooling no longer lightens it. A
+switch holds for at least `dwell_s`: it moves no request and no KV (requests in flight finish where
+they are), so only flapping could cost. The thresholds come from the two-GPU goodput runs (bench/gpu/goodput.py
 --deployments pd_pooled,colocated; PoolRule says why).
 """
 

@@ -22,8 +22,8 @@ no worse than remote's or, where the decode holds more of the history than the p
 the rule's history target (else the prefill recomputes what the decode holds); or when the
 prefill tier is behind (its estimate over the rule's TTFT target) and local is clearly faster
 (under the rule's margin of remote): overflow, so a saturated prefill tier no longer caps the
-deployment. A decode node that mixes its chunks into its decode
-steps has a target of 0 and no margin by default: there the faster path wins. An unmeasured
+deployment. A decode node that mixes its chunks into its decode steps has a target of 0 and no
+margin by default: there the faster path wins. An unmeasured
 prefill tier is measured first (remote).
 
 Whole: under `auto`, when one more request would put the decode node's measured step past its
@@ -92,8 +92,9 @@ PATHS = ("remote", "local", "whole", "colocated")  # metric label values too
 class PathRule:
     """`auto`'s thresholds: follow-ups computing at most `local_max_tokens` on the decode that holds
     their history run there when that is not slower, or when the decode holds `history_min_tokens`
-    more of it than the prefill and its estimate is within `history_target_s`; others run there only when the
-    prefill's estimated TTFT is over `remote_target_s` and local's is under `overflow_margin` of it."""
+    more of it than the prefill and its estimate is within `history_target_s`; others run there
+    only when the prefill's estimated TTFT is over `remote_target_s` and local's is under
+    `overflow_margin` of it."""
 
     local_max_tokens: int = 256
     # A turn sent to the prefill recomputes what only the decode holds (the last turn's reply, and

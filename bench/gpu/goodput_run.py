@@ -71,8 +71,9 @@ def measure_deployment(
             endpoint = replace(endpoint, model=await served_model(client))
             for w in workloads:
                 end = budget.curve_end(time.monotonic())
-                curve = (client, endpoint, up, deployment, w, requests[w.name], settings, end, results, judged)
-                ended = await _curve(*curve)
+                ended = await _curve(
+                    client, endpoint, up, deployment, w, requests[w.name], settings, end, results, judged
+                )
                 results.curve(w.name, deployment, ended=ended)
                 budget.curve_done()
                 results.write(out_dir, gpu)
