@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Collection, Sequence
 
-from common.defaults import DEFAULT_CHUNKED_PREFILL_SIZE, PD_PREFILL_POLICIES
+from common.defaults import DEFAULT_CHUNKED_PREFILL_SIZE, DEFAULT_PAGE_SIZE, PD_PREFILL_POLICIES
 from router.contract import GenerationJob
 from router.nodes import NodeRegistry, NodeState
 from router.perf import NodePerf
@@ -100,10 +100,11 @@ class PathRule:
     # A turn sent to the prefill recomputes what only the decode holds (the last turn's reply, and
     # whole turns that ran locally): on two H100s, turns alternating between the paths took PD's
     # reuse from 0.94 to 0.88 (bench/RESULTS.md, the ninth prefix-cache run). Within this TTFT a
-    # follow-up stays where more of its history is, by at least `history_min_tokens` (a reply of a
-    # few tokens costs the prefill less to recompute than a local prompt costs the decode).
+    # follow-up stays where more of its history is, by at least `history_min_tokens`: one page, the
+    # least a cache can hold. At 64, every turn after a remote one lost its 48-token reply, and PD's
+    # reuse stayed at 0.88 on two H200s (the tenth run); the guard keeps the local chunk within TPOT.
     history_target_s: float = 0.2
-    history_min_tokens: int = 64
+    history_min_tokens: int = DEFAULT_PAGE_SIZE
     remote_target_s: float = 0.2
     # Overflow needs local's estimate under this share of remote's: it assumes the decode's guard
     # spends all its requests' slack on prompts, and on an H100 under load local prompts took

@@ -56,6 +56,13 @@ MIXED_SLOW_LOG_S = 30.0
 # about 40K in prompt batches of their own). Faster readings come from a decode step priced above
 # what it cost beside the chunk; one decode node read 185K tokens/s and priced its chunks by it.
 MIXED_MAX_SPEEDUP = 2.0
+# A chunk's mixed rate is measured only while the node runs local prompts, and the router sends it
+# local prompts only while that rate says they are cheap: a rate read low once (mixed steps at a
+# large batch) stood for minutes on two H200s, and the router sent every prompt to a saturated
+# prefill node (TTFT p90 0.4-2 s) while the decode node ran at 6 ms TPOT against a 13.5 ms guard.
+# Readings older than this are forgotten, and the prompt rate stands in until chunks are measured
+# again at the batch the node runs now.
+MIXED_FRESH_S = 20.0
 
 
 def bucket(batch_size: int) -> int:
@@ -117,7 +124,7 @@ class NodeRates:
         self._prefill: deque[float] = deque(maxlen=RATE_SAMPLES)  # tokens/s of prompt batches big enough to tell
         self._recent_prompt_batches: deque[int] = deque(maxlen=RECENT_BATCHES)  # their tokens
         self._small: deque[tuple[int, float]] = deque(maxlen=RATE_SAMPLES)  # (tokens, seconds) of small ones
-        self._mixed: deque[float] = deque(maxlen=RATE_SAMPLES)  # marginal tokens/s of mixed batches' chunks
+        self._mixed: deque[tuple[float, float]] = deque(maxlen=RATE_SAMPLES)  # (monotonic s, a chunk's marginal tokens/s)
         self._steps: dict[int, _Decayed] = {}  # bucket -> seconds / decode steps
         self._sizes: dict[int, _Decayed] = {}  # bucket -> batch sizes / decode steps (where it was measured)
         self._per_step = _Decayed()  # tokens a request gains / decode steps
@@ -159,14 +166,14 @@ class NodeRates:
                 return
             chunk_s = seconds - step
             if not self._prefill:  # nothing to bound it by yet
-                self._mixed.append(prompt_tokens / chunk_s)
+                self._mixed.append((time.monotonic(), prompt_tokens / chunk_s))
                 return
             prompt_rate = statistics.median(self._prefill)
             apart_s = self._overhead_s(prompt_rate) + prompt_tokens / prompt_rate  # the chunk as its own batch
             if chunk_s > apart_s:
                 self._log_slow_mixed(decode_rows, prompt_tokens, seconds, step, apart_s)
                 chunk_s = apart_s
-            self._mixed.append(min(prompt_tokens / chunk_s, MIXED_MAX_SPEEDUP * prompt_rate))
+            self._mixed.append((time.monotonic(), min(prompt_tokens / chunk_s, MIXED_MAX_SPEEDUP * prompt_rate)))
 
     def _overhead_s(self, prompt_rate: float) -> float:
         """`prompt_overhead_s` at the median `prompt_rate`, under the lock."""
@@ -215,10 +222,13 @@ class NodeRates:
         with self._lock:
             return self._overhead_s(statistics.median(self._prefill)) if self._prefill else 0.0
 
-    def mixed_tokens_per_s(self) -> float:
-        """Prompt tokens per second a chunk costs inside a decode step (0: none measured)."""
+    def mixed_tokens_per_s(self, now: float | None = None) -> float:
+        """Prompt tokens per second a chunk costs inside a decode step (0: none measured in the
+        last MIXED_FRESH_S seconds)."""
+        now = time.monotonic() if now is None else now
         with self._lock:
-            return statistics.median(self._mixed) if self._mixed else 0.0
+            fresh = [rate for at, rate in self._mixed if now - at <= MIXED_FRESH_S]
+            return statistics.median(fresh) if fresh else 0.0
 
     def recent_decode_tokens_per_s(self) -> float:
         """Tokens emitted per second over the last few seconds."""

@@ -235,7 +235,7 @@ class EngineCollector(Collector):
         )
         yield _gauge(
             "pdserve_node_mixed_prefill_tokens_per_second",
-            "Measured marginal prompt tokens per second of a chunk run inside a decode step (0: none measured)",
+            "Measured marginal prompt tokens per second of a chunk run inside a decode step (0: none in the last 20 s)",
             role,
             rates.mixed_tokens_per_s(),
         )

@@ -13,6 +13,7 @@ import dataclasses
 
 import os
 import random
+import time
 
 import pytest
 import torch
@@ -21,7 +22,8 @@ from engine.attention.torch_backend import TorchAttention
 from engine.attention.triton_backend import TritonAttention
 from engine.core import ForwardMode, SamplingParams
 from engine.mixed_graphs import MixedBuckets, live_rows, load_mixed_context, place_tokens, static_mixed_context
-from engine.scheduler.rates import MIXED_MAX_SPEEDUP, MIXED_MIN_TOKENS, NodeRates
+import engine.scheduler.rates as rates_module
+from engine.scheduler.rates import MIXED_FRESH_S, MIXED_MAX_SPEEDUP, MIXED_MIN_TOKENS, NodeRates
 from tests.engine.graph_rig import Rig
 from tests.engine.test_cuda_graph import check_graph, eager_and_graph
 from tests.engine.test_tpot_guard import EARLY, LATE, FixedRates, _req, make_engine, models, staggered  # noqa: F401 - fixture
@@ -249,6 +251,23 @@ def test_a_mixed_chunks_rate_is_bounded_by_the_prompt_path(caplog):
     for _ in range(9):  # a decode step priced above its cost reads the chunk impossibly fast
         rates.observe_mixed(8, 256, 8, 0.010 + 256 / 500_000)
     assert rates.mixed_tokens_per_s() == pytest.approx(MIXED_MAX_SPEEDUP * 40_000, rel=1e-3)
+
+
+def test_a_mixed_rate_read_long_ago_is_forgotten(monkeypatch):
+    """The mixed rate is measured only while local prompts run, and the router sends them only
+    while that rate is good: a low reading must fade, or it keeps every prompt off the node for good."""
+    rates = NodeRates()
+    for _ in range(3):
+        rates.observe(D, 8, 8, 0.010)
+    rates.observe_mixed(8, 256, 8, 0.010 + 256 / 10_000)
+    now = time.monotonic()
+    assert rates.mixed_tokens_per_s(now) == pytest.approx(10_000, rel=1e-3)
+    assert rates.mixed_tokens_per_s(now + MIXED_FRESH_S + 1) == 0.0  # the prompt rate stands in
+    later = time.monotonic() + MIXED_FRESH_S + 1
+    with monkeypatch.context() as patch:  # measured again, that long after the first reading
+        patch.setattr(rates_module.time, "monotonic", lambda: later)
+        rates.observe_mixed(8, 256, 8, 0.010 + 256 / 50_000)
+    assert rates.mixed_tokens_per_s(later) == pytest.approx(50_000, rel=1e-3)  # the old one is gone
 
 
 # ---- GPU: captured mixed graphs ----

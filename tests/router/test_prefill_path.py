@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from common.defaults import DEFAULT_PAGE_SIZE
 from router.nodes import NodeSpec, NodeState
 from router.perf import NodePerf, PromptLedger, TtftCalibration
 from router.prefill_path import (
@@ -362,7 +363,9 @@ def test_a_follow_up_stays_where_more_of_its_history_is_within_the_target() -> N
     assert decide("auto", p, d, 1200, 100, cached=cached, rule=PathRule(history_target_s=0.05)).path == "remote"
     held["p:1"] = 1000  # the prefill holds as much: nothing lost by going there
     assert decide("auto", p, d, 1200, 100, cached=cached).reason == REMOTE_ON_TARGET
-    held["p:1"] = 960  # the last turn's short reply only: cheaper to recompute than to run locally
+    held["p:1"] = 960  # the last turn's short reply only: kept where it is, or the prefill recomputes it
+    assert decide("auto", p, d, 1200, 100, cached=cached).reason == HISTORY_LOCAL
+    held["p:1"] = 1000 - DEFAULT_PAGE_SIZE + 1  # less than a page more: nothing a cache could keep
     assert decide("auto", p, d, 1200, 100, cached=cached).reason == REMOTE_ON_TARGET
     held["p:1"] = 600
     assert decide("auto", p, decode(running=8, rate=300.0), 1200, 100, cached=cached).path == "remote"  # too slow
