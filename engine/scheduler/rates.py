@@ -124,7 +124,7 @@ class NodeRates:
         self._prefill: deque[float] = deque(maxlen=RATE_SAMPLES)  # tokens/s of prompt batches big enough to tell
         self._recent_prompt_batches: deque[int] = deque(maxlen=RECENT_BATCHES)  # their tokens
         self._small: deque[tuple[int, float]] = deque(maxlen=RATE_SAMPLES)  # (tokens, seconds) of small ones
-        self._mixed: deque[tuple[float, float]] = deque(maxlen=RATE_SAMPLES)  # (monotonic s, a chunk's marginal tokens/s)
+        self._mixed: deque[tuple[float, float]] = deque(maxlen=RATE_SAMPLES)  # (when, a chunk's marginal tokens/s)
         self._steps: dict[int, _Decayed] = {}  # bucket -> seconds / decode steps
         self._sizes: dict[int, _Decayed] = {}  # bucket -> batch sizes / decode steps (where it was measured)
         self._per_step = _Decayed()  # tokens a request gains / decode steps
