@@ -53,6 +53,8 @@ NODE_STAGES = (
     "pdserve_kv_handoff_tail_seconds",  # a prefill's last chunk computed -> final write done
     "pdserve_kv_handoff_stage_seconds",  # that tail by stage (handover includes a late destination)
     "pdserve_kv_transfer_seconds",  # prefill: final write posted -> done; decode: destination sent -> KV landed
+    "pdserve_node_launch_seconds",  # host time to launch a batch, by kind (prompt, mixed, decode)
+    "pdserve_node_step_seconds",  # the time a batch is charged, by kind: a mixed step against a decode step
 )
 # a decode's page runs per prompt written to it; a prefill's runs per write (both sides consecutive)
 NODE_COUNTS = ("pdserve_kv_destination_runs", "pdserve_kv_write_runs")

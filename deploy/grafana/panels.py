@@ -137,10 +137,24 @@ CORE_ROWS: list[tuple[str, list[Panel]]] = [
             Panel(
                 "Batch launch time (p90)",
                 "s",
-                "Host time to launch one batch on the device, prompt chunks and "
-                "decode steps apart. A prompt chunk whose launch takes about as long as the chunk itself is "
-                "launch-bound: host load (other threads, other processes) then slows prompts.",
+                "Host time to launch one batch on the device, prompt chunks, mixed steps (a chunk inside a "
+                "decode step) and decode steps apart. A prompt chunk whose launch takes about as long as the chunk "
+                "itself is launch-bound: host load (other threads, other processes) then slows prompts.",
                 [(quantile(0.9, "pdserve_node_launch_seconds", "le, role, kind"), "{{kind}} {{role}}")],
+            ),
+            Panel(
+                "Batch step time (mean)",
+                "s",
+                "The time each batch is charged, from its launch (or the previous batch's end) to its results "
+                "on the host: what the node's rates and TPOT guard measure. A mixed step far above a decode "
+                "step of the same node costs its running requests more than its chunk's tokens explain.",
+                [
+                    (
+                        f"sum by (role, kind) (rate(pdserve_node_step_seconds_sum[{W}])) / "
+                        f"sum by (role, kind) (rate(pdserve_node_step_seconds_count[{W}]))",
+                        "{{kind}} {{role}}",
+                    )
+                ],
             ),
             Panel(
                 "Finished requests and retractions",

@@ -143,18 +143,19 @@ class NodeRates:
         with self._lock:
             self._decode_tokens, self._prompt_tokens = RecentRate(), RecentRate()
 
-    def batch_done(self, batch: Batch, out: StepOutput, launched_at: float) -> None:
+    def batch_done(self, batch: Batch, out: StepOutput, launched_at: float) -> float:
         """A batch's results reached the host (scheduler thread): it is charged the time from its
         launch (perf_counter), or from the previous batch's end when it queued behind that one on
-        the device."""
+        the device; returns those seconds."""
         now = time.perf_counter()
         seconds, self._last_done = now - max(launched_at, self._last_done), now
         if batch.mode is ForwardMode.MIXED:
             decoded = sum(len(t) for t in out.tokens[: batch.decode_rows])
             self.observe_mixed(batch.decode_rows, batch.prompt_tokens, decoded, seconds)
-            return
+            return seconds
         tokens = batch.num_tokens if batch.mode is ForwardMode.EXTEND else sum(len(t) for t in out.tokens)
         self.observe(batch.mode, len(batch.reqs), tokens, seconds)
+        return seconds
 
     def observe_mixed(self, decode_rows: int, prompt_tokens: int, decoded: int, seconds: float) -> None:
         """One mixed batch: the tokens it served, and its chunk's marginal rate when it can tell."""

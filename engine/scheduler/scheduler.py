@@ -33,7 +33,7 @@ from engine.scheduler.kv_progress import KVProgress, needs_fence, record_fence
 from engine.scheduler.policy import BatchPolicy
 from engine.scheduler.stops import StopRules
 from engine.scheduler.rates import NodeRates
-from engine.scheduler.stats import CACHED_TOKEN_BUCKETS, COUNTERS, DurationHistogram, LaunchTimes
+from engine.scheduler.stats import CACHED_TOKEN_BUCKETS, COUNTERS, STEP_BUCKETS, BatchTimes, DurationHistogram
 from engine.scheduler.updates import RequestUpdate, SchedulerIO, final_update, step_update
 
 
@@ -88,7 +88,8 @@ class Scheduler:
         self.cached_per_request = DurationHistogram(CACHED_TOKEN_BUCKETS)  # tokens, not seconds
         self.queue_time = DurationHistogram()  # waiting -> admitted, per admission (node metrics)
         self.prompt_time = DurationHistogram()  # first admission -> first token (node metrics)
-        self.launch_time = LaunchTimes()  # host time per batch launch (node metrics)
+        self.launch_time = BatchTimes()  # host time per batch launch (node metrics)
+        self.step_time = BatchTimes(STEP_BUCKETS)  # the time each batch is charged (node metrics)
 
     def _init_overlap(self, algorithm: EngineAlgorithm, overlap: bool, debug: bool) -> FutureMap:
         """The relay every launch reads its unknown-on-the-host inputs from, built by the algorithm
@@ -190,7 +191,7 @@ class Scheduler:
                 self._abandon(batch)
                 return self._isolate(batch, e)
             self.launch_time.observe(batch.mode, time.perf_counter() - t0)
-            self.rates.batch_done(batch, out, t0)
+            self.step_time.observe(batch.mode, self.rates.batch_done(batch, out, t0))
             updates = self._complete(batch, out)
             if needs_fence(batch):
                 updates += self._chunk_progress(batch, record_fence(device))
@@ -242,7 +243,7 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - isolated below: only its cause fails
             self._abandon(launched.batch)
             return self._isolate(launched.batch, e)
-        self.rates.batch_done(launched.batch, out, launched.at)
+        self.step_time.observe(launched.batch.mode, self.rates.batch_done(launched.batch, out, launched.at))
         return self._complete(launched.batch, out)  # its KV progress went out at launch
 
     def _isolate(self, batch: Batch, err: Exception) -> list[RequestUpdate]:

@@ -10,6 +10,8 @@ from engine.core import ForwardMode
 # Launching one batch takes tens of microseconds (a graphed decode step) to tens of milliseconds
 # (a long prompt chunk, launched layer by layer).
 LAUNCH_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+# A batch's charged time: a decode step of a few ms to a long prompt's forward of a second or more.
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1.0, 2.5)
 # Queue time spans sub-millisecond (idle node) to minutes (a saturated one).
 # The scheduler's counters (Scheduler.stats); admitted and cached prompt tokens count each request
 # once, at its first admission.
@@ -64,21 +66,22 @@ class DurationHistogram:
         return out, total
 
 
-class LaunchTimes:
-    """Host seconds the scheduler spends handing one batch to the device (with overlap off: running
-    it), prompt batches and decode batches apart. Beside the prompt's own time they tell a
-    launch-bound prompt (its forward waits on the host, so host load slows it) from a device-bound
-    one."""
+class BatchTimes:
+    """Seconds per batch by kind: a prompt batch of its own, a mixed one (a chunk inside a decode
+    step) or any other (decode, verify, draft). As the host time to launch one, beside the prompt's
+    own time, they tell a launch-bound prompt (its forward waits on the host) from a device-bound
+    one; as the time each batch is charged (engine/scheduler/rates.py), what a mixed step costs in
+    serving against a decode step."""
 
-    KINDS = ("prompt", "decode")
+    KINDS = ("prompt", "mixed", "decode")
 
-    def __init__(self) -> None:
-        self.by_kind = {kind: DurationHistogram(LAUNCH_BUCKETS) for kind in self.KINDS}
+    def __init__(self, bounds: tuple[float, ...] = LAUNCH_BUCKETS) -> None:
+        self.by_kind = {kind: DurationHistogram(bounds) for kind in self.KINDS}
 
     def reset(self) -> None:
         for hist in self.by_kind.values():
             hist.reset()
 
     def observe(self, mode: ForwardMode, seconds: float) -> None:
-        prompt = mode is ForwardMode.EXTEND or mode is ForwardMode.MIXED  # a mixed batch launches a prompt's forward
-        self.by_kind["prompt" if prompt else "decode"].observe(seconds)
+        kind = "mixed" if mode is ForwardMode.MIXED else "prompt" if mode is ForwardMode.EXTEND else "decode"
+        self.by_kind[kind].observe(seconds)

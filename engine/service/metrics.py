@@ -124,10 +124,19 @@ class EngineCollector(Collector):
         )
         yield _histograms(
             "pdserve_node_launch_seconds",
-            "Host time to launch one batch on the device (overlap off: to run it), by kind: prompt (a chunk) or decode",
+            "Host time to launch one batch on the device (overlap off: to run it), by kind: prompt (a chunk of "
+            "its own), mixed (a chunk inside a decode step) or decode",
             role,
             "kind",
             eng.scheduler.launch_time.by_kind,
+        )
+        yield _histograms(
+            "pdserve_node_step_seconds",
+            "Time charged to one batch: from its launch, or the previous batch's end, to its results on the host "
+            "(what the node's rates and TPOT guard are measured from), by kind as pdserve_node_launch_seconds",
+            role,
+            "kind",
+            eng.scheduler.step_time.by_kind,
         )
         yield _counter(
             "pdserve_node_mixed_steps",

@@ -14,7 +14,7 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from engine.core import ForwardMode
 from engine.graph_buffers import GraphStats
 from engine.scheduler.rates import NodeRates
-from engine.scheduler.stats import CACHED_TOKEN_BUCKETS, COUNTERS, DurationHistogram, LaunchTimes
+from engine.scheduler.stats import CACHED_TOKEN_BUCKETS, COUNTERS, STEP_BUCKETS, BatchTimes, DurationHistogram
 from engine.service.metrics import EngineCollector
 from engine.spec_stats import SpecStats
 
@@ -33,18 +33,22 @@ def _engine(executor: Any) -> Any:
     )
     prompt = DurationHistogram((0.01, 0.1, 1.0))
     prompt.observe(0.02)
-    launches = LaunchTimes()
+    launches = BatchTimes()
     for mode, seconds in [
         (ForwardMode.EXTEND, 0.02),
         (ForwardMode.DECODE, 0.0002),
         (ForwardMode.TARGET_VERIFY, 0.0003),
     ]:
         launches.observe(mode, seconds)
+    steps = BatchTimes(STEP_BUCKETS)
+    for mode, seconds in [(ForwardMode.DECODE, 0.012), (ForwardMode.MIXED, 0.025), (ForwardMode.MIXED, 0.015)]:
+        steps.observe(mode, seconds)
     sched = SimpleNamespace(
         policy=SimpleNamespace(running=[1, 2], waiting=[3], queued_prompt_tokens=0),
         queue_time=hist,
         prompt_time=prompt,
         launch_time=launches,
+        step_time=steps,
         stats={**dict.fromkeys(COUNTERS, 0), "retractions": 4, "mixed_steps": 7},
         cached_per_request=DurationHistogram(CACHED_TOKEN_BUCKETS),
     )
@@ -83,6 +87,12 @@ def test_queue_time_histogram_counts_and_state_gauges() -> None:
     )
     assert v("pdserve_node_launch_seconds_bucket", kind="prompt", le="0.01") == 0
     assert abs(v("pdserve_node_launch_seconds_sum", kind="decode") - 0.0005) < 1e-12
+    assert v("pdserve_node_launch_seconds_count", kind="mixed") == 0
+    # a mixed step's charged time beside a decode step's: what a chunk costs in serving
+    assert v("pdserve_node_step_seconds_count", kind="mixed") == 2
+    assert v("pdserve_node_step_seconds_count", kind="decode") == 1
+    assert abs(v("pdserve_node_step_seconds_sum", kind="mixed") - 0.040) < 1e-12
+    assert v("pdserve_node_step_seconds_bucket", kind="mixed", le="0.015") == 1
     assert v("pdserve_kv_cache_usage_ratio") == 0.25
     assert v("pdserve_node_request_slots_used") == 2 and v("pdserve_node_request_slots_capacity") == 8
     assert v("pdserve_node_retractions_total") == 4 and v("pdserve_model_load_seconds") == 1.5
