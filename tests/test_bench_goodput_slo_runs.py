@@ -106,6 +106,14 @@ def test_a_later_call_resumes_an_earlier_ones_run(tmp_path: Path) -> None:
         third.workload("w", {})
         with pytest.raises(SystemExit, match="already"):
             resume(third, path, again)
+    # unless asked to measure it again: the earlier run's points and record are dropped, the rest kept
+    fourth = Results({**head, "command": "fourth"})
+    fourth.workload("w", {})
+    resume(fourth, path, [("pd_pooled", "tight")], remeasure=True)
+    kept = fourth.finish()
+    assert kept["remeasured"] == ["pd_pooled@tight"] and "pd_pooled" not in kept["deployments"]
+    assert [p["deployment"] for p in kept["workloads"]["w"]["tight"]["points"]] == ["colocated"]
+    assert kept["deployments"]["colocated"] == {"start_s": 20.0}
     other = Results({**head, "settings": {**head["settings"], "window_s": 4.0}})
     other.workload("w", {})
     with pytest.raises(SystemExit, match="window_s"):

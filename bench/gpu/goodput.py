@@ -56,7 +56,7 @@ import httpx
 from bench.common import short_name
 from bench.gpu import goodput_plan as plan
 from common.defaults import SGL_MODES
-from bench.gpu.goodput_report import GOODPUT_DEFINITION, Results, summary_text
+from bench.gpu.goodput_report import GOODPUT_DEFINITION, SLO_NAMES, Results, summary_text
 from bench.gpu.goodput_run import RunSettings, measure_deployment
 from bench.gpu.goodput_up import LABELS, TOPOLOGIES, UpProcess, node_env, up_argv
 from bench.gpu.goodput_workloads import WORKLOADS, length_stats, make_requests, with_time_limits
@@ -133,6 +133,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="an earlier call's goodput JSON on this machine, same settings: its points join this run's "
         "(a comparison longer than one call's time limit)",
     )
+    p.add_argument(
+        "--remeasure",
+        action="store_true",
+        help="with --resume: drop the earlier call's points of the deployment runs this call measures, "
+        "instead of refusing them (a run cut short, or measured before a fix); the report lists them",
+    )
     return p.parse_args(argv)
 
 
@@ -205,7 +211,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
     for w in workloads:
         results.workload(w.name, {"description": w.describe(), "sent": length_stats(requests[w.name])})
     if args.resume:
-        resume(results, args.resume, deployments)
+        resume(results, args.resume, deployments, args.remeasure)
     budget = plan.Budget(started + budget_s, len(workloads), len(deployments), START_GUESS_S[kind], STOP_S[kind])
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-goodput-logs-"))
     failed, gpu = False, short_name(device)
@@ -256,20 +262,49 @@ def run_settings(args: argparse.Namespace, kind: str) -> tuple[RunSettings, floa
     return RunSettings(ladder, window, least, most, slos, args.seed, vocab=0), args.budget_s or budget
 
 
-def resume(results: Results, path: Path, deployments: list[tuple[str, str | None]]) -> None:
-    """Carry an earlier call's report into this one (`--resume`), refusing a run measured twice."""
+def resume(
+    results: Results, path: Path, deployments: list[tuple[str, str | None]], remeasure: bool = False
+) -> None:
+    """Carry an earlier call's report into this one (`--resume`), refusing a run measured twice, or
+    (`remeasure`) dropping the earlier call's points of the runs this call measures."""
     try:
         earlier = json.loads(path.read_text())
-        done = earlier.get("deployments", {})
+        done, dropped = earlier.get("deployments", {}), []
         for dep, judged in deployments:
             ran = done.get(dep, {})
             per_slo = ran.get("by_slo", {})
             # a plain run counts for both SLOs: it clashes with any run of the same topology
             if "start_s" in ran or (judged in per_slo if judged else bool(per_slo)):
-                raise ValueError(f"{path} has measured {dep}{'@' + judged if judged else ''} (or all of {dep}) already")
+                if not remeasure:
+                    run = f"{dep}@{judged}" if judged else dep
+                    raise ValueError(f"{path} has measured {run} (or all of {dep}) already")
+                dropped.append(drop_run(earlier, dep, judged))
         results.absorb(earlier)
+        if dropped:
+            results.data["remeasured"] = dropped
     except (OSError, ValueError) as e:
         raise SystemExit(f"cannot resume from {path}: {e}") from None
+
+
+def drop_run(report: dict[str, Any], dep: str, judged: str | None) -> str:
+    """Remove deployment `dep`'s run (judged by `judged`, or the whole topology) from an earlier
+    report: its record, its points under the SLOs it counted for, and its curves; returns its name."""
+    entry = report["deployments"].get(dep, {})
+    per_slo = entry.get("by_slo", {})
+    if judged and "start_s" not in entry:
+        per_slo.pop(judged, None)
+        slos = [judged]
+        if not per_slo:
+            report["deployments"].pop(dep, None)
+    else:
+        report["deployments"].pop(dep, None)
+        slos = list(SLO_NAMES)
+    for w in report.get("workloads", {}).values():
+        for slo in slos:
+            w[slo]["points"] = [p for p in w[slo]["points"] if p["deployment"] != dep]
+        if dep not in report["deployments"]:
+            w.get("curves", {}).pop(dep, None)
+    return f"{dep}@{judged}" if judged else dep
 
 
 def parse_deployments(text: str) -> list[tuple[str, str | None]]:
