@@ -262,9 +262,7 @@ def run_settings(args: argparse.Namespace, kind: str) -> tuple[RunSettings, floa
     return RunSettings(ladder, window, least, most, slos, args.seed, vocab=0), args.budget_s or budget
 
 
-def resume(
-    results: Results, path: Path, deployments: list[tuple[str, str | None]], remeasure: bool = False
-) -> None:
+def resume(results: Results, path: Path, deployments: list[tuple[str, str | None]], remeasure: bool = False) -> None:
     """Carry an earlier call's report into this one (`--resume`), refusing a run measured twice, or
     (`remeasure`) dropping the earlier call's points of the runs this call measures."""
     try:
