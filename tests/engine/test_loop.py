@@ -70,7 +70,9 @@ def test_a_failing_step_fails_its_request_and_the_loop_goes_on(loop):
     eng.executor.step = flaky
     _, upd = _collect(loop, eng.make_request([1, 2], SamplingParams(max_new_tokens=20), "x"))
     assert upd.finish_reason is FinishReason.ABORT and "boom" in upd.finish_detail
-    tokens, upd = _collect(loop, eng.make_request([1, 2], SamplingParams(max_new_tokens=3), "y"))
+    # greedy, past EOS: three tokens whatever the weights (sampled, it drew EOS after two in CI)
+    y = eng.make_request([1, 2], SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True), "y")
+    tokens, upd = _collect(loop, y)
     # the step failed inside the scheduler (its request alone in the batch: that one failed);
     # nothing escaped to the loop, which would have failed everything in flight
     assert len(tokens) == 3 and eng.scheduler.stats["failed_steps"] == 1 and loop.steps_failed == 0
