@@ -204,7 +204,13 @@ def _forget(loop: EngineLoop) -> None:
     loop.io.reset_finished()
     sched = engine.scheduler
     sched.stats.update(dict.fromkeys(sched.stats, 0))
-    for hist in (sched.cached_per_request, sched.queue_time, sched.prompt_time, sched.launch_time, sched.step_time):
+    for hist in (
+        sched.cached_per_request,
+        sched.queue_time,
+        sched.prompt_time,
+        sched.launch_time,
+        engine.rates.step_time,
+    ):
         hist.reset()
 
 

@@ -15,6 +15,7 @@ import time
 from collections import deque
 
 from engine.core import Batch, ForwardMode, StepOutput
+from engine.scheduler.stats import STEP_BUCKETS, BatchTimes
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ class NodeRates:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self.step_time = BatchTimes(STEP_BUCKETS)  # each batch's charged seconds, by kind (node metrics)
         self._start()
 
     def _start(self) -> None:
@@ -143,19 +145,19 @@ class NodeRates:
         with self._lock:
             self._decode_tokens, self._prompt_tokens = RecentRate(), RecentRate()
 
-    def batch_done(self, batch: Batch, out: StepOutput, launched_at: float) -> float:
+    def batch_done(self, batch: Batch, out: StepOutput, launched_at: float) -> None:
         """A batch's results reached the host (scheduler thread): it is charged the time from its
         launch (perf_counter), or from the previous batch's end when it queued behind that one on
-        the device; returns those seconds."""
+        the device."""
         now = time.perf_counter()
         seconds, self._last_done = now - max(launched_at, self._last_done), now
+        self.step_time.observe(batch.mode, seconds)
         if batch.mode is ForwardMode.MIXED:
             decoded = sum(len(t) for t in out.tokens[: batch.decode_rows])
             self.observe_mixed(batch.decode_rows, batch.prompt_tokens, decoded, seconds)
-            return seconds
+            return
         tokens = batch.num_tokens if batch.mode is ForwardMode.EXTEND else sum(len(t) for t in out.tokens)
         self.observe(batch.mode, len(batch.reqs), tokens, seconds)
-        return seconds
 
     def observe_mixed(self, decode_rows: int, prompt_tokens: int, decoded: int, seconds: float) -> None:
         """One mixed batch: the tokens it served, and its chunk's marginal rate when it can tell."""

@@ -33,7 +33,7 @@ from engine.scheduler.kv_progress import KVProgress, needs_fence, record_fence
 from engine.scheduler.policy import BatchPolicy
 from engine.scheduler.stops import StopRules
 from engine.scheduler.rates import NodeRates
-from engine.scheduler.stats import CACHED_TOKEN_BUCKETS, COUNTERS, STEP_BUCKETS, BatchTimes, DurationHistogram
+from engine.scheduler.stats import CACHED_TOKEN_BUCKETS, COUNTERS, BatchTimes, DurationHistogram
 from engine.scheduler.updates import RequestUpdate, SchedulerIO, final_update, step_update
 
 
@@ -89,7 +89,6 @@ class Scheduler:
         self.queue_time = DurationHistogram()  # waiting -> admitted, per admission (node metrics)
         self.prompt_time = DurationHistogram()  # first admission -> first token (node metrics)
         self.launch_time = BatchTimes()  # host time per batch launch (node metrics)
-        self.step_time = BatchTimes(STEP_BUCKETS)  # the time each batch is charged (node metrics)
 
     def _init_overlap(self, algorithm: EngineAlgorithm, overlap: bool, debug: bool) -> FutureMap:
         """The relay every launch reads its unknown-on-the-host inputs from, built by the algorithm
@@ -191,7 +190,7 @@ class Scheduler:
                 self._abandon(batch)
                 return self._isolate(batch, e)
             self.launch_time.observe(batch.mode, time.perf_counter() - t0)
-            self.step_time.observe(batch.mode, self.rates.batch_done(batch, out, t0))
+            self.rates.batch_done(batch, out, t0)
             updates = self._complete(batch, out)
             if needs_fence(batch):
                 updates += self._chunk_progress(batch, record_fence(device))
@@ -243,7 +242,7 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - isolated below: only its cause fails
             self._abandon(launched.batch)
             return self._isolate(launched.batch, e)
-        self.step_time.observe(launched.batch.mode, self.rates.batch_done(launched.batch, out, launched.at))
+        self.rates.batch_done(launched.batch, out, launched.at)
         return self._complete(launched.batch, out)  # its KV progress went out at launch
 
     def _isolate(self, batch: Batch, err: Exception) -> list[RequestUpdate]:

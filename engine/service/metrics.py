@@ -136,7 +136,7 @@ class EngineCollector(Collector):
             "(what the node's rates and TPOT guard are measured from), by kind as pdserve_node_launch_seconds",
             role,
             "kind",
-            eng.scheduler.step_time.by_kind,
+            eng.rates.step_time.by_kind,
         )
         yield _counter(
             "pdserve_node_mixed_steps",

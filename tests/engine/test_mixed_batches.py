@@ -128,7 +128,7 @@ def test_guarded_prompts_ride_in_decode_steps_and_change_no_token(models, overla
     assert eng.scheduler.stats["mixed_steps"] == modes.count(M)
     # launched and charged as mixed, apart from prompt batches and decode steps (node metrics)
     assert eng.scheduler.launch_time.by_kind["mixed"].snapshot()[0][-1][1] == modes.count(M)
-    assert eng.scheduler.step_time.by_kind["mixed"].snapshot()[0][-1][1] == modes.count(M)
+    assert eng.rates.step_time.by_kind["mixed"].snapshot()[0][-1][1] == modes.count(M)
     if graphs:
         assert any(k.decode_rows for k in eng.parts.runner.graphs._graphs)
         assert eng.parts.runner.graph_stats.eager_reasons["not a mixed batch"] == 0

@@ -275,6 +275,6 @@ def test_a_held_prompts_chunk_progress_leaves_when_the_chunk_is_launched(models)
     prompt_launches, total = eng.scheduler.launch_time.by_kind["prompt"].snapshot()
     assert prompt_launches[-1][1] == 5 and total > 0
     # and every batch collected so far was charged its time (pdserve_node_step_seconds)
-    prompt_steps, charged = eng.scheduler.step_time.by_kind["prompt"].snapshot()
+    prompt_steps, charged = eng.rates.step_time.by_kind["prompt"].snapshot()
     assert 4 <= prompt_steps[-1][1] <= 5 and charged > 0
     eng.scheduler.release_kv(held)

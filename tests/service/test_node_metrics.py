@@ -14,7 +14,7 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from engine.core import ForwardMode
 from engine.graph_buffers import GraphStats
 from engine.scheduler.rates import NodeRates
-from engine.scheduler.stats import CACHED_TOKEN_BUCKETS, COUNTERS, STEP_BUCKETS, BatchTimes, DurationHistogram
+from engine.scheduler.stats import CACHED_TOKEN_BUCKETS, COUNTERS, BatchTimes, DurationHistogram
 from engine.service.metrics import EngineCollector
 from engine.spec_stats import SpecStats
 
@@ -40,15 +40,14 @@ def _engine(executor: Any) -> Any:
         (ForwardMode.TARGET_VERIFY, 0.0003),
     ]:
         launches.observe(mode, seconds)
-    steps = BatchTimes(STEP_BUCKETS)
+    rates = NodeRates()
     for mode, seconds in [(ForwardMode.DECODE, 0.012), (ForwardMode.MIXED, 0.025), (ForwardMode.MIXED, 0.015)]:
-        steps.observe(mode, seconds)
+        rates.step_time.observe(mode, seconds)
     sched = SimpleNamespace(
         policy=SimpleNamespace(running=[1, 2], waiting=[3], queued_prompt_tokens=0),
         queue_time=hist,
         prompt_time=prompt,
         launch_time=launches,
-        step_time=steps,
         stats={**dict.fromkeys(COUNTERS, 0), "retractions": 4, "mixed_steps": 7},
         cached_per_request=DurationHistogram(CACHED_TOKEN_BUCKETS),
     )
@@ -60,7 +59,7 @@ def _engine(executor: Any) -> Any:
         io=io,
         executor=executor,
         load_seconds=1.5,
-        rates=NodeRates(),
+        rates=rates,
         config=SimpleNamespace(max_running=8),
         parts=SimpleNamespace(runner=SimpleNamespace(graph_stats=graphs)),
     )
