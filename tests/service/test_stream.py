@@ -1,0 +1,107 @@
+"""A request's response stream: updates queued behind one another go out as one message, a stop
+string inside them still ends the stream where it completes, and a step's updates wake the loop once."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from engine.core import FinishReason, Req, SamplingParams
+from engine.scheduler import RequestUpdate
+from engine.service.stream import RequestStream
+
+
+class Letters:
+    """A tokenizer stand-in: id i decodes to the i-th lowercase letter."""
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+class Aborts:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def abort(self, rid: str, reason: str = "aborted") -> None:
+        self.calls.append((rid, reason))
+
+
+def _req(stop: tuple[str, ...] = ()) -> Req:
+    return Req(rid="r", prompt_ids=[0, 1, 2], params=SamplingParams(max_new_tokens=16, stop=stop))
+
+
+async def _drain(stream: RequestStream) -> list:
+    return [resp async for resp in stream.responses()]
+
+
+def test_updates_queued_behind_one_another_go_out_as_one_message() -> None:
+    async def run() -> list:
+        stream = RequestStream(Aborts(), _req(), True, None, frozenset())
+        for i, tok in enumerate((5, 6, 7)):
+            stream.deliver(RequestUpdate("r", [tok], logprobs=[-0.1 * (i + 1)], prompt_tokens=3))
+        stream.deliver(RequestUpdate("r", [], True, FinishReason.LENGTH, prompt_tokens=3))
+        return await _drain(stream)
+
+    chunk, complete = asyncio.run(run())
+    assert list(chunk.chunk.token_ids) == [5, 6, 7]
+    assert chunk.chunk.completion_tokens == 3
+    assert [round(v, 3) for v in chunk.chunk.output_logprobs.token_logprobs] == [-0.1, -0.2, -0.3]
+    assert list(complete.complete.output_ids) == [5, 6, 7]
+    assert complete.complete.finish_reason == "length"
+
+
+def test_updates_that_arrive_one_at_a_time_go_out_one_at_a_time() -> None:
+    async def run() -> list[list[int]]:
+        stream = RequestStream(Aborts(), _req(), True, None, frozenset())
+        out = stream.responses()
+        sent = []
+        for tok in (5, 6):
+            stream.deliver(RequestUpdate("r", [tok], prompt_tokens=3))
+            sent.append(list((await anext(out)).chunk.token_ids))
+        stream.deliver(RequestUpdate("r", [], True, FinishReason.LENGTH, prompt_tokens=3))
+        assert (await anext(out)).HasField("complete")
+        return sent
+
+    assert asyncio.run(run()) == [[5], [6]]
+
+
+def test_a_stop_string_inside_queued_updates_ends_the_stream_where_it_completes() -> None:
+    aborts = Aborts()
+
+    async def run() -> list:
+        stream = RequestStream(aborts, _req(stop=("cd",)), True, Letters(), frozenset())
+        for tok in (1, 2, 3, 4):  # b, c, d, e: "cd" completes with the third
+            stream.deliver(RequestUpdate("r", [tok], prompt_tokens=3))
+        return await _drain(stream)
+
+    chunk, complete = asyncio.run(run())
+    assert list(chunk.chunk.token_ids) == [1, 2, 3]
+    assert list(complete.complete.output_ids) == [1, 2, 3]
+    assert complete.complete.finish_reason == "stop"
+    assert complete.complete.matched_stop_str == "cd"
+    assert aborts.calls == [("r", "stop string")]
+
+
+def test_a_steps_updates_wake_the_event_loop_once() -> None:
+    async def run() -> tuple[int, list[int]]:
+        aio = asyncio.get_running_loop()
+        wakeups = 0
+        original = aio.call_soon_threadsafe
+
+        def counting(*args, **kwargs):
+            nonlocal wakeups
+            wakeups += 1
+            return original(*args, **kwargs)
+
+        aio.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        streams = [RequestStream(Aborts(), _req(), True, None, frozenset()) for _ in range(50)]
+        step = threading.Thread(target=lambda: [s.on_update(RequestUpdate("r", [9], True)) for s in streams])
+        step.start()
+        step.join(timeout=10)  # the loop does not run meanwhile: the whole step queues up
+        results = await asyncio.wait_for(asyncio.gather(*(_drain(s) for s in streams)), 10)
+        del aio.call_soon_threadsafe
+        return wakeups, [len(r) for r in results]
+
+    wakeups, messages = asyncio.run(run())
+    assert wakeups == 1
+    assert messages == [2] * 50  # each stream's token and its end
