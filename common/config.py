@@ -23,6 +23,7 @@ from common.defaults import (
     DEFAULT_GRAMMAR_BACKEND,
     DEFAULT_GRAPH_MAX_BS,
     DEFAULT_PROMPT_GRAPH_TOKENS,
+    DEFAULT_SWITCH_INTERVAL_MS,
     DEFAULT_HEARTBEAT_INTERVAL,
     DEFAULT_LOCAL_PREFILL_TPOT_MS,
     DEFAULT_MAX_RUNNING,
@@ -110,11 +111,12 @@ class EngineOptions:
         panel=PANEL_FAST,
     )
     switch_interval_ms: Optional[float] = opt(
-        None,
+        DEFAULT_SWITCH_INTERVAL_MS,
         "How long a thread of the node process may hold the GIL while another waits for it "
-        "(sys.setswitchinterval; default: Python's, 5 ms). The scheduler thread and the event loop "
-        "that serves gRPC and polls KV writes share it. On two H100s 0.5 ms changed no handoff stage "
-        "and no goodput figure (bench/RESULTS.md), so Python's default stays.",
+        "(sys.setswitchinterval; Python's is 5 ms). The scheduler thread lets go of it while it waits for "
+        "the device and takes it back from the event loop that streams tokens and serves gRPC; on a "
+        "decode node streaming a few hundred requests, Python's 5 ms stretched each step by several ms "
+        "(bench/stream_overhead.py).",
         panel=PANEL_FAST,
     )
     warmup: Optional[bool] = opt(

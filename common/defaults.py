@@ -17,6 +17,12 @@ DEFAULT_MEM_FRACTION_STATIC = 0.85
 # (SGLang's --disaggregation-bootstrap-port default, which SMG also assumes).
 DEFAULT_BOOTSTRAP_PORT = 8998
 
+# A node process's GIL switch interval (--switch-interval-ms), in ms. Its scheduler thread lets go
+# of the GIL while it waits for the device and must take it back from the event loop, which may
+# hold it this long while it streams. At Python's 5 ms, 200 streams at 60 us of loop time each held
+# an 8 ms step at 14 ms; at 1 ms, 10 ms (bench/stream_overhead.py).
+DEFAULT_SWITCH_INTERVAL_MS = 1.0
+
 # The PD handoff's bounds, in seconds (prefill: --bootstrap-timeout, --transfer-timeout; decode:
 # --waiting-timeout, --connect-attempts, --connect-timeout, --heartbeat-interval). A decode waits
 # longer for KV than a prefill waits for a destination: the KV comes after the prompt's forward.
