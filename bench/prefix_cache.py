@@ -223,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             argv_up += list(PD_FLAGS) if dep == "pd" else []
             argv_up += model_flags
             env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            if dep == "pd":  # the router logs each request's path, its reason and each node's expected hit
+                env["PDSERVE_LOG_LEVEL"] = "debug"
             if state == "no_cache":
                 env["PDSERVE_DISABLE_RADIX_CACHE"] = "true"  # every node's --disable-radix-cache
             with UpProcess(dep, argv_up, env, log_dir / f"{dep}-{state}.log", nodes=NODES[dep]) as up:

@@ -247,6 +247,32 @@ class PDDispatcher:
         )
         if route.path != "colocated":  # the tiers' demand: colocated nodes are in neither
             self.balance.add_prompt(prompt_tokens, hit)
+        if log.isEnabledFor(logging.DEBUG):
+            self._log_route(route, job)
+
+    def _log_route(self, route: Route, job: GenerationJob) -> None:
+        """One line per request at debug: its path and why, and what each node of the route was
+        expected to hold of its prompt (why a follow-up went where it did)."""
+        held = {
+            node.role: self.kv_index.expected_hit(node, job) if self.kv_index is not None else 0
+            for node in (route.prefill, route.decode)
+            if node is not None
+        }
+        d = route.decision
+
+        def ms(s: float | None) -> str:
+            return "-" if s is None else f"{s * 1e3:.1f}"
+
+        log.debug(
+            "route %s: path %s (%s), %d prompt tokens, expected held %s, estimates remote %s ms local %s ms",
+            job.request_id,
+            route.path,
+            d.reason if d is not None else "-",
+            len(job.input_ids),
+            held,
+            ms(d.remote_s if d is not None else None),
+            ms(d.local_s if d is not None else None),
+        )
 
     def update_pool(self) -> None:
         """Registry refresh hook: pool or split again from the tiers' recent load (router/pooling.py)."""

@@ -218,6 +218,23 @@ def test_a_mid_stream_failure_is_one_warning_naming_the_request_the_nodes_and_th
     run(main())
 
 
+def test_each_route_is_one_debug_line_with_its_path_reason_and_what_the_nodes_held(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def main() -> None:
+        p, d = FakeNode("prefill"), FakeNode("decode")
+        async with cluster(p, d) as reg:
+            disp = dispatcher(reg)
+            with caplog.at_level(logging.DEBUG, logger="router.dispatch"):
+                await collect(disp, job("req-routed"))
+            lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("route req-routed:")]
+            assert len(lines) == 1, caplog.text
+            assert "path remote" in lines[0] and "expected held {'prefill': 0, 'decode': 0}" in lines[0], lines[0]
+            await disp.close()
+
+    run(main())
+
+
 @pytest.mark.parametrize("how", ["aclose", "cancel"])
 def test_cancellation_aborts_both_legs(how: str) -> None:
     async def main() -> None:
