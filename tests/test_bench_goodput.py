@@ -102,6 +102,23 @@ def test_the_ladder_stops_at_its_limits() -> None:
     assert plan.next_rate(plan.Ladder(start=3), []) == 3
 
 
+def _bracket(done: list[plan.Measured], slo: str) -> float:
+    """The ratio of a curve's lowest missing rate to its highest meeting one, under `slo`."""
+    met = max(m.rate for m in done if getattr(m, slo) >= 0.9)
+    return min(m.rate for m in done if m.rate > met) / met
+
+
+def test_a_curve_judged_by_both_slos_gets_the_points_to_sharpen_both_knees() -> None:
+    ladder = plan.Ladder(max_points=8, resolution=1.1)
+    assert plan.curve_ladder(ladder, both_slos=False) == ladder
+    both = plan.curve_ladder(ladder, both_slos=True)
+    assert both.max_points == 8 + plan.BOTH_SLOS_EXTRA_POINTS
+    # chat_mix-like knees: at 8 points the tight bracket stayed open at ~1.4x
+    short, full = _sweep(ladder, knee_loose=95, knee_tight=38), _sweep(both, knee_loose=95, knee_tight=38)
+    assert _bracket(short, "tight") > 1.3 and _bracket(full, "tight") < _bracket(short, "tight")
+    assert [m.rate for m in full[: len(short)]] == [m.rate for m in short]  # the same first points
+
+
 def test_requests_cut_and_budget() -> None:
     assert plan.requests_at(0.5, 6, 24, 200) == 24 and plan.requests_at(10, 6, 24, 200) == 60
     assert plan.requests_at(100, 6, 24, 200) == 200

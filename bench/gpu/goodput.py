@@ -372,7 +372,7 @@ def header(
         "slos": {name: {f"{k}_ms": v * 1e3 for k, v in slo.items()} for name, slo in settings.slos.items()},
         "goodput_definition": GOODPUT_DEFINITION,
         "settings": {
-            "ladder": asdict(settings.ladder),
+            "ladder": {**asdict(settings.ladder), "both_slos_extra_points": plan.BOTH_SLOS_EXTRA_POINTS},
             "window_s": settings.window_s,
             "requests_per_point": [settings.least, settings.most],
             "budget_s": budget_s,

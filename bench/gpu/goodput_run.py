@@ -102,8 +102,9 @@ async def _curve(
     results.curve(workload.name, deployment, warmup_failed=sum(not r.ok for r in records))
     await wait_idle(client, metrics, DRAIN_S)
     done: list[plan.Measured] = []
+    ladder = plan.curve_ladder(settings.ladder, both_slos=judged is None)
     tail_s = max(r.timeout_s or 0.0 for r in requests[:WARMUP])  # the worst case, until a point is seen
-    while (rate := plan.next_rate(settings.ladder, done)) is not None:
+    while (rate := plan.next_rate(ladder, done)) is not None:
         if not up.alive():
             raise RuntimeError(f"`pdserve up` ({deployment}) exited:\n{up.log_tail()}")
         n = plan.requests_at(rate, settings.window_s, settings.least, settings.most)
@@ -146,7 +147,7 @@ async def _curve(
             file=sys.stderr,
             flush=True,
         )
-    return "max points" if len(done) >= settings.ladder.max_points else "ladder done"
+    return "max points" if len(done) >= ladder.max_points else "ladder done"
 
 
 def judged_entries(entries: dict[str, dict[str, Any]], judged: str | None) -> dict[str, dict[str, Any]]:
