@@ -14,7 +14,9 @@ workloads run through `pdserve bench` (loadgen) on each:
 
 Each workload also records the router's requests by path and the mean of every TTFT stage: the
 router's, each node role's queue and prompt time, and a prefill's handoff tail by stage and its
-KV write (the goodput bench's NODE_STAGES).
+KV write (the goodput bench's NODE_STAGES). PD's router logs every route at debug level, and
+each start records `routes` (bench/route_log.py): requests by path and reason, and the remote ones
+whose decode held more of their prompt than the prefill, with the tokens recomputed for them.
 
 Ratios compare the two starts of one deployment in this run: TTFT p50 of turns 3+ without the
 cache over with it (goal >= 3), reuse (goal >= 0.9), accept length with over without (within
@@ -56,6 +58,7 @@ from bench.gpu.goodput_signals import (
     samples,
 )
 from bench.gpu.goodput_up import UpProcess
+from bench.route_log import route_summary
 from loadgen.runner import BenchOptions, run_bench
 
 TOPOLOGY = {"colocated": ("--colocated", "1"), "pd": ("--prefill", "1", "--decode", "1")}
@@ -227,9 +230,12 @@ def main(argv: list[str] | None = None) -> int:
                 env["PDSERVE_LOG_LEVEL"] = "debug"
             if state == "no_cache":
                 env["PDSERVE_DISABLE_RADIX_CACHE"] = "true"  # every node's --disable-radix-cache
-            with UpProcess(dep, argv_up, env, log_dir / f"{dep}-{state}.log", nodes=NODES[dep]) as up:
+            log_path = log_dir / f"{dep}-{state}.log"
+            with UpProcess(dep, argv_up, env, log_path, nodes=NODES[dep]) as up:
                 up.start(timeout_s=START_TIMEOUT_S)
                 runs[state] = measure(up, args, size, Path(tempfile.mkdtemp(prefix=f"pc-{dep}-{state}-")))
+            if dep == "pd":  # both workloads' routes, from the router's debug lines
+                runs[state]["routes"] = route_summary(log_path.read_text(errors="replace"))
             print(f"[prefix-cache] {dep} {state}: {runs[state]['multi_turn']['by_turn'].get('3+')}", file=sys.stderr)
         runs["ratios"] = ratios(runs["cache"], runs["no_cache"])
         data["deployments"][dep] = runs

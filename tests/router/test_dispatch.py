@@ -12,6 +12,7 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
+from bench.route_log import route_summary
 from router.breaker import BreakerState, CircuitBreaker
 from router.contract import DispatchError, FinishEvent, TokenEvent
 from router.attempt import MAX_ROOM, StageTimeouts
@@ -230,6 +231,7 @@ def test_each_route_is_one_debug_line_with_its_path_reason_and_what_the_nodes_he
             lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("route req-routed:")]
             assert len(lines) == 1, caplog.text
             assert "path remote" in lines[0] and "expected held {'prefill': 0, 'decode': 0}" in lines[0], lines[0]
+            assert sum(route_summary(lines[0])["by_reason"].values()) == 1  # the prefix-cache bench reads it
             await disp.close()
 
     run(main())
