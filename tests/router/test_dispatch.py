@@ -12,7 +12,6 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from bench.route_log import route_summary
 from router.breaker import BreakerState, CircuitBreaker
 from router.contract import DispatchError, FinishEvent, TokenEvent
 from router.attempt import MAX_ROOM, StageTimeouts
@@ -215,24 +214,6 @@ def test_a_mid_stream_failure_is_one_warning_naming_the_request_the_nodes_and_th
             message = lines[0].getMessage()
             assert "req-mid" in message and p.address in message and flaky.address in message, message
             assert "decode_failed" in message and "UNAVAILABLE" in message, message
-
-    run(main())
-
-
-def test_each_route_is_one_debug_line_with_its_path_reason_and_what_the_nodes_held(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    async def main() -> None:
-        p, d = FakeNode("prefill"), FakeNode("decode")
-        async with cluster(p, d) as reg:
-            disp = dispatcher(reg)
-            with caplog.at_level(logging.DEBUG, logger="router.dispatch"):
-                await collect(disp, job("req-routed"))
-            lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("route req-routed:")]
-            assert len(lines) == 1, caplog.text
-            assert "path remote" in lines[0] and "expected held {'prefill': 0, 'decode': 0}" in lines[0], lines[0]
-            assert sum(route_summary(lines[0])["by_reason"].values()) == 1  # the prefix-cache bench reads it
-            await disp.close()
 
     run(main())
 
