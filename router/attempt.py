@@ -76,7 +76,9 @@ class PDAttempt:
         decode: NodeState,
         request_id: str,
         estimate_s: float | None = None,
+        cached: int = 0,
     ) -> None:
+        """`cached`: the prompt tokens the prompt's node is expected to hold in its prefix cache."""
         self.d, self.job, self.prefill, self.decode, self.rid = d, job, prefill, decode, request_id
         self.estimate_s = estimate_s  # the path decision's TTFT estimate (calibrated) for the prompt's node
         self.room = secrets.randbelow(MAX_ROOM) + 1
@@ -97,7 +99,7 @@ class PDAttempt:
         # The node that computes the prompt holds it as queued work until the first token: the
         # prefill on the remote path, the decode (or colocated node) when it runs the prompt itself.
         self.prompt_node = prefill if prefill is not None else decode
-        self.prompt_node.prompts.add(self, len(job.input_ids), time.monotonic())
+        self.prompt_node.prompts.add(self, len(job.input_ids), time.monotonic(), cached)
         # the calibration the estimate was scaled by: what the rates alone said is estimate / this
         self.estimate_ratio = self.prompt_node.ttft.current(time.monotonic())
         self.blame: set[str] = set()

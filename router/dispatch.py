@@ -139,9 +139,9 @@ class PDDispatcher:
                 )
             prefill, decode = route.prefill, route.decode
             self.metrics.pairs.labels(prefill.address if prefill else "-", decode.address).inc()
-            self._observe_route(route, job)
+            cached = self._observe_route(route, job)
             rid = job.request_id if n == 0 else f"{job.request_id}-retry{n}"
-            attempt = PDAttempt(self._attempt_ctx, job, prefill, decode, rid, route.estimate_s())
+            attempt = PDAttempt(self._attempt_ctx, job, prefill, decode, rid, route.estimate_s(), cached)
             events = attempt.events()
             started, reason = False, "client cancelled"
             output: list[int] = []  # what the streaming node will hold with the prompt
@@ -233,7 +233,9 @@ class PDDispatcher:
                 node.breaker.release()
         return None
 
-    def _observe_route(self, route: Route, job: GenerationJob) -> None:
+    def _observe_route(self, route: Route, job: GenerationJob) -> int:
+        """Records the route in the metrics and the tiers' demand; returns the prompt tokens its
+        prompt node is expected to hold in its prefix cache."""
         prompt_tokens, hit = len(job.input_ids), 0
         if self.kv_index is not None and self.cache_metrics is not None:
             hit = self.kv_index.expected_hit(route.prompt_node, job)
@@ -249,6 +251,7 @@ class PDDispatcher:
             self.balance.add_prompt(prompt_tokens, hit)
         if log.isEnabledFor(logging.DEBUG):
             self._log_route(route, job)
+        return hit
 
     def _log_route(self, route: Route, job: GenerationJob) -> None:
         """One line per request at debug: its path and why, and what each node of the route was

@@ -80,23 +80,30 @@ class NodePerf:
 @dataclass
 class PromptLedger:
     """Prompt tokens this router sent a node whose first token has not come back yet, by attempt. Each
-    attempt is one entry, taken out once, so the sums never go negative however often it is settled."""
+    attempt is one entry, taken out once, so the sums never go negative however often it is settled.
+    An entry keeps the whole prompt (the KV it will hold) and the part the node is expected to compute
+    (less its expected prefix-cache hit): counted whole, each cached turn in flight added its whole
+    history to the node's queue (0.1 s for 4,000 tokens at 40K tokens/s) and could send the next
+    turn away from its own history."""
 
-    # attempt -> (tokens, sent at); keyed by the attempt object: clients may reuse request ids
-    entries: dict[object, tuple[int, float]] = field(default_factory=dict)
+    # attempt -> (tokens, to compute, sent at); keyed by the attempt object: clients may reuse request ids
+    entries: dict[object, tuple[int, int, float]] = field(default_factory=dict)
 
-    def add(self, key: object, tokens: int, now: float) -> None:
-        self.entries[key] = (max(0, tokens), now)
+    def add(self, key: object, tokens: int, now: float, cached: int = 0) -> None:
+        tokens = max(0, tokens)
+        self.entries[key] = (tokens, max(min(tokens, 1), tokens - max(0, cached)), now)
 
     def settle(self, key: object) -> None:
         self.entries.pop(key, None)
 
     def total(self) -> int:
-        return sum(tokens for tokens, _ in self.entries.values())
+        """Whole prompts: the KV they will hold."""
+        return sum(tokens for tokens, _, _ in self.entries.values())
 
     def since(self, reported_at: float) -> int:
-        """The tokens sent after the node's last load report (earlier ones are in its queued count already)."""
-        return sum(tokens for tokens, at in self.entries.values() if at >= reported_at)
+        """The tokens to compute of those sent after the node's last load report (earlier ones are in
+        its queued count already)."""
+        return sum(computed for _, computed, at in self.entries.values() if at >= reported_at)
 
 
 # A TTFT estimate below this is mostly the router's and the network's own overhead: not observed.
