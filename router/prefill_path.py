@@ -102,7 +102,8 @@ class PathRule:
     # reuse from 0.94 to 0.88 (bench/RESULTS.md, the ninth prefix-cache run). Within this TTFT a
     # follow-up stays where more of its history is, by at least `history_min_tokens`: one page, the
     # least a cache can hold. At 64, every turn after a remote one lost its 48-token reply, and PD's
-    # reuse stayed at 0.88 on two H200s (the tenth run); the guard keeps the local chunk within TPOT.
+    # reuse stayed at 0.88 on two H200s (the tenth run); at one page it read 0.86 (the eleventh), so
+    # the rest of the loss is elsewhere. The guard keeps the local chunk within TPOT.
     history_target_s: float = 0.2
     history_min_tokens: int = DEFAULT_PAGE_SIZE
     remote_target_s: float = 0.2
