@@ -19,12 +19,12 @@ node's running requests towards its guard: that is what disaggregation exists to
 runs locally only when it is a follow-up turn whose history the decode holds and what it must
 compute there is short (one chunk, cheaper than the transfer it saves) and its estimate there is
 no worse than remote's or, where the decode holds more of the history than the prefill, within
-the rule's history target (else the prefill recomputes what the decode holds); or when the
-prefill tier is behind (its estimate over the rule's TTFT target) and local is clearly faster
-(under the rule's margin of remote): overflow, so a saturated prefill tier no longer caps the
-deployment. A decode node that mixes its chunks into its decode steps has a target of 0 and no
-margin by default: there the faster path wins. An unmeasured
-prefill tier is measured first (remote).
+the rule's history target and token limit (else the prefill recomputes what the decode holds);
+or when the prefill tier is behind (its estimate over the rule's TTFT target) and local is
+clearly faster (under the rule's margin of remote): overflow, so a saturated prefill tier no
+longer caps the deployment. A decode node that mixes its chunks into its decode steps has a
+target of 0 and no margin by default: there the faster path wins. An unmeasured prefill tier is
+measured first (remote).
 
 Whole: under `auto`, when one more request would put the decode node's measured step past its
 TPOT guard, and the paired prefill node runs requests whole (`--local-decode-tpot-ms`) with its own
@@ -91,8 +91,9 @@ PATHS = ("remote", "local", "whole", "colocated")  # metric label values too
 @dataclass(frozen=True)
 class PathRule:
     """`auto`'s thresholds: follow-ups computing at most `local_max_tokens` on the decode that holds
-    their history run there when that is not slower, or when the decode holds `history_min_tokens`
-    more of it than the prefill and its estimate is within `history_target_s`; others run there
+    their history run there when that is not slower, or, computing at most `history_max_tokens`,
+    when the decode holds `history_min_tokens` more of it than the prefill and its estimate is
+    within `history_target_s`; others run there
     only when the prefill's estimated TTFT is over `remote_target_s` and local's is under
     `overflow_margin` of it."""
 
@@ -106,6 +107,12 @@ class PathRule:
     # the rest of the loss is elsewhere. The guard keeps the local chunk within TPOT.
     history_target_s: float = 0.2
     history_min_tokens: int = DEFAULT_PAGE_SIZE
+    # ...and computes at most this many tokens there (never fewer than `local_max_tokens`): a chat
+    # turn's new message, the reply before it and their template run to a few hundred tokens. Held
+    # to `local_max_tokens` (256), 10 of 80 turns on two H200s (the twelfth prefix-cache run)
+    # computed 257-348 tokens on the decode, went to the prefill, and recomputed 7,680 history
+    # tokens the decode held: PD's reuse read 0.87.
+    history_max_tokens: int = 512
     remote_target_s: float = 0.2
     # Overflow needs local's estimate under this share of remote's: it assumes the decode's guard
     # spends all its requests' slack on prompts, and on an H100 under load local prompts took
@@ -120,7 +127,7 @@ class PathRule:
     def __post_init__(self) -> None:
         targets = (self.remote_target_s, self.mixed_remote_target_s, self.history_target_s)
         margins = (self.overflow_margin, self.mixed_overflow_margin)
-        counts = (self.local_max_tokens, self.history_min_tokens)
+        counts = (self.local_max_tokens, self.history_min_tokens, self.history_max_tokens)
         if min(counts) < 0 or min(targets) < 0 or not all(0 < m <= 1 for m in margins):
             raise ValueError(
                 f"the token counts and the targets must be >= 0 and the overflow margins in (0, 1], got {self}"
@@ -314,7 +321,8 @@ def decide(
     if short and (remote is None or local.seconds is None or local.seconds <= remote):
         return PathDecision("local", remote, local.seconds, SHORT_LOCAL)
     kept = held - held_remote >= max(1, rule.history_min_tokens)
-    if short and kept and local.seconds is not None and local.seconds <= rule.history_target_s:
+    within = held > 0 and local_tokens <= max(rule.local_max_tokens, rule.history_max_tokens)
+    if within and kept and local.seconds is not None and local.seconds <= rule.history_target_s:
         return PathDecision("local", remote, local.seconds, HISTORY_LOCAL)
     if remote is None:  # cold start: measure the prefill tier first
         return PathDecision("remote", None, local.seconds, REMOTE_UNMEASURED)

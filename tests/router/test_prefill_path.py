@@ -149,7 +149,7 @@ def test_what_computes_little_on_the_decode_runs_there() -> None:
     turn = lambda node: 1000 if node.address == "d:1" else 0  # noqa: E731
     d = decide("auto", prefill(), decode(), 1200, 100, cached=turn)
     assert (d.path, d.reason) == ("local", SHORT_LOCAL)
-    rule = PathRule(local_max_tokens=100)
+    rule = PathRule(local_max_tokens=100, history_max_tokens=100)
     assert decide("auto", prefill(), decode(), 1200, 100, cached=turn, rule=rule).path == "remote"
     # a short prompt nothing of which the decode holds: the prefill tier's (a whole forward there)
     assert d.local_s == pytest.approx(200 / RATE) and decide("auto", prefill(), decode(), 200, 100).path == "remote"
@@ -373,6 +373,24 @@ def test_a_follow_up_stays_where_more_of_its_history_is_within_the_target() -> N
         PathRule(history_target_s=-1.0)
     with pytest.raises(ValueError, match="token counts"):
         PathRule(history_min_tokens=-1)
+    with pytest.raises(ValueError, match="token counts"):
+        PathRule(history_max_tokens=-1)
+
+
+def test_a_whole_chat_turn_stays_with_its_history() -> None:
+    """A turn's new message, the reply before it and their template run past `local_max_tokens`:
+    up to `history_max_tokens` it still stays on the decode holding its history (the prefill would
+    recompute what only the decode holds); past it, the faster path wins."""
+    p, d = prefill(rate=20_000.0), decode(running=8, overhead=0.007, rate=5_000.0)
+    held = {"d:1": 1000, "p:1": 200}
+    cached = lambda node: held.get(node.address, 0)  # noqa: E731
+    turn = decide("auto", p, d, 1300, 100, cached=cached)  # 300 tokens to compute on the decode
+    assert (turn.path, turn.reason) == ("local", HISTORY_LOCAL)
+    assert decide("auto", p, d, 1300, 100, cached=cached, rule=PathRule(history_max_tokens=0)).path == "remote"
+    # the rule never holds a turn to fewer tokens than short turns may compute
+    wide = PathRule(local_max_tokens=400, history_max_tokens=0)
+    assert decide("auto", p, d, 1300, 100, cached=cached, rule=wide).reason == HISTORY_LOCAL
+    assert decide("auto", p, d, 1600, 100, cached=cached).path == "remote"  # 600 tokens: past the limit
 
 
 def test_a_short_prompt_on_a_decoding_node_waits_for_the_step_in_flight() -> None:
