@@ -128,6 +128,13 @@ def test_the_knee_resolution_is_a_flag() -> None:
         run_settings(args("--resolution", "1.0"), "tiny")
 
 
+def test_second_draws_are_a_flag_and_a_smoke_run_has_none() -> None:
+    assert run_settings(args(), "tiny")[0].ladder.max_redraws == plan.Ladder().max_redraws > 0
+    assert run_settings(args("--redraws", "1"), "tiny")[0].ladder.max_redraws == 1
+    assert run_settings(args("--quick"), "tiny")[0].ladder.max_redraws == 0
+    assert run_settings(args("--quick", "--redraws", "2"), "tiny")[0].ladder.max_redraws == 2
+
+
 def test_a_point_waits_for_a_pooled_router_to_split_again() -> None:
     import asyncio
 

@@ -125,6 +125,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the ratio below which a knee's bracket is left as it is (default: the ladder's 1.25); "
         "1.1 tells a 1.2x goodput ratio from one rung's noise, at a point or two more per curve",
     )
+    p.add_argument(
+        "--redraws",
+        type=int,
+        default=None,
+        help="second Poisson draws per curve at rates whose first is doubtful (85-95%% attainment) or out "
+        "of order (default 3; 0 with --quick)",
+    )
     p.add_argument("--slo-loose", default=SLOS["loose"])
     p.add_argument("--slo-tight", default=SLOS["tight"])
     p.add_argument("--seed", type=int, default=0)
@@ -258,6 +265,8 @@ def run_settings(args: argparse.Namespace, kind: str) -> tuple[RunSettings, floa
         if set(slo) != {"ttft", "tpot"}:
             raise SystemExit(f"the {name} SLO needs a ttft and a tpot limit, and only those")
     ladder = plan.Ladder(start=args.start_rate or START_RATE[kind], max_points=args.max_points or points)
+    if args.redraws is not None or args.quick:  # a smoke run draws each rate once
+        ladder = replace(ladder, max_redraws=max(0, args.redraws or 0))
     if args.resolution is not None:
         if args.resolution <= 1.0:
             raise SystemExit(f"--resolution must be above 1, got {args.resolution}")

@@ -67,6 +67,17 @@ class Results:
         for slo, entry in entries.items():
             self.data["workloads"][workload][slo]["points"].append({**entry, **extra})
 
+    def merge_draw(
+        self, workload: str, deployment: str, rate: float, entries: dict[str, dict[str, Any]], draw: dict[str, Any]
+    ) -> None:
+        """A further draw at a measured rate: its point's figures become `entries` (over every draw's
+        requests) and `draw` joins the point's `draws`; the first draw's router and node signals stay."""
+        for slo, entry in entries.items():
+            points = self.data["workloads"][workload][slo]["points"]
+            point = next(p for p in points if p["deployment"] == deployment and p["rate"] == rate)
+            point.update(entry)
+            point["draws"] = [*point.get("draws", []), draw]  # a new list: the SLOs' points shared one
+
     def curve(self, workload: str, deployment: str, **info: Any) -> None:
         """About one curve: its warm-up, why it ended (the ladder was done, or time or points ran out)."""
         self.data["workloads"][workload]["curves"].setdefault(deployment, {}).update(info)

@@ -1,7 +1,8 @@
 """Measuring one started deployment: per workload a warm-up, then the ladder's rates one after
-another, each a loadgen Poisson point on the workload's first requests, then a wait until the
-nodes are idle; every point is judged by both SLOs (or by the one SLO a deployment set up for it
-is judged by) and goes into the results at once."""
+another, each a loadgen Poisson point on the workload's first requests (a doubtful one drawn a
+second time, its point then over both draws), then a wait until the nodes are idle; every point
+is judged by both SLOs (or by the one SLO a deployment set up for it is judged by) and goes into
+the results at once."""
 
 from __future__ import annotations
 
@@ -32,11 +33,13 @@ from bench.gpu.goodput_up import UpProcess, wait_idle
 from bench.gpu.goodput_workloads import Workload, fresh_prompts
 from loadgen.client import EndpointConfig, make_client, served_model
 from loadgen.dataset import BenchRequest
+from loadgen.metrics import RequestRecord
 from loadgen.sweep import LoadPoint, arrival_times, run_point
 
 WARMUP = 8  # requests per workload and deployment before its curve: its prompt shapes compiled once
 WARMUP_OUTPUT = 16  # tokens each (decode shapes are warm from start-up's graph capture)
 DRAIN_S = 30.0  # longest wait for the nodes to go idle between points
+REDRAW_SEED_STEP = 7919  # a rate's second draw: its arrivals from seed + this
 
 
 @dataclass(frozen=True)
@@ -101,53 +104,104 @@ async def _curve(
     records, _ = await run_point(client, endpoint, warm, LoadPoint("concurrency", 4))
     results.curve(workload.name, deployment, warmup_failed=sum(not r.ok for r in records))
     await wait_idle(client, metrics, DRAIN_S)
-    done: list[plan.Measured] = []
+    done: dict[float, plan.Measured] = {}
+    drawn: dict[float, tuple[list[RequestRecord], float]] = {}  # rate -> every draw's records, wall
     ladder = plan.curve_ladder(settings.ladder, both_slos=judged is None)
     tail_s = max(r.timeout_s or 0.0 for r in requests[:WARMUP])  # the worst case, until a point is seen
-    while (rate := plan.next_rate(ladder, done)) is not None:
+    redrawn = sent = 0  # second draws, and points sent (each draws prompts of its own)
+    while True:
+        again = plan.redraw(ladder, list(done.values()), redrawn)
+        rate = again if again is not None else plan.next_rate(ladder, list(done.values()))
+        if rate is None:
+            break
         if not up.alive():
             raise RuntimeError(f"`pdserve up` ({deployment}) exited:\n{up.log_tail()}")
         n = plan.requests_at(rate, settings.window_s, settings.least, settings.most)
         if time.monotonic() + plan.point_estimate_s(n, rate, tail_s) > end:
             return "time budget"
-        seed = settings.seed + round(rate * 1000)  # the same arrivals for both deployments at a rate
-        split_wait_s = await wait_split(client, up.url, DRAIN_S)
-        router_before, nodes_before = await router_counters(client, up.url), await node_stage_totals(client, up.metrics)
-        sent = fresh_prompts(requests[:n], f"{salt}:{len(done)}", settings.vocab)  # nothing cached to hit
-        records, wall = await run_point(client, endpoint, sent, LoadPoint("rate", rate), seed=seed)
-        tail_s = max(0.0, wall - arrival_times(n, rate, seed)[-1])
-        nodes = await node_signals(client, up.metrics)  # the last seconds of the point's load
-        router_after = await router_counters(client, up.url)
-        paths, stages = point_counters(router_before, router_after)
-        reasons, estimates = point_decisions(router_before, router_after)
-        nodes_after = await node_stage_totals(client, up.metrics)
-        node_stages = node_stage_means_ms(nodes_before, nodes_after)
-        drained = await wait_idle(client, metrics, DRAIN_S)
-        entries = judged_entries(point_entries(deployment, rate, records, wall, settings.slos), judged)
-        results.add_point(
-            workload.name,
-            entries,
-            drained=drained,
-            split_wait_s=split_wait_s,
-            nodes=nodes,
-            paths=paths,
-            path_reasons=reasons,
-            path_estimates_ms=estimates,
-            path_calibration=point_calibration(router_after),
-            pool=point_pool(router_after),
-            ttft_stages_ms=stages,
-            node_stages_ms=node_stages,
-            node_means=node_count_means(nodes_before, nodes_after),
-            node_counts=node_counter_deltas(nodes_before, nodes_after),
+        draw = done[rate].draws if rate in done else 0
+        # the same arrivals for both deployments at a rate and draw
+        seed = settings.seed + round(rate * 1000) + draw * REDRAW_SEED_STEP
+        sent += 1
+        records, wall, extra = await _point(
+            client, endpoint, up, metrics, requests[:n], rate, seed, f"{salt}:{sent - 1}", settings.vocab
         )
-        done.append(measured(rate, entries))
+        tail_s = max(0.0, wall - arrival_times(n, rate, seed)[-1])
+        earlier, earlier_wall = drawn.get(rate, ([], 0.0))
+        drawn[rate] = (earlier + records, earlier_wall + wall)
+        entries = judged_entries(point_entries(deployment, rate, *drawn[rate], settings.slos), judged)
+        alone = judged_entries(point_entries(deployment, rate, records, wall, settings.slos), judged)
+        this_draw = draw_summary(seed, alone, extra)
+        if draw:
+            redrawn += 1
+            results.merge_draw(workload.name, deployment, rate, entries, this_draw)
+        else:
+            results.add_point(workload.name, entries, **extra, draws=[this_draw])
+        done[rate] = measured(rate, entries, draw + 1)
         judged_by = " ".join(f"{slo} {e['attainment']:.0%}" for slo, e in entries.items())
         print(
-            f"[goodput] {deployment} {workload.name} {rate:g} req/s x {n}: attainment {judged_by} ({wall:.1f} s)",
+            f"[goodput] {deployment} {workload.name} {rate:g} req/s x {n}"
+            f"{f' (draw {draw + 1})' if draw else ''}: attainment {judged_by} ({wall:.1f} s)",
             file=sys.stderr,
             flush=True,
         )
     return "max points" if len(done) >= ladder.max_points else "ladder done"
+
+
+async def _point(
+    client: httpx.AsyncClient,
+    endpoint: EndpointConfig,
+    up: UpProcess,
+    metrics: list[str],
+    requests: list[BenchRequest],
+    rate: float,
+    seed: int,
+    salt: str,
+    vocab: int,
+) -> tuple[list[RequestRecord], float, dict[str, Any]]:
+    """One Poisson draw of `requests` at `rate`, between idle deployments: its records, wall time
+    and what the router and the nodes said of it."""
+    split_wait_s = await wait_split(client, up.url, DRAIN_S)
+    router_before, nodes_before = await router_counters(client, up.url), await node_stage_totals(client, up.metrics)
+    sent = fresh_prompts(requests, salt, vocab)  # prompt ids no earlier point sent
+    records, wall = await run_point(client, endpoint, sent, LoadPoint("rate", rate), seed=seed)
+    nodes = await node_signals(client, up.metrics)  # the last seconds of the point's load
+    router_after = await router_counters(client, up.url)
+    paths, stages = point_counters(router_before, router_after)
+    reasons, estimates = point_decisions(router_before, router_after)
+    nodes_after = await node_stage_totals(client, up.metrics)
+    drained = await wait_idle(client, metrics, DRAIN_S)
+    return (
+        records,
+        wall,
+        {
+            "drained": drained,
+            "split_wait_s": split_wait_s,
+            "nodes": nodes,
+            "paths": paths,
+            "path_reasons": reasons,
+            "path_estimates_ms": estimates,
+            "path_calibration": point_calibration(router_after),
+            "pool": point_pool(router_after),
+            "ttft_stages_ms": stages,
+            "node_stages_ms": node_stage_means_ms(nodes_before, nodes_after),
+            "node_means": node_count_means(nodes_before, nodes_after),
+            "node_counts": node_counter_deltas(nodes_before, nodes_after),
+        },
+    )
+
+
+def draw_summary(seed: int, entries: dict[str, dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
+    """What a point keeps of each of its draws: the seed, attainment and latency by SLO, paths."""
+    first = next(iter(entries.values()))
+    return {
+        "seed": seed,
+        "requests": first["requests"],
+        "attainment": {slo: e["attainment"] for slo, e in entries.items()},
+        "ttft_ms_p90": first["ttft_ms"]["p90"],
+        "tpot_ms_p50": first["tpot_ms"]["p50"],
+        "paths": extra.get("paths", {}),
+    }
 
 
 def judged_entries(entries: dict[str, dict[str, Any]], judged: str | None) -> dict[str, dict[str, Any]]:
@@ -155,14 +209,14 @@ def judged_entries(entries: dict[str, dict[str, Any]], judged: str | None) -> di
     return entries if judged is None else {judged: entries[judged]}
 
 
-def measured(rate: float, entries: dict[str, dict[str, Any]]) -> plan.Measured:
+def measured(rate: float, entries: dict[str, dict[str, Any]], draws: int = 1) -> plan.Measured:
     """What the ladder reads of a point. A run judged by one SLO steps both of the ladder's
     brackets on it, so its curve sharpens that SLO's knee alone."""
     attained = {slo: entry["attainment"] for slo, entry in entries.items()}
     if not attained:
         raise ValueError("a point is judged by at least one SLO")
     only = next(iter(attained.values()))
-    return plan.Measured(rate, attained.get("loose", only), attained.get("tight", only))
+    return plan.Measured(rate, attained.get("loose", only), attained.get("tight", only), draws)
 
 
 async def wait_split(client: httpx.AsyncClient, router_url: str, timeout_s: float) -> float:
