@@ -352,6 +352,9 @@ class UpOptions:
         "requests) while the decode tier is what the load exhausts; always, throughout; off, never. "
         "Needs --pd-prefill-policy auto.",
     )
+    pd_mixed_remote_ttft_target_ms: Optional[float] = opt(
+        None, "The router's --pd-mixed-remote-ttft-target-ms (default: the router's). PD under auto only."
+    )
     verbose: bool = opt(False, "Echo the nodes' logs.", negatable=False)
 
 

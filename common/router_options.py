@@ -47,6 +47,12 @@ class RouterOptions:
     pd_remote_ttft_target_ms: float = opt(
         200.0, "auto: above this estimated prefill TTFT, prompts overflow to a decode that starts them sooner."
     )
+    pd_mixed_remote_ttft_target_ms: float = opt(
+        0.0,
+        "auto, for decode nodes that run prompt chunks inside their decode steps (their guard holds every "
+        "step): below this estimated prefill TTFT prompts stay on the prefill tier, above it the faster path "
+        "wins (0: always the faster path). Each local prompt brings running requests' TPOT up to the guard.",
+    )
     pd_pooling: str = opt(
         "off",
         "auto: while the decode tier's load nears its capacity within its TPOT guard and the prefill tier's "

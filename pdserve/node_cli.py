@@ -116,6 +116,16 @@ def _guard_args(flag: str, guard: float | None) -> tuple[str, ...]:
     return () if guard is None else (flag, f"{_guard(flag, guard):g}")
 
 
+def _router_args(opts: UpOptions) -> tuple[str, ...]:
+    """The router flags `up` passes on as given; a negative target is refused before anything starts."""
+    target = opts.pd_mixed_remote_ttft_target_ms
+    if target is None:
+        return ()
+    if target < 0:
+        raise ValueError(f"--pd-mixed-remote-ttft-target-ms must be >= 0, got {target:g}")
+    return ("--pd-mixed-remote-ttft-target-ms", f"{target:g}")
+
+
 def _whole_guard_ms(opts: UpOptions) -> float | None:
     """The prefill nodes' --local-decode-tpot-ms: as given; pooled, the decode nodes' guard when not
     given (a pooled prefill node serves whole requests as a decode node serves its own)."""
@@ -218,6 +228,7 @@ def register(app: typer.Typer) -> None:
             _check_up_tp(opts)
             decode_args = _guard_args("--local-prefill-tpot-ms", opts.local_prefill_tpot_ms)
             prefill_args = _guard_args("--local-decode-tpot-ms", _whole_guard_ms(opts))
+            router_args = _router_args(opts)
         except ValueError as e:
             fail(e)
 
@@ -238,6 +249,7 @@ def register(app: typer.Typer) -> None:
             tp_size=opts.tp_size,
             decode_args=decode_args,
             prefill_args=prefill_args,
+            router_args=router_args,
         )
         dep, stop = Deployment(cfg), threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):

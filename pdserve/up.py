@@ -69,6 +69,7 @@ class UpConfig:
     tp_size: int = 1
     decode_args: tuple[str, ...] = ()  # flags for decode nodes only (e.g. --local-prefill-tpot-ms)
     prefill_args: tuple[str, ...] = ()  # flags for prefill nodes only (e.g. --local-decode-tpot-ms)
+    router_args: tuple[str, ...] = ()  # flags for the router only (e.g. --pd-mixed-remote-ttft-target-ms)
 
 
 class Deployment:
@@ -121,6 +122,7 @@ class Deployment:
         router_args = ["router", "--host", cfg.host, "--port", str(cfg.port), *cfg.log_args]
         if not cfg.colocated:
             router_args += ["--pd-prefill-policy", cfg.pd_prefill_policy, "--pd-pooling", cfg.pd_pooling]
+            router_args += cfg.router_args
         for n in nodes:
             if n.name.startswith("prefill"):
                 router_args += ["--prefill", f"{cfg.host}:{n.ports['scheduler']},{n.ports['bootstrap']}"]

@@ -58,7 +58,7 @@ async def run_router(options: RouterOptions) -> None:
         timeouts=_timeouts(options),
         path_policy=options.pd_prefill_policy,
         kv_index=index,
-        path_rule=PathRule(options.pd_local_max_tokens, options.pd_remote_ttft_target_ms / 1e3),
+        path_rule=path_rule(options),
         pooling=options.pd_pooling,
     )
     await registry.start()
@@ -90,6 +90,15 @@ def _dns_sources(options: RouterOptions) -> list[DnsSource]:
     if not (options.prefill or options.decode or options.colocated or dns):
         raise ValueError("no nodes: give --prefill/--decode (or --colocated), or their --*-dns forms")
     return dns
+
+
+def path_rule(options: RouterOptions) -> PathRule:
+    """`auto`'s thresholds from the router's flags (the rest at PathRule's defaults)."""
+    return PathRule(
+        local_max_tokens=options.pd_local_max_tokens,
+        remote_target_s=options.pd_remote_ttft_target_ms / 1e3,
+        mixed_remote_target_s=options.pd_mixed_remote_ttft_target_ms / 1e3,
+    )
 
 
 def _timeouts(options: RouterOptions) -> StageTimeouts:

@@ -135,3 +135,18 @@ def test_pooling_gives_prefill_nodes_the_decode_guard_unless_told() -> None:
     assert guard(pd_pooling="always", local_decode_tpot_ms=9.0, local_prefill_tpot_ms=12.0) == 9.0
     res = CliRunner().invoke(app, ["up", "--pd-pooling", "auto"])
     assert res.exit_code == 2 and "needs --pd-prefill-policy auto" in res.output
+
+
+def test_up_passes_the_mixed_remote_target_to_its_router() -> None:
+    """`up --pd-mixed-remote-ttft-target-ms 125` reaches the router as given (nothing when not
+    given: the router's default); a negative one is a one-line error before anything starts."""
+    from common.config import UpOptions
+    from pdserve.node_cli import _router_args
+    from tests.deploy.chartkit import cli_params
+
+    assert _router_args(UpOptions()) == ()
+    given = _router_args(UpOptions(pd_mixed_remote_ttft_target_ms=125.0))
+    assert given == ("--pd-mixed-remote-ttft-target-ms", "125")
+    assert cli_params(["router", *given])["pd_mixed_remote_ttft_target_ms"] == 125.0  # the router takes it
+    res = CliRunner().invoke(app, ["up", "--pd-mixed-remote-ttft-target-ms", "-1"])
+    assert res.exit_code == 2 and "--pd-mixed-remote-ttft-target-ms must be >= 0" in res.output

@@ -105,6 +105,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "within both SLOs)",
     )
     p.add_argument("--disable-mixed-chunk", action="store_true", help="the nodes' --disable-mixed-chunk")
+    p.add_argument("--pd-mixed-remote-ttft-target-ms", type=float, default=None, help="PD routers' flag of that name")
     p.add_argument(
         "--whole-on-prefill",
         action="store_true",
@@ -230,6 +231,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
         guard = ["--local-prefill-tpot-ms", guard_ms]  # decode nodes only
         if args.whole_on_prefill:  # prefill nodes only
             guard += ["--local-decode-tpot-ms", guard_ms]
+        if args.pd_mixed_remote_ttft_target_ms is not None:  # `up` gives it to PD routers only
+            guard += ["--pd-mixed-remote-ttft-target-ms", f"{args.pd_mixed_remote_ttft_target_ms:g}"]
         argv_up = up_argv(dep, model, [*spec_flags, *guard, "--device", args.device])
         name = f"{dep}@{judged}" if judged else dep
         log = log_dir / f"{name}.log"

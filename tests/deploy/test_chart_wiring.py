@@ -227,6 +227,7 @@ def test_every_process_takes_the_flags_the_chart_gives_it(objs: list[dict[str, A
         else:
             assert params["pd_prefill_policy"] == "remote" and params["pd_pooling"] == "off"
             assert (params["pd_local_max_tokens"], params["pd_remote_ttft_target_ms"]) == (256, 200.0)
+            assert params["pd_mixed_remote_ttft_target_ms"] == 0.0
         if component == "prefill":  # no whole requests unless the router pools
             assert params["local_decode_tpot_ms"] == 0.0
 

@@ -265,3 +265,21 @@ def test_a_node_that_ran_its_first_prompt_reports_its_rate_before_the_next_refre
             await disp.close()
 
     run(main())
+
+
+def test_the_router_flags_set_auto_s_targets() -> None:
+    """--pd-remote-ttft-target-ms sets the overflow target of decodes whose chunks are forwards of
+    their own, --pd-mixed-remote-ttft-target-ms that of decodes that mix them (0 by default: the
+    faster path wins); the history rule keeps its defaults."""
+    from router.main import path_rule
+
+    rule = path_rule(RouterOptions())
+    assert (rule.remote_target_s, rule.mixed_remote_target_s, rule.local_max_tokens) == (0.2, 0.0, 256)
+    assert rule.history_target_s == PathRule().history_target_s
+    options = RouterOptions(
+        pd_remote_ttft_target_ms=350.0, pd_mixed_remote_ttft_target_ms=125.0, pd_local_max_tokens=64
+    )
+    rule = path_rule(options)
+    assert (rule.remote_target_s, rule.mixed_remote_target_s, rule.local_max_tokens) == (0.35, 0.125, 64)
+    assert rule.history_target_s == PathRule().history_target_s  # not the remote target
+    assert rule.overflow(mixed_chunk=True) == (0.125, 1.0)
