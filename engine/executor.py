@@ -157,6 +157,10 @@ class HostCopy:
             self._event.synchronize()
         return self._host
 
+    def unwaited(self) -> dict[str, torch.Tensor]:
+        """The host tensors, which hold the results once `wait()` has returned."""
+        return self._host
+
 
 # ---------------------------------------------------------------- batch helpers
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.executor import seed_prebuilt_rows
+from engine.executor import HostCopy, seed_prebuilt_rows
 from engine.future_map import RelayPayload
 from spec.tree import DraftTree
 
@@ -43,6 +43,8 @@ class EagleReqState:
     topk_p: torch.Tensor  # (topk,) float32: draft probabilities of the token after the bonus
     topk_index: torch.Tensor  # (topk,) int64 target token ids
     hidden: torch.Tensor  # (H,) the draft's output hidden state at the bonus position
+    # Set when the three are host copies still in flight (a PD prefill's handoff): wait() first.
+    copied: HostCopy | None = None
 
 
 @dataclass

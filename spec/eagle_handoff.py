@@ -42,6 +42,8 @@ class EagleHandoffCodec:
                 f"request {req.rid}: draft state has top-{k} and hidden {st.hidden.numel()}, "
                 f"the codec carries top-{self.topk} and hidden {self.hidden_size}"
             )
+        if st.copied is not None:  # host copies in flight since the prefill step: wait for them alone
+            st.copied.wait()
         # Assembled where the state lives, then one copy to the host: each device-to-host copy
         # waits for the device, and this runs on the handoff's critical path.
         out = torch.zeros(self.payload_bytes, dtype=torch.uint8, device=st.hidden.device)

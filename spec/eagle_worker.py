@@ -360,10 +360,21 @@ class EagleWorker(WorkerBase):
 
 def _keep_handoff(reqs: list[Req], p: torch.Tensor, idx: torch.Tensor, g: torch.Tensor) -> None:
     """PD prefill: a request that leaves this node (hold_kv) carries its draft state in the
-    handoff row (EagleHandoffCodec encodes it); everyone else keeps only its FutureMap row."""
-    for i, req in enumerate(reqs):
-        if req.hold_kv:
-            req.spec_state = EagleReqState(p[i], idx[i], g[i])
+    handoff row (EagleHandoffCodec encodes it); everyone else keeps only its FutureMap row. The
+    state starts for the host here, right behind the kernels that made it, so the encoder (on the
+    node's event loop) waits for these copies alone: a copy made there waited for whatever the
+    scheduler had queued since, 4-6 ms a handoff on two H200s with EAGLE (bench/RESULTS.md,
+    prefix cache, thirteenth run)."""
+    held = [i for i, req in enumerate(reqs) if req.hold_kv]
+    if not held:
+        return
+    if len(held) < len(reqs):
+        rows = to_device(held, p.device)
+        p, idx, g = p[rows], idx[rows], g[rows]
+    copy = HostCopy({"p": p, "idx": idx, "g": g})
+    host = copy.unwaited()
+    for j, i in enumerate(held):
+        reqs[i].spec_state = EagleReqState(host["p"][j], host["idx"][j], host["g"][j], copied=copy)
 
 
 __all__ = ["EaglePending", "EagleWorker"]
