@@ -102,16 +102,13 @@ class PathRule:
     # whole turns that ran locally): on two H100s, turns alternating between the paths took PD's
     # reuse from 0.94 to 0.88 (bench/RESULTS.md, the ninth prefix-cache run). Within this TTFT a
     # follow-up stays where more of its history is, by at least `history_min_tokens`: one page, the
-    # least a cache can hold. At 64, every turn after a remote one lost its 48-token reply, and PD's
-    # reuse stayed at 0.88 on two H200s (the tenth run); at one page it read 0.86 (the eleventh), so
-    # the rest of the loss is elsewhere. The guard keeps the local chunk within TPOT.
+    # least a cache can hold (at 64, every turn after a remote one lost its 48-token reply: reuse
+    # 0.88 on two H200s, the tenth run). The guard keeps the local chunk within TPOT.
     history_target_s: float = 0.2
     history_min_tokens: int = DEFAULT_PAGE_SIZE
-    # ...and computes at most this many tokens there (never fewer than `local_max_tokens`): a chat
-    # turn's new message, the reply before it and their template run to a few hundred tokens. Held
-    # to `local_max_tokens` (256), 10 of 80 turns on two H200s (the twelfth prefix-cache run)
-    # computed 257-348 tokens on the decode, went to the prefill, and recomputed 7,680 history
-    # tokens the decode held: PD's reuse read 0.87.
+    # ...computing at most this many tokens there (at least `local_max_tokens`): held to 256, chat
+    # turns of 257-348 new tokens went to the prefill, which recomputed the history only the decode
+    # held (PD reuse 0.87 on two H200s, twelfth prefix-cache run; 0.96 at 512, the thirteenth).
     history_max_tokens: int = 512
     remote_target_s: float = 0.2
     # Overflow needs local's estimate under this share of remote's: it assumes the decode's guard
