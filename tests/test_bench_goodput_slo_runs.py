@@ -39,6 +39,11 @@ def test_a_run_per_slo_gets_its_guard_from_that_slo() -> None:
     assert guard_for(given, settings, None) == 11.0 and guard_for(given, settings, "loose") == pytest.approx(22.5)
     apart = args("--disable-mixed-chunk")
     assert guard_for(apart, settings, "loose") == pytest.approx(0.8 * 25)
+    share = args("--guard-share", "0.7")
+    assert guard_for(share, settings, "tight") == pytest.approx(0.7 * 15)
+    assert guard_for(share, settings, None) == pytest.approx(0.7 * 15)
+    with pytest.raises(SystemExit, match="guard-share"):
+        run_settings(args("--guard-share", "1.5"), "tiny")
 
 
 def record(ttft_s: float, tpot_s: float) -> RequestRecord:
