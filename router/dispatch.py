@@ -43,7 +43,8 @@ from router.metrics import CacheRouteMetrics, DispatchMetrics, PathMetrics
 from router.nodes import NodeRegistry
 from router.policy import Policy, pair_available
 from router.pooling import DEFAULT_POOL_RULE, PoolMetrics, PoolRule, PoolSwitch, poolable, select_pooled
-from router.prefill_path import DEFAULT_RULE, PATHS, POLICIES, REASONS, PathRule, Route, select_route
+from router.path_rule import DEFAULT_RULE, PathRule
+from router.prefill_path import PATHS, POLICIES, REASONS, Route, select_route
 from router.sizing import TierBalance
 from router.attempt import DEFAULT_STAGE_TIMEOUTS, AttemptContext, PDAttempt, StageTimeouts
 

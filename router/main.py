@@ -20,7 +20,7 @@ from router.dispatch import PDDispatcher, StageTimeouts
 from router.kv_index import KvIndex
 from router.nodes import DnsSource, NodeRegistry, parse_node_lists
 from router.policy import make_policy
-from router.prefill_path import PathRule
+from router.path_rule import PathRule
 from router.tools.registry import parser_named
 
 log = logging.getLogger(__name__)
