@@ -90,6 +90,30 @@ def distribution_ms(values_s: list[float]) -> dict[str, float | int | None]:
     return out
 
 
+def stream_stalls(records: list[RequestRecord]) -> dict[str, float | None]:
+    """Where a load point's streams stood still, in ms: the longest gap between two chunks of one
+    request, and the longest silence of the whole service, a span in which some request had its
+    first token and not yet its last but no request received anything (`silence_at_s`: when it
+    began, from the point's start). A stall of the server shows as a silence; a slow stream alone
+    as a gap."""
+    gaps = [g for r in records for g in r.itls()]
+    spans = sorted((r.start + r.chunk_times[0], r.start + r.chunk_times[-1]) for r in records if len(r.chunk_times) > 1)
+    arrivals = sorted(r.start + t for r in records for t in r.chunk_times)
+    silence, at = 0.0, None
+    active_until, i = float("-inf"), 0
+    for a, b in zip(arrivals, arrivals[1:]):
+        while i < len(spans) and spans[i][0] <= a:  # streams begun by `a`: the latest of their ends
+            active_until = max(active_until, spans[i][1])
+            i += 1
+        if active_until >= b and b - a > silence:  # a stream begun by `a` was still to end at `b`
+            silence, at = b - a, a
+    return {
+        "longest_gap_ms": max(gaps) * 1e3 if gaps else None,
+        "longest_silence_ms": silence * 1e3 if at is not None else None,
+        "silence_at_s": at,
+    }
+
+
 class SLOError(ValueError):
     """A malformed --slo string; the message names the bad part."""
 

@@ -338,6 +338,12 @@ def test_goodput_bench_end_to_end_on_cpu(tmp_path: Path, monkeypatch: pytest.Mon
                     pcts = [p[key][q] for q in ("p50", "p90", "p99")]
                     assert 0 < pcts[0] <= pcts[1] <= pcts[2] if p["completed"] else pcts == [None] * 3
                 assert not math.isnan(p["output_throughput"])
+                # where streams stood still, and every node's slowest steps (a mean hides a stall)
+                assert set(p["stream_stalls"]) == {"longest_gap_ms", "longest_silence_ms", "silence_at_s"}
+                if p["completed"]:
+                    assert p["node_step_tails"] and all(
+                        t["steps"] >= t["slow"] >= 0 for kinds in p["node_step_tails"].values() for t in kinds.values()
+                    )
         # the same runs judged twice: identical points but for attainment
         judged = ("attainment", "good_throughput")
         loose, tight = ([{k: v for k, v in p.items() if k not in judged} for p in w[s]["points"]] for s in SLO_NAMES)

@@ -139,3 +139,58 @@ def test_node_counter_deltas_give_a_points_eager_forwards_by_reason_and_mixed_st
     assert node_counter_deltas(before, after) == {
         "decode-0": {"graph_forwards:eager,not captured at start-up": 2.0, "graph_forwards:replay": 60.0}
     }
+
+
+def _step_exposition(decode: list[float], mixed: list[float]) -> str:
+    """A node's step histogram as prometheus_client writes it, with these step times observed."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    registry = CollectorRegistry()
+    bounds = (0.005, 0.01, 0.05, 0.1, 0.25, 1.0, 2.5)
+    h = Histogram("pdserve_node_step_seconds", "", ["kind", "role"], buckets=bounds, registry=registry)
+    for kind, times in (("decode", decode), ("mixed", mixed)):
+        for t in times:
+            h.labels(kind=kind, role="decode").observe(t)
+    return generate_latest(registry).decode()
+
+
+def test_a_points_step_tails_name_the_steps_a_mean_hides() -> None:
+    """One 1.8-s step among a hundred 6-ms ones moves their mean by 18 ms; the tails name it."""
+    from bench.gpu.goodput_signals import STEP_BUCKETS, node_step_tails, samples
+
+    def snapshot(text: str) -> dict[str, float]:
+        return {f"decode-0:{n}{{{labels}}}": v for n, labels, v in samples(text) if n == STEP_BUCKETS}
+
+    before = snapshot(_step_exposition([0.006] * 50, [0.009] * 5))
+    after = snapshot(_step_exposition([0.006] * 150 + [1.8], [0.009] * 5 + [0.2]))
+    tails = node_step_tails(before, after)
+    assert tails == {
+        "decode-0": {
+            "decode": {"steps": 101.0, "slow": 1.0, "longest_at_least_ms": 1000.0},
+            "mixed": {"steps": 1.0, "slow": 1.0, "longest_at_least_ms": 100.0},
+        }
+    }
+    assert node_step_tails(after, after) == {}  # no step in between: nothing to say
+
+
+def test_stream_stalls_tell_a_stalled_service_from_a_slow_stream() -> None:
+    """Two requests streaming side by side: a 2-s hole in both is a silence of the service; a
+    request waiting alone while the other streams is only a gap."""
+    from loadgen.metrics import RequestRecord, stream_stalls
+
+    ticks = [0.01 * i for i in range(100)]  # a chunk every 10 ms for a second
+    a = RequestRecord(0, 8, 8, start=0.0, chunk_times=ticks + [t + 3.0 for t in ticks])
+    b = RequestRecord(1, 8, 8, start=0.005, chunk_times=ticks + [t + 3.0 for t in ticks])
+    stalled = stream_stalls([a, b])
+    assert stalled["longest_silence_ms"] == pytest.approx(2005.0)  # from b's last tick to a's next
+    assert stalled["silence_at_s"] == pytest.approx(0.995)
+    c = RequestRecord(2, 8, 8, start=0.0, chunk_times=[0.0, 3.0])  # waits alone while `d` streams
+    d = RequestRecord(3, 8, 8, start=0.0, chunk_times=[0.01 * i for i in range(301)])
+    slow = stream_stalls([c, d])
+    assert slow["longest_gap_ms"] == pytest.approx(3000.0)
+    assert slow["longest_silence_ms"] == pytest.approx(10.0)
+    assert stream_stalls([RequestRecord(4, 8, 8)]) == {
+        "longest_gap_ms": None,
+        "longest_silence_ms": None,
+        "silence_at_s": None,
+    }

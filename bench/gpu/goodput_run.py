@@ -23,6 +23,7 @@ from bench.gpu.goodput_signals import (
     node_signals,
     node_stage_means_ms,
     node_stage_totals,
+    node_step_tails,
     point_calibration,
     point_counters,
     point_decisions,
@@ -33,7 +34,7 @@ from bench.gpu.goodput_up import UpProcess, wait_idle
 from bench.gpu.goodput_workloads import Workload, fresh_prompts
 from loadgen.client import EndpointConfig, make_client, served_model
 from loadgen.dataset import BenchRequest
-from loadgen.metrics import RequestRecord
+from loadgen.metrics import RequestRecord, stream_stalls
 from loadgen.sweep import LoadPoint, arrival_times, run_point
 
 WARMUP = 8  # requests per workload and deployment before its curve: its prompt shapes compiled once
@@ -187,6 +188,8 @@ async def _point(
             "node_stages_ms": node_stage_means_ms(nodes_before, nodes_after),
             "node_means": node_count_means(nodes_before, nodes_after),
             "node_counts": node_counter_deltas(nodes_before, nodes_after),
+            "node_step_tails": node_step_tails(nodes_before, nodes_after),
+            "stream_stalls": stream_stalls(records),
         },
     )
 
@@ -201,6 +204,8 @@ def draw_summary(seed: int, entries: dict[str, dict[str, Any]], extra: dict[str,
         "ttft_ms_p90": first["ttft_ms"]["p90"],
         "tpot_ms_p50": first["tpot_ms"]["p50"],
         "paths": extra.get("paths", {}),
+        "stream_stalls": extra.get("stream_stalls", {}),  # a stall in one draw is not the other's
+        "node_step_tails": extra.get("node_step_tails", {}),
     }
 
 

@@ -60,6 +60,9 @@ NODE_STAGES = (
 NODE_COUNTS = ("pdserve_kv_destination_runs", "pdserve_kv_write_runs")
 # counted per point: forwards replayed or eager (by reason), decode steps that carried a chunk
 NODE_COUNTERS = ("pdserve_node_graph_forwards_total", "pdserve_node_mixed_steps_total")
+# the step histogram's buckets, kept per point: a mean hides one step that held a node for seconds
+STEP_BUCKETS = "pdserve_node_step_seconds_bucket"
+SLOW_STEP_S = 0.1  # a bucket bound of the step histogram (engine/scheduler/stats.py, STEP_BUCKETS)
 
 
 async def node_stage_totals(client: httpx.AsyncClient, metrics: dict[str, str]) -> dict[str, float]:
@@ -73,7 +76,38 @@ async def node_stage_totals(client: httpx.AsyncClient, metrics: dict[str, str]) 
         except httpx.HTTPError:
             continue
         out.update({f"{node}:{key}": v for key, v in histogram_totals(resp.text, NODE_STAGES + NODE_COUNTS).items()})
-        out.update({f"{node}:{n}{{{labels}}}": v for n, labels, v in samples(resp.text) if n in NODE_COUNTERS})
+        out.update(
+            {f"{node}:{n}{{{labels}}}": v for n, labels, v in samples(resp.text) if n in (*NODE_COUNTERS, STEP_BUCKETS)}
+        )
+    return out
+
+
+def node_step_tails(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per node and step kind, between two snapshots of node_stage_totals: the steps slower than
+    SLOW_STEP_S (`slow`) and the lower bound of the highest bucket any step reached
+    (`longest_at_least_ms`); kinds without a step are left out."""
+    grown: dict[tuple[str, str], dict[float, float]] = {}
+    for key, value in after.items():
+        node, _, sample = key.partition(":")
+        name, _, labels = sample.partition("{")
+        if name != STEP_BUCKETS or not (le := re.search(r'le="([^"]*)"', labels)):
+            continue
+        kind = label_values(re.sub(r'le="[^"]*",?', "", labels))
+        grown.setdefault((node, kind), {})[float(le[1])] = value - before.get(key, 0.0)
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for (node, kind), cumulative in grown.items():
+        bounds = sorted(cumulative)
+        total = cumulative[bounds[-1]]  # the +Inf bucket
+        if total <= 0:
+            continue
+        # a bucket (lo, hi] that grew holds a step at least lo long
+        grew = [lo for lo, hi in zip([0.0, *bounds], bounds) if cumulative[hi] > cumulative.get(lo, 0.0)]
+        reached = max(grew, default=0.0)
+        out.setdefault(node, {})[kind] = {
+            "steps": total,
+            "slow": total - cumulative.get(SLOW_STEP_S, total),
+            "longest_at_least_ms": reached * 1e3,
+        }
     return out
 
 
