@@ -257,8 +257,16 @@ def header(
             "switch_interval_ms": args.switch_interval_ms,
             "quick": args.quick,
             "seed": args.seed,
+            "focus": focus_setting(settings),
         },
     }
+
+
+def focus_setting(settings: RunSettings) -> dict[str, Any] | None:
+    """`--around`'s run, as the report records it: the earlier run's command, the rungs' step and draws."""
+    if settings.around is None:
+        return None
+    return {"around": settings.around.get("command"), "step": settings.focus.step, "draws": settings.focus.draws}
 
 
 if __name__ == "__main__":

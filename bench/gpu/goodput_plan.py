@@ -23,6 +23,11 @@ Before the ladder moves on, a rate whose one Poisson draw cannot be trusted is d
 at most `max_redraws` a curve): one within a few points of the target, or one that breaks the
 curve's order (a rate that missed below one that met, under either SLO); its attainment is then
 over both draws' requests.
+
+A curve may instead be measured around the knees an earlier run found (`Focus`, `focused_next`):
+the rungs next to each knee, each drawn several times, then one rung further down or up for an
+SLO those rungs did not bracket. No point is spent far below a knee, and every rate that decides
+a goodput is over several Poisson draws.
 """
 
 from __future__ import annotations
@@ -149,6 +154,46 @@ def _sharpen(ladder: Ladder, done: Sequence[Measured], down: float | None) -> fl
             if lo < mid < min(above) and mid not in tried:
                 brackets.append((min(above) / lo, order, mid))
     return max(brackets)[2] if brackets else None
+
+
+@dataclass(frozen=True)
+class Focus:
+    """A curve measured around the knees an earlier run found for it."""
+
+    knees: tuple[float, ...]  # that run's goodput under each SLO judging this curve (req/s)
+    step: float = 1.1  # between rungs
+    draws: int = 2  # Poisson draws of every rung
+    span: int = 1  # rungs on each side of a knee
+
+
+def focus_rates(focus: Focus) -> list[float]:
+    """The rungs next to each knee, lowest first."""
+    return sorted({_round(k * focus.step**i) for k in focus.knees for i in range(-focus.span, focus.span + 1)})
+
+
+def focused_next(ladder: Ladder, focus: Focus, done: Sequence[Measured], slos: Sequence[str]) -> float | None:
+    """The next rate of a focused curve (a repeat for a further draw), or None when every rung and
+    extension has its draws: first the rungs next to the knees, then any rate short of draws, then,
+    for an SLO in `slos` that no rate met, one rung below the lowest tried, or for one that every
+    rate met, one rung above the highest."""
+    by_rate = {m.rate: m for m in done}
+    for rate in focus_rates(focus):
+        if rate not in by_rate or by_rate[rate].draws < focus.draws:
+            return rate
+    short = [m.rate for m in done if m.draws < focus.draws]
+    if short:
+        return min(short)
+    if len(done) >= len(focus_rates(focus)) + 2 * len(slos):  # an extension per SLO and side at most
+        return None
+    for slo in slos:
+        attained = {m.rate: getattr(m, slo) for m in done}
+        met = [r for r, a in attained.items() if a >= ladder.target]
+        down, up = _round(min(attained) / focus.step), _round(max(attained) * focus.step)
+        if not met and down >= ladder.min_rate and down not in by_rate:
+            return down
+        if met and max(met) == max(attained) and up <= ladder.max_rate and up not in by_rate:
+            return up
+    return None
 
 
 def requests_at(rate: float, window_s: float, least: int, most: int) -> int:

@@ -4,7 +4,7 @@ the JSON layout, a text summary and the attainment plot (one panel per workload 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from bench.common import write_report
 from loadgen.metrics import GOODPUT_MIN_ATTAINMENT, RequestRecord, goodput, summarize
@@ -47,6 +47,13 @@ def point_entries(
             "errors": m["errors"],
         }
     return out
+
+
+def prior_knees(prior: dict[str, Any], workload: str, deployment: str, slos: Sequence[str]) -> tuple[float, ...]:
+    """An earlier report's goodput of this curve under each of `slos` where it found one."""
+    blocks = prior.get("workloads", {}).get(workload, {})
+    found = (blocks.get(slo, {}).get(f"{deployment}_goodput") for slo in slos)
+    return tuple(float(g) for g in found if g)
 
 
 class Results:
@@ -142,7 +149,7 @@ class Results:
 
 # What two reports must share for their points to be one comparison (--resume)
 SAME_RUN_KEYS = ("device", "gpus", "model", "slos")
-SAME_SETTINGS = ("ladder", "window_s", "requests_per_point", "max_running", "mixed_chunk", "seed")
+SAME_SETTINGS = ("ladder", "window_s", "requests_per_point", "max_running", "mixed_chunk", "seed", "focus")
 
 # PD's goodput against colocated's that the benchmark exists to show (each curve, every workload)
 GOAL_EVERY_CURVE, GOAL_TIGHT, GOAL_TIGHT_WORKLOADS, GOAL_LOOSE = 1.0, 1.3, 2, 1.2

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from bench.gpu import goodput_plan as plan
-from bench.gpu.goodput_report import Results, point_entries
+from bench.gpu.goodput_report import SLO_NAMES, Results, point_entries, prior_knees
 from bench.gpu.goodput_signals import (
     node_count_means,
     node_counter_deltas,
@@ -52,6 +52,10 @@ class RunSettings:
     slos: dict[str, dict[str, float]]  # "loose" and "tight", seconds
     seed: int
     vocab: int  # prompt ids are drawn below it
+    # an earlier report whose knees each curve is measured around (plan.Focus), with the step and
+    # draws of its rungs; None: the ladder from its start
+    around: dict[str, Any] | None = None
+    focus: plan.Focus = plan.Focus(())
 
 
 def measure_deployment(
@@ -108,11 +112,13 @@ async def _curve(
     done: dict[float, plan.Measured] = {}
     drawn: dict[float, tuple[list[RequestRecord], float]] = {}  # rate -> every draw's records, wall
     ladder = plan.curve_ladder(settings.ladder, both_slos=judged is None)
+    focus = curve_focus(settings, workload.name, deployment, judged)
+    if focus is not None:
+        results.curve(workload.name, deployment, focus=list(focus.knees))  # the knees it was measured around
     tail_s = max(r.timeout_s or 0.0 for r in requests[:WARMUP])  # the worst case, until a point is seen
     redrawn = sent = 0  # second draws, and points sent (each draws prompts of its own)
     while True:
-        again = plan.redraw(ladder, list(done.values()), redrawn)
-        rate = again if again is not None else plan.next_rate(ladder, list(done.values()))
+        rate = next_rate(ladder, focus, list(done.values()), redrawn, judged)
         if rate is None:
             break
         if not up.alive():
@@ -146,6 +152,8 @@ async def _curve(
             file=sys.stderr,
             flush=True,
         )
+    if focus is not None:
+        return "focus done"
     return "max points" if len(done) >= ladder.max_points else "ladder done"
 
 
@@ -192,6 +200,25 @@ async def _point(
             "stream_stalls": stream_stalls(records),
         },
     )
+
+
+def curve_focus(settings: RunSettings, workload: str, deployment: str, judged: str | None) -> plan.Focus | None:
+    """The knees this curve is measured around, or None (no earlier report, or no knee in it)."""
+    if settings.around is None:
+        return None
+    knees = prior_knees(settings.around, workload, deployment, [judged] if judged else SLO_NAMES)
+    return replace(settings.focus, knees=knees) if knees else None
+
+
+def next_rate(
+    ladder: plan.Ladder, focus: plan.Focus | None, done: list[plan.Measured], redrawn: int, judged: str | None
+) -> float | None:
+    """The curve's next rate: around its earlier knees when it has them, else a doubtful rate's
+    second draw or the ladder's next rung."""
+    if focus is not None:
+        return plan.focused_next(ladder, focus, done, [judged] if judged else SLO_NAMES)
+    again = plan.redraw(ladder, done, redrawn)
+    return again if again is not None else plan.next_rate(ladder, done)
 
 
 def draw_summary(seed: int, entries: dict[str, dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:

@@ -4,6 +4,7 @@ to measure and each PD run's TPOT guard (bench/gpu/goodput.py runs them)."""
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -88,6 +89,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="second Poisson draws per curve at rates whose first is doubtful (85-95%% attainment) or out "
         "of order (default 3; 0 with --quick)",
     )
+    p.add_argument(
+        "--around",
+        type=Path,
+        default=None,
+        help="an earlier goodput JSON: each curve is measured at the rungs next to the knees it found "
+        "(every rung drawn --focus-draws times, one rung further where they do not bracket the knee), "
+        "not up the ladder from --start-rate; a curve it found no knee for takes the ladder",
+    )
+    p.add_argument("--focus-draws", type=int, default=2, help="with --around: Poisson draws of every rung")
+    p.add_argument("--focus-step", type=float, default=1.1, help="with --around: ratio between rungs")
     p.add_argument("--slo-loose", default=SLOS["loose"])
     p.add_argument("--slo-tight", default=SLOS["tight"])
     p.add_argument("--seed", type=int, default=0)
@@ -124,7 +135,26 @@ def run_settings(args: argparse.Namespace, kind: str) -> tuple[RunSettings, floa
         if args.resolution <= 1.0:
             raise SystemExit(f"--resolution must be above 1, got {args.resolution}")
         ladder = replace(ladder, resolution=args.resolution)
-    return RunSettings(ladder, window, least, most, slos, args.seed, vocab=0), args.budget_s or budget
+    settings = RunSettings(ladder, window, least, most, slos, args.seed, vocab=0)
+    return with_focus(args, settings), args.budget_s or budget
+
+
+def with_focus(args: argparse.Namespace, settings: RunSettings) -> RunSettings:
+    """`--around`: the earlier report whose knees the curves are measured around, and its rungs."""
+    if args.around is None:
+        return settings
+    if args.focus_draws < 1 or args.focus_step <= 1.0:
+        raise SystemExit(
+            f"--focus-draws must be >= 1 and --focus-step above 1, got {args.focus_draws}, {args.focus_step}"
+        )
+    try:
+        prior = json.loads(args.around.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--around {args.around}: {e}") from None
+    if prior.get("slos") != {n: {f"{k}_ms": v * 1e3 for k, v in slo.items()} for n, slo in settings.slos.items()}:
+        raise SystemExit(f"--around {args.around}: its SLOs differ from this run's")
+    focus = plan.Focus((), step=args.focus_step, draws=args.focus_draws)
+    return replace(settings, around=prior, focus=focus)
 
 
 def parse_deployments(text: str) -> list[tuple[str, str | None]]:
