@@ -52,6 +52,7 @@ from bench.gpu.goodput_signals import (
     NODE_STAGES,
     PATH_DECISIONS,
     PATH_ESTIMATES,
+    ROUTER_TTFT,
     TTFT_STAGES,
     histogram_means_ms,
     histogram_totals,
@@ -102,7 +103,9 @@ def sizes(args: argparse.Namespace, gpu: bool) -> dict[str, int]:
 SPEC = ("pdserve_spec_accepted_tokens_total", "pdserve_spec_verifies_total")
 # where a first token's time goes: the router's stages, each node role's queue and prompt time, and
 # a prefill's handoff tail by stage and its KV write
-STAGES = (TTFT_STAGES, *NODE_STAGES, PATH_ESTIMATES)  # and the router's estimate of each path when chosen
+# and the router's estimate of each path when chosen, and its whole TTFT (from the request's arrival,
+# so it less its stages is the router's own parsing, templating and tokenizing)
+STAGES = (TTFT_STAGES, *NODE_STAGES, PATH_ESTIMATES, ROUTER_TTFT)
 PATHS = "pdserve_router_prefill_path_total"  # requests by prefill path (remote, local, ...)
 # what the path decision read at a phase's end: each node's TTFT calibration and prompt capacity
 GAUGES = ("pdserve_router_ttft_estimate_ratio", "pdserve_node_prefill_capacity_tokens_per_second")

@@ -45,6 +45,8 @@ def test_prefix_cache_bench_on_cpu(tmp_path):
         stages = multi["ttft_stages_ms"]  # where the first tokens' time went, router and node
         router = stages['pdserve_router_ttft_stage{stage="prefill"}']
         assert router >= stages['pdserve_node_prompt{role="colocated"}'] > 0
+        # the router's whole TTFT, from the request's arrival: its stages and its own parsing
+        assert stages['pdserve_router_time_to_first_token{endpoint="/v1/completions"}'] >= router
         assert multi["paths"] == {"colocated": multi["requests"]}  # the router's requests by path
         plain = runs[state]["no_reuse"]  # the no-reuse run's own paths and stages
         assert plain["paths"] == {"colocated": data["sizes"]["no_reuse_prompts"]}
