@@ -97,8 +97,9 @@ class EngineOptions:
     )
     cuda_graph_prompt_tokens: int = opt(
         DEFAULT_PROMPT_GRAPH_TOKENS,
-        "Prompt batches of at most this many tokens and 8 requests replay CUDA graphs captured at token "
-        "buckets (short prompts are launch-bound); 0 disables. Needs --cuda-graph-max-bs > 0.",
+        "Prompt batches of at most this many tokens (buckets up to 2048) and 8 requests replay CUDA graphs "
+        "captured at token buckets (short prompts are launch-bound; a loaded prefill node's long ones can be "
+        "too); 0 disables. Needs --cuda-graph-max-bs > 0.",
         panel=PANEL_FAST,
     )
     disable_mixed_chunk: bool = opt(

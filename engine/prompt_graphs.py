@@ -11,8 +11,13 @@ Kernel grids are sized by the bucket (every extend length is at most `tokens`), 
 serves every split of its bucket.
 
 Why: eagerly a short prompt costs ~400 host launches, about 19 ms of wall time on an H100 for
-6 ms of kernels (bench/results/profile_prompt_h100.json). Past a few hundred tokens the kernels
-hide the launches (a 2K prompt: 47 ms of kernels in 51 ms), so larger batches stay eager.
+6 ms of kernels (bench/results/profile_prompt_h100.json). On an idle engine the kernels of a few
+hundred tokens or more hide the launches (a 2K prompt: 47 ms of kernels in 51 ms), so by default
+larger batches stay eager (`--cuda-graph-prompt-tokens` 512). A loaded prefill node shares its
+host with its server: there a prompt batch's launch took 29-37 ms of a 32-41 ms step
+(bench/RESULTS.md, goodput), so buckets go on to 2,048 tokens, a chunked prefill's whole budget,
+for nodes that set the flag that high (every 256 tokens past 512: a padded token costs what a real
+one does).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from engine.core import ForwardMode
 from engine.forward_context import ForwardContext
 
 PROMPT_MODES = (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND)
-TOKEN_BUCKETS = (32, 64, 128, 256, 384, 512)
+TOKEN_BUCKETS = (32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048)
 ROW_BUCKETS = (1, 2, 4, 8)
 
 

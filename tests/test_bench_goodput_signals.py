@@ -85,6 +85,8 @@ def test_node_env_carries_the_prefills_kv_write_sgl() -> None:
     assert node_env(None, kv_write_sgl="auto")["PDSERVE_KV_WRITE_SGL"] == "auto"
     assert node_env(None, switch_interval_ms=0.5)["PDSERVE_SWITCH_INTERVAL_MS"] == "0.5"
     assert "PDSERVE_SWITCH_INTERVAL_MS" not in node_env(None)
+    assert node_env(None, prompt_graph_tokens=2048)["PDSERVE_CUDA_GRAPH_PROMPT_TOKENS"] == "2048"
+    assert "PDSERVE_CUDA_GRAPH_PROMPT_TOKENS" not in node_env(None)
     assert parse_args(["--kv-write-sgl", "on"]).kv_write_sgl == "on"
 
 

@@ -159,7 +159,13 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
         results.deployment(dep, {"label": LABELS[dep]})
         run_info = {"command": " ".join(argv_up[2:]), "log": str(log), "guard_ms": float(guard_ms)}
         results.deployment(dep, run_info, judged)
-        env = node_env(args.max_running, not args.disable_mixed_chunk, args.kv_write_sgl, args.switch_interval_ms)
+        env = node_env(
+            args.max_running,
+            not args.disable_mixed_chunk,
+            args.kv_write_sgl,
+            args.switch_interval_ms,
+            args.prompt_graph_tokens,
+        )
         t0 = time.monotonic()
         try:
             with UpProcess(dep, argv_up, env, log) as up:
@@ -255,6 +261,7 @@ def header(
             "whole_on_prefill": args.whole_on_prefill,
             "kv_write_sgl": args.kv_write_sgl,
             "switch_interval_ms": args.switch_interval_ms,
+            "prompt_graph_tokens": args.prompt_graph_tokens,
             "quick": args.quick,
             "seed": args.seed,
             "focus": focus_setting(settings),

@@ -149,7 +149,16 @@ class Results:
 
 # What two reports must share for their points to be one comparison (--resume)
 SAME_RUN_KEYS = ("device", "gpus", "model", "slos")
-SAME_SETTINGS = ("ladder", "window_s", "requests_per_point", "max_running", "mixed_chunk", "seed", "focus")
+SAME_SETTINGS = (
+    "ladder",
+    "window_s",
+    "requests_per_point",
+    "max_running",
+    "mixed_chunk",
+    "seed",
+    "focus",
+    "prompt_graph_tokens",
+)
 
 # PD's goodput against colocated's that the benchmark exists to show (each curve, every workload)
 GOAL_EVERY_CURVE, GOAL_TIGHT, GOAL_TIGHT_WORKLOADS, GOAL_LOOSE = 1.0, 1.3, 2, 1.2

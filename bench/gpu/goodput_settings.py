@@ -70,6 +70,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--kv-write-sgl", choices=SGL_MODES, default=None, help="the prefill nodes' --kv-write-sgl")
     p.add_argument("--switch-interval-ms", type=float, default=None, help="every node's --switch-interval-ms")
+    p.add_argument(
+        "--prompt-graph-tokens",
+        type=int,
+        default=None,
+        help="every node's --cuda-graph-prompt-tokens (default: theirs, 512; up to 2048 replays a loaded "
+        "prefill node's long prompt batches from graphs too)",
+    )
     p.add_argument("--eagle", action="store_true", help="EAGLE with an echo draft head in both deployments")
     p.add_argument("--device", default="auto", help="pdserve up --device")
     p.add_argument("--budget-s", type=float, default=None, help="whole run's time budget in seconds")

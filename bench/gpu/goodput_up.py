@@ -196,6 +196,7 @@ def node_env(
     mixed_chunk: bool = True,
     kv_write_sgl: str | None = None,
     switch_interval_ms: float | None = None,
+    prompt_graph_tokens: int | None = None,
 ) -> dict[str, str]:
     """The environment `pdserve up` and its children run in (flags `up` does not take, as the
     nodes' PDSERVE_* variables)."""
@@ -208,4 +209,6 @@ def node_env(
         env["PDSERVE_KV_WRITE_SGL"] = kv_write_sgl  # the prefill nodes' --kv-write-sgl
     if switch_interval_ms is not None:
         env["PDSERVE_SWITCH_INTERVAL_MS"] = f"{switch_interval_ms:g}"  # every node's --switch-interval-ms
+    if prompt_graph_tokens is not None:
+        env["PDSERVE_CUDA_GRAPH_PROMPT_TOKENS"] = str(prompt_graph_tokens)  # every node's --cuda-graph-prompt-tokens
     return env

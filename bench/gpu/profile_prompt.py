@@ -1,8 +1,9 @@
 """Where a prompt batch's time goes on the 8B shape: wall time against GPU kernel time, and the
 host's hottest functions, for prompts of a few lengths (plain, and a follow-up over a cached prefix).
 
-`python -m bench.gpu.profile_prompt --out DIR` (GPU machine). One engine (Triton attention,
-overlap, CUDA graphs for decode and prompt graphs up to 512 tokens), warmed up; each case runs a
+`python -m bench.gpu.profile_prompt --out DIR [--prompt-graph-tokens 2048]` (GPU machine). One
+engine (Triton attention, overlap, CUDA graphs for decode and prompt graphs up to 512 tokens, or
+as many as given), warmed up; each case runs a
 one-token request five times for its wall time, once under torch.profiler for its kernels' busy
 time, and once under cProfile; every case runs with prompt graphs off (eager) and on.
 """
@@ -44,7 +45,7 @@ def cases(vocab: int, seed: int) -> dict[str, Callable[[Engine], None]]:
         eng.generate([history + prompt(200)], ONE)
 
     out: dict[str, Callable[[Engine], None]] = {
-        f"prompt_{n}": (lambda eng, n=n: eng.generate([prompt(n)], ONE)) for n in (32, 256, 2048)
+        f"prompt_{n}": (lambda eng, n=n: eng.generate([prompt(n)], ONE)) for n in (32, 256, 1024, 2048)
     }
     out["follow_up_200_over_2000"] = follow_up
     out["four_prompts_of_64"] = lambda eng: eng.generate([prompt(64) for _ in range(4)], ONE)
@@ -88,6 +89,7 @@ def measure(eng: Engine, fn: Callable[[Engine], None]) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--prompt-graph-tokens", type=int, default=512, help="the engine's cuda_graph_prompt_tokens")
     args = ap.parse_args()
     model_dir, _ = prepare_model("llama8b", None, eagle=False)
     config = EngineConfig(
@@ -96,7 +98,7 @@ def main() -> int:
         attention_backend="triton",
         overlap=True,
         cuda_graph_max_bs=8,
-        cuda_graph_prompt_tokens=512,
+        cuda_graph_prompt_tokens=args.prompt_graph_tokens,
         max_total_tokens=65536,
         max_running=8,
     )

@@ -33,6 +33,11 @@ def test_buckets_fit_the_smallest_shape() -> None:
     assert b.fit(257, 1) is None and b.fit(10, 5) is None and b.fit(0, 1) is None
     assert b.shapes()[0] == (256, 4) and len(b.shapes()) == 12
     assert PromptBuckets.up_to(16, 8) is None and PromptBuckets.up_to(512, 0) is None
+    # past 512 (a prefill node's long prompt batches) every 256 tokens, up to a 2,048-token budget
+    wide = PromptBuckets.up_to(2048, 8)
+    assert wide is not None and wide.tokens[5:] == (512, 768, 1024, 1280, 1536, 1792, 2048)
+    assert wide.fit(1500, 2) == (1536, 2) and wide.fit(2048, 8) == (2048, 8) and wide.fit(2049, 1) is None
+    assert PromptBuckets.up_to(512, 8).tokens[-1] == 512  # the default stops where it did
 
 
 # ---- the kernels on a bucket's static context ----
@@ -100,6 +105,17 @@ def test_padded_prompt_path_equals_eager(rig, which: str) -> None:
     assert runner.graph_stats.eager_reasons["prompt batch larger than its buckets"] == 1
 
 
+def test_a_long_prompt_batch_on_a_wide_bucket_equals_eager(rig) -> None:
+    """Buckets past 512 tokens: 730 cold and cached-prefix tokens pad to 768, a row to spare."""
+    runner = rig.target
+    assert runner.enable_cuda_graphs(8, capture=False, prompt_tokens=1024)
+    reqs = rig.requests(3, 600)
+    prefix, extend = [0, 24, 3], [560, 150, 20]
+    ref, out = eager_and_graph(runner, lambda: prompt(runner, rig, reqs, prefix, extend, aux=(0, 1)))
+    torch.testing.assert_close(out, ref)
+    assert {(t, b) for m, t, b in runner.graph_shapes()} == {(768, 4)}
+
+
 def test_precaptured_prompt_graphs_are_hit(rig) -> None:
     runner = rig.draft
     runner.enable_cuda_graphs(2, capture=False, prompt_tokens=64)
@@ -148,12 +164,15 @@ def test_engine_with_prompt_graphs_equals_plain(tiny_llama_dir, head_dir, spec) 
 def gpu_rig(tiny_llama_dir, head_dir) -> Rig:
     rig = Rig(tiny_llama_dir, head_dir, device="cuda", dtype="bfloat16", backend="triton")
     for runner in (rig.target, rig.draft):
-        assert runner.enable_cuda_graphs(8, prompt_tokens=512)
+        assert runner.enable_cuda_graphs(8, prompt_tokens=1024)  # past 512: the wide buckets too
     return rig
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [([0], [7]), ([0, 5, 11], [9, 100, 2]), ([3, 0, 17, 1, 0], [200, 50, 90, 30, 40])])
+@pytest.mark.parametrize(
+    "shape",
+    [([0], [7]), ([0, 5, 11], [9, 100, 2]), ([3, 0, 17, 1, 0], [200, 50, 90, 30, 40]), ([0, 24, 3], [560, 150, 20])],
+)
 def test_gpu_prompt_graphs_equal_eager(gpu_rig, shape) -> None:
     prefix, extend = shape
     reqs = gpu_rig.requests(len(prefix), max(extend) + 20)
