@@ -1,9 +1,8 @@
 """Measuring one started deployment: per workload a warm-up, then the ladder's rates one after
 another (or the rungs around an earlier run's knees), each a loadgen Poisson point on the
 workload's first requests (a doubtful one drawn a second time, its point then over both draws),
-then a wait until the nodes are idle; every point
-is judged by both SLOs (or by the one SLO a deployment set up for it is judged by) and goes into
-the results at once."""
+then a wait until the nodes are idle; every point is judged by both SLOs (or by the one SLO a
+deployment set up for it is judged by) and goes into the results at once."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """What a goodput point reads from a deployment's /metrics: every node's load against capacity, its
 queue, prompt and handoff stages, counts (page runs, eager forwards, mixed steps), its slowest
-steps, and the router's
-requests by path, path decisions, TTFT stages, calibration and pooling, as before/after snapshots
-whose differences are the point's."""
+steps, and the router's requests by path, path decisions, TTFT stages, calibration and pooling,
+as before/after snapshots whose differences are the point's."""
 
 from __future__ import annotations
 
