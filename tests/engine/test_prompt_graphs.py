@@ -159,6 +159,42 @@ def test_engine_with_prompt_graphs_equals_plain(tiny_llama_dir, head_dir, spec) 
     assert run(True) == run(False)
 
 
+def test_engine_with_wide_prompt_graphs_equals_plain(tmp_path) -> None:
+    """Prompts of 600-1,300 tokens and follow-ups of 150 more over them, on graphs up to 2,048
+    tokens: every batch on a bucket (none eager), plain greedy output, every page back."""
+    import random
+
+    from fixtures.tiny_model import write_tiny_model
+
+    model = write_tiny_model(
+        tmp_path, "LlamaForCausalLM", seed=0, num_heads=4, num_kv_heads=2, max_position_embeddings=4096
+    )
+    rng = random.Random(0)
+    history = [[rng.randrange(3, 200) for _ in range(n)] for n in (900, 1300, 600)]
+    follow = [h + [5, 6, 7] * 50 for h in history]
+    greedy = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+
+    def run(graphs: bool) -> list[list[int]]:
+        cfg = EngineConfig(
+            str(model),
+            page_size=4,
+            cuda_graph_max_bs=4 if graphs else 0,
+            cuda_graph_padded_eager=graphs,
+            cuda_graph_prompt_tokens=2048,
+            max_total_tokens=16384,
+        )
+        eng = Engine(cfg)
+        outs = [o.output_ids for o in eng.generate(history, greedy) + eng.generate(follow, greedy)]
+        if graphs:
+            runner = eng.parts.runner
+            assert max(t for _, t, _ in runner.graph_shapes()) == 2048
+            assert not runner.graph_stats.eager_reasons, runner.graph_stats.eager_reasons
+        assert eng.kv.all_free
+        return outs
+
+    assert run(True) == run(False)
+
+
 # ---- GPU: captured prompt graphs ----
 @pytest.fixture(scope="module")
 def gpu_rig(tiny_llama_dir, head_dir) -> Rig:
