@@ -95,3 +95,17 @@ def test_a_second_draw_makes_the_point_one_over_both_draws_requests() -> None:
         assert [d["attainment"][slo] for d in point["draws"]] == [pytest.approx(0.15), pytest.approx(0.95)]
     data = results.finish()
     assert data["workloads"]["w"]["tight"]["colocated_goodput"] is None  # 55% over both draws
+    # each draw alone: the first missed at 22.6, the second met it
+    assert data["workloads"]["w"]["tight"]["colocated_goodput_by_draw"] == [None, 22.6]
+
+
+def test_goodput_by_draw_reads_each_draw_of_every_rate() -> None:
+    from bench.gpu.goodput_report import goodput_by_draw
+
+    def point(rate: float, *attained: float) -> dict:
+        return {"rate": rate, "draws": [{"attainment": {"tight": a}} for a in attained]}
+
+    points = [point(19.0, 1.0, 0.97), point(20.7, 0.92, 0.85), point(22.6, 0.5)]  # 22.6 drawn once
+    assert goodput_by_draw(points, "tight") == [20.7, 19.0]
+    assert goodput_by_draw([point(16.0, 0.4)], "loose") == [None]  # a draw not judged by that SLO
+    assert goodput_by_draw([{"rate": 4.0}], "tight") == []  # a point from before draws were recorded

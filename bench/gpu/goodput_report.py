@@ -128,6 +128,7 @@ class Results:
                     block[f"{dep}_goodput"] = best
                     # met at the highest rate tried: the knee lies above it, not measured
                     block[f"{dep}_goodput_is_lower_bound"] = best is not None and best >= max(p["rate"] for p in mine)
+                    block[f"{dep}_goodput_by_draw"] = goodput_by_draw(mine, slo)
             summary[wname] = {dep: w["loose"][f"{dep}_goodput"] for dep in deployments}
         self.data["highest_rate_within_loose_slo"] = summary
         self.data["goals"] = goals(self.data["workloads"])
@@ -145,6 +146,21 @@ class Results:
         except ImportError:  # the bench extra (matplotlib) is not installed: the JSON is the result
             png = None
         return path, png
+
+
+def goodput_by_draw(points: list[dict[str, Any]], slo: str) -> list[float | None]:
+    """The goodput each Poisson draw alone gives: draw k of every rate (its last where it has
+    fewer), one figure per draw; where they differ, one draw would have decided the goodput."""
+    most = max((len(p.get("draws", ())) for p in points), default=0)
+    out = []
+    for k in range(most):
+        drawn = [
+            (p["rate"], p["draws"][min(k, len(p["draws"]) - 1)]["attainment"].get(slo))
+            for p in points
+            if p.get("draws")
+        ]
+        out.append(goodput((rate, a) for rate, a in drawn if a is not None))
+    return out
 
 
 # What two reports must share for their points to be one comparison (--resume)
