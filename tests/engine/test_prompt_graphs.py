@@ -128,6 +128,24 @@ def test_precaptured_prompt_graphs_are_hit(rig) -> None:
     assert (s.captures, s.hits, s.eager) == (4, 2, 0), s
 
 
+def _engine(model, graphs: bool, prompt_tokens: int, algorithm=None, **extra) -> Engine:
+    """A tiny engine with prompt graphs up to `prompt_tokens` (padded-eager: the CPU's graph path), or without."""
+    cfg = EngineConfig(
+        str(model),
+        page_size=4,
+        cuda_graph_max_bs=4 if graphs else 0,
+        cuda_graph_padded_eager=graphs,
+        cuda_graph_prompt_tokens=prompt_tokens,
+        **extra,
+    )
+    return Engine(cfg, algorithm=algorithm)
+
+
+def _two_turns(eng: Engine, history, follow, params: SamplingParams) -> list[list[int]]:
+    """Greedy outputs of cold prompts, then of follow-ups over their cached prefixes."""
+    return [o.output_ids for o in eng.generate(history, params) + eng.generate(follow, params)]
+
+
 @pytest.mark.parametrize("spec", [None, "EAGLE"])
 def test_engine_with_prompt_graphs_equals_plain(tiny_llama_dir, head_dir, spec) -> None:
     """Cold prompts, then follow-ups over cached prefixes, in batches the buckets hold."""
@@ -139,15 +157,9 @@ def test_engine_with_prompt_graphs_equals_plain(tiny_llama_dir, head_dir, spec) 
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
 
     def run(graphs: bool) -> list[list[int]]:
-        cfg = EngineConfig(
-            str(tiny_llama_dir),
-            page_size=4,
-            cuda_graph_max_bs=4 if graphs else 0,
-            cuda_graph_padded_eager=graphs,
-            cuda_graph_prompt_tokens=128,
-        )
-        eng = Engine(cfg, algorithm=bind(SpecConfig("EAGLE", str(head_dir), 3, 1, None)) if spec else None)
-        outs = [o.output_ids for o in eng.generate(history, greedy) + eng.generate(follow, greedy)]
+        algorithm = bind(SpecConfig("EAGLE", str(head_dir), 3, 1, None)) if spec else None
+        eng = _engine(tiny_llama_dir, graphs, 128, algorithm)
+        outs = _two_turns(eng, history, follow, greedy)
         if graphs:
             runners = [eng.executor.target, eng.executor.draft] if spec else [eng.parts.runner]
             for r in runners:
@@ -175,16 +187,8 @@ def test_engine_with_wide_prompt_graphs_equals_plain(tmp_path) -> None:
     greedy = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
 
     def run(graphs: bool) -> list[list[int]]:
-        cfg = EngineConfig(
-            str(model),
-            page_size=4,
-            cuda_graph_max_bs=4 if graphs else 0,
-            cuda_graph_padded_eager=graphs,
-            cuda_graph_prompt_tokens=2048,
-            max_total_tokens=16384,
-        )
-        eng = Engine(cfg)
-        outs = [o.output_ids for o in eng.generate(history, greedy) + eng.generate(follow, greedy)]
+        eng = _engine(model, graphs, 2048, max_total_tokens=16384)
+        outs = _two_turns(eng, history, follow, greedy)
         if graphs:
             runner = eng.parts.runner
             assert max(t for _, t, _ in runner.graph_shapes()) == 2048
