@@ -44,8 +44,9 @@ class EagleHandoffCodec:
             )
         if st.copied is not None:  # host copies in flight since the prefill step: wait for them alone
             st.copied.wait()
-        # Assembled where the state lives, then one copy to the host: each device-to-host copy
-        # waits for the device, and this runs on the handoff's critical path.
+        # Assembled where the state lives (the host once a prefill's copies have landed, so the
+        # last copy is a no-op there), then one copy to the host: each device-to-host copy waits
+        # for the device, and this runs on the handoff's critical path.
         out = torch.zeros(self.payload_bytes, dtype=torch.uint8, device=st.hidden.device)
         out[0:4].view(torch.int32).fill_(k)
         out[self._p : self._p + 4 * k].view(torch.float32).copy_(st.topk_p.detach().float())
