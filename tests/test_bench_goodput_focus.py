@@ -41,14 +41,24 @@ def test_a_focused_curve_draws_the_rungs_next_to_its_knee_and_stops() -> None:
 
 
 def test_a_focused_curve_reaches_further_where_its_rungs_miss_the_knee() -> None:
-    """A knee that moved up since: a rung above the highest, drawn twice, until one misses (at most
-    two such extensions per SLO); one that moved down: a rung below the lowest."""
+    """A knee that moved up since: a rung above the highest, drawn twice, until one misses; one that
+    moved down: a rung below the lowest."""
     focus = plan.Focus((20.7,), step=1.1, draws=2)
     up = _sweep(focus, ["loose"], lambda r: (1.0 if r < 26 else 0.3, 0.0))
     assert [r for r, d in up if d == 0] == [18.8, 20.7, 22.8, 25.1, 27.6]
     down = _sweep(focus, ["loose"], lambda r: (1.0 if r < 17.5 else 0.3, 0.0))
     assert [r for r, d in down if d == 0] == [18.8, 20.7, 22.8, 17.1]
     assert all(sum(1 for r, _ in down if r == rate) == 2 for rate, _ in down)
+
+
+def test_a_knee_that_moved_between_the_earlier_knees_is_bisected_to_a_rung() -> None:
+    """The twenty-sixth run's colocated decode_heavy: focused on 38.1 (loose) and 20.7 (tight), its
+    loose curve met at 22.8 and missed from 34.6 on. The gap between is halved until a rung apart:
+    28.1 (met), then 31.2 (missed)."""
+    focus = plan.Focus((38.1, 20.7), step=1.1, draws=2)
+    order = _sweep(focus, ["loose", "tight"], lambda r: (1.0 if r < 30 else 0.5, 1.0 if r < 21 else 0.0))
+    assert [r for r, d in order if d == 0] == [18.8, 20.7, 22.8, 34.6, 38.1, 41.9, 28.1, 31.2]
+    assert len(order) == 16  # every rate twice
 
 
 def test_a_curve_judged_by_both_slos_is_focused_on_both_knees() -> None:

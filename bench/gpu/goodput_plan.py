@@ -26,8 +26,9 @@ over both draws' requests.
 
 A curve may instead be measured around the knees an earlier run found (`Focus`, `focused_next`):
 the rungs next to each knee, each drawn several times, then one rung further down or up for an
-SLO those rungs did not bracket. No point is spent far below a knee, and every rate that decides
-a goodput is over several Poisson draws.
+SLO those rungs did not bracket, or the middle of a gap wider than a rung where the knee fell
+between two earlier knees. No point is spent far below a knee, and every rate that decides a
+goodput is over several Poisson draws.
 """
 
 from __future__ import annotations
@@ -174,8 +175,10 @@ def focus_rates(focus: Focus) -> list[float]:
 def focused_next(ladder: Ladder, focus: Focus, done: Sequence[Measured], slos: Sequence[str]) -> float | None:
     """The next rate of a focused curve (a repeat for a further draw), or None when every rung and
     extension has its draws: first the rungs next to the knees, then any rate short of draws, then,
-    for an SLO in `slos` that no rate met, one rung below the lowest tried, or for one that every
-    rate met, one rung above the highest."""
+    for an SLO in `slos` that no rate met, one rung below the lowest tried, for one that every
+    rate met, one rung above the highest, and for one whose highest met rate and the next rate
+    tried above it are more than a rung apart (a knee that moved between the earlier run's knees),
+    their geometric middle."""
     by_rate = {m.rate: m for m in done}
     for rate in focus_rates(focus):
         if rate not in by_rate or by_rate[rate].draws < focus.draws:
@@ -183,7 +186,7 @@ def focused_next(ladder: Ladder, focus: Focus, done: Sequence[Measured], slos: S
     short = [m.rate for m in done if m.draws < focus.draws]
     if short:
         return min(short)
-    if len(done) >= len(focus_rates(focus)) + 2 * len(slos):  # an extension per SLO and side at most
+    if len(done) >= len(focus_rates(focus)) + FOCUS_EXTENSIONS * len(slos):
         return None
     for slo in slos:
         attained = {m.rate: getattr(m, slo) for m in done}
@@ -193,7 +196,22 @@ def focused_next(ladder: Ladder, focus: Focus, done: Sequence[Measured], slos: S
             return down
         if met and max(met) == max(attained) and up <= ladder.max_rate and up not in by_rate:
             return up
+        if met and (mid := _focus_gap(attained, max(met), focus.step)) is not None and mid not in by_rate:
+            return mid
     return None
+
+
+FOCUS_EXTENSIONS = 4  # rates past the knees' rungs per SLO: a step out, then halving a gap to a rung
+
+
+def _focus_gap(attained: dict[float, float], lo: float, step: float) -> float | None:
+    """The geometric middle between `lo` (the highest rate that met) and the next rate tried above
+    it, where the two are more than a rung apart (rounding allowed for); None otherwise."""
+    above = [r for r in attained if r > lo]
+    if not above or min(above) / lo <= step * 1.01:
+        return None
+    mid = _round(math.sqrt(lo * min(above)))
+    return mid if lo < mid < min(above) else None
 
 
 def requests_at(rate: float, window_s: float, least: int, most: int) -> int:
