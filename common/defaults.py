@@ -42,8 +42,10 @@ DEFAULT_MAX_RUNNING = 64
 DEFAULT_DECODE_MAX_RUNNING = 256
 # CUDA graphs are captured up to the batch the node runs, up to this (eager beyond)
 DEFAULT_GRAPH_MAX_BS = 256
-# prompt batches up to this many tokens replay bucketed CUDA graphs (engine/prompt_graphs.py)
-DEFAULT_PROMPT_GRAPH_TOKENS = 512
+# prompt batches up to this many tokens (a chunked prefill's whole budget) replay bucketed CUDA
+# graphs (engine/prompt_graphs.py): under load a 1,024-token batch launched eagerly took 29-37 ms of
+# host time, from graphs 2.3 ms (two H200s, bench/RESULTS.md, goodput)
+DEFAULT_PROMPT_GRAPH_TOKENS = 2048
 DEFAULT_CHUNKED_PREFILL_SIZE = 2048
 
 # The grammar libraries constrained output may be compiled and matched with (--grammar-backend).

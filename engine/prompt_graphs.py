@@ -11,13 +11,12 @@ Kernel grids are sized by the bucket (every extend length is at most `tokens`), 
 serves every split of its bucket.
 
 Why: eagerly a short prompt costs ~400 host launches, about 19 ms of wall time on an H100 for
-6 ms of kernels (bench/results/profile_prompt_h100.json). On an idle engine the kernels of a few
-hundred tokens or more hide the launches (a 2K prompt: 47 ms of kernels in 51 ms), so by default
-larger batches stay eager (`--cuda-graph-prompt-tokens` 512). A loaded prefill node shares its
-host with its server: there a prompt batch's launch took 29-37 ms of a 32-41 ms step
-(bench/RESULTS.md, goodput), so buckets go on to 2,048 tokens, a chunked prefill's whole budget,
-for nodes that set the flag that high (every 256 tokens past 512: a padded token costs what a real
-one does).
+6 ms of kernels (bench/results/profile_prompt_h100.json). Long prompts are launch-bound too where
+the host is slow or busy: on an H200 host a 1,024-token prompt took 44 ms eagerly and 25 ms from a
+graph (bench/results/profile_prompt_h200.json), and a loaded prefill node's 1,024-token batches
+launched in 29-37 ms eagerly, 2.3 ms from graphs (bench/RESULTS.md, goodput). So buckets go on to
+2,048 tokens, a chunked prefill's whole budget, by default (`--cuda-graph-prompt-tokens`; every 256
+tokens past 512: a padded token costs what a real one does).
 """
 
 from __future__ import annotations

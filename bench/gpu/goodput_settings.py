@@ -74,8 +74,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--prompt-graph-tokens",
         type=int,
         default=None,
-        help="every node's --cuda-graph-prompt-tokens (default: theirs, 512; up to 2048 replays a loaded "
-        "prefill node's long prompt batches from graphs too)",
+        help="every node's --cuda-graph-prompt-tokens (default: theirs, 2048; 512 was the default before "
+        "the twenty-sixth run)",
     )
     p.add_argument("--eagle", action="store_true", help="EAGLE with an echo draft head in both deployments")
     p.add_argument("--device", default="auto", help="pdserve up --device")
