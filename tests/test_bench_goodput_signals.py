@@ -136,10 +136,17 @@ def test_node_counter_deltas_give_a_points_eager_forwards_by_reason_and_mixed_st
     replay = 'decode-0:pdserve_node_graph_forwards_total{role="decode",path="replay",reason=""}'
     mixed = 'decode-0:pdserve_node_mixed_steps_total{role="decode"}'
     queue = "decode-0:pdserve_node_queue_time_seconds_sum{}"  # not a counter of the point
-    before = {eager: 3.0, replay: 100.0, mixed: 1.0, queue: 0.0}
-    after = {eager: 5.0, replay: 160.0, mixed: 1.0, queue: 2.0}
+    compiles = "decode-0:pdserve_node_kernel_compiles_total{}"
+    compile_s = 'decode-0:pdserve_node_kernel_compile_seconds_total{kernel="_extend_kernel"}'
+    before = {eager: 3.0, replay: 100.0, mixed: 1.0, queue: 0.0, compiles: 40.0, compile_s: 9.0}
+    after = {eager: 5.0, replay: 160.0, mixed: 1.0, queue: 2.0, compiles: 41.0, compile_s: 9.5}
     assert node_counter_deltas(before, after) == {
-        "decode-0": {"graph_forwards:eager,not captured at start-up": 2.0, "graph_forwards:replay": 60.0}
+        "decode-0": {
+            "graph_forwards:eager,not captured at start-up": 2.0,
+            "graph_forwards:replay": 60.0,
+            "kernel_compiles": 1.0,  # one compile during the point: a step waited 0.5 s for it
+            "kernel_compile_seconds:_extend_kernel": 0.5,
+        }
     }
 
 

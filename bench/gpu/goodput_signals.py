@@ -58,8 +58,14 @@ NODE_STAGES = (
 )
 # a decode's page runs per prompt written to it; a prefill's runs per write (both sides consecutive)
 NODE_COUNTS = ("pdserve_kv_destination_runs", "pdserve_kv_write_runs")
-# counted per point: forwards replayed or eager (by reason), decode steps that carried a chunk
-NODE_COUNTERS = ("pdserve_node_graph_forwards_total", "pdserve_node_mixed_steps_total")
+# counted per point: forwards replayed or eager (by reason), decode steps that carried a chunk,
+# Triton kernels compiled meanwhile (by kernel; each stalled a step) and their seconds
+NODE_COUNTERS = (
+    "pdserve_node_graph_forwards_total",
+    "pdserve_node_mixed_steps_total",
+    "pdserve_node_kernel_compiles_total",
+    "pdserve_node_kernel_compile_seconds_total",
+)
 # the step histogram's buckets, kept per point: a mean hides one step that held a node for seconds
 STEP_BUCKETS = "pdserve_node_step_seconds_bucket"
 SLOW_STEP_S = 0.1  # a bucket bound of the step histogram (engine/scheduler/stats.py, STEP_BUCKETS)

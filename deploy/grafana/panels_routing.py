@@ -30,12 +30,19 @@ ROUTING_ROWS: list[tuple[str, list[Panel]]] = [
                 "What a node that runs prompts beside its decode steps prices them by: its measured prompt "
                 "tokens/s inside a decode step (warm-up measures it first; a reading far below the prompt "
                 "rate keeps its chunks small). And where CUDA graphs are on, target forwards/s replayed "
-                "from a graph or run eagerly, by reason (an eager forward costs the host's launches again).",
+                "from a graph or run eagerly, by reason (an eager forward costs the host's launches again), "
+                "and Triton kernels compiled while serving: a shape start-up did not warm, whose step waited "
+                "for the compile (any rate above zero after start-up is a stall; "
+                "pdserve_node_kernel_compile_seconds_total names the kernels).",
                 [
                     ("max by (role) (pdserve_node_mixed_prefill_tokens_per_second)", "mixed tok/s {{role}}"),
                     (
                         f"sum by (path, reason) (rate(pdserve_node_graph_forwards_total[{W}]))",
                         "forwards/s {{path}} {{reason}}",
+                    ),
+                    (
+                        f"sum by (instance) (rate(pdserve_node_kernel_compiles_total[{W}]))",
+                        "compiles/s {{instance}}",
                     ),
                 ],
             ),

@@ -10,6 +10,7 @@ from typing import Any, Awaitable, Callable, Protocol
 
 import grpc
 
+from engine import kernel_compiles
 from engine.engine import Engine
 from engine.loop import EngineLoop
 from engine.service.server import (
@@ -67,6 +68,7 @@ async def run_node(
     """Load (`build` returns the engine and its algorithm binding), serve the scheduler API and the
     role's servers, print the READY line, and stop cleanly on SIGINT/SIGTERM."""
     stop = stop_on_signals()  # before the slow load, so no signal is missed
+    compiles = kernel_compiles.install()  # start-up's compiles counted too; serving's are logged
     engine, binding = build()
     # The weights' modules, graphs and buffers live as long as the process: out of every later
     # collection, so the scheduler thread's per-step allocations trigger only cheap young ones
@@ -74,7 +76,7 @@ async def run_node(
     gc.collect()
     gc.freeze()
     try:
-        await _serve(role, engine, binding, host, port, metrics_port, served_model_name, stop)
+        await _serve(role, engine, binding, host, port, metrics_port, served_model_name, stop, compiles)
     finally:
         # Back to the collector: frozen objects are not collected even at exit, so cycles among
         # them that hold native objects (Triton's nanobind bindings) would still be alive when
@@ -91,6 +93,7 @@ async def _serve(
     metrics_port: int | None,
     served_model_name: str | None,
     stop: asyncio.Event,
+    compiles: kernel_compiles.CompileCounter,
 ) -> None:
     """Serve until `stop`, then stop cleanly: the servers, the role's steps, the engine loop, and
     last the engine's other tensor-parallel ranks (whatever way serving ended)."""
@@ -116,6 +119,7 @@ async def _serve(
         )
         metrics = metrics_suffix(engine, role.name, host, metrics_port, parts.metrics_source)
         print(f"READY scheduler={host}:{api_port}{extra}{metrics}", flush=True)
+        compiles.serving = True
 
         await serve_until(stop, [api, *servers], on_stop=lambda: _stop_steps(parts, loop))
         await _after(parts)
