@@ -11,6 +11,7 @@ import signal
 import uvicorn
 from fastapi import FastAPI
 
+from common.loop_lag import start_loop_lag_watch
 from common.router_options import RouterOptions
 from common.tokenizer import Tokenizer, load_chat_template
 from router.app import RouterApp
@@ -76,7 +77,11 @@ async def run_router(options: RouterOptions) -> None:
             metrics_registry=dispatcher.metrics_registry,
             tool_call_parser=options.tool_call_parser,
         )
-        await _serve(router.app, options, stop)
+        lag = start_loop_lag_watch(router.metrics.loop_lag.observe)
+        try:
+            await _serve(router.app, options, stop)
+        finally:
+            lag.cancel()
     finally:
         await dispatcher.close()
         await registry.stop()

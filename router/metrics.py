@@ -19,10 +19,13 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     generate_latest,
 )
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from common.loop_lag import LAG_BUCKETS
 
 # Latency buckets: TTFT and e2e span milliseconds (cached prefixes, tiny models) to minutes (long
 # generations); inter-token latency lives between a millisecond and a second.
@@ -92,6 +95,15 @@ class RouterMetrics:
             ["stage"],
             registry=r,
         )
+        # one event loop relays every stream: its backlog delays them all (common/loop_lag.py),
+        # and the process's CPU says whether that loop had a core to itself
+        self.loop_lag = Histogram(
+            "pdserve_router_event_loop_lag_seconds",
+            "How much later than due a 20-ms timer fired on the router's event loop",
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
+        ProcessCollector(registry=r)  # process_cpu_seconds_total and the rest
 
     def record_response(self, path: str, status: int) -> None:
         self.requests.labels(path if path in ENDPOINTS else "other", str(status)).inc()

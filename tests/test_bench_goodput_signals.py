@@ -203,3 +203,44 @@ def test_stream_stalls_tell_a_stalled_service_from_a_slow_stream() -> None:
         "longest_silence_ms": None,
         "silence_at_s": None,
     }
+
+
+def _router_exposition(cpu_s: float, lags: list[float]) -> str:
+    """A router's /metrics with its process CPU and these event-loop lags observed."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    from common.loop_lag import LAG_BUCKETS
+
+    registry = CollectorRegistry()
+    Counter("process_cpu_seconds", "", registry=registry).inc(cpu_s)
+    h = Histogram("pdserve_router_event_loop_lag_seconds", "", buckets=LAG_BUCKETS, registry=registry)
+    for lag in lags:
+        h.observe(lag)
+    return generate_latest(registry).decode()
+
+
+def test_a_points_router_load_says_whether_its_one_loop_ran_out_of_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """0.9 s of CPU in a second, 200 wake-ups of which 3 over 50 ms late: a router near its core."""
+    import asyncio
+
+    import httpx
+
+    from bench.gpu import goodput_signals as sig
+
+    def snapshot(text: str, clock: float) -> dict[str, float]:
+        monkeypatch.setattr(sig.time, "monotonic", lambda: clock)
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, text=text))
+
+        async def read() -> dict[str, float]:
+            async with httpx.AsyncClient(transport=transport) as client:
+                return await sig.router_counters(client, "http://router")
+
+        return asyncio.run(read())
+
+    before = snapshot(_router_exposition(2.0, [0.001] * 50), clock=10.0)
+    after = snapshot(_router_exposition(2.9, [0.001] * 247 + [0.08, 0.12, 0.3]), clock=11.0)
+    load = sig.point_router_load(before, after)
+    assert load["cpu_cores"] == pytest.approx(0.9)
+    assert load["loop_lags_over_50ms"] == 3
+    assert load["loop_lag_ms_mean"] == pytest.approx((0.197 + 0.5) / 200 * 1e3, rel=1e-3)
+    assert sig.point_router_load({}, {}) == {}  # a router that exported neither

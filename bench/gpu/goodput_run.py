@@ -24,6 +24,7 @@ from bench.gpu.goodput_signals import (
     node_stage_means_ms,
     node_stage_totals,
     node_step_tails,
+    point_router_load,
     point_calibration,
     point_counters,
     point_decisions,
@@ -198,6 +199,7 @@ async def _point(
             "node_counts": node_counter_deltas(nodes_before, nodes_after),
             "node_step_tails": node_step_tails(nodes_before, nodes_after),
             "stream_stalls": stream_stalls(records),
+            "router_load": point_router_load(router_before, router_after),
         },
     )
 
@@ -233,6 +235,7 @@ def draw_summary(seed: int, entries: dict[str, dict[str, Any]], extra: dict[str,
         "paths": extra.get("paths", {}),
         "stream_stalls": extra.get("stream_stalls", {}),  # a stall in one draw is not the other's
         "node_step_tails": extra.get("node_step_tails", {}),
+        "router_load": extra.get("router_load", {}),  # a router out of CPU in one draw stalls all its streams
     }
 
 

@@ -1,11 +1,13 @@
 """What a goodput point reads from a deployment's /metrics: every node's load against capacity, its
-queue, prompt and handoff stages, counts (page runs, eager forwards, mixed steps), its slowest
-steps, and the router's requests by path, path decisions, TTFT stages, calibration and pooling,
-as before/after snapshots whose differences are the point's."""
+queue, prompt and handoff stages, counts (page runs, eager forwards, mixed steps, kernel compiles,
+CPU), its slowest steps and event-loop lag, and the router's requests by path, path decisions, TTFT
+stages, calibration, pooling, CPU and event-loop lag, as before/after snapshots whose differences
+are the point's."""
 
 from __future__ import annotations
 
 import re
+import time
 from typing import Collection, Mapping
 
 import httpx
@@ -25,7 +27,10 @@ PATH_ESTIMATES = "pdserve_router_prefill_path_estimate_seconds"  # each path's e
 CALIBRATION = "pdserve_router_ttft_estimate_ratio"  # per node: observed over estimated TTFT
 POOLED = "pdserve_router_pd_pooled"  # 1 while every PD node serves whole requests (router/pooling.py)
 TIER_LOAD = "pdserve_router_tier_load"  # the recent load over capacity it decides on, by tier
-_SAMPLE = re.compile(r"^(pdserve_\w+)(?:\{([^}]*)\})? ([0-9.eE+-]+|NaN)$", re.M)
+ROUTER_LOOP_LAG = "pdserve_router_event_loop_lag_seconds"  # how late its event loop ran (common/loop_lag.py)
+PROCESS_CPU = "process_cpu_seconds_total"  # a process's CPU time (prometheus_client's process collector)
+LAG_OVER_S = 0.05  # a bucket bound of the lag histograms: a loop that late held every stream it relays
+_SAMPLE = re.compile(r"^((?:pdserve|process)_\w+)(?:\{([^}]*)\})? ([0-9.eE+-]+|NaN)$", re.M)
 
 
 def samples(text: str) -> list[tuple[str, str, float]]:
@@ -55,6 +60,7 @@ NODE_STAGES = (
     "pdserve_kv_transfer_seconds",  # prefill: final write posted -> done; decode: destination sent -> KV landed
     "pdserve_node_launch_seconds",  # host time to launch a batch, by kind (prompt, mixed, decode)
     "pdserve_node_step_seconds",  # the time a batch is charged, by kind: a mixed step against a decode step
+    "pdserve_node_event_loop_lag_seconds",  # how late the node's event loop (its gRPC streams) ran
 )
 # a decode's page runs per prompt written to it; a prefill's runs per write (both sides consecutive)
 NODE_COUNTS = ("pdserve_kv_destination_runs", "pdserve_kv_write_runs")
@@ -65,6 +71,7 @@ NODE_COUNTERS = (
     "pdserve_node_mixed_steps_total",
     "pdserve_node_kernel_compiles_total",
     "pdserve_node_kernel_compile_seconds_total",
+    PROCESS_CPU,  # the node process's CPU seconds (all its threads)
 )
 # the step histogram's buckets, kept per point: a mean hides one step that held a node for seconds
 STEP_BUCKETS = "pdserve_node_step_seconds_bucket"
@@ -189,7 +196,8 @@ async def router_counters(client: httpx.AsyncClient, router_url: str) -> dict[st
         resp.raise_for_status()
     except httpx.HTTPError:
         return {}
-    counts = histogram_totals(resp.text, (TTFT_STAGES, ROUTER_TTFT, PATH_ESTIMATES))
+    counts = histogram_totals(resp.text, (TTFT_STAGES, ROUTER_TTFT, PATH_ESTIMATES, ROUTER_LOOP_LAG))
+    counts["clock:router"] = time.monotonic()  # when read: its CPU seconds per second of the point
     for name, labels, value in samples(resp.text):
         if name == "pdserve_router_prefill_path_total" and (path := re.search(r'path="([^"]*)"', labels)):
             counts[f"path:{path[1]}"] = value
@@ -201,7 +209,29 @@ async def router_counters(client: httpx.AsyncClient, router_url: str) -> dict[st
             counts["pool:pooled"] = value
         elif name == TIER_LOAD and (tier := re.search(r'tier="([^"]*)"', labels)):
             counts[f"pool:load_{tier[1]}"] = value
+        elif name == PROCESS_CPU:
+            counts["cpu:router"] = value
+        elif name == f"{ROUTER_LOOP_LAG}_bucket" and f'le="{LAG_OVER_S}"' in labels:
+            counts["lag:within"] = value  # wake-ups at most LAG_OVER_S late; the total is the _count
     return counts
+
+
+def point_router_load(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """How busy the router's one event loop was between two router_counters snapshots: the CPU
+    cores its process used (1.0: a core the whole time, the most its loop can have), its mean
+    event-loop lag and the wake-ups more than LAG_OVER_S late; empty where it exported neither."""
+    out: dict[str, float] = {}
+    wall = after.get("clock:router", 0.0) - before.get("clock:router", 0.0)
+    if "cpu:router" in after and "cpu:router" in before and wall > 0:
+        out["cpu_cores"] = (after["cpu:router"] - before["cpu:router"]) / wall
+    for key, ms in histogram_means_ms(before, after).items():
+        if key.startswith(ROUTER_LOOP_LAG.removesuffix("_seconds")):
+            out["loop_lag_ms_mean"] = ms
+    count = next((k for k in after if k.startswith(f"{ROUTER_LOOP_LAG}_count")), None)
+    if count is not None and "lag:within" in after:
+        grown = after[count] - before.get(count, 0.0)
+        out["loop_lags_over_50ms"] = grown - (after["lag:within"] - before.get("lag:within", 0.0))
+    return out
 
 
 def point_pool(after: dict[str, float]) -> dict[str, float]:

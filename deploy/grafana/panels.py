@@ -63,6 +63,17 @@ CORE_ROWS: list[tuple[str, list[Panel]]] = [
                 ],
             ),
             Panel(
+                "Event-loop lag (p99)",
+                "s",
+                "How late a 20-ms timer fires on the routers' event loops and on each node role's: every "
+                "stream that loop relays stands still for as long. A router whose lag climbs under load "
+                "is out of CPU (its process_cpu_seconds_total near one core), whatever the nodes do.",
+                [
+                    (quantile(0.99, "pdserve_router_event_loop_lag_seconds"), "router"),
+                    (quantile(0.99, "pdserve_node_event_loop_lag_seconds", "le, role"), "{{role}} node"),
+                ],
+            ),
+            Panel(
                 "End-to-end latency",
                 "s",
                 "Arrival to the last token of completed requests, PD and colocated.",

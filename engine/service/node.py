@@ -10,9 +10,11 @@ from typing import Any, Awaitable, Callable, Protocol
 
 import grpc
 
+from common.loop_lag import start_loop_lag_watch
 from engine import kernel_compiles
 from engine.engine import Engine
 from engine.loop import EngineLoop
+from engine.service.metrics import NODE_LOOP_LAG
 from engine.service.server import (
     metrics_suffix,
     node_info,
@@ -121,7 +123,11 @@ async def _serve(
         print(f"READY scheduler={host}:{api_port}{extra}{metrics}", flush=True)
         compiles.serving = True
 
-        await serve_until(stop, [api, *servers], on_stop=lambda: _stop_steps(parts, loop))
+        lag = start_loop_lag_watch(NODE_LOOP_LAG.observe)
+        try:
+            await serve_until(stop, [api, *servers], on_stop=lambda: _stop_steps(parts, loop))
+        finally:
+            lag.cancel()
         await _after(parts)
     finally:
         loop.stop()  # before the ranks: no step may be sent to followers being stopped
