@@ -206,6 +206,9 @@ class PDAttempt:
     async def _read(self, deadline: float, budget_s: float, relay_first: bool) -> pb.GenerateResponse | None:
         """The next decode message by `deadline` (loop time), watching the prefill leg meanwhile;
         or None when `relay_first` and the prefill answered with its token first. Raises LegFailed."""
+        pt = self.prefill_task
+        if self._next is None and not relay_first and (pt is None or pt.done()):
+            return await self._read_alone(deadline, budget_s)
         if self._next is None:
             self._next = asyncio.ensure_future(self.call.read())
         read, loop = self._next, asyncio.get_running_loop()
@@ -245,14 +248,36 @@ class PDAttempt:
         elif not read.cancelled():
             read.exception()  # marks an error as seen: asyncio would log it as never retrieved
 
+    async def _read_alone(self, deadline: float, budget_s: float) -> pb.GenerateResponse:
+        """The next decode message by `deadline` once nothing else needs watching (most of a
+        stream): the read awaited under a timeout, not a task raced against the prefill leg, which
+        cost a task and a wait per streamed message on the router's one event loop."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                msg = await self.call.read()  # cancelled (ending the RPC) only as the attempt fails
+        except TimeoutError:
+            raise await stage_timeout(
+                self.prefill, self.decode, False, budget_s, self.d.timeouts.health_timeout
+            ) from None
+        except grpc.aio.AioRpcError as e:
+            raise await self._read_failure(e) from None
+        return self._checked(msg)
+
     async def _message(self, read: asyncio.Future) -> pb.GenerateResponse:
         try:
             msg = read.result()
         except grpc.aio.AioRpcError as e:
-            pt = self.prefill_task
-            if pt is not None and pt.done() and not pt.cancelled() and (failure := pt.result()) is not None:
-                raise await self._attribute(failure) from None  # the decode only followed
-            raise rpc_failure(e, "decode", self.decode, self.prefill) from None
+            raise await self._read_failure(e) from None
+        return self._checked(msg)
+
+    async def _read_failure(self, e: grpc.aio.AioRpcError) -> LegFailed:
+        """A failed decode read, blamed on the prefill leg when that failed first (the decode only followed)."""
+        pt = self.prefill_task
+        if pt is not None and pt.done() and not pt.cancelled() and (failure := pt.result()) is not None:
+            return await self._attribute(failure)
+        return rpc_failure(e, "decode", self.decode, self.prefill)
+
+    def _checked(self, msg: Any) -> pb.GenerateResponse:
         if msg is grpc.aio.EOF:
             raise LegFailed(
                 DispatchError(

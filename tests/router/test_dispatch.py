@@ -218,6 +218,26 @@ def test_a_mid_stream_failure_is_one_warning_naming_the_request_the_nodes_and_th
     run(main())
 
 
+def test_a_decode_silent_past_the_inter_token_timeout_fails_the_stream_and_is_cancelled() -> None:
+    """After its first token a decode stream is read under a plain timeout (no task raced against
+    the prefill leg, which has answered): a decode gone silent mid-stream still ends the stream
+    within inter_token_timeout, with a stage timeout, and its RPC is cancelled."""
+
+    async def main() -> None:
+        p, d = FakeNode("prefill"), FakeNode("decode", Behaviour(hang_after=1))
+        async with cluster(p, d) as reg:
+            timeouts = StageTimeouts(prefill_timeout=5, first_token_timeout=5, inter_token_timeout=0.3, abort_timeout=2)
+            events: list[TokenEvent | FinishEvent] = []
+            start = time.monotonic()
+            with pytest.raises(DispatchError, match="no decode message within 0.3 s"):
+                async for event in dispatcher(reg, timeouts=timeouts).generate(job("quiet")):
+                    events.append(event)
+            assert events == [TokenEvent((11,))] and time.monotonic() - start < 3.0
+            await until(lambda: "quiet" in d.cancelled)
+
+    run(main())
+
+
 @pytest.mark.parametrize("how", ["aclose", "cancel"])
 def test_cancellation_aborts_both_legs(how: str) -> None:
     async def main() -> None:
