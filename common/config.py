@@ -120,6 +120,13 @@ class EngineOptions:
         "(bench/stream_overhead.py).",
         panel=PANEL_FAST,
     )
+    stream_interval: int = opt(
+        1,
+        "Tokens a streamed response message gathers after its first (SGLang's --stream-interval): the "
+        "router relays every message on one event loop, so at high rates fewer, larger messages let it "
+        "carry more streams, while clients get tokens in groups. The first token and the end go out at once.",
+        panel=PANEL_FAST,
+    )
     warmup: Optional[bool] = opt(
         None,
         "Run synthetic prompts of each length before serving: kernels compile then, and the prompt "

@@ -64,11 +64,13 @@ def _run(
 
     from engine.config import ModelLoadError
     from engine.service.node import run_node
+    from engine.service.stream import set_stream_interval
     from pdserve.build import build_node
 
     _setup_logging(log)
     try:
         set_switch_interval(engine.switch_interval_ms)
+        set_stream_interval(engine.stream_interval)
         asyncio.run(
             run_node(
                 role,

@@ -87,6 +87,9 @@ def test_node_env_carries_the_prefills_kv_write_sgl() -> None:
     assert "PDSERVE_SWITCH_INTERVAL_MS" not in node_env(None)
     assert node_env(None, prompt_graph_tokens=2048)["PDSERVE_CUDA_GRAPH_PROMPT_TOKENS"] == "2048"
     assert "PDSERVE_CUDA_GRAPH_PROMPT_TOKENS" not in node_env(None)
+    assert node_env(None, stream_interval=4)["PDSERVE_STREAM_INTERVAL"] == "4"
+    assert "PDSERVE_STREAM_INTERVAL" not in node_env(None)
+    assert parse_args(["--stream-interval", "4"]).stream_interval == 4
     assert parse_args(["--kv-write-sgl", "on"]).kv_write_sgl == "on"
 
 

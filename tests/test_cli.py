@@ -314,6 +314,22 @@ def test_up_isolates_gpus_unless_told_not_to(monkeypatch: pytest.MonkeyPatch) ->
     assert seen == [True, False]
 
 
+def test_a_node_takes_its_stream_interval_from_the_flag_or_its_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--stream-interval` reaches the node's streams (`set_stream_interval`); 0 is one line, exit 2."""
+    from engine.service import stream
+
+    seen: list[int] = []
+
+    def refuse(tokens: int) -> None:  # as a bad value would be: before any model load
+        seen.append(tokens)
+        raise ValueError("--stream-interval refused here")
+
+    monkeypatch.setattr(stream, "set_stream_interval", refuse)
+    monkeypatch.setenv("PDSERVE_STREAM_INTERVAL", "4")
+    result = CliRunner().invoke(app, ["serve", "--model", "/nonexistent", "--device", "cpu"])
+    assert seen == [4] and result.exit_code == 2, result.output
+
+
 def test_a_node_sets_its_gil_switch_interval_when_told() -> None:
     import sys
 

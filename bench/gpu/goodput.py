@@ -165,6 +165,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
             args.kv_write_sgl,
             args.switch_interval_ms,
             args.prompt_graph_tokens,
+            args.stream_interval,
         )
         t0 = time.monotonic()
         try:
@@ -262,6 +263,7 @@ def header(
             "kv_write_sgl": args.kv_write_sgl,
             "switch_interval_ms": args.switch_interval_ms,
             "prompt_graph_tokens": args.prompt_graph_tokens,
+            "stream_interval": args.stream_interval,
             "quick": args.quick,
             "seed": args.seed,
             "focus": focus_setting(settings),

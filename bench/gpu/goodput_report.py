@@ -174,6 +174,7 @@ SAME_SETTINGS = (
     "seed",
     "focus",
     "prompt_graph_tokens",
+    "stream_interval",
 )
 
 # PD's goodput against colocated's that the benchmark exists to show (each curve, every workload)

@@ -71,6 +71,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-write-sgl", choices=SGL_MODES, default=None, help="the prefill nodes' --kv-write-sgl")
     p.add_argument("--switch-interval-ms", type=float, default=None, help="every node's --switch-interval-ms")
     p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=None,
+        help="every node's --stream-interval (default: theirs, 1): tokens per streamed message after the "
+        "first, fewer messages for the router's one event loop to relay",
+    )
+    p.add_argument(
         "--prompt-graph-tokens",
         type=int,
         default=None,

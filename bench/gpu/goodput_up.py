@@ -197,6 +197,7 @@ def node_env(
     kv_write_sgl: str | None = None,
     switch_interval_ms: float | None = None,
     prompt_graph_tokens: int | None = None,
+    stream_interval: int | None = None,
 ) -> dict[str, str]:
     """The environment `pdserve up` and its children run in (flags `up` does not take, as the
     nodes' PDSERVE_* variables)."""
@@ -211,4 +212,6 @@ def node_env(
         env["PDSERVE_SWITCH_INTERVAL_MS"] = f"{switch_interval_ms:g}"  # every node's --switch-interval-ms
     if prompt_graph_tokens is not None:
         env["PDSERVE_CUDA_GRAPH_PROMPT_TOKENS"] = str(prompt_graph_tokens)  # every node's --cuda-graph-prompt-tokens
+    if stream_interval is not None:
+        env["PDSERVE_STREAM_INTERVAL"] = str(stream_interval)  # every node's --stream-interval
     return env

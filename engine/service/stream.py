@@ -3,6 +3,11 @@
 Also where stop strings are enforced on a node: the node has the tokenizer, so it decodes the
 tail incrementally and ends the request at the first stop string (SMG/the router trim the text).
 
+After its first message, a stream gathers at least `--stream-interval` tokens per message (SGLang's
+flag of that name; 1 by default): every message costs the router a read, a relay and an SSE write
+on its one event loop, so at high rates fewer, larger messages let one router carry more streams,
+at the cost of tokens arriving in groups. The end of a stream always goes out at once.
+
 The scheduler thread hands a step's updates to the event loop in one wake-up (UpdateMailbox), not
 one per request: each `call_soon_threadsafe` writes the loop's self-pipe, which releases the GIL to
 the event loop, and the scheduler thread then waits for it back. A stream whose updates queue up
@@ -26,6 +31,17 @@ from engine.scheduler import RequestUpdate
 from engine.service import convert
 from common.detokenize import TextAssembler
 from common.tokenizer import Tokenizer
+
+
+_stream_interval = 1  # tokens per message after the first (a node process serves one setting)
+
+
+def set_stream_interval(tokens: int) -> None:
+    """The node's `--stream-interval`: the fewest tokens a message carries after a stream's first."""
+    global _stream_interval
+    if tokens < 1:
+        raise ValueError(f"--stream-interval must be >= 1, got {tokens}")
+    _stream_interval = tokens
 
 
 class Aborter(Protocol):
@@ -96,6 +112,7 @@ class RequestStream:
         self.accepted_drafts = 0
         self.verifies = 0
         self.finished = False
+        self.interval = _stream_interval
 
     def on_update(self, upd: RequestUpdate) -> None:
         """Called in the scheduler thread."""
@@ -114,21 +131,28 @@ class RequestStream:
 
     async def responses(self) -> AsyncIterator[pb.GenerateResponse]:
         rid, n_prompt = self.req.rid, len(self.req.prompt_ids)
+        held: list[RequestUpdate] = []  # taken but not sent: fewer than `interval` tokens so far
+        spoke = False  # the first message goes out at once (TTFT), later ones every `interval` tokens
         try:
             while True:
                 batch = await self._updates()
                 taken, end = self._take(batch)
-                tokens = [t for upd in taken for t in upd.tokens]
-                if tokens and self.stream:
+                held += taken
+                tokens = [t for upd in held for t in upd.tokens]
+                due = not spoke or len(tokens) >= self.interval or end is not None
+                if tokens and self.stream and due:
                     yield convert.chunk(
                         rid,
                         tokens,
                         n_prompt,
                         len(self.output_ids),
-                        [x for upd in taken for x in upd.logprobs] or None,
-                        [x for upd in taken for x in upd.top_logprobs] or None,
-                        cached_tokens=taken[-1].cached_tokens,
+                        [x for upd in held for x in upd.logprobs] or None,
+                        [x for upd in held for x in upd.top_logprobs] or None,
+                        cached_tokens=held[-1].cached_tokens,
                     )
+                    spoke = True
+                if due or not tokens:
+                    held = []
                 if end is not None:
                     self.finished = True
                     upd, reason, matched = end

@@ -65,6 +65,49 @@ def test_updates_that_arrive_one_at_a_time_go_out_one_at_a_time() -> None:
     assert asyncio.run(run()) == [[5], [6]]
 
 
+def test_a_stream_interval_sends_the_first_token_alone_then_groups_and_the_end_at_once() -> None:
+    """--stream-interval 3: the first token at once (TTFT), then messages of at least 3 tokens, and
+    what is left when the request ends goes out then; the complete message holds every token. The
+    consumer reads every update as it comes (no backlog merges them): the interval alone groups."""
+
+    async def run(interval: int) -> tuple[list[list[int]], list[float], list[int]]:
+        stream = RequestStream(Aborts(), _req(), True, None, frozenset())
+        stream.interval = interval
+        chunks: list[list[int]] = []
+        logprobs: list[float] = []
+        complete: list[int] = []
+
+        async def consume() -> None:
+            async for resp in stream.responses():
+                if resp.HasField("chunk"):
+                    chunks.append(list(resp.chunk.token_ids))
+                    logprobs.extend(resp.chunk.output_logprobs.token_logprobs)
+                else:
+                    complete.extend(resp.complete.output_ids)
+
+        reader = asyncio.create_task(consume())
+        for tok in range(5, 12):  # one token a step, as a decode node streams them
+            stream.deliver(RequestUpdate("r", [tok], logprobs=[-float(tok)], prompt_tokens=3))
+            await asyncio.sleep(0.001)
+        stream.deliver(RequestUpdate("r", [12], True, FinishReason.LENGTH, logprobs=[-12.0], prompt_tokens=3))
+        await asyncio.wait_for(reader, 5)
+        return chunks, logprobs, complete
+
+    chunks, logprobs, complete = asyncio.run(run(3))
+    assert chunks == [[5], [6, 7, 8], [9, 10, 11], [12]]
+    assert logprobs == [-float(t) for t in range(5, 13)] and complete == list(range(5, 13))
+    assert asyncio.run(run(1))[0] == [[t] for t in range(5, 13)]  # the default: a message a token
+
+
+def test_a_stream_interval_below_one_is_refused() -> None:
+    import pytest
+
+    from engine.service.stream import set_stream_interval
+
+    with pytest.raises(ValueError, match="--stream-interval must be >= 1"):
+        set_stream_interval(0)
+
+
 def test_a_stop_string_inside_queued_updates_ends_the_stream_where_it_completes() -> None:
     aborts = Aborts()
 
