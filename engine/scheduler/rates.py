@@ -145,12 +145,16 @@ class NodeRates:
         with self._lock:
             self._decode_tokens, self._prompt_tokens = RecentRate(), RecentRate()
 
-    def batch_done(self, batch: Batch, out: StepOutput, launched_at: float) -> None:
+    def batch_done(self, batch: Batch, out: StepOutput, launched_at: float, launch_s: float = 0.0) -> None:
         """A batch's results reached the host (scheduler thread): it is charged the time from its
         launch (perf_counter), or from the previous batch's end when it queued behind that one on
-        the device."""
+        the device, and at least its own launch's `launch_s` of host time. A host-bound launch (an
+        eager forward's ~400 launches, tens of ms) runs its kernels as it issues them, and the
+        previous batch is collected only after it: charged from that collection, such a batch cost
+        next to nothing, and an EAGLE decode node on two H200s read its prompt rate as 132-311K
+        tokens/s (its 800-token prompts launched in 47 ms, charged 11-14)."""
         now = time.perf_counter()
-        seconds, self._last_done = now - max(launched_at, self._last_done), now
+        seconds, self._last_done = max(now - max(launched_at, self._last_done), launch_s), now
         self.step_time.observe(batch.mode, seconds)
         if batch.mode is ForwardMode.MIXED:
             decoded = sum(len(t) for t in out.tokens[: batch.decode_rows])

@@ -59,6 +59,7 @@ class _Launched:
     batch: Batch
     handle: Any
     at: float  # perf_counter at launch
+    launch_s: float  # host time the launch itself took
 
 
 class Scheduler:
@@ -202,14 +203,15 @@ class Scheduler:
             return self._isolate(batch, e) + self._take_settled() + self._collect_inflight()
         finally:
             batch.settle = None  # the batch it collected is gone: a replay of this one settles nothing
-        self.launch_time.observe(batch.mode, time.perf_counter() - t0)
+        launch_s = time.perf_counter() - t0
+        self.launch_time.observe(batch.mode, launch_s)
         if needs_fence(batch):  # before the next launch
             # Published now, not when the batch is collected: that happens only after the next
             # chunk's launch, which on a launch-bound prompt is about when that chunk is done,
             # so the last chunk's pages would leave only as the prompt ends.
             self.io.publish(self._chunk_progress(batch, record_fence(device)))
         updates = self._take_settled() + self._collect_inflight()
-        self._inflight = _Launched(batch, handle, t0)
+        self._inflight = _Launched(batch, handle, t0, launch_s)
         return updates
 
     def _settle_inflight(self) -> None:
@@ -242,7 +244,7 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - isolated below: only its cause fails
             self._abandon(launched.batch)
             return self._isolate(launched.batch, e)
-        self.rates.batch_done(launched.batch, out, launched.at)
+        self.rates.batch_done(launched.batch, out, launched.at, launched.launch_s)
         return self._complete(launched.batch, out)  # its KV progress went out at launch
 
     def _isolate(self, batch: Batch, err: Exception) -> list[RequestUpdate]:

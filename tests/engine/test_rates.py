@@ -118,3 +118,27 @@ def test_a_buckets_step_time_sits_at_the_batch_size_it_was_measured_at():
     assert rates.step_line() == {100: pytest.approx(0.010), 140: pytest.approx(0.012)}
     assert rates.decode_step_s(134) == pytest.approx(0.010 + 0.002 * 34 / 40)
     assert rates.snapshot(256)["decode_step_s"] == {"100": pytest.approx(0.010), "140": pytest.approx(0.012)}
+
+
+def test_a_host_bound_launch_is_charged_at_least_its_own_launch_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With overlap, the batch before is collected after this one's launch. An eager 800-token
+    prompt whose launch took 47 ms ran its kernels meanwhile: charged from that collection alone it
+    cost 3 ms (266K tokens/s, an EAGLE decode node's reading on two H200s); it is charged its 47."""
+    from engine import core
+    from engine.scheduler import rates as rates_module
+
+    clock = iter([0.047, 0.050])  # the decode step before collected, then the prompt
+    monkeypatch.setattr(rates_module.time, "perf_counter", lambda: next(clock))
+    rates = NodeRates()
+    req = core.Req(rid="p", prompt_ids=list(range(800)), params=core.SamplingParams(max_new_tokens=4))
+    decode = core.Batch(ForwardMode.DECODE, [req], [1], [True])
+    rates.batch_done(decode, core.StepOutput(tokens=[[1]]), launched_at=-0.010, launch_s=0.0005)
+    prompt = core.Batch(ForwardMode.EXTEND, [req], [800], [True])
+    rates.batch_done(prompt, core.StepOutput(tokens=[[2]]), launched_at=0.0, launch_s=0.047)
+    assert rates.prefill_tokens_per_s() == pytest.approx(800 / 0.047)
+    # an asynchronous launch (fast) is still charged from the batch before it: its own device time
+    fast = NodeRates()
+    clock = iter([0.020, 0.038])
+    fast.batch_done(decode, core.StepOutput(tokens=[[1]]), launched_at=0.0, launch_s=0.0005)
+    fast.batch_done(prompt, core.StepOutput(tokens=[[2]]), launched_at=0.002, launch_s=0.002)
+    assert fast.prefill_tokens_per_s() == pytest.approx(800 / 0.018)
