@@ -1,4 +1,4 @@
-"""What a launched, not yet collected batch adds to its requests: the overlap scheduler's counts.
+"""A launched, not yet collected batch, and what it adds to its requests: the overlap scheduler's counts.
 
 The host knows what a batch in flight will add only as counts: KV tokens (exact for extend and
 plain decode, an upper bound under speculation: the batch's planned window) and tokens it will
@@ -7,7 +7,20 @@ sample. A request's pages and slot go back only once no batch in flight holds it
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from engine.core import Batch, ForwardMode
+
+
+@dataclass(slots=True)
+class Launched:
+    """The batch in flight: its executor handle, when its launch began and how long it took."""
+
+    batch: Batch
+    handle: Any
+    at: float  # perf_counter at launch
+    launch_s: float  # host time the launch itself took
 
 
 def launched_window(batch: Batch, n: int) -> int:

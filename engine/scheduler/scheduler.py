@@ -19,7 +19,6 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -28,7 +27,7 @@ from engine.core import Batch, FinishReason, ForwardMode, Req, ReqState, StepOut
 from engine.executor import Executor
 from engine.future_map import DraftInput, FutureMap
 from engine.device_event import DeviceEvent
-from engine.scheduler.inflight import mark_launched, samples_grammar, unmark_launched
+from engine.scheduler.inflight import Launched, mark_launched, samples_grammar, unmark_launched
 from engine.scheduler.kv_progress import KVProgress, needs_fence, record_fence
 from engine.scheduler.policy import BatchPolicy
 from engine.scheduler.stops import StopRules
@@ -54,14 +53,6 @@ class SchedulerConfig:
     future_map_debug: bool = False
 
 
-@dataclass(slots=True)
-class _Launched:
-    batch: Batch
-    handle: Any
-    at: float  # perf_counter at launch
-    launch_s: float  # host time the launch itself took
-
-
 class Scheduler:
     """One iteration: take input, form a batch, run it, apply stop rules, publish updates."""
 
@@ -83,7 +74,7 @@ class Scheduler:
         self.stops = StopRules(self.eos_token_ids, self.max_context_len)
         self.future_map = self._init_overlap(algorithm or PlainDecoding(), config.overlap, config.future_map_debug)
         self.reqs: dict[str, Req] = {}
-        self._inflight: _Launched | None = None
+        self._inflight: Launched | None = None
         self._settled: list[RequestUpdate] = []  # collected inside a launch (`_settle_inflight`)
         self.stats = dict.fromkeys(COUNTERS, 0)
         self.cached_per_request = DurationHistogram(CACHED_TOKEN_BUCKETS)  # tokens, not seconds
@@ -211,7 +202,7 @@ class Scheduler:
             # so the last chunk's pages would leave only as the prompt ends.
             self.io.publish(self._chunk_progress(batch, record_fence(device)))
         updates = self._take_settled() + self._collect_inflight()
-        self._inflight = _Launched(batch, handle, t0, launch_s)
+        self._inflight = Launched(batch, handle, t0, launch_s)
         return updates
 
     def _settle_inflight(self) -> None:

@@ -14,8 +14,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from common.loop_lag import LAG_BUCKETS
-
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 KV_TRANSFER_BYTES = Counter(
@@ -71,11 +69,6 @@ KV_WRITE_RUNS = Histogram(
 )
 KV_TRANSFER_FAILURES = Counter(
     "pdserve_kv_transfer_failures", "PD requests that failed before decoding, by reason", ["role", "reason"]
-)
-NODE_LOOP_LAG = Histogram(
-    "pdserve_node_event_loop_lag_seconds",
-    "How much later than due a 20-ms timer fired on the node's event loop (its gRPC streams)",
-    buckets=LAG_BUCKETS,
 )
 BOOTSTRAP_ATTEMPTS = Counter(
     "pdserve_bootstrap_attempts", "Handshake attempts from a decode node to prefill nodes", ["result"]

@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol
 
 import grpc
+from prometheus_client import Histogram
 
-from common.loop_lag import start_loop_lag_watch
+from common.loop_lag import LAG_BUCKETS, start_loop_lag_watch
 from engine import kernel_compiles
 from engine.engine import Engine
 from engine.loop import EngineLoop
-from engine.service.metrics import NODE_LOOP_LAG
 from engine.service.server import (
     metrics_suffix,
     node_info,
@@ -27,6 +27,13 @@ from engine.service.servicer import SchedulerServicer
 from engine.warmup import warm_before_serving
 
 log = logging.getLogger(__name__)
+
+# the node's event loop serves every gRPC stream: its backlog holds them all (common/loop_lag.py)
+NODE_LOOP_LAG = Histogram(
+    "pdserve_node_event_loop_lag_seconds",
+    "How much later than due a 20-ms timer fired on the node's event loop (its gRPC streams)",
+    buckets=LAG_BUCKETS,
+)
 
 
 @dataclass
