@@ -33,11 +33,22 @@ def _sweep(focus: plan.Focus, slos: list[str], held: Callable[[float], tuple[flo
 
 
 def test_a_focused_curve_draws_the_rungs_next_to_its_knee_and_stops() -> None:
-    """The twenty-fifth run's PD decode_heavy tight knee (20.7 req/s): 18.8, 20.7 and 22.8, twice
-    each, lowest first; they bracket the knee, so nothing more."""
+    """The twenty-fifth run's PD decode_heavy tight knee (20.7 req/s): 18.8, 20.7 and 22.8 once,
+    lowest first; they bracket the knee, so nothing further, and the second draws go to the
+    bracket first, its miss before its met rate."""
     focus = plan.Focus((20.7,), step=1.1, draws=2)
     order = _sweep(focus, ["tight"], lambda r: (1.0, 1.0 if r < 21 else 0.5))
-    assert order == [(18.8, 0), (18.8, 1), (20.7, 0), (20.7, 1), (22.8, 0), (22.8, 1)]
+    assert order == [(18.8, 0), (20.7, 0), (22.8, 0), (22.8, 1), (20.7, 1), (18.8, 1)]
+
+
+def test_a_focused_curve_reaches_for_its_knee_before_it_repeats_a_rung() -> None:
+    """The twenty-seventh run's PD chat_mix tight: focused on 32 req/s, every rung met, and the
+    curve ran out of time after drawing 29.1, 32 and 35.2 twice (a lower bound). Now the rungs
+    above come before any second draw."""
+    focus = plan.Focus((32.0,), step=1.1, draws=2)
+    order = _sweep(focus, ["tight"], lambda r: (1.0, 1.0 if r < 41 else 0.4))
+    assert order[:5] == [(29.1, 0), (32.0, 0), (35.2, 0), (38.7, 0), (42.6, 0)]
+    assert [r for r, _ in order[5:]] == [42.6, 38.7, 35.2, 32.0, 29.1]  # repeats: the bracket first
 
 
 def test_a_focused_curve_reaches_further_where_its_rungs_miss_the_knee() -> None:

@@ -25,10 +25,10 @@ curve's order (a rate that missed below one that met, under either SLO); its att
 over both draws' requests.
 
 A curve may instead be measured around the knees an earlier run found (`Focus`, `focused_next`):
-the rungs next to each knee, each drawn several times, then one rung further down or up for an
-SLO those rungs did not bracket, or the middle of a gap wider than a rung where the knee fell
-between two earlier knees. No point is spent far below a knee, and every rate that decides a
-goodput is over several Poisson draws.
+the rungs next to each knee once, then one rung further down or up for an SLO those rungs did
+not bracket, or the middle of a gap wider than a rung where the knee fell between two earlier
+knees, and last each rate's further draws, the knee's bracket first. No point is spent far below
+a knee, and a curve out of time has reached for its knee before it repeated a rung.
 """
 
 from __future__ import annotations
@@ -174,20 +174,30 @@ def focus_rates(focus: Focus) -> list[float]:
 
 def focused_next(ladder: Ladder, focus: Focus, done: Sequence[Measured], slos: Sequence[str]) -> float | None:
     """The next rate of a focused curve (a repeat for a further draw), or None when every rung and
-    extension has its draws: first the rungs next to the knees, then any rate short of draws, then,
-    for an SLO in `slos` that no rate met, one rung below the lowest tried, for one that every
-    rate met, one rung above the highest, and for one whose highest met rate and the next rate
-    tried above it are more than a rung apart (a knee that moved between the earlier run's knees),
-    their geometric middle."""
+    extension has its draws. First one draw of each rung next to the knees; then, for an SLO in
+    `slos` that no rate met, one rung below the lowest tried, for one that every rate met, one rung
+    above the highest, and for one whose highest met rate and the next rate tried above it are more
+    than a rung apart (a knee that moved between the earlier run's knees), their geometric middle;
+    last the further draws, nearest the knee first. Reaching before repeating: a curve that runs out
+    of time with every rung drawn twice but its knee unfound reports only a lower bound (three of
+    six PD curves in the twenty-seventh run), while one out of time among its repeats lacks a draw
+    of a rate below its knee."""
     by_rate = {m.rate: m for m in done}
     for rate in focus_rates(focus):
-        if rate not in by_rate or by_rate[rate].draws < focus.draws:
+        if rate not in by_rate:
             return rate
+    reach = _reach(ladder, focus, done, slos)
+    if reach is not None:
+        return reach
     short = [m.rate for m in done if m.draws < focus.draws]
-    if short:
-        return min(short)
+    return min(short, key=lambda rate: _from_knee(rate, done, ladder, slos)) if short else None
+
+
+def _reach(ladder: Ladder, focus: Focus, done: Sequence[Measured], slos: Sequence[str]) -> float | None:
+    """A rate past the rungs next to the knees (focused_next says which), or None."""
     if len(done) >= len(focus_rates(focus)) + FOCUS_EXTENSIONS * len(slos):
         return None
+    by_rate = {m.rate: m for m in done}
     for slo in slos:
         attained = {m.rate: getattr(m, slo) for m in done}
         met = [r for r, a in attained.items() if a >= ladder.target]
@@ -199,6 +209,21 @@ def focused_next(ladder: Ladder, focus: Focus, done: Sequence[Measured], slos: S
         if met and (mid := _focus_gap(attained, max(met), focus.step)) is not None and mid not in by_rate:
             return mid
     return None
+
+
+def _from_knee(rate: float, done: Sequence[Measured], ladder: Ladder, slos: Sequence[str]) -> tuple[float, float]:
+    """How far `rate` lies from the nearest SLO's knee, in log distance: 0 on the knee's bracket
+    (the highest met rate and the next rate tried above it; the lowest tried where none met), and
+    the higher rate first on a tie, since a first draw was more often the bad one (twenty-sixth
+    run), so a miss above the knee is the likeliest to turn."""
+    distances = []
+    for slo in slos:
+        met = [m.rate for m in done if getattr(m, slo) >= ladder.target]
+        lo = max(met) if met else min(m.rate for m in done)
+        above = [m.rate for m in done if m.rate > lo]
+        hi = min(above) if met and above else lo
+        distances.append(0.0 if lo <= rate <= hi else min(abs(math.log(rate / lo)), abs(math.log(rate / hi))))
+    return min(distances), -rate
 
 
 FOCUS_EXTENSIONS = 4  # rates past the knees' rungs per SLO: a step out, then halving a gap to a rung
