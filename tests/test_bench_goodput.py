@@ -16,6 +16,7 @@ import pytest
 
 from bench.gpu import goodput_plan as plan
 from bench.gpu.goodput_report import DEPLOYMENTS, SLO_NAMES, Results, point_entries, summary_text
+from bench.gpu.goodput_settings import parse_deployments
 from bench.gpu.goodput_up import busy_requests, up_argv
 from bench.gpu.goodput_workloads import FIRST_ID, WORKLOADS, Lengths, make_requests
 from loadgen.metrics import RequestRecord
@@ -180,6 +181,9 @@ def test_both_deployments_start_the_same_way_but_for_their_topology() -> None:
     assert remote[remote.index("--pd-prefill-policy") + 1] == "remote"
     pooled = up_argv("pd_pooled", Path("/m"))
     assert pooled[pooled.index("--pd-prefill-policy") + 1] == "auto" and pooled[-2:] == ["--pd-pooling", "auto"]
+    always = up_argv("pd_always_pooled", Path("/m"))
+    assert always[always.index("--pd-prefill-policy") + 1] == "auto" and always[-2:] == ["--pd-pooling", "always"]
+    assert parse_deployments("pd_always_pooled@tight,colocated") == [("pd_always_pooled", "tight"), ("colocated", None)]
 
 
 def test_busy_requests_read_every_node_gauge() -> None:

@@ -40,7 +40,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--deployments",
         default="pd,colocated",
         help="comma-separated, measured in this order: pd (the router picks each prompt's node), "
-        "colocated, pd_remote (every prompt on the prefill node), pd_pooled (pd with --pd-pooling auto); "
+        "colocated, pd_remote (every prompt on the prefill node), pd_pooled (pd with --pd-pooling auto), "
+        "pd_always_pooled (pd with --pd-pooling always); "
         "a PD one with @loose or @tight runs with its guard set from that SLO and is judged by it alone "
         "(e.g. pd_pooled@tight,pd_pooled@loose,colocated)",
     )

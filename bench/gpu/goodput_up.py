@@ -31,14 +31,17 @@ TOPOLOGIES = {
     "colocated": ("--colocated", "2"),
     "pd_remote": ("--prefill", "1", "--decode", "1", "--pd-prefill-policy", "remote"),
     "pd_pooled": ("--prefill", "1", "--decode", "1", "--pd-prefill-policy", "auto", "--pd-pooling", "auto"),
+    "pd_always_pooled": ("--prefill", "1", "--decode", "1", "--pd-prefill-policy", "auto", "--pd-pooling", "always"),
 }
 LABELS = {
     "pd": "PD 1P1D: prefill node on GPU 0, decode node on GPU 1; the router picks each prompt's node",
     "colocated": "two colocated replicas, one per GPU",
     "pd_remote": "PD 1P1D with every prompt on the prefill node",
     "pd_pooled": "PD 1P1D as pd, both nodes serving whole requests while the decode tier is the bottleneck",
+    # what pooling is worth where the rule never engages it (the twenty-seventh run): an A/B, not a mode to run
+    "pd_always_pooled": "PD 1P1D with both nodes always serving whole requests (--pd-pooling always)",
 }
-NODES = {"pd": 2, "colocated": 2, "pd_remote": 2, "pd_pooled": 2}  # /metrics lines `pdserve up` prints
+NODES = dict.fromkeys(TOPOLOGIES, 2)  # /metrics lines `pdserve up` prints: two nodes in every topology
 _UP = re.compile(r"^pdserve is up: (\S+)")
 _METRICS = re.compile(r"^(\S+) metrics: (\S+)$")
 # a request a node still holds: queued, running, or (PD) reserving or receiving KV
