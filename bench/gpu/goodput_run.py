@@ -2,7 +2,10 @@
 another (or the rungs around an earlier run's knees), each a loadgen Poisson point on the
 workload's first requests (a doubtful one drawn a second time, its point then over both draws),
 then a wait until the nodes are idle; every point is judged by both SLOs (or by the one SLO a
-deployment set up for it is judged by) and goes into the results at once."""
+deployment set up for it is judged by) and goes into the results at once. Beside what the router
+and nodes say of a point (bench/gpu/goodput_signals.py), each point and draw keeps the bench's own
+side of it (bench/gpu/goodput_host.py): `client_load`, the load generator's CPU cores and
+event-loop lag, and `host_net`, the host's TCP retransmissions and softnet drops over its requests."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from typing import Any
 import httpx
 
 from bench.gpu import goodput_plan as plan
+from bench.gpu.goodput_host import ClientLoad, host_net, host_net_deltas
 from bench.gpu.goodput_report import SLO_NAMES, Results, point_entries, prior_knees
 from bench.gpu.goodput_signals import (
     node_count_means,
@@ -170,11 +174,15 @@ async def _point(
     vocab: int,
 ) -> tuple[list[RequestRecord], float, dict[str, Any]]:
     """One Poisson draw of `requests` at `rate`, between idle deployments: its records, wall time
-    and what the router and the nodes said of it."""
+    and what the router and the nodes said of it, with the client's own load (`client_load`) and
+    the host's TCP retransmissions and packet drops (`host_net`) while it ran."""
     split_wait_s = await wait_split(client, up.url, DRAIN_S)
     router_before, nodes_before = await router_counters(client, up.url), await node_stage_totals(client, up.metrics)
     sent = fresh_prompts(requests, salt, vocab)  # prompt ids no earlier point sent
+    # the bench's own side, over the point's requests alone: its loop and core, the host's TCP resends
+    net_before, client_load = host_net(), ClientLoad.start()
     records, wall = await run_point(client, endpoint, sent, LoadPoint("rate", rate), seed=seed)
+    client_figures, net = await client_load.stop(), host_net_deltas(net_before, host_net())
     nodes = await node_signals(client, up.metrics)  # the last seconds of the point's load
     router_after = await router_counters(client, up.url)
     paths, stages = point_counters(router_before, router_after)
@@ -200,6 +208,8 @@ async def _point(
             "node_step_tails": node_step_tails(nodes_before, nodes_after),
             "stream_stalls": stream_stalls(records),
             "router_load": point_router_load(router_before, router_after),
+            "client_load": client_figures,
+            "host_net": net,
         },
     )
 
@@ -224,7 +234,8 @@ def next_rate(
 
 
 def draw_summary(seed: int, entries: dict[str, dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
-    """What a point keeps of each of its draws: the seed, attainment and latency by SLO, paths."""
+    """What a point keeps of each of its draws: the seed, attainment and latency by SLO, paths,
+    stalls and the loads of router, client and host."""
     first = next(iter(entries.values()))
     return {
         "seed": seed,
@@ -236,6 +247,8 @@ def draw_summary(seed: int, entries: dict[str, dict[str, Any]], extra: dict[str,
         "stream_stalls": extra.get("stream_stalls", {}),  # a stall in one draw is not the other's
         "node_step_tails": extra.get("node_step_tails", {}),
         "router_load": extra.get("router_load", {}),  # a router out of CPU in one draw stalls all its streams
+        "client_load": extra.get("client_load", {}),  # so does a client reading its streams late
+        "host_net": extra.get("host_net", {}),  # and a dropped loopback segment, for an RTO
     }
 
 
