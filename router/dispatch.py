@@ -249,7 +249,7 @@ class PDDispatcher:
             d.local_s if d is not None else None,
         )
         if route.path != "colocated":  # the tiers' demand: colocated nodes are in neither
-            self.balance.add_prompt(prompt_tokens, hit)
+            self.balance.add_prompt(prompt_tokens, hit, on_decode=route.path == "local")
         if log.isEnabledFor(logging.DEBUG):
             self._log_route(route, job)
         return hit

@@ -181,8 +181,17 @@ class PoolMetrics:
             "over the prefill nodes' rates), decode (the decode nodes' step at the recent output rate over "
             "their TPOT guard's cycle), decode_batch (their step at the batch they run now, over it; shown, "
             "not decided on), pooled "
-            "(every node's step at its share of prompts and output, over it); NaN while unknown",
+            "(every node's step at its share of prompts and output, over it), decode_local (decode with the "
+            "prompts the decode nodes computed themselves inside their steps; shown, not decided on); "
+            "NaN while unknown",
             ["tier"],
+        )
+        self.step_line = g(
+            "pdserve_router_decode_step_line_seconds",
+            "The decode step line the tier loads are priced on (router/tier_load.py): fixed (the step at "
+            "batch 1), per_request, per_prompt_token (inside a step) and cycle (the step the TPOT guard "
+            "allows); NaN while unknown",
+            ["part"],
         )
 
     def record(self, pooled: bool, switched: bool, load: TierLoad) -> None:
@@ -190,5 +199,14 @@ class PoolMetrics:
         if switched:
             self.switches.labels("pooled" if pooled else "split").inc()
         values = (("prefill", load.prefill), ("decode", load.decode), ("decode_batch", load.decode_batch))
-        for tier, value in (*values, ("pooled", load.pooled)):
+        for tier, value in (*values, ("pooled", load.pooled), ("decode_local", load.decode_local)):
             self.load.labels(tier).set(value)
+        line = load.line
+        parts = (
+            ("fixed", line.fixed_s if line else math.nan),
+            ("per_request", line.per_request_s if line else math.nan),
+            ("per_prompt_token", line.per_prompt_token_s if line else math.nan),
+            ("cycle", line.cycle_s if line else math.nan),
+        )
+        for part, seconds in parts:
+            self.step_line.labels(part).set(seconds)

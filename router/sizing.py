@@ -75,12 +75,16 @@ class TierBalance:
         self.registry = registry
         self.prompts, self.outputs = RateWindow(clock=clock), RateWindow(clock=clock)
         self.recent_prompts = RateWindow(RECENT_WINDOW_S, clock)
+        self.recent_local_prompts = RateWindow(RECENT_WINDOW_S, clock)  # of them, on a decode node
         self.recent_outputs = RateWindow(RECENT_WINDOW_S, clock)
 
-    def add_prompt(self, tokens: int, cached: int = 0) -> None:
-        """A prompt dispatched to PD nodes, of which `cached` tokens are expected to be hits."""
+    def add_prompt(self, tokens: int, cached: int = 0, on_decode: bool = False) -> None:
+        """A prompt dispatched to PD nodes, of which `cached` tokens are expected to be hits;
+        `on_decode`: a decode node computes it (the local path)."""
         self.prompts.add(tokens)
         self.recent_prompts.add(max(0, tokens - cached))
+        if on_decode:
+            self.recent_local_prompts.add(max(0, tokens - cached))
 
     def add_output(self, tokens: int) -> None:
         self.outputs.add(tokens)
@@ -93,6 +97,7 @@ class TierBalance:
             self.registry.nodes("decode"),
             self.recent_prompts.per_second(),
             self.recent_outputs.per_second(),
+            self.recent_local_prompts.per_second(),
         )
 
     def _prefill_capacities(self) -> list[float]:

@@ -72,6 +72,12 @@ class TierLoad:
     # the decode nodes' step at the batch they run now over the cycle: what the rates' window
     # takes its length to follow
     decode_batch: float = math.nan
+    # `decode` with the prompts the decode nodes computed themselves (the local path) inside their
+    # steps: shown, not decided on. The rule's `decode` leaves them out, and on two H200s it read
+    # 0.33-0.63 while local prompts held the decode's TPOT p90 at 20-29 ms (bench/RESULTS.md,
+    # twenty-seventh goodput run); this figure is what the next runs tune a rule that counts them on
+    decode_local: float = math.nan
+    line: StepLine | None = None  # the decode step line every figure above was priced on
 
 
 def _line(decodes: Sequence[NodeState]) -> StepLine | None:
@@ -81,19 +87,26 @@ def _line(decodes: Sequence[NodeState]) -> StepLine | None:
 
 
 def tier_load(
-    prefills: Sequence[NodeState], decodes: Sequence[NodeState], prompt_tokens_per_s: float, output_tokens_per_s: float
+    prefills: Sequence[NodeState],
+    decodes: Sequence[NodeState],
+    prompt_tokens_per_s: float,
+    output_tokens_per_s: float,
+    local_prompt_tokens_per_s: float = 0.0,
 ) -> TierLoad:
     """The load of `prompt_tokens_per_s` to compute and `output_tokens_per_s` to emit on these
-    healthy nodes, split and pooled (pooled: prefill nodes decode on the decode nodes' line)."""
+    healthy nodes, split and pooled (pooled: prefill nodes decode on the decode nodes' line);
+    `local_prompt_tokens_per_s`, of the prompts, those the decode nodes computed themselves."""
     prompt_rate = sum(n.perf.prefill_tokens_per_s for n in prefills)
     prefill = prompt_tokens_per_s / prompt_rate if prompt_rate > 0 else math.nan
     line = _line(decodes)
     if line is None or not decodes or line.cycle_s <= 0:
         return TierLoad(prefill, math.nan, math.nan)
     nodes = len(prefills) + len(decodes)
-    split = line.loaded_step_s(output_tokens_per_s / len(decodes)) / line.cycle_s
+    per_decode = output_tokens_per_s / len(decodes)
+    split = line.loaded_step_s(per_decode) / line.cycle_s
+    local = line.loaded_step_s(per_decode, local_prompt_tokens_per_s / len(decodes)) / line.cycle_s
     pooled = line.loaded_step_s(output_tokens_per_s / nodes, prompt_tokens_per_s / nodes) / line.cycle_s
-    return TierLoad(prefill, split, pooled, _batch_load(decodes))
+    return TierLoad(prefill, split, pooled, _batch_load(decodes), local, line)
 
 
 def _batch_load(decodes: Sequence[NodeState]) -> float:

@@ -27,6 +27,7 @@ PATH_ESTIMATES = "pdserve_router_prefill_path_estimate_seconds"  # each path's e
 CALIBRATION = "pdserve_router_ttft_estimate_ratio"  # per node: observed over estimated TTFT
 POOLED = "pdserve_router_pd_pooled"  # 1 while every PD node serves whole requests (router/pooling.py)
 TIER_LOAD = "pdserve_router_tier_load"  # the recent load over capacity it decides on, by tier
+STEP_LINE = "pdserve_router_decode_step_line_seconds"  # the decode step line those loads are priced on
 ROUTER_LOOP_LAG = "pdserve_router_event_loop_lag_seconds"  # how late its event loop ran (common/loop_lag.py)
 PROCESS_CPU = "process_cpu_seconds_total"  # a process's CPU time (prometheus_client's process collector)
 LAG_OVER_S = 0.05  # a bucket bound of the lag histograms: a loop that late held every stream it relays
@@ -209,6 +210,8 @@ async def router_counters(client: httpx.AsyncClient, router_url: str) -> dict[st
             counts["pool:pooled"] = value
         elif name == TIER_LOAD and (tier := re.search(r'tier="([^"]*)"', labels)):
             counts[f"pool:load_{tier[1]}"] = value
+        elif name == STEP_LINE and (part := re.search(r'part="([^"]*)"', labels)):
+            counts[f"pool:line_{part[1]}_ms"] = value * 1e3  # what the loads were priced on
         elif name == PROCESS_CPU:
             counts["cpu:router"] = value
         elif name == f"{ROUTER_LOOP_LAG}_bucket" and f'le="{LAG_OVER_S}"' in labels:

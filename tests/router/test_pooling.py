@@ -18,7 +18,7 @@ from router.contract import GenerationJob
 from router.nodes import NodeRegistry, NodeSpec, NodeState
 from router.perf import NodePerf
 from router.policy import LeastLoad
-from router.pooling import PoolRule, PoolSwitch, poolable, select_pooled
+from router.pooling import PoolMetrics, PoolRule, PoolSwitch, poolable, select_pooled
 from router.prefill_path import POOLED, REASONS
 from router.sizing import TierBalance
 from router.tier_load import StepLine, TierLoad
@@ -86,6 +86,33 @@ def test_the_recent_load_prices_computed_prompts_and_every_output_on_the_step_li
     assert math.isnan(balance.recent_load().prefill)
     registry.states = [node("prefill")]  # no decode line: nothing to price on
     assert math.isnan(balance.recent_load().decode)
+
+
+def test_prompts_a_decode_node_computes_weigh_on_its_shown_load_not_the_rules() -> None:
+    """The twenty-seventh goodput run: the rule's decode load read 0.33-0.63 while the decode node's
+    local prompts held its TPOT at 20-29 ms. `decode_local` prices them into its steps; the rule
+    still decides on `decode`."""
+    clock = Clock()
+    registry = NodeRegistry([])
+    registry.states = [node("prefill"), node("decode")]
+    balance = TierBalance(registry, clock)
+    for _ in range(10):  # 5 s: 2 prompts a second of 1,000 tokens, one of them local, 300 cached
+        balance.add_prompt(1000, cached=300, on_decode=True)
+        balance.add_prompt(1000)
+        balance.add_output(800)
+        clock.now += 0.5
+    got, line = balance.recent_load(), StepLine.of(node("decode").perf)
+    assert line is not None and got.line == line
+    assert got.decode == pytest.approx(line.loaded_step_s(1600) / GUARD)
+    assert got.decode_local == pytest.approx(line.loaded_step_s(1600, 700 * 10 / 5) / GUARD)
+    assert got.decode_local > got.decode
+    metrics = CollectorRegistry()
+    PoolMetrics(metrics).record(False, False, got)
+    assert metrics.get_sample_value("pdserve_router_tier_load", {"tier": "decode_local"}) == got.decode_local
+    assert metrics.get_sample_value("pdserve_router_decode_step_line_seconds", {"part": "cycle"}) == GUARD
+    assert metrics.get_sample_value("pdserve_router_decode_step_line_seconds", {"part": "fixed"}) == 0.006
+    PoolMetrics(unknown := CollectorRegistry()).record(False, False, TierLoad(math.nan, math.nan, math.nan))
+    assert math.isnan(unknown.get_sample_value("pdserve_router_decode_step_line_seconds", {"part": "fixed"}) or 0.0)
 
 
 def test_pool_when_decode_is_the_bottleneck_and_pooling_relieves_it() -> None:
@@ -216,8 +243,10 @@ def test_the_dispatcher_pools_under_decode_load_and_splits_again() -> None:
             assert len(d.requests) == 1 and not p.requests[1].HasField("disaggregated_params")
             p.b.running = 9
             await reg.refresh_once()
+            local_before = disp.balance.recent_local_prompts.per_second()
             await collect(disp, job("req-3"))  # now the decode, alone
             assert len(p.requests) == 2 and not d.requests[1].HasField("disaggregated_params")
+            assert disp.balance.recent_local_prompts.per_second() > local_before  # its prompt, on a decode node
             assert get("pdserve_router_prefill_path_decisions_total", {"reason": POOLED}) == 2
             disp.balance.recent_outputs = type(disp.balance.recent_outputs)(5.0)  # the traffic went
             disp.update_pool()
