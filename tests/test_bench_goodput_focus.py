@@ -95,7 +95,8 @@ def _prior(tmp_path: Path) -> Path:
 
 
 def test_each_curve_takes_its_own_knees_from_the_earlier_report(tmp_path: Path) -> None:
-    args = parse_args(["--around", str(_prior(tmp_path)), "--focus-draws", "3"])
+    prior = _prior(tmp_path)
+    args = parse_args(["--around", str(prior), "--focus-draws", "3"])
     settings, _ = run_settings(args, "llama8b")
     assert settings.focus.draws == 3 and settings.focus.step == pytest.approx(1.1)
     assert curve_focus(settings, "decode_heavy", "pd_pooled", "tight") == replace(settings.focus, knees=(20.7,))
@@ -107,6 +108,17 @@ def test_each_curve_takes_its_own_knees_from_the_earlier_report(tmp_path: Path) 
     assert prior_knees({}, "chat_mix", "pd", ["loose"]) == ()
     plain, _ = run_settings(parse_args([]), "llama8b")
     assert curve_focus(plain, "decode_heavy", "pd_pooled", "tight") is None
+    # a deployment the earlier run did not measure, around a like one's knees (--around-from)
+    assert curve_focus(settings, "decode_heavy", "pd_always_pooled", "tight") is None
+    like, _ = run_settings(parse_args(["--around", str(prior), "--around-from", "pd,colocated,pd_pooled"]), "llama8b")
+    assert like.around_from == ("pd", "colocated", "pd_pooled")
+    always = "pd_always_pooled"
+    assert curve_focus(like, "decode_heavy", always, "loose") == replace(like.focus, knees=(38.1,), of="colocated")
+    assert curve_focus(like, "decode_heavy", always, "tight") == replace(like.focus, knees=(20.7,), of="pd_pooled")
+    own = curve_focus(like, "decode_heavy", "pd_pooled", "tight")
+    assert own == replace(like.focus, knees=(20.7,))  # its own knees first
+    with pytest.raises(SystemExit, match="--around-from"):
+        run_settings(parse_args(["--around", str(prior), "--around-from", "colocatd"]), "llama8b")
 
 
 def test_an_earlier_report_under_other_slos_or_nonsense_rungs_are_refused(tmp_path: Path) -> None:

@@ -162,6 +162,7 @@ class Focus:
     """A curve measured around the knees an earlier run found for it."""
 
     knees: tuple[float, ...]  # that run's goodput under each SLO judging this curve (req/s)
+    of: str = ""  # the deployment those knees are of, where not this curve's own (--around-from)
     step: float = 1.1  # between rungs
     draws: int = 2  # Poisson draws of every rung
     span: int = 1  # rungs on each side of a knee

@@ -61,6 +61,8 @@ class RunSettings:
     # draws of its rungs; None: the ladder from its start
     around: dict[str, Any] | None = None
     focus: plan.Focus = plan.Focus(())
+    # deployments whose knees a curve takes where the earlier report found none of its own, in order
+    around_from: tuple[str, ...] = ()
 
 
 def measure_deployment(
@@ -119,7 +121,9 @@ async def _curve(
     ladder = plan.curve_ladder(settings.ladder, both_slos=judged is None)
     focus = curve_focus(settings, workload.name, deployment, judged)
     if focus is not None:
-        results.curve(workload.name, deployment, focus=list(focus.knees))  # the knees it was measured around
+        # the knees it was measured around, and whose they were where not its own
+        of = {"focus_of": focus.of} if focus.of else {}
+        results.curve(workload.name, deployment, focus=list(focus.knees), **of)
     tail_s = max(r.timeout_s or 0.0 for r in requests[:WARMUP])  # the worst case, until a point is seen
     redrawn = sent = 0  # second draws, and points sent (each draws prompts of its own)
     while True:
@@ -215,11 +219,18 @@ async def _point(
 
 
 def curve_focus(settings: RunSettings, workload: str, deployment: str, judged: str | None) -> plan.Focus | None:
-    """The knees this curve is measured around, or None (no earlier report, or no knee in it)."""
+    """The knees this curve is measured around, or None (no earlier report, or no knee in it):
+    its own, else those of the first of `around_from` the earlier report found any for (a new
+    deployment measured around a like one's knees: pd_always_pooled around colocated's)."""
     if settings.around is None:
         return None
-    knees = prior_knees(settings.around, workload, deployment, [judged] if judged else SLO_NAMES)
-    return replace(settings.focus, knees=knees) if knees else None
+    slos = [judged] if judged else SLO_NAMES
+    if knees := prior_knees(settings.around, workload, deployment, slos):
+        return replace(settings.focus, knees=knees)
+    for other in settings.around_from:
+        if knees := prior_knees(settings.around, workload, other, slos):
+            return replace(settings.focus, knees=knees, of=other)
+    return None
 
 
 def next_rate(

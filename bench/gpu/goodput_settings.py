@@ -109,8 +109,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         default=None,
         help="an earlier goodput JSON: each curve is measured at the rungs next to the knees it found "
-        "(every rung drawn --focus-draws times, one rung further where they do not bracket the knee), "
+        "(each rung once, further rungs where they do not bracket the knee, then --focus-draws of each), "
         "not up the ladder from --start-rate; a curve it found no knee for takes the ladder",
+    )
+    p.add_argument(
+        "--around-from",
+        default="",
+        help="with --around: comma-separated deployments whose knees a curve takes where the earlier "
+        "report has none of its own, first found first (e.g. colocated for pd_always_pooled)",
     )
     p.add_argument("--focus-draws", type=int, default=2, help="with --around: Poisson draws of every rung")
     p.add_argument("--focus-step", type=float, default=1.1, help="with --around: ratio between rungs")
@@ -169,7 +175,11 @@ def with_focus(args: argparse.Namespace, settings: RunSettings) -> RunSettings:
     if prior.get("slos") != {n: {f"{k}_ms": v * 1e3 for k, v in slo.items()} for n, slo in settings.slos.items()}:
         raise SystemExit(f"--around {args.around}: its SLOs differ from this run's")
     focus = plan.Focus((), step=args.focus_step, draws=args.focus_draws)
-    return replace(settings, around=prior, focus=focus)
+    around_from = tuple(d for d in args.around_from.split(",") if d)
+    if unknown := [d for d in around_from if d not in TOPOLOGIES]:
+        known = ", ".join(TOPOLOGIES)
+        raise SystemExit(f"--around-from: unknown deployment(s) {', '.join(unknown)} (topologies {known})")
+    return replace(settings, around=prior, focus=focus, around_from=around_from)
 
 
 def parse_deployments(text: str) -> list[tuple[str, str | None]]:
