@@ -1,9 +1,10 @@
 """The router's own cost: OpenAI streaming /v1/completions -> PD gRPC pair, against instant nodes.
 
-Run: `python -m bench.router_overhead [--quick] [--out PATH]`. Fake prefill + decode nodes that
-answer at once (`bench.router_nodes`, own process) sit behind the real router process
-(`python -m pdserve.cli router`), all on 127.0.0.1. Latency: sequential streaming requests
-(16 tokens) through the router, alternating with the same call made straight to the nodes over
+Run: `python -m bench.router_overhead [--quick] [--max-tokens N] [--tokens-per-chunk K] [--out PATH]`.
+Fake prefill + decode nodes that answer at once (`bench.router_nodes`, own process) sit behind the
+real router process (`python -m pdserve.cli router`), all on 127.0.0.1. Latency: sequential
+streaming requests (16 tokens by default, in messages of K) through the router, alternating with
+the same call made straight to the nodes over
 gRPC (both legs at once, as the router does); router-added = router - direct, per percentile.
 Throughput: N concurrent httpx streaming clients for a fixed time, through the router and
 straight to the nodes; CPU seconds of the router, nodes and this (client) process are recorded.
@@ -107,14 +108,14 @@ def summary_ms(xs: list[float]) -> dict[str, float]:
 
 
 class Clients:
-    """The two ways to get 16 tokens: through the router (HTTP + SSE) or straight to the nodes (gRPC)."""
+    """The two ways to get `max_tokens` tokens: through the router (HTTP + SSE) or straight to the nodes (gRPC)."""
 
-    def __init__(self, http: str, prefill: str, decode: str, ids: list[int]) -> None:
-        self.url, self.ids = f"http://{http}/v1/completions", ids
+    def __init__(self, http: str, prefill: str, decode: str, ids: list[int], max_tokens: int = MAX_TOKENS) -> None:
+        self.url, self.ids, self.max_tokens = f"http://{http}/v1/completions", ids, max_tokens
         self.body = {
             "model": "bench-model",
             "prompt": PROMPT,
-            "max_tokens": MAX_TOKENS,
+            "max_tokens": max_tokens,
             "temperature": 0.0,
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -144,7 +145,7 @@ class Clients:
             request_id=f"cmpl-{uuid.uuid4().hex}",
             tokenized=pb.TokenizedInput(input_ids=self.ids),
             stream=True,
-            sampling_params=pb.SamplingParams(temperature=0.0, max_new_tokens=MAX_TOKENS, n=1),
+            sampling_params=pb.SamplingParams(temperature=0.0, max_new_tokens=self.max_tokens, n=1),
             disaggregated_params=pb.DisaggregatedParams(
                 bootstrap_host="127.0.0.1",
                 bootstrap_port=self.bootstrap_port,
@@ -178,7 +179,7 @@ async def bench_latency(c: Clients, n: int, warmup: int) -> dict[str, Any]:
             pair = [("router", lambda: c.via_router(client)), ("direct", c.direct)]
             for name, call in pair if i % 2 == 0 else pair[::-1]:
                 ttft, e2e, tokens = await call()
-                assert tokens == MAX_TOKENS, f"{name}: {tokens} tokens"
+                assert tokens == c.max_tokens, f"{name}: {tokens} tokens"
                 if i >= warmup:
                     out[f"{name}_ttft"].append(ttft)
                     out[f"{name}_e2e"].append(e2e)
@@ -247,7 +248,7 @@ async def measure(c: Clients, cfg: dict[str, Any], pids: dict[str, int]) -> dict
     return {"latency": latency, "throughput": rows}
 
 
-def run(quick: bool = False, tokens_per_chunk: int = TOKENS_PER_CHUNK) -> dict[str, Any]:
+def run(quick: bool = False, tokens_per_chunk: int = TOKENS_PER_CHUNK, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
     """Start nodes + router, measure, stop them; returns the results (nothing printed or written)."""
     # torch: only this (client) process pays for it, not the router or the nodes
     from fixtures.tiny_model import write_tiny_model
@@ -285,7 +286,7 @@ def run(quick: bool = False, tokens_per_chunk: int = TOKENS_PER_CHUNK) -> dict[s
             ids = Tokenizer.from_dir(model).encode(PROMPT)
 
             async def go() -> dict[str, Any]:
-                c = Clients(router.addrs["http"], nodes.addrs["prefill"], nodes.addrs["decode"], ids)
+                c = Clients(router.addrs["http"], nodes.addrs["prefill"], nodes.addrs["decode"], ids, max_tokens)
                 try:
                     return await measure(
                         c, cfg, {"router": router.proc.pid, "nodes": nodes.proc.pid, "client": os.getpid()}
@@ -302,7 +303,7 @@ def run(quick: bool = False, tokens_per_chunk: int = TOKENS_PER_CHUNK) -> dict[s
     return {
         "benchmark": "router_overhead",
         "quick": quick,
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": max_tokens,
         "tokens_per_chunk": tokens_per_chunk,
         "prompt_tokens": len(ids),
         **{k: cfg[k] for k in cfg},
@@ -358,13 +359,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m bench.router_overhead", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="20 latency pairs, one 1.5 s throughput level")
     ap.add_argument("--tokens-per-chunk", type=int, default=TOKENS_PER_CHUNK, help="decode tokens per message")
+    ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="tokens each request streams")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result file")
     args = ap.parse_args(argv)
-    report = run(quick=args.quick, tokens_per_chunk=args.tokens_per_chunk)
+    report = run(quick=args.quick, tokens_per_chunk=args.tokens_per_chunk, max_tokens=args.max_tokens)
     env = report["env"]
     print(
         f"CPU: {env['cpu']} ({env['cores']} cores), Python {env['python']}, grpcio {env['grpcio']}; "
-        f"{MAX_TOKENS} tokens per request in chunks of {report['tokens_per_chunk']}, "
+        f"{report['max_tokens']} tokens per request in chunks of {report['tokens_per_chunk']}, "
         f"{report['prompt_tokens']}-token prompt; load average before/after: "
         f"{env['loadavg_before']} / {env['loadavg_after']}\n"
     )
