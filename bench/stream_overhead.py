@@ -9,7 +9,8 @@ Per setting it reports the step's wall time against the device step, the time pu
 the messages per stream (below the steps when updates that queued up went out as one message).
 Settings: the hand-over (`batched`: a step's updates reach the loop in one wake-up, the node's path;
 `per_update`: one `call_soon_threadsafe` per update, the node's former path) by GIL switch interval,
-streams and loop cost per message.
+streams and loop cost per message; with `--stream-intervals 1,4`, each of those again at every
+`--stream-interval` (tokens a message after a stream's first).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from bench.engine_cpu import _loadavg, _nproc
 from engine.core import Req, SamplingParams
 from engine.loop import ThreadedIO
 from engine.scheduler import RequestUpdate
-from engine.service.stream import RequestStream
+from engine.service.stream import RequestStream, set_stream_interval
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "stream_overhead.json"
 HANDOVERS = ("batched", "per_update")
@@ -49,10 +50,14 @@ async def _consume(stream: RequestStream, message_s: float, counts: list[int]) -
         await asyncio.sleep(0)  # a write yields to the loop
 
 
-def measure(streams: int, steps: int, step_s: float, message_s: float, handover: str, switch_s: float) -> dict:
-    """One setting: `steps` steps of `step_s` device time publishing to `streams` streams."""
+def measure(
+    streams: int, steps: int, step_s: float, message_s: float, handover: str, switch_s: float, interval: int = 1
+) -> dict:
+    """One setting: `steps` steps of `step_s` device time publishing to `streams` streams, `interval`
+    tokens a message after each stream's first."""
     old_switch = sys.getswitchinterval()
     sys.setswitchinterval(switch_s)
+    set_stream_interval(interval)
     io, aio, counts = ThreadedIO(), asyncio.new_event_loop(), [0]
     thread = threading.Thread(target=aio.run_forever, daemon=True)
     thread.start()
@@ -86,10 +91,12 @@ def measure(streams: int, steps: int, step_s: float, message_s: float, handover:
         thread.join(timeout=10)
         aio.close()
         sys.setswitchinterval(old_switch)
+        set_stream_interval(1)
     publish.sort()
     return {
         "handover": handover,
         "switch_interval_ms": switch_s * 1e3,
+        "stream_interval": interval,
         "streams": streams,
         "message_us": message_s * 1e6,
         "device_step_ms": step_s * 1e3,
@@ -107,23 +114,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--quick", action="store_true", help="fewer steps and settings")
     p.add_argument("--step-ms", type=float, default=8.0, help="the device step (a decode step of an 8B model)")
+    p.add_argument("--stream-intervals", default="1", help="comma-separated --stream-interval settings to run")
+    p.add_argument("--handovers", default=",".join(HANDOVERS), help="comma-separated subset of " + ", ".join(HANDOVERS))
+    p.add_argument("--switch-ms", default="5,1", help="comma-separated GIL switch intervals (ms)")
     args = p.parse_args(argv)
+    intervals = [int(k) for k in args.stream_intervals.split(",") if k]
+    handovers = [h for h in args.handovers.split(",") if h]
+    switches = [float(ms) for ms in args.switch_ms.split(",") if ms]
+    if not intervals or min(intervals) < 1 or not set(handovers) <= set(HANDOVERS) or not switches:
+        p.error("--stream-intervals must be >= 1, --handovers among " + ", ".join(HANDOVERS))
     steps = 40 if args.quick else 200
     streams = (200,) if args.quick else (100, 200, 300)
     message_us = (30.0,) if args.quick else (30.0, 60.0)
     rows: list[dict[str, Any]] = []
     for n in streams:
         for cost in message_us:
-            for handover in HANDOVERS:
-                for switch_ms in (5.0, 1.0):
-                    row = measure(n, steps, args.step_ms / 1e3, cost / 1e6, handover, switch_ms / 1e3)
-                    rows.append(row)
-                    print(
-                        f"{handover:>10} switch {switch_ms:g} ms, {n} streams, {cost:g} us/message: step "
-                        f"{row['step_wall_ms']:.2f} ms (device {args.step_ms:g}), publish {row['publish_mean_ms']:.2f} "
-                        f"ms, {row['messages_per_stream']:.0f} messages/stream",
-                        flush=True,
-                    )
+            for handover, switch_ms, k in ((h, sw, k) for h in handovers for sw in switches for k in intervals):
+                row = measure(n, steps, args.step_ms / 1e3, cost / 1e6, handover, switch_ms / 1e3, k)
+                rows.append(row)
+                print(
+                    f"{handover:>10} switch {switch_ms:g} ms, interval {k}, {n} streams, {cost:g} us/message: step "
+                    f"{row['step_wall_ms']:.2f} ms (device {args.step_ms:g}), publish {row['publish_mean_ms']:.2f} "
+                    f"ms, {row['messages_per_stream']:.0f} messages/stream",
+                    flush=True,
+                )
     write_report(
         args.out,
         {"bench": "stream_overhead", "quick": args.quick, "cpus": _nproc(), "loadavg": _loadavg(), "rows": rows},
