@@ -202,11 +202,6 @@ class PoolMetrics:
         for tier, value in (*values, ("pooled", load.pooled), ("decode_local", load.decode_local)):
             self.load.labels(tier).set(value)
         line = load.line
-        parts = (
-            ("fixed", line.fixed_s if line else math.nan),
-            ("per_request", line.per_request_s if line else math.nan),
-            ("per_prompt_token", line.per_prompt_token_s if line else math.nan),
-            ("cycle", line.cycle_s if line else math.nan),
-        )
-        for part, seconds in parts:
+        parts = (line.fixed_s, line.per_request_s, line.per_prompt_token_s, line.cycle_s) if line else (math.nan,) * 4
+        for part, seconds in zip(("fixed", "per_request", "per_prompt_token", "cycle"), parts):
             self.step_line.labels(part).set(seconds)

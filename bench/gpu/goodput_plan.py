@@ -187,18 +187,22 @@ def focused_next(ladder: Ladder, focus: Focus, done: Sequence[Measured], slos: S
     for rate in focus_rates(focus):
         if rate not in by_rate:
             return rate
-    reach = _reach(ladder, focus, done, slos)
+    reach = _reach(ladder, focus, done, by_rate, slos)
     if reach is not None:
         return reach
     short = [m.rate for m in done if m.draws < focus.draws]
-    return min(short, key=lambda rate: _from_knee(rate, done, ladder, slos)) if short else None
+    if not short:
+        return None
+    brackets = _knee_brackets(done, ladder, slos)
+    return min(short, key=lambda rate: (_from_brackets(rate, brackets), -rate))
 
 
-def _reach(ladder: Ladder, focus: Focus, done: Sequence[Measured], slos: Sequence[str]) -> float | None:
+def _reach(
+    ladder: Ladder, focus: Focus, done: Sequence[Measured], by_rate: dict[float, Measured], slos: Sequence[str]
+) -> float | None:
     """A rate past the rungs next to the knees (focused_next says which), or None."""
     if len(done) >= len(focus_rates(focus)) + FOCUS_EXTENSIONS * len(slos):
         return None
-    by_rate = {m.rate: m for m in done}
     for slo in slos:
         attained = {m.rate: getattr(m, slo) for m in done}
         met = [r for r, a in attained.items() if a >= ladder.target]
@@ -212,19 +216,23 @@ def _reach(ladder: Ladder, focus: Focus, done: Sequence[Measured], slos: Sequenc
     return None
 
 
-def _from_knee(rate: float, done: Sequence[Measured], ladder: Ladder, slos: Sequence[str]) -> tuple[float, float]:
-    """How far `rate` lies from the nearest SLO's knee, in log distance: 0 on the knee's bracket
-    (the highest met rate and the next rate tried above it; the lowest tried where none met), and
-    the higher rate first on a tie, since a first draw was more often the bad one (twenty-sixth
-    run), so a miss above the knee is the likeliest to turn."""
-    distances = []
+def _knee_brackets(done: Sequence[Measured], ladder: Ladder, slos: Sequence[str]) -> list[tuple[float, float]]:
+    """Each SLO's knee bracket: its highest met rate and the next rate tried above it (the lowest
+    tried, alone, where none met)."""
+    brackets = []
     for slo in slos:
         met = [m.rate for m in done if getattr(m, slo) >= ladder.target]
         lo = max(met) if met else min(m.rate for m in done)
         above = [m.rate for m in done if m.rate > lo]
-        hi = min(above) if met and above else lo
-        distances.append(0.0 if lo <= rate <= hi else min(abs(math.log(rate / lo)), abs(math.log(rate / hi))))
-    return min(distances), -rate
+        brackets.append((lo, min(above) if met and above else lo))
+    return brackets
+
+
+def _from_brackets(rate: float, brackets: Sequence[tuple[float, float]]) -> float:
+    """How far `rate` lies from the nearest knee bracket, in log distance (0 inside one). Repeats
+    go nearest first, the higher rate on a tie: a first draw was more often the bad one
+    (twenty-sixth run), so a miss above the knee is the likeliest to turn."""
+    return min(0.0 if lo <= rate <= hi else min(abs(math.log(rate / b)) for b in (lo, hi)) for lo, hi in brackets)
 
 
 FOCUS_EXTENSIONS = 4  # rates past the knees' rungs per SLO: a step out, then halving a gap to a rung
