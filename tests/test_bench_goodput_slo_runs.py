@@ -161,3 +161,60 @@ def test_a_point_waits_for_a_pooled_router_to_split_again() -> None:
     assert 0.3 <= asyncio.run(go(always, 0.3)) < 2.0  # bounded
     colocated = lambda request: httpx.Response(200, text="")  # noqa: E731  (no pooling gauge)
     assert asyncio.run(go(colocated, 10.0)) < 0.5
+
+
+def _report(tmp_path: Path, command: str, points: dict[str, list[tuple[str, str | None, float]]]) -> dict:
+    """A one-call report: per workload, (deployment, judged SLO, rate) points all within both SLOs."""
+    import json
+
+    slos = {"loose": {"ttft": 0.5, "tpot": 0.025}, "tight": {"ttft": 0.25, "tpot": 0.015}}
+    head = {"device": "H200", "gpus": ["H200"] * 2, "model": {"kind": "llama8b"}, "slos": {"loose": {}}}
+    r = Results({**head, "command": command, "settings": {"window_s": 6.0, "stream_interval": 4}})
+    good = [record(0.1, 0.01)] * 4
+    for name, runs in points.items():
+        r.workload(name, {})
+        for dep, judged, rate in runs:
+            r.deployment(dep, {"label": dep})
+            r.deployment(dep, {"command": f"{command} {dep}", "start_s": rate}, judged)
+            r.add_point(name, judged_entries(point_entries(dep, rate, good, 1.0, slos), judged))
+    path, _ = r.write(tmp_path / command, "h200")
+    return json.loads(path.read_text())
+
+
+def test_a_run_returns_in_a_later_call_for_other_workloads_and_reports_merge(tmp_path: Path) -> None:
+    """A deployment's run measured on one workload may come back for another (its earlier record kept
+    under earlier_calls); the same workload twice is refused; two calls' reports merge after the fact."""
+    import json
+
+    from bench.gpu.goodput_resume import main as merge_main, merge, resume
+
+    first = _report(tmp_path, "a", {"w1": [("pd_pooled", "tight", 8.0), ("colocated", None, 6.0)]})
+    second = _report(tmp_path, "b", {"w2": [("pd_pooled", "tight", 10.0), ("colocated", None, 7.0)]})
+    (tmp_path / "a.json").write_text(json.dumps(first))
+    later = Results({k: v for k, v in second.items() if k not in ("deployments", "workloads")})
+    later.workload("w2", {})
+    resume(later, tmp_path / "a.json", [("pd_pooled", "tight"), ("colocated", None)])
+    later.deployment("colocated", {"command": "b colocated"})
+    rec = later.finish()["deployments"]["colocated"]
+    assert rec["command"] == "b colocated" and rec["earlier_calls"] == [{"command": "a colocated", "start_s": 6.0}]
+    again = Results({k: v for k, v in second.items() if k not in ("deployments", "workloads")})
+    again.workload("w1", {})
+    with pytest.raises(SystemExit, match="pd_pooled@tight on w1 already"):
+        resume(again, tmp_path / "a.json", [("pd_pooled", "tight")])
+
+    merged = merge([first, second]).finish()
+    assert set(merged["workloads"]) == {"w1", "w2"} and merged["resumed_from"] == ["a"]
+    assert merged["workloads"]["w1"]["tight"]["pd_pooled_goodput"] == 8.0
+    assert merged["workloads"]["w2"]["loose"]["colocated_goodput"] == 7.0
+    tight = merged["deployments"]["pd_pooled"]["by_slo"]["tight"]
+    assert tight["command"] == "b pd_pooled" and tight["earlier_calls"] == [{"command": "a pd_pooled", "start_s": 8.0}]
+    assert first["deployments"]["colocated"]["command"] == "a colocated"  # the inputs are left as they were
+    with pytest.raises(ValueError, match="two reports measured"):
+        merge([first, first])
+    (tmp_path / "b.json").write_text(json.dumps(second))
+    assert merge_main(["--out", str(tmp_path / "m"), str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    written = json.loads((tmp_path / "m" / "goodput_h200.json").read_text())
+    assert written["merged_from"][-1].endswith("b.json") and set(written["workloads"]) == {"w1", "w2"}
+    other = {**second, "settings": {**second["settings"], "stream_interval": 1}}
+    with pytest.raises(ValueError, match="stream_interval"):
+        merge([first, other])

@@ -41,7 +41,6 @@ within the loose SLO on every workload) and OUT/goodput_<gpu>.png after every cu
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import subprocess
 import sys
@@ -55,7 +54,8 @@ import httpx
 
 from bench.common import short_name
 from bench.gpu import goodput_plan as plan
-from bench.gpu.goodput_report import GOODPUT_DEFINITION, SLO_NAMES, Results, summary_text
+from bench.gpu.goodput_report import GOODPUT_DEFINITION, Results, summary_text
+from bench.gpu.goodput_resume import resume
 from bench.gpu.goodput_run import RunSettings, measure_deployment
 from bench.gpu.goodput_up import LABELS, UpProcess, node_env, up_argv
 from bench.gpu.goodput_settings import (
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
     for w in workloads:
         results.workload(w.name, {"description": w.describe(), "sent": length_stats(requests[w.name])})
     if args.resume:
-        resume(results, args.resume, deployments, args.remeasure)
+        resume(results, args.resume, deployments, args.remeasure, [w.name for w in workloads])
     budget = plan.Budget(started + budget_s, len(workloads), len(deployments), START_GUESS_S[kind], STOP_S[kind])
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-goodput-logs-"))
     failed, gpu = False, short_name(device)
@@ -185,49 +185,6 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
     print(summary_text(results.data))
     print(f"plot: {png}" if png else "no plot (matplotlib is not installed)")
     return 1 if failed else 0
-
-
-def resume(results: Results, path: Path, deployments: list[tuple[str, str | None]], remeasure: bool = False) -> None:
-    """Carry an earlier call's report into this one (`--resume`), refusing a run measured twice, or
-    (`remeasure`) dropping the earlier call's points of the runs this call measures."""
-    try:
-        earlier = json.loads(path.read_text())
-        done, dropped = earlier.get("deployments", {}), []
-        for dep, judged in deployments:
-            ran = done.get(dep, {})
-            per_slo = ran.get("by_slo", {})
-            # a plain run counts for both SLOs: it clashes with any run of the same topology
-            if "start_s" in ran or (judged in per_slo if judged else bool(per_slo)):
-                if not remeasure:
-                    run = f"{dep}@{judged}" if judged else dep
-                    raise ValueError(f"{path} has measured {run} (or all of {dep}) already")
-                dropped.append(drop_run(earlier, dep, judged))
-        results.absorb(earlier)
-        if dropped:
-            results.data["remeasured"] = dropped
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"cannot resume from {path}: {e}") from None
-
-
-def drop_run(report: dict[str, Any], dep: str, judged: str | None) -> str:
-    """Remove deployment `dep`'s run (judged by `judged`, or the whole topology) from an earlier
-    report: its record, its points under the SLOs it counted for, and its curves; returns its name."""
-    entry = report["deployments"].get(dep, {})
-    per_slo = entry.get("by_slo", {})
-    if judged and "start_s" not in entry:
-        per_slo.pop(judged, None)
-        slos = [judged]
-        if not per_slo:
-            report["deployments"].pop(dep, None)
-    else:
-        report["deployments"].pop(dep, None)
-        slos = list(SLO_NAMES)
-    for w in report.get("workloads", {}).values():
-        for slo in slos:
-            w[slo]["points"] = [p for p in w[slo]["points"] if p["deployment"] != dep]
-        if dep not in report["deployments"]:
-            w.get("curves", {}).pop(dep, None)
-    return f"{dep}@{judged}" if judged else dep
 
 
 def header(

@@ -92,8 +92,8 @@ class Results:
     def absorb(self, earlier: dict[str, Any]) -> None:
         """Take in an earlier report's points, curves and deployments (`--resume`): a comparison
         that does not fit one call's time runs in several calls on the same machine. Refused
-        unless the earlier run swept the same way on the same devices and model, and measured
-        none of the deployment runs this one measures again."""
+        unless the earlier run swept the same way on the same devices and model (which runs may
+        return is bench/gpu/goodput_resume.py's to check)."""
         for key in SAME_RUN_KEYS:
             if earlier.get(key) != self.data.get(key):
                 raise ValueError(f"the earlier report's {key} differs: {earlier.get(key)!r} vs {self.data.get(key)!r}")
@@ -105,7 +105,7 @@ class Results:
                 )
         self.data["resumed_from"] = [*earlier.get("resumed_from", []), earlier.get("command")]
         for name, info in earlier.get("deployments", {}).items():
-            self.data["deployments"].setdefault(name, {}).update(info)
+            join_record(self.data["deployments"].setdefault(name, {}), info)
         for wname, w in earlier.get("workloads", {}).items():
             here = self.data["workloads"].get(wname)
             if here is None:
@@ -146,6 +146,19 @@ class Results:
         except ImportError:  # the bench extra (matplotlib) is not installed: the JSON is the result
             png = None
         return path, png
+
+
+def join_record(mine: dict[str, Any], theirs: dict[str, Any]) -> None:
+    """An earlier call's record of a deployment laid under this call's: each SLO's run joined the
+    same way, earlier calls listed first, and this call's own figures kept where both have them."""
+    for key, value in theirs.items():
+        if key == "by_slo":
+            for slo, record in value.items():
+                join_record(mine.setdefault("by_slo", {}).setdefault(slo, {}), record)
+        elif key == "earlier_calls":
+            mine[key] = [*value, *mine.get(key, [])]
+        else:
+            mine.setdefault(key, value)
 
 
 def goodput_by_draw(points: list[dict[str, Any]], slo: str) -> list[float | None]:

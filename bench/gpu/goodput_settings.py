@@ -129,13 +129,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         default=None,
         help="an earlier call's goodput JSON on this machine, same settings: its points join this run's "
-        "(a comparison longer than one call's time limit)",
+        "(a comparison longer than one call's time limit); a deployment run may return for workloads it "
+        "has not measured (bench/gpu/goodput_resume.py also merges reports after the calls)",
     )
     p.add_argument(
         "--remeasure",
         action="store_true",
-        help="with --resume: drop the earlier call's points of the deployment runs this call measures, "
-        "instead of refusing them (a run cut short, or measured before a fix); the report lists them",
+        help="with --resume: drop the earlier call's points of the deployment runs this call measures "
+        "on the workloads it measures, instead of refusing them (a run cut short, or measured before a "
+        "fix); the report lists them",
     )
     return p.parse_args(argv)
 
