@@ -16,6 +16,7 @@ import httpx
 
 from loadgen.client import Clock, EndpointConfig, make_client, send, served_model
 from loadgen.dataset import BenchRequest
+from loadgen.heap import settled_heap
 from loadgen.metrics import GOODPUT_MIN_ATTAINMENT, RequestRecord, goodput, summarize
 from loadgen.reuse import format_groups
 
@@ -98,7 +99,15 @@ async def under_load(
     units: Sequence[U], load: LoadPoint, work: Callable[[U, float], Awaitable[R]], *, seed: int, clock: Clock
 ) -> tuple[list[R], float]:
     """Run `work(unit, t0)` for every unit as `load` says (Poisson arrivals of units, or at most
-    that many at once); returns the results in unit order and the wall time."""
+    that many at once); returns the results in unit order and the wall time. The heap is settled
+    first (loadgen/heap.py): a collection mid-point would stall every stream the client reads."""
+    with settled_heap():
+        return await _under_load(units, load, work, seed=seed, clock=clock)
+
+
+async def _under_load(
+    units: Sequence[U], load: LoadPoint, work: Callable[[U, float], Awaitable[R]], *, seed: int, clock: Clock
+) -> tuple[list[R], float]:
     t0 = clock()
     gate = asyncio.Semaphore(int(load.value)) if load.kind == "concurrency" else None
     arrivals = arrival_times(len(units), load.value, seed) if load.kind == "rate" else [0.0] * len(units)

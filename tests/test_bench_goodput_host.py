@@ -134,3 +134,31 @@ def test_a_draw_keeps_the_client_and_host_loads() -> None:
     draw = draw_summary(7, entries, extra)
     assert draw["client_load"] == {"cpu_cores": 0.4} and draw["host_net"] == {"tcp_retrans_segs": 2}
     assert draw_summary(7, entries, {})["host_net"] == {}
+
+
+def test_the_client_sampler_counts_full_collections_and_a_settled_heap_leaves_them_little() -> None:
+    """A full collection while sampled is counted with its pause; inside settled_heap (what every
+    point runs in) the objects alive before it are frozen out of collections, then thawed."""
+    import gc
+
+    from loadgen.heap import settled_heap
+
+    async def collected() -> dict[str, float]:
+        load = host.ClientLoad.start()
+        gc.collect()
+        return await load.stop()
+
+    figures = asyncio.run(collected())
+    assert figures["gc_full_collections"] >= 1 and figures["gc_pause_ms_max"] > 0.0
+    assert figures["gc_pause_ms_total"] >= figures["gc_pause_ms_max"]
+    assert not any(isinstance(c, host.GcPauses) for c in gc.callbacks)  # the tally is unhooked
+    kept = [[i] for i in range(50_000)]  # live before the block: frozen inside it
+    with settled_heap():
+        assert gc.get_freeze_count() >= len(kept)
+    assert gc.get_freeze_count() == 0
+    with settled_heap():
+        frozen = gc.get_freeze_count()
+        with settled_heap():  # nested: the outer block keeps the heap settled and thaws it
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() == 0

@@ -1,4 +1,4 @@
-"""A goodput point on the bench's own host: the client's CPU and event-loop lag, the host's TCP resends and drops."""
+"""A goodput point on the bench's own host: the client's CPU, loop lag and GC pauses; the host's TCP losses."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 from bench.gpu.goodput_signals import LAG_OVER_S
 from common.loop_lag import watch_loop_lag
+from loadgen.heap import GcPauses
 
 PROC_NET = Path("/proc/net")
 # host_net key -> (file under /proc/net, line prefix, counter name). Every process of a deployment
@@ -110,6 +111,7 @@ class ClientLoad:
     tally: LagTally = field(default_factory=LagTally)
     cpu_start_s: float = field(default_factory=_cpu_s)
     wall_start_s: float = field(default_factory=time.monotonic)
+    gc_pauses: GcPauses = field(default_factory=lambda: GcPauses().start())
     task: asyncio.Task[None] | None = None
 
     @classmethod
@@ -120,13 +122,14 @@ class ClientLoad:
         return load
 
     async def stop(self) -> dict[str, float]:
-        """CPU cores used since start (1.0: a core the whole time), and the loop lag's mean, worst
-        and count of wake-ups over LAG_OVER_S; lag keys left out where the sampler never woke."""
+        """CPU cores used since start (1.0: a core the whole time), the loop lag's mean, worst and
+        count of wake-ups over LAG_OVER_S (left out where the sampler never woke), and the garbage
+        collector's full collections and pauses (a pause stalls the loop as long)."""
         cpu_s, wall_s = _cpu_s() - self.cpu_start_s, time.monotonic() - self.wall_start_s
         if self.task is not None:
             self.task.cancel()
             await asyncio.wait({self.task})  # its end, without swallowing a cancellation of our own
-        out: dict[str, float] = {}
+        out: dict[str, float] = dict(self.gc_pauses.stop())
         if wall_s > 0:
             out["cpu_cores"] = cpu_s / wall_s
         if self.tally.count:

@@ -4,8 +4,9 @@ workload's first requests (a doubtful one drawn a second time, its point then ov
 then a wait until the nodes are idle; every point is judged by both SLOs (or by the one SLO a
 deployment set up for it is judged by) and goes into the results at once. Beside what the router
 and nodes say of a point (bench/gpu/goodput_signals.py), each point and draw keeps the bench's own
-side of it (bench/gpu/goodput_host.py): `client_load`, the load generator's CPU cores and
-event-loop lag, and `host_net`, the host's TCP retransmissions and softnet drops over its requests."""
+side of it (bench/gpu/goodput_host.py): `client_load`, the load generator's CPU cores, event-loop
+lag and garbage-collector pauses (each point runs on a settled heap, loadgen/heap.py), and
+`host_net`, the host's TCP retransmissions and softnet drops over its requests."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from bench.gpu.goodput_up import UpProcess, wait_idle
 from bench.gpu.goodput_workloads import Workload, fresh_prompts
 from loadgen.client import EndpointConfig, make_client, served_model
 from loadgen.dataset import BenchRequest
+from loadgen.heap import settled_heap
 from loadgen.metrics import RequestRecord, stream_stalls
 from loadgen.sweep import LoadPoint, arrival_times, run_point
 
@@ -184,9 +186,10 @@ async def _point(
     router_before, nodes_before = await router_counters(client, up.url), await node_stage_totals(client, up.metrics)
     sent = fresh_prompts(requests, salt, vocab)  # prompt ids no earlier point sent
     # the bench's own side, over the point's requests alone: its loop and core, the host's TCP resends
-    net_before, client_load = host_net(), ClientLoad.start()
-    records, wall = await run_point(client, endpoint, sent, LoadPoint("rate", rate), seed=seed)
-    client_figures, net = await client_load.stop(), host_net_deltas(net_before, host_net())
+    with settled_heap():  # settled before the client's figures start: they count the point's own pauses
+        net_before, client_load = host_net(), ClientLoad.start()
+        records, wall = await run_point(client, endpoint, sent, LoadPoint("rate", rate), seed=seed)
+        client_figures, net = await client_load.stop(), host_net_deltas(net_before, host_net())
     nodes = await node_signals(client, up.metrics)  # the last seconds of the point's load
     router_after = await router_counters(client, up.url)
     paths, stages = point_counters(router_before, router_after)
