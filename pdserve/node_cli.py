@@ -70,7 +70,7 @@ def _run(
     _setup_logging(log)
     try:
         set_switch_interval(engine.switch_interval_ms)
-        set_stream_interval(engine.stream_interval)
+        set_stream_interval(engine.stream_interval, engine.stream_messages_per_s)
         asyncio.run(
             run_node(
                 role,

@@ -90,6 +90,11 @@ def test_node_env_carries_the_prefills_kv_write_sgl() -> None:
     assert node_env(None, stream_interval=4)["PDSERVE_STREAM_INTERVAL"] == "4"
     assert "PDSERVE_STREAM_INTERVAL" not in node_env(None)
     assert parse_args(["--stream-interval", "4"]).stream_interval == 4
+    assert parse_args(["--stream-interval", "auto"]).stream_interval == "auto"
+    assert node_env(None, stream_interval="auto")["PDSERVE_STREAM_INTERVAL"] == "auto"
+    for bad in ("0", "x"):
+        with pytest.raises(SystemExit):
+            parse_args(["--stream-interval", bad])
     assert parse_args(["--kv-write-sgl", "on"]).kv_write_sgl == "on"
 
 

@@ -315,19 +315,24 @@ def test_up_isolates_gpus_unless_told_not_to(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_a_node_takes_its_stream_interval_from_the_flag_or_its_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`--stream-interval` reaches the node's streams (`set_stream_interval`); 0 is one line, exit 2."""
+    """`--stream-interval` (auto by default) and its budget reach the node's streams
+    (`set_stream_interval`); a bad value is one line, exit 2."""
     from engine.service import stream
 
-    seen: list[int] = []
+    seen: list[tuple[str, float]] = []
 
-    def refuse(tokens: int) -> None:  # as a bad value would be: before any model load
-        seen.append(tokens)
+    def refuse(setting: str, messages_per_s: float) -> None:  # as a bad value would be: before any model load
+        seen.append((setting, messages_per_s))
         raise ValueError("--stream-interval refused here")
 
     monkeypatch.setattr(stream, "set_stream_interval", refuse)
     monkeypatch.setenv("PDSERVE_STREAM_INTERVAL", "4")
     result = CliRunner().invoke(app, ["serve", "--model", "/nonexistent", "--device", "cpu"])
-    assert seen == [4] and result.exit_code == 2, result.output
+    assert seen == [("4", 3000.0)] and result.exit_code == 2, result.output
+    monkeypatch.delenv("PDSERVE_STREAM_INTERVAL")
+    args = ["serve", "--model", "/nonexistent", "--device", "cpu", "--stream-messages-per-s", "500"]
+    assert CliRunner().invoke(app, args).exit_code == 2
+    assert seen[-1] == ("auto", 500.0)
 
 
 def test_a_node_sets_its_gil_switch_interval_when_told() -> None:

@@ -29,6 +29,15 @@ START_RATE = {"llama8b": 4.0, "tiny": 4.0}  # requests/s
 
 
 # one deployment's start (a guess until one is measured) and stop, seconds
+def stream_interval_arg(text: str) -> int | str:
+    """`--stream-interval`: auto, or a token count >= 1 (kept an int: reports compare it as one)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"auto or a token count >= 1, not {text!r}")
+    return int(text)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.gpu.goodput", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("bench/results"), help="folder for the JSON and PNG")
@@ -73,10 +82,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--switch-interval-ms", type=float, default=None, help="every node's --switch-interval-ms")
     p.add_argument(
         "--stream-interval",
-        type=int,
+        type=stream_interval_arg,
         default=None,
-        help="every node's --stream-interval (default: theirs, 1): tokens per streamed message after the "
-        "first, fewer messages for the router's one event loop to relay",
+        help="every node's --stream-interval, N or auto (default: theirs, auto; 1 before the "
+        "twenty-ninth run): tokens per streamed message after the first, fewer messages for the "
+        "router's one event loop to relay",
     )
     p.add_argument(
         "--prompt-graph-tokens",

@@ -200,7 +200,7 @@ def node_env(
     kv_write_sgl: str | None = None,
     switch_interval_ms: float | None = None,
     prompt_graph_tokens: int | None = None,
-    stream_interval: int | None = None,
+    stream_interval: int | str | None = None,
 ) -> dict[str, str]:
     """The environment `pdserve up` and its children run in (flags `up` does not take, as the
     nodes' PDSERVE_* variables)."""

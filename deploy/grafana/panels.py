@@ -74,6 +74,16 @@ CORE_ROWS: list[tuple[str, list[Panel]]] = [
                 ],
             ),
             Panel(
+                "Streamed tokens per message",
+                "none",
+                "Tokens each node's streamed messages gather after a stream's first (--stream-interval; "
+                "under auto, a token a message until a node streams more tokens a second than its "
+                "--stream-messages-per-s). Above 1 the nodes are sparing their router's event loop.",
+                [
+                    ("max by (role) (pdserve_node_stream_interval_tokens)", "{{role}} tokens a message"),
+                ],
+            ),
+            Panel(
                 "End-to-end latency",
                 "s",
                 "Arrival to the last token of completed requests, PD and colocated.",

@@ -14,6 +14,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from engine.service.stream import stream_pacer
+from engine.service.stream_pacer import PacerCollector
+
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 KV_TRANSFER_BYTES = Counter(
@@ -391,5 +394,6 @@ def _le(bound: float) -> str:
 def start_metrics(engine: Any, role: str, host: str, port: int, handler: Any = None) -> int:
     """Serve /metrics over HTTP; returns the bound port (0 picks a free one)."""
     REGISTRY.register(EngineCollector(engine, role, handler))
+    REGISTRY.register(PacerCollector(stream_pacer, role))
     server, _ = start_http_server(port, addr=host)
     return int(server.server_address[1])

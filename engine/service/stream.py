@@ -4,9 +4,11 @@ Also where stop strings are enforced on a node: the node has the tokenizer, so i
 tail incrementally and ends the request at the first stop string (SMG/the router trim the text).
 
 After its first message, a stream gathers at least `--stream-interval` tokens per message (SGLang's
-flag of that name; 1 by default): every message costs the router a read, a relay and an SSE write
-on its one event loop, so at high rates fewer, larger messages let one router carry more streams,
-at the cost of tokens arriving in groups. The end of a stream always goes out at once.
+flag of that name): every message costs the router a read, a relay and an SSE write on its one
+event loop, so at high rates fewer, larger messages let one router carry more streams, at the cost
+of tokens arriving in groups. The default, auto, sends a token a message until the node streams
+more tokens a second than its message budget (engine/service/stream_pacer.py). The end of a
+stream always goes out at once.
 
 The scheduler thread hands a step's updates to the event loop in one wake-up (UpdateMailbox), not
 one per request: each `call_soon_threadsafe` writes the loop's self-pipe, which releases the GIL to
@@ -31,17 +33,34 @@ from engine.scheduler import RequestUpdate
 from engine.service import convert
 from common.detokenize import TextAssembler
 from common.tokenizer import Tokenizer
+from engine.service.stream_pacer import DEFAULT_MESSAGES_PER_S, StreamPacer
 
 
-_stream_interval = 1  # tokens per message after the first (a node process serves one setting)
+_pacer = StreamPacer(fixed=1)  # the node's tokens per message after the first (one setting a process)
 
 
-def set_stream_interval(tokens: int) -> None:
-    """The node's `--stream-interval`: the fewest tokens a message carries after a stream's first."""
-    global _stream_interval
+def set_stream_interval(setting: str | int, messages_per_s: float = DEFAULT_MESSAGES_PER_S) -> StreamPacer:
+    """The node's `--stream-interval` (N, or auto within `messages_per_s`); returns its pacer."""
+    global _pacer
+    _pacer = StreamPacer(parse_stream_interval(setting), messages_per_s)
+    return _pacer
+
+
+def stream_pacer() -> StreamPacer:
+    return _pacer
+
+
+def parse_stream_interval(setting: str | int) -> int | None:
+    """`--stream-interval`'s value: a token count >= 1, or None for auto."""
+    if isinstance(setting, str) and setting.strip().lower() == "auto":
+        return None
+    try:
+        tokens = int(setting)
+    except ValueError:
+        raise ValueError(f"--stream-interval must be auto or a token count >= 1, got {setting!r}") from None
     if tokens < 1:
-        raise ValueError(f"--stream-interval must be >= 1, got {tokens}")
-    _stream_interval = tokens
+        raise ValueError(f"--stream-interval must be >= 1 or auto, got {tokens}")
+    return tokens
 
 
 class Aborter(Protocol):
@@ -112,7 +131,7 @@ class RequestStream:
         self.accepted_drafts = 0
         self.verifies = 0
         self.finished = False
-        self.interval = _stream_interval
+        self.pacer = _pacer
 
     def on_update(self, upd: RequestUpdate) -> None:
         """Called in the scheduler thread."""
@@ -120,6 +139,8 @@ class RequestStream:
 
     def deliver(self, upd: RequestUpdate) -> None:
         """Called on the event loop (the mailbox's delivery)."""
+        if self.stream and upd.tokens:
+            self.pacer.observe(len(upd.tokens))
         self._queue.put_nowait(upd)
 
     async def _updates(self) -> list[RequestUpdate]:
@@ -139,7 +160,7 @@ class RequestStream:
                 taken, end = self._take(batch)
                 held += taken
                 tokens = [t for upd in held for t in upd.tokens]
-                due = not spoke or len(tokens) >= self.interval or end is not None
+                due = not spoke or len(tokens) >= self.pacer.interval or end is not None
                 if tokens and self.stream and due:
                     yield convert.chunk(
                         rid,

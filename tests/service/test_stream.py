@@ -9,6 +9,7 @@ import threading
 from engine.core import FinishReason, Req, SamplingParams
 from engine.scheduler import RequestUpdate
 from engine.service.stream import RequestStream
+from engine.service.stream_pacer import StreamPacer
 
 
 class Letters:
@@ -72,7 +73,7 @@ def test_a_stream_interval_sends_the_first_token_alone_then_groups_and_the_end_a
 
     async def run(interval: int) -> tuple[list[list[int]], list[float], list[int]]:
         stream = RequestStream(Aborts(), _req(), True, None, frozenset())
-        stream.interval = interval
+        stream.pacer = StreamPacer(fixed=interval)
         chunks: list[list[int]] = []
         logprobs: list[float] = []
         complete: list[int] = []
