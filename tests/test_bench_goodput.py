@@ -365,16 +365,18 @@ def test_node_and_router_expositions_are_read_for_each_point():
             "# HELP pdserve_node_prompt_tokens_per_second x",
             'pdserve_node_prompt_tokens_per_second{role="prefill"} 31250.5',
             'pdserve_node_decode_capacity_tokens_per_second{role="decode"} 4.1e3',
+            'pdserve_node_stream_interval_tokens{role="decode"} 4.0',
             'pdserve_router_prefill_path_total{path="local"} 7.0',
             "pdserve_router_ready 1.0",
         ]
     )
     got = samples(text)
     assert got[0] == ("pdserve_node_prompt_tokens_per_second", 'role="prefill"', 31250.5)
-    assert ("pdserve_router_ready", "", 1.0) in got and len(got) == 4
+    assert ("pdserve_router_ready", "", 1.0) in got and len(got) == 5
     assert {name for name, _, _ in got} & set(SIGNALS) == {
         "pdserve_node_prompt_tokens_per_second",
         "pdserve_node_decode_capacity_tokens_per_second",
+        "pdserve_node_stream_interval_tokens",  # auto's choice at the point's end, per node
     }
 
 

@@ -19,6 +19,8 @@ SIGNALS = (
     "pdserve_node_mixed_prefill_tokens_per_second",
     "pdserve_node_decode_tokens_per_second",
     "pdserve_node_decode_capacity_tokens_per_second",
+    "pdserve_node_stream_interval_tokens",  # tokens a message (--stream-interval auto: from the rate)
+    "pdserve_node_streamed_tokens_per_second",  # the streamed token rate the interval was read from
 )
 TTFT_STAGES = "pdserve_router_ttft_stage_seconds"  # the router's time to first token by stage
 ROUTER_TTFT = "pdserve_router_time_to_first_token_seconds"  # the whole, as the router sees it
