@@ -47,6 +47,7 @@ def set_stream_interval(setting: str | int, messages_per_s: float = DEFAULT_MESS
 
 
 def stream_pacer() -> StreamPacer:
+    """The node's pacer, as `--stream-interval` last set it (its metrics read it at each scrape)."""
     return _pacer
 
 
