@@ -15,6 +15,7 @@ from common.defaults import (
     DEFAULT_INTER_TOKEN_TIMEOUT,
     DEFAULT_MAX_QUEUE,
     DEFAULT_PREFILL_TIMEOUT,
+    DEFAULT_PROMPT_PREFIX_CACHE_MB,
     DEFAULT_REFRESH_INTERVAL,
 )
 from common.flag_fields import opt
@@ -80,6 +81,11 @@ class RouterOptions:
     )
     api_key: list[str] = opt([], "Accepted API key (repeatable; PDSERVE_API_KEY takes key1,key2).", separator=",")
     max_queue: int = opt(DEFAULT_MAX_QUEUE, "Most requests in flight before 503.")
+    prompt_prefix_cache_mb: float = opt(
+        DEFAULT_PROMPT_PREFIX_CACHE_MB,
+        "Text of prompt prefixes whose token ids the router keeps, in MB (router/prefix_tokens.py): a chat's "
+        "next turn then tokenizes only its new messages. 0 turns it off.",
+    )
     prefill_dns: list[str] = opt([], "Headless service NAME:PORT,BOOTSTRAP_PORT whose addresses are prefill nodes.")
     decode_dns: list[str] = opt([], "Headless service NAME:PORT whose addresses are decode nodes.")
     first_token_timeout: float = opt(

@@ -42,6 +42,8 @@ async def run_router(options: RouterOptions) -> None:
     own_tokenizer = Tokenizer.from_dir(options.tokenizer) if options.tokenizer else None
     if options.tool_call_parser:
         parser_named(options.tool_call_parser)  # an unknown name fails here, not after the wait
+    if options.prompt_prefix_cache_mb < 0:
+        raise ValueError(f"--prompt-prefix-cache-mb must be >= 0, got {options.prompt_prefix_cache_mb:g}")
     # the nodes' KV event streams are followed only for a policy that reads them
     index = KvIndex() if "prefix_aware" in (options.prefill_policy, options.decode_policy) else None
     registry = NodeRegistry(
@@ -76,6 +78,7 @@ async def run_router(options: RouterOptions) -> None:
             max_queue=options.max_queue,
             metrics_registry=dispatcher.metrics_registry,
             tool_call_parser=options.tool_call_parser,
+            prefix_token_chars=int(options.prompt_prefix_cache_mb * (1 << 20)),
         )
         lag = start_loop_lag_watch(router.metrics.loop_lag.observe)
         try:

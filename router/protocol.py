@@ -276,7 +276,7 @@ def check_bias_ids(pairs: tuple[tuple[int, float], ...], vocab_size: int) -> Non
 def check_ids(ids: list[int], vocab_size: int, param: str) -> None:
     if not ids:
         raise bad_request(f"'{param}' must not be empty.", param=param, code="empty_prompt")
-    if any(i < 0 or i >= vocab_size for i in ids):
+    if min(ids) < 0 or max(ids) >= vocab_size:  # C loops: a long history checks in tens of microseconds
         raise bad_request(f"Token ids must be in [0, {vocab_size}).", param=param, code="invalid_token_id")
 
 
