@@ -83,8 +83,8 @@ class RouterOptions:
     max_queue: int = opt(DEFAULT_MAX_QUEUE, "Most requests in flight before 503.")
     prompt_prefix_cache_mb: float = opt(
         DEFAULT_PROMPT_PREFIX_CACHE_MB,
-        "Text of prompt prefixes whose token ids the router keeps, in MB (router/prefix_tokens.py): a chat's "
-        "next turn then tokenizes only its new messages. 0 turns it off.",
+        "Prompt prefixes whose token ids the router keeps, text and ids, in MB (router/prefix_tokens.py): a "
+        "chat's next turn then tokenizes only its new messages. 0 turns it off.",
     )
     prefill_dns: list[str] = opt([], "Headless service NAME:PORT,BOOTSTRAP_PORT whose addresses are prefill nodes.")
     decode_dns: list[str] = opt([], "Headless service NAME:PORT whose addresses are decode nodes.")

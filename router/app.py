@@ -34,7 +34,7 @@ from router.chat import render as render_chat
 from router.contract import Dispatcher, DispatchError, GenerationJob, ModelCard
 from router.errors import APIError, bad_request, from_dispatch_error, from_validation_error, install_handlers
 from router.metrics import ResponseCounter, RouterMetrics
-from router.prefix_tokens import MAX_CHARS as PREFIX_TOKEN_CHARS
+from router.prefix_tokens import MAX_BYTES as PREFIX_TOKEN_BYTES
 from router.prefix_tokens import PrefixTokenCache, PrefixTokenCollector
 from router.protocol import (
     ChatCompletionRequest,
@@ -89,13 +89,13 @@ class RouterApp:
         max_queue: int = DEFAULT_MAX_QUEUE,
         metrics_registry: CollectorRegistry | None = None,
         tool_call_parser: str | None = None,
-        prefix_token_chars: int = PREFIX_TOKEN_CHARS,
+        prefix_token_bytes: int = PREFIX_TOKEN_BYTES,
     ) -> None:
         self.dispatcher, self.tokenizer, self.served_model = dispatcher, tokenizer, served_model
         self.tool_parser = resolve(tool_call_parser, tokenizer.chat_template_sources)
         self.max_body_bytes, self.max_queue = max_body_bytes, max_queue
         self.metrics = RouterMetrics(metrics_registry)
-        self.prefix_tokens = PrefixTokenCache(tokenizer, prefix_token_chars)  # a next turn encodes only what is new
+        self.prefix_tokens = PrefixTokenCache(tokenizer, prefix_token_bytes)  # a next turn encodes only what is new
         self.metrics.registry.register(PrefixTokenCollector(self.prefix_tokens))
         self.keys = [k.encode() for k in api_keys]
         self.created_at = int(time.time())

@@ -78,7 +78,7 @@ async def run_router(options: RouterOptions) -> None:
             max_queue=options.max_queue,
             metrics_registry=dispatcher.metrics_registry,
             tool_call_parser=options.tool_call_parser,
-            prefix_token_chars=int(options.prompt_prefix_cache_mb * (1 << 20)),
+            prefix_token_bytes=int(options.prompt_prefix_cache_mb * (1 << 20)),
         )
         lag = start_loop_lag_watch(router.metrics.loop_lag.observe)
         try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import re
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -30,7 +31,7 @@ from common.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-MAX_CHARS = int(DEFAULT_PROMPT_PREFIX_CACHE_MB * (1 << 20))  # kept prefixes' text, all together (ids beside)
+MAX_BYTES = int(DEFAULT_PROMPT_PREFIX_CACHE_MB * (1 << 20))  # kept prefixes: their text and 4-byte ids, all together
 VERIFY_EVERY = 64  # one prompt in this many is also encoded whole and compared
 PROBE_CHAT = [  # non-ASCII too: the cut is found by character offset
     {"role": "system", "content": "You are terse, naïve ☕ and exact."},
@@ -50,17 +51,18 @@ class CacheStats:
 class PrefixTokenCache:
     """Encode prompts, reusing the ids of a kept prefix that ends just before a special token."""
 
-    def __init__(self, tokenizer: Tokenizer, max_chars: int = MAX_CHARS, verify_every: int = VERIFY_EVERY) -> None:
-        if max_chars < 0:
-            raise ValueError(f"--prompt-prefix-cache-mb must be >= 0, got {max_chars / (1 << 20):g}")
-        self.tokenizer, self.max_chars, self.verify_every = tokenizer, max_chars, verify_every
-        self._kept: OrderedDict[tuple[bool, str], list[int]] = OrderedDict()
-        self._chars = 0
+    def __init__(self, tokenizer: Tokenizer, max_bytes: int = MAX_BYTES, verify_every: int = VERIFY_EVERY) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"--prompt-prefix-cache-mb must be >= 0, got {max_bytes / (1 << 20):g}")
+        self.tokenizer, self.max_bytes, self.verify_every = tokenizer, max_bytes, verify_every
+        # ids as 4-byte arrays: a list of Python ints would cost 36 bytes a token, nine times the text
+        self._kept: OrderedDict[tuple[bool, str], array[int]] = OrderedDict()
+        self._bytes = 0
         self._seen = 0
         self.stats = CacheStats()
         self._specials = _special_tokens(tokenizer)
         self._cuts = re.compile("|".join(re.escape(t) for t in self._specials)) if self._specials else None
-        self.enabled = max_chars > 0 and self._cuts is not None and self._probe()
+        self.enabled = max_bytes > 0 and self._cuts is not None and self._probe()
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """`text`'s ids, as `tokenizer.encode` gives them."""
@@ -79,12 +81,12 @@ class PrefixTokenCache:
 
     def _longest_kept(self, text: str, cuts: Sequence[int], add_special: bool) -> tuple[int, list[int]]:
         for cut in reversed(cuts):
-            head = self._kept.get((add_special, text[:cut]))
-            if head is not None:
+            kept = self._kept.get((add_special, text[:cut]))
+            if kept is not None:
                 self._kept.move_to_end((add_special, text[:cut]))
                 self.stats.hits += 1
-                self.stats.reused_tokens += len(head)
-                return cut, head
+                self.stats.reused_tokens += len(kept)
+                return cut, kept.tolist()
         self.stats.misses += 1
         return 0, []
 
@@ -109,11 +111,11 @@ class PrefixTokenCache:
         key = (add_special, text[: cuts[-1]])
         if key in self._kept:
             return
-        self._kept[key] = head + ids[:split]
-        self._chars += len(key[1])
-        while self._chars > self.max_chars and self._kept:
-            (_, old), _ = self._kept.popitem(last=False)
-            self._chars -= len(old)
+        kept = self._kept[key] = array("i", head + ids[:split])
+        self._bytes += _size(key[1], kept)
+        while self._bytes > self.max_bytes and self._kept:
+            (_, old_text), old_ids = self._kept.popitem(last=False)
+            self._bytes -= _size(old_text, old_ids)
 
     def _verify(self, text: str, add_special: bool, ids: list[int]) -> None:
         whole = self.tokenizer.encode(text, add_special_tokens=add_special)
@@ -132,7 +134,7 @@ class PrefixTokenCache:
                     self._off(f"the probe's ids differed at {_first_difference(whole, got)}")
                     return False
         self._kept.clear()
-        self._chars, self._seen, self.stats = 0, 0, CacheStats()
+        self._bytes, self._seen, self.stats = 0, 0, CacheStats()
         return True
 
     def _probe_text(self, messages: int) -> str:
@@ -148,7 +150,7 @@ class PrefixTokenCache:
         log.warning("prefix token cache off for %s: %s", self.tokenizer.name_or_path, why)
         self.enabled = False
         self._kept.clear()
-        self._chars = 0
+        self._bytes = 0
 
 
 class PrefixTokenCollector(Collector):
@@ -184,6 +186,11 @@ def _special_tokens(tokenizer: Tokenizer) -> list[str]:
     """The tokenizer's added special tokens, longest first (so a pattern of them matches whole)."""
     added = tokenizer.backend.get_added_tokens_decoder().values()
     return sorted({t.content for t in added if t.special and t.content}, key=len, reverse=True)
+
+
+def _size(text: str, ids: array[int]) -> int:
+    """What a kept prefix costs against the budget: its text (a byte a character, near enough) and ids."""
+    return len(text) + ids.itemsize * len(ids)
 
 
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:

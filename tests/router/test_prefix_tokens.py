@@ -95,10 +95,10 @@ def test_kept_prefixes_stay_within_their_budget_and_the_metrics_show_the_cache()
     tok = _tokenizer("qwen")
     turns = [t for seed in range(6) for t in _turns(tok, 3, seed=seed)]
     budget = 3 * max(len(t) for t in turns)
-    cache = PrefixTokenCache(tok, max_chars=budget)
+    cache = PrefixTokenCache(tok, max_bytes=budget)
     for text in turns:
         cache.encode(text, False)
-    assert 0 < cache._chars <= budget and len(cache._kept) < len(turns)  # the oldest went
+    assert 0 < cache._bytes <= budget and len(cache._kept) < len(turns)  # the oldest went
     registry = CollectorRegistry()
     registry.register(PrefixTokenCollector(cache))
     assert (
@@ -115,9 +115,9 @@ def test_the_specials_the_template_starts_messages_with_are_the_cuts() -> None:
 
 def test_a_zero_budget_turns_the_cache_off_and_a_negative_one_is_refused() -> None:
     tok = _tokenizer("qwen")
-    off = PrefixTokenCache(tok, max_chars=0)
+    off = PrefixTokenCache(tok, max_bytes=0)
     text = _turns(tok, 2)[1]
     assert not off.enabled and off.encode(text, False) == tok.encode(text, add_special_tokens=False)
     assert off.stats.hits == off.stats.misses == 0
     with pytest.raises(ValueError, match="--prompt-prefix-cache-mb"):
-        PrefixTokenCache(tok, max_chars=-1)
+        PrefixTokenCache(tok, max_bytes=-1)
