@@ -157,8 +157,7 @@ def test_the_client_sampler_counts_full_collections_and_a_settled_heap_leaves_th
         assert gc.get_freeze_count() >= len(kept)
     assert gc.get_freeze_count() == 0
     with settled_heap():
-        frozen = gc.get_freeze_count()
         with settled_heap():  # nested: the outer block keeps the heap settled and thaws it
-            assert gc.get_freeze_count() == frozen
-        assert gc.get_freeze_count() == frozen
+            assert gc.get_freeze_count() >= len(kept)
+        assert gc.get_freeze_count() >= len(kept)  # (frozen objects may still die: the count only falls)
     assert gc.get_freeze_count() == 0
