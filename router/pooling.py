@@ -25,6 +25,7 @@ they are), so only flapping could cost. The thresholds come from the two-GPU goo
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ from router.nodes import NodeRegistry, NodeState
 from router.policy import Policy
 from router.prefill_path import POOLED, PathDecision, Route, holds_local, holds_whole, runs_local_prompts
 from router.tier_load import TierLoad
+
+log = logging.getLogger(__name__)
 
 MODES = PD_POOLING_MODES  # --pd-pooling
 # Routing re-decides at most this often between refreshes: its own requests in flight show a rise
@@ -122,6 +125,19 @@ class PoolSwitch:
         return True
 
 
+def describe(load: TierLoad) -> str:
+    """The loads and step line a switch was decided on, for its log line (what tuning the rule needs)."""
+    loads = f"loads prefill {load.prefill:.2f} decode {load.decode:.2f} decode_local {load.decode_local:.2f} "
+    loads += f"pooled {load.pooled:.2f} decode_batch {load.decode_batch:.2f}"
+    line = load.line
+    if line is None:
+        return loads + ", no step line"
+    return (
+        f"{loads}, step line fixed {line.fixed_s * 1e3:.2f} ms per_request {line.per_request_s * 1e3:.3f} ms "
+        f"cycle {line.cycle_s * 1e3:.1f} ms measured to batch {line.largest_batch}"
+    )
+
+
 def poolable(registry: NodeRegistry) -> bool:
     """Can the deployment pool: a healthy prefill node that decodes and a healthy decode node that prefills?"""
     return any(n.local_decode for n in registry.nodes("prefill")) and any(
@@ -198,6 +214,7 @@ class PoolMetrics:
         self.pooled.set(float(pooled))
         if switched:
             self.switches.labels("pooled" if pooled else "split").inc()
+            log.info("pd pooling: %s on %s", "pooled" if pooled else "split", describe(load))
         values = (("prefill", load.prefill), ("decode", load.decode), ("decode_batch", load.decode_batch))
         for tier, value in (*values, ("pooled", load.pooled), ("decode_local", load.decode_local)):
             self.load.labels(tier).set(value)

@@ -33,6 +33,7 @@ class StepLine:
     per_prompt_token_s: float
     tokens_per_step: float
     cycle_s: float  # the step its TPOT guard allows
+    largest_batch: int = 0  # the largest batch measured: beyond it the line is extrapolated
 
     @staticmethod
     def of(perf: NodePerf) -> StepLine | None:
@@ -45,7 +46,8 @@ class StepLine:
         per_request = max(0.0, ((perf.step_s(largest) or fixed) - fixed) / (largest - 1)) if largest > 1 else 0.0
         rate = perf.mixed_tokens_per_s or perf.prefill_tokens_per_s
         per_step = perf.decode_tokens_per_step or 1.0
-        return StepLine(fixed, per_request, 1.0 / rate if rate > 0 else 0.0, per_step, perf.tpot_guard_s * per_step)
+        cycle = perf.tpot_guard_s * per_step
+        return StepLine(fixed, per_request, 1.0 / rate if rate > 0 else 0.0, per_step, cycle, largest)
 
     def tokens_within_guard(self) -> float:
         """Output tokens/s one node emits with its steps within the guard's cycle (NaN: how the

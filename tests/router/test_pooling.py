@@ -115,6 +115,23 @@ def test_prompts_a_decode_node_computes_weigh_on_its_shown_load_not_the_rules() 
     assert math.isnan(unknown.get_sample_value("pdserve_router_decode_step_line_seconds", {"part": "fixed"}) or 0.0)
 
 
+def test_a_switch_logs_the_loads_and_the_line_it_was_decided_on(caplog: pytest.LogCaptureFixture) -> None:
+    """Each switch's log line has what tuning the rule needs: the tiers' loads and the step line,
+    with how far the line was measured (beyond that batch it is extrapolated)."""
+    line = StepLine.of(node("decode").perf)
+    assert line is not None and line.largest_batch == node("decode").perf.decode_step_s[-1][0]
+    metrics = PoolMetrics(CollectorRegistry())
+    with caplog.at_level("INFO", logger="router.pooling"):
+        metrics.record(True, False, TierLoad(0.5, 1.2, 0.7, line=line))  # no switch: nothing logged
+        assert not caplog.records
+        metrics.record(True, True, TierLoad(0.5, 1.2, 0.7, line=line))
+        metrics.record(False, True, TierLoad(0.5, math.nan, math.nan))
+    pooled, split = (r.getMessage() for r in caplog.records)
+    assert pooled.startswith("pd pooling: pooled on loads prefill 0.50 decode 1.20") and "pooled 0.70" in pooled
+    assert f"measured to batch {line.largest_batch}" in pooled and "fixed 6.00 ms" in pooled
+    assert split.startswith("pd pooling: split on") and split.endswith("no step line")
+
+
 def test_pool_when_decode_is_the_bottleneck_and_pooling_relieves_it() -> None:
     rule = PoolRule()
     assert rule.should_pool(TierLoad(0.6, 1.1, 0.8))
