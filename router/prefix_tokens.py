@@ -183,9 +183,12 @@ class PrefixTokenCollector(Collector):
 
 
 def _special_tokens(tokenizer: Tokenizer) -> list[str]:
-    """The tokenizer's added special tokens, longest first (so a pattern of them matches whole)."""
+    """The added special tokens a prompt may be cut before, longest first (so a pattern of them
+    matches whole): not one that takes the whitespace before it (lstrip) or is matched on the
+    normalized text, since a cut just before either is not where the tokenizer splits."""
     added = tokenizer.backend.get_added_tokens_decoder().values()
-    return sorted({t.content for t in added if t.special and t.content}, key=len, reverse=True)
+    cuts = {t.content for t in added if t.special and t.content and not t.lstrip and not t.normalized}
+    return sorted(cuts, key=len, reverse=True)
 
 
 def _size(text: str, ids: array[int]) -> int:

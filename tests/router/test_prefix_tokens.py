@@ -121,3 +121,18 @@ def test_a_zero_budget_turns_the_cache_off_and_a_negative_one_is_refused() -> No
     assert off.stats.hits == off.stats.misses == 0
     with pytest.raises(ValueError, match="--prompt-prefix-cache-mb"):
         PrefixTokenCache(tok, max_bytes=-1)
+
+
+def test_a_special_token_that_takes_the_space_before_it_is_no_cut() -> None:
+    """An lstrip special token swallows the whitespace before it, so a cut just before it would
+    tokenize that space on its own: such tokens are not cuts, and ids stay the whole encode's."""
+    from tokenizers import AddedToken
+
+    tok = _tokenizer("qwen")
+    tok.backend.add_special_tokens([AddedToken("<|mark|>", special=True, lstrip=True)])
+    cache = PrefixTokenCache(tok, verify_every=1)
+    assert "<|mark|>" not in cache._specials and cache.enabled
+    text = _turns(tok, 2)[1] + " see <|mark|> and  <|mark|>"
+    for _ in range(2):
+        assert cache.encode(text, False) == tok.encode(text, add_special_tokens=False)
+    assert cache.enabled
