@@ -60,10 +60,18 @@ class PoolRule:
     leave_decode_load: float = 0.75
     min_gain: float = 0.05
     dwell_s: float = 3.0
+    # Pool only on a decode load priced within this factor of the largest batch the step line was
+    # measured at: after start-up the line may hold only warm-up batches of a few requests, and on
+    # two H200s pooling engaged at or near a deployment's first points only, once costing 19 points
+    # of attainment where the split met 100% (bench/RESULTS.md, twenty-eighth goodput run). The
+    # decode node measures the batches it runs, so a real rise in load soon prices on measure.
+    max_extrapolation: float = 2.0
 
     def __post_init__(self) -> None:
         if not 0 < self.leave_decode_load < self.enter_decode_load or not 0 <= self.min_gain < 1 or self.dwell_s < 0:
             raise ValueError(f"need 0 < leave < enter decode load, min_gain in [0, 1) and dwell_s >= 0, got {self}")
+        if self.max_extrapolation < 1:
+            raise ValueError(f"need max_extrapolation >= 1, got {self.max_extrapolation}")
 
     def should_pool(self, load: TierLoad) -> bool:
         """From split: the decode tier past its TPOT budget by the recent output rate, busier than
@@ -73,12 +81,21 @@ class PoolRule:
         (bench/RESULTS.md, nineteenth run); it also made loads pool that split again at once."""
         if math.isnan(load.decode) or math.isnan(load.prefill) or not math.isfinite(load.pooled):
             return False
+        if self.extrapolated(load):
+            return False
         busiest = max(load.decode, load.prefill)
         return (
             load.decode >= self.enter_decode_load
             and load.decode >= load.prefill
             and load.pooled <= busiest * (1 - self.min_gain)
         )
+
+    def extrapolated(self, load: TierLoad) -> bool:
+        """Is the split's decode load priced past `max_extrapolation` x the line's measured batches?"""
+        line = load.line
+        if line is None or line.largest_batch < 1 or math.isnan(load.split_batch):
+            return False
+        return load.split_batch > self.max_extrapolation * line.largest_batch
 
     def should_split(self, load: TierLoad) -> bool:
         """From pooled: the decode tier has room again, prompts are now the larger load, or pooling
@@ -134,7 +151,7 @@ def describe(load: TierLoad) -> str:
         return loads + ", no step line"
     return (
         f"{loads}, step line fixed {line.fixed_s * 1e3:.2f} ms per_request {line.per_request_s * 1e3:.3f} ms "
-        f"cycle {line.cycle_s * 1e3:.1f} ms measured to batch {line.largest_batch}"
+        f"cycle {line.cycle_s * 1e3:.1f} ms measured to batch {line.largest_batch}, split batch {load.split_batch:.0f}"
     )
 
 

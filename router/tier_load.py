@@ -80,6 +80,9 @@ class TierLoad:
     # twenty-seventh goodput run); this figure is what the next runs tune a rule that counts them on
     decode_local: float = math.nan
     line: StepLine | None = None  # the decode step line every figure above was priced on
+    # the batch each decode node would run at the recent output rate, split (inf: none keeps up):
+    # past the line's largest measured batch, `decode` is extrapolated
+    split_batch: float = math.nan
 
 
 def _line(decodes: Sequence[NodeState]) -> StepLine | None:
@@ -105,10 +108,11 @@ def tier_load(
         return TierLoad(prefill, math.nan, math.nan)
     nodes = len(prefills) + len(decodes)
     per_decode = output_tokens_per_s / len(decodes)
-    split = line.loaded_step_s(per_decode) / line.cycle_s
+    split_step = line.loaded_step_s(per_decode)
     local = line.loaded_step_s(per_decode, local_prompt_tokens_per_s / len(decodes)) / line.cycle_s
     pooled = line.loaded_step_s(output_tokens_per_s / nodes, prompt_tokens_per_s / nodes) / line.cycle_s
-    return TierLoad(prefill, split, pooled, _batch_load(decodes), local, line)
+    batch = per_decode * split_step / line.tokens_per_step  # Little's law: requests = rate x step / tokens a step
+    return TierLoad(prefill, split_step / line.cycle_s, pooled, _batch_load(decodes), local, line, batch)
 
 
 def _batch_load(decodes: Sequence[NodeState]) -> float:

@@ -156,6 +156,31 @@ def test_pool_when_decode_is_the_bottleneck_and_pooling_relieves_it() -> None:
         PoolRule(enter_decode_load=0.5, leave_decode_load=0.6)
 
 
+def test_no_pooling_on_a_load_priced_far_past_the_measured_batches() -> None:
+    """The twenty-eighth goodput run pooled only at or near a deployment's first points: a decode
+    load extrapolated past twice the largest measured batch does not pool; measured, it does."""
+    line = StepLine.of(node("decode").perf)
+    assert line is not None and line.largest_batch == 128
+    rule = PoolRule()
+    assert rule.should_pool(TierLoad(0.6, 1.1, 0.8, line=line, split_batch=250))
+    assert not rule.should_pool(TierLoad(0.6, 1.1, 0.8, line=line, split_batch=300))
+    assert not rule.should_pool(TierLoad(0.6, math.inf, 0.8, line=line, split_batch=math.inf))
+    assert rule.should_pool(TierLoad(0.6, 1.1, 0.8, line=line))  # batch unknown: the loads decide
+    assert PoolRule(max_extrapolation=3.0).should_pool(TierLoad(0.6, 1.1, 0.8, line=line, split_batch=300))
+    with pytest.raises(ValueError, match="max_extrapolation"):
+        PoolRule(max_extrapolation=0.5)
+    # the batch is the split's: the decode node's share of the output rate times its step
+    clock = Clock()
+    registry = NodeRegistry([])
+    registry.states = [node("prefill"), node("decode")]
+    balance = TierBalance(registry, clock)
+    for _ in range(10):
+        balance.add_output(5000)
+        clock.now += 0.5
+    got = balance.recent_load()
+    assert got.split_batch == pytest.approx(10_000 * line.loaded_step_s(10_000) / line.tokens_per_step)
+
+
 def test_loads_that_pool_never_split_again_at_once() -> None:
     """The enter rule implies the leave rule's negation on the same loads: any switch back needs the
     load itself to change."""
