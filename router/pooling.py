@@ -60,12 +60,15 @@ class PoolRule:
     leave_decode_load: float = 0.75
     min_gain: float = 0.05
     dwell_s: float = 3.0
-    # Pool only on a decode load priced within this factor of the largest batch the step line was
-    # measured at: after start-up the line may hold only warm-up batches of a few requests, and on
-    # two H200s pooling engaged at or near a deployment's first points only, once costing 19 points
-    # of attainment where the split met 100% (bench/RESULTS.md, twenty-eighth goodput run). The
-    # decode node measures the batches it runs, so a real rise in load soon prices on measure.
+    # A cold step line does not pool: one measured only below `trusted_batch` requests, priced past
+    # `max_extrapolation` x its largest batch. After start-up the line may hold only warm-up batches
+    # of a few requests, and on two H200s pooling engaged at or near a deployment's first points
+    # only, once costing 19 points of attainment where the split met 100% (bench/RESULTS.md,
+    # twenty-eighth goodput run). The decode node measures the batches it runs, so a real rise in
+    # load soon prices on measure; a line measured on real batches is trusted past them (a decode
+    # tier that cannot keep up at all prices an infinite batch, which is when pooling is wanted).
     max_extrapolation: float = 2.0
+    trusted_batch: int = 32
 
     def __post_init__(self) -> None:
         if not 0 < self.leave_decode_load < self.enter_decode_load or not 0 <= self.min_gain < 1 or self.dwell_s < 0:
@@ -91,11 +94,11 @@ class PoolRule:
         )
 
     def extrapolated(self, load: TierLoad) -> bool:
-        """Is the split's decode load priced past `max_extrapolation` x the line's measured batches?"""
+        """Is the split's decode load priced on a cold line, far past the batches it measured?"""
         line = load.line
-        if line is None or line.largest_batch < 1 or math.isnan(load.split_batch):
+        if line is None or line.largest_batch < 1 or line.largest_batch >= self.trusted_batch:
             return False
-        return load.split_batch > self.max_extrapolation * line.largest_batch
+        return not math.isnan(load.split_batch) and load.split_batch > self.max_extrapolation * line.largest_batch
 
     def should_split(self, load: TierLoad) -> bool:
         """From pooled: the decode tier has room again, prompts are now the larger load, or pooling

@@ -157,18 +157,24 @@ def test_pool_when_decode_is_the_bottleneck_and_pooling_relieves_it() -> None:
 
 
 def test_no_pooling_on_a_load_priced_far_past_the_measured_batches() -> None:
-    """The twenty-eighth goodput run pooled only at or near a deployment's first points: a decode
-    load extrapolated past twice the largest measured batch does not pool; measured, it does."""
-    line = StepLine.of(node("decode").perf)
-    assert line is not None and line.largest_batch == 128
+    """The twenty-eighth goodput run pooled only at or near a deployment's first points: a cold
+    line (measured only on a few requests) does not pool on a load priced past twice its largest
+    batch; a line measured on real batches is trusted past them, even to an infinite batch."""
+    cold_perf = NodePerf(decode_step_s=((1, 0.006), (4, 0.0062)), decode_tokens_per_step=1.0, tpot_guard_s=GUARD)
+    cold, warm = StepLine.of(cold_perf), StepLine.of(node("decode").perf)
+    assert cold is not None and warm is not None and (cold.largest_batch, warm.largest_batch) == (4, 128)
     rule = PoolRule()
-    assert rule.should_pool(TierLoad(0.6, 1.1, 0.8, line=line, split_batch=250))
-    assert not rule.should_pool(TierLoad(0.6, 1.1, 0.8, line=line, split_batch=300))
-    assert not rule.should_pool(TierLoad(0.6, math.inf, 0.8, line=line, split_batch=math.inf))
-    assert rule.should_pool(TierLoad(0.6, 1.1, 0.8, line=line))  # batch unknown: the loads decide
-    assert PoolRule(max_extrapolation=3.0).should_pool(TierLoad(0.6, 1.1, 0.8, line=line, split_batch=300))
+    assert rule.should_pool(TierLoad(0.6, 1.1, 0.8, line=cold, split_batch=8))
+    assert not rule.should_pool(TierLoad(0.6, 1.1, 0.8, line=cold, split_batch=9))
+    assert not rule.should_pool(TierLoad(0.6, math.inf, 0.8, line=cold, split_batch=math.inf))
+    assert rule.should_pool(TierLoad(0.6, 1.1, 0.8, line=warm, split_batch=1000))
+    assert rule.should_pool(TierLoad(0.6, math.inf, 0.8, line=warm, split_batch=math.inf))
+    assert rule.should_pool(TierLoad(0.6, 1.1, 0.8, line=cold))  # batch unknown: the loads decide
+    assert PoolRule(max_extrapolation=3.0).should_pool(TierLoad(0.6, 1.1, 0.8, line=cold, split_batch=9))
+    assert PoolRule(trusted_batch=4).should_pool(TierLoad(0.6, 1.1, 0.8, line=cold, split_batch=9))
     with pytest.raises(ValueError, match="max_extrapolation"):
         PoolRule(max_extrapolation=0.5)
+    line = warm
     # the batch is the split's: the decode node's share of the output rate times its step
     clock = Clock()
     registry = NodeRegistry([])
