@@ -76,7 +76,7 @@ class PrefixTokenCache:
         self._keep_last_cut(text, cuts, start, head, enc.ids, enc.offsets, add_special_tokens)
         self._seen += 1
         if start and self._seen % self.verify_every == 0:
-            self._verify(text, add_special_tokens, ids)
+            return self._verified(text, add_special_tokens, ids)
         return ids
 
     def _longest_kept(self, text: str, cuts: Sequence[int], add_special: bool) -> tuple[int, list[int]]:
@@ -117,18 +117,20 @@ class PrefixTokenCache:
             (_, old_text), old_ids = self._kept.popitem(last=False)
             self._bytes -= _size(old_text, old_ids)
 
-    def _verify(self, text: str, add_special: bool, ids: list[int]) -> None:
+    def _verified(self, text: str, add_special: bool, ids: list[int]) -> list[int]:
+        """The whole encode's ids; where `ids` differ from them, the cache turns off."""
         whole = self.tokenizer.encode(text, add_special_tokens=add_special)
         if whole != ids:
             self._off(f"a prompt's ids differed from its whole encode at {_first_difference(whole, ids)}")
+        return whole
 
     def _probe(self) -> bool:
         """The property on this tokenizer's own template (or plain text with its special tokens)."""
         texts = [self._probe_text(n) for n in (3, 4)]
+        self.enabled = True  # for `encode` to use the cache while probing
         for add_special in (False, True):
             for text in texts:  # the shorter first: the longer one then reuses its ids
                 whole = self.tokenizer.encode(text, add_special_tokens=add_special)
-                self.enabled = True
                 got = self.encode(text, add_special)
                 if got != whole:
                     self._off(f"the probe's ids differed at {_first_difference(whole, got)}")

@@ -86,7 +86,7 @@ def test_a_sampled_mismatch_turns_the_cache_off_and_the_prompt_keeps_its_whole_i
     cache.encode(first, False)
     key = next(iter(cache._kept))
     cache._kept[key] = cache._kept[key][:-1]  # a kept prefix gone wrong: a token short
-    cache.encode(second, False)
+    assert cache.encode(second, False) == tok.encode(second, add_special_tokens=False)  # the mismatched one too
     assert not cache.enabled and "prefix token cache off" in caplog.text
     assert cache.encode(second, False) == tok.encode(second, add_special_tokens=False)
 
