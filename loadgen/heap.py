@@ -1,10 +1,15 @@
-"""The load generator's own heap: no start-up object in a collection while a point runs, and the
-pauses the collector still takes.
+"""The load generator's own heap: no cyclic collection while a point runs, and the pauses the
+collector takes where something still asks for one.
 
 A load generator that imported torch (a bench that writes its checkpoint) holds a few hundred
 thousand objects; a full collection walks them all while every stream waits, and the pause reads as
 the service's silence in the records (a CPU run: 86 ms against instant nodes). Freezing what is alive
-when a point starts leaves a collection only the point's own objects to walk.
+when a point starts was not enough: with the old objects frozen the collector counts almost nothing
+as long-lived, so the point's own objects (its streams, its records) set off a full collection
+within seconds, and on two H200s those pauses were 130-230 ms at half the points of a goodput run
+(bench/RESULTS.md, twenty-ninth run). So a point runs with automatic collection off: reference
+counting still frees what the point drops, and the cycles it leaves wait for the collection that
+settles the next point.
 """
 
 from __future__ import annotations
@@ -18,17 +23,22 @@ from typing import Any, Iterator
 
 @contextmanager
 def settled_heap() -> Iterator[None]:
-    """Collect, then freeze every live object for the block (gc.freeze); thawed after it, so
-    what the block drops can be collected by later points. Inside a settled block (anything
-    frozen already) it does nothing: the outer block thaws."""
+    """Collect, freeze every live object (gc.freeze) and turn automatic collection off for the
+    block; after it, collection is back on as it was and the heap thawed, so what the block drops
+    is collected by later points. Inside a settled block (anything frozen already) it does nothing:
+    the outer block restores."""
     if gc.get_freeze_count():
         yield
         return
     gc.collect()
     gc.freeze()
+    was_enabled = gc.isenabled()
+    gc.disable()
     try:
         yield
     finally:
+        if was_enabled:
+            gc.enable()
         gc.unfreeze()
 
 
