@@ -6,7 +6,7 @@ thousand objects; a full collection walks them all while every stream waits, and
 the service's silence in the records (a CPU run: 86 ms against instant nodes). Freezing what is alive
 when a point starts was not enough: with the old objects frozen the collector counts almost nothing
 as long-lived, so the point's own objects (its streams, its records) set off a full collection
-within seconds, and on two H200s those pauses were 130-230 ms at half the points of a goodput run
+within seconds, and on two H200s those pauses were 130-240 ms in half the draws of a goodput run
 (bench/RESULTS.md, twenty-ninth run). So a point runs with automatic collection off: reference
 counting still frees what the point drops, and the cycles it leaves wait for the collection that
 settles the next point.
