@@ -1,5 +1,4 @@
-"""The load generator's own heap: no cyclic collection while a point runs, and the pauses the
-collector takes where something still asks for one.
+"""The load generator's heap kept still while a point runs, and the collector's pauses counted.
 
 A load generator that imported torch (a bench that writes its checkpoint) holds a few hundred
 thousand objects; a full collection walks them all while every stream waits, and the pause reads as
