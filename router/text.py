@@ -95,6 +95,15 @@ class ChoiceText:
         delta = Delta()
         if self.finished:
             return delta
+        ids = event.token_ids
+        if len(ids) > 1 and not self._text.has_stops and not self._want_logprobs and self._end_ids.isdisjoint(ids):
+            # nothing to cut at and no per-token offsets: the message's tokens in one feed (the
+            # detokenizer's text is the same however its input is split; token by token, each of
+            # a message's tokens cost the router two decodes of the detokenizer's window)
+            self.tokens += len(ids)
+            delta.text, _ = self._text.feed(ids)
+            self.text += delta.text
+            return delta
         # Token by token, so the token count and logprobs end exactly at the stop string.
         for k, tid in enumerate(event.token_ids):
             self.tokens += 1
