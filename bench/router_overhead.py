@@ -33,6 +33,7 @@ import httpx
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pbg
 
+from bench.common import write_report
 from bench.engine_cpu import _cpu_model, _loadavg, _nproc
 from common.tokenizer import Tokenizer
 
@@ -371,9 +372,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{env['loadavg_before']} / {env['loadavg_after']}\n"
     )
     print(format_tables(report))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    write_report(args.out, report)
     return report
 
 

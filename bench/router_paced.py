@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import sys
@@ -25,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from bench.common import write_report
 from bench.engine_cpu import _cpu_model, _loadavg, _nproc
 from bench.router_overhead import Proc, cpu_seconds, summary_ms
 
@@ -174,9 +174,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     per_message = tuple(int(k) for k in args.per_message.split(",") if k.strip())
     report = run(quick=args.quick, rate=args.rate, seconds=args.seconds, per_message=per_message)
     print(format_table(report))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    write_report(args.out, report)
     return report
 
 
