@@ -3,12 +3,13 @@
 A load generator that imported torch (a bench that writes its checkpoint) holds a few hundred
 thousand objects; a full collection walks them all while every stream waits, and the pause reads as
 the service's silence in the records (a CPU run: 86 ms against instant nodes). Freezing what is alive
-when a point starts was not enough: with the old objects frozen the collector counts almost nothing
-as long-lived, so the point's own objects (its streams, its records) set off a full collection
-within seconds, and on two H200s those pauses were 130-240 ms in half the draws of a goodput run
-(bench/RESULTS.md, twenty-ninth run). So a point runs with automatic collection off: reference
-counting still frees what the point drops, and the cycles it leaves wait for the collection that
-settles the next point.
+when a point starts was not enough: full collections still come every few tens of thousands of
+objects the point keeps, and each walks all of the point's own objects (its streams, its records),
+so they grow as the point goes on; on two H200s they were 130-240 ms in half the draws of a goodput
+run (bench/RESULTS.md, twenty-ninth run). So a point also runs with full collections off (the
+oldest generation's threshold out of reach): young collections still free the cycles the point
+drops, in a few ms at most, and what reaches the oldest generation waits for the collection that
+settles the next point. (Python 3.14's incremental collector bounds its pauses by itself.)
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 
+NO_FULL_COLLECTIONS = 2**31 - 1  # the oldest generation's threshold while a point runs
+
+
 @contextmanager
 def settled_heap() -> Iterator[None]:
-    """Collect, freeze every live object (gc.freeze) and turn automatic collection off for the
-    block; after it, collection is back on as it was and the heap thawed, so what the block drops
+    """Collect, freeze every live object (gc.freeze) and put full collections out of reach for the
+    block; after it, the thresholds are as they were and the heap thawed, so what the block drops
     is collected by later points. Inside a settled block (anything frozen already) it does nothing:
     the outer block restores."""
     if gc.get_freeze_count():
@@ -31,13 +35,12 @@ def settled_heap() -> Iterator[None]:
         return
     gc.collect()
     gc.freeze()
-    was_enabled = gc.isenabled()
-    gc.disable()
+    thresholds = gc.get_threshold()
+    gc.set_threshold(*thresholds[:2], NO_FULL_COLLECTIONS)
     try:
         yield
     finally:
-        if was_enabled:
-            gc.enable()
+        gc.set_threshold(*thresholds)
         gc.unfreeze()
 
 

@@ -139,10 +139,10 @@ def test_a_draw_keeps_the_client_and_host_loads() -> None:
 def test_the_client_sampler_counts_full_collections_and_a_settled_heap_leaves_them_little() -> None:
     """A full collection while sampled is counted with its pause; inside settled_heap (what every
     point runs in) the objects alive before it are frozen out of collections, then thawed, and
-    automatic collection is off for the block and back on after it."""
+    full collections are out of reach for the block and the thresholds back after it."""
     import gc
 
-    from loadgen.heap import settled_heap
+    from loadgen.heap import NO_FULL_COLLECTIONS, settled_heap
 
     async def collected() -> dict[str, float]:
         load = host.ClientLoad.start()
@@ -154,38 +154,35 @@ def test_the_client_sampler_counts_full_collections_and_a_settled_heap_leaves_th
     assert figures["gc_pause_ms_total"] >= figures["gc_pause_ms_max"]
     assert not any(isinstance(c, host.GcPauses) for c in gc.callbacks)  # the tally is unhooked
     kept = [[i] for i in range(50_000)]  # live before the block: frozen inside it
-    assert gc.isenabled()
+    thresholds = gc.get_threshold()
     with settled_heap():
-        assert gc.get_freeze_count() >= len(kept) and not gc.isenabled()
-    assert gc.get_freeze_count() == 0 and gc.isenabled()
+        assert gc.get_freeze_count() >= len(kept) and gc.get_threshold()[2] == NO_FULL_COLLECTIONS
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == thresholds
     with settled_heap():
         with settled_heap():  # nested: the outer block keeps the heap settled and thaws it
             assert gc.get_freeze_count() >= len(kept)
         assert gc.get_freeze_count() >= len(kept)  # (frozen objects may still die: the count only falls)
-        assert not gc.isenabled()
-    assert gc.get_freeze_count() == 0 and gc.isenabled()
+        assert gc.get_threshold()[2] == NO_FULL_COLLECTIONS
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == thresholds
 
 
-def test_a_point_that_allocates_many_containers_sets_off_no_collection_while_settled() -> None:
-    """Frozen old objects made the point's own objects look like the whole heap, so a point once
-    took a full collection within seconds; with collection off in the block it takes none, and a
-    caller that had turned collection off finds it off after."""
+def test_a_point_that_allocates_many_containers_sets_off_no_full_collection_while_settled() -> None:
+    """Freezing the old heap left a point's own objects to set off full collections; with them out
+    of reach in the block it takes none, while young collections still free the cycles it drops."""
     import gc
 
     from loadgen.heap import GcPauses, settled_heap
 
+    class Cycle:
+        me: object = None
+
     with settled_heap():
         pauses = GcPauses().start()  # after the block's own settling collection, as in a point
-        made = [{"chunk": [i], "self": None} for i in range(300_000)]  # a point's records
-        for d in made[:1000]:
-            d["self"] = d  # and some cycles
+        made = [{"chunk": [i]} for i in range(300_000)]  # a point's records
+        for _ in range(50_000):
+            c = Cycle()
+            c.me = c  # dropped at once: only the collector frees it
         figures = pauses.stop()
-    assert figures["gc_full_collections"] == 0 and figures["gc_pause_ms_total"] == 0.0
-    del made
-    gc.disable()
-    try:
-        with settled_heap():
-            pass
-        assert not gc.isenabled()
-    finally:
-        gc.enable()
+        left = sum(1 for o in gc.get_objects() if type(o) is Cycle)
+    assert figures["gc_full_collections"] == 0 and len(made) == 300_000
+    assert left < 5_000  # young collections ran
