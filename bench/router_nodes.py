@@ -1,11 +1,12 @@
 """Instant fake prefill + decode nodes for `bench.router_overhead`, in a process of their own.
 
-Run: `python -m bench.router_nodes --tokenizer DIR [--tokens-per-chunk K] [--message-interval-ms M]`.
+Run: `python -m bench.router_nodes --tokenizer DIR [--tokens-per-chunk K] [--token-interval-ms M]`.
 Serves one prefill and one decode `SglangScheduler` on 127.0.0.1, prints `READY prefill=HOST:PORT
 decode=HOST:PORT` and runs until SIGTERM/SIGINT. Prefill completes at once with one token; decode
 streams `max_new_tokens` tokens (ids of English text, so detokenization does real work) in chunks
-of K, M ms apart (0: no delay; a decode step's pace makes many streams run at once, as in serving),
-then GenerateComplete. GetModelInfo names DIR as the tokenizer, as a real node would.
+of K (or of the request's own stream_interval, where larger, as a node does), M ms a token apart
+(0: no delay; a decode step's pace makes many streams run at once, as in serving), then
+GenerateComplete. GetModelInfo names DIR as the tokenizer, as a real node would.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ PERF = {"prefill_tokens_per_s": 40_000.0, "decode_step_s": {"1": 0.006, "64": 0.
 
 class InstantNode(pbg.SglangSchedulerServicer):
     def __init__(
-        self, role: str, tokenizer_dir: str, text_ids: list[int], per_chunk: int, interval_s: float = 0.0
+        self, role: str, tokenizer_dir: str, text_ids: list[int], per_chunk: int, token_interval_s: float = 0.0
     ) -> None:
         self.role, self.tokenizer_dir, self.ids, self.per_chunk = role, tokenizer_dir, text_ids, per_chunk
-        self.interval_s = interval_s
+        self.token_interval_s = token_interval_s
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -51,10 +52,11 @@ class InstantNode(pbg.SglangSchedulerServicer):
                 ),
             )
             return
-        for i in range(0, n, self.per_chunk):
-            part = out[i : i + self.per_chunk]
-            if self.interval_s and i:
-                await asyncio.sleep(self.interval_s)
+        per = max(self.per_chunk, request.sampling_params.stream_interval)
+        for i in range(0, n, per):
+            part = out[i : i + per]
+            if self.token_interval_s and i:
+                await asyncio.sleep(self.token_interval_s * len(part))
             yield pb.GenerateResponse(
                 request_id=rid,
                 chunk=pb.GenerateStreamChunk(token_ids=part, prompt_tokens=n_prompt, completion_tokens=i + len(part)),
@@ -97,7 +99,7 @@ class InstantNode(pbg.SglangSchedulerServicer):
         return pb.GetLoadsResponse(loads=[pb.SchedulerLoad()])
 
 
-async def serve(tokenizer_dir: str, per_chunk: int, interval_s: float = 0.0) -> None:
+async def serve(tokenizer_dir: str, per_chunk: int, token_interval_s: float = 0.0) -> None:
     ids = Tokenizer.from_dir(tokenizer_dir).encode(TEXT, add_special_tokens=False)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -105,7 +107,8 @@ async def serve(tokenizer_dir: str, per_chunk: int, interval_s: float = 0.0) -> 
     servers, addrs = [], []
     for role in ("prefill", "decode"):
         server = grpc.aio.server()
-        pbg.add_SglangSchedulerServicer_to_server(InstantNode(role, tokenizer_dir, ids, per_chunk, interval_s), server)
+        node = InstantNode(role, tokenizer_dir, ids, per_chunk, token_interval_s)
+        pbg.add_SglangSchedulerServicer_to_server(node, server)
         addrs.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
         await server.start()
         servers.append(server)
@@ -118,9 +121,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.router_nodes", description=__doc__)
     ap.add_argument("--tokenizer", required=True, help="tokenizer directory (tokenizer.json)")
     ap.add_argument("--tokens-per-chunk", type=int, default=4, help="decode tokens per stream message")
-    ap.add_argument("--message-interval-ms", type=float, default=0.0, help="decode's pause between messages")
+    ap.add_argument("--token-interval-ms", type=float, default=0.0, help="decode's pace: ms a token")
     args = ap.parse_args(argv)
-    asyncio.run(serve(args.tokenizer, max(1, args.tokens_per_chunk), max(0.0, args.message_interval_ms) / 1e3))
+    asyncio.run(serve(args.tokenizer, max(1, args.tokens_per_chunk), max(0.0, args.token_interval_ms) / 1e3))
 
 
 if __name__ == "__main__":

@@ -132,8 +132,9 @@ class EngineOptions:
     )
     stream_messages_per_s: float = opt(
         DEFAULT_STREAM_MESSAGES_PER_S,
-        "--stream-interval auto's message budget per node: a router relays a message in about 60-70 us of "
-        "its one core, so 3,000 a second is a fifth of a core per node; lower it with many nodes per router.",
+        "--stream-interval auto's message budget per node: a router relays a message in about 0.1 ms of "
+        "its one core (bench/router_paced.py). A router also paces every stream it relays together, within "
+        "its own --stream-messages-per-s, by asking new requests for more tokens a message.",
         panel=PANEL_FAST,
     )
     warmup: Optional[bool] = opt(

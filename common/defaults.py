@@ -23,7 +23,9 @@ DEFAULT_BOOTSTRAP_PORT = 8998
 # an 8 ms step at 14 ms; at 1 ms, 10 ms (bench/stream_overhead.py).
 DEFAULT_SWITCH_INTERVAL_MS = 1.0
 DEFAULT_PROMPT_PREFIX_CACHE_MB = 32.0  # the router's --prompt-prefix-cache-mb (router/prefix_tokens.py)
-DEFAULT_STREAM_MESSAGES_PER_S = 3000.0  # --stream-interval auto's budget per node (engine/service/stream_pacer.py)
+DEFAULT_STREAM_MESSAGES_PER_S = 3000.0  # --stream-interval auto's budget per node (common/stream_pacer.py)
+# the router's --stream-messages-per-s: its budget over every stream it relays (router/attempt.py)
+DEFAULT_ROUTER_STREAM_MESSAGES_PER_S = 3000.0
 
 # The PD handoff's bounds, in seconds (prefill: --bootstrap-timeout, --transfer-timeout; decode:
 # --waiting-timeout, --connect-attempts, --connect-timeout, --heartbeat-interval). A decode waits

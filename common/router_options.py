@@ -16,6 +16,7 @@ from common.defaults import (
     DEFAULT_MAX_QUEUE,
     DEFAULT_PREFILL_TIMEOUT,
     DEFAULT_PROMPT_PREFIX_CACHE_MB,
+    DEFAULT_ROUTER_STREAM_MESSAGES_PER_S,
     DEFAULT_REFRESH_INTERVAL,
 )
 from common.flag_fields import opt
@@ -85,6 +86,13 @@ class RouterOptions:
         DEFAULT_PROMPT_PREFIX_CACHE_MB,
         "Prompt prefixes whose token ids the router keeps, text and ids, in MB (router/prefix_tokens.py): a "
         "chat's next turn then tokenizes only its new messages. 0 turns it off.",
+    )
+    stream_messages_per_s: float = opt(
+        DEFAULT_ROUTER_STREAM_MESSAGES_PER_S,
+        "Messages a second the router relays to clients before it asks nodes for more tokens a message "
+        "(each new request's stream_interval, as many as keep within it, at most 16; a node's own "
+        "--stream-interval can still ask for more). Counted over every node's streams together: a message "
+        "costs the router about 0.1 ms of a core (bench/router_paced.py). 0 leaves it to the nodes.",
     )
     prefill_dns: list[str] = opt([], "Headless service NAME:PORT,BOOTSTRAP_PORT whose addresses are prefill nodes.")
     decode_dns: list[str] = opt([], "Headless service NAME:PORT whose addresses are decode nodes.")

@@ -31,6 +31,9 @@ class Constraint:
     spec: str
 
 
+MAX_STREAM_INTERVAL = 1024  # tokens; a request's own stream_interval above this is refused
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Per-request decoding controls (the scheduler API's SamplingParams); `check` validates them."""
@@ -54,6 +57,9 @@ class SamplingParams:
     skip_special_tokens: bool = True  # in the text stop strings are matched against
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), as OpenAI's
     constraint: Constraint | None = None  # grammar-constrained output (None: free text)
+    # tokens a streamed message gathers after the first, at least (the node's own setting may ask
+    # for more); 0: the node's alone. The router asks for more when its relay runs past its budget.
+    stream_interval: int = 0
 
     def check(self) -> None:
         """Raise InvalidRequest naming the first field out of range."""
@@ -92,6 +98,12 @@ class SamplingParams:
             self.repetition_penalty,
         )
         _check(0 <= self.top_logprobs <= 20, "top_logprobs", "must be in [0, 20]", self.top_logprobs)
+        _check(
+            0 <= self.stream_interval <= MAX_STREAM_INTERVAL,
+            "stream_interval",
+            f"must be in [0, {MAX_STREAM_INTERVAL}]",
+            self.stream_interval,
+        )
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2^63)", self.seed)
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0", self.stop_token_ids)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings", self.stop)

@@ -16,6 +16,7 @@ import grpc
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
 from common.defaults import DEFAULT_FIRST_TOKEN_TIMEOUT, DEFAULT_INTER_TOKEN_TIMEOUT, DEFAULT_PREFILL_TIMEOUT
+from common.stream_pacer import StreamPacer
 from router.contract import (
     DispatchError,
     FinishEvent,
@@ -55,12 +56,25 @@ DEFAULT_STAGE_TIMEOUTS = StageTimeouts()
 
 @dataclass(frozen=True)
 class AttemptContext:
-    """What an attempt needs from its dispatcher: stage timeouts, metrics, and a keeper for the
-    background tasks (prefill legs, aborts) that outlive the attempt."""
+    """What an attempt needs from its dispatcher: stage timeouts, metrics, a keeper for the
+    background tasks (prefill legs, aborts) that outlive the attempt, and the router's stream
+    pacer (None: each node paces its own streams)."""
 
     timeouts: StageTimeouts
     metrics: DispatchMetrics
     keep: Callable[[asyncio.Future[Any]], None]
+    stream: StreamPacer | None = None
+
+    def stream_interval(self) -> int:
+        """What a new request asks its node for: more than one token a message only while the
+        router relays more tokens a second than its message budget (0: the node's own setting)."""
+        return self.stream.interval if self.stream is not None and self.stream.interval > 1 else 0
+
+    def relayed(self, event: TokenEvent) -> TokenEvent:
+        """Count a token event going to a client against the router's message budget."""
+        if self.stream is not None:
+            self.stream.observe(len(event.token_ids))
+        return event
 
 
 class PDAttempt:
@@ -82,7 +96,7 @@ class PDAttempt:
         self.d, self.job, self.prefill, self.decode, self.rid = d, job, prefill, decode, request_id
         self.estimate_s = estimate_s  # the path decision's TTFT estimate (calibrated) for the prompt's node
         self.room = secrets.randbelow(MAX_ROOM) + 1
-        req = build_request(job, request_id, self.room, prefill)
+        req = build_request(job, request_id, self.room, prefill, d.stream_interval())
         # The prefill's answer carries no logprobs: with logprobs asked for, the decode's copy of
         # the first token (which has them) is the one the client gets.
         self.relay_first = prefill is not None and not (job.sampling.logprobs or job.sampling.top_logprobs)
@@ -174,16 +188,16 @@ class PDAttempt:
             if msg is None:  # the prefill answered before the decode streamed a token
                 assert self.first_token is not None
                 self.first_from_prefill = True
-                yield relay.prefill_token(self.first_token)
+                yield self.d.relayed(relay.prefill_token(self.first_token))
                 continue
             spoke = True
             if msg.HasField("chunk"):
                 if (event := relay.chunk(msg.chunk)) is not None:
-                    yield event
+                    yield self.d.relayed(event)
                 continue
             done = msg.complete
             if (event := relay.complete(done)) is not None:  # a worker that did not stream (or not all of it)
-                yield event
+                yield self.d.relayed(event)
             matched = (
                 done.matched_token_id
                 if done.HasField("matched_token_id")

@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry
 
 from common.defaults import check_pd_pooling
 from common.sampling import SamplingParams
+from common.stream_pacer import StreamPacer
 from router.contract import (
     DispatchError,
     FinishEvent,
@@ -72,6 +73,7 @@ class PDDispatcher:
         path_rule: PathRule = DEFAULT_RULE,
         pooling: str = "off",
         pool_rule: PoolRule = DEFAULT_POOL_RULE,
+        stream_messages_per_s: float = 0.0,
     ) -> None:
         if path_policy not in POLICIES:
             raise ValueError(f"unknown prefill path policy {path_policy!r} (choose from {', '.join(POLICIES)})")
@@ -88,7 +90,11 @@ class PDDispatcher:
         # Its own registry unless given one: /metrics must expose it (or pass the HTTP side's registry).
         self.metrics_registry = metrics_registry if metrics_registry is not None else CollectorRegistry()
         self.metrics = DispatchMetrics(self.metrics_registry)
-        self._attempt_ctx = AttemptContext(timeouts, self.metrics, self.keep)
+        # the router's message budget over every stream it relays (common/stream_pacer.py); 0: off
+        stream = StreamPacer(messages_per_s=stream_messages_per_s) if stream_messages_per_s > 0 else None
+        self._attempt_ctx = AttemptContext(timeouts, self.metrics, self.keep, stream)
+        if stream is not None:
+            self.metrics.bind_stream(stream)
         self.metrics.ready.set_function(lambda: float(self.ready()))
         self.path_metrics = PathMetrics(self.metrics_registry, REASONS, PATHS)
         self.balance = TierBalance(registry)

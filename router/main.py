@@ -42,6 +42,8 @@ async def run_router(options: RouterOptions) -> None:
     own_tokenizer = Tokenizer.from_dir(options.tokenizer) if options.tokenizer else None
     if options.tool_call_parser:
         parser_named(options.tool_call_parser)  # an unknown name fails here, not after the wait
+    if options.stream_messages_per_s < 0:
+        raise ValueError(f"--stream-messages-per-s must be >= 0, got {options.stream_messages_per_s:g}")
     if options.prompt_prefix_cache_mb < 0:
         raise ValueError(f"--prompt-prefix-cache-mb must be >= 0, got {options.prompt_prefix_cache_mb:g}")
     # the nodes' KV event streams are followed only for a policy that reads them
@@ -63,6 +65,7 @@ async def run_router(options: RouterOptions) -> None:
         kv_index=index,
         path_rule=path_rule(options),
         pooling=options.pd_pooling,
+        stream_messages_per_s=options.stream_messages_per_s,
     )
     await registry.start()
     try:

@@ -10,8 +10,11 @@ from router.contract import GenerationJob, TokenEvent
 from router.nodes import NodeState
 
 
-def build_request(job: GenerationJob, request_id: str, room: int, prefill: NodeState | None) -> pb.GenerateRequest:
-    """The GenerateRequest both legs get (SMG sends them identical)."""
+def build_request(
+    job: GenerationJob, request_id: str, room: int, prefill: NodeState | None, stream_interval: int = 0
+) -> pb.GenerateRequest:
+    """The GenerateRequest both legs get (SMG sends them identical); `stream_interval` > 0 asks
+    the decode for at least that many tokens a message (the router's pacing)."""
     s: SamplingParams = job.sampling
     sp = pb.SamplingParams(
         temperature=s.temperature,
@@ -29,6 +32,7 @@ def build_request(job: GenerationJob, request_id: str, room: int, prefill: NodeS
         n=1,
         skip_special_tokens=s.skip_special_tokens,
         spaces_between_special_tokens=True,
+        stream_interval=max(stream_interval, s.stream_interval),
     )
     for token, bias in s.logit_bias:  # keyed by the id as a string, as in OpenAI's JSON
         sp.logit_bias[str(token)] = bias

@@ -78,9 +78,12 @@ CORE_ROWS: list[tuple[str, list[Panel]]] = [
                 "none",
                 "Tokens each node's streamed messages gather after a stream's first (--stream-interval; "
                 "under auto, a token a message until a node streams more tokens a second than its "
-                "--stream-messages-per-s). Above 1 the nodes are sparing their router's event loop.",
+                "--stream-messages-per-s), and what the router asks of new requests (more than 1 while it "
+                "relays more tokens a second than its own --stream-messages-per-s). Above 1 the router's "
+                "event loop is being spared.",
                 [
                     ("max by (role) (pdserve_node_stream_interval_tokens)", "{{role}} tokens a message"),
+                    ("max(pdserve_router_stream_interval_tokens)", "router asks"),
                 ],
             ),
             Panel(

@@ -36,6 +36,7 @@ def sampling_params(req: pb.GenerateRequest, max_new_tokens_cap: int) -> Samplin
         skip_special_tokens=sp.skip_special_tokens,
         logit_bias=_logit_bias(sp),
         constraint=_constraint(sp),
+        stream_interval=sp.stream_interval,
     )
 
 

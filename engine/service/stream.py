@@ -4,11 +4,11 @@ Also where stop strings are enforced on a node: the node has the tokenizer, so i
 tail incrementally and ends the request at the first stop string (SMG/the router trim the text).
 
 After its first message, a stream gathers at least `--stream-interval` tokens per message (SGLang's
-flag of that name): every message costs the router a read, a relay and an SSE write on its one
-event loop, so at high rates fewer, larger messages let one router carry more streams, at the cost
-of tokens arriving in groups. The default, auto, sends a token a message until the node streams
-more tokens a second than its message budget (engine/service/stream_pacer.py). The end of a
-stream always goes out at once.
+flag of that name), or the request's own `stream_interval` where that is larger: every message
+costs the router a read, a relay and an SSE write on its one event loop, so at high rates fewer,
+larger messages let one router carry more streams, at the cost of tokens arriving in groups. The
+default, auto, sends a token a message until the node streams more tokens a second than its
+message budget (common/stream_pacer.py). The end of a stream always goes out at once.
 
 The scheduler thread hands a step's updates to the event loop in one wake-up (UpdateMailbox), not
 one per request: each `call_soon_threadsafe` writes the loop's self-pipe, which releases the GIL to
@@ -33,7 +33,7 @@ from engine.scheduler import RequestUpdate
 from engine.service import convert
 from common.detokenize import TextAssembler
 from common.tokenizer import Tokenizer
-from engine.service.stream_pacer import DEFAULT_MESSAGES_PER_S, StreamPacer
+from common.stream_pacer import DEFAULT_MESSAGES_PER_S, StreamPacer
 
 
 _pacer = StreamPacer(fixed=1)  # the node's tokens per message after the first (one setting a process)
@@ -138,6 +138,11 @@ class RequestStream:
         """Called in the scheduler thread."""
         self._mailbox.post(self, upd)
 
+    def _interval(self) -> int:
+        """Tokens a message gathers after the first: the node's setting, or the request's own
+        (a router whose relay is past its budget asks for more) where that is larger."""
+        return max(self.pacer.interval, self.req.params.stream_interval)
+
     def deliver(self, upd: RequestUpdate) -> None:
         """Called on the event loop (the mailbox's delivery)."""
         if self.stream and upd.tokens:
@@ -161,7 +166,7 @@ class RequestStream:
                 taken, end = self._take(batch)
                 held += taken
                 tokens = [t for upd in held for t in upd.tokens]
-                due = not spoke or len(tokens) >= self.pacer.interval or end is not None
+                due = not spoke or len(tokens) >= self._interval() or end is not None
                 if tokens and self.stream and due:
                     yield convert.chunk(
                         rid,

@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
+
 from engine.core import FinishReason, Req, SamplingParams
 from engine.scheduler import RequestUpdate
 from engine.service.stream import RequestStream
-from engine.service.stream_pacer import StreamPacer
+from common.stream_pacer import StreamPacer
 
 
 class Letters:
@@ -27,8 +29,9 @@ class Aborts:
         self.calls.append((rid, reason))
 
 
-def _req(stop: tuple[str, ...] = ()) -> Req:
-    return Req(rid="r", prompt_ids=[0, 1, 2], params=SamplingParams(max_new_tokens=16, stop=stop))
+def _req(stop: tuple[str, ...] = (), stream_interval: int = 0) -> Req:
+    params = SamplingParams(max_new_tokens=16, stop=stop, stream_interval=stream_interval)
+    return Req(rid="r", prompt_ids=[0, 1, 2], params=params)
 
 
 async def _drain(stream: RequestStream) -> list:
@@ -71,8 +74,8 @@ def test_a_stream_interval_sends_the_first_token_alone_then_groups_and_the_end_a
     what is left when the request ends goes out then; the complete message holds every token. The
     consumer reads every update as it comes (no backlog merges them): the interval alone groups."""
 
-    async def run(interval: int) -> tuple[list[list[int]], list[float], list[int]]:
-        stream = RequestStream(Aborts(), _req(), True, None, frozenset())
+    async def run(interval: int, asked: int = 0) -> tuple[list[list[int]], list[float], list[int]]:
+        stream = RequestStream(Aborts(), _req(stream_interval=asked), True, None, frozenset())
         stream.pacer = StreamPacer(fixed=interval)
         chunks: list[list[int]] = []
         logprobs: list[float] = []
@@ -98,10 +101,20 @@ def test_a_stream_interval_sends_the_first_token_alone_then_groups_and_the_end_a
     assert chunks == [[5], [6, 7, 8], [9, 10, 11], [12]]
     assert logprobs == [-float(t) for t in range(5, 13)] and complete == list(range(5, 13))
     assert asyncio.run(run(1))[0] == [[t] for t in range(5, 13)]  # the default: a message a token
+    # a request's own stream_interval (a pacing router's) counts where it asks for more
+    assert asyncio.run(run(1, asked=3))[0] == [[5], [6, 7, 8], [9, 10, 11], [12]]
+    assert asyncio.run(run(3, asked=2))[0] == [[5], [6, 7, 8], [9, 10, 11], [12]]
+
+
+def test_a_request_stream_interval_out_of_range_is_refused_by_name() -> None:
+    from common.sampling import InvalidRequest
+
+    for bad in (-1, 100_000):
+        with pytest.raises(InvalidRequest, match="stream_interval"):
+            SamplingParams(stream_interval=bad)
 
 
 def test_a_stream_interval_below_one_is_refused() -> None:
-    import pytest
 
     from engine.service.stream import set_stream_interval
 

@@ -9,7 +9,8 @@ import pytest
 from engine.core import FinishReason, Req, SamplingParams
 from engine.scheduler import RequestUpdate
 from engine.service.stream import RequestStream, parse_stream_interval, set_stream_interval, stream_pacer
-from engine.service.stream_pacer import MOST_TOKENS, PacerCollector, StreamPacer
+from common.stream_pacer import MOST_TOKENS, StreamPacer
+from engine.service.stream_pacer import PacerCollector
 
 
 class Clock:
