@@ -214,13 +214,14 @@ def test_stream_stalls_tell_a_stalled_service_from_a_slow_stream() -> None:
 
 
 def _router_exposition(cpu_s: float, lags: list[float]) -> str:
-    """A router's /metrics with its process CPU and these event-loop lags observed."""
-    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+    """A router's /metrics with its process CPU, these event-loop lags observed and its pacing."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
     from common.loop_lag import LAG_BUCKETS
 
     registry = CollectorRegistry()
     Counter("process_cpu_seconds", "", registry=registry).inc(cpu_s)
+    Gauge("pdserve_router_stream_interval_tokens", "", registry=registry).set(3)
     h = Histogram("pdserve_router_event_loop_lag_seconds", "", buckets=LAG_BUCKETS, registry=registry)
     for lag in lags:
         h.observe(lag)
@@ -251,4 +252,5 @@ def test_a_points_router_load_says_whether_its_one_loop_ran_out_of_cpu(monkeypat
     assert load["cpu_cores"] == pytest.approx(0.9)
     assert load["loop_lags_over_50ms"] == 3
     assert load["loop_lag_ms_mean"] == pytest.approx((0.197 + 0.5) / 200 * 1e3, rel=1e-3)
-    assert sig.point_router_load({}, {}) == {}  # a router that exported neither
+    assert load["stream_interval_tokens"] == 3  # what it asked of new requests at the point's end
+    assert sig.point_router_load({}, {}) == {}  # a router that exported none of them

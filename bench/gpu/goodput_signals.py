@@ -32,6 +32,7 @@ TIER_LOAD = "pdserve_router_tier_load"  # the recent load over capacity it decid
 STEP_LINE = "pdserve_router_decode_step_line_seconds"  # the decode step line those loads are priced on
 ROUTER_LOOP_LAG = "pdserve_router_event_loop_lag_seconds"  # how late its event loop ran (common/loop_lag.py)
 PROCESS_CPU = "process_cpu_seconds_total"  # a process's CPU time (prometheus_client's process collector)
+ROUTER_STREAM_INTERVAL = "pdserve_router_stream_interval_tokens"  # the router's own pacing (router/attempt.py)
 LAG_OVER_S = 0.05  # a bucket bound of the lag histograms: a loop that late held every stream it relays
 _SAMPLE = re.compile(r"^((?:pdserve|process)_\w+)(?:\{([^}]*)\})? ([0-9.eE+-]+|NaN)$", re.M)
 
@@ -216,6 +217,8 @@ async def router_counters(client: httpx.AsyncClient, router_url: str) -> dict[st
             counts[f"pool:line_{part[1]}_ms"] = value * 1e3  # what the loads were priced on
         elif name == PROCESS_CPU:
             counts["cpu:router"] = value
+        elif name == ROUTER_STREAM_INTERVAL:  # a gauge: what the router asked of new requests lately
+            counts["stream:interval"] = value
         elif name == f"{ROUTER_LOOP_LAG}_bucket" and f'le="{LAG_OVER_S}"' in labels:
             counts["lag:within"] = value  # wake-ups at most LAG_OVER_S late; the total is the _count
     return counts
@@ -224,7 +227,8 @@ async def router_counters(client: httpx.AsyncClient, router_url: str) -> dict[st
 def point_router_load(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """How busy the router's one event loop was between two router_counters snapshots: the CPU
     cores its process used (1.0: a core the whole time, the most its loop can have), its mean
-    event-loop lag and the wake-ups more than LAG_OVER_S late; empty where it exported neither."""
+    event-loop lag and the wake-ups more than LAG_OVER_S late, and the tokens a message it asked of
+    new requests at the end; empty where it exported none of them."""
     out: dict[str, float] = {}
     wall = after.get("clock:router", 0.0) - before.get("clock:router", 0.0)
     if "cpu:router" in after and "cpu:router" in before and wall > 0:
@@ -232,6 +236,8 @@ def point_router_load(before: dict[str, float], after: dict[str, float]) -> dict
     for key, ms in histogram_means_ms(before, after).items():
         if key.startswith(ROUTER_LOOP_LAG.removesuffix("_seconds")):
             out["loop_lag_ms_mean"] = ms
+    if "stream:interval" in after:  # its pacing (--stream-messages-per-s), as of the point's last window
+        out["stream_interval_tokens"] = after["stream:interval"]
     count = next((k for k in after if k.startswith(f"{ROUTER_LOOP_LAG}_count")), None)
     if count is not None and "lag:within" in after:
         grown = after[count] - before.get(count, 0.0)
