@@ -11,14 +11,7 @@ from common.stream_pacer import StreamPacer
 from router.attempt import AttemptContext
 from router.contract import TokenEvent
 from tests.router.fake_nodes import FakeNode, cluster, collect, dispatcher, job, run
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.service.test_stream_pacer import Clock
 
 
 def test_the_context_asks_for_more_tokens_a_message_only_past_the_budget() -> None:
@@ -27,10 +20,10 @@ def test_the_context_asks_for_more_tokens_a_message_only_past_the_budget() -> No
     assert ctx.stream_interval() == 0  # nothing measured: the node's own setting
     for _ in range(10):
         ctx.relayed(TokenEvent((1, 2, 3, 4, 5)))  # 50 tokens ...
-    clock.t = 0.5
+    clock.now = 0.5
     ctx.relayed(TokenEvent((1,)))  # ... in half a second: 102 tokens/s against 100 messages/s
     assert ctx.stream_interval() == 2
-    clock.t = 1.0
+    clock.now = 1.0
     ctx.relayed(TokenEvent((1,)))  # a quiet window: back to the nodes
     assert ctx.stream_interval() == 0
     assert AttemptContext(None, None, lambda f: None).stream_interval() == 0  # type: ignore[arg-type]
