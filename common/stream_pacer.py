@@ -56,3 +56,11 @@ class StreamPacer:
         self._since, self._tokens = now, 0
         if self.fixed is None:
             self.interval = max(1, min(self.most, math.ceil(self.tokens_per_s / self.messages_per_s)))
+
+    def interval_now(self) -> int:
+        """`interval`, unless the current window has run past its length: then what its tokens so
+        far say (a quiet spell brings it back to one before the next token closes the window)."""
+        elapsed = self._clock() - self._since
+        if self.fixed is not None or elapsed < self.window_s:
+            return self.interval
+        return max(1, min(self.most, math.ceil(self._tokens / elapsed / self.messages_per_s)))

@@ -68,7 +68,8 @@ class AttemptContext:
     def stream_interval(self) -> int:
         """What a new request asks its node for: more than one token a message only while the
         router relays more tokens a second than its message budget (0: the node's own setting)."""
-        return self.stream.interval if self.stream is not None and self.stream.interval > 1 else 0
+        interval = self.stream.interval_now() if self.stream is not None else 1
+        return interval if interval > 1 else 0
 
     def relayed(self, event: TokenEvent) -> TokenEvent:
         """Count a token event going to a client against the router's message budget."""

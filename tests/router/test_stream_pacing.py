@@ -26,6 +26,13 @@ def test_the_context_asks_for_more_tokens_a_message_only_past_the_budget() -> No
     clock.now = 1.0
     ctx.relayed(TokenEvent((1,)))  # a quiet window: back to the nodes
     assert ctx.stream_interval() == 0
+    for _ in range(60):
+        ctx.relayed(TokenEvent((1, 2, 3, 4, 5)))
+    clock.now = 1.5
+    ctx.relayed(TokenEvent((1,)))
+    assert ctx.stream_interval() == 7  # 301 tokens in half a second
+    clock.now = 5.0  # then nothing relayed for seconds: new requests are not held to the old rate
+    assert ctx.stream_interval() == 0
     assert AttemptContext(None, None, lambda f: None).stream_interval() == 0  # type: ignore[arg-type]
 
 
@@ -35,7 +42,7 @@ def test_a_dispatcher_past_its_budget_sends_the_interval_and_exports_it() -> Non
         async with cluster(p, d) as reg:
             paced = dispatcher(reg, stream_messages_per_s=1.0)
             await collect(paced, job("a"))
-            await asyncio.sleep(0.55)  # the pacer's window ends at the next token relayed
+            await asyncio.sleep(0.55)  # the pacer's window has run its length: its rate counts now
             await collect(paced, job("b"))
             await collect(paced, job("c"))
             exported = generate_latest(paced.metrics_registry)
@@ -47,7 +54,8 @@ def test_a_dispatcher_past_its_budget_sends_the_interval_and_exports_it() -> Non
             return asked, [r.sampling_params.stream_interval for r in d.requests[3:]], exported
 
     asked, unpaced, exported = run(main())
-    assert asked[:2] == [0, 0] and asked[2] > 1  # a few tokens a second against one message a second
+    # nothing measured for the first; then a few tokens a second against one message a second
+    assert asked[0] == 0 and asked[1] > 1 and asked[2] > 1
     assert unpaced == [0]
     assert b"pdserve_router_stream_interval_tokens" in exported
     assert b"pdserve_router_relayed_tokens_per_second" in exported
