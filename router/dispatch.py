@@ -26,7 +26,7 @@ import time
 import uuid
 from typing import AsyncGenerator
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from common.defaults import check_pd_pooling
 from common.sampling import SamplingParams
@@ -94,7 +94,7 @@ class PDDispatcher:
         stream = StreamPacer(messages_per_s=stream_messages_per_s) if stream_messages_per_s > 0 else None
         self._attempt_ctx = AttemptContext(timeouts, self.metrics, self.keep, stream)
         if stream is not None:
-            self.metrics.bind_stream(stream)
+            export_stream_pacing(stream, self.metrics_registry)
         self.metrics.ready.set_function(lambda: float(self.ready()))
         self.path_metrics = PathMetrics(self.metrics_registry, REASONS, PATHS)
         self.balance = TierBalance(registry)
@@ -340,3 +340,18 @@ class PDDispatcher:
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+
+
+def export_stream_pacing(pacer: StreamPacer, registry: CollectorRegistry) -> None:
+    """The router's stream pacing, read at each scrape (--stream-messages-per-s)."""
+    Gauge(
+        "pdserve_router_stream_interval_tokens",
+        "Tokens a streamed message is asked to gather after its first, as of the last window "
+        "(1: nodes pace themselves; more while the relay runs past --stream-messages-per-s)",
+        registry=registry,
+    ).set_function(lambda: float(pacer.interval))
+    Gauge(
+        "pdserve_router_relayed_tokens_per_second",
+        "Tokens a second the router relayed to clients, over the stream pacer's last window",
+        registry=registry,
+    ).set_function(lambda: pacer.tokens_per_s)

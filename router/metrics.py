@@ -26,7 +26,6 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from common.loop_lag import LAG_BUCKETS
-from common.stream_pacer import StreamPacer
 
 # Latency buckets: TTFT and e2e span milliseconds (cached prefixes, tiny models) to minutes (long
 # generations); inter-token latency lives between a millisecond and a second.
@@ -237,21 +236,6 @@ class DispatchMetrics:
             registry=registry,
         )
         self._known: set[tuple[str, str]] = set()
-        self._registry = registry
-
-    def bind_stream(self, pacer: StreamPacer) -> None:
-        """The router's stream pacing, read at each scrape (--stream-messages-per-s)."""
-        Gauge(
-            "pdserve_router_stream_interval_tokens",
-            "Tokens a streamed message is asked to gather after its first, as of the last window "
-            "(1: nodes pace themselves; more while the relay runs past --stream-messages-per-s)",
-            registry=self._registry,
-        ).set_function(lambda: float(pacer.interval))
-        Gauge(
-            "pdserve_router_relayed_tokens_per_second",
-            "Tokens a second the router relayed to clients, over the stream pacer's last window",
-            registry=self._registry,
-        ).set_function(lambda: pacer.tokens_per_s)
 
     def observe_nodes(self, nodes: list[NodeState]) -> None:
         for n in nodes:
