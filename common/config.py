@@ -85,8 +85,7 @@ class EngineOptions:
     )
     attention_backend: str = opt(
         "auto",
-        "Attention backend: auto (triton on GPUs, torch on CPU), torch, triton, or triton_flash (triton, with "
-        "long prompts that have no cached prefix on torch's flash kernel; not yet measured on GPUs).",
+        "Attention backend: auto (triton on GPUs, torch on CPU), torch, or triton.",
         panel=PANEL_FAST,
     )
     overlap: Optional[bool] = opt(None, "Overlap scheduling (default: on for GPUs, off on CPU).", panel=PANEL_FAST)

@@ -20,7 +20,7 @@ import torch
 
 from bench.common import write_report
 from bench.gpu import engine_perf, step_perf
-from bench.gpu.hw import copy_bandwidth, matmul_rate
+from bench.gpu.hw import copy_bandwidth, matmul_rate, sustained_matmul_rate
 from bench.gpu.llama8b import (
     build_engine_model,
     build_hf,
@@ -28,7 +28,6 @@ from bench.gpu.llama8b import (
     weight_read_bytes,
 )
 from bench.gpu.rig import make_rig
-from engine.attention.flash_prefill import FlashPrefillAttention
 
 TINY = dict(
     hidden_size=256,
@@ -82,6 +81,7 @@ def main() -> int:
         report["triton"] = triton.__version__
         section(report, "copy_bandwidth_tb_s", lambda: copy_bandwidth(dev) / 1e12)
         section(report, "matmul_tflops", lambda: matmul_rate(dev) / 1e12)
+        section(report, "matmul_tflops_sustained_1s", lambda: sustained_matmul_rate(dev) / 1e12)
     bw = report.get("copy_bandwidth_tb_s", 1.0) * 1e12 if dev.type == "cuda" else 1e11
     mm = report.get("matmul_tflops", 1.0) * 1e12 if dev.type == "cuda" else 1e11
     prompt = list(range(100, 132))
@@ -102,15 +102,11 @@ def main() -> int:
     section(report, "decode_bs1", lambda: step_perf.decode_roofline(rig, cfg, bw, wbytes, 1, 1024))
     section(report, "decode_bs64_ctx1k", lambda: step_perf.decode_roofline(rig, cfg, bw, wbytes, 64, 1024))
     section(report, "verify_bs1_4drafts", lambda: step_perf.verify_vs_decode(rig, 1, 1024, 5))
-    section(report, "prefill_4k", lambda: step_perf.prefill_rate(rig, cfg, mm, 4096))
+    held = report.get("matmul_tflops_sustained_1s", 0) * 1e12 if dev.type == "cuda" else None
+    section(report, "prefill_4k", lambda: step_perf.prefill_rate(rig, cfg, mm, 4096, held_rate=held))
     section(report, "eager_vs_graph_bs1", lambda: step_perf.eager_vs_graph(rig, 1, 1024))
     report["rig_graph_counters"] = step_perf.graph_counters(rig)
-    backend = rig.runner.attn_backend
-    report["attention_backend"] = {
-        "name": args.backend,
-        # a flash prefill refused by torch fell back to the triton kernel: the figures are triton's
-        "flash_refused": backend.refused if isinstance(backend, FlashPrefillAttention) else None,
-    }
+    report["attention_backend"] = args.backend
     rig = None  # free the pool before the engine-level runs
     gc.collect()
     torch.cuda.empty_cache() if dev.type == "cuda" else None

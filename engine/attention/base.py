@@ -14,7 +14,6 @@ _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
 _BUILTIN_MODULES = {
     "torch": "engine.attention.torch_backend",
     "triton": "engine.attention.triton_backend",
-    "triton_flash": "engine.attention.flash_prefill",
 }
 
 

@@ -6,7 +6,9 @@ shapes); lengths and slots are read on the device. prepare() and forward() never
 Short query windows (decode, verify, draft steps) take the split-K kernels, which spread a long
 context over many programs; long ones (prefill chunks) take the extend kernel. A mixed batch's
 decode rows (`ctx.decode_rows`) take the split-K kernel and its prompt rows the extend kernel: one
-extend grid over both would size every decode row's blocks by the chunk's length.
+extend grid over both would size every decode row's blocks by the chunk's length. Prompt chunks
+without a tree mask take the prompt kernel, which reads the chunk's own keys from this forward's
+K/V rather than through the request table (bench/gpu/prompt_attention.py measures both).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from engine.attention.triton_kernels.common import interpreting
 from engine.attention.triton_kernels.decode import SplitConfig, split_kv_attention
 from engine.attention.triton_kernels.extend import ExtendConfig, extend_attention
 from engine.attention.triton_kernels.kv_store import store_kv
+from engine.attention.triton_kernels.prompt import PromptConfig, prompt_attention, prompt_kernel_fits
 
 if TYPE_CHECKING:
     from engine.forward_context import ForwardContext
@@ -76,13 +79,24 @@ def extend_config(head_dim: int, device: torch.device) -> ExtendConfig:
     return ExtendConfig(block_m=128, block_n=128 if head_dim <= 128 else 64, num_warps=warps, num_stages=3)
 
 
+def prompt_config(device: torch.device) -> PromptConfig:
+    """Tiles of one query head's 64 tokens against 64 keys, the fastest of a sweep on an H200 for
+    fresh prompts, batched prompts and chunks over a prefix (bench/gpu/prompt_attention.py)."""
+    if interpreting() or device.type != "cuda":
+        return PromptConfig(block_m=16, block_n=16)
+    return PromptConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+
+
 class TritonAttention(AttentionBackend):
     name = "triton"
     graph_safe = True
 
-    def __init__(self, num_kv_splits: int | None = None, split_max_rows: int = SPLIT_MAX_ROWS) -> None:
+    def __init__(
+        self, num_kv_splits: int | None = None, split_max_rows: int = SPLIT_MAX_ROWS, prompt_kernel: bool = True
+    ) -> None:
         self.num_kv_splits = num_kv_splits  # None: chosen per batch size from the SM count
         self.split_max_rows = split_max_rows  # tests move it to run either kernel on any window
+        self.prompt_kernel = prompt_kernel  # off: prompt chunks take the paged extend kernel
 
     def prepare(self, ctx: "ForwardContext") -> None:
         if ctx.positions.device.type != "cuda" and not interpreting():
@@ -121,6 +135,11 @@ class TritonAttention(AttentionBackend):
         group = q.shape[1] // k_cache.shape[1]
         if not d and meta.max_extend * group <= self.split_max_rows:
             return self._split(q, k_cache, v_cache, rows, ctx, meta.tree_mask, meta.max_extend, scale, out)
+        if self._takes_prompt_kernel(q, k, k_cache, meta):
+            k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
+            return prompt_attention(
+                q, k, v, k_cache, v_cache, ctx.req_to_token, *rows, meta.max_extend, scale, prompt_config(q.device), out
+            )
         return extend_attention(
             q,
             k_cache,
@@ -132,6 +151,16 @@ class TritonAttention(AttentionBackend):
             scale,
             extend_config(q.shape[2], q.device),
             out,
+        )
+
+    def _takes_prompt_kernel(self, q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tensor, meta: _Meta) -> bool:
+        """Chunks read their own keys as computed, so the pool must hold them unchanged (same
+        dtype); tree masks stay with the extend kernel."""
+        return (
+            self.prompt_kernel
+            and meta.tree_mask is None
+            and k.dtype == k_cache.dtype
+            and prompt_kernel_fits(q.shape[2])
         )
 
     def _split(

@@ -88,8 +88,10 @@ def compare(
     ref_pool = setup.pool
     rows = max(extend) * setup.heads // setup.kv_heads
     # the default choice, then the other kernel where its tile stays small (split-K holds a
-    # request's whole window in one row tile)
-    variants = [SPLIT_MAX_ROWS, 0 if rows <= SPLIT_MAX_ROWS else 128]
+    # request's whole window in one row tile); prompt chunks by the prompt kernel and by the
+    # paged extend kernel
+    other = 0 if rows <= SPLIT_MAX_ROWS else 128
+    variants = [(SPLIT_MAX_ROWS, True), (other, True), (other, False)]
     ctx = setup.runner(ref_pool).make_context(mode, slots, prefix, extend, tree_mask=tree_mask)
     q, k, v = setup.qkv(sum(extend), q_dtype)
     scale = setup.head_dim**-0.5
@@ -99,15 +101,19 @@ def compare(
     # the store rounds like torch only without a cast (the interpreter rounds fp32 -> bf16
     # toward zero, torch to nearest)
     pool_tol = 0 if ref_pool.buffer.dtype == q_dtype else 1e-2
-    for split_max_rows in variants:
+    for split_max_rows, prompt_kernel in variants:
         pool = copy_pool(ref_pool)
         tctx = ctx.with_pool(pool)
-        backend = TritonAttention(num_kv_splits=splits, split_max_rows=split_max_rows)
+        backend = TritonAttention(num_kv_splits=splits, split_max_rows=split_max_rows, prompt_kernel=prompt_kernel)
         backend.prepare(tctx)
         got = backend.forward(q, k, v, 1, scale, tctx)
         assert got.dtype == q.dtype and got.shape == q.shape
         torch.testing.assert_close(
-            got.float(), want.float(), atol=atol, rtol=atol, msg=lambda m: f"split_max_rows={split_max_rows}: {m}"
+            got.float(),
+            want.float(),
+            atol=atol,
+            rtol=atol,
+            msg=lambda m: f"split_max_rows={split_max_rows} prompt_kernel={prompt_kernel}: {m}",
         )
         torch.testing.assert_close(pool.buffer, ref_pool.buffer, atol=pool_tol, rtol=pool_tol)
 
