@@ -16,7 +16,11 @@ the host is slow or busy: on an H200 host a 1,024-token prompt took 44 ms eagerl
 graph (bench/results/profile_prompt_h200.json), and a loaded prefill node's 1,024-token batches
 launched in 29-37 ms eagerly, 2.3 ms from graphs (bench/RESULTS.md, goodput). So buckets go on to
 2,048 tokens, a chunked prefill's whole budget, by default (`--cuda-graph-prompt-tokens`; every 256
-tokens past 512: a padded token costs what a real one does).
+tokens past 512: a padded token costs what a real one does). Below 512 they are finer where a
+bucket's step cost jumps: on an H200 a chunk over 2,000 cached tokens (the 8B shape, forward and
+logits, graphed) took 6.9 / 7.2 / 8.0 / 8.9 / 10.7 / 11.9 ms at 128 / 160 / 192 / 256 / 320 / 384
+tokens, so a follow-up turn of ~170 new tokens saves about 1 ms at 192 rather than 256. No 448:
+cuBLAS ran that shape at 17.0 ms, slower than 512's 14.7 (bench/gpu/prefill_breakdown.py).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from engine.core import ForwardMode
 from engine.forward_context import ForwardContext
 
 PROMPT_MODES = (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND)
-TOKEN_BUCKETS = (32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048)
+TOKEN_BUCKETS = (32, 64, 128, 160, 192, 256, 320, 384, 512, 768, 1024, 1280, 1536, 1792, 2048)
 ROW_BUCKETS = (1, 2, 4, 8)
 
 

@@ -91,7 +91,10 @@ def busy_fraction(trace_file: Path) -> tuple[float, float]:
 # Kernel kinds by name (lower case), first match wins: the engine's Triton kernels and the libraries'.
 KERNEL_KINDS = (
     ("all-reduce", ("nccl", "all_reduce", "allreduce")),
-    ("attention", ("_split_kernel", "_merge_kernel", "_extend_kernel", "_store_kv_kernel", "attn", "flash")),
+    (
+        "attention",
+        ("_split_kernel", "_merge_kernel", "_extend_kernel", "_prompt_kernel", "_store_kv_kernel", "attn", "flash"),
+    ),
     ("matmul", ("gemm", "gemv", "_skinny_kernel", "cutlass", "xmma", "sm90", "cublas", "matmul")),
 )
 

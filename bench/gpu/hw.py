@@ -28,6 +28,21 @@ def time_cuda(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
     return start.elapsed_time(end) / 1e3 / iters
 
 
+def graphed(fn: Callable[[], object]) -> Callable[[], object]:
+    """fn captured in a CUDA graph, for timing work of a few microseconds that the host's launches
+    would otherwise hide; fn itself where it cannot be captured (or without CUDA)."""
+    if not torch.cuda.is_available():
+        return fn
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph.replay
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return fn
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()

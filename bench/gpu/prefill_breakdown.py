@@ -19,7 +19,7 @@ import torch
 
 from bench.common import write_report
 from bench.gpu import step_perf
-from bench.gpu.hw import matmul_rate, sustained_matmul_rate, time_cuda
+from bench.gpu.hw import graphed, matmul_rate, sustained_matmul_rate, time_cuda
 from bench.gpu.llama8b import build_engine_model, shape_config
 from bench.gpu.profile_step import cuda_kernel_stats
 from bench.gpu.rig import Rig, decode_step_fn, make_rig, step_context
@@ -83,6 +83,18 @@ def gemm_rates(dev: torch.device, tokens: int, cfg: Any) -> dict[str, Any]:
     return out
 
 
+def suffix_times(rig: Rig, prefix: int, suffixes: list[int]) -> dict[str, float]:
+    """A chunk of n tokens over `prefix` cached ones (a follow-up turn), forward and last-token
+    logits replayed from a CUDA graph: what a prompt bucket of n tokens costs, n by n."""
+    out = {}
+    for n in suffixes:
+        ids, ctx = step_context(rig, ForwardMode.EXTEND, 1, prefix + n, n)
+        fn = decode_step_fn(rig, ids, ctx, logits_rows=slice(-1, None))
+        fn()
+        out[str(n)] = round(time_cuda(graphed(fn), iters=20) * 1e3, 3)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, default=Path("bench/results/prefill_breakdown.json"))
@@ -110,6 +122,8 @@ def main() -> int:
             entry["profile"] = breakdown(rig, tokens)
             report[key] = entry
             print(f"[{time.perf_counter() - t0:5.1f}s] {key}: {entry}", flush=True)
+    report["suffix_over_2000_ms"] = suffix_times(rig, 2000, [128, 160, 192, 224, 256, 320, 384, 448, 512])
+    print(report["suffix_over_2000_ms"], flush=True)
     write_report(args.out, report)
     return 0
 

@@ -1,17 +1,21 @@
 """Where a prompt batch's time goes on the 8B shape: wall time against GPU kernel time, and the
 host's hottest functions, for prompts of a few lengths (plain, and a follow-up over a cached prefix).
 
-`python -m bench.gpu.profile_prompt --out DIR [--prompt-graph-tokens 2048]` (GPU machine). One
-engine (Triton attention, overlap, CUDA graphs for decode and prompt graphs up to 512 tokens, or
-as many as given), warmed up; each case runs a
-one-token request five times for its wall time, once under torch.profiler for its kernels' busy
-time, and once under cProfile; every case runs with prompt graphs off (eager) and on.
+`python -m bench.gpu.profile_prompt --out DIR [--prompt-graph-tokens 2048] [--eagle] [--trace]`
+(GPU machine). One engine (Triton attention, overlap, CUDA graphs for decode and prompt graphs up
+to 512 tokens, or as many as given; with `--eagle`, the echo EAGLE head of the goodput bench),
+warmed up; each case runs a one-token request five times for its wall time, once under
+torch.profiler for its kernels' busy time, and once under cProfile; every case runs with prompt
+graphs off (eager) and on. `--trace` also writes the graphs variant's follow-up as a Chrome trace
+with Python stacks (follow_up_trace.json.gz) and its GPU's idle gaps with the host functions
+that ran in them (`gaps`; bench/gpu/trace_gaps.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gzip
 import io
 import json
 import pstats
@@ -86,12 +90,43 @@ def measure(eng: Engine, fn: Callable[[Engine], None]) -> dict[str, Any]:
     }
 
 
+def eagle_algorithm(flags: list[str]) -> Any:
+    """EAGLE with the default steps, bound the way a node binds it, from prepare_model's flags."""
+    from spec.config import SpecConfig
+    from spec.registry import bind
+
+    return bind(SpecConfig("EAGLE", flags[flags.index("--speculative-draft-model-path") + 1]))
+
+
+def trace_follow_up(eng: Engine, fn: Callable[[Engine], None], out: Path) -> dict[str, Any]:
+    """The follow-up once more (its history cached by the runs before) under a CPU + CUDA profile
+    with Python stacks: the trace, gzipped, and the GPU's idle gaps with what the host ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.gpu.trace_gaps import gaps_of_trace
+
+    fn(eng)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        fn(eng)
+        torch.cuda.synchronize()
+    raw = out / "follow_up_trace.json"
+    prof.export_chrome_trace(str(raw))
+    gaps = gaps_of_trace(json.loads(raw.read_text()))
+    with raw.open("rb") as src, gzip.open(out / "follow_up_trace.json.gz", "wb") as dst:
+        dst.write(src.read())
+    raw.unlink()
+    return gaps
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--prompt-graph-tokens", type=int, default=512, help="the engine's cuda_graph_prompt_tokens")
+    ap.add_argument("--eagle", action="store_true", help="EAGLE on (the goodput bench's echo head)")
+    ap.add_argument("--trace", action="store_true", help="a Chrome trace of the graphed follow-up, and its gaps")
     args = ap.parse_args()
-    model_dir, _ = prepare_model("llama8b", None, eagle=False)
+    model_dir, spec_flags = prepare_model("llama8b", None, eagle=args.eagle)
     config = EngineConfig(
         str(model_dir),
         device="cuda:0",
@@ -102,7 +137,7 @@ def main() -> int:
         max_total_tokens=65536,
         max_running=8,
     )
-    eng = Engine(config)
+    eng = Engine(config, algorithm=eagle_algorithm(spec_flags)) if spec_flags else Engine(config)
     graphs = eng.parts.runner.graphs
     assert graphs is not None and graphs.prompt_buckets is not None
     buckets = graphs.prompt_buckets
@@ -127,6 +162,10 @@ def main() -> int:
     }
     print(json.dumps(report["wall_ratio_graphs_vs_eager"], indent=1))
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.trace:
+        graphs.prompt_buckets = buckets
+        # the graphs variant's cases: their history is in the prefix cache
+        report["gaps"] = trace_follow_up(eng, todo["follow_up_200_over_2000"], args.out)
     (args.out / "profile_prompt.json").write_text(json.dumps(report, indent=1))
     print(
         "== graphs follow_up_200_over_2000 (tottime)\n" + graphed["follow_up_200_over_2000"]["cprofile_tottime"][:6000]

@@ -1,7 +1,8 @@
 """Prompt attention kernels side by side on the 8B shape (32 query heads, 8 kv heads, dim 128,
 bf16, causal): the paged extend kernel, the prompt kernel over contiguous own keys (a sweep of
 tile settings), and torch's SDPA backends. Each case's TFLOP/s counts causal FLOPs only, and its
-largest difference from torch's math attention is recorded.
+largest difference from torch's math attention is recorded. Calls are timed as CUDA graph
+replays (host launches would dominate the few-microsecond cases).
 
 `python -m bench.gpu.prompt_attention --out OUT/prompt_attention.json` (GPU machine).
 """
@@ -19,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
 
 from bench.common import write_report
-from bench.gpu.hw import time_cuda
+from bench.gpu.hw import graphed, time_cuda
 from engine.attention.triton_backend import extend_config
 from engine.attention.triton_kernels.extend import extend_attention
 from engine.attention.triton_kernels.prompt import PromptConfig, prompt_attention
@@ -147,7 +148,7 @@ class Case:
 def measure(case: Case, fn: Callable[[], torch.Tensor], ref: torch.Tensor) -> dict[str, Any]:
     try:
         out = fn().float()
-        secs = time_cuda(fn, iters=20)
+        secs = time_cuda(graphed(fn), iters=20)
     except Exception as e:  # noqa: BLE001 - a backend torch lacks is a finding, not a crash
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
     return {
@@ -186,6 +187,7 @@ def main() -> int:
         "four_fresh_1024": [(0, 1024)] * 4,
         "follow_up_200_over_2000": [(2000, 200)],
         "four_100_over_1000": [(1000, 100)] * 4,
+        "tail_16_over_2000": [(2000, 16)],
     }
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cases": {}}
     for name, shape in shapes.items():

@@ -28,14 +28,15 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 def test_buckets_fit_the_smallest_shape() -> None:
     b = PromptBuckets.up_to(300, 6)
-    assert b is not None and b.tokens == (32, 64, 128, 256) and b.rows == (1, 2, 4)
+    assert b is not None and b.tokens == (32, 64, 128, 160, 192, 256) and b.rows == (1, 2, 4)
     assert b.fit(1, 1) == (32, 1) and b.fit(33, 3) == (64, 4) and b.fit(256, 4) == (256, 4)
+    assert b.fit(170, 1) == (192, 1)  # a follow-up turn's suffix: finer steps below 512
     assert b.fit(257, 1) is None and b.fit(10, 5) is None and b.fit(0, 1) is None
-    assert b.shapes()[0] == (256, 4) and len(b.shapes()) == 12
+    assert b.shapes()[0] == (256, 4) and len(b.shapes()) == 18
     assert PromptBuckets.up_to(16, 8) is None and PromptBuckets.up_to(512, 0) is None
     # past 512 (a prefill node's long prompt batches) every 256 tokens, up to a 2,048-token budget
     wide = PromptBuckets.up_to(2048, 8)
-    assert wide is not None and wide.tokens[5:] == (512, 768, 1024, 1280, 1536, 1792, 2048)
+    assert wide is not None and wide.tokens[8:] == (512, 768, 1024, 1280, 1536, 1792, 2048)
     assert wide.fit(1500, 2) == (1536, 2) and wide.fit(2048, 8) == (2048, 8) and wide.fit(2049, 1) is None
     assert PromptBuckets.up_to(512, 8).tokens[-1] == 512  # the default stops where it did
 
