@@ -21,7 +21,7 @@ from bench.common import write_report
 from bench.gpu import step_perf
 from bench.gpu.hw import graphed, matmul_rate, sustained_matmul_rate, time_cuda
 from bench.gpu.llama8b import build_engine_model, shape_config
-from bench.gpu.profile_step import cuda_kernel_stats
+from bench.gpu.profile_step import profiled_kernels
 from bench.gpu.rig import Rig, decode_step_fn, make_rig, step_context
 from engine.core import ForwardMode
 
@@ -40,17 +40,10 @@ def kind(name: str) -> str:
 
 def breakdown(rig: Rig, tokens: int, steps: int = 3) -> dict[str, Any]:
     """One profiled prompt forward (+ last-token logits) split by kind of kernel, per forward."""
-    from torch.profiler import ProfilerActivity, profile
-
     ids, ctx = step_context(rig, ForwardMode.EXTEND, 1, tokens, tokens)
     fn = decode_step_fn(rig, ids, ctx, logits_rows=slice(-1, None))
     fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    per_name, busy, span = cuda_kernel_stats(prof, steps)
+    per_name, busy, span = profiled_kernels(fn, steps)
     by_kind: dict[str, float] = defaultdict(float)
     for name, (us, _) in per_name.items():
         by_kind[kind(name)] += us

@@ -54,7 +54,8 @@ def cuda_kernel_stats(prof: Any, steps: int) -> tuple[dict[str, list[float]], fl
     return dict(per_name), busy / steps, (spans[-1][1] - spans[0][0]) / steps
 
 
-def kernel_table(fn: Any, steps: int) -> dict[str, Any]:
+def profiled_kernels(fn: Any, steps: int) -> tuple[dict[str, list[float]], float, float]:
+    """`steps` calls of fn under the CUDA profiler: cuda_kernel_stats of them."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -62,7 +63,11 @@ def kernel_table(fn: Any, steps: int) -> dict[str, Any]:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
-    per_name, busy, span = cuda_kernel_stats(prof, steps)
+    return cuda_kernel_stats(prof, steps)
+
+
+def kernel_table(fn: Any, steps: int) -> dict[str, Any]:
+    per_name, busy, span = profiled_kernels(fn, steps)
     top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:25]
     return {
         "kernels_per_step": sum(c for _, c in per_name.values()),

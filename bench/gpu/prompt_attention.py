@@ -22,18 +22,19 @@ from torch.nn.functional import scaled_dot_product_attention
 from bench.common import write_report
 from bench.gpu.hw import graphed, time_cuda
 from engine.attention.triton_backend import extend_config
+from engine.attention.triton_kernels.common import TileConfig
 from engine.attention.triton_kernels.extend import extend_attention
-from engine.attention.triton_kernels.prompt import PromptConfig, prompt_attention
+from engine.attention.triton_kernels.prompt import prompt_attention
 
 HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16
 # tile settings tried on an H200 (bench/RESULTS.md); 64 x 64, 4 warps, 3 stages is the default
 SWEEP = [
-    PromptConfig(64, 64, 4, 3),
-    PromptConfig(64, 64, 4, 2),
-    PromptConfig(64, 32, 4, 3),
-    PromptConfig(128, 64, 8, 3),
-    PromptConfig(128, 128, 8, 3),
-    PromptConfig(128, 64, 4, 3),
+    TileConfig(64, 64, 4, 3),
+    TileConfig(64, 64, 4, 2),
+    TileConfig(64, 32, 4, 3),
+    TileConfig(128, 64, 8, 3),
+    TileConfig(128, 128, 8, 3),
+    TileConfig(128, 64, 4, 3),
 ]
 
 
@@ -98,7 +99,7 @@ class Case:
             self.out,
         )
 
-    def prompt(self, cfg: PromptConfig) -> torch.Tensor:
+    def prompt(self, cfg: TileConfig) -> torch.Tensor:
         return prompt_attention(
             self.q,
             self.k,

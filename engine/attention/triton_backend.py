@@ -21,11 +21,11 @@ import torch
 import triton
 
 from engine.attention.base import AttentionBackend, register_backend
-from engine.attention.triton_kernels.common import interpreting
+from engine.attention.triton_kernels.common import TileConfig, interpreting
 from engine.attention.triton_kernels.decode import SplitConfig, split_kv_attention
-from engine.attention.triton_kernels.extend import ExtendConfig, extend_attention
+from engine.attention.triton_kernels.extend import extend_attention
 from engine.attention.triton_kernels.kv_store import store_kv
-from engine.attention.triton_kernels.prompt import PromptConfig, prompt_attention, prompt_kernel_fits
+from engine.attention.triton_kernels.prompt import prompt_attention, prompt_kernel_fits
 
 if TYPE_CHECKING:
     from engine.forward_context import ForwardContext
@@ -70,21 +70,21 @@ def split_config(
     return SplitConfig(num_splits, block_m, block_n=64, num_warps=2 if block_m <= 32 else 4, num_stages=3)
 
 
-def extend_config(head_dim: int, device: torch.device) -> ExtendConfig:
+def extend_config(head_dim: int, device: torch.device) -> TileConfig:
     """Long windows: 128-row tiles for tensor-core throughput (4K prefill on an H200: ~325
     TFLOP/s causal, vs ~515 for torch's flash SDPA over contiguous K/V)."""
     if interpreting() or device.type != "cuda":
-        return ExtendConfig(block_m=16, block_n=16)
+        return TileConfig(block_m=16, block_n=16)
     warps = 8 if head_dim > 64 else 4
-    return ExtendConfig(block_m=128, block_n=128 if head_dim <= 128 else 64, num_warps=warps, num_stages=3)
+    return TileConfig(block_m=128, block_n=128 if head_dim <= 128 else 64, num_warps=warps, num_stages=3)
 
 
-def prompt_config(device: torch.device) -> PromptConfig:
+def prompt_config(device: torch.device) -> TileConfig:
     """Tiles of one query head's 64 tokens against 64 keys, the fastest of a sweep on an H200 for
     fresh prompts, batched prompts and chunks over a prefix (bench/gpu/prompt_attention.py)."""
     if interpreting() or device.type != "cuda":
-        return PromptConfig(block_m=16, block_n=16)
-    return PromptConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+        return TileConfig(block_m=16, block_n=16)
+    return TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
 
 
 class TritonAttention(AttentionBackend):

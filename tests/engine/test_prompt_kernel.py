@@ -14,8 +14,9 @@ import torch
 triton = pytest.importorskip("triton")
 
 from engine.attention import triton_backend  # noqa: E402
-from engine.attention.triton_kernels.extend import ExtendConfig, extend_attention  # noqa: E402
-from engine.attention.triton_kernels.prompt import PromptConfig, prompt_attention  # noqa: E402
+from engine.attention.triton_kernels.common import TileConfig  # noqa: E402
+from engine.attention.triton_kernels.extend import extend_attention  # noqa: E402
+from engine.attention.triton_kernels.prompt import prompt_attention  # noqa: E402
 from engine.core import SamplingParams  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -73,14 +74,14 @@ class Chunks:
             outs.append(torch.einsum("hts,shd->thd", s.masked_fill(~causal, float("-inf")).softmax(-1), v))
         return torch.cat(outs)
 
-    def prompt(self, cfg: PromptConfig, max_extend: int) -> torch.Tensor:
+    def prompt(self, cfg: TileConfig, max_extend: int) -> torch.Tensor:
         out = torch.empty_like(self.q)
         args = (self.k_cache, self.v_cache, self.table, *self.rows, max_extend, self.scale, cfg, out)
         return prompt_attention(self.q, self.k, self.v, *args)
 
     def extend(self, max_extend: int) -> torch.Tensor:
         out = torch.empty_like(self.q)
-        args = (self.table, *self.rows, max_extend, None, self.scale, ExtendConfig(16, 16), out)
+        args = (self.table, *self.rows, max_extend, None, self.scale, TileConfig(16, 16), out)
         return extend_attention(self.q, self.k_cache, self.v_cache, *args)
 
 
@@ -90,13 +91,13 @@ def test_chunks_over_prefixes_equal_fp32_attention_and_the_extend_kernel(dtype, 
     # fresh prompts, chunks after a prefix, a one-token chunk, ragged against the tile sizes
     chunks = Chunks([(0, 37), (20, 5), (0, 16), (33, 40), (9, 1)], heads, kv_heads, dtype)
     want = chunks.reference()
-    for cfg in (PromptConfig(16, 16), PromptConfig(32, 16)):
+    for cfg in (TileConfig(16, 16), TileConfig(32, 16)):
         for max_extend in (40, 64):  # the grid's bound may exceed the longest chunk (graphs pad it)
             got = chunks.prompt(cfg, max_extend)
             assert got.dtype == dtype
             torch.testing.assert_close(got.float(), want, atol=atol, rtol=atol)
     torch.testing.assert_close(
-        chunks.prompt(PromptConfig(16, 16), 40).float(), chunks.extend(40).float(), atol=atol, rtol=atol
+        chunks.prompt(TileConfig(16, 16), 40).float(), chunks.extend(40).float(), atol=atol, rtol=atol
     )
 
 
@@ -104,7 +105,7 @@ def test_a_head_dim_that_is_not_a_power_of_two_is_refused() -> None:
     chunks = Chunks([(0, 4)], 2, 2, torch.float32)
     q = torch.zeros(4, 2, 24, device=DEVICE)
     with pytest.raises(ValueError, match="power-of-two head dim"):
-        prompt_attention(q, q, q, q, q, chunks.table, *chunks.rows, 4, 1.0, PromptConfig(16, 16), q)
+        prompt_attention(q, q, q, q, q, chunks.table, *chunks.rows, 4, 1.0, TileConfig(16, 16), q)
 
 
 def _generate(model_dir, chunk: int, algorithm=None, prompts=PROMPTS, backend: str = "triton") -> list[list[int]]:

@@ -1,10 +1,21 @@
-"""Launch settings shared by the attention kernels (dot precision, interpreter workarounds)."""
+"""Launch settings shared by the attention kernels (tiles, dot precision, interpreter workarounds)."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """A flash kernel's query and key tile sizes and launch settings."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
 
 
 def interpreting() -> bool:

@@ -11,13 +11,11 @@ request's last W keys; keys before that window stay visible.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from engine.attention.triton_kernels.common import dot_in_fp32, dot_precision
+from engine.attention.triton_kernels.common import TileConfig, dot_in_fp32, dot_precision
 from engine.attention.triton_kernels.tile import attend_range
 
 
@@ -139,14 +137,6 @@ def _extend_kernel(
     )
 
 
-@dataclass(frozen=True)
-class ExtendConfig:
-    block_m: int
-    block_n: int
-    num_warps: int = 4
-    num_stages: int = 2
-
-
 def extend_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -159,7 +149,7 @@ def extend_attention(
     max_extend: int,
     tree_mask: torch.Tensor | None,
     scale: float,
-    cfg: ExtendConfig,
+    cfg: TileConfig,
     out: torch.Tensor,
 ) -> torch.Tensor:
     """q, out: (tokens, heads, dim) packed by request; tree_mask: (bs, >=max_extend, W) uint8.

@@ -12,13 +12,11 @@ memory once and from L2 by the group's other heads. Blocks are launched heaviest
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from engine.attention.triton_kernels.common import dot_in_fp32, dot_precision
+from engine.attention.triton_kernels.common import TileConfig, dot_in_fp32, dot_precision
 
 
 @triton.jit
@@ -139,14 +137,6 @@ def prompt_kernel_fits(head_dim: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-@dataclass(frozen=True)
-class PromptConfig:
-    block_m: int
-    block_n: int
-    num_warps: int = 4
-    num_stages: int = 2
-
-
 def prompt_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -160,7 +150,7 @@ def prompt_attention(
     qo_indptr: torch.Tensor,
     max_extend: int,
     scale: float,
-    cfg: PromptConfig,
+    cfg: TileConfig,
     out: torch.Tensor,
 ) -> torch.Tensor:
     """q, out: (tokens, heads, dim); k, v: (tokens, kv heads, dim), this forward's keys, packed by
