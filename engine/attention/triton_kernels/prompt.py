@@ -6,8 +6,9 @@ through the request table, so each tile is one strided block the compiler can pi
 a cached prefix (an earlier chunk, a prefix-cache hit) come from the paged pool and are visible
 to every row. Own-key tiles below the block's first query skip the mask; only the diagonal
 tiles mask. Query heads of one kv group are adjacent programs, so each K/V tile is read from
-memory once and from L2 by the group's other heads. Blocks are launched heaviest first
-(the last query blocks see the most keys), which shortens the tail of a long prompt.
+memory once and from L2 by the group's other heads; for a short chunk over a long prefix those
+re-reads bound the kernel (bench/RESULTS.md, prompt attention). Blocks are launched heaviest
+first (the last query blocks see the most keys), which shortens the tail of a long prompt.
 """
 
 from __future__ import annotations
