@@ -1,6 +1,7 @@
 """The router's CPU per request under paced, open-loop PD streams, by tokens per message.
 
-Run: `python -m bench.router_paced [--quick] [--rate R] [--seconds S] [--budget M] [--out PATH]`.
+Run: `python -m bench.router_paced [--quick] [--rate R] [--seconds S] [--budget M] [--event-loop L]
+[--out PATH]`.
 Instant fake prefill + decode nodes (`bench.router_nodes`) stream each request's tokens in messages
 of K tokens, 10 ms a token apart (a decode step's pace), so dozens of streams are open at once as in
 serving; the real router process fronts them on 127.0.0.1, its own pacing off
@@ -88,7 +89,7 @@ async def poisson(
 
 
 def measure_level(
-    model: Path, tmp: Path, per_message: int, rate: float, seconds: float, budget: float = 0.0
+    model: Path, tmp: Path, per_message: int, rate: float, seconds: float, budget: float = 0.0, loop: str = "auto"
 ) -> dict[str, Any]:
     """Nodes streaming `per_message` tokens a message and a router pacing them within `budget`
     messages a second (0: not at all), one Poisson run; both stopped."""
@@ -98,7 +99,7 @@ def measure_level(
     router = None
     try:
         router_args = ["--port", "0", "--prefill", f"{nodes.addrs['prefill']},9100", "--decode", nodes.addrs["decode"]]
-        router_args += ["--stream-messages-per-s", f"{budget:g}"]
+        router_args += ["--stream-messages-per-s", f"{budget:g}", "--event-loop", loop]
         router = Proc(["pdserve.cli", "router", *router_args], tmp / f"router{name}.log")
         url = f"http://{router.addrs['http']}/v1/completions"
         asyncio.run(poisson(url, rate, WARMUP, seed=1))
@@ -157,6 +158,7 @@ def run(
     seconds: float | None = None,
     per_message: tuple[int, ...] = (),
     budget: float = DEFAULT_ROUTER_STREAM_MESSAGES_PER_S,
+    loop: str = "auto",
 ) -> dict[str, Any]:
     from fixtures.tiny_model import write_tiny_model  # torch: this (client) process only
 
@@ -165,9 +167,11 @@ def run(
     env = {"cpu": _cpu_model(), "cores": _nproc(), "python": sys.version.split()[0], "loadavg_before": _loadavg()}
     with tempfile.TemporaryDirectory(prefix="pdserve-router-paced-") as tmp:
         model = write_tiny_model(Path(tmp) / "tiny", "LlamaForCausalLM", seed=0)
-        levels = [measure_level(model, Path(tmp), k, rate, seconds) for k in per_message or cfg["per_message"]]
+        levels = [
+            measure_level(model, Path(tmp), k, rate, seconds, loop=loop) for k in per_message or cfg["per_message"]
+        ]
         if budget > 0:  # nodes at a token a message, the router pacing them
-            levels.append(measure_level(model, Path(tmp), 1, rate, seconds, budget))
+            levels.append(measure_level(model, Path(tmp), 1, rate, seconds, budget, loop))
     env["loadavg_after"] = _loadavg()
     return {
         "benchmark": "router_paced",
@@ -176,6 +180,7 @@ def run(
         "prompt_tokens": PROMPT_TOKENS,
         "output_tokens": OUTPUT_TOKENS,
         "token_interval_ms": TOKEN_INTERVAL_MS,
+        "event_loop": loop,
         "env": env,
         "levels": levels,
         "fit": fit(levels),
@@ -220,10 +225,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=DEFAULT_ROUTER_STREAM_MESSAGES_PER_S,
         help="the paced level's router --stream-messages-per-s (0: no such level)",
     )
+    ap.add_argument("--event-loop", default="auto", help="the router's --event-loop (auto, uvloop or asyncio)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result file")
     args = ap.parse_args(argv)
     per_message = tuple(int(k) for k in args.per_message.split(",") if k.strip())
-    report = run(quick=args.quick, rate=args.rate, seconds=args.seconds, per_message=per_message, budget=args.budget)
+    report = run(args.quick, args.rate, args.seconds, per_message, args.budget, args.event_loop)
     print(format_table(report))
     write_report(args.out, report)
     return report

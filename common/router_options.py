@@ -106,6 +106,9 @@ class RouterOptions:
     breaker_cooldown: float = opt(
         DEFAULT_BREAKER_COOLDOWN, "Seconds an open breaker waits before letting one request probe the node."
     )
+    event_loop: str = opt(
+        "auto", "The router's event loop: auto (uvloop where installed, as the router extra does), uvloop or asyncio."
+    )
 
     @property
     def api_keys(self) -> frozenset[str]:

@@ -279,12 +279,10 @@ def register(app: typer.Typer) -> None:
     @with_options(options=RouterOptions, log=LogOptions)
     def router(options: RouterOptions, log: LogOptions) -> None:
         """The OpenAI-compatible router in front of prefill/decode (and colocated) nodes."""
-        import asyncio
-
-        from router.main import run_router
+        from router.main import serve_router
 
         _setup_logging(log)
         try:  # not _run: that one knows engine errors, and the router must not import the engine
-            asyncio.run(run_router(options))
+            serve_router(options)
         except (RuntimeError, ValueError, OSError) as e:
             fail(e)
