@@ -101,6 +101,12 @@ def test_chunks_over_prefixes_equal_fp32_attention_and_the_extend_kernel(dtype, 
     )
 
 
+def test_only_power_of_two_head_dims_up_to_128_fit() -> None:
+    from engine.attention.triton_kernels.prompt import prompt_kernel_fits
+
+    assert [d for d in (8, 16, 24, 64, 96, 128, 256) if prompt_kernel_fits(d)] == [16, 64, 128]
+
+
 def test_a_head_dim_that_is_not_a_power_of_two_is_refused() -> None:
     chunks = Chunks([(0, 4)], 2, 2, torch.float32)
     q = torch.zeros(4, 2, 24, device=DEVICE)

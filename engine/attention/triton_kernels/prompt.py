@@ -134,8 +134,10 @@ def _prompt_kernel(
 
 
 def prompt_kernel_fits(head_dim: int) -> bool:
-    """The kernel tiles the head dim whole (no masked lanes), so it must be a power of two."""
-    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    """The kernel tiles the head dim whole (no masked lanes), so it must be a power of two; its
+    tiles are sized for dims up to 128 (a 256-dim head's three stages of 64-key K/V tiles would
+    fill an H100's shared memory), so wider heads keep the extend kernel."""
+    return 16 <= head_dim <= 128 and head_dim & (head_dim - 1) == 0
 
 
 def prompt_attention(
@@ -161,7 +163,7 @@ def prompt_attention(
     num_heads, head_dim = q.shape[1], q.shape[2]
     if not prompt_kernel_fits(head_dim) or cfg.block_m % cfg.block_n or k_cache.stride() != v_cache.stride():
         raise ValueError(
-            f"prompt attention needs a power-of-two head dim ({head_dim}), block_n | block_m, one pool layout"
+            f"prompt attention needs a power-of-two head dim of 16-128 ({head_dim}), block_n | block_m, one pool layout"
         )
     grid = (num_heads, triton.cdiv(max_extend, cfg.block_m), seq_lens.shape[0])
     _prompt_kernel[grid](
