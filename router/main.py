@@ -7,6 +7,7 @@ import functools
 import gc
 import logging
 import signal
+from typing import Any, Callable, Coroutine
 
 import uvicorn
 from fastapi import FastAPI
@@ -35,20 +36,21 @@ EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 def serve_router(options: RouterOptions) -> None:
     """run_router on the event loop --event-loop names: uvloop (auto: where it is installed) runs
     the router's HTTP and gRPC legs with less CPU a request than asyncio's own loop."""
-    if options.event_loop not in EVENT_LOOPS:
-        raise ValueError(f"--event-loop {options.event_loop!r}: choose one of {', '.join(EVENT_LOOPS)}")
-    if options.event_loop != "asyncio":
-        try:
-            import uvloop
-        except ImportError:
-            if options.event_loop == "uvloop":
-                raise ValueError(
-                    "--event-loop uvloop: uvloop is not installed (pip install 'pdserve[router]')"
-                ) from None
-        else:
-            uvloop.run(run_router(options))
-            return
-    asyncio.run(run_router(options))
+    _loop_runner(options.event_loop)(run_router(options))
+
+
+def _loop_runner(choice: str) -> Callable[[Coroutine[Any, Any, None]], None]:
+    if choice not in EVENT_LOOPS:
+        raise ValueError(f"--event-loop {choice!r}: choose one of {', '.join(EVENT_LOOPS)}")
+    if choice == "asyncio":
+        return asyncio.run
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise ValueError("--event-loop uvloop: uvloop is not installed (pip install 'pdserve[router]')") from None
+        return asyncio.run
+    return uvloop.run
 
 
 async def run_router(options: RouterOptions) -> None:

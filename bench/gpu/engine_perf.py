@@ -99,6 +99,12 @@ KERNEL_KINDS = (
 )
 
 
+def kernel_kind(name: str) -> str:
+    """A kernel's kind by its name (KERNEL_KINDS, first match), else "other"."""
+    low = name.lower()
+    return next((k for k, parts in KERNEL_KINDS if any(p in low for p in parts)), "other")
+
+
 def kernel_us_by_kind(trace_file: Path, steps: int) -> dict[str, float]:
     """Device microseconds per step by kernel kind (KERNEL_KINDS, the rest as "other") in a Chrome
     trace: what a step's time is spent on, e.g. how much a tensor-parallel step waits in NCCL."""
@@ -107,8 +113,7 @@ def kernel_us_by_kind(trace_file: Path, steps: int) -> dict[str, float]:
     for e in events:
         if e.get("cat") != "kernel" or "dur" not in e:
             continue
-        name = str(e.get("name", "")).lower()
-        kind = next((k for k, parts in KERNEL_KINDS if any(p in name for p in parts)), "other")
+        kind = kernel_kind(str(e.get("name", "")))
         out[kind] = out.get(kind, 0.0) + e["dur"] / steps
     return out
 

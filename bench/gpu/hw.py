@@ -60,12 +60,19 @@ def matmul_rate(device: torch.device, n: int = 8192) -> float:
     return 2 * n**3 / secs
 
 
+def burst_and_held(fn: Callable[[], object], seconds: float = 1.0) -> tuple[float, float]:
+    """Seconds a call of fn over a 20-call burst, and over calls held for about `seconds`: a GPU
+    at its power limit clocks lower once the work is held (an H200 at 700 W: 1.47-1.6 GHz instead
+    of the burst's 1.98, bench/RESULTS.md)."""
+    burst = time_cuda(fn, iters=20)
+    return burst, time_cuda(fn, iters=max(20, int(seconds / burst)))
+
+
 def sustained_matmul_rate(device: torch.device, n: int = 8192, seconds: float = 1.0) -> float:
-    """The same matmul held for about `seconds`, as long as a benchmark's repeated prompts run:
-    an H200 at its 700 W limit then clocks 1.47-1.6 GHz instead of the burst's 1.98 (bench/RESULTS.md)."""
+    """The matmul rate's matmul held for about `seconds`, as long as a benchmark's repeated
+    prompts run."""
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     out = torch.empty(n, n, dtype=torch.bfloat16, device=device)
-    burst = time_cuda(lambda: torch.matmul(a, b, out=out), iters=20)
-    secs = time_cuda(lambda: torch.matmul(a, b, out=out), iters=max(20, int(seconds / burst)))
+    _, secs = burst_and_held(lambda: torch.matmul(a, b, out=out), seconds)
     return 2 * n**3 / secs

@@ -50,6 +50,12 @@ def section(report: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
     print(f"[{time.perf_counter() - t0:6.1f}s] {name}: {json.dumps(report[name], default=str)[:600]}", flush=True)
 
 
+def measured(report: dict[str, Any], key: str, default: float) -> float:
+    """A ceiling the run measured, or `default` where its section failed (an error entry)."""
+    value = report.get(key)
+    return float(value) if isinstance(value, (int, float)) else default
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tiny", action="store_true")
@@ -82,8 +88,8 @@ def main() -> int:
         section(report, "copy_bandwidth_tb_s", lambda: copy_bandwidth(dev) / 1e12)
         section(report, "matmul_tflops", lambda: matmul_rate(dev) / 1e12)
         section(report, "matmul_tflops_sustained_1s", lambda: sustained_matmul_rate(dev) / 1e12)
-    bw = report.get("copy_bandwidth_tb_s", 1.0) * 1e12 if dev.type == "cuda" else 1e11
-    mm = report.get("matmul_tflops", 1.0) * 1e12 if dev.type == "cuda" else 1e11
+    bw = measured(report, "copy_bandwidth_tb_s", 1.0) * 1e12 if dev.type == "cuda" else 1e11
+    mm = measured(report, "matmul_tflops", 1.0) * 1e12 if dev.type == "cuda" else 1e11
     prompt = list(range(100, 132))
     hf = build_hf(raw, dev) if not args.skip_hf else None
     if hf is not None:
@@ -102,7 +108,7 @@ def main() -> int:
     section(report, "decode_bs1", lambda: step_perf.decode_roofline(rig, cfg, bw, wbytes, 1, 1024))
     section(report, "decode_bs64_ctx1k", lambda: step_perf.decode_roofline(rig, cfg, bw, wbytes, 64, 1024))
     section(report, "verify_bs1_4drafts", lambda: step_perf.verify_vs_decode(rig, 1, 1024, 5))
-    held = report.get("matmul_tflops_sustained_1s", 0) * 1e12 if dev.type == "cuda" else None
+    held = measured(report, "matmul_tflops_sustained_1s", 0.0) * 1e12 if dev.type == "cuda" else None
     section(report, "prefill_4k", lambda: step_perf.prefill_rate(rig, cfg, mm, 4096, held_rate=held))
     section(report, "eager_vs_graph_bs1", lambda: step_perf.eager_vs_graph(rig, 1, 1024))
     report["rig_graph_counters"] = step_perf.graph_counters(rig)

@@ -3,8 +3,8 @@ attention kernel and with the paged extend kernel, in one process.
 
 `python -m bench.gpu.prefill_breakdown --out OUT/prefill_breakdown.json` (GPU machine). For each
 prompt length: the forward's time and fraction of the measured matmul rate (bench/gpu/step_perf.py's
-definition), then one profiled forward split into GEMMs, attention, the other kernels, and the
-GPU's idle time inside the forward's span.
+definition), then one profiled forward split by kind of kernel (bench/gpu/engine_perf.py's kinds), with the
+GPU's busy time and the forward's span.
 """
 
 from __future__ import annotations
@@ -19,23 +19,12 @@ import torch
 
 from bench.common import write_report
 from bench.gpu import step_perf
-from bench.gpu.hw import graphed, matmul_rate, sustained_matmul_rate, time_cuda
+from bench.gpu.engine_perf import kernel_kind
+from bench.gpu.hw import burst_and_held, graphed, matmul_rate, sustained_matmul_rate, time_cuda
 from bench.gpu.llama8b import build_engine_model, shape_config
 from bench.gpu.profile_step import profiled_kernels
 from bench.gpu.rig import Rig, decode_step_fn, make_rig, step_context
 from engine.core import ForwardMode
-
-ATTENTION = ("_extend_kernel", "_prompt_kernel", "flash", "fmha", "cudnn")
-GEMM = ("nvjet", "gemm", "cutlass", "sm90_xmma", "splitKreduce", "_gemv_kernel", "_skinny_kernel")
-
-
-def kind(name: str) -> str:
-    low = name.lower()
-    if any(a.lower() in low for a in ATTENTION):
-        return "attention"
-    if any(g.lower() in low for g in GEMM):
-        return "gemm"
-    return "other"
 
 
 def breakdown(rig: Rig, tokens: int, steps: int = 3) -> dict[str, Any]:
@@ -46,7 +35,7 @@ def breakdown(rig: Rig, tokens: int, steps: int = 3) -> dict[str, Any]:
     per_name, busy, span = profiled_kernels(fn, steps)
     by_kind: dict[str, float] = defaultdict(float)
     for name, (us, _) in per_name.items():
-        by_kind[kind(name)] += us
+        by_kind[kernel_kind(name)] += us
     top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:12]
     return {
         "ms_by_kind": {k: round(v / 1e3, 3) for k, v in by_kind.items()},
@@ -67,8 +56,7 @@ def gemm_rates(dev: torch.device, tokens: int, cfg: Any) -> dict[str, Any]:
         x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
         flop = 2 * tokens * n * k
-        burst = time_cuda(lambda: torch.nn.functional.linear(x, w), iters=20)
-        sustained = time_cuda(lambda: torch.nn.functional.linear(x, w), iters=max(20, int(1.0 / burst)))
+        burst, sustained = burst_and_held(lambda: torch.nn.functional.linear(x, w))
         out[name] = {
             "burst_tflops": round(flop / burst / 1e12, 1),
             "sustained_tflops": round(flop / sustained / 1e12, 1),
